@@ -1,0 +1,1 @@
+"""hivepipe: the node (CLI, volunteer worker, swarm launcher) and the shared floor (model, protocol)."""

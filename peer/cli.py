@@ -1,0 +1,72 @@
+"""`peer`: the single entry point. Each subcommand lives in its own module exposing
+`add_arguments(parser)` and `run(args) -> int`; heavy imports (torch, hivemind) stay inside `run`
+so that `peer plan` and `--help` start fast."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from peer.errors import UsageError
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "reference": ("peer.reference", "single-process training with the swarm's exact update rule"),
+    "plan": ("peer.plan_cmd", "lay out a cluster into pipeline stages (or score a plan)"),
+    "serve": ("peer.serve", "run a reliable parameter server (frontal or backward) for one stage"),
+    "join": ("peer.join", "join a run as a volunteer and pull tasks"),
+    "swarm": ("peer.swarm", "run a whole swarm (DHT, servers, volunteers) on this machine"),
+    "model-file": ("peer.model_file", "write the planner's model file for a model preset"),
+}
+
+
+def _available_commands():
+    for name, (module_name, help_text) in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name == module_name:
+                continue  # command not part of this build
+            raise
+        yield name, module, help_text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="peer", description="hivepipe peer: train large models on volunteered machines")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module, help_text in _available_commands():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logs")
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run, _parser=p)
+    return parser
+
+
+def setup_logging(verbosity: int) -> None:
+    level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("hivepipe").setLevel(level)
+    if verbosity < 2:  # hivemind is chatty at INFO
+        for name in ("hivemind", "hivemind.dht", "hivemind.p2p"):
+            logging.getLogger(name).setLevel(logging.WARNING if verbosity <= 0 else logging.INFO)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+    try:
+        return int(args._run(args) or 0)
+    except UsageError as e:
+        args._parser.print_usage(sys.stderr)
+        print(f"peer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
