@@ -1,0 +1,149 @@
+"""The run's layout: which servers hold which stage and role, which layers each stage owns, and the
+row arithmetic of section 3.2.1 (even segmentation of a micro-batch between p senders and q
+receivers, and a split of rows in proportion to compute power). Pure Python: no torch, no network."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    index: int
+    layers: tuple[int, int]
+    frontal: tuple[str, ...]
+    backward: tuple[str, ...]
+    clients: tuple[str, ...] = ()
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """All servers of the stage in shard order: frontal first, then backward."""
+        return self.frontal + self.backward
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    stages: tuple[StageLayout, ...]
+    idle: tuple[str, ...] = field(default=())
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def locate(self, device_id: str) -> tuple[int, str, int]:
+        """(stage, role, index within that role) of a server device id."""
+        for st in self.stages:
+            if device_id in st.frontal:
+                return st.index, "frontal", st.frontal.index(device_id)
+            if device_id in st.backward:
+                return st.index, "backward", st.backward.index(device_id)
+        raise ValueError(f"device {device_id!r} is not a server of this layout")
+
+    def stage_of_client(self, device_id: str) -> int | None:
+        for st in self.stages:
+            if device_id in st.clients:
+                return st.index
+        return None
+
+    def to_dict(self) -> dict:
+        return {
+            "stages": [
+                {"layers": list(s.layers), "frontal": list(s.frontal), "backward": list(s.backward), "clients": list(s.clients)}
+                for s in self.stages
+            ],
+            "idle": list(self.idle),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, num_layers: int) -> "RunLayout":
+        """From a plan file's dict (shared/spec/cost-model.md); checks the tiling of the layers."""
+        if not isinstance(data, dict) or not isinstance(data.get("stages"), list) or not data["stages"]:
+            raise ValueError("plan.stages: expected a non-empty list")
+        stages = []
+        expected_lo = 0
+        seen: set[str] = set()
+        for k, s in enumerate(data["stages"]):
+            where = f"plan.stages[{k}]"
+            if not isinstance(s, dict):
+                raise ValueError(f"{where}: expected an object")
+            layers = s.get("layers")
+            if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(v, int) for v in layers)):
+                raise ValueError(f"{where}.layers: expected [lo, hi]")
+            if layers[0] != expected_lo or layers[1] <= layers[0]:
+                raise ValueError(f"{where}.layers: {layers} does not continue the tiling at {expected_lo}")
+            expected_lo = layers[1]
+            roles = {}
+            for role in ("frontal", "backward", "clients"):
+                ids = s.get(role, [] if role == "clients" else None)
+                if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                    raise ValueError(f"{where}.{role}: expected a list of device ids")
+                if role != "clients" and not ids:
+                    raise ValueError(f"{where}.{role}: a stage needs at least one {role} server")
+                for i in ids:
+                    if i in seen:
+                        raise ValueError(f"{where}.{role}: device {i!r} appears twice in the plan")
+                    seen.add(i)
+                roles[role] = tuple(ids)
+            stages.append(StageLayout(k, (layers[0], layers[1]), roles["frontal"], roles["backward"], roles["clients"]))
+        if expected_lo != num_layers:
+            raise ValueError(f"plan.stages: layers end at {expected_lo}, the model has {num_layers}")
+        idle = data.get("idle", [])
+        return cls(tuple(stages), tuple(idle))
+
+    @classmethod
+    def even(cls, num_stages: int, num_layers: int, frontal_per_stage: int = 1, backward_per_stage: int = 1) -> "RunLayout":
+        """The default layout: layers split evenly, servers named s{k}f{i} and s{k}b{i}."""
+        if not 1 <= num_stages <= num_layers:
+            raise ValueError(f"--stages must be between 1 and the model's {num_layers} layers, got {num_stages}")
+        if frontal_per_stage < 1 or backward_per_stage < 1:
+            raise ValueError("every stage needs at least one frontal and one backward server")
+        stages = []
+        for k in range(num_stages):
+            lo, hi = segment(num_layers, num_stages, k)
+            stages.append(
+                StageLayout(
+                    k,
+                    (lo, hi),
+                    tuple(f"s{k}f{i}" for i in range(frontal_per_stage)),
+                    tuple(f"s{k}b{i}" for i in range(backward_per_stage)),
+                )
+            )
+        return cls(tuple(stages))
+
+
+def segment(n: int, parts: int, i: int) -> tuple[int, int]:
+    """The i-th of `parts` even, contiguous pieces of range(n): [i*n//parts, (i+1)*n//parts)."""
+    return i * n // parts, (i + 1) * n // parts
+
+
+def owners(n: int, parts: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """Which of `parts` even segments of range(n) cover rows [lo, hi): (segment index, lo, hi) pieces."""
+    out = []
+    for i in range(parts):
+        s_lo, s_hi = segment(n, parts, i)
+        a, b = max(lo, s_lo), min(hi, s_hi)
+        if a < b:
+            out.append((i, a, b))
+    return out
+
+
+def split_by_weights(lo: int, hi: int, weights: list[float]) -> list[tuple[int, int]]:
+    """Rows [lo, hi) cut into len(weights) contiguous pieces proportional to the weights (largest
+    remainder rounding); empty pieces are dropped, so fewer pieces come back when rows are scarce."""
+    n = hi - lo
+    if n <= 0:
+        return []
+    w = [max(float(x), 0.0) for x in weights] or [1.0]
+    total = sum(w)
+    if total <= 0:
+        w, total = [1.0] * len(w), float(len(w))
+    exact = [n * x / total for x in w]
+    counts = [int(e) for e in exact]
+    order = sorted(range(len(w)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[: n - sum(counts)]:
+        counts[i] += 1
+    pieces, at = [], lo
+    for c in counts:
+        if c > 0:
+            pieces.append((at, at + c))
+            at += c
+    return pieces

@@ -1,0 +1,563 @@
+"""A reliable parameter server of one stage: frontal (FS) or backward (BS), following "One training
+step" of DESIGN.md and section 3.2 of the design paper.
+
+- FS: holds the stage's inputs (stage 0 builds batch t from (seed, t); stage k>0 receives them from
+  the BS of stage k-1), splits its rows into forward tasks by its clients' compute power, serves the
+  inputs again for recomputation, and relays input gradients to the BS of stage k-1.
+- BS: receives the forward outputs, keeps the ledger (client, rows), sends each complete micro-batch
+  to the FS of stage k+1 (evenly segmented), turns output gradients into backward tasks that prefer
+  the client of the forward pass.
+- Both: own a shard of the stage's master parameters and AdamW state (ShardState), credit gradient
+  pushes exactly once, step under the delayed update, serve parameter versions.
+
+Every handler checks its payload (shape, dtype, finite values, known ids, registered sender) and
+answers anything else with an error that says what is wrong, changing nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable
+
+import torch
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
+
+from parameter_server.layout import RunLayout, owners, segment, split_by_weights
+from parameter_server.shard import ShardState, version_for_batch
+from peer.protocol.links import LinkEmulator
+from peer.protocol.wire import PayloadError, RemoteError, check_tensor, field as mfield, pack, rows_field, unpack
+from taskpool import Completion, Task, TaskPool, TaskPoolError
+
+logger = logging.getLogger("hivepipe.server")
+
+RPC_NAMES = ("register", "take", "complete", "fail", "get_params", "push_grads", "push_inputs", "get_inputs",
+             "push_input_grads", "push_outputs", "push_output_grads", "ping", "status")
+
+
+@dataclass
+class ClientInfo:
+    device: str
+    compute: float
+    last_seen: float
+    tasks_done: int = 0
+
+
+@dataclass
+class RowBuffer:
+    """Rows [lo, hi) of one micro-batch held by this server, filled piece by piece."""
+    lo: int
+    hi: int
+    data: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    covered: list = field(default_factory=list)  # (a, b) pieces received
+
+    def rows_covered(self) -> int:
+        return sum(b - a for a, b in self.covered)
+
+    @property
+    def complete(self) -> bool:
+        return self.rows_covered() == self.hi - self.lo
+
+    def add(self, a: int, b: int, data: torch.Tensor, labels: torch.Tensor | None) -> bool:
+        """Store rows [a, b); False if exactly these rows are already here (a duplicate)."""
+        for x, y in self.covered:
+            if x < b and a < y:
+                if (x, y) == (a, b):
+                    return False
+                raise PayloadError(f"rows [{a}, {b}) overlap rows [{x}, {y}) already received")
+        if self.data is None:
+            self.data = torch.zeros((self.hi - self.lo,) + tuple(data.shape[1:]), dtype=data.dtype)
+            if labels is not None:
+                self.labels = torch.zeros((self.hi - self.lo,) + tuple(labels.shape[1:]), dtype=labels.dtype)
+        self.data[a - self.lo : b - self.lo] = data
+        if labels is not None and self.labels is not None:
+            self.labels[a - self.lo : b - self.lo] = labels
+        self.covered.append((a, b))
+        return True
+
+    def has(self, a: int, b: int) -> bool:
+        need = b - a
+        got = sum(max(0, min(b, y) - max(a, x)) for x, y in self.covered)
+        return got == need
+
+    def slice(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        d = self.data[a - self.lo : b - self.lo].clone()
+        lab = None if self.labels is None else self.labels[a - self.lo : b - self.lo].clone()
+        return d, lab
+
+
+@dataclass
+class LedgerEntry:
+    client: str
+    rows: tuple[int, int]
+    frontal: str  # the FS holding this piece's inputs
+    forward_task: str
+    backward_task: str | None = None
+
+
+class StageServer(ServicerBase):
+    def __init__(self, *, run, layout: RunLayout, cfg, device_id: str, peer_id: str, stage_params: dict,
+                 corpus=None, links: LinkEmulator | None = None, clock: Callable[[], float] = time.monotonic,
+                 task_timeout: float = 60.0, client_timeout: float = 5.0, preference_grace: float = 0.5,
+                 connector: Callable[[str], object] | None = None, requeue: bool = True):
+        self.run = run
+        self.layout = layout
+        self.cfg = cfg
+        self.device_id = device_id
+        self.peer_id = peer_id
+        self.stage, self.role, self.index = layout.locate(device_id)
+        self.st = layout.stages[self.stage]
+        self.last = self.stage == layout.num_stages - 1
+        self.corpus = corpus
+        self.links = links or LinkEmulator()
+        self.clock = clock
+        self.client_timeout = client_timeout
+        self.connector = connector
+        self.requeue = requeue
+        self.rows = run.batch_size // run.micro_batches  # rows per micro-batch
+        self.seq = cfg.seq_len
+        self.hidden = cfg.hidden
+        # my segment of each micro-batch's rows, among this stage's servers of my role
+        self.seg = segment(self.rows, len(self.st.frontal if self.role == "frontal" else self.st.backward), self.index)
+        from parameter_server.shard import assign_shards
+
+        shards = assign_shards({n: t.numel() for n, t in stage_params.items()}, len(self.st.servers))
+        my = shards[self.st.servers.index(device_id)]
+        self.shard = ShardState({n: stage_params[n] for n in my}, lr=run.lr, rows_per_micro=self.rows,
+                                micro_batches=run.micro_batches, steps=run.steps)
+        self.pool = TaskPool(clock=clock, default_timeout=task_timeout, max_leases_per_client=1,
+                             preference_grace=preference_grace)
+        self.clients: dict[str, ClientInfo] = {}
+        self.issued: set[str] = set()  # every task id this server created
+        self.buffers: dict[tuple[int, int], RowBuffer] = {}  # FS: inputs; BS: outputs
+        self.grad_buffers: dict[tuple[int, int], RowBuffer] = {}  # BS: output grads; FS: relayed input grads
+        self.ledger: dict[tuple[int, int], list[LedgerEntry]] = {}
+        self.next_batch = 0  # stage-0 FS: the next batch to build
+        self.counters = {"payload_errors": 0, "relay_duplicates": 0, "output_duplicates": 0}
+        self.background: set[asyncio.Task] = set()
+        self.step_event = asyncio.Event()
+        self.on_step: list[Callable[[int], Awaitable[None] | None]] = []
+
+    # ------------------------------------------------------------------------------------------
+    # transport glue: every rpc_* is a stream handler wrapping `handle`
+    async def _serve(self, method: str, requests: AsyncIterator[ExpertRequest], context: P2PContext):
+        try:
+            meta, tensors = await unpack(requests)
+        except PayloadError as e:
+            rmeta, rtensors = {"error": str(e)}, []
+        else:
+            rmeta, rtensors = await self.handle(method, meta, tensors, str(context.remote_id))
+        out = pack(rmeta, rtensors, ExpertResponse)
+        await self.links.send(self._device_of(str(context.remote_id)), sum(m.ByteSize() for m in out))
+        for message in out:
+            yield message
+
+    async def handle(self, method: str, meta: dict, tensors: list, sender: str) -> tuple[dict, list]:
+        """Run one request; any PayloadError/TaskPoolError becomes an error answer that changes nothing."""
+        handler = getattr(self, f"on_{method}")
+        try:
+            result = await handler(meta, tensors, sender)
+        except (PayloadError, TaskPoolError) as e:
+            self.counters["payload_errors"] += 1
+            logger.info("%s rejected %s from %s: %s", self.device_id, method, sender[-8:], e)
+            return {"error": str(e)}, []
+        except Exception as e:  # a bug: answer, log, keep serving
+            logger.exception("%s failed on %s", self.device_id, method)
+            return {"error": f"internal error: {type(e).__name__}: {e}"}, []
+        return result if isinstance(result, tuple) else (result, [])
+
+    def _device_of(self, peer: str) -> str | None:
+        c = self.clients.get(peer)
+        if c is not None:
+            return c.device
+        return self.directory_reverse().get(peer)
+
+    def directory_reverse(self) -> dict:
+        return getattr(self, "_directory_reverse", {})
+
+    def set_directory(self, device_to_peer: dict[str, str]) -> None:
+        self._directory = dict(device_to_peer)
+        self._directory_reverse = {p: d for d, p in device_to_peer.items()}
+
+    # ------------------------------------------------------------------------------------------
+    # checks shared by handlers
+    def _client(self, sender: str) -> ClientInfo:
+        c = self.clients.get(sender)
+        if c is None:
+            raise PayloadError(f"sender {sender[-8:]} is not registered for stage {self.stage}")
+        c.last_seen = self.clock()
+        return c
+
+    def _server_sender(self, sender: str, stage: int, role: str) -> str:
+        dev = self.directory_reverse().get(sender)
+        st = self.layout.stages[stage]
+        if dev is None or dev not in (st.frontal if role == "frontal" else st.backward):
+            raise PayloadError(f"sender {sender[-8:]} is not a {role} server of stage {stage}")
+        return dev
+
+    def _batch_micro(self, meta: dict) -> tuple[int, int]:
+        t = mfield(meta, "batch", int)
+        m = mfield(meta, "micro", int)
+        if not 0 <= t < self.run.steps:
+            raise PayloadError(f"batch {t} outside the run's 0..{self.run.steps - 1}")
+        if not 0 <= m < self.run.micro_batches:
+            raise PayloadError(f"micro-batch {m} outside 0..{self.run.micro_batches - 1}")
+        if t < self.shard.version:
+            raise PayloadError(f"batch {t} is already applied (version {self.shard.version})")
+        return t, m
+
+    def _activation_check(self, x: torch.Tensor, n: int, name: str, tokens: bool) -> None:
+        if tokens:
+            check_tensor(x, name, (n, self.seq), torch.int64)
+            if n and (int(x.min()) < 0 or int(x.max()) >= self.cfg.vocab_size):
+                raise PayloadError(f"{name}: token ids outside [0, {self.cfg.vocab_size})")
+        else:
+            check_tensor(x, name, (n, self.seq, self.hidden), torch.float32)
+
+    def _labels_check(self, y: torch.Tensor, n: int) -> None:
+        self._activation_check(y, n, "labels", tokens=True)
+
+    # ------------------------------------------------------------------------------------------
+    # membership
+    async def on_register(self, meta, tensors, sender):
+        device = mfield(meta, "device", str)
+        compute = mfield(meta, "compute", float)
+        if compute <= 0:
+            raise PayloadError("field 'compute' must be positive")
+        stage = mfield(meta, "stage", int)
+        if stage != self.stage:
+            raise PayloadError(f"this server serves stage {self.stage}, not {stage}")
+        new = sender not in self.clients
+        info = self.clients.setdefault(sender, ClientInfo(device, compute, self.clock()))
+        info.compute, info.device, info.last_seen = compute, device, self.clock()
+        if new:
+            logger.info("%s: client %s (%s) registered, compute %.3g", self.device_id, sender[-8:], device, compute)
+            self.pool.set_client_speed(sender, compute)
+        return {"ok": True, "version": self.shard.version}
+
+    def drop_stale_clients(self) -> list[str]:
+        now = self.clock()
+        gone = [p for p, c in self.clients.items() if now - c.last_seen > self.client_timeout and p != self.peer_id]
+        for p in gone:
+            del self.clients[p]
+            if self.requeue:
+                n = len(self.pool.client_left(p))
+            else:
+                n = 0
+                for lease in self.pool.leases_of(p):
+                    self.pool.abandon(lease.task.task_id)
+            logger.info("%s: client %s left; %s %d tasks", self.device_id, p[-8:],
+                        "re-queued" if self.requeue else "dropped", n)
+        return gone
+
+    # ------------------------------------------------------------------------------------------
+    # tasks
+    async def on_take(self, meta, tensors, sender):
+        self._client(sender)
+        while True:
+            lease = self.pool.take(sender)
+            if lease is None:
+                return {"task": None, "version": self.shard.version}
+            task = lease.task
+            if task.batch < self.shard.version:  # already applied: nothing left to do with it
+                self.pool.abandon(task.task_id)
+                continue
+            break
+        t, m, (a, b) = task.batch, task.micro_batch, task.rows
+        common = {"task": task.task_id, "kind": task.kind, "batch": t, "micro": m, "rows": [a, b],
+                  "stage": self.stage, "version": version_for_batch(t), "deadline": lease.deadline - self.clock()}
+        if task.kind == "forward":
+            x, y = self.buffers[(t, m)].slice(a, b)
+            return dict(common, frontal=self.device_id), [x, y]
+        entry: LedgerEntry = task.payload_ref
+        g, _ = self.grad_buffers[(t, m)].slice(a, b)
+        return dict(common, frontal=entry.frontal, forward_task=entry.forward_task), [g]
+
+    def _known_task(self, meta) -> str:
+        task_id = mfield(meta, "task", str)
+        if task_id not in self.issued:
+            raise PayloadError(f"unknown task id {task_id!r}")
+        return task_id
+
+    def _add_task(self, task: Task) -> None:
+        self.pool.add(task)
+        self.issued.add(task.task_id)
+
+    async def on_complete(self, meta, tensors, sender):
+        c = self._client(sender)
+        task_id = self._known_task(meta)
+        result = self.pool.complete(task_id, sender)
+        if result is Completion.ACCEPTED:
+            c.tasks_done += 1
+        return {"result": result.value}
+
+    async def on_fail(self, meta, tensors, sender):
+        self._client(sender)
+        task_id = self._known_task(meta)
+        self.pool.fail(task_id, sender)
+        return {"ok": True}
+
+    # ------------------------------------------------------------------------------------------
+    # parameters and gradients
+    async def on_get_params(self, meta, tensors, sender):
+        version = mfield(meta, "version", int)
+        if version > self.shard.version:
+            return {"retry": True, "version": self.shard.version}
+        snap = self.shard.params_at(version)
+        if snap is None:
+            raise PayloadError(f"version {version} is no longer held (current {self.shard.version})")
+        return {"names": self.shard.names, "version": version}, [snap[n] for n in self.shard.names]
+
+    async def on_push_grads(self, meta, tensors, sender):
+        if sender != self.peer_id:
+            self._client(sender)
+        task_id = mfield(meta, "task", str)
+        t, m = mfield(meta, "batch", int), mfield(meta, "micro", int)
+        rows = rows_field(meta, "rows", self.rows)
+        loss = mfield(meta, "loss_sum", float, optional=True)
+        if self.last and loss is None:
+            raise PayloadError("the last stage's gradient pushes must carry 'loss_sum'")
+        result = self.shard.credit(task_id=task_id, batch=t, micro=m, rows=rows, grads=tensors, loss_sum=loss)
+        if result == "credited":
+            self._maybe_step()
+        return {"result": result}
+
+    def _maybe_step(self) -> None:
+        stepped = False
+        while self.shard.ready_to_step():
+            v = self.shard.step()
+            stepped = True
+            logger.info("%s: applied batch %d -> version %d", self.device_id, v - 1, v)
+            self._forget_before(v)
+            for cb in self.on_step:
+                r = cb(v)
+                if asyncio.iscoroutine(r):
+                    self._spawn(r)
+        if stepped:
+            self.step_event.set()
+            self.step_event = asyncio.Event()
+            self.maybe_start_batches()
+
+    def _forget_before(self, version: int) -> None:
+        """Batches < version are applied everywhere on this server: drop their rows and tasks."""
+        for store in (self.buffers, self.grad_buffers, self.ledger):
+            for key in [k for k in store if k[0] < version]:
+                del store[key]
+
+    # ------------------------------------------------------------------------------------------
+    # frontal server: inputs, tasks, relay of input gradients
+    def maybe_start_batches(self) -> None:
+        """Stage 0's FS builds batch t once the parameters it needs (version t-1) exist here, which
+        bounds the micro-batches in flight to two batches."""
+        if self.role != "frontal" or self.stage != 0:
+            return
+        from peer.model.data import make_batch
+
+        while self.next_batch < self.run.steps and self.shard.version >= version_for_batch(self.next_batch) \
+                and self.next_batch <= self.shard.version + 1:
+            t = self.next_batch
+            inputs, labels = make_batch(self.corpus, self.run.seed, t, self.run.batch_size, self.seq)
+            lo, hi = self.seg
+            for m in range(self.run.micro_batches):
+                base = m * self.rows
+                buf = RowBuffer(lo, hi)
+                buf.add(lo, hi, inputs[base + lo : base + hi], labels[base + lo : base + hi])
+                self.buffers[(t, m)] = buf
+                self._make_forward_tasks(t, m)
+            self.next_batch += 1
+
+    def _make_forward_tasks(self, t: int, m: int) -> None:
+        lo, hi = self.seg
+        clients = sorted(self.clients.items(), key=lambda kv: kv[0])
+        weights = [c.compute for _, c in clients] or [1.0]
+        pieces = split_by_weights(lo, hi, weights)
+        for i, (a, b) in enumerate(pieces):
+            preferred = clients[i][0] if clients else None
+            self._add_task(Task(task_id=f"F{t}.{m}.{self.stage}.{a}-{b}", kind="forward", batch=t, micro_batch=m,
+                               stage=self.stage, rows=(a, b), preferred_client=preferred))
+
+    async def on_push_inputs(self, meta, tensors, sender):
+        if self.role != "frontal" or self.stage == 0:
+            raise PayloadError("push_inputs goes to a frontal server of a stage > 0")
+        self._server_sender(sender, self.stage - 1, "backward")
+        t, m = self._batch_micro(meta)
+        a, b = rows_field(meta, "rows", self.rows)
+        lo, hi = self.seg
+        if not (lo <= a and b <= hi):
+            raise PayloadError(f"rows [{a}, {b}) outside this server's segment [{lo}, {hi})")
+        if len(tensors) != 2:
+            raise PayloadError("push_inputs expects [hidden, labels]")
+        self._activation_check(tensors[0], b - a, "hidden", tokens=False)
+        self._labels_check(tensors[1], b - a)
+        buf = self.buffers.setdefault((t, m), RowBuffer(lo, hi))
+        if not buf.add(a, b, tensors[0], tensors[1]):
+            self.counters["relay_duplicates"] += 1
+            return {"result": "duplicate"}
+        if buf.complete:
+            self._make_forward_tasks(t, m)
+        return {"result": "accepted"}
+
+    async def on_get_inputs(self, meta, tensors, sender):
+        self._client(sender)
+        if self.role != "frontal":
+            raise PayloadError("get_inputs goes to a frontal server")
+        t, m = self._batch_micro(meta)
+        a, b = rows_field(meta, "rows", self.rows)
+        buf = self.buffers.get((t, m))
+        if buf is None or not buf.has(a, b):
+            raise PayloadError(f"rows [{a}, {b}) of batch {t} micro-batch {m} are not held here")
+        x, _ = buf.slice(a, b)
+        return {"ok": True}, [x]
+
+    async def on_push_input_grads(self, meta, tensors, sender):
+        """A client's input gradient for rows of this FS: kept, and relayed to stage k-1's BS until
+        it is taken. Workers send it before their gradient shards, so once this stage has applied
+        batch t, every input gradient of t is held here."""
+        self._client(sender)
+        if self.role != "frontal" or self.stage == 0:
+            raise PayloadError("push_input_grads goes to a frontal server of a stage > 0")
+        t, m = self._batch_micro(meta)
+        a, b = rows_field(meta, "rows", self.rows)
+        task_id = mfield(meta, "task", str)
+        lo, hi = self.seg
+        if not (lo <= a and b <= hi):
+            raise PayloadError(f"rows [{a}, {b}) outside this server's segment [{lo}, {hi})")
+        if len(tensors) != 1:
+            raise PayloadError("push_input_grads expects one tensor")
+        self._activation_check(tensors[0], b - a, "input gradient", tokens=False)
+        buf = self.grad_buffers.setdefault((t, m), RowBuffer(lo, hi))
+        fresh = buf.add(a, b, tensors[0], None)
+        if fresh:
+            prev = self.layout.stages[self.stage - 1]
+            for j, x, y in owners(self.rows, len(prev.backward), a, b):
+                self._spawn(self._deliver(prev.backward[j], "push_output_grads",
+                                          {"batch": t, "micro": m, "rows": [x, y]}, [tensors[0][x - a : y - a]]))
+        else:
+            self.counters["relay_duplicates"] += 1
+        return {"result": "accepted" if fresh else "duplicate", "task": task_id}
+
+    # ------------------------------------------------------------------------------------------
+    # backward server: outputs, ledger, backward tasks
+    async def on_push_outputs(self, meta, tensors, sender):
+        self._client(sender)
+        if self.role != "backward" or self.last:
+            raise PayloadError("push_outputs goes to a backward server of a stage that is not the last")
+        t, m = self._batch_micro(meta)
+        a, b = rows_field(meta, "rows", self.rows)
+        task_id = mfield(meta, "task", str)
+        frontal = mfield(meta, "frontal", str)
+        if frontal not in self.st.frontal:
+            raise PayloadError(f"{frontal!r} is not a frontal server of stage {self.stage}")
+        lo, hi = self.seg
+        if not (lo <= a and b <= hi):
+            raise PayloadError(f"rows [{a}, {b}) outside this server's segment [{lo}, {hi})")
+        if len(tensors) != 2:
+            raise PayloadError("push_outputs expects [hidden, labels]")
+        self._activation_check(tensors[0], b - a, "hidden", tokens=False)
+        self._labels_check(tensors[1], b - a)
+        buf = self.buffers.setdefault((t, m), RowBuffer(lo, hi))
+        if not buf.add(a, b, tensors[0], tensors[1]):
+            self.counters["output_duplicates"] += 1
+            return {"result": "duplicate"}
+        self.ledger.setdefault((t, m), []).append(LedgerEntry(sender, (a, b), frontal, task_id))
+        if buf.complete:
+            nxt = self.layout.stages[self.stage + 1]
+            for j, x, y in owners(self.rows, len(nxt.frontal), lo, hi):
+                d, lab = buf.slice(x, y)
+                self._spawn(self._deliver(nxt.frontal[j], "push_inputs", {"batch": t, "micro": m, "rows": [x, y]}, [d, lab]))
+        return {"result": "accepted"}
+
+    async def on_push_output_grads(self, meta, tensors, sender):
+        if self.role != "backward" or self.last:
+            raise PayloadError("push_output_grads goes to a backward server of a stage that is not the last")
+        self._server_sender(sender, self.stage + 1, "frontal")
+        t, m = self._batch_micro(meta)
+        a, b = rows_field(meta, "rows", self.rows)
+        lo, hi = self.seg
+        if not (lo <= a and b <= hi):
+            raise PayloadError(f"rows [{a}, {b}) outside this server's segment [{lo}, {hi})")
+        if len(tensors) != 1:
+            raise PayloadError("push_output_grads expects one tensor")
+        self._activation_check(tensors[0], b - a, "output gradient", tokens=False)
+        buf = self.grad_buffers.setdefault((t, m), RowBuffer(lo, hi))
+        if not buf.add(a, b, tensors[0], None):
+            self.counters["relay_duplicates"] += 1
+            return {"result": "duplicate"}
+        for entry in self.ledger.get((t, m), []):
+            if entry.backward_task is None and buf.has(*entry.rows):
+                x, y = entry.rows
+                entry.backward_task = f"B{t}.{m}.{self.stage}.{x}-{y}"
+                self._add_task(Task(task_id=entry.backward_task, kind="backward", batch=t, micro_batch=m,
+                                   stage=self.stage, rows=(x, y), preferred_client=entry.client, payload_ref=entry))
+        return {"result": "accepted"}
+
+    # ------------------------------------------------------------------------------------------
+    # probing and status
+    async def on_ping(self, meta, tensors, sender):
+        """Round-trip and throughput probe: echoes nothing back but a tiny answer."""
+        return {"ok": True, "received": sum(t.numel() * t.element_size() for t in tensors), "stage": self.stage}
+
+    async def on_status(self, meta, tensors, sender):
+        return self.status(recent=None)
+
+    def status(self, recent: int | None = 8) -> dict:
+        """Counters for the DHT record and the launcher; `losses` maps batch -> summed token loss (the
+        `recent` last batches, or all of them)."""
+        pool = self.pool.stats()
+        losses = sorted(self.shard.losses.items())
+        return {
+            "device": self.device_id, "stage": self.stage, "role": self.role, "version": self.shard.version,
+            "losses": {str(k): v for k, v in (losses if recent is None else losses[-recent:])},
+            "microbatches_applied": self.shard.microbatches_applied,
+            "duplicates": self.shard.duplicates + pool.get("duplicates", 0) + self.counters["relay_duplicates"]
+            + self.counters["output_duplicates"],
+            "requeued": pool.get("requeued", 0), "pool": pool, "counters": dict(self.counters),
+            "clients": {p: {"device": c.device, "compute": c.compute, "tasks_done": c.tasks_done}
+                        for p, c in self.clients.items()},
+        }
+
+    # ------------------------------------------------------------------------------------------
+    # deliveries to other servers, retried until they are taken
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _deliver(self, device: str, method: str, meta: dict, tensors: list, attempts: int = 600) -> None:
+        delay = 0.05
+        for _ in range(attempts):
+            link = self.connector(device) if self.connector else None
+            if link is not None:
+                try:
+                    await link.call(method, meta, tensors, timeout=30.0)
+                    return
+                except RemoteError as e:
+                    if "already applied" in str(e):
+                        return
+                    logger.debug("%s: %s to %s refused: %s", self.device_id, method, device, e)
+                except Exception as e:
+                    logger.debug("%s: %s to %s failed: %r", self.device_id, method, device, e)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        logger.warning("%s: gave up delivering %s to %s", self.device_id, method, device)
+
+    def maintenance(self) -> None:
+        """Periodic: re-queue expired leases, forget silent clients."""
+        self.pool.expire(self.clock())
+        self.drop_stale_clients()
+
+
+def _make_rpc(name: str):
+    async def rpc(self, requests: AsyncIterator[ExpertRequest], context: P2PContext) -> AsyncIterator[ExpertResponse]:
+        async for message in self._serve(name, requests, context):
+            yield message
+
+    rpc.__name__ = rpc.__qualname__ = f"rpc_{name}"
+    return rpc
+
+
+for _name in RPC_NAMES:
+    setattr(StageServer, f"rpc_{_name}", _make_rpc(_name))

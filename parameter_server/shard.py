@@ -1,0 +1,179 @@
+"""One server's shard of a stage's fp32 master parameters and its AdamW state, with the ledger of
+which gradient contributions have been credited.
+
+Exactly-once: a gradient contribution is identified by the task that produced it and the rows it
+covers. Each server credits a task at most once (later pushes of the same task are duplicates and are
+dropped, counted); it steps batch t once the credited rows of every micro-batch of t tile the whole
+micro-batch. Since a task's gradient is a pure function of (parameters version, rows), whichever
+client's copy arrives first is the right one, and no cross-server agreement is needed.
+
+Delayed parameter update: batch t is computed on version v(t) = max(t - 1, 0) (the updates of
+batches 0..t-2), and update t is applied when version == t, producing version t + 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from peer.model.optim import make_optimizer
+from peer.protocol.wire import PayloadError
+
+
+def version_for_batch(t: int) -> int:
+    """The parameters version batch t is computed on under the delayed update."""
+    return max(t - 1, 0)
+
+
+def assign_shards(sizes: dict[str, int], n_servers: int) -> list[list[str]]:
+    """Split parameter names among servers, balanced by element count (greedy, largest first,
+    deterministic). Every client and server computes the same assignment."""
+    loads = [0] * n_servers
+    out: list[list[str]] = [[] for _ in range(n_servers)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        j = min(range(n_servers), key=lambda i: (loads[i], i))
+        out[j].append(name)
+        loads[j] += sizes[name]
+    return [sorted(names) for names in out]
+
+
+@dataclass
+class BatchCredit:
+    rows_per_micro: int
+    micro_batches: int
+    task_ids: set = field(default_factory=set)
+    intervals: dict = field(default_factory=dict)  # micro -> list[(lo, hi)]
+    rows_done: dict = field(default_factory=dict)  # micro -> int
+    loss_sum: float = 0.0
+    grads: dict | None = None
+
+    def complete(self) -> bool:
+        return len(self.rows_done) == self.micro_batches and all(
+            v == self.rows_per_micro for v in self.rows_done.values()
+        )
+
+
+class ShardState:
+    def __init__(self, params: dict[str, torch.Tensor], *, lr: float, rows_per_micro: int, micro_batches: int,
+                 steps: int, keep_versions: int = 2):
+        self.names = sorted(params)
+        self.params = {n: torch.nn.Parameter(params[n].detach().clone().float()) for n in self.names}
+        self.optimizer = make_optimizer([self.params[n] for n in self.names], lr)
+        self.rows_per_micro = rows_per_micro
+        self.micro_batches = micro_batches
+        self.steps = steps
+        self.version = 0
+        self.keep_versions = keep_versions
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
+        self.batches: dict[int, BatchCredit] = {}
+        self.losses: dict[int, float] = {}
+        self.duplicates = 0
+        self.microbatches_applied = 0
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.params.items()}
+
+    def shapes(self) -> dict[str, tuple]:
+        return {n: tuple(p.shape) for n, p in self.params.items()}
+
+    def params_at(self, version: int) -> dict[str, torch.Tensor] | None:
+        return self.snapshots.get(version)
+
+    def credit(self, *, task_id: str, batch: int, micro: int, rows: tuple[int, int], grads: list[torch.Tensor],
+               loss_sum: float | None = None) -> str:
+        """Add one task's gradient shard. Returns "credited" or "duplicate"; raises PayloadError
+        (changing nothing) for anything that does not fit."""
+        if not 0 <= batch < self.steps:
+            raise PayloadError(f"batch {batch} outside the run's 0..{self.steps - 1}")
+        if batch < self.version:
+            # its update is already applied: every row of it was credited
+            self.duplicates += 1
+            return "duplicate"
+        if batch > self.version + 1:
+            raise PayloadError(f"batch {batch} is ahead of the parameters (version {self.version})")
+        if not 0 <= micro < self.micro_batches:
+            raise PayloadError(f"micro-batch {micro} outside 0..{self.micro_batches - 1}")
+        lo, hi = rows
+        if not 0 <= lo < hi <= self.rows_per_micro:
+            raise PayloadError(f"rows [{lo}, {hi}) outside the micro-batch's {self.rows_per_micro} rows")
+        if len(grads) != len(self.names):
+            raise PayloadError(f"expected {len(self.names)} gradient tensors for this shard, got {len(grads)}")
+        for name, g in zip(self.names, grads):
+            p = self.params[name]
+            if tuple(g.shape) != tuple(p.shape):
+                raise PayloadError(f"gradient {name}: expected shape {tuple(p.shape)}, got {tuple(g.shape)}")
+            if g.dtype != torch.float32:
+                raise PayloadError(f"gradient {name}: expected dtype torch.float32, got {g.dtype}")
+            if not bool(torch.isfinite(g).all()):
+                raise PayloadError(f"gradient {name}: contains NaN or infinite values")
+        if loss_sum is not None and not (loss_sum == loss_sum and abs(loss_sum) != float("inf")):
+            raise PayloadError("loss_sum must be finite")
+        bc = self.batches.get(batch)
+        if bc is None:
+            bc = self.batches[batch] = BatchCredit(self.rows_per_micro, self.micro_batches)
+        if task_id in bc.task_ids:
+            self.duplicates += 1
+            return "duplicate"
+        spans = bc.intervals.get(micro, [])
+        for a, b in spans:
+            if a < hi and lo < b:
+                if (a, b) == (lo, hi):  # same rows under another task id: the same work done twice
+                    self.duplicates += 1
+                    return "duplicate"
+                raise PayloadError(f"rows [{lo}, {hi}) of micro-batch {micro} overlap credited rows [{a}, {b})")
+        # accepted: mutate
+        bc.task_ids.add(task_id)
+        bc.intervals.setdefault(micro, []).append((lo, hi))
+        bc.rows_done[micro] = bc.rows_done.get(micro, 0) + (hi - lo)
+        if loss_sum is not None:
+            bc.loss_sum += float(loss_sum)
+        if bc.grads is None:
+            bc.grads = {n: g.clone() for n, g in zip(self.names, grads)}
+        else:
+            for n, g in zip(self.names, grads):
+                bc.grads[n].add_(g)
+        return "credited"
+
+    def ready_to_step(self) -> bool:
+        bc = self.batches.get(self.version)
+        return self.version < self.steps and bc is not None and bc.complete()
+
+    def step(self) -> int:
+        """Apply the update of batch `version`; returns the new version."""
+        t = self.version
+        bc = self.batches.pop(t)
+        for n, p in self.params.items():
+            p.grad = bc.grads[n]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version = t + 1
+        self.losses[t] = bc.loss_sum
+        self.microbatches_applied += self.micro_batches
+        self.snapshots[self.version] = self._snapshot()
+        for v in [v for v in self.snapshots if v <= self.version - self.keep_versions]:
+            del self.snapshots[v]
+        return self.version
+
+    # checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "version": self.version,
+            "params": {n: p.detach().clone() for n, p in self.params.items()},
+            "optimizer": self.optimizer.state_dict(),
+            "snapshots": self.snapshots,
+            "losses": dict(self.losses),
+            "microbatches_applied": self.microbatches_applied,
+            "duplicates": self.duplicates,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(state["params"][n])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        self.snapshots = {int(v): s for v, s in state["snapshots"].items()}
+        self.losses = {int(k): float(v) for k, v in state["losses"].items()}
+        self.microbatches_applied = int(state["microbatches_applied"])
+        self.duplicates = int(state["duplicates"])
+        self.batches = {}

@@ -1,0 +1,132 @@
+"""What every process of a run shares: its DHT node and P2P replica, links to servers (over P2P,
+or in-process for a server's own worker through the very same checks), and the server directory
+read from the DHT."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from hivemind.dht import DHT
+from hivemind.p2p import PeerID
+from hivemind.proto.runtime_pb2 import ExpertRequest
+
+from peer.protocol import records
+from peer.protocol.links import LinkEmulator
+from peer.protocol.wire import RemoteError, pack, unpack
+
+logger = logging.getLogger("hivepipe.node")
+
+
+def start_dht(initial_peers=(), *, identity_path: str | None = None, client_mode: bool = False,
+              host: str = "127.0.0.1", port: int = 0) -> DHT:
+    kwargs = dict(initial_peers=list(initial_peers) or None, start=True, client_mode=client_mode,
+                  await_ready=True)
+    if not client_mode:
+        kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
+    if identity_path:
+        kwargs["identity_path"] = identity_path
+    return DHT(**kwargs)
+
+
+def visible_maddrs(dht: DHT) -> list[str]:
+    return [str(m) for m in dht.get_visible_maddrs()]
+
+
+class P2PLink:
+    """A server seen over hivemind P2P."""
+
+    def __init__(self, p2p, peer_id: str, device: str, servicer_cls, links: LinkEmulator | None = None,
+                 meter: dict | None = None):
+        self.peer_id = peer_id
+        self.device = device
+        self._stub = servicer_cls.get_stub(p2p, PeerID.from_base58(peer_id))
+        self.links = links or LinkEmulator()
+        self.meter = meter if meter is not None else {}
+
+    async def call(self, method: str, meta: dict, tensors=(), timeout: float = 30.0):
+        messages = pack(meta, list(tensors), ExpertRequest)
+        nbytes = sum(m.ByteSize() for m in messages)
+        self.meter["bytes_sent"] = self.meter.get("bytes_sent", 0) + nbytes
+        self.meter["calls"] = self.meter.get("calls", 0) + 1
+        await self.links.send(self.device, nbytes)
+
+        async def stream():
+            for m in messages:
+                yield m
+
+        async def roundtrip():
+            responses = await getattr(self._stub, f"rpc_{method}")(stream())
+            return await unpack(responses)
+
+        meta_r, tensors_r = await asyncio.wait_for(roundtrip(), timeout)
+        if "error" in meta_r:
+            raise RemoteError(f"{self.device}.{method}: {meta_r['error']}")
+        return meta_r, tensors_r
+
+
+class LocalLink:
+    """The server in this very process: same handler, same checks, no network."""
+
+    def __init__(self, server, sender: str):
+        self.server = server
+        self.peer_id = sender
+        self.device = server.device_id
+        self.sender = sender
+
+    async def call(self, method: str, meta: dict, tensors=(), timeout: float = 30.0):
+        meta_r, tensors_r = await self.server.handle(method, dict(meta), [t.detach().clone() for t in tensors], self.sender)
+        if "error" in meta_r:
+            raise RemoteError(f"{self.device}.{method}: {meta_r['error']}")
+        return meta_r, tensors_r
+
+
+class Directory:
+    """device id -> peer id of the run's servers, refreshed from the stage records."""
+
+    def __init__(self, dht: DHT, run_id: str, num_stages: int):
+        self.dht = dht
+        self.run_id = run_id
+        self.num_stages = num_stages
+        self.servers: dict[str, str] = {}
+        self.records: dict[str, dict] = {}  # peer id -> record (servers and clients)
+
+    async def refresh(self) -> dict[str, str]:
+        servers, recs = {}, {}
+        for k in range(self.num_stages):
+            for peer, rec, problem in await records.read_stage(self.dht, self.run_id, k):
+                if rec is None:
+                    logger.debug("ignoring a malformed record under stage %d: %s", k, problem)
+                    continue
+                recs[peer] = rec
+                if rec["kind"] == "server" and rec["state"] != "offline":
+                    servers[rec["device"]] = peer
+        self.servers, self.records = servers, recs
+        return servers
+
+    async def wait_for(self, devices, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            await self.refresh()
+            missing = [d for d in devices if d not in self.servers]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"servers not found in the DHT: {missing}")
+            await asyncio.sleep(0.3)
+
+
+def watch_parent(parent_pid: int | None) -> None:
+    """Exit when the process that started us is gone (so a killed launcher leaves no orphans)."""
+    if not parent_pid:
+        return
+    import threading
+
+    def loop():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)
+            time.sleep(1.0)
+
+    threading.Thread(target=loop, daemon=True).start()

@@ -1,0 +1,142 @@
+"""What crosses the wire between peers: msgpack metadata plus tensors in hivemind's
+serialization, always as a stream of protobuf messages so that payloads above the 4 MiB unary cap
+travel in chunks.
+
+Every RPC of the project is a stream-in, stream-out hivemind handler (ServicerBase `rpc_*`).
+The first message carries the msgpack metadata; tensors follow as hivemind `Tensor` parts
+(split by `split_for_streaming`). An answer whose metadata holds `"error"` is a refusal: the caller
+raises `RemoteError` with the server's message.
+"""
+from __future__ import annotations
+
+import math
+from typing import AsyncIterator, Iterable, Sequence
+
+import msgpack
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+CHUNK_BYTES = 1 << 20  # tensor parts of 1 MiB: far under the 4 MiB unary cap
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
+
+
+class PayloadError(ValueError):
+    """A request that does not fit what the handler expects (shape, dtype, NaN, unknown id, size...)."""
+
+
+class RemoteError(RuntimeError):
+    """The remote peer refused the call; the message is the remote's explanation."""
+
+
+def encode_meta(meta: dict) -> bytes:
+    return msgpack.packb(meta, use_bin_type=True)
+
+
+def decode_meta(raw: bytes) -> dict:
+    if not raw:
+        return {}
+    try:
+        meta = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise PayloadError(f"metadata is not valid msgpack: {e}") from None
+    if not isinstance(meta, dict):
+        raise PayloadError(f"metadata must be a map, got {type(meta).__name__}")
+    return meta
+
+
+def pack(meta: dict, tensors: Sequence[torch.Tensor], message_type) -> list:
+    """Metadata and tensors as a list of `message_type` (ExpertRequest or ExpertResponse) messages."""
+    parts: list = []
+    for t in tensors:
+        parts.extend(split_for_streaming(serialize_torch_tensor(t.detach().cpu().contiguous()), CHUNK_BYTES))
+    meta = dict(meta, n_tensors=len(tensors))
+    messages = [message_type(metadata=encode_meta(meta))]
+    batch: list = []
+    size = 0
+    for part in parts:
+        batch.append(part)
+        size += len(part.buffer)
+        if size >= CHUNK_BYTES:
+            messages.append(message_type(tensors=batch))
+            batch, size = [], 0
+    if batch:
+        messages.append(message_type(tensors=batch))
+    return messages
+
+
+def payload_bytes(messages: Iterable) -> int:
+    return sum(m.ByteSize() for m in messages)
+
+
+async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[dict, list[torch.Tensor]]:
+    """Read a whole message stream back into (metadata, tensors). Refuses more than `max_bytes`."""
+    meta = None
+    groups: list[list] = []
+    total = 0
+    async for message in stream:
+        total += message.ByteSize()
+        if total > max_bytes:
+            raise PayloadError(f"payload exceeds {max_bytes} bytes")
+        if meta is None:
+            meta = decode_meta(message.metadata)
+        for part in message.tensors:
+            if part.dtype:  # first chunk of a new tensor
+                groups.append([part])
+            elif groups:
+                groups[-1].append(part)
+            else:
+                raise PayloadError("tensor chunk without a header")
+    if meta is None:
+        raise PayloadError("empty request")
+    try:
+        tensors = [deserialize_torch_tensor(combine_from_streaming(g)) for g in groups]
+    except Exception as e:
+        raise PayloadError(f"tensor does not deserialize: {e}") from None
+    declared = meta.pop("n_tensors", len(tensors))
+    if declared != len(tensors):
+        raise PayloadError(f"metadata declares {declared} tensors, {len(tensors)} arrived")
+    return meta, tensors
+
+
+def check_tensor(t: torch.Tensor, name: str, shape: Sequence[int], dtype: torch.dtype, finite: bool = True) -> None:
+    """Raise PayloadError naming `name` if `t` is not exactly the expected tensor."""
+    if tuple(t.shape) != tuple(shape):
+        raise PayloadError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise PayloadError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise PayloadError(f"{name}: contains NaN or infinite values")
+
+
+def field(meta: dict, key: str, kind, *, optional: bool = False):
+    """Fetch and type-check one metadata field, or raise PayloadError naming it."""
+    if key not in meta:
+        if optional:
+            return None
+        raise PayloadError(f"missing field {key!r}")
+    value = meta[key]
+    if kind is int and isinstance(value, bool):
+        raise PayloadError(f"field {key!r} must be int, got bool")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind):
+        raise PayloadError(f"field {key!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    if kind is float and not math.isfinite(value):
+        raise PayloadError(f"field {key!r} must be finite")
+    return value
+
+
+def rows_field(meta: dict, key: str, limit: int) -> tuple[int, int]:
+    value = field(meta, key, list)
+    if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise PayloadError(f"field {key!r} must be [lo, hi] integers")
+    lo, hi = value
+    if not 0 <= lo < hi <= limit:
+        raise PayloadError(f"field {key!r}: rows [{lo}, {hi}) outside [0, {limit})")
+    return lo, hi
+
+
+RequestMessage = runtime_pb2.ExpertRequest
+ResponseMessage = runtime_pb2.ExpertResponse

@@ -1,0 +1,225 @@
+"""`peer serve --reliable`: one parameter server (frontal or backward) of one stage."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+
+from peer.errors import UsageError
+from peer.runtime import add_common_arguments, check_common, run_until_signalled
+
+logger = logging.getLogger("hivepipe.serve")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--reliable", action="store_true", required=True, help="this host is a committed server")
+    where = p.add_argument_group("which server (either --stage/--role or --plan/--device-id)")
+    where.add_argument("--stage", type=int, default=None)
+    where.add_argument("--role", choices=["frontal", "backward"], default=None)
+    where.add_argument("--index", type=int, default=0, help="index among the stage's servers of that role")
+    where.add_argument("--stages", type=int, default=2, help="number of stages (without --plan)")
+    where.add_argument("--frontal-per-stage", type=int, default=1)
+    where.add_argument("--backward-per-stage", type=int, default=1)
+    where.add_argument("--plan", default=None, metavar="PLAN.json", help="a plan from `peer plan`")
+    where.add_argument("--device-id", default=None, help="this host's id in --plan")
+    train = p.add_argument_group("training (every server of a run must agree)")
+    train.add_argument("--model", default="small")
+    train.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--steps", type=int, default=50)
+    train.add_argument("--batch-size", type=int, default=16)
+    train.add_argument("--micro-batches", type=int, default=4)
+    train.add_argument("--lr", type=float, default=3e-3)
+    net = p.add_argument_group("network and process")
+    net.add_argument("--host-maddrs", nargs="*", default=None, help="default: /ip4/127.0.0.1/tcp/0")
+    net.add_argument("--identity-path", default=None, help="a persistent libp2p key (same peer id after restarts)")
+    net.add_argument("--checkpoint-dir", default=None, help="save the shard here after every step; resume from it")
+    net.add_argument("--announce-period", type=float, default=1.0, help="seconds between DHT announcements")
+    net.add_argument("--task-timeout", type=float, default=60.0, help="seconds before an unanswered task is re-queued")
+    net.add_argument("--client-timeout", type=float, default=5.0, help="seconds of silence before a client is dropped")
+    net.add_argument("--no-compute", action="store_true", help="do not run a local worker beside the services")
+    net.add_argument("--no-requeue", action="store_true", help="drop a departed client's work (SWARM-like; benchmarks only)")
+    add_common_arguments(p)
+
+
+def resolve(args):
+    """Validate the arguments into (model config, layout, device id, run config); UsageError on any problem."""
+    from parameter_server.layout import RunLayout
+    from peer.model.config import check_micro_batches, get_preset
+    from peer.protocol.records import RunConfig
+
+    try:
+        cfg = get_preset(args.model)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
+        check_micro_batches(args.batch_size, args.micro_batches)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if args.lr <= 0:
+        raise UsageError(f"--lr must be positive, got {args.lr}")
+    if args.plan:
+        if not args.device_id:
+            raise UsageError("--plan needs --device-id")
+        try:
+            with open(args.plan) as f:
+                layout = RunLayout.from_dict(json.load(f), cfg.layers)
+        except (OSError, json.JSONDecodeError, ValueError) as e:
+            raise UsageError(f"--plan {args.plan}: {e}") from None
+        device = args.device_id
+    else:
+        if args.stage is None or args.role is None:
+            raise UsageError("give --stage and --role (or --plan and --device-id)")
+        try:
+            layout = RunLayout.even(args.stages, cfg.layers, args.frontal_per_stage, args.backward_per_stage)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if not 0 <= args.stage < args.stages:
+            raise UsageError(f"--stage {args.stage} outside 0..{args.stages - 1}")
+        st = layout.stages[args.stage]
+        names = st.frontal if args.role == "frontal" else st.backward
+        if not 0 <= args.index < len(names):
+            raise UsageError(f"--index {args.index} outside 0..{len(names) - 1} for role {args.role}")
+        device = names[args.index]
+    try:
+        layout.locate(device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    rows = args.batch_size // args.micro_batches
+    for st in layout.stages:
+        if max(len(st.frontal), len(st.backward)) > rows:
+            raise UsageError(f"stage {st.index} has more servers of one role than the {rows} rows of a micro-batch")
+    run = RunConfig(run_id=args.run_id, model=args.model, seed=args.seed, steps=args.steps, batch_size=args.batch_size,
+                    micro_batches=args.micro_batches, lr=args.lr, layout=layout.to_dict(),
+                    announce_period=args.announce_period)
+    return cfg, layout, device, run
+
+
+def run(args) -> int:
+    check_common(args)
+    cfg, layout, device, run_cfg = resolve(args)
+    stage, role, _ = layout.locate(device)
+    corpus = None
+    if stage == 0 and role == "frontal":
+        from peer.model.data import load_corpus
+
+        try:
+            corpus = load_corpus(args.data, seq_len=cfg.seq_len)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    from peer.node import watch_parent
+
+    watch_parent(args.parent_pid)
+    return run_until_signalled(lambda stop: serve_main(args, cfg, layout, device, run_cfg, corpus, stop))
+
+
+async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.Event) -> int:
+    import torch
+
+    from parameter_server.checkpoint import load_checkpoint, save_checkpoint
+    from parameter_server.server import StageServer
+    from peer.model.transformer import init_state
+    from peer.node import Directory, LocalLink, P2PLink, start_dht, visible_maddrs
+    from peer.protocol import records
+    from peer.protocol.links import LinkEmulator
+    from peer.worker import StageWorker
+
+    torch.set_num_threads(1)
+    stage, role, _ = layout.locate(device)
+    st = layout.stages[stage]
+    dht = start_dht(args.initial_peers, identity_path=args.identity_path)
+    p2p = await dht.replicate_p2p()
+    peer_id = str(dht.peer_id)
+    links = LinkEmulator.from_file(args.link_profile, device, args.link_scale)
+    slowdown = args.slowdown or links.compute_slowdown()
+    link_cache: dict[tuple[str, str], P2PLink] = {}
+    directory = Directory(dht, run_cfg.run_id, layout.num_stages)
+
+    def connector(dev: str):
+        peer = directory.servers.get(dev)
+        if peer is None:
+            return None
+        if peer == peer_id:
+            return LocalLink(server, peer_id)
+        key = (dev, peer)
+        if key not in link_cache:
+            link_cache[key] = P2PLink(p2p, peer, dev, StageServer, links)
+        return link_cache[key]
+
+    server = StageServer(run=run_cfg, layout=layout, cfg=cfg, device_id=device, peer_id=peer_id,
+                         stage_params=init_state(cfg, *st.layers, run_cfg.seed), corpus=corpus, links=links,
+                         task_timeout=args.task_timeout, client_timeout=args.client_timeout, connector=connector,
+                         requeue=not args.no_requeue)
+    if args.checkpoint_dir:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        if load_checkpoint(server, args.checkpoint_dir):
+            logger.warning("%s resumed from %s at version %d", device, args.checkpoint_dir, server.shard.version)
+        server.on_step.append(lambda v: save_checkpoint(server, args.checkpoint_dir))
+    await server.add_p2p_handlers(p2p)
+    maddrs = visible_maddrs(dht)
+    period = run_cfg.announce_period
+
+    def record(state: str) -> dict:
+        s = server.status()
+        return {"kind": "server", "device": device, "role": role, "stage": stage, "state": state,
+                "version": server.shard.version, "maddrs": maddrs, "pool": s["pool"], "layers": list(st.layers),
+                "losses": s["losses"], "stats": {k: s[k] for k in ("microbatches_applied", "duplicates", "requeued")}
+                | {"clients": len(server.clients), "payload_errors": s["counters"]["payload_errors"]},
+                "time": __import__("time").time()}
+
+    async def announce(state: str) -> None:
+        await records.store(dht, records.config_key(run_cfg.run_id), run_cfg.to_dict(), ttl=3 * period)
+        await records.store(dht, records.stage_key(run_cfg.run_id, stage), record(state), ttl=3 * period, subkey=peer_id)
+
+    async def announcer():
+        state = "joining"
+        while not stop.is_set():
+            try:
+                await announce(state)
+                servers = await directory.refresh()
+                server.set_directory(servers)
+                if state == "joining" and all(d in servers for s in layout.stages for d in s.servers):
+                    state = "online"
+            except Exception as e:
+                logger.debug("announce failed: %r", e)
+            try:
+                await asyncio.wait_for(stop.wait(), period)
+            except asyncio.TimeoutError:
+                pass
+
+    async def maintenance():
+        while not stop.is_set():
+            try:
+                server.maintenance()
+                server.maybe_start_batches()
+            except Exception:
+                logger.exception("%s: maintenance failed", device)
+            try:
+                await asyncio.wait_for(stop.wait(), 0.2)
+            except asyncio.TimeoutError:
+                pass
+
+    tasks = [asyncio.ensure_future(announcer()), asyncio.ensure_future(maintenance())]
+    worker = None
+    if not args.no_compute:
+        await directory.wait_for(st.servers, timeout=120)
+        server.set_directory(directory.servers)
+        worker_links = {d: connector(d) for d in st.servers}
+        worker = StageWorker(run=run_cfg, layout=layout, cfg=cfg, stage=stage, device_id=device, links=worker_links,
+                             compute=1.0, torch_device=args.device, slowdown=slowdown)
+        worker.compute = worker.measure_compute()
+        tasks.append(asyncio.ensure_future(worker.run_loop(stop)))
+    print(f"serving {device} (stage {stage} {role}, layers {st.layers[0]}-{st.layers[1]}) as {peer_id}", flush=True)
+    await stop.wait()
+    try:
+        await asyncio.wait_for(announce("offline"), 5)
+    except Exception:
+        pass
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    dht.shutdown()
+    return 0

@@ -1,0 +1,341 @@
+"""`peer swarm`: a whole swarm on this machine, as separate processes on 127.0.0.1: a bootstrap DHT
+(this process), the reliable servers, the volunteers, optional churn (SIGKILL and replacement). At
+the end it writes the summary JSON and the full model assembled from the servers' shards."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from peer.errors import UsageError
+
+logger = logging.getLogger("hivepipe.swarm")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--servers-per-stage", type=int, default=2, help="frontal + backward servers per stage (>= 2)")
+    p.add_argument("--volunteers", type=int, default=4)
+    p.add_argument("--volunteer-stage", default="spread", help="'spread' (round robin), 'auto' or a stage index")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="small")
+    p.add_argument("--data", default=None)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--churn", type=float, default=0.0, help="fraction of volunteers SIGKILLed (and replaced) each step")
+    p.add_argument("--no-requeue", action="store_true", help="drop a departed volunteer's work (SWARM-like baseline)")
+    p.add_argument("--servers-compute", choices=["yes", "no"], default="yes", help="servers run a local worker too")
+    p.add_argument("--link-profile", default=None, metavar="CLUSTER.json")
+    p.add_argument("--link-scale", type=float, default=1.0)
+    p.add_argument("--run-id", default="swarm")
+    p.add_argument("--announce-period", type=float, default=1.0)
+    p.add_argument("--task-timeout", type=float, default=30.0)
+    p.add_argument("--client-timeout", type=float, default=4.0)
+    p.add_argument("--summary-json", default=None)
+    p.add_argument("--checkpoint-out", default=None, help="write model.safetensors here")
+    p.add_argument("--work-dir", default=None, help="logs and server checkpoints (default: a temporary folder)")
+    p.add_argument("--hold", action="store_true", help="keep the swarm up after the last step until Ctrl-C")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def validate(args):
+    from parameter_server.layout import RunLayout
+    from peer.model.config import check_micro_batches, get_preset
+
+    try:
+        cfg = get_preset(args.model)
+        check_micro_batches(args.batch_size, args.micro_batches)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.servers_per_stage < 2:
+        raise UsageError("--servers-per-stage must be >= 2 (one frontal and one backward server)")
+    if args.volunteers < 0 or args.steps < 1:
+        raise UsageError("--volunteers must be >= 0 and --steps >= 1")
+    if not 0 <= args.churn <= 1:
+        raise UsageError(f"--churn is a fraction in [0, 1], got {args.churn}")
+    frontal = (args.servers_per_stage + 1) // 2
+    backward = args.servers_per_stage // 2
+    try:
+        layout = RunLayout.even(args.stages, cfg.layers, frontal, backward)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if max(frontal, backward) > args.batch_size // args.micro_batches:
+        raise UsageError("more servers of one role than rows in a micro-batch")
+    if args.volunteer_stage not in ("spread", "auto"):
+        try:
+            if not 0 <= int(args.volunteer_stage) < args.stages:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--volunteer-stage must be spread, auto or 0..{args.stages - 1}") from None
+    if args.data is not None:
+        from peer.model.data import load_corpus
+
+        try:
+            load_corpus(args.data, seq_len=cfg.seq_len)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    if args.summary_json and os.path.dirname(os.path.abspath(args.summary_json)):
+        os.makedirs(os.path.dirname(os.path.abspath(args.summary_json)), exist_ok=True)
+    return cfg, layout, frontal, backward
+
+
+class Swarm:
+    """The child processes of a local swarm; every one of them is gone after `close()`."""
+
+    def __init__(self, args, layout, frontal: int, backward: int, maddrs: list[str], work_dir: str):
+        self.args, self.layout, self.frontal, self.backward = args, layout, frontal, backward
+        self.maddrs = maddrs
+        self.work_dir = work_dir
+        self.servers: dict[str, subprocess.Popen] = {}
+        self.volunteers: dict[str, tuple[subprocess.Popen, str]] = {}  # name -> (process, stage argument)
+        self.killed = 0
+        self._count = 0
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(os.path.join(self.work_dir, f"{name}.log"), "ab")
+        cmd = [sys.executable, "-m", "peer.cli"] + (["-v"] if self.args.verbose else []) + argv
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def common(self) -> list[str]:
+        a = self.args
+        out = ["--run-id", a.run_id, "--initial-peers", *self.maddrs, "--parent-pid", str(os.getpid())]
+        if a.link_profile:
+            out += ["--link-profile", a.link_profile, "--link-scale", str(a.link_scale)]
+        return out
+
+    def start_servers(self) -> None:
+        a = self.args
+        for st in self.layout.stages:
+            for role, names in (("frontal", st.frontal), ("backward", st.backward)):
+                for i, name in enumerate(names):
+                    argv = ["serve", "--reliable", "--stage", str(st.index), "--role", role, "--index", str(i),
+                            "--stages", str(a.stages), "--frontal-per-stage", str(self.frontal),
+                            "--backward-per-stage", str(self.backward), "--model", a.model, "--seed", str(a.seed),
+                            "--steps", str(a.steps), "--batch-size", str(a.batch_size),
+                            "--micro-batches", str(a.micro_batches), "--lr", str(a.lr),
+                            "--announce-period", str(a.announce_period), "--task-timeout", str(a.task_timeout),
+                            "--client-timeout", str(a.client_timeout),
+                            "--checkpoint-dir", os.path.join(self.work_dir, "checkpoints")] + self.common()
+                    if a.data:
+                        argv += ["--data", a.data]
+                    if a.servers_compute == "no":
+                        argv.append("--no-compute")
+                    if a.no_requeue:
+                        argv.append("--no-requeue")
+                    self.servers[name] = self._spawn(name, argv)
+
+    def start_volunteer(self, stage_arg: str) -> str:
+        name = f"v{self._count}"
+        self._count += 1
+        argv = ["join", "--stage", stage_arg, "--device-id", name] + self.common()
+        self.volunteers[name] = (self._spawn(name, argv), stage_arg)
+        return name
+
+    def start_volunteers(self) -> None:
+        a = self.args
+        for i in range(a.volunteers):
+            stage = str(i % a.stages) if a.volunteer_stage == "spread" else a.volunteer_stage
+            self.start_volunteer(stage)
+
+    def kill_volunteer(self, name: str) -> None:
+        proc, stage = self.volunteers.pop(name)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            self.killed += 1
+        self.start_volunteer(stage)
+
+    def check_alive(self) -> None:
+        for name, proc in self.servers.items():
+            if proc.poll() is not None:
+                tail = open(os.path.join(self.work_dir, f"{name}.log"), "rb").read()[-3000:].decode(errors="replace")
+                raise RuntimeError(f"server {name} exited with code {proc.returncode}:\n{tail}")
+
+    def close(self) -> None:
+        procs = list(self.servers.values()) + [p for p, _ in self.volunteers.values()]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + 10
+        for p in procs:
+            try:
+                p.wait(timeout=max(deadline - time.time(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def run(args) -> int:
+    cfg, layout, frontal, backward = validate(args)
+    work_dir = args.work_dir or tempfile.mkdtemp(prefix="hivepipe-swarm-")
+    os.makedirs(work_dir, exist_ok=True)
+    from peer.runtime import run_until_signalled
+
+    return run_until_signalled(lambda stop: swarm_main(args, cfg, layout, frontal, backward, work_dir, stop))
+
+
+async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: asyncio.Event) -> int:
+    from tqdm import tqdm
+
+    from peer.node import start_dht, visible_maddrs
+
+    t_launch = time.time()
+    dht = start_dht([])
+    maddrs = visible_maddrs(dht)
+    print(f"initial_peers={maddrs[0]}", flush=True)
+    swarm = Swarm(args, layout, frontal, backward, maddrs, work_dir)
+    rng = random.Random(args.seed)
+    try:
+        swarm.start_servers()
+        swarm.start_volunteers()
+        p2p = await dht.replicate_p2p()
+        monitor = Monitor(dht, p2p, args.run_id, layout, args.batch_size * cfg.seq_len)
+        bar = tqdm(total=args.steps, desc="swarm", unit="step", disable=args.no_progress, file=sys.stderr)
+        t_start = None
+        step_times: list[float] = []
+        last_version, last_change = 0, time.time()
+        pending_kills: list[tuple[float, str]] = []
+        while not stop.is_set():
+            swarm.check_alive()
+            await monitor.refresh()
+            version = monitor.min_version()
+            if t_start is None and monitor.all_online():
+                t_start = time.time()
+                last_change = t_start
+            if version > last_version:
+                now = time.time()
+                step_times.append((now - last_change) / (version - last_version))
+                last_version, last_change = version, now
+                bar.update(version - bar.n)
+                loss = monitor.loss(version - 1)
+                if loss is not None:
+                    elapsed = max(now - (t_start or now), 1e-6)
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{version * args.batch_size * cfg.seq_len / elapsed:.0f}")
+                if args.churn > 0 and version < args.steps:
+                    expected = sum(step_times[-3:]) / len(step_times[-3:])
+                    names = sorted(swarm.volunteers)
+                    n_kill = min(len(names), int(round(args.churn * len(names))))
+                    for name in rng.sample(names, n_kill):
+                        pending_kills.append((now + rng.uniform(0, expected), name))
+            if version >= args.steps:
+                break
+            now = time.time()
+            for when, name in [pk for pk in pending_kills if pk[0] <= now]:
+                pending_kills.remove((when, name))
+                if name in swarm.volunteers:
+                    swarm.kill_volunteer(name)
+            await asyncio.sleep(0.2)
+        bar.close()
+        if stop.is_set() and last_version < args.steps:
+            print("interrupted: stopping the swarm", file=sys.stderr)
+            return 130
+        wall = time.time() - (t_start or t_launch)
+        statuses = await monitor.statuses()
+        state = await monitor.assemble(args.steps)
+        summary = monitor.summary(args, cfg, statuses, swarm.killed, wall)
+        summary["startup_seconds"] = (t_start or t_launch) - t_launch
+        if args.checkpoint_out:
+            from safetensors.torch import save_file
+
+            os.makedirs(args.checkpoint_out, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(args.checkpoint_out, "model.safetensors"))
+        if args.summary_json:
+            with open(args.summary_json, "w") as f:
+                json.dump(summary, f, indent=2)
+        print(json.dumps(summary), flush=True)
+        if args.hold:
+            print("holding the swarm up; Ctrl-C to stop", file=sys.stderr, flush=True)
+            await stop.wait()
+        return 0
+    finally:
+        swarm.close()
+        dht.shutdown()
+
+
+class Monitor:
+    """The launcher's view of the run: DHT records for progress, P2P calls for the final state."""
+
+    def __init__(self, dht, p2p, run_id: str, layout, tokens_per_batch: int):
+        self.dht, self.p2p, self.run_id, self.layout = dht, p2p, run_id, layout
+        self.tokens_per_batch = tokens_per_batch
+        self.servers: dict[str, tuple[str, dict]] = {}  # device -> (peer id, record)
+
+    async def refresh(self) -> None:
+        from peer.protocol import records
+
+        for k in range(self.layout.num_stages):
+            try:
+                found = await records.read_stage(self.dht, self.run_id, k)
+            except Exception as e:
+                logger.debug("read_stage failed: %r", e)
+                continue
+            for peer, rec, _ in found:
+                if rec is not None and rec["kind"] == "server":
+                    self.servers[rec["device"]] = (peer, rec)
+
+    def all_devices(self) -> list[str]:
+        return [d for st in self.layout.stages for d in st.servers]
+
+    def all_online(self) -> bool:
+        return all(d in self.servers and self.servers[d][1]["state"] == "online" for d in self.all_devices())
+
+    def min_version(self) -> int:
+        if not all(d in self.servers for d in self.all_devices()):
+            return 0
+        return min(self.servers[d][1]["version"] for d in self.all_devices())
+
+    def loss(self, t: int) -> float | None:
+        last = self.layout.stages[-1]
+        for d in last.servers:
+            rec = self.servers.get(d, (None, {}))[1]
+            if str(t) in rec.get("losses", {}):
+                return rec["losses"][str(t)] / self.tokens_per_batch
+        return None
+
+    def _link(self, device: str):
+        from parameter_server.server import StageServer
+        from peer.node import P2PLink
+
+        return P2PLink(self.p2p, self.servers[device][0], device, StageServer)
+
+    async def statuses(self) -> dict[str, dict]:
+        out = {}
+        for d in self.all_devices():
+            meta, _ = await self._link(d).call("status", {}, timeout=30)
+            out[d] = meta
+        return out
+
+    async def assemble(self, version: int) -> dict:
+        """The full model at `version`, from every server's shard."""
+        state = {}
+        for d in self.all_devices():
+            meta, tensors = await self._link(d).call("get_params", {"version": version}, timeout=120)
+            state.update(zip(meta["names"], tensors))
+        return state
+
+    def summary(self, args, cfg, statuses: dict, killed: int, wall: float) -> dict:
+        last = self.layout.stages[-1]
+        loss_sums = statuses[last.servers[0]]["losses"]
+        losses = {int(k): v / self.tokens_per_batch for k, v in loss_sums.items()}
+        applied = sum(statuses[st.servers[0]]["microbatches_applied"] for st in self.layout.stages)
+        return {
+            "steps": args.steps,
+            "first_loss": losses[min(losses)],
+            "last_loss": losses[max(losses)],
+            "microbatches_expected": args.steps * args.micro_batches * self.layout.num_stages,
+            "microbatches_applied": applied,
+            "duplicates_dropped": sum(s["duplicates"] for s in statuses.values()),
+            "requeued": sum(s["requeued"] for s in statuses.values()),
+            "volunteers_killed": killed,
+            "wall_seconds": round(wall, 3),
+            "tokens_per_second": round(args.steps * args.batch_size * cfg.seq_len / max(wall, 1e-9), 1),
+        }

@@ -1,0 +1,275 @@
+"""The compute loop of one stage: what a volunteer (`peer join`) runs, and what every server runs
+beside its services (the paper's partially collocated servers). It pulls backward tasks first (they
+free memory and finish batches), then forward tasks; runs its slice; pushes outputs, input gradients
+and gradient shards; and completes the task at the server that leased it.
+
+Ordering for exactly-once: a task's input gradient is handed to the frontal server first, then its
+gradient shards to every server of the stage (each credits the task once), and only then is the task
+completed; a worker killed at any point leaves each server with either nothing or the whole
+contribution of the task, and the task is re-run until completed; re-runs are counted duplicates."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+
+import torch
+
+from parameter_server.layout import owners
+from parameter_server.shard import assign_shards, version_for_batch
+from peer.model.transformer import StageSlice, build_slice, loss_sum
+from peer.protocol.wire import RemoteError
+
+logger = logging.getLogger("hivepipe.worker")
+
+
+class StageWorker:
+    def __init__(self, *, run, layout, cfg, stage: int, device_id: str, links: dict, compute: float,
+                 torch_device: str = "cpu", slowdown: float = 1.0, poll: float = 0.05, heartbeat: float = 1.0):
+        self.run, self.layout, self.cfg = run, layout, cfg
+        self.stage = stage
+        self.st = layout.stages[stage]
+        self.lo, self.hi = self.st.layers
+        self.last = stage == layout.num_stages - 1
+        self.device_id = device_id
+        self.links = links  # device id -> link (P2PLink/LocalLink) for every server of this stage
+        self.compute = compute
+        self.torch_device = torch.device(torch_device)
+        self.slowdown = slowdown
+        self.poll = poll
+        self.heartbeat = heartbeat
+        self.rows = run.batch_size // run.micro_batches
+        self.total_tokens = run.batch_size * cfg.seq_len
+        self.model: StageSlice = build_slice(cfg, self.lo, self.hi, run.seed, device=self.torch_device)
+        sizes = {n: p.numel() for n, p in self.model.named_parameters()}
+        self.shards = dict(zip(self.st.servers, assign_shards(sizes, len(self.st.servers))))
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.loaded_version: int | None = None
+        self.input_cache: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.stats = {"forward": 0, "backward": 0, "dropped": 0, "compute_seconds": 0.0, "started": time.time()}
+        self.current: tuple[str, str] | None = None  # (server device, task id) being worked on
+        self._turn = 0
+
+    # ------------------------------------------------------------------------------------------
+    async def register(self) -> None:
+        meta = {"device": self.device_id, "compute": float(self.compute), "stage": self.stage}
+        await asyncio.gather(*(self._quiet(link.call("register", meta, timeout=10.0)) for link in self.links.values()))
+
+    async def _quiet(self, coro):
+        try:
+            return await coro
+        except Exception as e:
+            logger.debug("%s: %r", self.device_id, e)
+            return None
+
+    async def heartbeat_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.register()
+            try:
+                await asyncio.wait_for(stop.wait(), self.heartbeat)
+            except asyncio.TimeoutError:
+                pass
+
+    async def run_loop(self, stop: asyncio.Event) -> None:
+        await self.register()
+        beat = asyncio.ensure_future(self.heartbeat_loop(stop))
+        try:
+            while not stop.is_set():
+                got = await self.take_one()
+                if got is None:
+                    try:
+                        await asyncio.wait_for(stop.wait(), self.poll)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                link, meta, tensors = got
+                self.current = (link.device, meta["task"])
+                try:
+                    await self.process(link, meta, tensors)
+                except RemoteError as e:
+                    self.stats["dropped"] += 1
+                    logger.info("%s: task %s dropped: %s", self.device_id, meta["task"], e)
+                    await self._quiet(link.call("fail", {"task": meta["task"]}))
+                except Exception as e:
+                    self.stats["dropped"] += 1
+                    logger.warning("%s: task %s interrupted: %r", self.device_id, meta["task"], e, exc_info=True)
+                finally:
+                    self.current = None
+        finally:
+            beat.cancel()
+
+    async def take_one(self):
+        """Ask the backward servers, then the frontal servers, for a task (rotating the start)."""
+        order = list(self.st.backward) + list(self.st.frontal)
+        self._turn = (self._turn + 1) % len(order)
+        for device in order[self._turn:] + order[: self._turn]:
+            link = self.links.get(device)
+            if link is None:
+                continue
+            try:
+                meta, tensors = await link.call("take", {}, timeout=10.0)
+            except RemoteError as e:
+                if "not registered" in str(e):
+                    await self._quiet(link.call("register", {"device": self.device_id, "compute": float(self.compute),
+                                                             "stage": self.stage}))
+                continue
+            except Exception as e:
+                logger.info("%s: take from %s failed: %r", self.device_id, device, e)
+                continue
+            if meta.get("task"):
+                return link, meta, tensors
+        return None
+
+    # ------------------------------------------------------------------------------------------
+    async def ensure_version(self, version: int) -> None:
+        if version in self.versions:
+            return
+        state: dict[str, torch.Tensor] = {}
+        for device in self.st.servers:
+            while True:
+                meta, tensors = await self.links[device].call("get_params", {"version": version}, timeout=60.0)
+                if not meta.get("retry"):
+                    break
+                await asyncio.sleep(self.poll)
+            if meta.get("names") != self.shards[device]:
+                raise RemoteError(f"{device} serves shard {meta.get('names')}, expected {self.shards[device]}")
+            state.update(zip(meta["names"], tensors))
+        self.versions[version] = state
+        for v in [v for v in self.versions if v < version - 1]:
+            del self.versions[v]
+
+    def _load(self, version: int) -> None:
+        if self.loaded_version != version:
+            self.model.load_state_dict({k: v.to(self.torch_device) for k, v in self.versions[version].items()})
+            self.loaded_version = version
+
+    async def _compute(self, fn):
+        def timed():
+            t0 = time.perf_counter()
+            result = fn()
+            elapsed = time.perf_counter() - t0
+            if self.slowdown > 1:
+                time.sleep(elapsed * (self.slowdown - 1))  # emulate a slower device
+            self.stats["compute_seconds"] += time.perf_counter() - t0
+            return result
+
+        return await asyncio.get_running_loop().run_in_executor(self.executor, timed)
+
+    async def push_grads(self, meta: dict, grads: dict[str, torch.Tensor], loss: float | None) -> None:
+        """Send each server its shard of this task's gradient (the server credits the task once)."""
+        base = {"task": meta["task"], "batch": meta["batch"], "micro": meta["micro"], "rows": meta["rows"]}
+        if loss is not None:
+            base["loss_sum"] = float(loss)
+        await asyncio.gather(*(
+            self.links[device].call("push_grads", base, [grads[n] for n in names], timeout=60.0)
+            for device, names in self.shards.items()
+        ))
+
+    def _grads(self) -> dict[str, torch.Tensor]:
+        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
+                for n, p in self.model.named_parameters()}
+
+    def _cached_inputs(self, t: int, m: int, a: int, b: int):
+        for x0, y0, x in self.input_cache.get((t, m), []):
+            if x0 <= a and b <= y0:
+                return x[a - x0 : b - x0]
+        return None
+
+    # ------------------------------------------------------------------------------------------
+    async def process(self, link, meta: dict, tensors: list) -> None:
+        t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]
+        await self.ensure_version(meta["version"])
+        for key in [k for k in self.input_cache if k[0] < t - 1]:
+            del self.input_cache[key]
+        if meta["kind"] == "forward" and not self.last:
+            await self._forward(link, meta, tensors)
+        elif meta["kind"] == "forward":
+            await self._forward_backward(link, meta, tensors)
+        else:
+            await self._backward(link, meta, tensors)
+
+    async def _forward(self, link, meta, tensors) -> None:
+        t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]
+        x, y = tensors
+
+        def fwd():
+            self._load(meta["version"])
+            with torch.no_grad():
+                return self.model(x.to(self.torch_device)).float().cpu()
+
+        out = await self._compute(fwd)
+        self.input_cache.setdefault((t, m), []).append((a, b, x))
+        nxt = self.st.backward
+        await asyncio.gather(*(
+            self.links[nxt[j]].call("push_outputs", {"task": meta["task"], "batch": t, "micro": m, "rows": [p, q],
+                                                     "frontal": meta["frontal"]},
+                                    [out[p - a : q - a], y[p - a : q - a]], timeout=60.0)
+            for j, p, q in owners(self.rows, len(nxt), a, b)
+        ))
+        await link.call("complete", {"task": meta["task"]})
+        self.stats["forward"] += 1
+
+    def _backward_pass(self, version: int, x: torch.Tensor, out_grad=None, labels=None):
+        """Recompute the slice on x and backpropagate; returns (input grad or None, loss_sum or None)."""
+        self._load(version)
+        self.model.zero_grad(set_to_none=True)
+        x = x.to(self.torch_device)
+        if not self.model.is_first:
+            x = x.detach().requires_grad_(True)
+        out = self.model(x)
+        loss = None
+        if labels is not None:
+            ls = loss_sum(out, labels.to(self.torch_device))
+            (ls / self.total_tokens).backward()
+            loss = float(ls.detach())
+        else:
+            out.backward(out_grad.to(self.torch_device))
+        gin = None if self.model.is_first else x.grad.detach().float().cpu()
+        return gin, loss, self._grads()
+
+    async def _forward_backward(self, link, meta, tensors) -> None:
+        """The last stage: forward, loss and backward in one task."""
+        x, y = tensors
+        gin, loss, grads = await self._compute(lambda: self._backward_pass(meta["version"], x, labels=y))
+        await self._finish(link, link, meta, gin, grads, loss)
+        self.stats["forward"] += 1
+
+    async def _finish(self, link, frontal, meta, gin, grads, loss) -> None:
+        """Hand a computed task in, in the order that makes any kill point safe: the input gradient
+        to the frontal server (which relays it), then the gradient shards to every server, then the
+        completion. A server that has credited the task thus knows its input gradient is relayed."""
+        if gin is not None:
+            await frontal.call("push_input_grads", {"task": meta["task"], "batch": meta["batch"], "micro": meta["micro"],
+                                                    "rows": meta["rows"]}, [gin])
+        await self.push_grads(meta, grads, loss)
+        await link.call("complete", {"task": meta["task"]})
+
+    async def _backward(self, link, meta, tensors) -> None:
+        t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]
+        (g,) = tensors
+        x = self._cached_inputs(t, m, a, b)
+        frontal = self.links[meta["frontal"]]
+        if x is None:
+            _, (x,) = await frontal.call("get_inputs", {"batch": t, "micro": m, "rows": [a, b]})
+        gin, _, grads = await self._compute(lambda: self._backward_pass(meta["version"], x, out_grad=g))
+        await self._finish(link, frontal, meta, gin, grads, None)
+        self.stats["backward"] += 1
+
+    def measure_compute(self, rows: int = 1) -> float:
+        """Rows per second of forward+backward of this slice on this device (the compute power a
+        client registers), stretched by the emulated slowdown."""
+        if self.model.is_first:
+            x = torch.randint(0, self.cfg.vocab_size, (rows, self.cfg.seq_len))
+        else:
+            x = torch.randn(rows, self.cfg.seq_len, self.cfg.hidden)
+        out = self.model(x.to(self.torch_device))
+        out.float().sum().backward()  # warm-up
+        self.model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        out = self.model(x.to(self.torch_device))
+        out.float().sum().backward()
+        self.model.zero_grad(set_to_none=True)
+        elapsed = max(time.perf_counter() - t0, 1e-6) * self.slowdown
+        return rows / elapsed

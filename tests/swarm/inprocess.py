@@ -1,0 +1,79 @@
+"""All servers and workers of a run in one event loop, wired by LocalLinks (the same handlers and
+checks as over P2P, without the network). For fast logic tests; the end-to-end tests use real
+processes and real hivemind P2P."""
+from __future__ import annotations
+
+import asyncio
+
+from parameter_server.layout import RunLayout
+from parameter_server.server import StageServer
+from peer.model.config import get_preset
+from peer.model.data import load_corpus
+from peer.model.transformer import init_state
+from peer.node import LocalLink
+from peer.protocol.records import RunConfig
+from peer.worker import StageWorker
+
+
+def make_run(model="tiny", stages=2, frontal=1, backward=1, steps=3, seed=0, batch_size=16, micro_batches=4, lr=3e-3):
+    cfg = get_preset(model)
+    layout = RunLayout.even(stages, cfg.layers, frontal, backward)
+    run = RunConfig("test", model, seed, steps, batch_size, micro_batches, lr, layout.to_dict())
+    return cfg, layout, run
+
+
+class InProcessSwarm:
+    def __init__(self, cfg, layout, run, corpus=None, volunteers_per_stage=1, servers_compute=True):
+        self.cfg, self.layout, self.run = cfg, layout, run
+        corpus = corpus or load_corpus(None, seq_len=cfg.seq_len)
+        self.servers: dict[str, StageServer] = {}
+        for st in layout.stages:
+            for dev in st.servers:
+                self.servers[dev] = StageServer(
+                    run=run, layout=layout, cfg=cfg, device_id=dev, peer_id=f"peer-{dev}",
+                    stage_params=init_state(cfg, *st.layers, run.seed), corpus=corpus,
+                    connector=lambda d, src=dev: LocalLink(self.servers[d], f"peer-{src}"))
+        directory = {d: f"peer-{d}" for d in self.servers}
+        for s in self.servers.values():
+            s.set_directory(directory)
+        self.workers: list[StageWorker] = []
+        for st in layout.stages:
+            names = (list(st.servers) if servers_compute else []) + [f"u{st.index}{i}" for i in range(volunteers_per_stage)]
+            for name in names:
+                peer = f"peer-{name}"
+                links = {d: LocalLink(self.servers[d], peer) for d in st.servers}
+                self.workers.append(StageWorker(run=run, layout=layout, cfg=cfg, stage=st.index, device_id=name,
+                                                links=links, compute=1.0, poll=0.005))
+
+    def versions(self) -> list[int]:
+        return [s.shard.version for s in self.servers.values()]
+
+    async def train(self, timeout: float = 120.0) -> dict:
+        stop = asyncio.Event()
+        tasks = [asyncio.ensure_future(w.run_loop(stop)) for w in self.workers]
+
+        async def maintain():
+            while not stop.is_set():
+                for s in self.servers.values():
+                    s.maintenance()
+                    s.maybe_start_batches()
+                await asyncio.sleep(0.01)
+
+        tasks.append(asyncio.ensure_future(maintain()))
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while min(self.versions()) < self.run.steps:
+                if loop.time() > deadline:
+                    raise TimeoutError(f"versions {self.versions()} after {timeout} s")
+                for t in tasks:
+                    if t.done() and t.exception():
+                        raise t.exception()
+                await asyncio.sleep(0.02)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        state = {}
+        for s in self.servers.values():
+            state.update(s.shard.params_at(self.run.steps))
+        return state
