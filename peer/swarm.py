@@ -103,7 +103,10 @@ class Swarm:
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(os.path.join(self.work_dir, f"{name}.log"), "ab")
         cmd = [sys.executable, "-m", "peer.cli"] + (["-v"] if self.args.verbose else []) + argv
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # its own process group: SIGKILL reaches its DHT process and p2p daemon too, as a real
+        # machine's crash would take them down
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
 
     def common(self) -> list[str]:
         a = self.args
@@ -149,7 +152,7 @@ class Swarm:
     def kill_volunteer(self, name: str) -> None:
         proc, stage = self.volunteers.pop(name)
         if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
+            kill_group(proc, signal.SIGKILL)
             proc.wait()
             self.killed += 1
         self.start_volunteer(stage)
@@ -170,8 +173,16 @@ class Swarm:
             try:
                 p.wait(timeout=max(deadline - time.time(), 0.1))
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                pass
+            kill_group(p, signal.SIGKILL)  # whatever is left of it: its DHT process, its p2p daemon
+            p.wait()
+
+
+def kill_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def run(args) -> int:
