@@ -1,0 +1,129 @@
+"""Byte-level data: a corpus of raw bytes (vocabulary 256, nothing to download) and batches that
+are pure functions of (seed, t), so any process can rebuild any batch of a run.
+
+The default corpus is the Python standard library's own `.py` sources (no download, present
+wherever Python is). It depends on the Python installation; processes of one run check that they
+agree with `Corpus.fingerprint`.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass
+
+import torch
+
+from peer.model.config import check_micro_batches
+from peer.model.seeding import stable_seed
+
+DEFAULT_CORPUS_MAX_BYTES = 8 * 1024 * 1024
+VAL_FRACTION = 0.01
+VAL_MIN_SEQUENCES = 4
+# folders left out of the default corpus: installed packages vary between machines, tests are big
+# and full of generated data
+_DEFAULT_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """`train` and `val` are uint8 CPU tensors (val is the last 1% of the bytes, at least
+    VAL_MIN_SEQUENCES sequences); `fingerprint` is the sha256 of all the bytes."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    fingerprint: str
+    source: str
+
+    @property
+    def num_bytes(self) -> int:
+        return self.train.numel() + self.val.numel()
+
+
+def _files_below(root: str, excluded_dirs: frozenset[str] = frozenset(), suffix: str = "") -> list[str]:
+    """Regular files below `root` ending with `suffix`, sorted by relative path; hidden files and
+    folders (".git", ".DS_Store") and folders named in `excluded_dirs` are left out."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in excluded_dirs]
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            if not name.startswith(".") and name.endswith(suffix) and os.path.isfile(full):
+                found.append(os.path.relpath(full, root).replace(os.sep, "/"))
+    return sorted(found)
+
+
+def _read_concatenated(root: str, relpaths: list[str], max_bytes: int | None = None) -> bytes:
+    parts, size = [], 0
+    for rel in relpaths:
+        with open(os.path.join(root, rel), "rb") as f:
+            data = f.read()
+        parts.append(data)
+        size += len(data)
+        if max_bytes is not None and size >= max_bytes:
+            break
+    raw = b"".join(parts)
+    return raw if max_bytes is None else raw[:max_bytes]
+
+
+@functools.lru_cache(maxsize=1)
+def _default_corpus_bytes() -> tuple[bytes, str]:
+    root = sysconfig.get_paths()["stdlib"]
+    raw = _read_concatenated(root, _files_below(root, _DEFAULT_EXCLUDED_DIRS, ".py"), DEFAULT_CORPUS_MAX_BYTES)
+    return raw, f"python stdlib sources ({root}, first {len(raw)} bytes)"
+
+
+def _read_path(path: str) -> bytes:
+    if not os.path.exists(path):
+        raise ValueError(f"data path {path!r} does not exist")
+    if os.path.isdir(path):
+        files = _files_below(path)
+        if not files:
+            raise ValueError(f"data folder {path!r} holds no files")
+        return _read_concatenated(path, files)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def load_corpus(path: str | None = None, *, seq_len: int = 128) -> Corpus:
+    """Read a text file, or a folder of them (recursively, sorted by relative path, as bytes), or
+    with `path=None` the default corpus. ValueError naming the path if it is missing or empty or too
+    short to hold one training sequence and VAL_MIN_SEQUENCES held-out sequences of `seq_len`."""
+    if path is None:
+        raw, source = _default_corpus_bytes()
+    else:
+        raw, source = _read_path(path), path
+    if not raw:
+        raise ValueError(f"data path {source!r} is empty")
+    window = seq_len + 1  # a sequence and its shifted labels
+    n_val = max(int(len(raw) * VAL_FRACTION), VAL_MIN_SEQUENCES * window)
+    if len(raw) < n_val + window:
+        raise ValueError(f"data path {source!r} has {len(raw)} bytes, fewer than the {VAL_MIN_SEQUENCES * window + window} "
+                         f"needed for one training sequence and {VAL_MIN_SEQUENCES} held-out sequences of {seq_len} tokens")
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return Corpus(train=data[:-n_val], val=data[-n_val:], fingerprint=hashlib.sha256(raw).hexdigest(), source=source)
+
+
+def make_batch(corpus: Corpus, seed: int, t: int, batch_size: int, seq_len: int, *,
+               split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch t of a run: (inputs, labels) LongTensors [batch_size, seq_len] with labels = inputs
+    shifted by one. The start offsets are drawn uniformly from a generator seeded by (seed, t, split)
+    only, so the batch is a pure function of its arguments and the corpus."""
+    data = {"train": corpus.train, "val": corpus.val}.get(split)
+    if data is None:
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if data.numel() < seq_len + 1:
+        raise ValueError(f"the {split} split has {data.numel()} bytes, fewer than one sequence of {seq_len} tokens")
+    gen = torch.Generator(device="cpu").manual_seed(stable_seed("hivepipe-batch", seed, t, split))
+    starts = torch.randint(0, data.numel() - seq_len, (batch_size,), generator=gen)
+    windows = data[starts[:, None] + torch.arange(seq_len + 1)].long()
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def split_micro_batches(inputs: torch.Tensor, labels: torch.Tensor, d: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Cut a batch into d micro-batches of B/d contiguous rows, in order; ValueError if d does not
+    divide B."""
+    check_micro_batches(inputs.shape[0], d)
+    rows = inputs.shape[0] // d
+    return list(zip(inputs.split(rows), labels.split(rows)))
