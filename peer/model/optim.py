@@ -1,0 +1,56 @@
+"""The update rule, in one place for the reference trainer and the distributed servers.
+
+- Gradient of a batch: the sum over its d micro-batches of d loss_sum(micro-batch) / d params,
+  divided by the batch's total token count (so micro-batch gradients average by token count).
+- Update: torch.optim.AdamW (OPTIMIZER's hyper-parameters, foreach=False) on fp32 master weights,
+  with a constant learning rate: no schedule, no warm-up, no gradient clipping. AdamW is applied
+  parameter by parameter, so a server holding a shard of the parameters with its own AdamW steps
+  them exactly as one AdamW over all of them would.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from peer.model.data import split_micro_batches
+from peer.model.transformer import loss_sum
+
+OPTIMIZER = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
+    """AdamW over fp32 master weights, constant learning rate `lr` (no schedule, no clipping)."""
+    return torch.optim.AdamW(params, lr=lr, foreach=False, **OPTIMIZER)
+
+
+def batch_gradient(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                   micro_batches: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """The gradient of one batch under the update rule, computed on the model's current parameters
+    one micro-batch after another (in order). Returns (mean token loss of the batch, {name: grad});
+    the model's `.grad` fields are left empty."""
+    params = dict(model.named_parameters())
+    for p in params.values():
+        p.grad = None
+    total = torch.zeros((), dtype=torch.float64)
+    for x, y in split_micro_batches(inputs, labels, micro_batches):
+        loss = loss_sum(model(x), y)
+        loss.backward()
+        total += loss.detach().double().cpu()
+    tokens = labels.numel()
+    grads = {}
+    for name, p in params.items():
+        grads[name] = p.grad.div_(tokens) if p.grad is not None else torch.zeros_like(p)
+        p.grad = None
+    return float(total) / tokens, grads
+
+
+def apply_update(optimizer: torch.optim.Optimizer, model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    """One optimizer step of `model`'s parameters with the batch gradient `grads` (by name)."""
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        p.grad = grads[name]
+    optimizer.step()
+    for p in params.values():
+        p.grad = None

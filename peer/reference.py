@@ -1,0 +1,229 @@
+"""`peer reference`: single-process training with exactly the swarm's update rule, the yardstick
+that every distributed run's parameters are compared with.
+
+Batch t is `make_batch(corpus, seed, t, ...)`; its gradient follows peer.model.optim (micro-batch
+gradients of the summed loss, added in order and divided by the batch's tokens) and the update is
+AdamW with a constant learning rate.
+
+Delayed parameter update (`delay=1`, the swarm's rule): the gradient of batch t is computed on the
+parameters that include the updates of batches 0..t-2 only, and its update is applied after batch
+t+1's gradient is computed; so g_0 and g_1 are both computed on the initial parameters, g_2 on
+θ0+u_0, and so on. At the end the pending update is applied, so the final parameters include all
+`steps` updates. `delay=0` is ordinary training. In general the gradient of batch t sees the updates
+of batches 0..t-1-delay.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from peer.errors import UsageError
+from peer.model.config import PRESETS, ModelConfig, check_micro_batches, get_preset
+
+if TYPE_CHECKING:  # torch stays out of `peer --help`
+    import torch
+
+    from peer.model.data import Corpus
+
+CHECKPOINT_FILE = "model.safetensors"
+DEFAULTS = dict(model="small", steps=50, seed=0, batch_size=16, micro_batches=4, delay=1, lr=2e-3, device="cpu")
+
+
+@dataclass
+class StepInfo:
+    """What `on_step` gets for batch `step`, after its gradient is computed and before any update
+    is applied in that step. `grads` is the batch gradient by parameter name (read it, do not modify
+    it: it is the update still to be applied); `updates_applied` is how many updates the parameters
+    it was computed on include; `model` holds those parameters."""
+
+    step: int
+    loss: float
+    tokens: int
+    updates_applied: int
+    grads: dict
+    model: object
+
+
+def check_training_args(*, steps: int, batch_size: int, micro_batches: int, delay: int, lr: float) -> None:
+    """ValueError with a clear message for arguments no run can use."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    check_micro_batches(batch_size, micro_batches)
+    if delay not in (0, 1):
+        raise ValueError(f"delay must be 0 (ordinary training) or 1 (delayed parameter update), got {delay}")
+    if not lr > 0:
+        raise ValueError(f"learning rate must be > 0, got {lr}")
+
+
+@contextlib.contextmanager
+def _deterministic(device: "torch.device"):
+    """Deterministic algorithms and a forked global RNG for the run; the caller's settings are
+    restored afterwards (tests and other code in the same process are not affected)."""
+    import torch
+
+    if device.type == "cuda":  # cuBLAS needs this before its first use to be deterministic
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was_on, was_warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fork_devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork_devices):
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
+
+
+def train_reference(cfg: ModelConfig, corpus: "Corpus", *, steps: int, seed: int, batch_size: int, micro_batches: int,
+                    delay: int, lr: float, device: "torch.device | str" = "cpu", progress: bool = True,
+                    on_step: Callable[[StepInfo], None] | None = None) -> tuple[dict, dict]:
+    """Train from `build_slice(cfg, 0, cfg.layers, seed)` on batches 0..steps-1 of (corpus, seed).
+
+    Returns (the final full-model state_dict as fp32 CPU tensors, a summary dict with steps,
+    first_loss, last_loss, losses, wall_seconds, tokens_per_second and the run's settings). The loss
+    of a step is the mean token cross-entropy of its batch on the parameters its gradient is computed
+    on, i.e. before its own update."""
+    import torch
+    from tqdm import tqdm
+
+    from peer.model.data import make_batch
+    from peer.model.optim import apply_update, batch_gradient, make_optimizer
+    from peer.model.transformer import build_slice
+
+    check_training_args(steps=steps, batch_size=batch_size, micro_batches=micro_batches, delay=delay, lr=lr)
+    device = torch.device(device)
+    tokens = batch_size * cfg.seq_len
+    losses: list[float] = []
+    with _deterministic(device):
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        model = build_slice(cfg, 0, cfg.layers, seed, device)
+        optimizer = make_optimizer(model.parameters(), lr)
+        pending: deque[dict] = deque()  # gradients whose updates are not applied yet, oldest first
+        applied = 0
+        bar = tqdm(total=steps, desc=f"reference {cfg.name}", unit="step", file=sys.stderr, disable=not progress)
+        for t in range(steps):
+            inputs, labels = (x.to(device) for x in make_batch(corpus, seed, t, batch_size, cfg.seq_len))
+            loss, grads = batch_gradient(model, inputs, labels, micro_batches)
+            losses.append(loss)
+            if on_step is not None:
+                on_step(StepInfo(step=t, loss=loss, tokens=tokens, updates_applied=applied, grads=grads, model=model))
+            pending.append(grads)
+            while len(pending) > delay:
+                apply_update(optimizer, model, pending.popleft())
+                applied += 1
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{(t + 1) * tokens / elapsed:.0f}")
+            bar.update(1)
+        while pending:  # the swarm applies the last pending update too
+            apply_update(optimizer, model, pending.popleft())
+        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
+        wall = time.perf_counter() - start
+        bar.close()
+    summary = {
+        "steps": steps, "first_loss": losses[0], "last_loss": losses[-1],
+        "wall_seconds": wall, "tokens_per_second": steps * tokens / wall, "losses": losses,
+        "model": cfg.name, "params": cfg.param_count(), "seed": seed, "batch_size": batch_size,
+        "micro_batches": micro_batches, "delay": delay, "lr": lr, "device": str(device),
+        "data": corpus.source, "data_fingerprint": corpus.fingerprint,
+    }
+    return state, summary
+
+
+def save_checkpoint(directory: str, state: dict, cfg: ModelConfig) -> str:
+    """Write `state` (full-model names) to DIRECTORY/model.safetensors with the config as metadata."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, CHECKPOINT_FILE)
+    save_file(state, path, metadata={"model": cfg.name, "config": json.dumps(cfg.to_dict())})
+    return path
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    parser.add_argument("--model", default=d["model"], help=f"model preset: {', '.join(PRESETS)} (default {d['model']})")
+    parser.add_argument("--steps", type=int, default=d["steps"], help=f"batches to train on (default {d['steps']})")
+    parser.add_argument("--seed", type=int, default=d["seed"], help="seed of the initial parameters and of the batches")
+    parser.add_argument("--data", default=None, metavar="PATH",
+                        help="text file or folder of them (default: the Python standard library's sources)")
+    parser.add_argument("--batch-size", type=int, default=d["batch_size"], help=f"sequences per batch (default {d['batch_size']})")
+    parser.add_argument("--micro-batches", type=int, default=d["micro_batches"],
+                        help=f"micro-batches per batch; must divide the batch size (default {d['micro_batches']})")
+    parser.add_argument("--delay", type=int, default=d["delay"],
+                        help="1: delayed parameter update, as the swarm does; 0: ordinary training (default 1)")
+    parser.add_argument("--lr", type=float, default=d["lr"], help=f"constant AdamW learning rate (default {d['lr']})")
+    parser.add_argument("--device", default=d["device"], help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--checkpoint-out", metavar="DIR", help=f"write DIR/{CHECKPOINT_FILE} (the full model, fp32)")
+    parser.add_argument("--summary-json", metavar="PATH", help="write the run's summary (losses, timings) as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _check_output_path(path: str, *, directory: bool) -> None:
+    what = "--checkpoint-out" if directory else "--summary-json"
+    if directory and os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{what} {path!r} exists and is not a folder")
+    if not directory and os.path.isdir(path):
+        raise UsageError(f"{what} {path!r} is a folder")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise UsageError(f"{what} {path!r} cannot be written ({parent!r} is not a writable folder)")
+
+
+def _check_device(name: str) -> None:
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name!r} is not a device (use cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name!r}: CUDA is not available here")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name!r}: only cpu and cuda are supported")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = get_preset(args.model)
+        check_training_args(steps=args.steps, batch_size=args.batch_size, micro_batches=args.micro_batches,
+                            delay=args.delay, lr=args.lr)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.checkpoint_out:
+        _check_output_path(args.checkpoint_out, directory=True)
+    if args.summary_json:
+        _check_output_path(args.summary_json, directory=False)
+    _check_device(args.device)
+
+    from peer.model.data import load_corpus
+
+    try:
+        corpus = load_corpus(args.data, seq_len=cfg.seq_len)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+    state, summary = train_reference(cfg, corpus, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
+                                     micro_batches=args.micro_batches, delay=args.delay, lr=args.lr,
+                                     device=args.device, progress=not args.no_progress)
+    if args.checkpoint_out:
+        summary["checkpoint"] = save_checkpoint(args.checkpoint_out, state, cfg)
+    if args.summary_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.summary_json)), exist_ok=True)
+        with open(args.summary_json, "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+    print(f"{cfg.name} ({cfg.param_count():,} parameters), {summary['steps']} steps: loss {summary['first_loss']:.4f} -> "
+          f"{summary['last_loss']:.4f} in {summary['wall_seconds']:.1f} s ({summary['tokens_per_second']:.0f} tokens/s)")
+    return 0
