@@ -1,0 +1,463 @@
+"""The task pool of one frontal or backward server: leases, deadlines, re-queue,
+exactly-once completion.
+
+Every task added to the pool is, at any moment, in exactly one of four states::
+
+    queued  --take-->  leased  --complete-->  done
+      ^  |               |  |
+      |  +--complete-----+--+---------------> done      (a late result still counts)
+      +---expire / fail / client_left--+
+    queued, leased --abandon--> abandoned
+
+so ``queued + leased + done + abandoned == added`` always.  ``done`` and ``abandoned``
+are final: their ids are kept (two sets) so that the id cannot be added again and a
+later result for it is answered DUPLICATE and counted.  A leased task has exactly one
+holder, and the holder's :class:`~taskpool.speed.ClientRecord` lists it.  A queued task
+is either *open* (any client may take it) or *preferred* (only its preferred client may,
+until the grace period ends or that client leaves).
+
+Data structures (O(log n) per operation; heaps with lazy deletion):
+
+* ``_tasks``: task id -> :class:`_Entry`, and ``_by_key``: priority key -> the same
+  entry, for queued and leased tasks;
+* ``_open``: keys of the open tasks; ``_pref[c]``: keys of the tasks that prefer
+  client ``c``; ``_pending``: ``(end of grace, key)`` of the preferred tasks;
+* ``_deadlines``: ``(deadline, key)`` of the leases; ``_oldest``: ``(added at, key)``
+  of the queued tasks (for the age statistic).
+
+The key of a task is one int that orders tasks best first (lower batch, lower
+micro-batch, backward before forward, insertion order) and is unique, so the heaps hold
+plain ints (fast to compare).  An item is live iff its entry is still in ``_by_key`` in
+the state the heap is for (and, for a deadline, the lease has that deadline); other
+items are stale and are dropped when they reach the top, or all at once by a compaction
+when they outnumber the live ones (amortized O(1)).  A task may have two identical live
+items in one heap (it left and came back before the first one reached the top): the
+first one popped changes its state and makes the other stale.
+
+The pool never blocks, sleeps, or starts threads, and uses no locks: call it from one
+asyncio loop (or one thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from heapq import heapify, heappop, heappush
+
+from .speed import SpeedBook
+from .types import BACKWARD, Completion, Lease, Task, TaskPoolError, check_positive
+
+_ACCEPTED = Completion.ACCEPTED
+_DUPLICATE = Completion.DUPLICATE
+
+# Entry states.  Done and abandoned tasks have no entry.
+_OPEN, _PREF, _LEASED, _CLOSED = 0, 1, 2, 3
+
+# key = batch | micro_batch | backward-first bit | insertion number, high to low bits
+_SEQ_BITS = 48
+_MB_BITS = 32
+
+# A group of heaps is compacted when it holds more than SLACK x live + MIN_STALE items.
+_SLACK = 4
+_MIN_STALE = 4096
+
+# Lease is a frozen dataclass; building one through its generated __init__ costs four
+# object.__setattr__ calls.  take() fills the slots directly (same object, half the time).
+_new_lease = object.__new__
+_set_task = Lease.task.__set__
+_set_client = Lease.client.__set__
+_set_deadline = Lease.deadline.__set__
+_set_attempt = Lease.attempt.__set__
+
+
+class _Entry:
+    """The pool's mutable record of one queued or leased task.
+
+    ``lease`` is the current Lease iff ``state == _LEASED``; ``attempts`` counts the
+    leases so far; ``open_at`` is when a preferred task becomes open to everyone.
+    """
+
+    __slots__ = ("task", "key", "state", "lease", "attempts", "timeout", "added_at", "open_at")
+
+    def __init__(self, task: Task, key: int, timeout: float, now: float, grace: float) -> None:
+        self.task = task
+        self.key = key
+        self.state = _CLOSED  # set by _enqueue
+        self.lease: Lease | None = None
+        self.attempts = 0
+        self.timeout = timeout
+        self.added_at = now
+        self.open_at = now + grace if task.preferred_client is not None else now
+
+
+class TaskPool:
+    """Micro-batch tasks that volunteers pull, with leases and exactly-once completion.
+
+    ``clock`` is the only source of time (inject a fake one in tests).  Tasks are
+    leased best first: lower batch, then lower micro-batch, then backward before
+    forward, then insertion order.  A task with a ``preferred_client`` can be taken only
+    by that client for ``preference_grace`` seconds after it was added (or until that
+    client leaves), then by anyone; the preferred client still gets the best task it may
+    take, so priority order holds for it too.  A client holds at most
+    ``max_leases_per_client`` leases.  A lease's deadline is ``now + timeout * factor``,
+    where the factor (in [0.5, 4], 1.0 when unknown) compares the client's speed with
+    the median client's; see :mod:`taskpool.speed`.
+    """
+
+    def __init__(self, *, clock: Callable[[], float], default_timeout: float = 30.0,
+                 max_leases_per_client: int = 1, preference_grace: float = 1.0,
+                 throughput_halflife: float = 30.0) -> None:
+        if not callable(clock):
+            raise TaskPoolError(f"clock must be callable, got {clock!r}")
+        self._default_timeout = check_positive("default_timeout", default_timeout)
+        if (isinstance(max_leases_per_client, bool) or not isinstance(max_leases_per_client, int)
+                or max_leases_per_client < 1):
+            raise TaskPoolError(
+                f"max_leases_per_client must be an int >= 1, got {max_leases_per_client!r}")
+        if preference_grace != 0:
+            check_positive("preference_grace", preference_grace)
+        self._clock = clock
+        self._k = max_leases_per_client
+        self._grace = float(preference_grace)
+        self._speed = SpeedBook(check_positive("throughput_halflife", throughput_halflife))
+        self._clients = self._speed.clients
+
+        self._tasks: dict[str, _Entry] = {}
+        self._by_key: dict[int, _Entry] = {}
+        self._done: set[str] = set()
+        self._abandoned: set[str] = set()
+        self._seq = 0
+
+        self._open: list[int] = []
+        self._pref: dict[str, list[int]] = {}
+        self._pending: list[tuple[float, int]] = []
+        self._oldest: list[tuple[float, int]] = []
+        self._pref_items = 0  # items in all the _pref heaps together
+        self._deadlines: list[tuple[float, int]] = []
+        self._min_stale = _MIN_STALE  # tests lower it to exercise compaction
+
+        self._leased = 0  # queued = len(self._tasks) - self._leased
+        self._ndone = 0
+        self._nabandoned = 0
+        self._added = 0
+        self._requeued = 0
+        self._duplicates = 0
+
+    # ------------------------------------------------------------------ adding and taking
+
+    def add(self, task: Task) -> None:
+        """Queue a new task.  Its id must never have been added before."""
+        if not isinstance(task, Task):
+            raise TaskPoolError(f"add() needs a Task, got {type(task).__name__}")
+        tid = task.task_id
+        if tid in self._tasks or tid in self._done or tid in self._abandoned:
+            raise TaskPoolError(f"add: task id {tid!r} was already added")
+        seq = self._seq + 1
+        if seq >> _SEQ_BITS:
+            raise TaskPoolError(f"add: this pool has taken 2**{_SEQ_BITS} tasks, make a new one")
+        now = self._clock()
+        self._seq = seq
+        key = (((task.batch << _MB_BITS | task.micro_batch) << 1
+                | (task.kind != BACKWARD)) << _SEQ_BITS) | seq
+        entry = _Entry(task, key, self._default_timeout if task.timeout is None else task.timeout,
+                       now, self._grace)
+        self._tasks[tid] = entry
+        self._by_key[key] = entry
+        self._added += 1
+        self._enqueue(entry, now)
+
+    def take(self, client: str) -> Lease | None:
+        """Lease the best task this client may have, or None (nothing for it, or it
+        already holds ``max_leases_per_client`` leases)."""
+        now = self._clock()
+        rec = self._clients.get(client)
+        if rec is None:
+            rec = self._speed.get(client, now)
+        elif len(rec.leases) >= self._k:
+            return None
+        pending = self._pending
+        if pending and pending[0][0] <= now:
+            self._promote(now)
+
+        by_key = self._by_key
+        heap = self._open
+        while heap:
+            entry = by_key.get(heap[0])
+            if entry is not None and entry.state == _OPEN:
+                break
+            heappop(heap)
+        else:
+            entry = None
+        if self._pref:
+            pref = self._pref.get(client)
+            while pref:
+                pentry = by_key.get(pref[0])
+                if pentry is not None and pentry.state == _PREF:
+                    if entry is None or pentry.key < entry.key:
+                        entry, heap = pentry, pref
+                        self._pref_items -= 1
+                    break
+                heappop(pref)
+                self._pref_items -= 1
+        if entry is None:
+            return None
+        heappop(heap)
+
+        entry.state = _LEASED
+        self._leased += 1
+        attempt = entry.attempts = entry.attempts + 1
+        speed = self._speed
+        deadline = now + (entry.timeout * speed.factor(rec, now) if speed.any_speed
+                          else entry.timeout)
+        task = entry.task
+        lease = entry.lease = _new_lease(Lease)
+        _set_task(lease, task)
+        _set_client(lease, client)
+        _set_deadline(lease, deadline)
+        _set_attempt(lease, attempt)
+        rec.leases[task.task_id] = entry
+        deadlines = self._deadlines
+        heappush(deadlines, (deadline, entry.key))
+        if len(deadlines) > _SLACK * self._leased + self._min_stale:
+            self._compact_deadlines()
+        return lease
+
+    # ------------------------------------------------------------------ results
+
+    def complete(self, task_id: str, client: str) -> Completion:
+        """Report a result.  The first completion of a task wins, whoever sends it and
+        whatever the task's state (queued again after an expiry, or leased to someone
+        else, whose lease is then void): ACCEPTED.  Any later one, or one for an
+        abandoned task, is DUPLICATE and counted.  An id never added is misuse."""
+        entry = self._tasks.pop(task_id, None)
+        if entry is None:
+            if task_id in self._done or task_id in self._abandoned:
+                self._duplicates += 1
+                return _DUPLICATE
+            raise TaskPoolError(f"complete: unknown task id {task_id!r}")
+        self._close(entry)
+        self._done.add(task_id)
+        self._ndone += 1
+        now = self._clock()
+        rec = self._clients.get(client)
+        if rec is not None and rec.done:
+            rec.record_completion(now, self._speed.decay)
+        else:  # first completion: the set of measured clients changes
+            self._speed.completed(client, now)
+        return _ACCEPTED
+
+    def fail(self, task_id: str, client: str) -> None:
+        """The holder gives its lease back (error, out of memory, ...): re-queue now."""
+        entry = self._tasks.get(task_id)
+        if entry is None:
+            raise TaskPoolError(f"fail: task {task_id!r} is {self._closed_state(task_id)}")
+        lease = entry.lease
+        if lease is None:
+            raise TaskPoolError(f"fail: task {task_id!r} is queued, {client!r} holds no lease of it")
+        if lease.client != client:
+            raise TaskPoolError(
+                f"fail: task {task_id!r} is leased to {lease.client!r}, not to {client!r}")
+        self._requeue(entry, self._clock())
+
+    def abandon(self, task_id: str) -> None:
+        """Drop a queued or leased task without completing it (no-requeue mode).  A later
+        result for it is answered DUPLICATE."""
+        entry = self._tasks.pop(task_id, None)
+        if entry is None:
+            raise TaskPoolError(f"abandon: task {task_id!r} is {self._closed_state(task_id)}")
+        self._close(entry)
+        self._abandoned.add(task_id)
+        self._nabandoned += 1
+
+    # ------------------------------------------------------------------ time and churn
+
+    def expire(self, now: float | None = None) -> list[Task]:
+        """Re-queue every lease whose deadline is <= ``now`` (default: the clock);
+        return the re-queued tasks, earliest deadline first."""
+        if now is None:
+            now = self._clock()
+        deadlines = self._deadlines
+        by_key = self._by_key
+        out = []
+        while deadlines and deadlines[0][0] <= now:
+            deadline, key = heappop(deadlines)
+            entry = by_key.get(key)
+            if entry is not None and entry.state == _LEASED and entry.lease.deadline == deadline:
+                self._requeue(entry, now)
+                out.append(entry.task)
+        return out
+
+    def client_left(self, client: str) -> list[Task]:
+        """The client is gone: re-queue all its leases now, open the tasks that were
+        waiting for it to everyone, and forget its statistics.  Returns the re-queued
+        tasks."""
+        rec = self._clients.get(client)
+        held = list(rec.leases.values()) if rec is not None else []
+        now = self._clock()
+        for entry in held:
+            self._requeue(entry, now)
+        self._speed.forget(client)
+        pref = self._pref.pop(client, None)
+        if pref:
+            self._pref_items -= len(pref)
+            by_key = self._by_key
+            for key in pref:
+                entry = by_key.get(key)
+                if entry is not None and entry.state == _PREF:
+                    self._push_open(entry)
+        return [entry.task for entry in held]
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a current lease (when ``expire`` has work), or None."""
+        deadlines = self._deadlines
+        while deadlines and not self._live_deadline(deadlines[0]):
+            heappop(deadlines)
+        return deadlines[0][0] if deadlines else None
+
+    def set_client_speed(self, client: str, relative_speed: float) -> None:
+        """Seed a client's speed (its registered compute power, in any unit shared by
+        all clients).  Sets its deadline factor until it has a measured throughput."""
+        speed = check_positive(f"relative_speed of {client!r}", relative_speed)
+        self._speed.seed(client, speed, self._clock())
+
+    # ------------------------------------------------------------------ queries
+
+    def is_done(self, task_id: str) -> bool:
+        return task_id in self._done
+
+    def lease_of(self, task_id: str) -> Lease | None:
+        entry = self._tasks.get(task_id)
+        return entry.lease if entry is not None else None
+
+    def leases_of(self, client: str) -> list[Lease]:
+        rec = self._clients.get(client)
+        return [entry.lease for entry in rec.leases.values()] if rec is not None else []
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def stats(self) -> dict:
+        """Counters and per-client figures, as a plain JSON-able dict.
+
+        ``added`` is there too, so that ``queued + leased + done + abandoned == added``
+        can be checked from the dict alone.  ``oldest_queued_age`` (seconds since the
+        oldest queued task was added) is 0.0 when nothing is queued; ``throughput`` is
+        0.0 for a client without a measurement."""
+        now = self._clock()
+        oldest = self._oldest
+        by_key = self._by_key
+        while oldest:
+            entry = by_key.get(oldest[0][1])
+            if entry is not None and entry.state <= _PREF:
+                break
+            heappop(oldest)
+        decay = self._speed.decay
+        return {
+            "queued": len(self._tasks) - self._leased,
+            "leased": self._leased,
+            "done": self._ndone,
+            "requeued": self._requeued,
+            "duplicates": self._duplicates,
+            "abandoned": self._nabandoned,
+            "added": self._added,
+            "oldest_queued_age": max(0.0, now - oldest[0][0]) if oldest else 0.0,
+            "clients": {
+                name: {"throughput": rec.rate(now, decay) or 0.0, "done": rec.done,
+                       "leases": len(rec.leases)}
+                for name, rec in self._clients.items()
+            },
+        }
+
+    # ------------------------------------------------------------------ internals
+
+    def _enqueue(self, entry: _Entry, now: float) -> None:
+        """Queue a task (new, or back from a lease): preferred while in grace, else open."""
+        entry.lease = None
+        key = entry.key
+        heappush(self._oldest, (entry.added_at, key))
+        preferred = entry.task.preferred_client
+        if preferred is not None and now < entry.open_at:
+            entry.state = _PREF
+            heappush(self._pref.setdefault(preferred, []), key)
+            heappush(self._pending, (entry.open_at, key))
+            self._pref_items += 1
+        else:
+            entry.state = _OPEN
+            heappush(self._open, key)
+        if (len(self._open) + len(self._oldest) + len(self._pending) + self._pref_items
+                > _SLACK * (len(self._tasks) - self._leased) + self._min_stale):
+            self._compact_queues()
+
+    def _push_open(self, entry: _Entry) -> None:
+        entry.state = _OPEN
+        heappush(self._open, entry.key)
+
+    def _promote(self, now: float) -> None:
+        """Preferred tasks whose grace period is over become open to every client."""
+        pending = self._pending
+        by_key = self._by_key
+        while pending and pending[0][0] <= now:
+            entry = by_key.get(heappop(pending)[1])
+            if entry is not None and entry.state == _PREF:
+                self._push_open(entry)
+
+    def _requeue(self, entry: _Entry, now: float) -> None:
+        del self._clients[entry.lease.client].leases[entry.task.task_id]
+        self._leased -= 1
+        self._requeued += 1
+        self._enqueue(entry, now)
+
+    def _close(self, entry: _Entry) -> None:
+        """Take a task, already out of ``_tasks``, out of the queue or its lease."""
+        if entry.state == _LEASED:
+            del self._clients[entry.lease.client].leases[entry.task.task_id]
+            self._leased -= 1
+            entry.lease = None
+        entry.state = _CLOSED
+        del self._by_key[entry.key]
+
+    def _closed_state(self, task_id: str) -> str:
+        if task_id in self._done:
+            return "already done"
+        if task_id in self._abandoned:
+            return "abandoned"
+        return "unknown"
+
+    def _live_deadline(self, item: tuple[float, int]) -> bool:
+        entry = self._by_key.get(item[1])
+        return entry is not None and entry.state == _LEASED and entry.lease.deadline == item[0]
+
+    # Compactions: drop the stale items (see the module docstring) and re-heapify.  Each
+    # runs when stale items are at least 3/4 of its heaps, so its cost, paid once per
+    # item dropped, is amortized O(1) per operation.
+
+    def _compact_deadlines(self) -> None:
+        get = self._by_key.get
+        heap = self._deadlines
+        heap[:] = [item for item in heap
+                   if (e := get(item[1])) is not None and e.state == _LEASED
+                   and e.lease.deadline == item[0]]
+        heapify(heap)
+
+    def _compact_queues(self) -> None:
+        get = self._by_key.get
+
+        def keep(heap: list, state: int) -> None:
+            heap[:] = [key for key in heap if (e := get(key)) is not None and e.state == state]
+            heapify(heap)
+
+        def keep_timed(heap: list, lo: int, hi: int) -> None:
+            heap[:] = [item for item in heap
+                       if (e := get(item[1])) is not None and lo <= e.state <= hi]
+            heapify(heap)
+
+        keep(self._open, _OPEN)
+        keep_timed(self._pending, _PREF, _PREF)
+        keep_timed(self._oldest, _OPEN, _PREF)
+        self._pref_items = 0
+        for client in list(self._pref):
+            heap = self._pref[client]
+            keep(heap, _PREF)
+            if heap:
+                self._pref_items += len(heap)
+            else:
+                del self._pref[client]
