@@ -1,0 +1,465 @@
+"""Unit tests of the task pool: one behaviour each, on a fake clock."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from taskpool import BACKWARD, FORWARD, Completion, Lease, Task, TaskPool, TaskPoolError
+
+
+class FakeClock:
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def make_pool(clock: FakeClock, **kw) -> TaskPool:
+    return TaskPool(clock=clock, **kw)
+
+
+def task(tid: str, kind: str = FORWARD, batch: int = 0, mb: int = 0, **kw) -> Task:
+    return Task(tid, kind, batch, mb, 0, (0, 8), **kw)
+
+
+def take_id(pool: TaskPool, client: str) -> str | None:
+    lease = pool.take(client)
+    return lease.task.task_id if lease is not None else None
+
+
+# ------------------------------------------------------------------------ priority
+
+
+def test_priority_older_batch_then_micro_batch_then_backward_then_insertion(clock):
+    specs = [(b, mb, kind, n) for b in range(3) for mb in range(3) for kind in (FORWARD, BACKWARD)
+             for n in range(2)]
+    random.Random(0).shuffle(specs)
+    pool = make_pool(clock)
+    order = {}
+    for i, (b, mb, kind, n) in enumerate(specs):
+        tid = f"{b}-{mb}-{kind}-{n}"
+        pool.add(task(tid, kind, b, mb))
+        order[tid] = (b, mb, kind != BACKWARD, i)
+    taken = []
+    while (tid := take_id(pool, "c")) is not None:
+        taken.append(tid)
+        assert pool.complete(tid, "c") is Completion.ACCEPTED
+    assert taken == sorted(order, key=order.__getitem__)
+
+
+def test_requeued_task_keeps_its_place(clock):
+    pool = make_pool(clock, max_leases_per_client=2)
+    for tid in ("a", "b", "c"):
+        pool.add(task(tid))
+    assert take_id(pool, "x") == "a"
+    assert take_id(pool, "x") == "b"
+    pool.fail("a", "x")
+    assert take_id(pool, "y") == "a"
+    assert pool.lease_of("a").attempt == 2
+    assert take_id(pool, "y") == "c"
+
+
+# ------------------------------------------------------------------------ preferred client
+
+
+def test_preferred_task_waits_for_its_client_during_grace(clock):
+    pool = make_pool(clock, preference_grace=1.0)
+    pool.add(task("p", preferred_client="owner"))
+    assert pool.take("other") is None
+    clock.now = 0.999
+    assert pool.take("other") is None
+    assert take_id(pool, "owner") == "p"
+
+
+def test_preferred_task_open_to_anyone_when_grace_ends(clock):
+    pool = make_pool(clock, preference_grace=1.0)
+    pool.add(task("p", preferred_client="owner"))
+    clock.now = 1.0  # the boundary counts as over
+    assert take_id(pool, "other") == "p"
+    assert pool.take("owner") is None
+
+
+def test_others_get_open_tasks_while_a_better_one_waits(clock):
+    pool = make_pool(clock)
+    pool.add(task("p", BACKWARD, preferred_client="owner"))
+    pool.add(task("f", FORWARD, batch=5))
+    assert take_id(pool, "other") == "f"
+    assert take_id(pool, "owner") == "p"
+
+
+def test_preferred_client_still_takes_best_task_first(clock):
+    pool = make_pool(clock, max_leases_per_client=2)
+    pool.add(task("p", FORWARD, batch=1, preferred_client="owner"))
+    pool.add(task("old", FORWARD, batch=0))
+    assert take_id(pool, "owner") == "old"
+    assert take_id(pool, "owner") == "p"
+
+
+def test_client_left_opens_its_preferred_tasks_at_once(clock):
+    pool = make_pool(clock, preference_grace=10.0)
+    pool.add(task("p", preferred_client="owner"))
+    assert pool.take("other") is None
+    assert pool.client_left("owner") == []
+    assert take_id(pool, "other") == "p"
+
+
+def test_zero_grace_means_no_waiting(clock):
+    pool = make_pool(clock, preference_grace=0)
+    pool.add(task("p", preferred_client="owner"))
+    assert take_id(pool, "other") == "p"
+
+
+# ------------------------------------------------------------------------ K leases
+
+
+def test_client_holds_at_most_k_leases(clock):
+    pool = make_pool(clock, max_leases_per_client=2)
+    for i in range(5):
+        pool.add(task(f"t{i}"))
+    assert take_id(pool, "a") == "t0"
+    assert take_id(pool, "a") == "t1"
+    assert pool.take("a") is None
+    assert take_id(pool, "b") == "t2"  # the limit is per client
+    pool.complete("t0", "a")
+    assert take_id(pool, "a") == "t3"
+    assert [lease.task.task_id for lease in pool.leases_of("a")] == ["t1", "t3"]
+    assert pool.stats()["clients"]["a"]["leases"] == 2
+
+
+def test_take_on_empty_pool_is_none(clock):
+    assert make_pool(clock).take("a") is None
+
+
+# ------------------------------------------------------------------------ deadlines
+
+
+def test_deadline_from_default_and_per_task_timeout(clock):
+    pool = make_pool(clock, default_timeout=30.0, max_leases_per_client=2)
+    clock.now = 5.0
+    pool.add(task("d"))
+    pool.add(task("t", timeout=2.5))
+    assert pool.take("a").deadline == 35.0
+    assert pool.take("a").deadline == 7.5
+    assert pool.next_deadline() == 7.5
+
+
+def _measured_pool(clock):
+    """Clients a, b, c complete 4, 2, 1 tasks over 10 s: 0.4, 0.2, 0.1 tasks/s."""
+    pool = make_pool(clock, default_timeout=30.0, max_leases_per_client=10,
+                     throughput_halflife=1e9)
+    n = 0
+    for client, count in (("a", 4), ("b", 2), ("c", 1)):
+        for _ in range(count):
+            pool.add(task(f"w{n}"))
+            n += 1
+            assert pool.take(client) is not None
+    clock.now = 10.0
+    for client in ("a", "b", "c"):
+        for lease in pool.leases_of(client):
+            pool.complete(lease.task.task_id, client)
+    for i in range(4):
+        pool.add(task(f"next{i}"))
+    return pool
+
+
+def test_deadline_scales_with_measured_throughput(clock):
+    pool = _measured_pool(clock)
+    clients = pool.stats()["clients"]
+    assert clients["a"]["throughput"] == pytest.approx(0.4)
+    assert clients["c"]["throughput"] == pytest.approx(0.1)
+    # median 0.2: a is twice as fast, c twice as slow, a new client is unknown (1.0)
+    assert pool.take("a").deadline == pytest.approx(10.0 + 30.0 * 0.5)
+    assert pool.take("b").deadline == pytest.approx(10.0 + 30.0)
+    assert pool.take("c").deadline == pytest.approx(10.0 + 30.0 * 2.0)
+    assert pool.take("new").deadline == pytest.approx(10.0 + 30.0)
+
+
+def test_seeded_speed_scales_and_is_clamped(clock):
+    pool = make_pool(clock, default_timeout=10.0)
+    for client, speed in (("fast", 2.0), ("mid", 1.0), ("slow", 0.5), ("crawl", 0.01),
+                          ("rocket", 100.0)):
+        pool.set_client_speed(client, speed)
+    for i in range(6):
+        pool.add(task(f"t{i}"))
+    # median of the seeds is 1.0
+    assert pool.take("fast").deadline == pytest.approx(5.0)
+    assert pool.take("mid").deadline == pytest.approx(10.0)
+    assert pool.take("slow").deadline == pytest.approx(20.0)
+    assert pool.take("crawl").deadline == pytest.approx(40.0)  # 100 clamped to 4
+    assert pool.take("rocket").deadline == pytest.approx(5.0)  # 0.01 clamped to 0.5
+    assert pool.take("unknown").deadline == pytest.approx(10.0)
+
+
+def test_measured_throughput_overrides_seed(clock):
+    pool = _measured_pool(clock)
+    pool.set_client_speed("a", 0.001)  # would give factor 4 among seeds; a is measured
+    assert pool.take("a").deadline == pytest.approx(10.0 + 30.0 * 0.5)
+
+
+def test_throughput_is_a_moving_average(clock):
+    pool = make_pool(clock, throughput_halflife=10.0, max_leases_per_client=100)
+    for i in range(20):
+        pool.add(task(f"t{i}"))
+    assert pool.take("a") is not None
+    for i in range(1, 20):  # one completion per second for 20 s
+        clock.now = float(i)
+        pool.complete(f"t{i - 1}", "a")
+        pool.take("a")
+    clock.now = 20.0
+    pool.complete("t19", "a")
+    at_20 = pool.stats()["clients"]["a"]["throughput"]
+    assert at_20 == pytest.approx(1.0, rel=0.05)
+    clock.now = 30.0
+    # a silent half-life halves the weighted count, while the weight of the observed
+    # time grows from 1 - 2**-2 to 1 - 2**-3 (no warm-up bias)
+    expected = at_20 * 0.5 * (1 - 2**-2) / (1 - 2**-3)
+    assert pool.stats()["clients"]["a"]["throughput"] == pytest.approx(expected)
+
+
+# ------------------------------------------------------------------------ expiry and churn
+
+
+def test_expire_requeues_overdue_leases_only(clock):
+    pool = make_pool(clock, default_timeout=5.0, max_leases_per_client=3)
+    pool.add(task("short", timeout=1.0))
+    pool.add(task("long"))
+    pool.take("a")
+    pool.take("a")
+    assert pool.expire(0.5) == []
+    assert [t.task_id for t in pool.expire(1.0)] == ["short"]  # deadline reached counts
+    assert pool.lease_of("short") is None
+    assert pool.next_deadline() == 5.0
+    clock.now = 6.0
+    assert [t.task_id for t in pool.expire()] == ["long"]
+    assert pool.next_deadline() is None
+    assert pool.stats()["requeued"] == 2
+    assert pool.leases_of("a") == []
+
+
+def test_stale_deadline_does_not_expire_a_newer_lease(clock):
+    pool = make_pool(clock, default_timeout=5.0)
+    pool.add(task("t"))
+    pool.take("a")  # deadline 5
+    clock.now = 2.0
+    pool.fail("t", "a")
+    lease = pool.take("b")  # deadline 7
+    assert lease.deadline == 7.0 and lease.attempt == 2
+    assert pool.expire(6.0) == []
+    assert pool.lease_of("t") is lease
+    assert pool.next_deadline() == 7.0
+
+
+def test_client_left_requeues_all_its_leases(clock):
+    pool = make_pool(clock, max_leases_per_client=3)
+    for i in range(4):
+        pool.add(task(f"t{i}"))
+    for _ in range(3):
+        pool.take("a")
+    pool.take("b")
+    left = pool.client_left("a")
+    assert [t.task_id for t in left] == ["t0", "t1", "t2"]
+    assert pool.leases_of("a") == []
+    assert "a" not in pool.stats()["clients"]
+    assert take_id(pool, "c") == "t0"
+    assert pool.client_left("nobody") == []
+
+
+def test_fail_requeues_at_once(clock):
+    pool = make_pool(clock)
+    pool.add(task("t"))
+    pool.take("a")
+    pool.fail("t", "a")
+    assert pool.stats()["queued"] == 1 and pool.stats()["requeued"] == 1
+    assert pool.take("a").attempt == 2
+
+
+# ------------------------------------------------------------------------ exactly once
+
+
+def test_late_completion_after_expiry_wins_over_the_new_lease(clock):
+    pool = make_pool(clock, default_timeout=1.0)
+    pool.add(task("t"))
+    pool.take("slow")
+    clock.now = 2.0
+    pool.expire()
+    assert pool.take("fast").attempt == 2
+    assert pool.complete("t", "slow") is Completion.ACCEPTED
+    assert pool.is_done("t")
+    assert pool.lease_of("t") is None and pool.leases_of("fast") == []
+    assert pool.complete("t", "fast") is Completion.DUPLICATE
+    assert pool.complete("t", "slow") is Completion.DUPLICATE
+    s = pool.stats()
+    assert (s["done"], s["duplicates"], s["leased"], s["queued"]) == (1, 2, 0, 0)
+    assert s["clients"]["slow"]["done"] == 1 and s["clients"]["fast"]["done"] == 0
+    assert pool.take("fast") is None
+
+
+def test_late_completion_while_requeued_leaves_the_queue(clock):
+    pool = make_pool(clock, default_timeout=1.0)
+    pool.add(task("t"))
+    pool.take("slow")
+    pool.expire(5.0)
+    assert pool.stats()["queued"] == 1
+    assert pool.complete("t", "slow") is Completion.ACCEPTED
+    assert pool.take("other") is None
+    assert len(pool) == 0
+
+
+def test_abandon_drops_the_task_and_late_results(clock):
+    pool = make_pool(clock)
+    pool.add(task("q"))
+    pool.add(task("l"))
+    pool.take("a")
+    pool.abandon("l")
+    pool.abandon("q")
+    assert pool.leases_of("a") == [] and len(pool) == 0
+    assert pool.complete("l", "a") is Completion.DUPLICATE
+    assert not pool.is_done("l")
+    s = pool.stats()
+    assert (s["abandoned"], s["duplicates"], s["done"]) == (2, 1, 0)
+
+
+# ------------------------------------------------------------------------ misuse
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(kind="sideways"), "kind"),
+    (dict(rows=(3, 3)), "empty row range"),
+    (dict(rows=(4, 2)), "empty row range"),
+    (dict(rows=(0, 1, 2)), "rows"),
+    (dict(timeout=0.0), "timeout"),
+    (dict(timeout=-1.0), "timeout"),
+    (dict(timeout=float("nan")), "timeout"),
+    (dict(task_id=""), "task_id"),
+    (dict(batch=-1), "batch"),
+    (dict(micro_batch=2**32), "micro_batch"),
+    (dict(stage=1.5), "stage"),
+    (dict(preferred_client=7), "preferred_client"),
+])
+def test_bad_task_is_refused(kwargs, word):
+    fields = dict(task_id="t", kind=FORWARD, batch=0, micro_batch=0, stage=0, rows=(0, 1))
+    fields.update(kwargs)
+    with pytest.raises(TaskPoolError, match=word):
+        Task(**fields)
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(default_timeout=0), "default_timeout"),
+    (dict(default_timeout=-3.0), "default_timeout"),
+    (dict(max_leases_per_client=0), "max_leases_per_client"),
+    (dict(max_leases_per_client=1.5), "max_leases_per_client"),
+    (dict(preference_grace=-1.0), "preference_grace"),
+    (dict(throughput_halflife=0), "throughput_halflife"),
+])
+def test_bad_pool_settings_are_refused(clock, kwargs, word):
+    with pytest.raises(TaskPoolError, match=word):
+        make_pool(clock, **kwargs)
+
+
+def _busy_pool(clock):
+    pool = make_pool(clock, max_leases_per_client=2)
+    for tid in ("queued", "leased", "done", "abandoned"):
+        pool.add(task(tid, batch=["leased", "done", "queued", "abandoned"].index(tid)))
+    assert take_id(pool, "a") == "leased"
+    assert take_id(pool, "b") == "done"
+    pool.complete("done", "b")
+    pool.abandon("abandoned")
+    return pool
+
+
+@pytest.mark.parametrize("op, args, word", [
+    ("complete", ("nope", "a"), "unknown task id 'nope'"),
+    ("add", (task("queued"),), "already added"),
+    ("add", (task("leased"),), "already added"),
+    ("add", (task("done"),), "already added"),
+    ("add", (task("abandoned"),), "already added"),
+    ("add", ("not a task",), "needs a Task"),
+    ("fail", ("leased", "b"), "leased to 'a', not to 'b'"),
+    ("fail", ("queued", "a"), "queued"),
+    ("fail", ("done", "b"), "already done"),
+    ("fail", ("abandoned", "a"), "abandoned"),
+    ("fail", ("nope", "a"), "unknown"),
+    ("abandon", ("done",), "already done"),
+    ("abandon", ("abandoned",), "abandoned"),
+    ("abandon", ("nope",), "unknown"),
+    ("set_client_speed", ("a", 0.0), "relative_speed"),
+    ("set_client_speed", ("a", -2.0), "relative_speed"),
+])
+def test_misuse_raises_and_leaves_the_pool_unchanged(clock, op, args, word):
+    pool = _busy_pool(clock)
+    before = (pool.stats(), len(pool), pool.leases_of("a"), pool.leases_of("b"),
+              pool.next_deadline())
+    with pytest.raises(TaskPoolError, match=word):
+        getattr(pool, op)(*args)
+    assert (pool.stats(), len(pool), pool.leases_of("a"), pool.leases_of("b"),
+            pool.next_deadline()) == before
+    # and the pool still works
+    assert take_id(pool, "b") == "queued"
+    assert pool.complete("leased", "a") is Completion.ACCEPTED
+
+
+def test_task_pool_error_is_a_value_error():
+    assert issubclass(TaskPoolError, ValueError)
+
+
+# ------------------------------------------------------------------------ stats
+
+
+def test_stats_shape_and_json(clock):
+    pool = make_pool(clock, max_leases_per_client=2)
+    empty = pool.stats()
+    assert empty == {"queued": 0, "leased": 0, "done": 0, "requeued": 0, "duplicates": 0,
+                     "abandoned": 0, "added": 0, "oldest_queued_age": 0.0, "clients": {}}
+    pool.add(task("a"))
+    clock.now = 2.0
+    pool.add(task("b"))
+    pool.add(task("c"))
+    clock.now = 3.0
+    pool.take("x")
+    pool.complete("a", "x")
+    clock.now = 7.0
+    s = pool.stats()
+    assert json.loads(json.dumps(s)) == s
+    assert set(s) == {"queued", "leased", "done", "requeued", "duplicates", "abandoned",
+                      "added", "oldest_queued_age", "clients"}
+    assert (s["queued"], s["leased"], s["done"], s["added"]) == (2, 0, 1, 3)
+    assert s["oldest_queued_age"] == 5.0  # b, added at 2.0
+    assert set(s["clients"]["x"]) == {"throughput", "done", "leases"}
+    assert s["clients"]["x"]["done"] == 1 and s["clients"]["x"]["throughput"] > 0
+    assert len(pool) == 2
+
+
+def test_lease_and_task_are_immutable(clock):
+    pool = make_pool(clock)
+    pool.add(task("t"))
+    lease = pool.take("a")
+    assert isinstance(lease, Lease)
+    assert lease == Lease(task("t"), "a", 30.0, 1)
+    with pytest.raises(AttributeError):
+        lease.client = "b"
+    with pytest.raises(AttributeError):
+        lease.task.batch = 3
+
+
+# ------------------------------------------------------------------------ lazy heaps stay small
+
+
+def test_stale_heap_items_are_compacted(clock):
+    pool = make_pool(clock, max_leases_per_client=1)
+    pool._min_stale = 16
+    for i in range(2000):
+        pool.add(task(f"t{i}", preferred_client="p" if i % 3 else None))
+        pool.take("p")
+        pool.complete(f"t{i}", "p")
+        assert len(pool._deadlines) <= 4 * 1 + 16 + 1
+        assert len(pool._open) + len(pool._oldest) + len(pool._pending) + pool._pref_items <= 25
+    assert pool.stats()["done"] == 2000
