@@ -14,7 +14,7 @@ from hivemind.proto.runtime_pb2 import ExpertRequest
 
 from peer.protocol import records
 from peer.protocol.links import LinkEmulator
-from peer.protocol.wire import RemoteError, pack, unpack
+from peer.protocol.wire import PayloadError, RemoteError, pack, unpack
 
 logger = logging.getLogger("hivepipe.node")
 
@@ -45,7 +45,21 @@ class P2PLink:
         self.links = links or LinkEmulator()
         self.meter = meter if meter is not None else {}
 
+    IDEMPOTENT = frozenset({"status", "get_params", "ping", "get_inputs", "register"})
+
     async def call(self, method: str, meta: dict, tensors=(), timeout: float = 30.0):
+        """One request; a connection that closes before answering is retried for idempotent methods
+        and raised as ConnectionError otherwise."""
+        attempts = 3 if method in self.IDEMPOTENT else 1
+        for attempt in range(attempts):
+            try:
+                return await self._call_once(method, meta, tensors, timeout)
+            except ConnectionError:
+                if attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(0.1 * (attempt + 1))
+
+    async def _call_once(self, method: str, meta: dict, tensors, timeout: float):
         messages = pack(meta, list(tensors), ExpertRequest)
         nbytes = sum(m.ByteSize() for m in messages)
         self.meter["bytes_sent"] = self.meter.get("bytes_sent", 0) + nbytes
@@ -58,7 +72,12 @@ class P2PLink:
 
         async def roundtrip():
             responses = await getattr(self._stub, f"rpc_{method}")(stream())
-            return await unpack(responses)
+            try:
+                return await unpack(responses)
+            except PayloadError as e:
+                if str(e) == "empty request":
+                    raise ConnectionError(f"{self.device}.{method}: the connection closed before an answer") from None
+                raise
 
         meta_r, tensors_r = await asyncio.wait_for(roundtrip(), timeout)
         if "error" in meta_r:

@@ -34,6 +34,8 @@ def add_arguments(p) -> None:
     p.add_argument("--churn", type=float, default=0.0, help="fraction of volunteers SIGKILLed (and replaced) each step")
     p.add_argument("--no-requeue", action="store_true", help="drop a departed volunteer's work (SWARM-like baseline)")
     p.add_argument("--servers-compute", choices=["yes", "no"], default="yes", help="servers run a local worker too")
+    p.add_argument("--volunteer-slowdown", type=float, default=None,
+                   help="stretch the volunteers' compute by this factor (emulates slower devices)")
     p.add_argument("--link-profile", default=None, metavar="CLUSTER.json")
     p.add_argument("--link-scale", type=float, default=1.0)
     p.add_argument("--run-id", default="swarm")
@@ -60,6 +62,8 @@ def validate(args):
         raise UsageError("--servers-per-stage must be >= 2 (one frontal and one backward server)")
     if args.volunteers < 0 or args.steps < 1:
         raise UsageError("--volunteers must be >= 0 and --steps >= 1")
+    if args.volunteer_slowdown is not None and args.volunteer_slowdown < 1:
+        raise UsageError("--volunteer-slowdown must be >= 1")
     if not 0 <= args.churn <= 1:
         raise UsageError(f"--churn is a fraction in [0, 1], got {args.churn}")
     frontal = (args.servers_per_stage + 1) // 2
@@ -136,10 +140,13 @@ class Swarm:
                         argv.append("--no-requeue")
                     self.servers[name] = self._spawn(name, argv)
 
-    def start_volunteer(self, stage_arg: str) -> str:
-        name = f"v{self._count}"
-        self._count += 1
-        argv = ["join", "--stage", stage_arg, "--device-id", name] + self.common()
+    def start_volunteer(self, stage_arg: str, name: str | None = None, extra: list[str] = ()) -> str:
+        if name is None:
+            name = f"v{self._count}"
+            self._count += 1
+        argv = ["join", "--stage", stage_arg, "--device-id", name] + self.common() + list(extra)
+        if self.args.volunteer_slowdown:
+            argv += ["--slowdown", str(self.args.volunteer_slowdown)]
         self.volunteers[name] = (self._spawn(name, argv), stage_arg)
         return name
 

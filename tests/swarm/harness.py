@@ -1,0 +1,119 @@
+"""A live swarm of real processes on 127.0.0.1 driven from a test: the same launcher code as
+`peer swarm` (its Swarm and Monitor), with the test holding the bootstrap DHT so that it can watch
+records, call servers over P2P, kill volunteers and start new ones."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import torch
+
+from peer.cli import build_parser
+from peer.node import P2PLink, start_dht, visible_maddrs
+from peer.protocol import records
+from peer.swarm import Monitor, Swarm, kill_group, validate
+
+
+def rel_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), f"parameter names differ: {set(a) ^ set(b)}"
+    num = sum(float(((a[k].float() - b[k].float()) ** 2).sum()) for k in b)
+    den = sum(float((b[k].float() ** 2).sum()) for k in b)
+    return (num / den) ** 0.5
+
+
+def reference_state(model: str, steps: int, seed: int = 0, batch_size: int = 16, micro_batches: int = 4, lr: float = 3e-3):
+    from peer.model.config import get_preset
+    from peer.model.data import load_corpus
+    from peer.reference import train_reference
+
+    cfg = get_preset(model)
+    state, _ = train_reference(cfg, load_corpus(None, seq_len=cfg.seq_len), steps=steps, seed=seed,
+                               batch_size=batch_size, micro_batches=micro_batches, delay=1, lr=lr, progress=False)
+    return state
+
+
+class LiveSwarm:
+    def __init__(self, work_dir: str, argv: list[str]):
+        self.args = build_parser().parse_args(["swarm", "--work-dir", str(work_dir), "--no-progress", *argv])
+        self.args.verbose = 0
+        self.cfg, self.layout, frontal, backward = validate(self.args)
+        self.work_dir = str(work_dir)
+        self.dht = start_dht([])
+        self.swarm = Swarm(self.args, self.layout, frontal, backward, visible_maddrs(self.dht), self.work_dir)
+        self.monitor: Monitor | None = None
+
+    async def start(self, volunteers: bool = True) -> None:
+        self.swarm.start_servers()
+        if volunteers:
+            self.swarm.start_volunteers()
+        self.p2p = await self.dht.replicate_p2p()
+        self.monitor = Monitor(self.dht, self.p2p, self.args.run_id, self.layout, self.args.batch_size * self.cfg.seq_len)
+
+    async def wait(self, predicate, timeout: float, what: str, poll: float = 0.1):
+        deadline = time.monotonic() + timeout
+        while True:
+            self.swarm.check_alive()
+            await self.monitor.refresh()
+            value = predicate()
+            if asyncio.iscoroutine(value):
+                value = await value
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout} s waiting for {what}; servers: {await self.diagnose()}")
+            await asyncio.sleep(poll)
+
+    async def diagnose(self) -> dict:
+        out = {}
+        for dev in self.monitor.all_devices():
+            try:
+                st = await self.status(dev)
+                out[dev] = {"version": st["version"], "pool": {k: st["pool"][k] for k in ("queued", "leased", "done", "requeued")},
+                            "clients": {c["device"]: c["tasks_done"] for c in st["clients"].values()}}
+            except Exception as e:
+                out[dev] = repr(e)
+        return out
+
+    async def wait_version(self, version: int, timeout: float = 240.0) -> None:
+        await self.wait(lambda: self.monitor.min_version() >= version, timeout, f"version {version}")
+
+    async def clients(self, stage: int) -> dict[str, str]:
+        """device id -> peer id of the volunteers announced under a stage."""
+        found = await records.read_stage(self.dht, self.args.run_id, stage)
+        return {rec["device"]: peer for peer, rec, _ in found if rec and rec["kind"] == "client"}
+
+    def link(self, device: str) -> P2PLink:
+        from parameter_server.server import StageServer
+
+        return P2PLink(self.p2p, self.monitor.servers[device][0], device, StageServer)
+
+    async def status(self, device: str) -> dict:
+        meta, _ = await self.link(device).call("status", {}, timeout=30)
+        return meta
+
+    def kill(self, name: str) -> None:
+        proc, _ = self.swarm.volunteers.pop(name)
+        kill_group(proc, signal.SIGKILL)
+        proc.wait()
+
+    def close(self) -> None:
+        try:
+            self.swarm.close()
+        finally:
+            self.dht.shutdown()
+
+
+def no_children_left(work_dir: str) -> list[int]:
+    """Pids of processes whose command line mentions this work dir (should be none after close)."""
+    left = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if str(work_dir) in cmd:
+                left.append(int(pid))
+    return left

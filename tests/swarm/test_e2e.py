@@ -1,0 +1,162 @@
+"""End-to-end: real `peer serve` / `peer join` processes, real hivemind DHT and P2P on 127.0.0.1,
+real SIGKILL. Each scenario checks the trained parameters against `peer reference --delay 1`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from peer.protocol.wire import RemoteError
+from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, rel_diff
+
+
+def test_peer_swarm_cli_matches_reference(tmp_path):
+    """2 stages x (1 FS + 1 BS) + 2 volunteers per stage, 3 steps of the tiny model."""
+    run_id = f"cli-{os.getpid()}"
+    out = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "swarm", "--model", "tiny", "--steps", "3", "--stages", "2",
+         "--servers-per-stage", "2", "--volunteers", "4", "--run-id", run_id, "--no-progress",
+         "--work-dir", str(tmp_path / "work"), "--summary-json", str(tmp_path / "summary.json"),
+         "--checkpoint-out", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("initial_peers=/ip4/127.0.0.1/tcp/"), out.stdout[:200]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("steps", "first_loss", "last_loss", "microbatches_expected", "microbatches_applied", "duplicates_dropped",
+                "requeued", "volunteers_killed", "wall_seconds", "tokens_per_second"):
+        assert key in summary, key
+    assert summary["microbatches_applied"] == summary["microbatches_expected"] == 3 * 4 * 2
+    assert abs(summary["first_loss"] - math.log(256)) < 0.1
+    state = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert rel_diff(state, reference_state("tiny", 3)) < 1e-5
+    assert no_children_left(run_id) == []
+
+
+@pytest.fixture(scope="module")
+def churn_scenario(tmp_path_factory):
+    """One swarm where volunteers do all the work (servers do not compute): a hostile client sends
+    bad payloads, a volunteer is SIGKILLed while it holds a task, and a new volunteer joins."""
+    work = tmp_path_factory.mktemp("churn")
+    steps = 12
+    live = LiveSwarm(work, ["--model", "tiny", "--steps", str(steps), "--volunteers", "4", "--servers-compute", "no",
+                            "--volunteer-slowdown", "30", "--client-timeout", "2", "--announce-period", "0.5",
+                            "--run-id", f"churn-{os.getpid()}"])
+    result: dict = {"steps": steps}
+
+    async def scenario():
+        await live.start()
+        await live.wait_version(1)
+        result["bad_payloads"] = await send_bad_payloads(live)
+        # SIGKILL v0 (stage 0) at a moment it holds a lease
+        peers = await live.wait(lambda: _has(live, "v0"), 60, "v0 to announce")
+        v0 = peers["v0"]
+
+        async def v0_holds_lease():
+            for dev in live.layout.stages[0].servers:
+                pool = (await live.status(dev))["pool"]
+                if pool["clients"].get(v0, {}).get("leases", 0) > 0:
+                    return dev
+            return None
+
+        result["killed_on"] = await live.wait(v0_holds_lease, 60, "v0 to hold a lease", poll=0.02)
+        result["version_at_kill"] = live.monitor.min_version()
+        live.kill("v0")
+        # a volunteer joins mid-run on stage 0
+        live.swarm.start_volunteer("0", name="late")
+        peers = await live.wait(lambda: _has(live, "late"), 90, "late to announce")
+        result["late_joined_at"] = live.monitor.min_version()
+
+        async def late_did_work():
+            done = 0
+            for dev in live.layout.stages[0].servers:
+                done += (await live.status(dev))["clients"].get(peers["late"], {}).get("tasks_done", 0)
+            return done > 0 and live.monitor.min_version()
+
+        result["late_worked_by"] = await live.wait(late_did_work, 120, "the late volunteer to complete a task")
+        await live.wait_version(steps)
+        result["statuses"] = await live.monitor.statuses()
+        result["state"] = await live.monitor.assemble(steps)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        live.close()
+    result["left"] = no_children_left(live.args.run_id)
+    return result
+
+
+async def _has(live, device):
+    peers = await live.clients(0)
+    return peers if device in peers else None
+
+
+async def send_bad_payloads(live) -> dict:
+    """A registered client of stage 0 sends malformed requests; each must be refused with a reason."""
+    from peer.model.transformer import init_state
+
+    fs, bs = live.layout.stages[0].frontal[0], live.layout.stages[0].backward[0]
+    answers = {}
+    good = torch.zeros(2, 2)
+
+    async def expect_error(name, device, method, meta, tensors=()):
+        try:
+            await live.link(device).call(method, meta, list(tensors), timeout=30)
+        except RemoteError as e:
+            answers[name] = str(e)
+        else:
+            answers[name] = None
+
+    await expect_error("unregistered_take", fs, "take", {})
+    await live.link(fs).call("register", {"device": "attacker", "compute": 1e-3, "stage": 0})
+    await live.link(bs).call("register", {"device": "attacker", "compute": 1e-3, "stage": 0})
+    meta = {"task": "B1.0.0.0-2", "batch": 1, "micro": 0, "rows": [0, 2]}
+    await expect_error("wrong_shape_grads", fs, "push_grads", meta, [good] * 50)
+    version = (await live.status(fs))["version"]
+    names_meta, tensors = await live.link(fs).call("get_params", {"version": version})
+    nan = [torch.full_like(t, float("nan")) for t in tensors]
+    await expect_error("nan_grads", fs, "push_grads", meta, nan)
+    await expect_error("unknown_task_complete", fs, "complete", {"task": "F99.0.0.0-1"})
+    await expect_error("wrong_shape_outputs", bs, "push_outputs",
+                       {"task": "F1.0.0.0-2", "batch": 1, "micro": 0, "rows": [0, 2], "frontal": fs},
+                       [torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int64)])
+    await expect_error("bad_metadata", fs, "push_grads", {"task": 5})
+    return answers
+
+
+def _has_words(answer, *words):
+    return answer is not None and all(w in answer for w in words)
+
+
+def test_bad_payloads_are_refused_with_a_reason(churn_scenario):
+    a = churn_scenario["bad_payloads"]
+    assert _has_words(a["unregistered_take"], "not registered"), a
+    assert _has_words(a["wrong_shape_grads"], "expected"), a
+    assert _has_words(a["nan_grads"], "NaN"), a
+    assert _has_words(a["unknown_task_complete"], "unknown task id"), a
+    assert _has_words(a["wrong_shape_outputs"], "expected shape"), a
+    assert _has_words(a["bad_metadata"], "task"), a
+
+
+def test_killed_volunteer_does_not_stop_training(churn_scenario):
+    r = churn_scenario
+    requeued = sum(s["requeued"] for s in r["statuses"].values())
+    assert requeued >= 1, "the killed volunteer's task was not re-queued"
+    applied = sum(r["statuses"][st]["microbatches_applied"] for st in ("s0f0", "s1f0"))
+    assert applied == r["steps"] * 4 * 2
+
+
+def test_volunteer_joining_mid_run_gets_work_within_one_step(churn_scenario):
+    r = churn_scenario
+    assert r["late_worked_by"] <= r["late_joined_at"] + 1, r
+
+
+def test_result_unchanged_by_churn_and_bad_input(churn_scenario):
+    assert rel_diff(churn_scenario["state"], reference_state("tiny", churn_scenario["steps"])) < 1e-5
+    assert churn_scenario["left"] == []
