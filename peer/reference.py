@@ -168,17 +168,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _check_output_path(path: str, *, directory: bool) -> None:
-    what = "--checkpoint-out" if directory else "--summary-json"
-    if directory and os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"{what} {path!r} exists and is not a folder")
-    if not directory and os.path.isdir(path):
-        raise UsageError(f"{what} {path!r} is a folder")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise UsageError(f"{what} {path!r} cannot be written ({parent!r} is not a writable folder)")
+def _prepare_output_folder(path: str, what: str) -> None:
+    """Create the folder `path` (the last step of validation, after every other check passed, so
+    bad input leaves nothing behind); UsageError if it cannot be created or written to."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{what}: cannot create folder {path!r}: {e.strerror}") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"{what}: folder {path!r} is not writable")
 
 
 def _check_device(name: str) -> None:
@@ -201,11 +199,11 @@ def run(args: argparse.Namespace) -> int:
                             delay=args.delay, lr=args.lr)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.checkpoint_out:
-        _check_output_path(args.checkpoint_out, directory=True)
-    if args.summary_json:
-        _check_output_path(args.summary_json, directory=False)
     _check_device(args.device)
+    if args.summary_json and os.path.isdir(args.summary_json):
+        raise UsageError(f"--summary-json {args.summary_json!r} is a folder")
+    if args.checkpoint_out and os.path.exists(args.checkpoint_out) and not os.path.isdir(args.checkpoint_out):
+        raise UsageError(f"--checkpoint-out {args.checkpoint_out!r} exists and is not a folder")
 
     from peer.model.data import load_corpus
 
@@ -213,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
         corpus = load_corpus(args.data, seq_len=cfg.seq_len)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.checkpoint_out:
+        _prepare_output_folder(args.checkpoint_out, "--checkpoint-out")
+    if args.summary_json:
+        _prepare_output_folder(os.path.dirname(os.path.abspath(args.summary_json)), "--summary-json")
 
     state, summary = train_reference(cfg, corpus, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
                                      micro_batches=args.micro_batches, delay=args.delay, lr=args.lr,
@@ -220,7 +222,6 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint_out:
         summary["checkpoint"] = save_checkpoint(args.checkpoint_out, state, cfg)
     if args.summary_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.summary_json)), exist_ok=True)
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=2)
             f.write("\n")
