@@ -126,9 +126,10 @@ def owners(n: int, parts: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def split_by_weights(lo: int, hi: int, weights: list[float]) -> list[tuple[int, int]]:
+def split_by_weights(lo: int, hi: int, weights: list[float]) -> list[tuple[int, int, int]]:
     """Rows [lo, hi) cut into len(weights) contiguous pieces proportional to the weights (largest
-    remainder rounding); empty pieces are dropped, so fewer pieces come back when rows are scarce."""
+    remainder rounding), as (weight index, lo, hi); empty pieces are dropped, so fewer pieces come
+    back when rows are scarcer than weights."""
     n = hi - lo
     if n <= 0:
         return []
@@ -142,8 +143,8 @@ def split_by_weights(lo: int, hi: int, weights: list[float]) -> list[tuple[int, 
     for i in order[: n - sum(counts)]:
         counts[i] += 1
     pieces, at = [], lo
-    for c in counts:
+    for i, c in enumerate(counts):
         if c > 0:
-            pieces.append((at, at + c))
+            pieces.append((i, at, at + c))
             at += c
     return pieces

@@ -27,11 +27,17 @@ from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 
 from parameter_server.layout import RunLayout, owners, segment, split_by_weights
 from parameter_server.shard import ShardState, version_for_batch
+from peer.node import TRAFFIC
 from peer.protocol.links import LinkEmulator
 from peer.protocol.wire import PayloadError, RemoteError, check_tensor, field as mfield, pack, rows_field, unpack
 from taskpool import Completion, Task, TaskPool, TaskPoolError
 
 logger = logging.getLogger("hivepipe.server")
+
+# Servers of a stage step on their own. A task of batch t+1 needs version t on every server of its
+# stage, so one server leads another by at most two versions: each keeps three parameter versions
+# and the rows of three batches, which is what a re-run of a task needs from the leader.
+RETAIN = 3
 
 RPC_NAMES = ("register", "take", "complete", "fail", "get_params", "push_grads", "push_inputs", "get_inputs",
              "push_input_grads", "push_outputs", "push_output_grads", "ping", "status")
@@ -127,11 +133,13 @@ class StageServer(ServicerBase):
         shards = assign_shards({n: t.numel() for n, t in stage_params.items()}, len(self.st.servers))
         my = shards[self.st.servers.index(device_id)]
         self.shard = ShardState({n: stage_params[n] for n in my}, lr=run.lr, rows_per_micro=self.rows,
-                                micro_batches=run.micro_batches, steps=run.steps)
+                                micro_batches=run.micro_batches, steps=run.steps, keep_versions=RETAIN)
+        self.peer_versions: dict[str, int] = {}  # versions the stage's other servers announced
         self.pool = TaskPool(clock=clock, default_timeout=task_timeout, max_leases_per_client=1,
                              preference_grace=preference_grace)
         self.clients: dict[str, ClientInfo] = {}
         self.issued: set[str] = set()  # every task id this server created
+        self.waiting_inputs: list[tuple[int, int]] = []  # FS k>0: complete inputs waiting for their version
         self.buffers: dict[tuple[int, int], RowBuffer] = {}  # FS: inputs; BS: outputs
         self.grad_buffers: dict[tuple[int, int], RowBuffer] = {}  # BS: output grads; FS: relayed input grads
         self.ledger: dict[tuple[int, int], list[LedgerEntry]] = {}
@@ -144,14 +152,21 @@ class StageServer(ServicerBase):
     # ------------------------------------------------------------------------------------------
     # transport glue: every rpc_* is a stream handler wrapping `handle`
     async def _serve(self, method: str, requests: AsyncIterator[ExpertRequest], context: P2PContext):
+        async def counted():
+            async for message in requests:
+                TRAFFIC[f"{method}.request"] += message.ByteSize()
+                yield message
+
         try:
-            meta, tensors = await unpack(requests)
+            meta, tensors = await unpack(counted())
         except PayloadError as e:
             rmeta, rtensors = {"error": str(e)}, []
         else:
             rmeta, rtensors = await self.handle(method, meta, tensors, str(context.remote_id))
         out = pack(rmeta, rtensors, ExpertResponse)
-        await self.links.send(self._device_of(str(context.remote_id)), sum(m.ByteSize() for m in out))
+        nbytes = sum(m.ByteSize() for m in out)
+        TRAFFIC[f"{method}.response"] += nbytes
+        await self.links.send(self._device_of(str(context.remote_id)), nbytes)
         for message in out:
             yield message
 
@@ -178,9 +193,16 @@ class StageServer(ServicerBase):
     def directory_reverse(self) -> dict:
         return getattr(self, "_directory_reverse", {})
 
-    def set_directory(self, device_to_peer: dict[str, str]) -> None:
+    def set_directory(self, device_to_peer: dict[str, str], versions: dict[str, int] | None = None) -> None:
         self._directory = dict(device_to_peer)
         self._directory_reverse = {p: d for d, p in device_to_peer.items()}
+        if versions is not None:
+            self.peer_versions = {d: v for d, v in versions.items() if d in self.st.servers}
+
+    def stage_min_version(self) -> int:
+        """The lowest version any server of this stage has announced (stale means lower: safe)."""
+        known = [self.peer_versions.get(d, 0) for d in self.st.servers if d != self.device_id]
+        return min([self.shard.version] + known)
 
     # ------------------------------------------------------------------------------------------
     # checks shared by handlers
@@ -205,7 +227,7 @@ class StageServer(ServicerBase):
             raise PayloadError(f"batch {t} outside the run's 0..{self.run.steps - 1}")
         if not 0 <= m < self.run.micro_batches:
             raise PayloadError(f"micro-batch {m} outside 0..{self.run.micro_batches - 1}")
-        if t < self.shard.version:
+        if t < self.shard.version - (RETAIN - 1):
             raise PayloadError(f"batch {t} is already applied (version {self.shard.version})")
         return t, m
 
@@ -243,14 +265,11 @@ class StageServer(ServicerBase):
         gone = [p for p, c in self.clients.items() if now - c.last_seen > self.client_timeout and p != self.peer_id]
         for p in gone:
             del self.clients[p]
-            if self.requeue:
-                n = len(self.pool.client_left(p))
-            else:
-                n = 0
-                for lease in self.pool.leases_of(p):
-                    self.pool.abandon(lease.task.task_id)
-            logger.info("%s: client %s left; %s %d tasks", self.device_id, p[-8:],
-                        "re-queued" if self.requeue else "dropped", n)
+            # with --no-requeue the departed client's leases are left to run out their full timeout
+            # (as a SWARM trainer waits out a request to a dead peer); the work is then done again
+            n = len(self.pool.client_left(p)) if self.requeue else len(self.pool.leases_of(p))
+            logger.info("%s: client %s left; %d tasks %s", self.device_id, p[-8:], n,
+                        "re-queued" if self.requeue else "left to time out")
         return gone
 
     # ------------------------------------------------------------------------------------------
@@ -262,7 +281,7 @@ class StageServer(ServicerBase):
             if lease is None:
                 return {"task": None, "version": self.shard.version}
             task = lease.task
-            if task.batch < self.shard.version:  # already applied: nothing left to do with it
+            if task.batch < self.stage_min_version():  # applied by every server: nothing left to do
                 self.pool.abandon(task.task_id)
                 continue
             break
@@ -331,7 +350,7 @@ class StageServer(ServicerBase):
             v = self.shard.step()
             stepped = True
             logger.info("%s: applied batch %d -> version %d", self.device_id, v - 1, v)
-            self._forget_before(v)
+            self._forget_before(v - (RETAIN - 1))
             for cb in self.on_step:
                 r = cb(v)
                 if asyncio.iscoroutine(r):
@@ -340,11 +359,12 @@ class StageServer(ServicerBase):
             self.step_event.set()
             self.step_event = asyncio.Event()
             self.maybe_start_batches()
+            self.release_waiting()
 
-    def _forget_before(self, version: int) -> None:
-        """Batches < version are applied everywhere on this server: drop their rows and tasks."""
+    def _forget_before(self, batch: int) -> None:
+        """Drop the rows and ledgers of batches < batch (applied by every server of the stage)."""
         for store in (self.buffers, self.grad_buffers, self.ledger):
-            for key in [k for k in store if k[0] < version]:
+            for key in [k for k in store if k[0] < batch]:
                 del store[key]
 
     # ------------------------------------------------------------------------------------------
@@ -369,12 +389,25 @@ class StageServer(ServicerBase):
                 self._make_forward_tasks(t, m)
             self.next_batch += 1
 
+    def split_weights(self) -> list[tuple[str, float]]:
+        """Each registered client's share of new forward tasks (paper 3.2.1, "Dynamic Client
+        Participation"): its measured throughput once it has completed tasks here, else the compute
+        power it registered, both relative to the clients' total so the two scales mix."""
+        clients = sorted(self.clients.items())
+        measured = self.pool.stats().get("clients", {})
+        thr = {p: measured.get(p, {}).get("throughput", 0.0) for p, _ in clients}
+        have = [p for p in thr if thr[p] > 0]
+        if not have:
+            return [(p, c.compute) for p, c in clients]
+        # clients without a measurement yet get the median measured share of their registered compute
+        scale = sorted(thr[p] / self.clients[p].compute for p in have)[len(have) // 2]
+        return [(p, thr[p] if thr[p] > 0 else c.compute * scale) for p, c in clients]
+
     def _make_forward_tasks(self, t: int, m: int) -> None:
         lo, hi = self.seg
-        clients = sorted(self.clients.items(), key=lambda kv: kv[0])
-        weights = [c.compute for _, c in clients] or [1.0]
-        pieces = split_by_weights(lo, hi, weights)
-        for i, (a, b) in enumerate(pieces):
+        clients = self.split_weights()
+        weights = [w for _, w in clients] or [1.0]
+        for i, a, b in split_by_weights(lo, hi, weights):
             preferred = clients[i][0] if clients else None
             self._add_task(Task(task_id=f"F{t}.{m}.{self.stage}.{a}-{b}", kind="forward", batch=t, micro_batch=m,
                                stage=self.stage, rows=(a, b), preferred_client=preferred))
@@ -397,8 +430,18 @@ class StageServer(ServicerBase):
             self.counters["relay_duplicates"] += 1
             return {"result": "duplicate"}
         if buf.complete:
-            self._make_forward_tasks(t, m)
+            self.waiting_inputs.append((t, m))
+            self.release_waiting()
         return {"result": "accepted"}
+
+    def release_waiting(self) -> None:
+        """Publish forward tasks of batch t only once this server holds parameters version t-1, so
+        that no worker leases a task it cannot compute yet (and blocks on it while older, re-queued
+        work waits: a deadlock)."""
+        ready = [(t, m) for t, m in self.waiting_inputs if version_for_batch(t) <= self.shard.version]
+        for key in ready:
+            self.waiting_inputs.remove(key)
+            self._make_forward_tasks(*key)
 
     async def on_get_inputs(self, meta, tensors, sender):
         self._client(sender)
@@ -517,6 +560,7 @@ class StageServer(ServicerBase):
             "requeued": pool.get("requeued", 0), "pool": pool, "counters": dict(self.counters),
             "clients": {p: {"device": c.device, "compute": c.compute, "tasks_done": c.tasks_done}
                         for p, c in self.clients.items()},
+            "traffic": dict(TRAFFIC),
         }
 
     # ------------------------------------------------------------------------------------------

@@ -19,6 +19,10 @@ def add_arguments(p) -> None:
     p.add_argument("--probe-bytes", type=int, default=1 << 20, help="payload of the bandwidth probe")
     p.add_argument("--compute", type=float, default=None, help="override the measured compute power (rows/s)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the run to appear")
+    p.add_argument("--die-at", default=None, metavar="POINT",
+                   help="fault injection for tests: SIGKILL this volunteer at the first POINT of the protocol "
+                        "(before_forward, during_forward, after_outputs, during_backward, after_input_grads, "
+                        "mid_grad_push, after_grad_push, pulling_params)")
     add_common_arguments(p)
 
 
@@ -31,6 +35,10 @@ def run(args) -> int:
             raise UsageError(f"--stage must be 'auto' or a stage index, got {args.stage!r}") from None
         if stage < 0:
             raise UsageError(f"--stage must be >= 0, got {stage}")
+    from peer.worker import KILL_POINTS
+
+    if args.die_at is not None and args.die_at not in KILL_POINTS:
+        raise UsageError(f"--die-at {args.die_at!r}: choose from {', '.join(KILL_POINTS)}")
     if args.compute is not None and args.compute <= 0:
         raise UsageError("--compute must be positive")
     if not args.initial_peers:
@@ -117,7 +125,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
         links = {d: P2PLink(p2p, directory.servers[d], d, StageServer, links_emulator) for d in st.servers}
         slowdown = args.slowdown or links_emulator.compute_slowdown()
         worker = StageWorker(run=run, layout=layout, cfg=cfg, stage=stage, device_id=device, links=links,
-                             compute=1.0, torch_device=args.device, slowdown=slowdown)
+                             compute=1.0, torch_device=args.device, slowdown=slowdown, die_at=args.die_at)
         worker.compute = args.compute or worker.measure_compute()
         print(f"joined run {run.run_id} as {device} ({peer_id}) on stage {stage}, compute {worker.compute:.3g} rows/s",
               flush=True)

@@ -4,6 +4,7 @@ read from the DHT."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -17,6 +18,10 @@ from peer.protocol.links import LinkEmulator
 from peer.protocol.wire import PayloadError, RemoteError, pack, unpack
 
 logger = logging.getLogger("hivepipe.node")
+
+# bytes a server received ("<method>.request") and answered ("<method>.response"): every message of a
+# run goes to a server or comes back from one, so the servers' counters add up to the run's traffic
+TRAFFIC: collections.Counter = collections.Counter()
 
 
 def start_dht(initial_peers=(), *, identity_path: str | None = None, client_mode: bool = False,
@@ -37,20 +42,20 @@ def visible_maddrs(dht: DHT) -> list[str]:
 class P2PLink:
     """A server seen over hivemind P2P."""
 
-    def __init__(self, p2p, peer_id: str, device: str, servicer_cls, links: LinkEmulator | None = None,
-                 meter: dict | None = None):
+    def __init__(self, p2p, peer_id: str, device: str, servicer_cls, links: LinkEmulator | None = None):
         self.peer_id = peer_id
         self.device = device
         self._stub = servicer_cls.get_stub(p2p, PeerID.from_base58(peer_id))
         self.links = links or LinkEmulator()
-        self.meter = meter if meter is not None else {}
 
-    IDEMPOTENT = frozenset({"status", "get_params", "ping", "get_inputs", "register"})
+    # every server method is safe to repeat (gradient credits, relays and ledger entries are
+    # de-duplicated by task and rows) except `take`, whose lost answer is a lease that will expire
+    NOT_RETRIED = frozenset({"take"})
 
     async def call(self, method: str, meta: dict, tensors=(), timeout: float = 30.0):
-        """One request; a connection that closes before answering is retried for idempotent methods
-        and raised as ConnectionError otherwise."""
-        attempts = 3 if method in self.IDEMPOTENT else 1
+        """One request; a connection that closes before answering is retried (but for `take`), then
+        raised as ConnectionError."""
+        attempts = 1 if method in self.NOT_RETRIED else 3
         for attempt in range(attempts):
             try:
                 return await self._call_once(method, meta, tensors, timeout)
@@ -61,10 +66,7 @@ class P2PLink:
 
     async def _call_once(self, method: str, meta: dict, tensors, timeout: float):
         messages = pack(meta, list(tensors), ExpertRequest)
-        nbytes = sum(m.ByteSize() for m in messages)
-        self.meter["bytes_sent"] = self.meter.get("bytes_sent", 0) + nbytes
-        self.meter["calls"] = self.meter.get("calls", 0) + 1
-        await self.links.send(self.device, nbytes)
+        await self.links.send(self.device, sum(m.ByteSize() for m in messages))
 
         async def stream():
             for m in messages:
@@ -109,10 +111,11 @@ class Directory:
         self.run_id = run_id
         self.num_stages = num_stages
         self.servers: dict[str, str] = {}
+        self.versions: dict[str, int] = {}  # server device -> announced parameter version
         self.records: dict[str, dict] = {}  # peer id -> record (servers and clients)
 
     async def refresh(self) -> dict[str, str]:
-        servers, recs = {}, {}
+        servers, recs, versions = {}, {}, {}
         for k in range(self.num_stages):
             for peer, rec, problem in await records.read_stage(self.dht, self.run_id, k):
                 if rec is None:
@@ -121,7 +124,8 @@ class Directory:
                 recs[peer] = rec
                 if rec["kind"] == "server" and rec["state"] != "offline":
                     servers[rec["device"]] = peer
-        self.servers, self.records = servers, recs
+                    versions[rec["device"]] = rec["version"]
+        self.servers, self.records, self.versions = servers, recs, versions
         return servers
 
     async def wait_for(self, devices, timeout: float = 120.0) -> None:

@@ -7,6 +7,7 @@ import logging
 import os
 
 from peer.errors import UsageError
+from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 from peer.runtime import add_common_arguments, check_common, run_until_signalled
 
 logger = logging.getLogger("hivepipe.serve")
@@ -24,13 +25,13 @@ def add_arguments(p) -> None:
     where.add_argument("--plan", default=None, metavar="PLAN.json", help="a plan from `peer plan`")
     where.add_argument("--device-id", default=None, help="this host's id in --plan")
     train = p.add_argument_group("training (every server of a run must agree)")
-    train.add_argument("--model", default="small")
+    train.add_argument("--model", default=TRAIN_DEFAULTS["model"])
     train.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--steps", type=int, default=50)
-    train.add_argument("--batch-size", type=int, default=16)
-    train.add_argument("--micro-batches", type=int, default=4)
-    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--batch-size", type=int, default=TRAIN_DEFAULTS["batch_size"])
+    train.add_argument("--micro-batches", type=int, default=TRAIN_DEFAULTS["micro_batches"])
+    train.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["lr"])
     net = p.add_argument_group("network and process")
     net.add_argument("--host-maddrs", nargs="*", default=None, help="default: /ip4/127.0.0.1/tcp/0")
     net.add_argument("--identity-path", default=None, help="a persistent libp2p key (same peer id after restarts)")
@@ -180,7 +181,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
             try:
                 await announce(state)
                 servers = await directory.refresh()
-                server.set_directory(servers)
+                server.set_directory(servers, directory.versions)
                 if state == "joining" and all(d in servers for s in layout.stages for d in s.servers):
                     state = "online"
             except Exception as e:
@@ -202,6 +203,10 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
             except asyncio.TimeoutError:
                 pass
 
+    def report_crash(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("%s: background task failed", device, exc_info=task.exception())
+
     tasks = [asyncio.ensure_future(announcer()), asyncio.ensure_future(maintenance())]
     worker = None
     if not args.no_compute:
@@ -212,6 +217,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                              compute=1.0, torch_device=args.device, slowdown=slowdown)
         worker.compute = worker.measure_compute()
         tasks.append(asyncio.ensure_future(worker.run_loop(stop)))
+    for t in tasks:
+        t.add_done_callback(report_crash)
     print(f"serving {device} (stage {stage} {role}, layers {st.layers[0]}-{st.layers[1]}) as {peer_id}", flush=True)
     await stop.wait()
     try:

@@ -4,6 +4,7 @@ the end it writes the summary JSON and the full model assembled from the servers
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import tempfile
 import time
 
 from peer.errors import UsageError
+from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 
 logger = logging.getLogger("hivepipe.swarm")
 
@@ -26,16 +28,20 @@ def add_arguments(p) -> None:
     p.add_argument("--volunteer-stage", default="spread", help="'spread' (round robin), 'auto' or a stage index")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="small")
+    p.add_argument("--model", default=TRAIN_DEFAULTS["model"])
     p.add_argument("--data", default=None)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-size", type=int, default=TRAIN_DEFAULTS["batch_size"])
+    p.add_argument("--micro-batches", type=int, default=TRAIN_DEFAULTS["micro_batches"])
+    p.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["lr"])
     p.add_argument("--churn", type=float, default=0.0, help="fraction of volunteers SIGKILLed (and replaced) each step")
     p.add_argument("--no-requeue", action="store_true", help="drop a departed volunteer's work (SWARM-like baseline)")
     p.add_argument("--servers-compute", choices=["yes", "no"], default="yes", help="servers run a local worker too")
     p.add_argument("--volunteer-slowdown", type=float, default=None,
                    help="stretch the volunteers' compute by this factor (emulates slower devices)")
+    p.add_argument("--cluster", default=None, metavar="CLUSTER.json",
+                   help="with --plan: the cluster the plan was made for; also the link profile")
+    p.add_argument("--plan", default=None, metavar="PLAN.json",
+                   help="lay the swarm out as this plan says: each process takes a device's identity")
     p.add_argument("--link-profile", default=None, metavar="CLUSTER.json")
     p.add_argument("--link-scale", type=float, default=1.0)
     p.add_argument("--run-id", default="swarm")
@@ -68,10 +74,34 @@ def validate(args):
         raise UsageError(f"--churn is a fraction in [0, 1], got {args.churn}")
     frontal = (args.servers_per_stage + 1) // 2
     backward = args.servers_per_stage // 2
+    if bool(args.plan) != bool(args.cluster):
+        raise UsageError("--plan and --cluster go together")
     try:
-        layout = RunLayout.even(args.stages, cfg.layers, frontal, backward)
+        if args.plan:
+            with open(args.plan) as f:
+                layout = RunLayout.from_dict(json.load(f), cfg.layers)
+            args.link_profile = args.link_profile or args.cluster
+            args.stages = layout.num_stages
+            args.volunteers = sum(len(st.clients) for st in layout.stages)
+        else:
+            layout = RunLayout.even(args.stages, cfg.layers, frontal, backward)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"--plan {args.plan}: {e}") from None
     except ValueError as e:
         raise UsageError(str(e)) from None
+    frontal = max(len(st.frontal) for st in layout.stages)
+    backward = max(len(st.backward) for st in layout.stages)
+    if args.link_profile:
+        from scheduler import PlanInputError, load_cluster
+
+        try:
+            cluster = load_cluster(args.link_profile)
+        except (OSError, PlanInputError) as e:
+            raise UsageError(f"{args.link_profile}: {e}") from None
+        known = set(cluster.reliable_ids)
+        missing = [d for st in layout.stages for d in st.servers if d not in known]
+        if args.plan and missing:
+            raise UsageError(f"the plan's servers {missing} are not reliable devices of {args.link_profile}")
     if max(frontal, backward) > args.batch_size // args.micro_batches:
         raise UsageError("more servers of one role than rows in a micro-batch")
     if args.volunteer_stage not in ("spread", "auto"):
@@ -124,9 +154,10 @@ class Swarm:
         for st in self.layout.stages:
             for role, names in (("frontal", st.frontal), ("backward", st.backward)):
                 for i, name in enumerate(names):
-                    argv = ["serve", "--reliable", "--stage", str(st.index), "--role", role, "--index", str(i),
-                            "--stages", str(a.stages), "--frontal-per-stage", str(self.frontal),
-                            "--backward-per-stage", str(self.backward), "--model", a.model, "--seed", str(a.seed),
+                    where = (["--plan", a.plan, "--device-id", name] if a.plan else
+                             ["--stage", str(st.index), "--role", role, "--index", str(i), "--stages", str(a.stages),
+                              "--frontal-per-stage", str(self.frontal), "--backward-per-stage", str(self.backward)])
+                    argv = ["serve", "--reliable", *where, "--model", a.model, "--seed", str(a.seed),
                             "--steps", str(a.steps), "--batch-size", str(a.batch_size),
                             "--micro-batches", str(a.micro_batches), "--lr", str(a.lr),
                             "--announce-period", str(a.announce_period), "--task-timeout", str(a.task_timeout),
@@ -152,6 +183,11 @@ class Swarm:
 
     def start_volunteers(self) -> None:
         a = self.args
+        if a.plan:  # each client of the plan, on its stage, under its device id
+            for st in self.layout.stages:
+                for name in st.clients:
+                    self.start_volunteer(str(st.index), name=name)
+            return
         for i in range(a.volunteers):
             stage = str(i % a.stages) if a.volunteer_stage == "spread" else a.volunteer_stage
             self.start_volunteer(stage)
@@ -162,7 +198,9 @@ class Swarm:
             kill_group(proc, signal.SIGKILL)
             proc.wait()
             self.killed += 1
-        self.start_volunteer(stage)
+        # a new volunteer takes the departed one's place in the cluster (and so its emulated links),
+        # with a fresh process and peer id
+        self.start_volunteer(stage, name=name)
 
     def check_alive(self) -> None:
         for name, proc in self.servers.items():
@@ -356,4 +394,6 @@ class Monitor:
             "volunteers_killed": killed,
             "wall_seconds": round(wall, 3),
             "tokens_per_second": round(args.steps * args.batch_size * cfg.seq_len / max(wall, 1e-9), 1),
+            "bytes_on_wire": sum(sum(s.get("traffic", {}).values()) for s in statuses.values()),
+            "traffic": dict(sum((collections.Counter(s.get("traffic", {})) for s in statuses.values()), collections.Counter())),
         }

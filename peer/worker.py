@@ -23,10 +23,28 @@ from peer.protocol.wire import RemoteError
 
 logger = logging.getLogger("hivepipe.worker")
 
+# the points of the protocol where a volunteer can be made to die (`peer join --die-at`), to prove
+# that every micro-batch is applied exactly once whatever the point
+KILL_POINTS = ("before_forward", "during_forward", "after_outputs", "during_backward", "after_input_grads",
+               "mid_grad_push", "after_grad_push", "pulling_params")
+
+
+class NotReady(Exception):
+    """The parameters a task needs are not on every server yet."""
+
+
+def die_here() -> None:
+    """SIGKILL this process and its group (its DHT process and p2p daemon), as a crash would."""
+    import os
+    import signal
+
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
 
 class StageWorker:
     def __init__(self, *, run, layout, cfg, stage: int, device_id: str, links: dict, compute: float,
-                 torch_device: str = "cpu", slowdown: float = 1.0, poll: float = 0.05, heartbeat: float = 1.0):
+                 torch_device: str = "cpu", slowdown: float = 1.0, poll: float = 0.05, heartbeat: float = 1.0,
+                 die_at: str | None = None):
         self.run, self.layout, self.cfg = run, layout, cfg
         self.stage = stage
         self.st = layout.stages[stage]
@@ -50,7 +68,15 @@ class StageWorker:
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.stats = {"forward": 0, "backward": 0, "dropped": 0, "compute_seconds": 0.0, "started": time.time()}
         self.current: tuple[str, str] | None = None  # (server device, task id) being worked on
+        if die_at is not None and die_at not in KILL_POINTS:
+            raise ValueError(f"unknown kill point {die_at!r}; choose from {', '.join(KILL_POINTS)}")
+        self.die_at = die_at
         self._turn = 0
+
+    def _point(self, name: str) -> None:
+        if self.die_at == name:
+            logger.warning("%s: dying at %s", self.device_id, name)
+            die_here()
 
     # ------------------------------------------------------------------------------------------
     async def register(self) -> None:
@@ -88,13 +114,18 @@ class StageWorker:
                 self.current = (link.device, meta["task"])
                 try:
                     await self.process(link, meta, tensors)
+                except NotReady as e:
+                    logger.info("%s: handing back %s: %s", self.device_id, meta["task"], e)
+                    await self._quiet(link.call("fail", {"task": meta["task"]}))
+                    await asyncio.sleep(self.poll)
                 except RemoteError as e:
                     self.stats["dropped"] += 1
                     logger.info("%s: task %s dropped: %s", self.device_id, meta["task"], e)
                     await self._quiet(link.call("fail", {"task": meta["task"]}))
-                except Exception as e:
+                except Exception as e:  # a transport failure: hand the task back so it is re-queued at once
                     self.stats["dropped"] += 1
-                    logger.warning("%s: task %s interrupted: %r", self.device_id, meta["task"], e, exc_info=True)
+                    logger.warning("%s: task %s interrupted: %r", self.device_id, meta["task"], e)
+                    await self._quiet(link.call("fail", {"task": meta["task"]}))
                 finally:
                     self.current = None
         finally:
@@ -123,16 +154,23 @@ class StageWorker:
         return None
 
     # ------------------------------------------------------------------------------------------
-    async def ensure_version(self, version: int) -> None:
+    async def ensure_version(self, version: int, patience: float = 2.0) -> None:
+        """Fetch parameters `version` from every server of the stage. A server that has not reached
+        it within `patience` seconds raises NotReady: the caller hands its task back rather than
+        hold a lease it cannot work on."""
         if version in self.versions:
             return
         state: dict[str, torch.Tensor] = {}
         for device in self.st.servers:
+            deadline = time.monotonic() + patience
             while True:
                 meta, tensors = await self.links[device].call("get_params", {"version": version}, timeout=60.0)
                 if not meta.get("retry"):
                     break
+                if time.monotonic() > deadline:
+                    raise NotReady(f"{device} has version {meta.get('version')}, the task needs {version}")
                 await asyncio.sleep(self.poll)
+            self._point("pulling_params")
             if meta.get("names") != self.shards[device]:
                 raise RemoteError(f"{device} serves shard {meta.get('names')}, expected {self.shards[device]}")
             state.update(zip(meta["names"], tensors))
@@ -162,6 +200,10 @@ class StageWorker:
         base = {"task": meta["task"], "batch": meta["batch"], "micro": meta["micro"], "rows": meta["rows"]}
         if loss is not None:
             base["loss_sum"] = float(loss)
+        if self.die_at == "mid_grad_push":  # one server gets its shard, the others never do
+            device, names = next(iter(self.shards.items()))
+            await self.links[device].call("push_grads", base, [grads[n] for n in names], timeout=60.0)
+            self._point("mid_grad_push")
         await asyncio.gather(*(
             self.links[device].call("push_grads", base, [grads[n] for n in names], timeout=60.0)
             for device, names in self.shards.items()
@@ -193,8 +235,10 @@ class StageWorker:
     async def _forward(self, link, meta, tensors) -> None:
         t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]
         x, y = tensors
+        self._point("before_forward")
 
         def fwd():
+            self._point("during_forward")
             self._load(meta["version"])
             with torch.no_grad():
                 return self.model(x.to(self.torch_device)).float().cpu()
@@ -208,11 +252,13 @@ class StageWorker:
                                     [out[p - a : q - a], y[p - a : q - a]], timeout=60.0)
             for j, p, q in owners(self.rows, len(nxt), a, b)
         ))
+        self._point("after_outputs")
         await link.call("complete", {"task": meta["task"]})
         self.stats["forward"] += 1
 
     def _backward_pass(self, version: int, x: torch.Tensor, out_grad=None, labels=None):
         """Recompute the slice on x and backpropagate; returns (input grad or None, loss_sum or None)."""
+        self._point("during_backward")
         self._load(version)
         self.model.zero_grad(set_to_none=True)
         x = x.to(self.torch_device)
@@ -243,7 +289,9 @@ class StageWorker:
         if gin is not None:
             await frontal.call("push_input_grads", {"task": meta["task"], "batch": meta["batch"], "micro": meta["micro"],
                                                     "rows": meta["rows"]}, [gin])
+            self._point("after_input_grads")
         await self.push_grads(meta, grads, loss)
+        self._point("after_grad_push")
         await link.call("complete", {"task": meta["task"]})
 
     async def _backward(self, link, meta, tensors) -> None:

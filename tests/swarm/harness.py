@@ -23,7 +23,7 @@ def rel_diff(a: dict, b: dict) -> float:
     return (num / den) ** 0.5
 
 
-def reference_state(model: str, steps: int, seed: int = 0, batch_size: int = 16, micro_batches: int = 4, lr: float = 3e-3):
+def reference_state(model: str, steps: int, seed: int = 0, batch_size: int = 16, micro_batches: int = 4, lr: float = 2e-3):
     from peer.model.config import get_preset
     from peer.model.data import load_corpus
     from peer.reference import train_reference

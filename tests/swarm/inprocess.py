@@ -15,7 +15,7 @@ from peer.protocol.records import RunConfig
 from peer.worker import StageWorker
 
 
-def make_run(model="tiny", stages=2, frontal=1, backward=1, steps=3, seed=0, batch_size=16, micro_batches=4, lr=3e-3):
+def make_run(model="tiny", stages=2, frontal=1, backward=1, steps=3, seed=0, batch_size=16, micro_batches=4, lr=2e-3):
     cfg = get_preset(model)
     layout = RunLayout.even(stages, cfg.layers, frontal, backward)
     run = RunConfig("test", model, seed, steps, batch_size, micro_batches, lr, layout.to_dict())
@@ -64,6 +64,9 @@ class InProcessSwarm:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             while min(self.versions()) < self.run.steps:
+                versions = {d: s.shard.version for d, s in self.servers.items()}
+                for s in self.servers.values():
+                    s.peer_versions = versions
                 if loop.time() > deadline:
                     raise TimeoutError(f"versions {self.versions()} after {timeout} s")
                 for t in tasks:
