@@ -142,4 +142,4 @@ def genetic(eng: Engine, rng: np.random.Generator, time_limit: float, t0: float)
         if s.cand.better_than(pop[worst][0], pop[worst][1]):
             pop[worst] = (s.pt, s.sec, K, child, s)
     best = min(pop, key=lambda p: (p[0], p[1]))[4]
-    return polish_orders(best)
+    return polish_orders(best, t0 + 0.97 * time_limit)

@@ -106,27 +106,30 @@ class Engine:
         bs = np.asarray(bs, dtype=np.intp)
         us = np.asarray(us, dtype=np.intp)
         srv = np.concatenate([fs, bs])
+        nf = len(fs)
         sigma = float(self.cr[srv].sum() + self.cu[us].sum())
         k = self.ma / sigma  # x_w * a = k * c_w
+        Dss = self.rt_d[srv][:, srv]
+        Iss = self.rt_ib[srv][:, srv]
         # comm of frontal and backward servers: the best partner on the other side, both ways
-        comm_f = (self.rt_d[np.ix_(fs, bs)] + (self.cr[fs] * k)[:, None] * self.rt_ib[np.ix_(fs, bs)]).min(axis=1)
-        comm_b = (self.rt_d[np.ix_(bs, fs)] + (self.cr[bs] * k)[:, None] * self.rt_ib[np.ix_(bs, fs)]).min(axis=1)
-        comm_s = np.concatenate([comm_f, comm_b])
+        x = (self.cr[srv] * k)[:, None]
+        comm_s = np.concatenate([(Dss[:nf, nf:] + x[:nf] * Iss[:nf, nf:]).min(axis=1),
+                                 (Dss[nf:, :nf] + x[nf:] * Iss[nf:, :nf]).min(axis=1)])
         i = int(np.argmax(comm_s))
         comm, worst = float(comm_s[i]), ("r", int(srv[i]))
         comm_u = u_ag = None
         shard = self.shard_bytes / len(srv)
-        sub = np.ix_(srv, srv)
-        ag_a = self.rt_d[sub].sum(axis=1)
-        ag_g = shard * self.rt_ib[sub].sum(axis=1)
+        ag_a = Dss.sum(axis=1)
+        ag_g = shard * Iss.sum(axis=1)
         if us.size:
             xu = (self.cu[us] * k)[:, None]
-            d2, ib2 = self.u_d2[us], self.u_ib2[us]
-            comm_u = ((d2[:, fs] + xu * ib2[:, fs]).min(axis=1) + (d2[:, bs] + xu * ib2[:, bs]).min(axis=1))
+            d2, ib2 = self.u_d2[us][:, srv], self.u_ib2[us][:, srv]
+            t = d2 + xu * ib2
+            comm_u = t[:, :nf].min(axis=1) + t[:, nf:].min(axis=1)
             j = int(np.argmax(comm_u))
             if comm_u[j] > comm:
                 comm, worst = float(comm_u[j]), ("u", int(us[j]))
-            u_ag = (d2[:, srv].sum(axis=1), shard * ib2[:, srv].sum(axis=1))
+            u_ag = (d2.sum(axis=1), shard * ib2.sum(axis=1))
             ag_a = np.concatenate([ag_a, u_ag[0]])
             ag_g = np.concatenate([ag_g, u_ag[1]])
         ag_rows = ag_a[:, None] + ag_g[:, None] * self.nvec[None, :]

@@ -187,7 +187,10 @@ def _focused_move(st: State, rng: np.random.Generator):
             if y < 0.6:
                 return move_volunteer(st, i, int(rng.integers(-1, K)))
             return swap_volunteers(st, i, int(rng.integers(U)))
-        if y < 0.5:
+        if y < 0.3:  # to the stage whose servers are nearest on average
+            near = [float(eng.rt_d[i, lay.fs[q] + lay.bs[q]].mean()) if q != k else math.inf for q in range(K)]
+            return move_reliable(st, i, int(np.argmin(near)), int(rng.integers(2))) if K > 1 else None
+        if y < 0.6:
             return move_reliable(st, i, int(rng.integers(K)), int(rng.integers(2)))
         return swap_reliable(st, i, int(rng.integers(eng.R)))
     if x < 0.75 and U:  # a volunteer joins the bottleneck (an idle one first)
@@ -245,13 +248,13 @@ def local_search(st: State, rng: np.random.Generator, proposals: int, patience: 
     return st
 
 
-def polish_orders(st: State) -> State:
+def polish_orders(st: State, deadline: float | None = None) -> State:
     """Swap servers inside the boundaries too large to enumerate, where that lowers a link."""
     eng, lay = st.eng, st.lay
     for k in range(lay.K - 1):
         p, q = len(lay.bs[k]), len(lay.fs[k + 1])
         if p > 1 and q > 1 and math.factorial(min(p, 8)) * math.factorial(min(q, 8)) > ORDER_ENUM_LIMIT:
-            v, b, f = polish_link(eng, lay.bs[k], lay.fs[k + 1])
+            v, b, f = polish_link(eng, lay.bs[k], lay.fs[k + 1], deadline=deadline)
             if v < st.links[k]:
                 stages = list(range(lay.K))
                 stages[k] = (lay.fs[k], b, lay.us[k])
@@ -284,7 +287,7 @@ def random_layout(eng: Engine, rng: np.random.Generator, K: int | None = None, i
 def budget(eng: Engine, time_limit: float) -> int:
     """Proposals for a time budget: a fixed count per second of budget (so the same budget
     gives the same plan), calibrated to finish well inside it."""
-    return int(max(200, 1500 * time_limit))
+    return int(max(200, 1200 * time_limit))
 
 
 def refined(eng: Engine, rng: np.random.Generator, time_limit: float, t0: float | None = None) -> State:
@@ -318,4 +321,4 @@ def refined(eng: Engine, rng: np.random.Generator, time_limit: float, t0: float 
     best = min(states[:n_ls], key=lambda s: (s.pt, s.sec))
     before = best.proposals
     local_search(best, rng, max(0, total - used), patience, kicks=8, deadline=deadline)
-    return polish_orders(best)
+    return polish_orders(best, t0 + 0.97 * time_limit)

@@ -83,25 +83,50 @@ def best_link(eng: Engine, bs, fs, enum_limit: int = ORDER_ENUM_LIMIT):
     return eng.link(bs2, fs2), bs2, fs2
 
 
-def polish_link(eng: Engine, bs, fs, max_passes: int = 4):
-    """Swap servers within BS_k and within FS_{k+1} while link_k drops (for boundaries too
-    large to enumerate)."""
-    bs, fs = list(bs), list(fs)
-    cur = eng.link(bs, fs)
-    for _ in range(max_passes):
-        improved = False
-        for lst in (bs, fs):
-            for x in range(len(lst)):
-                for y in range(x + 1, len(lst)):
-                    lst[x], lst[y] = lst[y], lst[x]
-                    v = eng.link(bs, fs)
-                    if v < cur:
-                        cur, improved = v, True
-                    else:
-                        lst[x], lst[y] = lst[y], lst[x]
-        if not improved:
+def polish_link(eng: Engine, bs, fs, max_steps: int = 200, deadline: float | None = None):
+    """For boundaries too large to enumerate: repeatedly swap the sender or the receiver of the
+    slowest pair (forward or backward) with whichever server of its side lowers link_k most,
+    all candidate swaps scored at once; stops when no swap helps."""
+    import time
+
+    bs, fs = np.array(bs, dtype=np.intp), np.array(fs, dtype=np.intp)
+    p, q = len(bs), len(fs)
+    i, j, frac = segmentation(p, q)
+    n = frac * eng.ma
+    D, inv = eng.delay_rr, eng.inv_rr
+
+    def score(Bi, Fj):  # rows of sender and receiver ids per pair -> link per row
+        return (D[Bi, Fj] + n * inv[Bi, Fj]).max(axis=-1) + (D[Fj, Bi] + n * inv[Fj, Bi]).max(axis=-1)
+
+    cur = float(score(bs[i], fs[j]))
+    for step in range(max_steps):
+        if deadline is not None and time.monotonic() > deadline:
             break
-    return cur, bs, fs
+        fw = D[bs[i], fs[j]] + n * inv[bs[i], fs[j]]
+        bw = D[fs[j], bs[i]] + n * inv[fs[j], bs[i]]
+        a = int(np.argmax(fw)) if step % 2 == 0 else int(np.argmax(bw))
+        best = (cur, None, None)
+        for side, lst, pos in ((0, bs, i[a]), (1, fs, j[a])):
+            m = len(lst)
+            if m < 2:
+                continue
+            V = np.tile(lst, (m, 1))
+            V[np.arange(m), pos] = lst
+            V[np.arange(m), np.arange(m)] = lst[pos]
+            tot = score(V[:, i], fs[j][None, :]) if side == 0 else score(bs[i][None, :], V[:, j])
+            x = int(np.argmin(tot))
+            if tot[x] < best[0] * (1 - 1e-12):
+                best = (float(tot[x]), side, V[x].copy())
+        if best[1] is None:
+            if step % 2 == 0:
+                continue
+            break
+        cur = best[0]
+        if best[1] == 0:
+            bs = best[2]
+        else:
+            fs = best[2]
+    return float(eng.link(bs, fs)), [int(x) for x in bs], [int(x) for x in fs]
 
 
 class Candidate:
