@@ -540,7 +540,11 @@ class StageServer(ServicerBase):
     # ------------------------------------------------------------------------------------------
     # probing and status
     async def on_ping(self, meta, tensors, sender):
-        """Round-trip and throughput probe: echoes nothing back but a tiny answer."""
+        """Round-trip and throughput probe: a tiny answer, sent back over the prober's emulated link
+        (a prober is not registered yet, so it names its device)."""
+        device = mfield(meta, "device", str, optional=True)
+        if device is not None and sender not in self.clients:
+            await self.links.send(device, 64)
         return {"ok": True, "received": sum(t.numel() * t.element_size() for t in tensors), "stage": self.stage}
 
     async def on_status(self, meta, tensors, sender):

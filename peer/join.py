@@ -49,7 +49,7 @@ def run(args) -> int:
     return run_until_signalled(lambda stop: join_main(args, stop))
 
 
-async def probe_stage(links: list, nbytes: int, repeats: int = 3) -> tuple[list[float], list[float]]:
+async def probe_stage(links: list, nbytes: int, device: str, repeats: int = 3) -> tuple[list[float], list[float]]:
     """One-way delay (s) and bandwidth (bytes/s) to each server, from real P2P calls: a tiny ping
     gives the round trip, a ping carrying `nbytes` the transfer time."""
     import torch
@@ -60,10 +60,10 @@ async def probe_stage(links: list, nbytes: int, repeats: int = 3) -> tuple[list[
         small, big = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            await link.call("ping", {}, timeout=30)
+            await link.call("ping", {"device": device}, timeout=30)
             small.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            await link.call("ping", {}, [payload], timeout=60)
+            await link.call("ping", {"device": device}, [payload], timeout=60)
             big.append(time.perf_counter() - t0)
         rtt, transfer = min(small), min(big)
         delays.append(rtt / 2)
@@ -79,7 +79,7 @@ async def choose_stage(run, layout, cfg, directory, p2p, links_emulator, nbytes:
     delays, bandwidths = [], []
     for st in layout.stages:
         links = [P2PLink(p2p, directory.servers[d], d, StageServer, links_emulator) for d in st.servers]
-        dl, bw = await probe_stage(links, nbytes)
+        dl, bw = await probe_stage(links, nbytes, links_emulator.own or "")
         delays.append(dl)
         bandwidths.append(bw)
     # bytes a client moves per micro-batch share: activations forward and gradients back

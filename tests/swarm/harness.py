@@ -40,6 +40,7 @@ class LiveSwarm:
         self.args.verbose = 0
         self.cfg, self.layout, frontal, backward = validate(self.args)
         self.work_dir = str(work_dir)
+        os.makedirs(self.work_dir, exist_ok=True)
         self.dht = start_dht([])
         self.swarm = Swarm(self.args, self.layout, frontal, backward, visible_maddrs(self.dht), self.work_dir)
         self.monitor: Monitor | None = None

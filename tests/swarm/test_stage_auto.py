@@ -1,0 +1,68 @@
+"""`peer join --stage auto` measures its links to every stage's servers with real P2P calls and
+picks the stage the planner's rule predicts from the emulated link profile."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+
+from peer.model.config import get_preset
+from scheduler import choose_stage_for_volunteer, load_cluster
+from tests.swarm.harness import LiveSwarm
+
+SERVERS = ["s0f0", "s0b0", "s1f0", "s1b0"]
+NEAR = (4.0, 1000.0)  # delay ms, bandwidth Mb/s
+FAR = (120.0, 20.0)
+
+
+def profile() -> dict:
+    """va sits next to stage 0's servers, vb next to stage 1's."""
+    n = len(SERVERS)
+    rel_delay = [[0 if i == j else 1.0 for j in range(n)] for i in range(n)]
+    rel_bw = [[0 if i == j else 10000.0 for j in range(n)] for i in range(n)]
+    rows = {"va": [NEAR, NEAR, FAR, FAR], "vb": [FAR, FAR, NEAR, NEAR]}
+    return {"reliable": [{"id": s, "tflops": 10.0} for s in SERVERS],
+            "unreliable": [{"id": v, "tflops": 10.0} for v in rows],
+            "delay_ms": {"reliable": rel_delay, "unreliable": [[d for d, _ in r] for r in rows.values()]},
+            "bandwidth_mbps": {"reliable": rel_bw, "unreliable": [[b for _, b in r] for r in rows.values()]}}
+
+
+def predicted_stage(cluster, volunteer: str) -> int:
+    cfg = get_preset("tiny")
+    nbytes = 2 * (16 // 4) * cfg.seq_len * cfg.hidden * 4
+    stages = [SERVERS[:2], SERVERS[2:]]
+    return choose_stage_for_volunteer([[cluster.delay(volunteer, s) for s in st] for st in stages],
+                                      [[cluster.bandwidth(volunteer, s) for s in st] for st in stages], nbytes)
+
+
+def test_stage_auto_follows_the_rule_under_emulated_links(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(profile()))
+    cluster = load_cluster(str(path))
+    expected = {v: predicted_stage(cluster, v) for v in ("va", "vb")}
+    assert expected == {"va": 0, "vb": 1}
+    live = LiveSwarm(tmp_path / "work", ["--model", "tiny", "--steps", "2", "--volunteers", "0",
+                                         "--link-profile", str(path), "--run-id", f"auto-{os.getpid()}"])
+    chosen = {}
+
+    async def scenario():
+        await live.start(volunteers=False)
+        for v in expected:
+            live.swarm.start_volunteer("auto", name=v, extra=["--probe-bytes", str(1 << 18)])
+
+        def joined():
+            for v in expected:
+                log = (tmp_path / "work" / f"{v}.log").read_text(errors="replace")
+                found = re.search(r"on stage (\d+)", log)
+                if found:
+                    chosen[v] = int(found.group(1))
+            return len(chosen) == len(expected)
+
+        await live.wait(joined, 180, "the volunteers to choose a stage", poll=0.5)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        live.close()
+    assert chosen == expected
