@@ -5,12 +5,15 @@ adapted to this cost model.
 ga, as adapted here:
 - an individual is a balanced partition of the reliable devices into K groups (sizes differ by
   at most one); K is fixed per individual, the population spreads over several K;
+- volunteers (which this paper does not have) get one gene each, taking part or idle; those
+  taking part join the stage of smallest mean a + t/b (the design paper's rule);
 - decoding: the groups' order is the open TSP on the coarse graph (the paper's pipeline cost,
-  eq. 4; solved here by annealing), roles and volunteers by the same rules as the design paper
-  (this paper has no such roles), layers by the exact split; fitness is the exact cost;
+  eq. 4; solved here by annealing), roles by the design paper's rule (this paper has no
+  frontal/backward roles), layers by the exact split; fitness is the exact cost;
 - crossover (Bui and Moon style): the second parent's groups are relabelled to best overlap the
   first's, the child takes each device's group from either parent at random, then is
-  rebalanced by moving random devices from groups that are too large;
+  rebalanced by moving random devices from groups that are too large; volunteer genes are
+  taken from either parent at random and each flipped with probability 1/U;
 - local search: the paper's own, for pairs of groups j, j': the fastest edge inside each
   (d1-d2, d1'-d2'), the four swaps d1/d2 <-> d1'/d2', gain = mean w(d, C_j') - w(d1, d2) +
   mean w(d', C_j) - w(d1', d2'); the best swap with positive gain is made, until none;
@@ -32,7 +35,7 @@ from scheduler.tsp import anneal_open_path
 
 def random_search(eng: Engine, rng: np.random.Generator, time_limit: float, t0: float) -> State:
     deadline = t0 + 0.92 * time_limit
-    n = int(max(20, 60 * time_limit))
+    n = int(max(20, 300 * time_limit))
     best = None
     for i in range(n):
         if i and time.monotonic() > deadline:
@@ -100,12 +103,13 @@ def _ga_local_search(W: np.ndarray, g: np.ndarray, K: int, rng, max_rounds: int 
     return g
 
 
-def _decode(eng: Engine, W: np.ndarray, g: np.ndarray, K: int, rng) -> Layout:
+def _decode(eng: Engine, W: np.ndarray, g: np.ndarray, K: int, use: np.ndarray, rng) -> Layout:
     clusters = [np.flatnonzero(g == k) for k in range(K)]
     path = anneal_open_path(coarse_graph(W, clusters), rng, iterations=min(4000, 200 + 20 * K * K), restarts=1)
     ordered = [clusters[i] for i in path]
     fs, bs = assign_roles(eng, ordered)
-    return Layout(fs, bs, assign_volunteers(eng, [f + b for f, b in zip(fs, bs)]))
+    us = assign_volunteers(eng, [f + b for f, b in zip(fs, bs)])
+    return Layout(fs, bs, [[u for u in x if use[u]] for x in us])
 
 
 def genetic(eng: Engine, rng: np.random.Generator, time_limit: float, t0: float) -> State:
@@ -114,15 +118,16 @@ def genetic(eng: Engine, rng: np.random.Generator, time_limit: float, t0: float)
     kmax = max(1, min(eng.L, eng.R // 2))
     Ks = list(range(1, kmax + 1)) if kmax <= 8 else sorted({int(round(x)) for x in np.geomspace(1, kmax, 8)})
     pop_size = max(12, 2 * len(Ks))
-    pop = []  # (pt, sec, K, labels, state)
+    pop = []  # (pt, sec, K, labels, volunteer genes, state)
     for i in range(pop_size):
         K = Ks[i % len(Ks)]
         g = _ga_local_search(W, _balanced(rng, eng.R, K), K, rng)
-        s = State(eng, _decode(eng, W, g, K, rng))
-        pop.append((s.pt, s.sec, K, g, s))
+        use = rng.random(eng.U) < (1.0, 0.0, 0.5)[i // len(Ks) % 3]
+        s = State(eng, _decode(eng, W, g, K, use, rng))
+        pop.append((s.pt, s.sec, K, g, use, s))
         if time.monotonic() > deadline:
             break
-    generations = int(max(20, 40 * time_limit))
+    generations = int(max(20, 150 * time_limit))
     for _ in range(generations):
         if time.monotonic() > deadline:
             break
@@ -132,14 +137,17 @@ def genetic(eng: Engine, rng: np.random.Generator, time_limit: float, t0: float)
         if mates and K > 1:
             b = mates[int(rng.integers(len(mates)))]
             child = _crossover(rng, a[3], b[3], K)
+            use = np.where(rng.random(eng.U) < 0.5, a[4], b[4])
         else:  # no mate of the same K: a mutation (a random swap)
             child = a[3].copy()
             x, y = rng.choice(eng.R, 2, replace=False)
             child[x], child[y] = child[y], child[x]
+            use = a[4].copy()
+        use = use ^ (rng.random(eng.U) < 1.0 / max(eng.U, 1))
         child = _ga_local_search(W, child, K, rng)
-        s = State(eng, _decode(eng, W, child, K, rng))
+        s = State(eng, _decode(eng, W, child, K, use, rng))
         worst = max(range(len(pop)), key=lambda i: (pop[i][0], pop[i][1]))
         if s.cand.better_than(pop[worst][0], pop[worst][1]):
-            pop[worst] = (s.pt, s.sec, K, child, s)
-    best = min(pop, key=lambda p: (p[0], p[1]))[4]
+            pop[worst] = (s.pt, s.sec, K, child, use, s)
+    best = min(pop, key=lambda p: (p[0], p[1]))[5]
     return polish_orders(best, t0 + 0.97 * time_limit)
