@@ -39,6 +39,20 @@ logger = logging.getLogger("hivepipe.server")
 # and the rows of three batches, which is what a re-run of a task needs from the leader.
 RETAIN = 3
 
+# requests that change a server's state: written to its request log, replayed after a restart
+LOGGED = frozenset({"push_grads", "push_inputs", "push_outputs", "push_output_grads", "push_input_grads", "complete"})
+
+
+def _batch_of(meta: dict) -> int:
+    if isinstance(meta.get("batch"), int):
+        return meta["batch"]
+    task = meta.get("task")  # task ids are "F<batch>.<micro>.<stage>.<lo>-<hi>" (or "B...")
+    try:
+        return int(str(task)[1:].split(".")[0])
+    except ValueError:
+        return 0
+
+
 RPC_NAMES = ("register", "take", "complete", "fail", "get_params", "push_grads", "push_inputs", "get_inputs",
              "push_input_grads", "push_outputs", "push_output_grads", "ping", "status")
 
@@ -146,6 +160,8 @@ class StageServer(ServicerBase):
         self.next_batch = 0  # stage-0 FS: the next batch to build
         self.counters = {"payload_errors": 0, "relay_duplicates": 0, "output_duplicates": 0}
         self.background: set[asyncio.Task] = set()
+        self.log = None  # RequestLog when the server has a checkpoint dir
+        self.replaying = False
         self.step_event = asyncio.Event()
         self.on_step: list[Callable[[int], Awaitable[None] | None]] = []
 
@@ -174,7 +190,7 @@ class StageServer(ServicerBase):
         """Run one request; any PayloadError/TaskPoolError becomes an error answer that changes nothing."""
         handler = getattr(self, f"on_{method}")
         try:
-            result = await handler(meta, tensors, sender)
+            result = await handler(dict(meta), tensors, sender)
         except (PayloadError, TaskPoolError) as e:
             self.counters["payload_errors"] += 1
             logger.info("%s rejected %s from %s: %s", self.device_id, method, sender[-8:], e)
@@ -182,7 +198,10 @@ class StageServer(ServicerBase):
         except Exception as e:  # a bug: answer, log, keep serving
             logger.exception("%s failed on %s", self.device_id, method)
             return {"error": f"internal error: {type(e).__name__}: {e}"}, []
-        return result if isinstance(result, tuple) else (result, [])
+        result = result if isinstance(result, tuple) else (result, [])
+        if self.log is not None and not self.replaying and method in LOGGED and result[0].get("result") != "duplicate":
+            self.log.append({"method": method, "meta": meta, "sender": sender, "batch": _batch_of(meta)}, tensors)
+        return result
 
     def _device_of(self, peer: str) -> str | None:
         c = self.clients.get(peer)
@@ -207,6 +226,8 @@ class StageServer(ServicerBase):
     # ------------------------------------------------------------------------------------------
     # checks shared by handlers
     def _client(self, sender: str) -> ClientInfo:
+        if self.replaying:  # the request was checked when it first arrived
+            return ClientInfo("replay", 1.0, self.clock())
         c = self.clients.get(sender)
         if c is None:
             raise PayloadError(f"sender {sender[-8:]} is not registered for stage {self.stage}")
@@ -214,6 +235,8 @@ class StageServer(ServicerBase):
         return c
 
     def _server_sender(self, sender: str, stage: int, role: str) -> str:
+        if self.replaying:
+            return "replay"
         dev = self.directory_reverse().get(sender)
         st = self.layout.stages[stage]
         if dev is None or dev not in (st.frontal if role == "frontal" else st.backward):
@@ -302,6 +325,14 @@ class StageServer(ServicerBase):
         return task_id
 
     def _add_task(self, task: Task) -> None:
+        """Forward tasks depend on the clients registered when they were cut, so they are logged and,
+        in a replay, re-created from the log; backward tasks follow from the ledger."""
+        if task.kind == "forward":
+            if self.replaying:
+                return
+            if self.log is not None:
+                self.log.append({"task": [task.task_id, task.batch, task.micro_batch, task.rows[0], task.rows[1],
+                                          task.preferred_client], "batch": task.batch})
         self.pool.add(task)
         self.issued.add(task.task_id)
 
@@ -372,22 +403,26 @@ class StageServer(ServicerBase):
     def maybe_start_batches(self) -> None:
         """Stage 0's FS builds batch t once the parameters it needs (version t-1) exist here, which
         bounds the micro-batches in flight to two batches."""
-        if self.role != "frontal" or self.stage != 0:
+        if self.role != "frontal" or self.stage != 0 or self.replaying:
             return
-        from peer.model.data import make_batch
-
         while self.next_batch < self.run.steps and self.shard.version >= version_for_batch(self.next_batch) \
                 and self.next_batch <= self.shard.version + 1:
             t = self.next_batch
-            inputs, labels = make_batch(self.corpus, self.run.seed, t, self.run.batch_size, self.seq)
-            lo, hi = self.seg
+            self._build_inputs(t)
             for m in range(self.run.micro_batches):
-                base = m * self.rows
-                buf = RowBuffer(lo, hi)
-                buf.add(lo, hi, inputs[base + lo : base + hi], labels[base + lo : base + hi])
-                self.buffers[(t, m)] = buf
                 self._make_forward_tasks(t, m)
             self.next_batch += 1
+
+    def _build_inputs(self, t: int) -> None:
+        from peer.model.data import make_batch
+
+        inputs, labels = make_batch(self.corpus, self.run.seed, t, self.run.batch_size, self.seq)
+        lo, hi = self.seg
+        for m in range(self.run.micro_batches):
+            base = m * self.rows
+            buf = RowBuffer(lo, hi)
+            buf.add(lo, hi, inputs[base + lo : base + hi], labels[base + lo : base + hi])
+            self.buffers[(t, m)] = buf
 
     def split_weights(self) -> list[tuple[str, float]]:
         """Each registered client's share of new forward tasks (paper 3.2.1, "Dynamic Client
@@ -438,6 +473,8 @@ class StageServer(ServicerBase):
         """Publish forward tasks of batch t only once this server holds parameters version t-1, so
         that no worker leases a task it cannot compute yet (and blocks on it while older, re-queued
         work waits: a deadlock)."""
+        if self.replaying:
+            return
         ready = [(t, m) for t, m in self.waiting_inputs if version_for_batch(t) <= self.shard.version]
         for key in ready:
             self.waiting_inputs.remove(key)
@@ -474,10 +511,7 @@ class StageServer(ServicerBase):
         buf = self.grad_buffers.setdefault((t, m), RowBuffer(lo, hi))
         fresh = buf.add(a, b, tensors[0], None)
         if fresh:
-            prev = self.layout.stages[self.stage - 1]
-            for j, x, y in owners(self.rows, len(prev.backward), a, b):
-                self._spawn(self._deliver(prev.backward[j], "push_output_grads",
-                                          {"batch": t, "micro": m, "rows": [x, y]}, [tensors[0][x - a : y - a]]))
+            self._relay_input_grads(t, m, a, b, tensors[0])
         else:
             self.counters["relay_duplicates"] += 1
         return {"result": "accepted" if fresh else "duplicate", "task": task_id}
@@ -507,11 +541,67 @@ class StageServer(ServicerBase):
             return {"result": "duplicate"}
         self.ledger.setdefault((t, m), []).append(LedgerEntry(sender, (a, b), frontal, task_id))
         if buf.complete:
-            nxt = self.layout.stages[self.stage + 1]
-            for j, x, y in owners(self.rows, len(nxt.frontal), lo, hi):
-                d, lab = buf.slice(x, y)
-                self._spawn(self._deliver(nxt.frontal[j], "push_inputs", {"batch": t, "micro": m, "rows": [x, y]}, [d, lab]))
+            self._send_outputs(t, m)
         return {"result": "accepted"}
+
+    def _send_outputs(self, t: int, m: int) -> None:
+        """A complete micro-batch of outputs to the next stage's FS, evenly segmented."""
+        if self.replaying:
+            return
+        buf = self.buffers[(t, m)]
+        nxt = self.layout.stages[self.stage + 1]
+        for j, x, y in owners(self.rows, len(nxt.frontal), buf.lo, buf.hi):
+            d, lab = buf.slice(x, y)
+            self._spawn(self._deliver(nxt.frontal[j], "push_inputs", {"batch": t, "micro": m, "rows": [x, y]}, [d, lab]))
+
+    def _relay_input_grads(self, t: int, m: int, a: int, b: int, grad: torch.Tensor) -> None:
+        if self.replaying:
+            return
+        prev = self.layout.stages[self.stage - 1]
+        for j, x, y in owners(self.rows, len(prev.backward), a, b):
+            self._spawn(self._deliver(prev.backward[j], "push_output_grads",
+                                      {"batch": t, "micro": m, "rows": [x, y]}, [grad[x - a : y - a]]))
+
+    async def recover(self, entries: list) -> int:
+        """Rebuild buffers, ledger, pools and credits from the request log (on top of the shard
+        checkpoint already loaded), then re-send what this server owes others (receivers drop what
+        they already have). Returns the number of records replayed."""
+        self.replaying = True
+        batches, cut = set(), set()
+        try:
+            for record, tensors in entries:
+                if "task" in record:
+                    tid, t, m, a, b, preferred = record["task"]
+                    batches.add(t)
+                    cut.add((t, m))
+                    if tid not in self.issued and not (self.stage == 0 and t < self.shard.version - (RETAIN - 1)):
+                        if self.stage == 0 and self.role == "frontal" and (t, m) not in self.buffers:
+                            self._build_inputs(t)
+                        self.pool.add(Task(task_id=tid, kind="forward", batch=t, micro_batch=m, stage=self.stage,
+                                           rows=(a, b), preferred_client=preferred))
+                        self.issued.add(tid)
+                    continue
+                await self.handle(record["method"], record["meta"], tensors, record["sender"])
+        finally:
+            self.replaying = False
+        if self.stage == 0 and self.role == "frontal":
+            self.next_batch = max([self.shard.version] + [t + 1 for t in batches])
+            for t in batches:  # micro-batches whose tasks were not cut before the crash
+                for m in range(self.run.micro_batches):
+                    if (t, m) not in cut and t >= self.shard.version - (RETAIN - 1):
+                        self._make_forward_tasks(t, m)
+        # inputs whose tasks were cut before the crash must not be cut again (differently)
+        self.waiting_inputs = [key for key in self.waiting_inputs if key not in cut]
+        self.release_waiting()
+        if self.role == "backward" and not self.last:
+            for (t, m), buf in list(self.buffers.items()):
+                if buf.complete:
+                    self._send_outputs(t, m)
+        if self.role == "frontal" and self.stage > 0:
+            for (t, m), buf in list(self.grad_buffers.items()):
+                for a, b in buf.covered:
+                    self._relay_input_grads(t, m, a, b, buf.slice(a, b)[0])
+        return len(entries)
 
     async def on_push_output_grads(self, meta, tensors, sender):
         if self.role != "backward" or self.last:

@@ -155,10 +155,24 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                          task_timeout=args.task_timeout, client_timeout=args.client_timeout, connector=connector,
                          requeue=not args.no_requeue)
     if args.checkpoint_dir:
+        from parameter_server.requestlog import RequestLog, read_log
+        from parameter_server.server import RETAIN
+
         os.makedirs(args.checkpoint_dir, exist_ok=True)
-        if load_checkpoint(server, args.checkpoint_dir):
-            logger.warning("%s resumed from %s at version %d", device, args.checkpoint_dir, server.shard.version)
-        server.on_step.append(lambda v: save_checkpoint(server, args.checkpoint_dir))
+        resumed = load_checkpoint(server, args.checkpoint_dir)
+        log_path = os.path.join(args.checkpoint_dir, f"{device}.requests.log")
+        replayed = await server.recover(read_log(log_path))
+        if resumed or replayed:
+            logger.warning("%s resumed from %s at version %d, replayed %d logged requests", device,
+                           args.checkpoint_dir, server.shard.version, replayed)
+        request_log = RequestLog(log_path)
+        server.log = request_log
+
+        def persist(version: int) -> None:
+            save_checkpoint(server, args.checkpoint_dir)
+            request_log.compact(version - (RETAIN - 1))
+
+        server.on_step.append(persist)
     await server.add_p2p_handlers(p2p)
     maddrs = visible_maddrs(dht)
     period = run_cfg.announce_period

@@ -130,6 +130,8 @@ class Swarm:
         self.maddrs = maddrs
         self.work_dir = work_dir
         self.servers: dict[str, subprocess.Popen] = {}
+        self.server_argv: dict[str, list[str]] = {}
+        os.makedirs(os.path.join(work_dir, "identities"), exist_ok=True)
         self.volunteers: dict[str, tuple[subprocess.Popen, str]] = {}  # name -> (process, stage argument)
         self.killed = 0
         self._count = 0
@@ -162,13 +164,15 @@ class Swarm:
                             "--micro-batches", str(a.micro_batches), "--lr", str(a.lr),
                             "--announce-period", str(a.announce_period), "--task-timeout", str(a.task_timeout),
                             "--client-timeout", str(a.client_timeout),
-                            "--checkpoint-dir", os.path.join(self.work_dir, "checkpoints")] + self.common()
+                            "--checkpoint-dir", os.path.join(self.work_dir, "checkpoints"),
+                            "--identity-path", os.path.join(self.work_dir, "identities", f"{name}.key")] + self.common()
                     if a.data:
                         argv += ["--data", a.data]
                     if a.servers_compute == "no":
                         argv.append("--no-compute")
                     if a.no_requeue:
                         argv.append("--no-requeue")
+                    self.server_argv[name] = argv
                     self.servers[name] = self._spawn(name, argv)
 
     def start_volunteer(self, stage_arg: str, name: str | None = None, extra: list[str] = ()) -> str:
@@ -201,6 +205,14 @@ class Swarm:
         # a new volunteer takes the departed one's place in the cluster (and so its emulated links),
         # with a fresh process and peer id
         self.start_volunteer(stage, name=name)
+
+    def restart_server(self, name: str) -> None:
+        """SIGKILL a server (its whole process group) and start it again with the same identity and
+        checkpoint dir: it resumes from its shard checkpoint and request log."""
+        proc = self.servers[name]
+        kill_group(proc, signal.SIGKILL)
+        proc.wait()
+        self.servers[name] = self._spawn(name, self.server_argv[name])
 
     def check_alive(self) -> None:
         for name, proc in self.servers.items():

@@ -71,3 +71,34 @@ def test_random_churn_equals_fault_free_run(tmp_path):
     state = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     assert rel_diff(state, reference_state("tiny", 5)) < 1e-5
     assert no_children_left(run_id) == []
+
+
+def test_servers_killed_and_restarted_resume_without_losing_a_step(tmp_path):
+    """A backward server of stage 0 and a frontal server of stage 1 are SIGKILLed mid-run and
+    restarted with the same identity and checkpoint dir: each resumes its shard from the checkpoint
+    and its buffers, ledger, pools and credits from its request log."""
+    steps = 8
+    live = LiveSwarm(tmp_path, ["--model", "tiny", "--steps", str(steps), "--volunteers", "2", "--client-timeout", "2",
+                                "--announce-period", "0.5", "--run-id", f"restart-{os.getpid()}"])
+    restarted_at = {}
+
+    async def scenario():
+        await live.start()
+        for name, at in (("s0b0", 2), ("s1f0", 4)):
+            await live.wait_version(at)
+            restarted_at[name] = live.monitor.min_version()
+            live.swarm.restart_server(name)
+        await live.wait_version(steps, timeout=300)
+        return await live.monitor.statuses(), await live.monitor.assemble(steps)
+
+    try:
+        statuses, state = asyncio.run(scenario())
+    finally:
+        live.close()
+    assert set(restarted_at) == {"s0b0", "s1f0"}
+    assert all(s["version"] == steps for s in statuses.values())
+    for name in restarted_at:
+        log = (tmp_path / f"{name}.log").read_text(errors="replace")
+        assert "resumed from" in log, log[-2000:]
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    assert no_children_left(live.args.run_id) == []
