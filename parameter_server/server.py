@@ -265,6 +265,23 @@ class StageServer(ServicerBase):
     def _labels_check(self, y: torch.Tensor, n: int) -> None:
         self._activation_check(y, n, "labels", tokens=True)
 
+    def _rows_payload(self, meta: dict, tensors: list, what: str, kinds: tuple[str, ...]) -> tuple[int, int, int, int]:
+        """(batch, micro, lo, hi) of a payload for rows of this server's segment, its tensors checked
+        against `kinds` ("hidden"/"labels"/a gradient's name) for those rows."""
+        t, m = self._batch_micro(meta)
+        a, b = rows_field(meta, "rows", self.rows)
+        lo, hi = self.seg
+        if not (lo <= a and b <= hi):
+            raise PayloadError(f"rows [{a}, {b}) outside this server's segment [{lo}, {hi})")
+        if len(tensors) != len(kinds):
+            raise PayloadError(f"{what} expects [{', '.join(kinds)}], got {len(tensors)} tensors")
+        for x, kind in zip(tensors, kinds):
+            if kind == "labels":
+                self._labels_check(x, b - a)
+            else:
+                self._activation_check(x, b - a, kind, tokens=False)
+        return t, m, a, b
+
     # ------------------------------------------------------------------------------------------
     # membership
     async def on_register(self, meta, tensors, sender):
@@ -451,16 +468,8 @@ class StageServer(ServicerBase):
         if self.role != "frontal" or self.stage == 0:
             raise PayloadError("push_inputs goes to a frontal server of a stage > 0")
         self._server_sender(sender, self.stage - 1, "backward")
-        t, m = self._batch_micro(meta)
-        a, b = rows_field(meta, "rows", self.rows)
-        lo, hi = self.seg
-        if not (lo <= a and b <= hi):
-            raise PayloadError(f"rows [{a}, {b}) outside this server's segment [{lo}, {hi})")
-        if len(tensors) != 2:
-            raise PayloadError("push_inputs expects [hidden, labels]")
-        self._activation_check(tensors[0], b - a, "hidden", tokens=False)
-        self._labels_check(tensors[1], b - a)
-        buf = self.buffers.setdefault((t, m), RowBuffer(lo, hi))
+        t, m, a, b = self._rows_payload(meta, tensors, "push_inputs", ("hidden", "labels"))
+        buf = self.buffers.setdefault((t, m), RowBuffer(*self.seg))
         if not buf.add(a, b, tensors[0], tensors[1]):
             self.counters["relay_duplicates"] += 1
             return {"result": "duplicate"}
@@ -499,16 +508,9 @@ class StageServer(ServicerBase):
         self._client(sender)
         if self.role != "frontal" or self.stage == 0:
             raise PayloadError("push_input_grads goes to a frontal server of a stage > 0")
-        t, m = self._batch_micro(meta)
-        a, b = rows_field(meta, "rows", self.rows)
         task_id = mfield(meta, "task", str)
-        lo, hi = self.seg
-        if not (lo <= a and b <= hi):
-            raise PayloadError(f"rows [{a}, {b}) outside this server's segment [{lo}, {hi})")
-        if len(tensors) != 1:
-            raise PayloadError("push_input_grads expects one tensor")
-        self._activation_check(tensors[0], b - a, "input gradient", tokens=False)
-        buf = self.grad_buffers.setdefault((t, m), RowBuffer(lo, hi))
+        t, m, a, b = self._rows_payload(meta, tensors, "push_input_grads", ("input gradient",))
+        buf = self.grad_buffers.setdefault((t, m), RowBuffer(*self.seg))
         fresh = buf.add(a, b, tensors[0], None)
         if fresh:
             self._relay_input_grads(t, m, a, b, tensors[0])
@@ -522,20 +524,12 @@ class StageServer(ServicerBase):
         self._client(sender)
         if self.role != "backward" or self.last:
             raise PayloadError("push_outputs goes to a backward server of a stage that is not the last")
-        t, m = self._batch_micro(meta)
-        a, b = rows_field(meta, "rows", self.rows)
         task_id = mfield(meta, "task", str)
         frontal = mfield(meta, "frontal", str)
         if frontal not in self.st.frontal:
             raise PayloadError(f"{frontal!r} is not a frontal server of stage {self.stage}")
-        lo, hi = self.seg
-        if not (lo <= a and b <= hi):
-            raise PayloadError(f"rows [{a}, {b}) outside this server's segment [{lo}, {hi})")
-        if len(tensors) != 2:
-            raise PayloadError("push_outputs expects [hidden, labels]")
-        self._activation_check(tensors[0], b - a, "hidden", tokens=False)
-        self._labels_check(tensors[1], b - a)
-        buf = self.buffers.setdefault((t, m), RowBuffer(lo, hi))
+        t, m, a, b = self._rows_payload(meta, tensors, "push_outputs", ("hidden", "labels"))
+        buf = self.buffers.setdefault((t, m), RowBuffer(*self.seg))
         if not buf.add(a, b, tensors[0], tensors[1]):
             self.counters["output_duplicates"] += 1
             return {"result": "duplicate"}
@@ -607,15 +601,8 @@ class StageServer(ServicerBase):
         if self.role != "backward" or self.last:
             raise PayloadError("push_output_grads goes to a backward server of a stage that is not the last")
         self._server_sender(sender, self.stage + 1, "frontal")
-        t, m = self._batch_micro(meta)
-        a, b = rows_field(meta, "rows", self.rows)
-        lo, hi = self.seg
-        if not (lo <= a and b <= hi):
-            raise PayloadError(f"rows [{a}, {b}) outside this server's segment [{lo}, {hi})")
-        if len(tensors) != 1:
-            raise PayloadError("push_output_grads expects one tensor")
-        self._activation_check(tensors[0], b - a, "output gradient", tokens=False)
-        buf = self.grad_buffers.setdefault((t, m), RowBuffer(lo, hi))
+        t, m, a, b = self._rows_payload(meta, tensors, "push_output_grads", ("output gradient",))
+        buf = self.grad_buffers.setdefault((t, m), RowBuffer(*self.seg))
         if not buf.add(a, b, tensors[0], None):
             self.counters["relay_duplicates"] += 1
             return {"result": "duplicate"}

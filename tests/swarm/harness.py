@@ -94,6 +94,18 @@ class LiveSwarm:
         meta, _ = await self.link(device).call("status", {}, timeout=30)
         return meta
 
+    async def finish(self, steps: int, timeout: float = 300.0):
+        """Wait for the last step; the servers' statuses and the assembled model."""
+        await self.wait_version(steps, timeout=timeout)
+        return await self.monitor.statuses(), await self.monitor.assemble(steps)
+
+    def run(self, scenario):
+        """Run an async scenario against this swarm, then stop every process of it."""
+        try:
+            return asyncio.run(scenario())
+        finally:
+            self.close()
+
     def kill(self, name: str) -> None:
         proc, _ = self.swarm.volunteers.pop(name)
         kill_group(proc, signal.SIGKILL)

@@ -80,14 +80,9 @@ def churn_scenario(tmp_path_factory):
             return done > 0 and live.monitor.min_version()
 
         result["late_worked_by"] = await live.wait(late_did_work, 120, "the late volunteer to complete a task")
-        await live.wait_version(steps)
-        result["statuses"] = await live.monitor.statuses()
-        result["state"] = await live.monitor.assemble(steps)
+        result["statuses"], result["state"] = await live.finish(steps)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        live.close()
+    live.run(scenario)
     result["left"] = no_children_left(live.args.run_id)
     return result
 

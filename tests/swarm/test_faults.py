@@ -42,13 +42,9 @@ def test_every_kill_point_applies_each_micro_batch_exactly_once(tmp_path):
             return len(died) == len(KILL_POINTS)
 
         await live.wait(all_died, 300, "every kill point to be reached", poll=0.2)
-        await live.wait_version(steps, timeout=300)
-        return await live.monitor.statuses(), await live.monitor.assemble(steps)
+        return await live.finish(steps)
 
-    try:
-        statuses, state = asyncio.run(scenario())
-    finally:
-        live.close()
+    statuses, state = live.run(scenario)
     assert all(code == -9 for code in died.values()), died
     applied = {st.index: statuses[st.servers[0]]["microbatches_applied"] for st in live.layout.stages}
     assert applied == {0: steps * 4, 1: steps * 4}
@@ -88,13 +84,9 @@ def test_servers_killed_and_restarted_resume_without_losing_a_step(tmp_path):
             await live.wait_version(at)
             restarted_at[name] = live.monitor.min_version()
             live.swarm.restart_server(name)
-        await live.wait_version(steps, timeout=300)
-        return await live.monitor.statuses(), await live.monitor.assemble(steps)
+        return await live.finish(steps)
 
-    try:
-        statuses, state = asyncio.run(scenario())
-    finally:
-        live.close()
+    statuses, state = live.run(scenario)
     assert set(restarted_at) == {"s0b0", "s1f0"}
     assert all(s["version"] == steps for s in statuses.values())
     for name in restarted_at:
