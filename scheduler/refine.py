@@ -294,7 +294,7 @@ def refined(eng: Engine, rng: np.random.Generator, time_limit: float, t0: float 
     t0 = time.monotonic() if t0 is None else t0
     deadline = t0 + 0.92 * time_limit
     total = budget(eng, time_limit)
-    base, _, levels = paper_plan(eng, rng, deadline=t0 + 0.3 * time_limit, all_levels=True)
+    base, _, levels = paper_plan(eng, rng, deadline=t0 + 0.5 * time_limit, all_levels=True)
     starts = [base] + levels
     if eng.U:  # the same layouts without volunteers
         starts += [Layout(lay.fs, lay.bs, [[] for _ in lay.us]) for lay in list(starts)]
@@ -311,7 +311,7 @@ def refined(eng: Engine, rng: np.random.Generator, time_limit: float, t0: float 
         states.append(State(eng, lay))
     states.sort(key=lambda s: (s.pt, s.sec))
     n_ls = min(len(states), 4)
-    patience = int(min(2000, 200 + 2 * (eng.R + eng.U + 4 * (states[0].lay.K if states else 1))))
+    patience = int(min(1500, 200 + eng.R + eng.U + 8 * (states[0].lay.K if states else 1)))
     per = total // (2 * n_ls)
     used = 0
     for s in states[:n_ls]:

@@ -150,8 +150,24 @@ class State:
     def __init__(self, eng: Engine, lay: Layout, enum_limit: int = ORDER_ENUM_LIMIT):
         self.eng, self.enum_limit = eng, enum_limit
         self.proposals = 0
+        self._tcache: dict = {}
+        self._tcache_size = 0
         c = self.propose(list(range(lay.K)), _fresh=lay)
         self.commit(c)
+
+    def _terms(self, f, b, u):
+        """Stage terms, memoized by the stage's device sets: searches come back to the same
+        stages often (a rejected move is proposed again, a kick is undone)."""
+        key = (tuple(sorted(f)), tuple(sorted(b)), tuple(sorted(u)))
+        t = self._tcache.get(key)
+        if t is None:
+            size = len(key[0]) + len(key[1]) + 2 * len(key[2]) + 8
+            if self._tcache_size + size > 2_000_000:  # a bound on memory: about 100 MB of arrays
+                self._tcache.clear()
+                self._tcache_size = 0
+            t = self._tcache[key] = self.eng.stage_terms(f, b, u)
+            self._tcache_size += size
+        return t
 
     def _link(self, bs, fs):
         return best_link(self.eng, bs, fs, self.enum_limit)
@@ -173,7 +189,7 @@ class State:
                 fs.append(list(f))
                 bs.append(list(b))
                 us.append(list(u))
-                terms.append(eng.stage_terms(f, b, u))
+                terms.append(self._terms(f, b, u))
         links = []
         for k in range(K):
             st = stages[k]

@@ -29,6 +29,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")  # one core: numpy's BLAS must not spread over more
 
 from scheduler import load_cluster, load_model, make_plan, plan_cost  # noqa: E402
 from scheduler import scenarios  # noqa: E402
@@ -36,11 +38,12 @@ from scheduler import scenarios  # noqa: E402
 SEARCHERS = ("refined", "paper", "random", "ga")
 
 
-def timed_plan(cluster, model, algorithm, budget, seed=0):
-    t = time.perf_counter()
+def timed_plan(cluster, model, algorithm, budget, seed=0, cpu=False):
+    """(cost, wall seconds, plan), or (cost, (wall, CPU seconds), plan) with cpu."""
+    t, c = time.perf_counter(), time.process_time()
     plan = make_plan(cluster, model, algorithm, seed=seed, time_limit=budget)
-    dt = time.perf_counter() - t
-    return plan_cost(cluster, model, plan).total, dt, plan
+    dt, dc = time.perf_counter() - t, time.process_time() - c
+    return plan_cost(cluster, model, plan).total, ((dt, dc) if cpu else dt), plan
 
 
 def fmt_ratio(r: float) -> str:
@@ -102,18 +105,21 @@ def scenario_part(budget: float, out: list, names=None) -> dict:
 
 
 def scaling_part(sizes, out: list) -> dict:
+    """CPU seconds of this one-threaded process are what "on one core" means on a machine shared
+    with other work; the wall time is shown beside them."""
     model = load_model(scenarios.EXAMPLE_MODEL)
-    out.append("### Scaling: random clusters, default time limit (30 s)\n")
-    out.append("| reliable + volunteers | paper: cost, time (s) | refined: cost, time (s) | refined stages, idle |")
-    out.append("| --- | --- | --- | --- |")
+    out.append("### Scaling: random clusters, default time limit (30 s), one thread\n")
+    out.append("| reliable + volunteers | paper: cost, CPU s | refined: cost | refined: CPU s (wall s) | refined stages, idle |")
+    out.append("| --- | --- | --- | --- | --- |")
     res = {}
     for R, U in sizes:
         cluster = load_cluster(scenarios.random_cluster(0, R, U, as_arrays=True))
-        pc, pt, _ = timed_plan(cluster, model, "paper", 30.0)
-        rc, rt, plan = timed_plan(cluster, model, "refined", 30.0)
-        res[(R, U)] = rt
-        out.append(f"| {R} + {U} | {pc:.3f}, {pt:.2f} | {rc:.3f}, {rt:.2f} | {len(plan.stages)}, {len(plan.idle)} |")
-        print(f"  scaling {R}+{U}: refined {rt:.2f} s", file=sys.stderr, flush=True)
+        pc, (_, pcpu), _ = timed_plan(cluster, model, "paper", 30.0, cpu=True)
+        rc, (rwall, rcpu), plan = timed_plan(cluster, model, "refined", 30.0, cpu=True)
+        res[(R, U)] = rcpu
+        out.append(f"| {R} + {U} | {pc:.3f}, {pcpu:.2f} | {rc:.3f} | {rcpu:.2f} ({rwall:.2f}) "
+                   f"| {len(plan.stages)}, {len(plan.idle)} |")
+        print(f"  scaling {R}+{U}: refined {rcpu:.2f} CPU s, {rwall:.2f} wall s", file=sys.stderr, flush=True)
     out.append("")
     return res
 
@@ -191,9 +197,10 @@ def main(argv=None) -> int:
         print("scaling ...", file=sys.stderr, flush=True)
         sizes = [(16, 64), (64, 512), (250, 2500)] + ([] if quick else [(1000, 10000)])
         t = scaling_part(sizes, out)
-        checks.append(("64 + 512 planned in under 5 s", t[(64, 512)] < 5, f"{t[(64, 512)]:.2f} s"))
+        checks.append(("64 + 512 planned in under 5 s (one core)", t[(64, 512)] < 5, f"{t[(64, 512)]:.2f} CPU s"))
         if (1000, 10000) in t:
-            checks.append(("1,000 + 10,000 planned in under 60 s", t[(1000, 10000)] < 60, f"{t[(1000, 10000)]:.2f} s"))
+            checks.append(("1,000 + 10,000 planned in under 60 s (one core)", t[(1000, 10000)] < 60,
+                           f"{t[(1000, 10000)]:.2f} CPU s"))
     if "budget" not in skip:
         print("budget ...", file=sys.stderr, flush=True)
         budgets = [0.25, 0.5, 1, 2, 4] + ([] if quick else [8, 16])
