@@ -1,0 +1,101 @@
+"""The shared floor: wire format, DHT record schema, row arithmetic, the request log."""
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+import torch
+from hivemind.proto.runtime_pb2 import ExpertRequest
+
+from parameter_server.layout import RunLayout, owners, segment, split_by_weights
+from parameter_server.requestlog import RequestLog, read_log
+from peer.protocol.records import RunConfig, validate_record
+from peer.protocol.wire import PayloadError, check_tensor, pack, unpack
+
+
+async def _aiter(items):
+    for x in items:
+        yield x
+
+
+def test_pack_unpack_roundtrip_streams_tensors_above_the_unary_cap():
+    big = torch.randn(3, 1024, 1024)  # 12 MiB: far above hivemind's 4 MiB unary cap
+    ids = torch.arange(10)
+    messages = pack({"task": "F0.0.0.0-1", "rows": [0, 3]}, [big, ids], ExpertRequest)
+    assert all(m.ByteSize() < 4 * 2**20 for m in messages)
+    meta, tensors = asyncio.run(unpack(_aiter(messages)))
+    assert meta == {"task": "F0.0.0.0-1", "rows": [0, 3]}
+    assert torch.equal(tensors[0], big) and torch.equal(tensors[1], ids)
+
+
+@pytest.mark.parametrize("messages,problem", [
+    ([], "empty request"),
+    ([ExpertRequest(metadata=b"\xc1")], "not valid msgpack"),
+    ([ExpertRequest(metadata=msgpack.packb([1, 2]))], "must be a map"),
+    ([ExpertRequest(metadata=msgpack.packb({"n_tensors": 2}))], "declares 2 tensors"),
+])
+def test_unpack_refuses_malformed_requests(messages, problem):
+    with pytest.raises(PayloadError, match=problem):
+        asyncio.run(unpack(_aiter(messages)))
+
+
+def test_unpack_refuses_oversized_payloads():
+    messages = pack({}, [torch.zeros(1000)], ExpertRequest)
+    with pytest.raises(PayloadError, match="exceeds 100 bytes"):
+        asyncio.run(unpack(_aiter(messages), max_bytes=100))
+
+
+def test_check_tensor_names_the_problem():
+    with pytest.raises(PayloadError, match="x: expected shape"):
+        check_tensor(torch.zeros(2, 3), "x", (2, 4), torch.float32)
+    with pytest.raises(PayloadError, match="x: expected dtype"):
+        check_tensor(torch.zeros(2, 4, dtype=torch.float64), "x", (2, 4), torch.float32)
+    with pytest.raises(PayloadError, match="NaN"):
+        check_tensor(torch.tensor([1.0, float("nan")]), "x", (2,), torch.float32)
+
+
+def test_records_that_do_not_fit_the_schema_are_named():
+    good = {"kind": "client", "device": "v0", "stage": 0, "state": "online", "compute": 3.0, "time": 1.0}
+    assert validate_record(good) is good
+    for bad, problem in [("x", "expected a map"), (dict(good, kind="ghost"), "unknown record kind"),
+                         (dict(good, stage="0"), "'stage' has the wrong type"), (dict(good, state="asleep"), "state"),
+                         ({k: v for k, v in good.items() if k != "compute"}, "missing field 'compute'")]:
+        with pytest.raises(ValueError, match=problem):
+            validate_record(bad)
+    with pytest.raises(ValueError, match="missing field 'model'"):
+        RunConfig.from_dict({"run_id": "r"})
+
+
+def test_row_arithmetic():
+    assert [segment(10, 3, i) for i in range(3)] == [(0, 3), (3, 6), (6, 10)]
+    assert owners(8, 2, 3, 6) == [(0, 3, 4), (1, 4, 6)]
+    assert split_by_weights(0, 4, [1, 1, 2]) == [(0, 0, 1), (1, 1, 2), (2, 2, 4)]
+    assert split_by_weights(0, 2, [1, 1, 1, 1]) == [(0, 0, 1), (1, 1, 2)]  # fewer rows than clients
+    pieces = split_by_weights(5, 105, [3.0, 1.0])
+    assert pieces == [(0, 5, 80), (1, 80, 105)]
+
+
+def test_layout_from_plan_checks_the_tiling():
+    plan = {"stages": [{"frontal": ["a"], "backward": ["b"], "clients": ["u"], "layers": [0, 2]},
+                       {"frontal": ["c"], "backward": ["d"], "layers": [2, 4]}]}
+    layout = RunLayout.from_dict(plan, 4)
+    assert layout.locate("d") == (1, "backward", 0) and layout.stage_of_client("u") == 0
+    with pytest.raises(ValueError, match="layers end at 4, the model has 6"):
+        RunLayout.from_dict(plan, 6)
+    plan["stages"][1]["layers"] = [3, 4]
+    with pytest.raises(ValueError, match=r"stages\[1\].layers"):
+        RunLayout.from_dict(plan, 4)
+
+
+def test_request_log_survives_a_torn_tail_and_compacts(tmp_path):
+    path = str(tmp_path / "s.log")
+    log = RequestLog(path)
+    for t in range(4):
+        log.append({"method": "push_grads", "batch": t}, [torch.full((2,), float(t))])
+    log.compact(2)
+    with open(path, "ab") as f:
+        f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00partial")  # a crash mid-write
+    entries = read_log(path)
+    assert [r["batch"] for r, _ in entries] == [2, 3]
+    assert torch.equal(entries[1][1][0], torch.full((2,), 3.0))
