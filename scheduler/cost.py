@@ -52,6 +52,7 @@ class StageTerms:
     sigma: float
     u_comm: np.ndarray | None = None  # per client (in the order given): comm_u
     u_ag: tuple | None = None  # per client: (alpha_u, gamma_u) with AG_u(n) = alpha_u + gamma_u n
+    ag_mean: tuple = (0.0, 0.0)  # the workers' mean AG(n) = ag_mean[0] + ag_mean[1] n
 
 
 @lru_cache(maxsize=4096)
@@ -141,7 +142,8 @@ class Engine:
         cap = self.L if not math.isfinite(mem[m_i]) else int(min(self.L, mem[m_i] // self.layer_mem))
         cap_worst = None if not math.isfinite(mem[m_i]) else (("r", int(srv[m_i])) if m_i < len(srv)
                                                                 else ("u", int(us[m_i - len(srv)])))
-        return StageTerms(comm, worst, self.mF / sigma, ag_row, ag_worst, cap, cap_worst, sigma, comm_u, u_ag)
+        return StageTerms(comm, worst, self.mF / sigma, ag_row, ag_worst, cap, cap_worst, sigma, comm_u, u_ag,
+                          (float(ag_a.mean()), float(ag_g.mean())))
 
     # ---- between stages ----
     def link(self, bs, fs_next) -> float:

@@ -5,9 +5,13 @@ two reliable devices, move a volunteer to another stage or idle it, swap two vol
 two stages or move one elsewhere in the order, merge two neighbouring stages, split one.
 Every move is scored by State.propose, which rescores only the stages and boundaries it
 touches and re-solves the layer split exactly. Half of the moves focus on the bottleneck
-stage (moving its worst worker out, bringing compute in). The search is first-improvement on
-(PT, sum of the stages' times), with random kicks from the best layout when it stalls; it is
-deterministic for a seed, with the time limit only as a safety cap.
+stage (moving its worst worker out, splitting it, bringing compute in). Each search is
+first-improvement on (PT, sum of the stages' times and their workers' mean aggregation), with
+random kicks from the best layout when it stalls. Three quarters of the budget go to short
+searches from many starts (the paper's plan, the levels of its hierarchy, random balanced
+partitions over a spread of K; without and with volunteers), the rest to a longer search from
+the best layout found. Deterministic for a seed and a budget, with the time limit only as a
+safety cap.
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ import time
 import numpy as np
 
 from scheduler.cost import Engine
-from scheduler.paper import assign_roles, assign_volunteers, paper_plan, volunteer_scores
+from scheduler.paper import (assign_roles, assign_volunteers, diana_split, edge_weights, paper_plan,
+                             volunteer_scores)
 from scheduler.state import Layout, State, polish_link, ORDER_ENUM_LIMIT
 
 
@@ -95,22 +100,36 @@ def move_stage(st: State, a: int, b: int):
 
 def merge_stages(st: State, k: int):
     lay = st.lay
-    if k + 1 >= lay.K:
+    if k < 0 or k + 1 >= lay.K:
         return None
     merged = (lay.fs[k] + lay.fs[k + 1], lay.bs[k] + lay.bs[k + 1], lay.us[k] + lay.us[k + 1])
     return list(range(k)) + [merged] + list(range(k + 2, lay.K))
 
 
 def split_stage(st: State, k: int, rng: np.random.Generator):
+    """Stage k becomes two neighbouring stages, each server keeping its role where it can: half
+    the time split along the communication graph (DIANA, as the paper's clustering), half the
+    time at random. Its clients go to the nearer half."""
     lay, eng = st.lay, st.eng
-    servers = [(x, 0) for x in lay.fs[k]] + [(x, 1) for x in lay.bs[k]]
-    if len(servers) < 4 or lay.K + 1 > eng.L:
+    role = {x: 0 for x in lay.fs[k]}
+    role.update({x: 1 for x in lay.bs[k]})
+    if len(role) < 4 or lay.K + 1 > eng.L:
         return None
-    perm = rng.permutation(len(servers))
-    cut = int(rng.integers(2, len(servers) - 1))
+    members = np.array(list(role), dtype=np.intp)
+    if rng.random() < 0.5:
+        W = eng.__dict__.get("_edge_weights")
+        if W is None:
+            W = eng.__dict__["_edge_weights"] = edge_weights(eng)
+        halves = list(diana_split(W, members))
+        if rng.random() < 0.5:
+            halves.reverse()
+    else:
+        perm = rng.permutation(members)
+        cut = int(rng.integers(2, len(members) - 1))
+        halves = [np.sort(perm[:cut]), np.sort(perm[cut:])]
     parts = []
-    for idx in (perm[:cut], perm[cut:]):
-        grp = [servers[i] for i in sorted(idx)]
+    for half in halves:
+        grp = [(int(x), role[int(x)]) for x in half]
         roles = [r for _, r in grp]
         if 0 not in roles:
             grp[0] = (grp[0][0], 0)
@@ -180,6 +199,8 @@ def _focused_move(st: State, rng: np.random.Generator):
     x = rng.random()
     if x < 0.12:
         return prune_volunteers(st, k, rng)
+    if x < 0.16:
+        return split_stage(st, k, rng) if rng.random() < 0.7 else merge_stages(st, k - int(rng.integers(2)))
     if x < 0.4:  # the worker with the worst communication or aggregation leaves or swaps
         kind, i = t.comm_worst if rng.random() < 0.5 else t.ag_worst
         y = rng.random()
@@ -287,7 +308,45 @@ def random_layout(eng: Engine, rng: np.random.Generator, K: int | None = None, i
 def budget(eng: Engine, time_limit: float) -> int:
     """Proposals for a time budget: a fixed count per second of budget (so the same budget
     gives the same plan), calibrated to finish well inside it."""
-    return int(max(200, 1200 * time_limit))
+    return int(max(3000, 800 * time_limit))
+
+
+def _starts(eng: Engine, rng: np.random.Generator, base: Layout, levels: list):
+    """Starting layouts, lazily, in the order they are searched: the paper's plan, then by turns
+    a level of the paper's hierarchy and a random balanced partition (over a spread of K), each
+    first without volunteers and later with the paper's volunteers. The searches from different
+    starts end far apart (the landscape has many local optima), so many short searches beat a
+    few long ones."""
+    kmax = max(1, min(eng.L, eng.R // 2))
+    ks = sorted({int(round(x)) for x in np.geomspace(1, kmax, min(kmax, 8))})
+
+    def balanced(K):
+        g = np.arange(eng.R) % K
+        rng.shuffle(g)
+        fs, bs = assign_roles(eng, [np.flatnonzero(g == q) for q in range(K)])
+        return Layout(fs, bs, assign_volunteers(eng, [f + b for f, b in zip(fs, bs)]))
+
+    def idle(lay):
+        return Layout(lay.fs, lay.bs, [[] for _ in lay.us])
+
+    yield base
+    if eng.U:
+        yield idle(base)
+    with_volunteers = []
+    i = 0
+    while True:
+        lay = levels[i] if i < len(levels) else None
+        rnd = balanced(ks[i % len(ks)])
+        for x in (lay, rnd):
+            if x is not None:
+                if eng.U:
+                    with_volunteers.append(x)
+                    yield idle(x)
+                else:
+                    yield x
+        if i >= len(levels) and with_volunteers and i % 2:
+            yield with_volunteers.pop(0)
+        i += 1
 
 
 def refined(eng: Engine, rng: np.random.Generator, time_limit: float, t0: float | None = None) -> State:
@@ -295,30 +354,22 @@ def refined(eng: Engine, rng: np.random.Generator, time_limit: float, t0: float 
     deadline = t0 + 0.92 * time_limit
     total = budget(eng, time_limit)
     base, _, levels = paper_plan(eng, rng, deadline=t0 + 0.5 * time_limit, all_levels=True)
-    starts = [base] + levels
-    if eng.U:  # the same layouts without volunteers
-        starts += [Layout(lay.fs, lay.bs, [[] for _ in lay.us]) for lay in list(starts)]
-    n_random = 4
-    for _ in range(n_random):
-        lay = random_layout(eng, rng)
-        lay.fs, lay.bs = assign_roles(eng, [np.array(sorted(f + b)) for f, b in zip(lay.fs, lay.bs)])
-        lay.us = assign_volunteers(eng, [f + b for f, b in zip(lay.fs, lay.bs)])
-        starts.append(lay)
-    states = []
-    for lay in starts:
-        if time.monotonic() > deadline:
+    # phase 1: short searches from many starts, three quarters of the budget
+    patience = int(min(1000, 150 + (eng.R + eng.U) // 2))
+    per_start = max(4 * patience, 1500)
+    left = int(0.75 * total)
+    best = None
+    for lay in _starts(eng, rng, base, levels):
+        if left <= 0 or time.monotonic() > deadline:
             break
-        states.append(State(eng, lay))
-    states.sort(key=lambda s: (s.pt, s.sec))
-    n_ls = min(len(states), 4)
-    patience = int(min(1500, 200 + eng.R + eng.U + 8 * (states[0].lay.K if states else 1)))
-    per = total // (2 * n_ls)
-    used = 0
-    for s in states[:n_ls]:
+        s = State(eng, lay)
         before = s.proposals
-        local_search(s, rng, per, patience, kicks=2, deadline=deadline)
-        used += s.proposals - before
-    best = min(states[:n_ls], key=lambda s: (s.pt, s.sec))
-    before = best.proposals
-    local_search(best, rng, max(0, total - used), patience, kicks=8, deadline=deadline)
+        local_search(s, rng, min(per_start, left), patience, kicks=1, deadline=deadline)
+        left -= max(1, s.proposals - before)
+        if best is None or s.cand.better_than(best.pt, best.sec):
+            best = s
+    # phase 2: the best layout searched on with kicks, the rest of the budget
+    best.commit(best.cand)
+    local_search(best, rng, max(0, total - int(0.75 * total) + max(left, 0)), 2 * patience, kicks=8,
+                 deadline=deadline)
     return polish_orders(best, t0 + 0.97 * time_limit)

@@ -144,8 +144,9 @@ class State:
 
     propose(stages) takes the new stage list, where an int means "old stage i unchanged" and a
     tuple (fs, bs, us) a changed stage; only changed stages and the boundaries next to them are
-    rescored. The objective is (PT, sum of the stages' h_k(n_k)): the second term breaks the
-    plateaus of a max so that relieving one of several bottlenecks counts."""
+    rescored. The objective is (PT, sum of the stages' h_k(n_k) and of their workers' mean
+    AG): the second term breaks the plateaus of a max, so that relieving one of several
+    bottlenecks, or a worker below the bottleneck, counts."""
 
     def __init__(self, eng: Engine, lay: Layout, enum_limit: int = ORDER_ENUM_LIMIT):
         self.eng, self.enum_limit = eng, enum_limit
@@ -214,7 +215,11 @@ class State:
         c.terms, c.links = terms, links
         c.rows = np.stack(rows)
         c.pt, c.n = eng.split(c.rows)
-        c.sec = float(c.rows[np.arange(K), c.n - 1].sum()) if c.n is not None else math.inf
+        if c.n is None:
+            c.sec = math.inf
+        else:  # the stages' times, plus their workers' mean aggregation: progress below the max counts
+            c.sec = float(c.rows[np.arange(K), c.n - 1].sum()) + sum(
+                t.ag_mean[0] + t.ag_mean[1] * int(n) for t, n in zip(terms, c.n))
         return c
 
     def commit(self, c: Candidate) -> None:
