@@ -308,7 +308,7 @@ def random_layout(eng: Engine, rng: np.random.Generator, K: int | None = None, i
 def budget(eng: Engine, time_limit: float) -> int:
     """Proposals for a time budget: a fixed count per second of budget (so the same budget
     gives the same plan), calibrated to finish well inside it."""
-    return int(max(3000, 800 * time_limit))
+    return int(max(3000, 600 * time_limit))
 
 
 def _starts(eng: Engine, rng: np.random.Generator, base: Layout, levels: list):
