@@ -312,7 +312,8 @@ def budget(eng: Engine, time_limit: float) -> int:
 
 
 def _starts(eng: Engine, rng: np.random.Generator, base: Layout, levels: list):
-    """Starting layouts, lazily, in the order they are searched: the paper's plan, then by turns
+    """Starting layouts, lazily, in the order they are searched: the paper's plan (first without
+    its volunteers, then with them), then by turns
     a level of the paper's hierarchy and a random balanced partition (over a spread of K), each
     first without volunteers and later with the paper's volunteers. The searches from different
     starts end far apart (the landscape has many local optima), so many short searches beat a
@@ -329,9 +330,9 @@ def _starts(eng: Engine, rng: np.random.Generator, base: Layout, levels: list):
     def idle(lay):
         return Layout(lay.fs, lay.bs, [[] for _ in lay.us])
 
-    yield base
-    if eng.U:
+    if eng.U:  # without volunteers first: under the aggregation term that is often far better
         yield idle(base)
+    yield base
     with_volunteers = []
     i = 0
     while True:
