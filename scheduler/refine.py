@@ -361,7 +361,7 @@ def refined(eng: Engine, rng: np.random.Generator, time_limit: float, t0: float 
     left = int(0.75 * total)
     best = None
     for lay in _starts(eng, rng, base, levels):
-        if left <= 0 or time.monotonic() > deadline:
+        if best is not None and (left <= 0 or time.monotonic() > deadline):
             break
         s = State(eng, lay)
         before = s.proposals

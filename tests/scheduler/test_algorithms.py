@@ -153,3 +153,17 @@ def test_the_time_limit_is_kept_on_a_large_cluster():
     plan = make_plan(cluster, model, "refined", time_limit=2.0)
     assert time.monotonic() - t < 2.0 * 1.5 + 0.5
     assert plan_cost(cluster, model, plan).reason is None
+
+
+@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if a != "exact"])
+def test_a_tiny_time_limit_still_gives_a_valid_plan(algorithm):
+    cluster = load_cluster(scenarios.random_cluster(0, 60, 300, as_arrays=True))
+    model = load_model(scenarios.EXAMPLE_MODEL)
+    plan = make_plan(cluster, model, algorithm, time_limit=0.01)
+    assert plan_cost(cluster, model, plan).reason is None
+
+
+def test_exact_out_of_time_says_so():
+    cluster = load_cluster(scenarios.random_cluster(0, 6, 4))
+    with pytest.raises(PlanInputError, match="did not finish within the time limit"):
+        make_plan(cluster, load_model(scenarios.small_model(0)), "exact", time_limit=0.001)
