@@ -360,8 +360,9 @@ def refined(eng: Engine, rng: np.random.Generator, time_limit: float, t0: float 
     per_start = max(4 * patience, 1500)
     left = int(0.75 * total)
     best = None
-    for lay in _starts(eng, rng, base, levels):
-        if best is not None and (left <= 0 or time.monotonic() > deadline):
+    must = 2 if eng.U else 1  # the paper's plan is always searched: refined is never worse than paper
+    for n_started, lay in enumerate(_starts(eng, rng, base, levels)):
+        if n_started >= must and (left <= 0 or time.monotonic() > deadline):
             break
         s = State(eng, lay)
         before = s.proposals
