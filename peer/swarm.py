@@ -289,6 +289,12 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
                     elapsed = max(now - (t_start or now), 1e-6)
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{version * args.batch_size * cfg.seq_len / elapsed:.0f}")
                 if args.churn > 0 and version < args.steps:
+                    # a kill meant for the step that just ended happens now, at its boundary: every step
+                    # loses its share of volunteers however fast it ran
+                    for _, name in pending_kills:
+                        if name in swarm.volunteers:
+                            swarm.kill_volunteer(name)
+                    pending_kills.clear()
                     expected = sum(step_times[-3:]) / len(step_times[-3:])
                     names = sorted(swarm.volunteers)
                     n_kill = min(len(names), int(round(args.churn * len(names))))
