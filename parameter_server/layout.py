@@ -3,6 +3,7 @@ row arithmetic of section 3.2.1 (even segmentation of a micro-batch between p se
 receivers, and a split of rows in proportion to compute power). Pure Python: no torch, no network."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -24,6 +25,8 @@ class StageLayout:
 class RunLayout:
     stages: tuple[StageLayout, ...]
     idle: tuple[str, ...] = field(default=())
+    # the plan's predicted seconds per step (its `predicted_seconds_per_batch`), when laid out from a plan
+    predicted_seconds_per_step: float | None = None
 
     @property
     def num_stages(self) -> int:
@@ -51,7 +54,7 @@ class RunLayout:
                 for s in self.stages
             ],
             "idle": list(self.idle),
-        }
+        } | ({} if self.predicted_seconds_per_step is None else {"predicted_seconds_per_step": self.predicted_seconds_per_step})
 
     @classmethod
     def from_dict(cls, data: dict, num_layers: int) -> "RunLayout":
@@ -87,7 +90,15 @@ class RunLayout:
         if expected_lo != num_layers:
             raise ValueError(f"plan.stages: layers end at {expected_lo}, the model has {num_layers}")
         idle = data.get("idle", [])
-        return cls(tuple(stages), tuple(idle))
+        if not isinstance(idle, list) or not all(isinstance(i, str) for i in idle):
+            raise ValueError("plan.idle: expected a list of device ids")
+        # a plan file says predicted_seconds_per_batch; a layout carried in a run config says per_step
+        key = "predicted_seconds_per_step" if "predicted_seconds_per_step" in data else "predicted_seconds_per_batch"
+        # (informative only, for the dashboard: anything but a finite non-negative number is dropped)
+        pred = data.get(key)
+        if not isinstance(pred, (int, float)) or isinstance(pred, bool) or not math.isfinite(pred) or pred < 0:
+            pred = None
+        return cls(tuple(stages), tuple(idle), None if pred is None else float(pred))
 
     @classmethod
     def even(cls, num_stages: int, num_layers: int, frontal_per_stage: int = 1, backward_per_stage: int = 1) -> "RunLayout":

@@ -5,6 +5,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 
 from peer.errors import UsageError
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
@@ -173,17 +174,36 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
             request_log.compact(version - (RETAIN - 1))
 
         server.on_step.append(persist)
+    # for the dashboard (scripts/dashboard.py): when the last versions were reached, and which
+    # volunteers (not servers' own workers) ever registered here
+    step_times: dict[int, float] = {}
+
+    def note_step(version: int) -> None:
+        step_times[version] = time.time()
+        for v in [v for v in step_times if v <= version - 16]:
+            del step_times[v]
+
+    server.on_step.append(note_step)
+    seen_volunteers: set[str] = set()
+    worker = None
     await server.add_p2p_handlers(p2p)
     maddrs = visible_maddrs(dht)
     period = run_cfg.announce_period
 
     def record(state: str) -> dict:
         s = server.status()
+        servers = set(directory.servers.values()) | {peer_id}
+        volunteers = set(server.clients) - servers
+        seen_volunteers.update(volunteers)
+        seen_volunteers.difference_update(servers)
         return {"kind": "server", "device": device, "role": role, "stage": stage, "state": state,
                 "version": server.shard.version, "maddrs": maddrs, "pool": s["pool"], "layers": list(st.layers),
                 "losses": s["losses"], "stats": {k: s[k] for k in ("microbatches_applied", "duplicates", "requeued")}
-                | {"clients": len(server.clients), "payload_errors": s["counters"]["payload_errors"]},
-                "time": __import__("time").time()}
+                | {"clients": len(server.clients), "payload_errors": s["counters"]["payload_errors"],
+                   "clients_joined": len(seen_volunteers), "clients_left": len(seen_volunteers - volunteers)},
+                "compute": float(worker.compute) if worker is not None else 0.0,
+                "step_times": {str(v): t for v, t in sorted(step_times.items())},
+                "time": time.time()}
 
     async def announce(state: str) -> None:
         await records.store(dht, records.config_key(run_cfg.run_id), run_cfg.to_dict(), ttl=3 * period)
@@ -222,7 +242,6 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
             logger.error("%s: background task failed", device, exc_info=task.exception())
 
     tasks = [asyncio.ensure_future(announcer()), asyncio.ensure_future(maintenance())]
-    worker = None
     if not args.no_compute:
         await directory.wait_for(st.servers, timeout=120)
         server.set_directory(directory.servers)

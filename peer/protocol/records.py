@@ -58,7 +58,8 @@ class RunConfig:
 _SERVER_SCHEMA = {"kind": (str, True), "device": (str, True), "role": (str, True), "stage": (int, True),
                   "state": (str, True), "version": (int, True), "maddrs": (list, True), "pool": (dict, False),
                   "loss": ((int, float, type(None)), False), "losses": (dict, False), "stats": (dict, False),
-                  "layers": (list, False), "time": ((int, float), True)}
+                  "layers": (list, False), "compute": ((int, float), False), "step_times": (dict, False),
+                  "time": ((int, float), True)}
 _CLIENT_SCHEMA = {"kind": (str, True), "device": (str, True), "stage": (int, True), "state": (str, True),
                   "compute": ((int, float), True), "throughput": ((int, float), False), "tasks_done": (int, False),
                   "time": ((int, float), True)}
@@ -69,7 +70,7 @@ def validate_record(value: Any) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"expected a map, got {type(value).__name__}")
     kind = value.get("kind")
-    schema = {"server": _SERVER_SCHEMA, "client": _CLIENT_SCHEMA}.get(kind)
+    schema = {"server": _SERVER_SCHEMA, "client": _CLIENT_SCHEMA}.get(kind) if isinstance(kind, str) else None
     if schema is None:
         raise ValueError(f"unknown record kind {kind!r}")
     for name, (types, required) in schema.items():
