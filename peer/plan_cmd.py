@@ -4,7 +4,7 @@
               [--seed N] [--time-limit S]
     peer plan --score PLAN.json CLUSTER.json MODEL.json
 
-Imports only the scheduler (numpy, networkx): no torch, no hivemind.
+Imports only the scheduler (numpy): no torch, no hivemind.
 """
 from __future__ import annotations
 

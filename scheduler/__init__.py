@@ -1,5 +1,5 @@
 """The planner: cluster/model/plan files, the cost of a plan (shared/spec/cost-model.md), and
-the algorithms that lay a cluster out into pipeline stages. Imports numpy and networkx only."""
+the algorithms that lay a cluster out into pipeline stages. Imports numpy and the standard library only (its graphs are dense delay/bandwidth matrices; networkx was not needed)."""
 from scheduler.cost import CostBreakdown, plan_cost
 from scheduler.files import Cluster, ModelSpec, Plan, PlanInputError, Stage, load_cluster, load_model, load_plan
 from scheduler.planner import ALGORITHMS, choose_stage_for_volunteer, make_plan
