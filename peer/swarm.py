@@ -297,7 +297,10 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
                     pending_kills.clear()
                     expected = sum(step_times[-3:]) / len(step_times[-3:])
                     names = sorted(swarm.volunteers)
-                    n_kill = min(len(names), int(round(args.churn * len(names))))
+                    # churn x volunteers on average: the fraction's remainder is a coin toss, so 40% and
+                    # 60% of 4 volunteers are 1.6 and 2.4 kills per step, not both 2
+                    share = args.churn * len(names)
+                    n_kill = min(len(names), int(share) + (rng.random() < share - int(share)))
                     for name in rng.sample(names, n_kill):
                         pending_kills.append((now + rng.uniform(0, expected), name))
             if version >= args.steps:
