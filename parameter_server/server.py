@@ -243,16 +243,20 @@ class StageServer(ServicerBase):
             raise PayloadError(f"sender {sender[-8:]} is not a {role} server of stage {stage}")
         return dev
 
-    def _batch_micro(self, meta: dict) -> tuple[int, int]:
+    def _batch_micro(self, meta: dict, check_applied: bool = True) -> tuple[int, int]:
         t = mfield(meta, "batch", int)
         m = mfield(meta, "micro", int)
         if not 0 <= t < self.run.steps:
             raise PayloadError(f"batch {t} outside the run's 0..{self.run.steps - 1}")
         if not 0 <= m < self.run.micro_batches:
             raise PayloadError(f"micro-batch {m} outside 0..{self.run.micro_batches - 1}")
+        if check_applied:
+            self._not_applied(t)
+        return t, m
+
+    def _not_applied(self, t: int) -> None:
         if t < self.shard.version - (RETAIN - 1):
             raise PayloadError(f"batch {t} is already applied (version {self.shard.version})")
-        return t, m
 
     def _activation_check(self, x: torch.Tensor, n: int, name: str, tokens: bool) -> None:
         if tokens:
@@ -268,7 +272,7 @@ class StageServer(ServicerBase):
     def _rows_payload(self, meta: dict, tensors: list, what: str, kinds: tuple[str, ...]) -> tuple[int, int, int, int]:
         """(batch, micro, lo, hi) of a payload for rows of this server's segment, its tensors checked
         against `kinds` ("hidden"/"labels"/a gradient's name) for those rows."""
-        t, m = self._batch_micro(meta)
+        t, m = self._batch_micro(meta, check_applied=False)
         a, b = rows_field(meta, "rows", self.rows)
         lo, hi = self.seg
         if not (lo <= a and b <= hi):
@@ -280,6 +284,7 @@ class StageServer(ServicerBase):
                 self._labels_check(x, b - a)
             else:
                 self._activation_check(x, b - a, kind, tokens=False)
+        self._not_applied(t)  # after the checks: a malformed payload is named as such whatever its batch
         return t, m, a, b
 
     # ------------------------------------------------------------------------------------------

@@ -85,17 +85,12 @@ class ShardState:
         (changing nothing) for anything that does not fit."""
         if not 0 <= batch < self.steps:
             raise PayloadError(f"batch {batch} outside the run's 0..{self.steps - 1}")
-        if batch < self.version:
-            # its update is already applied: every row of it was credited
-            self.duplicates += 1
-            return "duplicate"
-        if batch > self.version + 1:
-            raise PayloadError(f"batch {batch} is ahead of the parameters (version {self.version})")
         if not 0 <= micro < self.micro_batches:
             raise PayloadError(f"micro-batch {micro} outside 0..{self.micro_batches - 1}")
         lo, hi = rows
         if not 0 <= lo < hi <= self.rows_per_micro:
             raise PayloadError(f"rows [{lo}, {hi}) outside the micro-batch's {self.rows_per_micro} rows")
+        # a malformed payload is an error even for a batch already applied: the sender must learn it
         if len(grads) != len(self.names):
             raise PayloadError(f"expected {len(self.names)} gradient tensors for this shard, got {len(grads)}")
         for name, g in zip(self.names, grads):
@@ -108,6 +103,12 @@ class ShardState:
                 raise PayloadError(f"gradient {name}: contains NaN or infinite values")
         if loss_sum is not None and not (loss_sum == loss_sum and abs(loss_sum) != float("inf")):
             raise PayloadError("loss_sum must be finite")
+        if batch < self.version:
+            # its update is already applied: every row of it was credited
+            self.duplicates += 1
+            return "duplicate"
+        if batch > self.version + 1:
+            raise PayloadError(f"batch {batch} is ahead of the parameters (version {self.version})")
         bc = self.batches.get(batch)
         if bc is None:
             bc = self.batches[batch] = BatchCredit(self.rows_per_micro, self.micro_batches)

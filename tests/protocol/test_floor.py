@@ -99,3 +99,23 @@ def test_request_log_survives_a_torn_tail_and_compacts(tmp_path):
     entries = read_log(path)
     assert [r["batch"] for r, _ in entries] == [2, 3]
     assert torch.equal(entries[1][1][0], torch.full((2,), 3.0))
+
+
+def test_a_malformed_push_for_an_applied_batch_is_still_an_error():
+    """A late gradient for a batch already applied is a counted duplicate, but only if it is well
+    formed: a wrong shape, dtype or NaN is refused with the reason, whatever the batch."""
+    from parameter_server.shard import ShardState
+
+    shard = ShardState({"w": torch.zeros(2, 3)}, lr=1e-3, rows_per_micro=2, micro_batches=1, steps=4)
+    assert shard.credit(task_id="B0.0.0.0-2", batch=0, micro=0, rows=(0, 2), grads=[torch.ones(2, 3)]) == "credited"
+    assert shard.ready_to_step() and shard.step() == 1
+    assert shard.credit(task_id="B0.0.0.0-2", batch=0, micro=0, rows=(0, 2), grads=[torch.ones(2, 3)]) == "duplicate"
+    assert shard.duplicates == 1
+    bad = {"shape": [torch.ones(3, 2)], "dtype": [torch.ones(2, 3, dtype=torch.float64)],
+           "NaN": [torch.full((2, 3), float("nan"))], "gradient tensors": [torch.ones(2, 3)] * 2}
+    for words, grads in bad.items():
+        with pytest.raises(PayloadError, match=words):
+            shard.credit(task_id="B0.0.0.0-2", batch=0, micro=0, rows=(0, 2), grads=grads)
+    with pytest.raises(PayloadError, match="rows"):
+        shard.credit(task_id="B0.0.0.0-2", batch=0, micro=0, rows=(0, 5), grads=[torch.ones(2, 3)])
+    assert shard.duplicates == 1 and shard.version == 1
