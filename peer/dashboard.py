@@ -21,13 +21,15 @@ import time
 from typing import Any
 
 from parameter_server.layout import RunLayout
-from peer.protocol.records import RunConfig, config_key, stage_key, validate_record
+from peer.protocol.records import RunConfig, config_key, stage_key, subkey_values, validate_record
 
 logger = logging.getLogger("hivepipe.dashboard")
 
 # hivemind cannot list the keys it stores, so a run cannot be discovered: the default is the one
 # `peer swarm` uses (`peer serve` and `peer join` default to "hivepipe")
 DEFAULT_RUN_ID = "swarm"
+RUN_ID_HINT = (f"(check --run-id: `peer swarm` uses {DEFAULT_RUN_ID!r} by default, `peer serve` and `peer join` "
+               "use 'hivepipe')")
 LIVE_STATES = ("online", "joining")
 POOL_FIELDS = ("queued", "leased", "done", "requeued", "duplicates", "oldest_queued_age")
 STATS_FIELDS = ("microbatches_applied", "duplicates", "requeued", "clients", "clients_joined", "clients_left")
@@ -84,6 +86,11 @@ def check_record(value: Any, stage: int) -> dict:
         if layers is not None and not (len(layers) == 2 and all(isinstance(v, int) for v in layers)):
             raise ValueError(f"server record: layers {layers!r} is not [lo, hi]")
     return rec
+
+
+def run_found(config: Any, stages: list[Any]) -> bool:
+    """Whether the DHT holds anything of the run: its config record or any stage record."""
+    return config is not None or any(s is not None for s in stages)
 
 
 def derive_state(announced: str, age: float, stale_after: float) -> str:
@@ -229,11 +236,10 @@ def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, h
     period = run.announce_period if run is not None and run.announce_period > 0 else 1.0
     stale_after = stale_periods * period
     tokens_per_step = run.batch_size * seq_len if run is not None and seq_len else None
-    found = config is not None or any(s is not None for s in stages)
+    found = run_found(config, stages)
     if not found:
         errors.append(f"no run {run_id!r} in the DHT: neither its config record nor any stage record is there "
-                      f"(check --run-id: `peer swarm` uses {DEFAULT_RUN_ID!r} by default, `peer serve` and "
-                      f"`peer join` use 'hivepipe')")
+                      f"{RUN_ID_HINT}")
     elif config is None:
         errors.append("no config record (the servers publish it every announce period): showing the stage records alone")
     n_stages = layout.num_stages if layout is not None else len(stages)
@@ -781,7 +787,7 @@ class DhtReader:
             return None
         value = found.value
         if isinstance(value, dict):  # a key with subkeys: peer id -> ValueWithExpiration
-            return {str(k): getattr(v, "value", v) for k, v in value.items()}
+            return subkey_values(value)
         return value
 
     def fetch(self) -> tuple[Any, list[Any]]:
@@ -993,12 +999,11 @@ def one_shot(reader: DhtReader, args) -> int:
     deadline = time.monotonic() + args.timeout
     while True:
         config, stages = reader.fetch()
-        if config is not None or any(s is not None for s in stages):
+        if run_found(config, stages):
             break
         if time.monotonic() > deadline:
-            print(f"dashboard: error: no run {args.run_id!r} found in the DHT after {args.timeout:g} s "
-                  f"(check --run-id: `peer swarm` uses {DEFAULT_RUN_ID!r} by default, `peer serve` and "
-                  f"`peer join` use 'hivepipe')", file=sys.stderr)
+            print(f"dashboard: error: no run {args.run_id!r} found in the DHT after {args.timeout:g} s {RUN_ID_HINT}",
+                  file=sys.stderr)
             return 2
         time.sleep(0.5)
     snap = build_snapshot(args.run_id, config, stages, time.time(), stale_periods=args.stale_periods)

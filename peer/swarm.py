@@ -7,6 +7,7 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -272,6 +273,14 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
         step_times: list[float] = []
         last_version, last_change = 0, time.time()
         pending_kills: list[tuple[float, str]] = []
+
+        def kill_due(until: float) -> None:
+            """SIGKILL (and replace) every volunteer whose kill time is `until` or earlier."""
+            for when, name in [pk for pk in pending_kills if pk[0] <= until]:
+                pending_kills.remove((when, name))
+                if name in swarm.volunteers:
+                    swarm.kill_volunteer(name)
+
         while not stop.is_set():
             swarm.check_alive()
             await monitor.refresh()
@@ -291,10 +300,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
                 if args.churn > 0 and version < args.steps:
                     # a kill meant for the step that just ended happens now, at its boundary: every step
                     # loses its share of volunteers however fast it ran
-                    for _, name in pending_kills:
-                        if name in swarm.volunteers:
-                            swarm.kill_volunteer(name)
-                    pending_kills.clear()
+                    kill_due(math.inf)
                     expected = sum(step_times[-3:]) / len(step_times[-3:])
                     names = sorted(swarm.volunteers)
                     # churn x volunteers on average: the fraction's remainder is a coin toss, so 40% and
@@ -305,11 +311,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
                         pending_kills.append((now + rng.uniform(0, expected), name))
             if version >= args.steps:
                 break
-            now = time.time()
-            for when, name in [pk for pk in pending_kills if pk[0] <= now]:
-                pending_kills.remove((when, name))
-                if name in swarm.volunteers:
-                    swarm.kill_volunteer(name)
+            kill_due(time.time())
             await asyncio.sleep(0.2)
         bar.close()
         if stop.is_set() and last_version < args.steps:

@@ -96,17 +96,21 @@ async def get(dht, key: str) -> Any:
     return None if found is None else found.value
 
 
+def subkey_values(value: dict) -> dict[str, Any]:
+    """{subkey (a peer id): raw value} of a key stored with subkeys (hivemind wraps each value)."""
+    return {str(k): getattr(v, "value", v) for k, v in value.items()}
+
+
 async def read_stage(dht, run_id: str, stage: int) -> list[tuple[str, dict | None, str | None]]:
     """All records under a stage key as (peer id, record or None, problem or None)."""
     value = await get(dht, stage_key(run_id, stage))
     out = []
     if isinstance(value, dict):
-        for subkey, item in value.items():
-            raw = getattr(item, "value", item)
+        for subkey, raw in subkey_values(value).items():
             try:
-                out.append((str(subkey), validate_record(raw), None))
+                out.append((subkey, validate_record(raw), None))
             except ValueError as e:
-                out.append((str(subkey), None, str(e)))
+                out.append((subkey, None, str(e)))
     return out
 
 
