@@ -57,6 +57,10 @@ def test_random_churn_equals_fault_free_run(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "peer.cli", "swarm", "--model", "tiny", "--steps", "5", "--volunteers", "4",
          "--churn", "0.5", "--seed", "0", "--volunteer-slowdown", "10", "--client-timeout", "2", "--run-id", run_id,
+         # the volunteers do all the work, so a step lasts as long as they take and the kills, timed
+         # within a step, land inside the run (with the servers computing too, steps 2-5 could pass
+         # between two polls of the launcher and the run end before any kill: 1 run in 20)
+         "--servers-compute", "no",
          "--no-progress", "--work-dir", str(tmp_path / "work"), "--summary-json", str(tmp_path / "s.json"),
          "--checkpoint-out", str(tmp_path / "ckpt")],
         capture_output=True, text=True, timeout=600)
