@@ -26,7 +26,7 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 
 from parameter_server.layout import RunLayout, owners, segment, split_by_weights
-from parameter_server.shard import ShardState, version_for_batch
+from parameter_server.shard import ShardState, parse_task_id, version_for_batch
 from peer.node import TRAFFIC
 from peer.protocol.links import LinkEmulator
 from peer.protocol.wire import PayloadError, RemoteError, check_tensor, field as mfield, pack, rows_field, unpack
@@ -149,7 +149,10 @@ class StageServer(ServicerBase):
         self.shard = ShardState({n: stage_params[n] for n in my}, lr=run.lr, rows_per_micro=self.rows,
                                 micro_batches=run.micro_batches, steps=run.steps, keep_versions=RETAIN)
         self.peer_versions: dict[str, int] = {}  # versions the stage's other servers announced
-        self.pool = TaskPool(clock=clock, default_timeout=task_timeout, max_leases_per_client=1,
+        # a client keeps the leases of the tasks whose gradients it is still accumulating (at most the
+        # tasks of two batches, see StageWorker) and works on one more
+        self.pool = TaskPool(clock=clock, default_timeout=task_timeout,
+                             max_leases_per_client=2 * run.micro_batches + 1,
                              preference_grace=preference_grace)
         self.clients: dict[str, ClientInfo] = {}
         self.issued: set[str] = set()  # every task id this server created
@@ -332,7 +335,8 @@ class StageServer(ServicerBase):
             break
         t, m, (a, b) = task.batch, task.micro_batch, task.rows
         common = {"task": task.task_id, "kind": task.kind, "batch": t, "micro": m, "rows": [a, b],
-                  "stage": self.stage, "version": version_for_batch(t), "deadline": lease.deadline - self.clock()}
+                  "stage": self.stage, "version": version_for_batch(t), "deadline": lease.deadline - self.clock(),
+                  "attempt": lease.attempt}
         if task.kind == "forward":
             x, y = self.buffers[(t, m)].slice(a, b)
             return dict(common, frontal=self.device_id), [x, y]
@@ -384,18 +388,32 @@ class StageServer(ServicerBase):
         return {"names": self.shard.names, "version": version}, [snap[n] for n in self.shard.names]
 
     async def on_push_grads(self, meta, tensors, sender):
+        """A client's gradient shard accumulated over the tasks `tasks` (ids) of batch `batch`."""
         if sender != self.peer_id:
             self._client(sender)
-        task_id = mfield(meta, "task", str)
-        t, m = mfield(meta, "batch", int), mfield(meta, "micro", int)
-        rows = rows_field(meta, "rows", self.rows)
+        t = mfield(meta, "batch", int)
+        ids = mfield(meta, "tasks", list)
+        if len(ids) > self.run.micro_batches * self.rows:
+            raise PayloadError(f"{len(ids)} tasks in one push: a batch has at most {self.run.micro_batches * self.rows}"
+                               " rows")
+        if len(set(map(str, ids))) != len(ids):
+            raise PayloadError("field 'tasks' names a task twice")
+        pieces = []
+        for task_id in ids:
+            kind, batch, micro, stage, rows = parse_task_id(task_id)
+            if stage != self.stage or batch != t:
+                raise PayloadError(f"task {task_id} is not of batch {t} of stage {self.stage}")
+            if kind != ("forward" if self.last else "backward"):
+                raise PayloadError(f"task {task_id}: only {'forward' if self.last else 'backward'} tasks carry "
+                                   f"gradients on stage {self.stage}")
+            pieces.append((task_id, micro, rows))
         loss = mfield(meta, "loss_sum", float, optional=True)
         if self.last and loss is None:
             raise PayloadError("the last stage's gradient pushes must carry 'loss_sum'")
-        result = self.shard.credit(task_id=task_id, batch=t, micro=m, rows=rows, grads=tensors, loss_sum=loss)
+        result, already = self.shard.credit(batch=t, pieces=pieces, grads=tensors, loss_sum=loss)
         if result == "credited":
             self._maybe_step()
-        return {"result": result}
+        return {"result": result, "credited": already}
 
     def _maybe_step(self) -> None:
         stepped = False

@@ -1,17 +1,21 @@
 """One server's shard of a stage's fp32 master parameters and its AdamW state, with the ledger of
 which gradient contributions have been credited.
 
-Exactly-once: a gradient contribution is identified by the task that produced it and the rows it
-covers. Each server credits a task at most once (later pushes of the same task are duplicates and are
-dropped, counted); it steps batch t once the credited rows of every micro-batch of t tile the whole
-micro-batch. Since a task's gradient is a pure function of (parameters version, rows), whichever
-client's copy arrives first is the right one, and no cross-server agreement is needed.
+Exactly-once: a client accumulates the gradients of several tasks of one batch and pushes the sum
+with the ids of the tasks it covers (each id names its batch, micro-batch and rows). Each server
+credits a push all or nothing and a task at most once: a push whose tasks are all credited already
+is a duplicate (dropped, counted), one with only some of them credited is a conflict (nothing
+credited; the sender re-runs the rest as single-task pushes). It steps batch t once the credited
+rows of every micro-batch of t tile the whole micro-batch. Since a task's gradient is a pure
+function of (parameters version, rows), whichever client's copy arrives first is the right one, and
+no cross-server agreement is needed.
 
 Delayed parameter update: batch t is computed on version v(t) = max(t - 1, 0) (the updates of
 batches 0..t-2), and update t is applied when version == t, producing version t + 1.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +27,18 @@ from peer.protocol.wire import PayloadError
 def version_for_batch(t: int) -> int:
     """The parameters version batch t is computed on under the delayed update."""
     return max(t - 1, 0)
+
+
+TASK_ID = re.compile(r"([FB])(\d+)\.(\d+)\.(\d+)\.(\d+)-(\d+)")
+
+
+def parse_task_id(task_id) -> tuple[str, int, int, int, tuple[int, int]]:
+    """"B3.1.0.4-8" -> ("backward", batch 3, micro 1, stage 0, rows (4, 8)); PayloadError otherwise."""
+    match = TASK_ID.fullmatch(task_id) if isinstance(task_id, str) else None
+    if match is None:
+        raise PayloadError(f"malformed task id {task_id!r}: expected <F|B><batch>.<micro>.<stage>.<lo>-<hi>")
+    kind, t, m, k, lo, hi = match.groups()
+    return ("forward" if kind == "F" else "backward"), int(t), int(m), int(k), (int(lo), int(hi))
 
 
 def assign_shards(sizes: dict[str, int], n_servers: int) -> list[list[str]]:
@@ -79,17 +95,33 @@ class ShardState:
     def params_at(self, version: int) -> dict[str, torch.Tensor] | None:
         return self.snapshots.get(version)
 
-    def credit(self, *, task_id: str, batch: int, micro: int, rows: tuple[int, int], grads: list[torch.Tensor],
-               loss_sum: float | None = None) -> str:
-        """Add one task's gradient shard. Returns "credited" or "duplicate"; raises PayloadError
-        (changing nothing) for anything that does not fit."""
+    def credit(self, *, batch: int, pieces: list[tuple[str, int, tuple[int, int]]], grads: list[torch.Tensor],
+               loss_sum: float | None = None) -> tuple[str, list[str]]:
+        """Add one client's gradient shard accumulated over the tasks `pieces` = [(task id, micro,
+        (lo, hi)), ...] of batch `batch`, all or nothing. Returns ("credited", []); ("duplicate", ids)
+        when every task is already credited (a re-push); or ("conflict", ids) when only some are: the
+        sum cannot be split, so nothing is credited and `ids` names the tasks already credited here
+        (the sender re-runs the others alone). Raises PayloadError, changing nothing, for anything
+        that does not fit."""
         if not 0 <= batch < self.steps:
             raise PayloadError(f"batch {batch} outside the run's 0..{self.steps - 1}")
-        if not 0 <= micro < self.micro_batches:
-            raise PayloadError(f"micro-batch {micro} outside 0..{self.micro_batches - 1}")
-        lo, hi = rows
-        if not 0 <= lo < hi <= self.rows_per_micro:
-            raise PayloadError(f"rows [{lo}, {hi}) outside the micro-batch's {self.rows_per_micro} rows")
+        if not pieces:
+            raise PayloadError("a gradient push must name at least one task")
+        if len(pieces) > self.micro_batches * self.rows_per_micro:
+            raise PayloadError(f"{len(pieces)} tasks in one push: a batch has at most "
+                               f"{self.micro_batches * self.rows_per_micro} rows")
+        mine: dict[int, list[tuple[int, int]]] = {}
+        for task_id, micro, (lo, hi) in pieces:
+            if not 0 <= micro < self.micro_batches:
+                raise PayloadError(f"task {task_id}: micro-batch {micro} outside 0..{self.micro_batches - 1}")
+            if not 0 <= lo < hi <= self.rows_per_micro:
+                raise PayloadError(f"task {task_id}: rows [{lo}, {hi}) outside the micro-batch's "
+                                   f"{self.rows_per_micro} rows")
+            for a, b in mine.get(micro, []):
+                if a < hi and lo < b:
+                    raise PayloadError(f"task {task_id}: rows [{lo}, {hi}) of micro-batch {micro} overlap rows "
+                                       f"[{a}, {b}) of another task of the same push")
+            mine.setdefault(micro, []).append((lo, hi))
         # a malformed payload is an error even for a batch already applied: the sender must learn it
         if len(grads) != len(self.names):
             raise PayloadError(f"expected {len(self.names)} gradient tensors for this shard, got {len(grads)}")
@@ -103,29 +135,37 @@ class ShardState:
                 raise PayloadError(f"gradient {name}: contains NaN or infinite values")
         if loss_sum is not None and not (loss_sum == loss_sum and abs(loss_sum) != float("inf")):
             raise PayloadError("loss_sum must be finite")
+        ids = [task_id for task_id, _, _ in pieces]
         if batch < self.version:
             # its update is already applied: every row of it was credited
             self.duplicates += 1
-            return "duplicate"
+            return "duplicate", ids
         if batch > self.version + 1:
             raise PayloadError(f"batch {batch} is ahead of the parameters (version {self.version})")
-        bc = self.batches.get(batch)
-        if bc is None:
-            bc = self.batches[batch] = BatchCredit(self.rows_per_micro, self.micro_batches)
-        if task_id in bc.task_ids:
-            self.duplicates += 1
-            return "duplicate"
-        spans = bc.intervals.get(micro, [])
-        for a, b in spans:
-            if a < hi and lo < b:
-                if (a, b) == (lo, hi):  # same rows under another task id: the same work done twice
-                    self.duplicates += 1
-                    return "duplicate"
-                raise PayloadError(f"rows [{lo}, {hi}) of micro-batch {micro} overlap credited rows [{a}, {b})")
+        bc = self.batches.get(batch) or BatchCredit(self.rows_per_micro, self.micro_batches)
+        already = []
+        for task_id, micro, (lo, hi) in pieces:
+            if task_id in bc.task_ids:
+                already.append(task_id)
+                continue
+            for a, b in bc.intervals.get(micro, []):
+                if a < hi and lo < b:
+                    if (a, b) == (lo, hi):  # same rows under another task id: the same work done twice
+                        already.append(task_id)
+                        break
+                    raise PayloadError(f"task {task_id}: rows [{lo}, {hi}) of micro-batch {micro} overlap "
+                                       f"credited rows [{a}, {b})")
+        if already:
+            if len(already) == len(pieces):
+                self.duplicates += 1
+                return "duplicate", already
+            return "conflict", already
         # accepted: mutate
-        bc.task_ids.add(task_id)
-        bc.intervals.setdefault(micro, []).append((lo, hi))
-        bc.rows_done[micro] = bc.rows_done.get(micro, 0) + (hi - lo)
+        self.batches[batch] = bc
+        for task_id, micro, (lo, hi) in pieces:
+            bc.task_ids.add(task_id)
+            bc.intervals.setdefault(micro, []).append((lo, hi))
+            bc.rows_done[micro] = bc.rows_done.get(micro, 0) + (hi - lo)
         if loss_sum is not None:
             bc.loss_sum += float(loss_sum)
         if bc.grads is None:
@@ -133,7 +173,7 @@ class ShardState:
         else:
             for n, g in zip(self.names, grads):
                 bc.grads[n].add_(g)
-        return "credited"
+        return "credited", []
 
     def ready_to_step(self) -> bool:
         bc = self.batches.get(self.version)

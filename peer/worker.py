@@ -1,18 +1,21 @@
 """The compute loop of one stage: what a volunteer (`peer join`) runs, and what every server runs
 beside its services (the paper's partially collocated servers). It pulls backward tasks first (they
-free memory and finish batches), then forward tasks; runs its slice; pushes outputs, input gradients
-and gradient shards; and completes the task at the server that leased it.
+free memory and finish batches), then forward tasks; runs its slice; pushes outputs and input
+gradients per task, and accumulates its parameter gradients per batch, pushing each batch's sum,
+sharded, to every server of the stage with the ids of the tasks it covers.
 
-Ordering for exactly-once: a task's input gradient is handed to the frontal server first, then its
-gradient shards to every server of the stage (each credits the task once), and only then is the task
-completed; a worker killed at any point leaves each server with either nothing or the whole
-contribution of the task, and the task is re-run until completed; re-runs are counted duplicates."""
+Ordering for exactly-once: a task's input gradient is handed to the frontal server first; its
+parameter gradient joins the batch's sum while the task stays leased; the sum goes to every server
+(each credits it all or nothing, and a task at most once), and only then are its tasks completed. A
+worker killed at any point leaves each server with either nothing or the whole contribution of each
+task, and its tasks are re-run (pushed alone) until completed; re-runs are counted duplicates."""
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +30,27 @@ logger = logging.getLogger("hivepipe.worker")
 # that every micro-batch is applied exactly once whatever the point
 KILL_POINTS = ("before_forward", "during_forward", "after_outputs", "during_backward", "after_input_grads",
                "mid_grad_push", "after_grad_push", "pulling_params")
+
+
+@dataclass
+class Pending:
+    """The parameter gradients of one batch summed over tasks whose sum is not pushed yet; the tasks
+    stay leased (and are re-run by others if this client vanishes) until every server credits it."""
+    batch: int
+    tasks: list = field(default_factory=list)  # (leasing server's link, task id, lease deadline, lease seconds)
+    grads: dict | None = None
+    loss_sum: float | None = None
+
+    def add(self, link, meta: dict, grads: dict[str, torch.Tensor], loss: float | None) -> None:
+        length = float(meta.get("deadline", 60.0))
+        self.tasks.append((link, meta["task"], time.monotonic() + length, length))
+        if self.grads is None:
+            self.grads = grads
+        else:
+            for n, g in grads.items():
+                self.grads[n].add_(g)
+        if loss is not None:
+            self.loss_sum = (self.loss_sum or 0.0) + loss
 
 
 class NotReady(Exception):
@@ -66,7 +90,10 @@ class StageWorker:
         self.loaded_version: int | None = None
         self.input_cache: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-        self.stats = {"forward": 0, "backward": 0, "dropped": 0, "compute_seconds": 0.0, "started": time.time()}
+        self.stats = {"forward": 0, "backward": 0, "dropped": 0, "pushes": 0, "conflicts": 0, "compute_seconds": 0.0,
+                      "started": time.time()}
+        self.pending: dict[int, Pending] = {}  # batch -> gradients summed over tasks not pushed yet
+        self.max_pending = 2 * run.micro_batches  # the servers lease a client 2 x micro-batches + 1 tasks
         self.current: tuple[str, str] | None = None  # (server device, task id) being worked on
         if die_at is not None and die_at not in KILL_POINTS:
             raise ValueError(f"unknown kill point {die_at!r}; choose from {', '.join(KILL_POINTS)}")
@@ -104,6 +131,7 @@ class StageWorker:
         try:
             while not stop.is_set():
                 got = await self.take_one()
+                await self.flush(self._flush_due(None if got is None else got[1]))
                 if got is None:
                     try:
                         await asyncio.wait_for(stop.wait(), self.poll)
@@ -128,6 +156,7 @@ class StageWorker:
                     await self._quiet(link.call("fail", {"task": meta["task"]}))
                 finally:
                     self.current = None
+            await self.flush(sorted(self.pending))  # a clean stop hands in what it has
         finally:
             beat.cancel()
 
@@ -195,19 +224,68 @@ class StageWorker:
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, timed)
 
-    async def push_grads(self, meta: dict, grads: dict[str, torch.Tensor], loss: float | None) -> None:
-        """Send each server its shard of this task's gradient (the server credits the task once)."""
-        base = {"task": meta["task"], "batch": meta["batch"], "micro": meta["micro"], "rows": meta["rows"]}
-        if loss is not None:
-            base["loss_sum"] = float(loss)
+    # gradient accumulation ---------------------------------------------------------------------
+    def _flush_due(self, task: dict | None) -> list[int]:
+        """The pending batches to push now: all when idle (`task` None) or when too many leases are
+        held; before `task`, those it may wait on (its parameters need every batch < its batch - 1
+        applied) or, if it carries gradients itself, every older batch; any with a lease in the
+        last third of its time."""
+        now = time.monotonic()
+        held = sum(len(p.tasks) for p in self.pending.values())
+        due = []
+        for b, p in self.pending.items():
+            if task is None or held >= self.max_pending:
+                due.append(b)
+            elif b < task["batch"] - 1 or (b < task["batch"] and (self.last or task["kind"] == "backward")):
+                due.append(b)
+            elif any(now > deadline - length / 3 for _, _, deadline, length in p.tasks):
+                due.append(b)
+        return sorted(due)
+
+    async def flush(self, batches: list[int]) -> None:
+        for b in batches:
+            if b in self.pending:
+                try:
+                    await self.push_pending(self.pending.pop(b))
+                except Exception as e:  # its tasks stay leased here: they run out and are re-run by others
+                    logger.warning("%s: gradient push of batch %d failed: %r", self.device_id, b, e)
+
+    async def push_pending(self, p: "Pending") -> None:
+        """Push one batch's summed gradient, sharded, to every server of the stage with the ids of the
+        tasks it covers; then complete the tasks every server credited and hand back the rest (they
+        are re-run and pushed alone). Each server credits the push all or nothing."""
+        ids = [tid for _, tid, _, _ in p.tasks]
+        base = {"tasks": ids, "batch": p.batch}
+        if p.loss_sum is not None:
+            base["loss_sum"] = float(p.loss_sum)
+        items = list(self.shards.items())
         if self.die_at == "mid_grad_push":  # one server gets its shard, the others never do
-            device, names = next(iter(self.shards.items()))
-            await self.links[device].call("push_grads", base, [grads[n] for n in names], timeout=60.0)
+            device, names = items[0]
+            await self.links[device].call("push_grads", base, [p.grads[n] for n in names], timeout=60.0)
             self._point("mid_grad_push")
+        answers = await asyncio.gather(*(
+            self.links[device].call("push_grads", base, [p.grads[n] for n in names], timeout=60.0)
+            for device, names in items
+        ), return_exceptions=True)
+        self.stats["pushes"] += 1
+        self._point("after_grad_push")
+        credited = set(ids)
+        for (device, _), answer in zip(items, answers):
+            if isinstance(answer, BaseException):
+                logger.info("%s: gradient push to %s failed: %r", self.device_id, device, answer)
+                credited = set()
+            elif answer[0].get("result") == "conflict":
+                # some tasks were credited there from another client's copy: the rest are re-run alone
+                credited &= set(answer[0].get("credited", []))
+                self.stats["conflicts"] += 1
         await asyncio.gather(*(
-            self.links[device].call("push_grads", base, [grads[n] for n in names], timeout=60.0)
-            for device, names in self.shards.items()
+            self._quiet(link.call("complete" if tid in credited else "fail", {"task": tid}))
+            for link, tid, _, _ in p.tasks
         ))
+        n = len(ids) - len(credited)
+        if n:
+            self.stats["dropped"] += n
+            logger.info("%s: %d tasks of batch %d handed back to be re-run", self.device_id, n, p.batch)
 
     def _grads(self) -> dict[str, torch.Tensor]:
         return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
@@ -284,15 +362,20 @@ class StageWorker:
 
     async def _finish(self, link, frontal, meta, gin, grads, loss) -> None:
         """Hand a computed task in, in the order that makes any kill point safe: the input gradient
-        to the frontal server (which relays it), then the gradient shards to every server, then the
-        completion. A server that has credited the task thus knows its input gradient is relayed."""
+        to the frontal server (which relays it); then the parameter gradient into the batch's sum,
+        the task staying leased until the sum is credited by every server. A task on its second
+        attempt (its first client vanished or was late) is pushed alone at once, so that a sum never
+        overlaps another client's in part for long."""
         if gin is not None:
             await frontal.call("push_input_grads", {"task": meta["task"], "batch": meta["batch"], "micro": meta["micro"],
                                                     "rows": meta["rows"]}, [gin])
             self._point("after_input_grads")
-        await self.push_grads(meta, grads, loss)
-        self._point("after_grad_push")
-        await link.call("complete", {"task": meta["task"]})
+        if meta.get("attempt", 1) > 1:
+            alone = Pending(meta["batch"])
+            alone.add(link, meta, grads, loss)
+            await self.push_pending(alone)
+        else:
+            self.pending.setdefault(meta["batch"], Pending(meta["batch"])).add(link, meta, grads, loss)
 
     async def _backward(self, link, meta, tensors) -> None:
         t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]

@@ -221,7 +221,6 @@ round is a warm-up and not counted.
 def interpretation(cfg, s, swarms, ratio, hop_rows, measured, floor, exchange, grads_per_step) -> str:
     tps = [sw["tokens_per_second"] for sw in swarms]
     startup = statistics.median(sw["startup_seconds"] for sw in swarms)
-    pieces = min(s["batch_size"] // s["micro_batches"], s["servers_per_stage"] + s["volunteers"] // s["stages"])
     stage_bytes = cfg.param_count() * 4 / s["stages"]  # about one stage's gradient
     pushes = grads_per_step / stage_bytes / s["stages"]
     meta_hop = float(hop_rows[0][6])
@@ -251,13 +250,13 @@ def interpretation(cfg, s, swarms, ratio, hop_rows, measured, floor, exchange, g
   minimum ({floor['total'] / 1e6:.2f} MB) and {measured / exchange:.1f}x what the cost model's aggregation term
   counts for this layout (every worker pushes and pulls its stage once per step, {exchange / 1e6:.1f} MB).
   The gap is by design:
-  - *one gradient per task, not one per step*: for exactly-once, a worker pushes the gradient of each
-    task on its own (a task is credited or not, never half; DESIGN.md "Exactly once"), so a worker
-    that does n tasks of a step sends its stage's gradient n times instead of accumulating them.
-    `push_grads` carried {grads_per_step / 1e6:.1f} MB per step, about {pushes:.0f} whole-stage
-    gradients per stage per step over the wire (a micro-batch's rows are split among the stage's
-    workers, so a stage has up to {pieces} backward tasks per micro-batch, each pushing the whole stage's
-    gradient in shards; a server's own worker keeps its own shard local);
+  - *one gradient per worker and batch, not one per stage*: a worker sums the gradients of its tasks
+    of a batch and pushes the sum, sharded, with the ids of the tasks it covers (each server credits
+    it all or nothing). `push_grads` carried {grads_per_step / 1e6:.1f} MB per step, about {pushes:.1f}
+    whole-stage gradients per stage per step: every worker of a stage ({s['servers_per_stage']} servers'
+    own workers + {s['volunteers'] // s['stages']} volunteers) pushes its sum, a server's own worker keeping
+    its own shard local, and a sum is pushed early when its worker goes idle or a lease nears its
+    deadline (the next task's gradient then starts a new sum);
   - *parameters re-pulled for every new version*: a worker pulls its stage's parameters (all shards
     but its own) once per version it computes on, i.e. once per step, and the servers' own workers
     pull the other servers' shards too (`get_params`);
@@ -268,10 +267,8 @@ def interpretation(cfg, s, swarms, ratio, hop_rows, measured, floor, exchange, g
     that ran the forward fetches its inputs from the FS (`get_inputs`);
   - the rest is control traffic (`take`, `complete`, `register` heartbeats), small per call but many
     calls.
-  On a real network the gradient term is the one to cut. A way that keeps exactly-once would be to
-  accumulate a worker's gradients of several tasks of a step and credit them as one contribution
-  naming all its tasks (all credited or none), dividing `push_grads` by the tasks per worker per
-  step; it is not built.
+  On a real network the activations' extra hops are the term to cut next: a worker could push its
+  outputs straight to the next stage's FS, at the price of the BS's ledger seeing them second-hand.
 """
 
 

@@ -107,15 +107,53 @@ def test_a_malformed_push_for_an_applied_batch_is_still_an_error():
     from parameter_server.shard import ShardState
 
     shard = ShardState({"w": torch.zeros(2, 3)}, lr=1e-3, rows_per_micro=2, micro_batches=1, steps=4)
-    assert shard.credit(task_id="B0.0.0.0-2", batch=0, micro=0, rows=(0, 2), grads=[torch.ones(2, 3)]) == "credited"
+    one = [("B0.0.0.0-2", 0, (0, 2))]
+    assert shard.credit(batch=0, pieces=one, grads=[torch.ones(2, 3)]) == ("credited", [])
     assert shard.ready_to_step() and shard.step() == 1
-    assert shard.credit(task_id="B0.0.0.0-2", batch=0, micro=0, rows=(0, 2), grads=[torch.ones(2, 3)]) == "duplicate"
+    assert shard.credit(batch=0, pieces=one, grads=[torch.ones(2, 3)]) == ("duplicate", ["B0.0.0.0-2"])
     assert shard.duplicates == 1
     bad = {"shape": [torch.ones(3, 2)], "dtype": [torch.ones(2, 3, dtype=torch.float64)],
            "NaN": [torch.full((2, 3), float("nan"))], "gradient tensors": [torch.ones(2, 3)] * 2}
     for words, grads in bad.items():
         with pytest.raises(PayloadError, match=words):
-            shard.credit(task_id="B0.0.0.0-2", batch=0, micro=0, rows=(0, 2), grads=grads)
+            shard.credit(batch=0, pieces=one, grads=grads)
     with pytest.raises(PayloadError, match="rows"):
-        shard.credit(task_id="B0.0.0.0-2", batch=0, micro=0, rows=(0, 5), grads=[torch.ones(2, 3)])
+        shard.credit(batch=0, pieces=[("B0.0.0.0-5", 0, (0, 5))], grads=[torch.ones(2, 3)])
     assert shard.duplicates == 1 and shard.version == 1
+
+
+def test_an_accumulated_push_is_credited_all_or_nothing():
+    """A push summed over several tasks is credited whole; one that overlaps credited tasks only in
+    part is a conflict that changes nothing and names the tasks already credited; one whose tasks
+    are all credited is a duplicate; overlapping rows inside one push are an error."""
+    from parameter_server.shard import ShardState, parse_task_id
+
+    shard = ShardState({"w": torch.zeros(3)}, lr=1e-1, rows_per_micro=4, micro_batches=2, steps=2)
+    ref = ShardState({"w": torch.zeros(3)}, lr=1e-1, rows_per_micro=4, micro_batches=2, steps=2)
+
+    def pieces(*ids):
+        return [(tid, parse_task_id(tid)[2], parse_task_id(tid)[4]) for tid in ids]
+
+    g = {tid: torch.tensor([1.0, 2.0, 3.0]) * (i + 1) for i, tid in
+         enumerate(["B0.0.0.0-2", "B0.0.0.2-4", "B0.1.0.0-4"])}
+    assert shard.credit(batch=0, pieces=pieces("B0.0.0.0-2", "B0.1.0.0-4"),
+                        grads=[g["B0.0.0.0-2"] + g["B0.1.0.0-4"]]) == ("credited", [])
+    # another client's sum covers one credited task and one new one: nothing changes
+    before = shard.batches[0].grads["w"].clone()
+    assert shard.credit(batch=0, pieces=pieces("B0.0.0.2-4", "B0.1.0.0-4"), grads=[torch.ones(3)]) == \
+        ("conflict", ["B0.1.0.0-4"])
+    assert torch.equal(shard.batches[0].grads["w"], before) and not shard.ready_to_step()
+    assert shard.credit(batch=0, pieces=pieces("B0.1.0.0-4"), grads=[torch.ones(3)]) == ("duplicate", ["B0.1.0.0-4"])
+    with pytest.raises(PayloadError, match="overlap"):
+        shard.credit(batch=0, pieces=pieces("B0.0.0.2-4", "B0.0.0.3-4"), grads=[torch.ones(3)])
+    with pytest.raises(PayloadError, match="overlap"):  # rows [1, 3) cut across credited rows [0, 2)
+        shard.credit(batch=0, pieces=pieces("B0.0.0.1-3"), grads=[torch.ones(3)])
+    assert shard.credit(batch=0, pieces=pieces("B0.0.0.2-4"), grads=[g["B0.0.0.2-4"]]) == ("credited", [])
+    assert shard.ready_to_step() and shard.step() == 1
+    for tid, grad in g.items():  # the same update as crediting each task alone
+        ref.credit(batch=0, pieces=pieces(tid), grads=[grad])
+    ref.step()
+    assert torch.allclose(shard.params["w"], ref.params["w"])
+    for bad in ["X0.0.0.0-2", "B0.0.0.0", 7, "B0.0.0.0-2 "]:
+        with pytest.raises(PayloadError, match="malformed task id"):
+            parse_task_id(bad)

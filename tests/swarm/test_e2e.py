@@ -111,7 +111,7 @@ async def send_bad_payloads(live) -> dict:
     await expect_error("unregistered_take", fs, "take", {})
     await live.link(fs).call("register", {"device": "attacker", "compute": 1e-3, "stage": 0})
     await live.link(bs).call("register", {"device": "attacker", "compute": 1e-3, "stage": 0})
-    meta = {"task": "B1.0.0.0-2", "batch": 1, "micro": 0, "rows": [0, 2]}
+    meta = {"tasks": ["B1.0.0.0-2"], "batch": 1}
     await expect_error("wrong_shape_grads", fs, "push_grads", meta, [good] * 50)
     version = (await live.status(fs))["version"]
     names_meta, tensors = await live.link(fs).call("get_params", {"version": version})
@@ -121,7 +121,9 @@ async def send_bad_payloads(live) -> dict:
     await expect_error("wrong_shape_outputs", bs, "push_outputs",
                        {"task": "F1.0.0.0-2", "batch": 1, "micro": 0, "rows": [0, 2], "frontal": fs},
                        [torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int64)])
-    await expect_error("bad_metadata", fs, "push_grads", {"task": 5})
+    await expect_error("bad_metadata", fs, "push_grads", {"tasks": 5, "batch": 1})
+    await expect_error("bad_task_id", fs, "push_grads", {"tasks": ["B1.0.0.0-2", "hello"], "batch": 1}, tensors)
+    await expect_error("foreign_task", fs, "push_grads", {"tasks": ["B1.0.1.0-2"], "batch": 1}, tensors)
     return answers
 
 
@@ -136,7 +138,9 @@ def test_bad_payloads_are_refused_with_a_reason(churn_scenario):
     assert _has_words(a["nan_grads"], "NaN"), a
     assert _has_words(a["unknown_task_complete"], "unknown task id"), a
     assert _has_words(a["wrong_shape_outputs"], "expected shape"), a
-    assert _has_words(a["bad_metadata"], "task"), a
+    assert _has_words(a["bad_metadata"], "tasks", "list"), a
+    assert _has_words(a["bad_task_id"], "malformed task id", "hello"), a
+    assert _has_words(a["foreign_task"], "B1.0.1.0-2", "stage 0"), a
 
 
 def test_killed_volunteer_does_not_stop_training(churn_scenario):

@@ -25,3 +25,40 @@ def test_in_process_swarm_equals_reference(stages, frontal, backward, volunteers
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
     applied = {s.stage: s.shard.microbatches_applied for s in swarm.servers.values()}
     assert applied == {k: steps * run.micro_batches for k in range(stages)}
+
+
+def test_a_sum_that_overlaps_another_clients_push_in_part_is_rerun_not_lost():
+    """Client A sums the gradients of tasks T1 and T2; T2's lease is lost meanwhile (as when a
+    deadline passes) and client B re-runs it and pushes it alone. A's sum then overlaps B's push in
+    part: every server refuses it whole (a conflict), A completes T2 and hands T1 back, and T1 is
+    re-run and pushed alone. Training ends equal to the reference, each micro-batch applied once."""
+    steps = 2
+    cfg, layout, run = make_run(steps=steps, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    a, b = swarm.workers
+
+    async def scenario():
+        fs.maybe_start_batches()  # before any client registers: one task per micro-batch, open to all
+        await a.register()
+        await b.register()
+        held = []
+        for _ in range(2):
+            link, meta, tensors = await a.take_one()
+            await a.process(link, meta, tensors)
+            held.append(meta["task"])
+        assert [tid for _, tid, _, _ in a.pending[0].tasks] == held and a.stats["pushes"] == 0
+        fs.pool.fail(held[1], a.links[fs.device_id].sender)  # A's lease of T2 is lost
+        link, meta, tensors = await b.take_one()
+        assert (meta["task"], meta["attempt"]) == (held[1], 2)
+        await b.process(link, meta, tensors)  # a second attempt is pushed alone, at once
+        assert b.stats["pushes"] == 1 and not b.pending
+        await a.flush([0])
+        assert a.stats["conflicts"] == len(swarm.servers) and a.stats["dropped"] == 1
+        assert fs.pool.is_done(held[1]) and fs.pool.lease_of(held[0]) is None  # T1 queued again
+        return await swarm.train(timeout=120)
+
+    state = asyncio.run(scenario())
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    assert {s.shard.microbatches_applied for s in swarm.servers.values()} == {steps * run.micro_batches}
+    assert sum(w.stats["conflicts"] for w in swarm.workers) == len(swarm.servers)
