@@ -6,6 +6,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# requests that belong to one layout epoch: their "epoch" field (0 when absent) must be the server's
+EPOCHED = frozenset({"take", "complete", "fail", "push_grads", "push_inputs", "get_inputs", "push_input_grads",
+                     "push_outputs", "push_output_grads"})
+
 
 @dataclass(frozen=True)
 class StageLayout:
@@ -14,11 +18,23 @@ class StageLayout:
     frontal: tuple[str, ...]
     backward: tuple[str, ...]
     clients: tuple[str, ...] = ()
+    # which server hosts each shard slot of the stage's parameters: empty means slot i is hosted by
+    # servers[i]; after a failover (a later layout epoch) a lost server's slot is hosted by the server
+    # that held its replica
+    shard_hosts: tuple[str, ...] = ()
 
     @property
     def servers(self) -> tuple[str, ...]:
         """All servers of the stage in shard order: frontal first, then backward."""
         return self.frontal + self.backward
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """The host of each shard slot (slot i of `assign_shards(..., len(hosts))`)."""
+        return self.shard_hosts or self.servers
+
+    def slots_of(self, device: str) -> list[int]:
+        return [i for i, d in enumerate(self.hosts) if d == device]
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,7 @@ class RunLayout:
         return {
             "stages": [
                 {"layers": list(s.layers), "frontal": list(s.frontal), "backward": list(s.backward), "clients": list(s.clients)}
+                | ({"shard_hosts": list(s.shard_hosts)} if s.shard_hosts else {})
                 for s in self.stages
             ],
             "idle": list(self.idle),
@@ -86,7 +103,13 @@ class RunLayout:
                         raise ValueError(f"{where}.{role}: device {i!r} appears twice in the plan")
                     seen.add(i)
                 roles[role] = tuple(ids)
-            stages.append(StageLayout(k, (layers[0], layers[1]), roles["frontal"], roles["backward"], roles["clients"]))
+            hosts = s.get("shard_hosts", [])
+            servers = set(roles["frontal"]) | set(roles["backward"])
+            if not isinstance(hosts, list) or not all(isinstance(h, str) and h in servers for h in hosts) \
+                    or (hosts and not servers <= set(hosts)):
+                raise ValueError(f"{where}.shard_hosts: expected a list of this stage's servers, each hosting a slot")
+            stages.append(StageLayout(k, (layers[0], layers[1]), roles["frontal"], roles["backward"], roles["clients"],
+                                      tuple(hosts)))
         if expected_lo != num_layers:
             raise ValueError(f"plan.stages: layers end at {expected_lo}, the model has {num_layers}")
         idle = data.get("idle", [])
@@ -119,6 +142,25 @@ class RunLayout:
                 )
             )
         return cls(tuple(stages))
+
+    def without(self, lost: dict[str, str]) -> "RunLayout":
+        """The layout after a failover: each lost server (device -> the server now hosting its shard
+        slots) removed from its role, the rows re-segmented among the rest of that role (the row
+        arithmetic follows from the roles), its slots hosted by the given server. ValueError if a
+        role would be left empty or a host is not a remaining server of that stage."""
+        stages = []
+        for st in self.stages:
+            frontal = tuple(d for d in st.frontal if d not in lost)
+            backward = tuple(d for d in st.backward if d not in lost)
+            if not frontal or not backward:
+                role = "frontal" if not frontal else "backward"
+                raise ValueError(f"stage {st.index} would have no {role} server left")
+            hosts = tuple(lost.get(d, d) for d in st.hosts)
+            if not set(hosts) <= set(frontal + backward):
+                raise ValueError(f"stage {st.index}: a lost server's shard must move to a remaining server of the stage")
+            stages.append(StageLayout(st.index, st.layers, frontal, backward, st.clients,
+                                      hosts if hosts != frontal + backward else ()))
+        return RunLayout(tuple(stages), self.idle, self.predicted_seconds_per_step)
 
 
 def segment(n: int, parts: int, i: int) -> tuple[int, int]:

@@ -25,8 +25,8 @@ import torch
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 
-from parameter_server.layout import RunLayout, owners, segment, split_by_weights
-from parameter_server.shard import ShardState, parse_task_id, version_for_batch
+from parameter_server.layout import EPOCHED, RunLayout, owners, segment, split_by_weights
+from parameter_server.shard import ShardState, assign_shards, parse_task_id, version_for_batch
 from peer.node import TRAFFIC
 from peer.protocol.links import LinkEmulator
 from peer.protocol.wire import PayloadError, RemoteError, check_tensor, field as mfield, pack, rows_field, unpack
@@ -39,7 +39,15 @@ logger = logging.getLogger("hivepipe.server")
 # and the rows of three batches, which is what a re-run of a task needs from the leader.
 RETAIN = 3
 
+
+def snapshots_kept(num_stages: int) -> int:
+    """Parameter versions a shard keeps. A failover re-runs every batch from the lowest version of any
+    shard of the run, and stages' versions can differ by two per stage boundary, so a shard keeps
+    that many more versions than a task needs in steady operation."""
+    return RETAIN + 2 * num_stages
+
 # requests that change a server's state: written to its request log, replayed after a restart
+# (an adopted layout epoch is logged too, by `adopt`, and never compacted away)
 LOGGED = frozenset({"push_grads", "push_inputs", "push_outputs", "push_output_grads", "push_input_grads", "complete"})
 
 
@@ -54,7 +62,10 @@ def _batch_of(meta: dict) -> int:
 
 
 RPC_NAMES = ("register", "take", "complete", "fail", "get_params", "push_grads", "push_inputs", "get_inputs",
-             "push_input_grads", "push_outputs", "push_output_grads", "ping", "status")
+             "push_input_grads", "push_outputs", "push_output_grads", "ping", "status", "push_replica",
+             "adopt_epoch", "get_layout")
+
+
 
 
 @dataclass
@@ -140,33 +151,58 @@ class StageServer(ServicerBase):
         self.rows = run.batch_size // run.micro_batches  # rows per micro-batch
         self.seq = cfg.seq_len
         self.hidden = cfg.hidden
-        # my segment of each micro-batch's rows, among this stage's servers of my role
-        self.seg = segment(self.rows, len(self.st.frontal if self.role == "frontal" else self.st.backward), self.index)
-        from parameter_server.shard import assign_shards
-
-        shards = assign_shards({n: t.numel() for n, t in stage_params.items()}, len(self.st.servers))
-        my = shards[self.st.servers.index(device_id)]
-        self.shard = ShardState({n: stage_params[n] for n in my}, lr=run.lr, rows_per_micro=self.rows,
-                                micro_batches=run.micro_batches, steps=run.steps, keep_versions=RETAIN)
-        self.peer_versions: dict[str, int] = {}  # versions the stage's other servers announced
-        # a client keeps the leases of the tasks whose gradients it is still accumulating (at most the
-        # tasks of two batches, see StageWorker) and works on one more
-        self.pool = TaskPool(clock=clock, default_timeout=task_timeout,
-                             max_leases_per_client=2 * run.micro_batches + 1,
-                             preference_grace=preference_grace)
+        self.task_timeout, self.preference_grace = task_timeout, preference_grace
+        # the stage's parameters are cut into one shard slot per server of the first layout; this
+        # server hosts its own slot, and after a failover the slots of lost servers it held replicas of
+        self.stage_params = stage_params
+        self.slot_names = assign_shards({n: t.numel() for n, t in stage_params.items()}, len(self.st.hosts))
+        self.slot = self.st.hosts.index(device_id)
+        self.shard = self._new_shard(self.slot)
+        self.hosted: dict[int, ShardState] = {self.slot: self.shard}
+        self.replicas: dict[int, ShardState] = {}  # slots of other servers of the stage copied here after each step
+        self.replica_locks: dict[int, asyncio.Lock] = {}
+        self.run_versions: dict[str, int] = {}  # versions every server of the run announced
+        self.epoch = 0  # the layout epoch: 0 is the first layout, each failover starts the next
+        self.epoch_record: dict | None = None
+        self.reflow_from: int | None = None  # since the last failover: the first batch run again
         self.clients: dict[str, ClientInfo] = {}
-        self.issued: set[str] = set()  # every task id this server created
-        self.waiting_inputs: list[tuple[int, int]] = []  # FS k>0: complete inputs waiting for their version
-        self.buffers: dict[tuple[int, int], RowBuffer] = {}  # FS: inputs; BS: outputs
-        self.grad_buffers: dict[tuple[int, int], RowBuffer] = {}  # BS: output grads; FS: relayed input grads
-        self.ledger: dict[tuple[int, int], list[LedgerEntry]] = {}
-        self.next_batch = 0  # stage-0 FS: the next batch to build
-        self.counters = {"payload_errors": 0, "relay_duplicates": 0, "output_duplicates": 0}
+        self._reset_datapath()
+        self.counters = {"payload_errors": 0, "relay_duplicates": 0, "output_duplicates": 0, "replicas_received": 0}
         self.background: set[asyncio.Task] = set()
         self.log = None  # RequestLog when the server has a checkpoint dir
         self.replaying = False
         self.step_event = asyncio.Event()
         self.on_step: list[Callable[[int], Awaitable[None] | None]] = []
+        self.on_epoch: list[Callable[[dict], None]] = []
+
+    def _new_shard(self, slot: int) -> ShardState:
+        names = self.slot_names[slot]
+        return ShardState({n: self.stage_params[n] for n in names}, lr=self.run.lr, rows_per_micro=self.rows,
+                          micro_batches=self.run.micro_batches, steps=self.run.steps,
+                          keep_versions=snapshots_kept(self.layout.num_stages))
+
+    def _reset_datapath(self) -> None:
+        """Fresh pools, rows and ledgers (at start, and when a failover starts a layout epoch)."""
+        # my segment of each micro-batch's rows, among this stage's servers of my role
+        self.seg = segment(self.rows, len(self.st.frontal if self.role == "frontal" else self.st.backward), self.index)
+        # a client keeps the leases of the tasks whose gradients it is still accumulating (at most the
+        # tasks of two batches, see StageWorker) and works on one more
+        self.pool = TaskPool(clock=self.clock, default_timeout=self.task_timeout,
+                             max_leases_per_client=2 * self.run.micro_batches + 1,
+                             preference_grace=self.preference_grace)
+        for peer, c in self.clients.items():
+            self.pool.set_client_speed(peer, c.compute)
+        self.issued: set[str] = set()  # every task id this server created
+        self.waiting_inputs: list[tuple[int, int]] = []  # FS k>0: complete inputs waiting for their version
+        self.buffers: dict[tuple[int, int], RowBuffer] = {}  # FS: inputs; BS: outputs
+        self.grad_buffers: dict[tuple[int, int], RowBuffer] = {}  # BS: output grads; FS: relayed input grads
+        self.ledger: dict[tuple[int, int], list[LedgerEntry]] = {}
+        self.next_batch = self.reflow_from or 0  # stage-0 FS: the next batch to build
+
+    @property
+    def version(self) -> int:
+        """The parameters version every shard hosted here has reached."""
+        return min(sh.version for sh in self.hosted.values())
 
     # ------------------------------------------------------------------------------------------
     # transport glue: every rpc_* is a stream handler wrapping `handle`
@@ -193,6 +229,8 @@ class StageServer(ServicerBase):
         """Run one request; any PayloadError/TaskPoolError becomes an error answer that changes nothing."""
         handler = getattr(self, f"on_{method}")
         try:
+            if method in EPOCHED:
+                self._check_epoch(meta)
             result = await handler(dict(meta), tensors, sender)
         except (PayloadError, TaskPoolError) as e:
             self.counters["payload_errors"] += 1
@@ -206,6 +244,14 @@ class StageServer(ServicerBase):
             self.log.append({"method": method, "meta": meta, "sender": sender, "batch": _batch_of(meta)}, tensors)
         return result
 
+    def _check_epoch(self, meta: dict) -> None:
+        epoch = mfield(meta, "epoch", int, optional=True) or 0
+        if epoch < self.epoch:
+            raise PayloadError(f"stale epoch {epoch}: the run is at layout epoch {self.epoch} since a failover; "
+                               "fetch the layout again (get_layout)")
+        if epoch > self.epoch:
+            raise PayloadError(f"epoch {epoch} is not adopted here yet (this server is at epoch {self.epoch})")
+
     def _device_of(self, peer: str) -> str | None:
         c = self.clients.get(peer)
         if c is not None:
@@ -215,16 +261,23 @@ class StageServer(ServicerBase):
     def directory_reverse(self) -> dict:
         return getattr(self, "_directory_reverse", {})
 
-    def set_directory(self, device_to_peer: dict[str, str], versions: dict[str, int] | None = None) -> None:
-        self._directory = dict(device_to_peer)
-        self._directory_reverse = {p: d for d, p in device_to_peer.items()}
+    def set_directory(self, device_to_peer: dict[str, str], versions: dict[str, int] | None = None,
+                      epochs: dict[str, int] | None = None) -> None:
+        """Merge what one read of the DHT found: a server once seen stays known (a read can miss a
+        record). Versions are taken only from announcements of this server's layout epoch: a
+        server that takes over a lagging shard slot announces a lower version than before."""
+        self._directory = getattr(self, "_directory", {}) | dict(device_to_peer)
+        self._directory_reverse = {p: d for d, p in self._directory.items()}
         if versions is not None:
-            self.peer_versions = {d: v for d, v in versions.items() if d in self.st.servers}
+            epochs = epochs or {}
+            self.run_versions.update({d: v for d, v in versions.items() if epochs.get(d, 0) == self.epoch})
 
-    def stage_min_version(self) -> int:
-        """The lowest version any server of this stage has announced (stale means lower: safe)."""
-        known = [self.peer_versions.get(d, 0) for d in self.st.servers if d != self.device_id]
-        return min([self.shard.version] + known)
+    def run_min_version(self) -> int:
+        """The lowest version any server of the run has announced: a batch below it is applied by
+        every shard, so no task of it is needed by anyone (after a failover, a stage re-runs the
+        forward and backward of batches it has applied itself for the stages that have not)."""
+        known = [self.run_versions.get(d, 0) for st in self.layout.stages for d in st.servers if d != self.device_id]
+        return min([self.version] + known)
 
     # ------------------------------------------------------------------------------------------
     # checks shared by handlers
@@ -237,13 +290,14 @@ class StageServer(ServicerBase):
         c.last_seen = self.clock()
         return c
 
-    def _server_sender(self, sender: str, stage: int, role: str) -> str:
+    def _server_sender(self, sender: str, stage: int, *roles: str) -> str:
         if self.replaying:
             return "replay"
         dev = self.directory_reverse().get(sender)
         st = self.layout.stages[stage]
-        if dev is None or dev not in (st.frontal if role == "frontal" else st.backward):
-            raise PayloadError(f"sender {sender[-8:]} is not a {role} server of stage {stage}")
+        allowed = (st.frontal if "frontal" in roles else ()) + (st.backward if "backward" in roles else ())
+        if dev is None or dev not in allowed:
+            raise PayloadError(f"sender {sender[-8:]} is not a {' or '.join(roles)} server of stage {stage}")
         return dev
 
     def _batch_micro(self, meta: dict, check_applied: bool = True) -> tuple[int, int]:
@@ -258,8 +312,8 @@ class StageServer(ServicerBase):
         return t, m
 
     def _not_applied(self, t: int) -> None:
-        if t < self.shard.version - (RETAIN - 1):
-            raise PayloadError(f"batch {t} is already applied (version {self.shard.version})")
+        if t < self.version - (RETAIN - 1) and (self.reflow_from is None or t < self.reflow_from):
+            raise PayloadError(f"batch {t} is already applied (version {self.version})")
 
     def _activation_check(self, x: torch.Tensor, n: int, name: str, tokens: bool) -> None:
         if tokens:
@@ -306,7 +360,7 @@ class StageServer(ServicerBase):
         if new:
             logger.info("%s: client %s (%s) registered, compute %.3g", self.device_id, sender[-8:], device, compute)
             self.pool.set_client_speed(sender, compute)
-        return {"ok": True, "version": self.shard.version}
+        return {"ok": True, "version": self.version, "epoch": self.epoch}
 
     def drop_stale_clients(self) -> list[str]:
         now = self.clock()
@@ -327,16 +381,16 @@ class StageServer(ServicerBase):
         while True:
             lease = self.pool.take(sender)
             if lease is None:
-                return {"task": None, "version": self.shard.version}
+                return {"task": None, "version": self.version, "epoch": self.epoch}
             task = lease.task
-            if task.batch < self.stage_min_version():  # applied by every server: nothing left to do
+            if task.batch < self.run_min_version():  # applied by every server: nothing left to do
                 self.pool.abandon(task.task_id)
                 continue
             break
         t, m, (a, b) = task.batch, task.micro_batch, task.rows
         common = {"task": task.task_id, "kind": task.kind, "batch": t, "micro": m, "rows": [a, b],
                   "stage": self.stage, "version": version_for_batch(t), "deadline": lease.deadline - self.clock(),
-                  "attempt": lease.attempt}
+                  "attempt": lease.attempt, "epoch": self.epoch}
         if task.kind == "forward":
             x, y = self.buffers[(t, m)].slice(a, b)
             return dict(common, frontal=self.device_id), [x, y]
@@ -380,12 +434,20 @@ class StageServer(ServicerBase):
     # parameters and gradients
     async def on_get_params(self, meta, tensors, sender):
         version = mfield(meta, "version", int)
-        if version > self.shard.version:
-            return {"retry": True, "version": self.shard.version}
-        snap = self.shard.params_at(version)
+        shard = self._hosted(meta)
+        if version > shard.version:
+            return {"retry": True, "version": shard.version}
+        snap = shard.params_at(version)
         if snap is None:
-            raise PayloadError(f"version {version} is no longer held (current {self.shard.version})")
-        return {"names": self.shard.names, "version": version}, [snap[n] for n in self.shard.names]
+            raise PayloadError(f"version {version} is no longer held (current {shard.version})")
+        return {"names": shard.names, "version": version}, [snap[n] for n in shard.names]
+
+    def _hosted(self, meta: dict) -> ShardState:
+        slot = mfield(meta, "slot", int, optional=True)
+        slot = self.slot if slot is None else slot
+        if slot not in self.hosted:
+            raise PayloadError(f"shard slot {slot} is not hosted here (this server hosts {sorted(self.hosted)})")
+        return self.hosted[slot]
 
     async def on_push_grads(self, meta, tensors, sender):
         """A client's gradient shard accumulated over the tasks `tasks` (ids) of batch `batch`."""
@@ -410,22 +472,27 @@ class StageServer(ServicerBase):
         loss = mfield(meta, "loss_sum", float, optional=True)
         if self.last and loss is None:
             raise PayloadError("the last stage's gradient pushes must carry 'loss_sum'")
-        result, already = self.shard.credit(batch=t, pieces=pieces, grads=tensors, loss_sum=loss)
+        result, already = self._hosted(meta).credit(batch=t, pieces=pieces, grads=tensors, loss_sum=loss)
         if result == "credited":
             self._maybe_step()
         return {"result": result, "credited": already}
 
     def _maybe_step(self) -> None:
         stepped = False
-        while self.shard.ready_to_step():
-            v = self.shard.step()
-            stepped = True
-            logger.info("%s: applied batch %d -> version %d", self.device_id, v - 1, v)
-            self._forget_before(v - (RETAIN - 1))
-            for cb in self.on_step:
-                r = cb(v)
-                if asyncio.iscoroutine(r):
-                    self._spawn(r)
+        for slot, shard in sorted(self.hosted.items()):
+            while shard.ready_to_step():
+                before = self.version
+                v = shard.step()
+                stepped = True
+                logger.info("%s: applied batch %d -> version %d (slot %d)", self.device_id, v - 1, v, slot)
+                self._spawn(self._send_replica(slot))
+                if self.version == before:
+                    continue
+                self._forget_before(self.version - (RETAIN - 1))
+                for cb in self.on_step:
+                    r = cb(self.version)
+                    if asyncio.iscoroutine(r):
+                        self._spawn(r)
         if stepped:
             self.step_event.set()
             self.step_event = asyncio.Event()
@@ -445,8 +512,8 @@ class StageServer(ServicerBase):
         bounds the micro-batches in flight to two batches."""
         if self.role != "frontal" or self.stage != 0 or self.replaying:
             return
-        while self.next_batch < self.run.steps and self.shard.version >= version_for_batch(self.next_batch) \
-                and self.next_batch <= self.shard.version + 1:
+        while self.next_batch < self.run.steps and self.version >= version_for_batch(self.next_batch) \
+                and self.next_batch <= self.version + 1:
             t = self.next_batch
             self._build_inputs(t)
             for m in range(self.run.micro_batches):
@@ -507,7 +574,7 @@ class StageServer(ServicerBase):
         work waits: a deadlock)."""
         if self.replaying:
             return
-        ready = [(t, m) for t, m in self.waiting_inputs if version_for_batch(t) <= self.shard.version]
+        ready = [(t, m) for t, m in self.waiting_inputs if version_for_batch(t) <= self.version]
         for key in ready:
             self.waiting_inputs.remove(key)
             self._make_forward_tasks(*key)
@@ -557,6 +624,7 @@ class StageServer(ServicerBase):
             self.counters["output_duplicates"] += 1
             return {"result": "duplicate"}
         self.ledger.setdefault((t, m), []).append(LedgerEntry(sender, (a, b), frontal, task_id))
+        self._make_backward_tasks(t, m)  # (the gradients can come first after a failover)
         if buf.complete:
             self._send_outputs(t, m)
         return {"result": "accepted"}
@@ -591,7 +659,7 @@ class StageServer(ServicerBase):
                     tid, t, m, a, b, preferred = record["task"]
                     batches.add(t)
                     cut.add((t, m))
-                    if tid not in self.issued and not (self.stage == 0 and t < self.shard.version - (RETAIN - 1)):
+                    if tid not in self.issued and not (self.stage == 0 and t < self.version - (RETAIN - 1)):
                         if self.stage == 0 and self.role == "frontal" and (t, m) not in self.buffers:
                             self._build_inputs(t)
                         self.pool.add(Task(task_id=tid, kind="forward", batch=t, micro_batch=m, stage=self.stage,
@@ -602,10 +670,10 @@ class StageServer(ServicerBase):
         finally:
             self.replaying = False
         if self.stage == 0 and self.role == "frontal":
-            self.next_batch = max([self.shard.version] + [t + 1 for t in batches])
+            self.next_batch = max([self.version] + [t + 1 for t in batches])
             for t in batches:  # micro-batches whose tasks were not cut before the crash
                 for m in range(self.run.micro_batches):
-                    if (t, m) not in cut and t >= self.shard.version - (RETAIN - 1):
+                    if (t, m) not in cut and t >= self.version - (RETAIN - 1):
                         self._make_forward_tasks(t, m)
         # inputs whose tasks were cut before the crash must not be cut again (differently)
         self.waiting_inputs = [key for key in self.waiting_inputs if key not in cut]
@@ -629,13 +697,18 @@ class StageServer(ServicerBase):
         if not buf.add(a, b, tensors[0], None):
             self.counters["relay_duplicates"] += 1
             return {"result": "duplicate"}
-        for entry in self.ledger.get((t, m), []):
+        self._make_backward_tasks(t, m)
+        return {"result": "accepted"}
+
+    def _make_backward_tasks(self, t: int, m: int) -> None:
+        """A backward task for every ledger piece of (t, m) whose output gradient is here."""
+        buf = self.grad_buffers.get((t, m))
+        for entry in self.ledger.get((t, m), []) if buf is not None else []:
             if entry.backward_task is None and buf.has(*entry.rows):
                 x, y = entry.rows
                 entry.backward_task = f"B{t}.{m}.{self.stage}.{x}-{y}"
                 self._add_task(Task(task_id=entry.backward_task, kind="backward", batch=t, micro_batch=m,
                                    stage=self.stage, rows=(x, y), preferred_client=entry.client, payload_ref=entry))
-        return {"result": "accepted"}
 
     # ------------------------------------------------------------------------------------------
     # probing and status
@@ -656,9 +729,11 @@ class StageServer(ServicerBase):
         pool = self.pool.stats()
         losses = sorted(self.shard.losses.items())
         return {
-            "device": self.device_id, "stage": self.stage, "role": self.role, "version": self.shard.version,
+            "device": self.device_id, "stage": self.stage, "role": self.role, "version": self.version,
+            "epoch": self.epoch, "hosted": {str(k): sh.version for k, sh in self.hosted.items()},
+            "replicas": {str(k): sh.version for k, sh in self.replicas.items()},
             "losses": {str(k): v for k, v in (losses if recent is None else losses[-recent:])},
-            "microbatches_applied": self.shard.microbatches_applied,
+            "microbatches_applied": min(sh.microbatches_applied for sh in self.hosted.values()),
             "duplicates": self.shard.duplicates + pool.get("duplicates", 0) + self.counters["relay_duplicates"]
             + self.counters["output_duplicates"],
             "requeued": pool.get("requeued", 0), "pool": pool, "counters": dict(self.counters),
@@ -674,16 +749,26 @@ class StageServer(ServicerBase):
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    async def _deliver(self, device: str, method: str, meta: dict, tensors: list, attempts: int = 600) -> None:
+    def _deliver(self, device: str, method: str, meta: dict, tensors: list, attempts: int = 600):
+        """A coroutine that delivers one message, retrying until it is taken. A message of the data
+        path is stamped now with this server's layout epoch: after a failover it is refused, not
+        retried, since the new epoch runs that work again."""
+        if method in EPOCHED:
+            meta = dict(meta, epoch=self.epoch)
+        return self._deliver_loop(device, method, meta, tensors, attempts)
+
+    async def _deliver_loop(self, device: str, method: str, meta: dict, tensors: list, attempts: int) -> None:
         delay = 0.05
         for _ in range(attempts):
+            if not any(device in st.servers for st in self.layout.stages):
+                return  # failed over: whatever it was owed is run again in the new epoch
             link = self.connector(device) if self.connector else None
             if link is not None:
                 try:
                     await link.call(method, meta, tensors, timeout=30.0)
                     return
                 except RemoteError as e:
-                    if "already applied" in str(e):
+                    if "already applied" in str(e) or "stale epoch" in str(e):
                         return
                     logger.debug("%s: %s to %s refused: %s", self.device_id, method, device, e)
                 except Exception as e:
@@ -691,6 +776,152 @@ class StageServer(ServicerBase):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
         logger.warning("%s: gave up delivering %s to %s", self.device_id, method, device)
+
+    # ------------------------------------------------------------------------------------------
+    # replicas and failover
+    async def _send_replica(self, slot: int) -> None:
+        """After a step of `slot`, copy its new state to the next server of the stage (in shard
+        order), which can take the slot over if this server is lost for good. Sent in version order."""
+        servers = list(self.st.servers)
+        if len(servers) < 2 or self.replaying:
+            return
+        buddy = servers[(servers.index(self.device_id) + 1) % len(servers)]
+        lock = self.replica_locks.setdefault(slot, asyncio.Lock())
+        async with lock:
+            meta, tensors = self.hosted[slot].export()
+            if meta["version"] <= getattr(lock, "sent", -1):
+                return
+            await self._deliver(buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60)
+            lock.sent = meta["version"]
+
+    async def on_push_replica(self, meta, tensors, sender):
+        self._server_sender(sender, self.stage, "frontal", "backward")
+        slot = mfield(meta, "slot", int)
+        if not 0 <= slot < len(self.slot_names) or slot in self.hosted:
+            raise PayloadError(f"shard slot {slot} is not another server's slot of stage {self.stage}")
+        replica = self.replicas.get(slot) or self._new_shard(slot)
+        newer = replica.absorb(meta, tensors)
+        self.replicas[slot] = replica
+        self.counters["replicas_received"] += int(newer)
+        return {"result": "accepted" if newer else "duplicate", "version": replica.version}
+
+    async def on_get_layout(self, meta, tensors, sender):
+        """The current layout epoch: {"epoch", "layout", "from_batch"} (epoch 0 is the first layout)."""
+        return self.epoch_record or {"epoch": 0, "layout": self.layout.to_dict(), "from_batch": 0}
+
+    async def on_adopt_epoch(self, meta, tensors, sender):
+        """A failover's new layout epoch, from the server that coordinates it (any server of the run)."""
+        if sender != self.peer_id and not self.replaying:
+            dev = self.directory_reverse().get(sender)
+            if dev is None or not any(dev in st.servers for st in self.layout.stages):
+                raise PayloadError(f"sender {sender[-8:]} is not a server of this run")
+        self.adopt(meta)
+        return {"ok": True, "epoch": self.epoch}
+
+    def check_epoch_record(self, record: dict) -> tuple[int, RunLayout, int]:
+        epoch = mfield(record, "epoch", int)
+        from_batch = mfield(record, "from_batch", int)
+        try:
+            layout = RunLayout.from_dict(mfield(record, "layout", dict), self.cfg.layers)
+        except ValueError as e:
+            raise PayloadError(f"epoch layout: {e}") from None
+        if layout.num_stages != self.layout.num_stages or any(
+                a.layers != b.layers or len(a.hosts) != len(b.hosts) for a, b in zip(layout.stages, self.layout.stages)):
+            raise PayloadError("an epoch layout must keep the stages, their layers and their shard slots")
+        if not 0 <= from_batch < self.run.steps:
+            raise PayloadError(f"from_batch {from_batch} outside 0..{self.run.steps - 1}")
+        return epoch, layout, from_batch
+
+    def adopt(self, record: dict) -> bool:
+        """Switch to a later layout epoch: take over the slots it hosts here (from their replicas),
+        re-segment the rows among the remaining servers, drop every credit, pool, row and ledger of
+        unapplied batches, and run again from batch `from_batch` (the lowest version of any shard of
+        the run): every shard either has applied a batch, and ignores its pushes, or credits it whole
+        in the new epoch. Messages of the old epoch are refused from now on. False if not newer."""
+        epoch, layout, from_batch = self.check_epoch_record(record)
+        if epoch <= self.epoch:
+            return False
+        try:
+            stage, role, index = layout.locate(self.device_id)
+        except ValueError:
+            raise PayloadError(f"{self.device_id} is not a server of epoch {epoch}'s layout") from None
+        st = layout.stages[stage]
+        take_over = [i for i in st.slots_of(self.device_id) if i not in self.hosted]
+        missing = [i for i in take_over if i not in self.replicas]
+        if stage != self.stage or role != self.role or missing:
+            raise PayloadError(f"epoch {epoch} moves {self.device_id} or gives it slots {missing} it holds no "
+                               "replica of")
+        for i in take_over:
+            shard = self.replicas.pop(i)
+            if shard.version < from_batch:
+                raise PayloadError(f"the replica of slot {i} is at version {shard.version}, below from_batch "
+                                   f"{from_batch}")
+            self.hosted[i] = shard
+            logger.warning("%s: took over shard slot %d at version %d", self.device_id, i, shard.version)
+        for shard in self.hosted.values():
+            shard.batches = {}
+        self.epoch, self.epoch_record, self.layout = epoch, dict(record), layout
+        self.st, self.index, self.reflow_from = st, index, from_batch
+        self.run_versions = {}  # readings of the old epoch no longer say what is applied
+        self._reset_datapath()
+        if self.log is not None and not self.replaying:
+            self.log.append({"method": "adopt_epoch", "meta": dict(record), "sender": self.peer_id,
+                             "batch": self.run.steps}, [])
+        for cb in self.on_epoch:
+            cb(dict(record))
+        logger.warning("%s: layout epoch %d from batch %d (stage %d: frontal %s, backward %s, slots %s)",
+                       self.device_id, epoch, from_batch, stage, list(st.frontal), list(st.backward), list(st.hosts))
+        self.maybe_start_batches()
+        return True
+
+    async def fail_over(self, lost: list[str]) -> dict:
+        """Coordinate the permanent loss of the servers `lost` (this server is the first remaining one
+        of the run): pick for each lost slot the remaining server of its stage with the newest replica,
+        find the lowest version of any shard, and send the new layout epoch to every remaining server
+        (this one too). Returns the record; PayloadError if the loss cannot be absorbed."""
+        alive = [d for st in self.layout.stages for d in st.servers if d not in lost]
+        statuses = {}
+        for d in alive:
+            link = None if d == self.device_id else self.connector(d)
+            if link is None and d != self.device_id:
+                raise PayloadError(f"{d} is not in the DHT right now")
+            statuses[d] = self.status() if link is None else (await link.call("status", {}, timeout=10.0))[0]
+        versions = [v for d in alive for v in statuses[d]["hosted"].values()]
+        moves = {}
+        for dev in lost:
+            stage = self.layout.locate(dev)[0]
+            st = self.layout.stages[stage]
+            for slot in st.slots_of(dev):
+                holders = [(statuses[d]["replicas"].get(str(slot), -1), d) for d in st.servers if d in statuses]
+                best, host = max(holders)
+                if best < 0:
+                    raise PayloadError(f"no remaining server of stage {stage} holds a replica of {dev}'s shard")
+                moves[dev] = host
+                versions.append(best)
+        if not moves:
+            raise PayloadError(f"{lost} host no shard slots")
+        from_batch = min(versions)
+        if max(versions) - from_batch >= snapshots_kept(self.layout.num_stages) - 1:
+            raise PayloadError(f"shards are at versions {min(versions)}..{max(versions)}: too far apart to run "
+                               "again from the lowest")
+        try:
+            layout = self.layout.without(moves)
+        except ValueError as e:
+            raise PayloadError(str(e)) from None
+        record = {"epoch": self.epoch + 1, "layout": layout.to_dict(), "from_batch": min(from_batch, self.run.steps - 1),
+                  "lost": sorted(lost)}
+        for d in alive:
+            if d == self.device_id:
+                continue
+            for _ in range(20):
+                try:
+                    await self.connector(d).call("adopt_epoch", record, timeout=10.0)
+                    break
+                except Exception as e:
+                    logger.info("%s: adopt_epoch to %s: %r", self.device_id, d, e)
+                    await asyncio.sleep(0.2)
+        self.adopt(record)
+        return record
 
     def maintenance(self) -> None:
         """Periodic: re-queue expired leases, forget silent clients."""

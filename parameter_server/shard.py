@@ -195,6 +195,63 @@ class ShardState:
             del self.snapshots[v]
         return self.version
 
+    # replicas: the state after each step, copied to another server of the stage ------------------
+    def export(self) -> tuple[dict, list[torch.Tensor]]:
+        """(meta, tensors): the version, counters and AdamW step count, and per parameter (in `names`
+        order) its value, exp_avg and exp_avg_sq: enough for another server to take this shard over."""
+        tensors, steps = [], []
+        for n in self.names:
+            p = self.params[n]
+            st = self.optimizer.state.get(p, {})
+            steps.append(float(st["step"]) if "step" in st else 0.0)
+            tensors += [p.detach().clone(), st.get("exp_avg", torch.zeros_like(p)).clone(),
+                        st.get("exp_avg_sq", torch.zeros_like(p)).clone()]
+        meta = {"version": self.version, "names": self.names, "adam_steps": steps,
+                "losses": {str(k): v for k, v in self.losses.items()},
+                "microbatches_applied": self.microbatches_applied, "duplicates": self.duplicates}
+        return meta, tensors
+
+    def absorb(self, meta: dict, tensors: list[torch.Tensor]) -> bool:
+        """Become the exported state `meta, tensors` of the same shard if it is newer than this one
+        (False: older or the same, nothing changes). PayloadError, changing nothing, if it does not
+        fit this shard."""
+        version = meta.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= self.steps:
+            raise PayloadError(f"replica version must be an int in 0..{self.steps}, got {version!r}")
+        if meta.get("names") != self.names:
+            raise PayloadError("replica names another shard's parameters")
+        steps = meta.get("adam_steps")
+        if not isinstance(steps, list) or len(steps) != len(self.names) or \
+                not all(isinstance(x, (int, float)) and 0 <= x <= self.steps for x in steps):
+            raise PayloadError("replica 'adam_steps' must list one step count per parameter")
+        if len(tensors) != 3 * len(self.names):
+            raise PayloadError(f"a replica carries {3 * len(self.names)} tensors, got {len(tensors)}")
+        for i, n in enumerate(self.names):
+            for t in tensors[3 * i : 3 * i + 3]:
+                if tuple(t.shape) != tuple(self.params[n].shape) or t.dtype != torch.float32:
+                    raise PayloadError(f"replica of {n}: expected float32 {tuple(self.params[n].shape)}, got "
+                                       f"{t.dtype} {tuple(t.shape)}")
+                if not bool(torch.isfinite(t).all()):
+                    raise PayloadError(f"replica of {n}: contains NaN or infinite values")
+        if version <= self.version:
+            return False
+        with torch.no_grad():
+            for i, n in enumerate(self.names):
+                p = self.params[n]
+                p.copy_(tensors[3 * i])
+                self.optimizer.state[p] = {"step": torch.tensor(float(steps[i])),
+                                           "exp_avg": tensors[3 * i + 1].clone(),
+                                           "exp_avg_sq": tensors[3 * i + 2].clone()}
+        self.version = version
+        self.losses = {int(k): float(v) for k, v in meta.get("losses", {}).items()}
+        self.microbatches_applied = int(meta.get("microbatches_applied", 0))
+        self.duplicates = int(meta.get("duplicates", 0))
+        self.snapshots[version] = self._snapshot()
+        for v in [v for v in self.snapshots if v <= version - self.keep_versions]:
+            del self.snapshots[v]
+        self.batches = {}
+        return True
+
     # checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {

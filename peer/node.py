@@ -111,11 +111,15 @@ class Directory:
         self.run_id = run_id
         self.num_stages = num_stages
         self.servers: dict[str, str] = {}
+        # every server ever seen (device -> peer id): one read of a key may miss a record that another
+        # DHT node holds, so membership checks and calls use this, and losses are confirmed by a call
+        self.known: dict[str, str] = {}
         self.versions: dict[str, int] = {}  # server device -> announced parameter version
+        self.epochs: dict[str, int] = {}  # server device -> the layout epoch of that announcement
         self.records: dict[str, dict] = {}  # peer id -> record (servers and clients)
 
     async def refresh(self) -> dict[str, str]:
-        servers, recs, versions = {}, {}, {}
+        servers, recs, versions, epochs = {}, {}, {}, {}
         for k in range(self.num_stages):
             for peer, rec, problem in await records.read_stage(self.dht, self.run_id, k):
                 if rec is None:
@@ -125,7 +129,9 @@ class Directory:
                 if rec["kind"] == "server" and rec["state"] != "offline":
                     servers[rec["device"]] = peer
                     versions[rec["device"]] = rec["version"]
-        self.servers, self.records, self.versions = servers, recs, versions
+                    epochs[rec["device"]] = rec.get("epoch", 0)
+        self.servers, self.records, self.versions, self.epochs = servers, recs, versions, epochs
+        self.known.update(servers)
         return servers
 
     async def wait_for(self, devices, timeout: float = 120.0) -> None:

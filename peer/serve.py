@@ -40,6 +40,8 @@ def add_arguments(p) -> None:
     net.add_argument("--announce-period", type=float, default=1.0, help="seconds between DHT announcements")
     net.add_argument("--task-timeout", type=float, default=60.0, help="seconds before an unanswered task is re-queued")
     net.add_argument("--client-timeout", type=float, default=5.0, help="seconds of silence before a client is dropped")
+    net.add_argument("--failover-after", type=float, default=30.0,
+                     help="seconds a server may be missing from the DHT before the others fail it over (0: never)")
     net.add_argument("--no-compute", action="store_true", help="do not run a local worker beside the services")
     net.add_argument("--no-requeue", action="store_true", help="drop a departed client's work (SWARM-like; benchmarks only)")
     add_common_arguments(p)
@@ -63,6 +65,8 @@ def resolve(args):
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
+    if args.failover_after < 0:
+        raise UsageError(f"--failover-after must be >= 0 seconds, got {args.failover_after}")
     if args.plan:
         if not args.device_id:
             raise UsageError("--plan needs --device-id")
@@ -135,13 +139,21 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     dht = start_dht(args.initial_peers, identity_path=args.identity_path)
     p2p = await dht.replicate_p2p()
     peer_id = str(dht.peer_id)
+    current = await records.get(dht, records.config_key(run_cfg.run_id))
+    if isinstance(current, dict) and isinstance(current.get("layout"), dict) and current.get("epoch", 0) > 0:
+        from parameter_server.layout import RunLayout
+
+        if not any(device in s.servers for s in RunLayout.from_dict(current["layout"], cfg.layers).stages):
+            dht.shutdown()
+            raise UsageError(f"{device} was failed over (the run is at layout epoch {current['epoch']} without it); "
+                             "start it under a new device id as a volunteer, or start a new run")
     links = LinkEmulator.from_file(args.link_profile, device, args.link_scale)
     slowdown = args.slowdown or links.compute_slowdown()
     link_cache: dict[tuple[str, str], P2PLink] = {}
     directory = Directory(dht, run_cfg.run_id, layout.num_stages)
 
     def connector(dev: str):
-        peer = directory.servers.get(dev)
+        peer = directory.known.get(dev)
         if peer is None:
             return None
         if peer == peer_id:
@@ -197,7 +209,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         seen_volunteers.update(volunteers)
         seen_volunteers.difference_update(servers)
         return {"kind": "server", "device": device, "role": role, "stage": stage, "state": state,
-                "version": server.shard.version, "maddrs": maddrs, "pool": s["pool"], "layers": list(st.layers),
+                "version": server.version, "epoch": server.epoch, "maddrs": maddrs, "pool": s["pool"], "layers": list(st.layers),
                 "losses": s["losses"], "stats": {k: s[k] for k in ("microbatches_applied", "duplicates", "requeued")}
                 | {"clients": len(server.clients), "payload_errors": s["counters"]["payload_errors"],
                    "clients_joined": len(seen_volunteers), "clients_left": len(seen_volunteers - volunteers)},
@@ -206,8 +218,44 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                 "time": time.time()}
 
     async def announce(state: str) -> None:
-        await records.store(dht, records.config_key(run_cfg.run_id), run_cfg.to_dict(), ttl=3 * period)
+        # the run config carries the current layout epoch, for volunteers that join after a failover
+        config = run_cfg.to_dict() | {"layout": server.layout.to_dict(), "epoch": server.epoch}
+        await records.store(dht, records.config_key(run_cfg.run_id), config, ttl=3 * period)
         await records.store(dht, records.stage_key(run_cfg.run_id, stage), record(state), ttl=3 * period, subkey=peer_id)
+
+    missing_since: dict[str, float] = {}
+
+    async def watch_for_lost(servers: dict[str, str]) -> None:
+        """Once the run is online: a server of the current layout missing from the DHT for
+        --failover-after seconds is lost for good; the first remaining server of the run fails it
+        over (the others adopt the new layout epoch it sends them)."""
+        now = time.monotonic()
+        current = [d for s in server.layout.stages for d in s.servers]
+        for d in current:
+            if d in servers:
+                missing_since.pop(d, None)
+            else:
+                missing_since.setdefault(d, now)
+        lost = sorted(d for d, t0 in missing_since.items() if d in current and now - t0 >= args.failover_after)
+        alive = [d for d in current if d not in lost]
+        if lost and alive and alive[0] == device:
+            for d in list(lost):  # silent in the DHT is not enough: it must not answer a direct call either
+                try:
+                    await P2PLink(p2p, directory.known[d], d, StageServer, links).call("ping", {}, timeout=5.0)
+                except Exception:
+                    continue
+                lost.remove(d)
+                missing_since.pop(d, None)
+            if not lost:
+                return
+            try:
+                record = await server.fail_over(lost)
+                logger.warning("%s: failed over %s: layout epoch %d from batch %d", device, lost, record["epoch"],
+                               record["from_batch"])
+            except Exception as e:
+                logger.error("%s: cannot fail over %s: %s", device, lost, e)
+                for d in lost:  # try again after another --failover-after
+                    missing_since[d] = now
 
     async def announcer():
         state = "joining"
@@ -215,9 +263,11 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
             try:
                 await announce(state)
                 servers = await directory.refresh()
-                server.set_directory(servers, directory.versions)
-                if state == "joining" and all(d in servers for s in layout.stages for d in s.servers):
+                server.set_directory(servers, directory.versions, directory.epochs)
+                if state == "joining" and all(d in directory.known for s in layout.stages for d in s.servers):
                     state = "online"
+                if state == "online" and args.failover_after > 0:
+                    await watch_for_lost(servers)
             except Exception as e:
                 logger.debug("announce failed: %r", e)
             try:

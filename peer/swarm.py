@@ -49,6 +49,10 @@ def add_arguments(p) -> None:
     p.add_argument("--announce-period", type=float, default=1.0)
     p.add_argument("--task-timeout", type=float, default=30.0)
     p.add_argument("--client-timeout", type=float, default=4.0)
+    p.add_argument("--failover-after", type=float, default=10.0,
+                   help="seconds a server may be silent in the DHT before the others fail it over (0: never)")
+    p.add_argument("--lose-server", action="append", default=[], metavar="DEVICE@STEP",
+                   help="SIGKILL server DEVICE for good once the run reaches STEP (failover; repeatable)")
     p.add_argument("--summary-json", default=None)
     p.add_argument("--checkpoint-out", default=None, help="write model.safetensors here")
     p.add_argument("--work-dir", default=None, help="logs and server checkpoints (default: a temporary folder)")
@@ -118,9 +122,38 @@ def validate(args):
             load_corpus(args.data, seq_len=cfg.seq_len)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    if args.failover_after < 0:
+        raise UsageError(f"--failover-after must be >= 0 seconds, got {args.failover_after}")
+    args.losses = parse_lose_server(args.lose_server, layout, args.steps)
+    if args.losses and args.failover_after <= 0:
+        raise UsageError("--lose-server needs --failover-after > 0: without failover the run would stop")
     if args.summary_json and os.path.dirname(os.path.abspath(args.summary_json)):
         os.makedirs(os.path.dirname(os.path.abspath(args.summary_json)), exist_ok=True)
     return cfg, layout, frontal, backward
+
+
+def parse_lose_server(values: list[str], layout, steps: int) -> list[tuple[int, str]]:
+    """--lose-server DEVICE@STEP values -> sorted (step, device); UsageError naming what is wrong."""
+    out = []
+    for v in values:
+        device, _, at = v.partition("@")
+        try:
+            step = int(at)
+        except ValueError:
+            raise UsageError(f"--lose-server {v!r}: expected DEVICE@STEP") from None
+        try:
+            stage, role, _ = layout.locate(device)
+        except ValueError:
+            raise UsageError(f"--lose-server {v!r}: {device!r} is not a server of the layout") from None
+        if not 1 <= step < steps:
+            raise UsageError(f"--lose-server {v!r}: STEP must be in 1..{steps - 1}")
+        st = layout.stages[stage]
+        if len(st.frontal if role == "frontal" else st.backward) < 2:
+            raise UsageError(f"--lose-server {v!r}: stage {stage} has no other {role} server to fail over to")
+        out.append((step, device))
+    if len({d for _, d in out}) != len(out):
+        raise UsageError("--lose-server names a server twice")
+    return sorted(out)
 
 
 class Swarm:
@@ -131,6 +164,7 @@ class Swarm:
         self.maddrs = maddrs
         self.work_dir = work_dir
         self.servers: dict[str, subprocess.Popen] = {}
+        self.lost: list[str] = []  # servers SIGKILLed for good
         self.server_argv: dict[str, list[str]] = {}
         os.makedirs(os.path.join(work_dir, "identities"), exist_ok=True)
         self.volunteers: dict[str, tuple[subprocess.Popen, str]] = {}  # name -> (process, stage argument)
@@ -164,7 +198,7 @@ class Swarm:
                             "--steps", str(a.steps), "--batch-size", str(a.batch_size),
                             "--micro-batches", str(a.micro_batches), "--lr", str(a.lr),
                             "--announce-period", str(a.announce_period), "--task-timeout", str(a.task_timeout),
-                            "--client-timeout", str(a.client_timeout),
+                            "--client-timeout", str(a.client_timeout), "--failover-after", str(a.failover_after),
                             "--checkpoint-dir", os.path.join(self.work_dir, "checkpoints"),
                             "--identity-path", os.path.join(self.work_dir, "identities", f"{name}.key")] + self.common()
                     if a.data:
@@ -214,6 +248,13 @@ class Swarm:
         kill_group(proc, signal.SIGKILL)
         proc.wait()
         self.servers[name] = self._spawn(name, self.server_argv[name])
+
+    def lose_server(self, name: str) -> None:
+        """SIGKILL a server (its whole process group) for good: the others fail it over."""
+        proc = self.servers.pop(name)
+        kill_group(proc, signal.SIGKILL)
+        proc.wait()
+        self.lost.append(name)
 
     def check_alive(self) -> None:
         for name, proc in self.servers.items():
@@ -311,6 +352,9 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
                         pending_kills.append((now + rng.uniform(0, expected), name))
             if version >= args.steps:
                 break
+            for at, name in [x for x in args.losses if x[0] <= version and x[1] in swarm.servers]:
+                logger.warning("losing server %s for good at version %d", name, version)
+                swarm.lose_server(name)
             kill_due(time.time())
             await asyncio.sleep(0.2)
         bar.close()
@@ -345,12 +389,22 @@ class Monitor:
 
     def __init__(self, dht, p2p, run_id: str, layout, tokens_per_batch: int):
         self.dht, self.p2p, self.run_id, self.layout = dht, p2p, run_id, layout
+        self.num_layers = layout.stages[-1].layers[1]
+        self.epoch = 0
         self.tokens_per_batch = tokens_per_batch
         self.servers: dict[str, tuple[str, dict]] = {}  # device -> (peer id, record)
 
     async def refresh(self) -> None:
+        from parameter_server.layout import RunLayout
         from peer.protocol import records
 
+        try:  # after a failover the servers announce the layout of the new epoch
+            config = await records.get(self.dht, records.config_key(self.run_id))
+            if isinstance(config, dict) and config.get("epoch", 0) > self.epoch:
+                self.layout = RunLayout.from_dict(config["layout"], self.num_layers)
+                self.epoch = config["epoch"]
+        except Exception as e:
+            logger.debug("read config failed: %r", e)
         for k in range(self.layout.num_stages):
             try:
                 found = await records.read_stage(self.dht, self.run_id, k)
@@ -394,11 +448,12 @@ class Monitor:
         return out
 
     async def assemble(self, version: int) -> dict:
-        """The full model at `version`, from every server's shard."""
+        """The full model at `version`, from every shard slot's host."""
         state = {}
-        for d in self.all_devices():
-            meta, tensors = await self._link(d).call("get_params", {"version": version}, timeout=120)
-            state.update(zip(meta["names"], tensors))
+        for st in self.layout.stages:
+            for slot, d in enumerate(st.hosts):
+                meta, tensors = await self._link(d).call("get_params", {"version": version, "slot": slot}, timeout=120)
+                state.update(zip(meta["names"], tensors))
         return state
 
     def summary(self, args, cfg, statuses: dict, killed: int, wall: float) -> dict:
@@ -415,6 +470,7 @@ class Monitor:
             "duplicates_dropped": sum(s["duplicates"] for s in statuses.values()),
             "requeued": sum(s["requeued"] for s in statuses.values()),
             "volunteers_killed": killed,
+            "layout_epoch": self.epoch,
             "wall_seconds": round(wall, 3),
             "tokens_per_second": round(args.steps * args.batch_size * cfg.seq_len / max(wall, 1e-9), 1),
             "bytes_on_wire": sum(sum(s.get("traffic", {}).values()) for s in statuses.values()),

@@ -37,6 +37,7 @@ class Pending:
     """The parameter gradients of one batch summed over tasks whose sum is not pushed yet; the tasks
     stay leased (and are re-run by others if this client vanishes) until every server credits it."""
     batch: int
+    epoch: int  # the layout epoch its tasks were taken in
     tasks: list = field(default_factory=list)  # (leasing server's link, task id, lease deadline, lease seconds)
     grads: dict | None = None
     loss_sum: float | None = None
@@ -84,8 +85,8 @@ class StageWorker:
         self.rows = run.batch_size // run.micro_batches
         self.total_tokens = run.batch_size * cfg.seq_len
         self.model: StageSlice = build_slice(cfg, self.lo, self.hi, run.seed, device=self.torch_device)
-        sizes = {n: p.numel() for n, p in self.model.named_parameters()}
-        self.shards = dict(zip(self.st.servers, assign_shards(sizes, len(self.st.servers))))
+        self.epoch = 0
+        self._set_layout(layout)
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.loaded_version: int | None = None
         self.input_cache: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}
@@ -100,6 +101,36 @@ class StageWorker:
         self.die_at = die_at
         self._turn = 0
 
+    def _set_layout(self, layout) -> None:
+        """The stage's servers and, per shard slot, (host, slot, parameter names)."""
+        self.layout, self.st = layout, layout.stages[self.stage]
+        sizes = {n: p.numel() for n, p in self.model.named_parameters()}
+        names = assign_shards(sizes, len(self.st.hosts))
+        self.shards = [(host, slot, names[slot]) for slot, host in enumerate(self.st.hosts)]
+
+    async def call(self, link, method: str, meta: dict, tensors=(), timeout: float = 30.0, epoch: int | None = None):
+        """A request of layout epoch `epoch` (a task's requests carry the epoch the task was taken in;
+        default: the worker's). A server at a later epoch (a failover happened) makes the worker
+        fetch the new layout and drop what it held of the old one."""
+        try:
+            return await link.call(method, dict(meta, epoch=self.epoch if epoch is None else epoch), list(tensors),
+                                   timeout=timeout)
+        except RemoteError as e:
+            if "stale epoch" in str(e):
+                await self.refresh_layout(link)
+            raise
+
+    async def refresh_layout(self, link) -> None:
+        from parameter_server.layout import RunLayout
+
+        record, _ = await link.call("get_layout", {}, timeout=10.0)
+        if record["epoch"] <= self.epoch:
+            return
+        self.epoch = record["epoch"]
+        self._set_layout(RunLayout.from_dict(record["layout"], self.cfg.layers))
+        self.pending.clear()  # the old epoch's leases are gone: its tasks are run again in this one
+        logger.warning("%s: layout epoch %d (servers %s)", self.device_id, self.epoch, list(self.st.servers))
+
     def _point(self, name: str) -> None:
         if self.die_at == name:
             logger.warning("%s: dying at %s", self.device_id, name)
@@ -108,7 +139,8 @@ class StageWorker:
     # ------------------------------------------------------------------------------------------
     async def register(self) -> None:
         meta = {"device": self.device_id, "compute": float(self.compute), "stage": self.stage}
-        await asyncio.gather(*(self._quiet(link.call("register", meta, timeout=10.0)) for link in self.links.values()))
+        links = [self.links[d] for d in self.st.servers if d in self.links]
+        await asyncio.gather(*(self._quiet(link.call("register", meta, timeout=10.0)) for link in links))
 
     async def _quiet(self, coro):
         try:
@@ -144,16 +176,16 @@ class StageWorker:
                     await self.process(link, meta, tensors)
                 except NotReady as e:
                     logger.info("%s: handing back %s: %s", self.device_id, meta["task"], e)
-                    await self._quiet(link.call("fail", {"task": meta["task"]}))
+                    await self._quiet(self.call(link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0)))
                     await asyncio.sleep(self.poll)
                 except RemoteError as e:
                     self.stats["dropped"] += 1
                     logger.info("%s: task %s dropped: %s", self.device_id, meta["task"], e)
-                    await self._quiet(link.call("fail", {"task": meta["task"]}))
+                    await self._quiet(self.call(link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0)))
                 except Exception as e:  # a transport failure: hand the task back so it is re-queued at once
                     self.stats["dropped"] += 1
                     logger.warning("%s: task %s interrupted: %r", self.device_id, meta["task"], e)
-                    await self._quiet(link.call("fail", {"task": meta["task"]}))
+                    await self._quiet(self.call(link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0)))
                 finally:
                     self.current = None
             await self.flush(sorted(self.pending))  # a clean stop hands in what it has
@@ -169,7 +201,7 @@ class StageWorker:
             if link is None:
                 continue
             try:
-                meta, tensors = await link.call("take", {}, timeout=10.0)
+                meta, tensors = await self.call(link, "take", {}, timeout=10.0)
             except RemoteError as e:
                 if "not registered" in str(e):
                     await self._quiet(link.call("register", {"device": self.device_id, "compute": float(self.compute),
@@ -190,18 +222,19 @@ class StageWorker:
         if version in self.versions:
             return
         state: dict[str, torch.Tensor] = {}
-        for device in self.st.servers:
+        for device, slot, names in self.shards:
             deadline = time.monotonic() + patience
             while True:
-                meta, tensors = await self.links[device].call("get_params", {"version": version}, timeout=60.0)
+                meta, tensors = await self.links[device].call("get_params", {"version": version, "slot": slot},
+                                                              timeout=60.0)
                 if not meta.get("retry"):
                     break
                 if time.monotonic() > deadline:
                     raise NotReady(f"{device} has version {meta.get('version')}, the task needs {version}")
                 await asyncio.sleep(self.poll)
             self._point("pulling_params")
-            if meta.get("names") != self.shards[device]:
-                raise RemoteError(f"{device} serves shard {meta.get('names')}, expected {self.shards[device]}")
+            if meta.get("names") != names:
+                raise RemoteError(f"{device} serves shard {meta.get('names')}, expected {names}")
             state.update(zip(meta["names"], tensors))
         self.versions[version] = state
         for v in [v for v in self.versions if v < version - 1]:
@@ -258,19 +291,21 @@ class StageWorker:
         base = {"tasks": ids, "batch": p.batch}
         if p.loss_sum is not None:
             base["loss_sum"] = float(p.loss_sum)
-        items = list(self.shards.items())
+        items = self.shards
         if self.die_at == "mid_grad_push":  # one server gets its shard, the others never do
-            device, names = items[0]
-            await self.links[device].call("push_grads", base, [p.grads[n] for n in names], timeout=60.0)
+            device, slot, names = items[0]
+            await self.call(self.links[device], "push_grads", dict(base, slot=slot), [p.grads[n] for n in names],
+                            timeout=60.0, epoch=p.epoch)
             self._point("mid_grad_push")
         answers = await asyncio.gather(*(
-            self.links[device].call("push_grads", base, [p.grads[n] for n in names], timeout=60.0)
-            for device, names in items
+            self.call(self.links[device], "push_grads", dict(base, slot=slot), [p.grads[n] for n in names],
+                      timeout=60.0, epoch=p.epoch)
+            for device, slot, names in items
         ), return_exceptions=True)
         self.stats["pushes"] += 1
         self._point("after_grad_push")
         credited = set(ids)
-        for (device, _), answer in zip(items, answers):
+        for (device, _, _), answer in zip(items, answers):
             if isinstance(answer, BaseException):
                 logger.info("%s: gradient push to %s failed: %r", self.device_id, device, answer)
                 credited = set()
@@ -279,7 +314,7 @@ class StageWorker:
                 credited &= set(answer[0].get("credited", []))
                 self.stats["conflicts"] += 1
         await asyncio.gather(*(
-            self._quiet(link.call("complete" if tid in credited else "fail", {"task": tid}))
+            self._quiet(self.call(link, "complete" if tid in credited else "fail", {"task": tid}, epoch=p.epoch))
             for link, tid, _, _ in p.tasks
         ))
         n = len(ids) - len(credited)
@@ -325,13 +360,13 @@ class StageWorker:
         self.input_cache.setdefault((t, m), []).append((a, b, x))
         nxt = self.st.backward
         await asyncio.gather(*(
-            self.links[nxt[j]].call("push_outputs", {"task": meta["task"], "batch": t, "micro": m, "rows": [p, q],
-                                                     "frontal": meta["frontal"]},
-                                    [out[p - a : q - a], y[p - a : q - a]], timeout=60.0)
+            self.call(self.links[nxt[j]], "push_outputs", {"task": meta["task"], "batch": t, "micro": m, "rows": [p, q],
+                                                           "frontal": meta["frontal"]},
+                      [out[p - a : q - a], y[p - a : q - a]], timeout=60.0, epoch=meta["epoch"])
             for j, p, q in owners(self.rows, len(nxt), a, b)
         ))
         self._point("after_outputs")
-        await link.call("complete", {"task": meta["task"]})
+        await self.call(link, "complete", {"task": meta["task"]}, epoch=meta["epoch"])
         self.stats["forward"] += 1
 
     def _backward_pass(self, version: int, x: torch.Tensor, out_grad=None, labels=None):
@@ -367,15 +402,18 @@ class StageWorker:
         attempt (its first client vanished or was late) is pushed alone at once, so that a sum never
         overlaps another client's in part for long."""
         if gin is not None:
-            await frontal.call("push_input_grads", {"task": meta["task"], "batch": meta["batch"], "micro": meta["micro"],
-                                                    "rows": meta["rows"]}, [gin])
+            await self.call(frontal, "push_input_grads", {"task": meta["task"], "batch": meta["batch"],
+                                                          "micro": meta["micro"], "rows": meta["rows"]}, [gin],
+                            epoch=meta["epoch"])
             self._point("after_input_grads")
+        if meta["epoch"] != self.epoch:  # a failover voided it: it is run again in the new epoch
+            raise RemoteError(f"task {meta['task']} belongs to layout epoch {meta['epoch']}, the run is at {self.epoch}")
         if meta.get("attempt", 1) > 1:
-            alone = Pending(meta["batch"])
+            alone = Pending(meta["batch"], meta["epoch"])
             alone.add(link, meta, grads, loss)
             await self.push_pending(alone)
         else:
-            self.pending.setdefault(meta["batch"], Pending(meta["batch"])).add(link, meta, grads, loss)
+            self.pending.setdefault(meta["batch"], Pending(meta["batch"], meta["epoch"])).add(link, meta, grads, loss)
 
     async def _backward(self, link, meta, tensors) -> None:
         t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]
@@ -383,7 +421,8 @@ class StageWorker:
         x = self._cached_inputs(t, m, a, b)
         frontal = self.links[meta["frontal"]]
         if x is None:
-            _, (x,) = await frontal.call("get_inputs", {"batch": t, "micro": m, "rows": [a, b]})
+            _, (x,) = await self.call(frontal, "get_inputs", {"batch": t, "micro": m, "rows": [a, b]},
+                                      epoch=meta["epoch"])
         gin, _, grads = await self._compute(lambda: self._backward_pass(meta["version"], x, out_grad=g))
         await self._finish(link, frontal, meta, gin, grads, None)
         self.stats["backward"] += 1

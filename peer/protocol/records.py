@@ -59,6 +59,7 @@ _SERVER_SCHEMA = {"kind": (str, True), "device": (str, True), "role": (str, True
                   "state": (str, True), "version": (int, True), "maddrs": (list, True), "pool": (dict, False),
                   "loss": ((int, float, type(None)), False), "losses": (dict, False), "stats": (dict, False),
                   "layers": (list, False), "compute": ((int, float), False), "step_times": (dict, False),
+                  "epoch": (int, False),
                   "time": ((int, float), True)}
 _CLIENT_SCHEMA = {"kind": (str, True), "device": (str, True), "stage": (int, True), "state": (str, True),
                   "compute": ((int, float), True), "throughput": ((int, float), False), "tasks_done": (int, False),

@@ -157,3 +157,54 @@ def test_an_accumulated_push_is_credited_all_or_nothing():
     for bad in ["X0.0.0.0-2", "B0.0.0.0", 7, "B0.0.0.0-2 "]:
         with pytest.raises(PayloadError, match="malformed task id"):
             parse_task_id(bad)
+
+
+def test_a_failover_layout_moves_slots_and_keeps_roles_filled():
+    from parameter_server.layout import RunLayout
+
+    layout = RunLayout.even(2, 4, 2, 2)
+    assert layout.stages[0].hosts == ("s0f0", "s0f1", "s0b0", "s0b1")
+    new = layout.without({"s0f0": "s0f1"})
+    st = new.stages[0]
+    assert st.frontal == ("s0f1",) and st.hosts == ("s0f1", "s0f1", "s0b0", "s0b1") and st.slots_of("s0f1") == [0, 1]
+    assert new.stages[1] == layout.stages[1]
+    assert RunLayout.from_dict(new.to_dict(), 4) == new  # the epoch record round-trips
+    with pytest.raises(ValueError, match="no frontal server left"):
+        new.without({"s0f1": "s0b0"})
+    with pytest.raises(ValueError, match="remaining server of the stage"):
+        layout.without({"s0b1": "s1f0"})
+    bad = new.to_dict()
+    bad["stages"][0]["shard_hosts"] = ["s0f1", "s0f1", "s0b0", "s1b1"]
+    with pytest.raises(ValueError, match="shard_hosts"):
+        RunLayout.from_dict(bad, 4)
+
+
+def test_a_replica_takes_the_shards_state_or_refuses_and_changes_nothing():
+    """After each step a server copies its shard (parameters, AdamW moments and step counts) to the
+    next server of its stage; the copy steps on exactly like the original."""
+    from parameter_server.shard import ShardState
+
+    def shard():
+        return ShardState({"w": torch.zeros(3), "b": torch.ones(2)}, lr=1e-1, rows_per_micro=1, micro_batches=1,
+                          steps=4)
+
+    owner, replica = shard(), shard()
+    grads = {0: [torch.tensor([1.0, 2.0]), torch.tensor([1.0, -1.0, 0.5])], 1: [torch.ones(2), torch.ones(3)]}
+    owner.credit(batch=0, pieces=[("B0.0.0.0-1", 0, (0, 1))], grads=grads[0])
+    owner.step()
+    meta, tensors = owner.export()
+    for words, bad in {"NaN": [torch.full_like(t, float("nan")) for t in tensors],
+                       "expected float32": [t.double() for t in tensors], "carries": tensors[:-1]}.items():
+        with pytest.raises(PayloadError, match=words):
+            replica.absorb(meta, bad)
+    with pytest.raises(PayloadError, match="another shard"):
+        replica.absorb(dict(meta, names=["x"]), tensors)
+    assert replica.version == 0 and torch.equal(replica.params["w"], torch.zeros(3))
+    assert replica.absorb(meta, tensors) and not replica.absorb(meta, tensors)  # only a newer state is taken
+    for s in (owner, replica):
+        s.credit(batch=1, pieces=[("B1.0.0.0-1", 0, (0, 1))], grads=grads[1])
+        s.step()
+    assert replica.version == owner.version == 2
+    for n in owner.names:
+        assert torch.equal(replica.params[n], owner.params[n])
+        assert torch.equal(replica.params_at(1)[n], owner.params_at(1)[n])

@@ -46,11 +46,28 @@ class InProcessSwarm:
                                                 links=links, compute=1.0, poll=0.005))
 
     def versions(self) -> list[int]:
-        return [s.shard.version for s in self.servers.values()]
+        return [s.version for s in self.servers.values()]
 
-    async def train(self, timeout: float = 120.0) -> dict:
+    async def lose(self, device: str) -> dict:
+        """Server `device` is gone for good (every call to it fails, its own worker stops); the first
+        remaining server coordinates the failover. Returns the new layout epoch's record."""
+        server = self.servers.pop(device)
+
+        async def gone(*args, **kwargs):
+            raise ConnectionError(f"{device} is gone")
+
+        server.handle = gone
+        for worker, task in zip(self.workers, self.tasks):
+            if worker.device_id == device:
+                task.cancel()
+        return await next(iter(self.servers.values())).fail_over([device])
+
+    async def train(self, timeout: float = 120.0, at_version: dict | None = None) -> dict:
+        """Run until every server has applied the last batch; `at_version` maps a version to a
+        coroutine function run once the slowest server reaches it."""
         stop = asyncio.Event()
-        tasks = [asyncio.ensure_future(w.run_loop(stop)) for w in self.workers]
+        at_version = dict(at_version or {})
+        tasks = self.tasks = [asyncio.ensure_future(w.run_loop(stop)) for w in self.workers]
 
         async def maintain():
             while not stop.is_set():
@@ -64,13 +81,15 @@ class InProcessSwarm:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             while min(self.versions()) < self.run.steps:
-                versions = {d: s.shard.version for d, s in self.servers.items()}
+                versions = {d: s.version for d, s in self.servers.items()}
                 for s in self.servers.values():
-                    s.peer_versions = versions
+                    s.run_versions = versions
+                for v in [v for v in at_version if min(self.versions()) >= v]:
+                    await at_version.pop(v)()
                 if loop.time() > deadline:
                     raise TimeoutError(f"versions {self.versions()} after {timeout} s")
                 for t in tasks:
-                    if t.done() and t.exception():
+                    if t.done() and not t.cancelled() and t.exception():
                         raise t.exception()
                 await asyncio.sleep(0.02)
         finally:
@@ -78,5 +97,6 @@ class InProcessSwarm:
             await asyncio.gather(*tasks, return_exceptions=True)
         state = {}
         for s in self.servers.values():
-            state.update(s.shard.params_at(self.run.steps))
+            for shard in s.hosted.values():
+                state.update(shard.params_at(self.run.steps))
         return state

@@ -19,13 +19,17 @@ STAGE_OF_POINT = {"before_forward": 0, "during_forward": 0, "after_outputs": 0, 
                   "mid_grad_push": 0, "during_backward": 1, "after_input_grads": 1, "after_grad_push": 1}
 
 
+def tiny_swarm(tmp_path, name: str, steps: int, *extra: str) -> LiveSwarm:
+    """A swarm of the tiny model with 2 volunteers, quick to notice departures."""
+    return LiveSwarm(tmp_path, ["--model", "tiny", "--steps", str(steps), "--volunteers", "2", "--client-timeout", "2",
+                                "--announce-period", "0.5", "--run-id", f"{name}-{os.getpid()}", *extra])
+
+
 def test_every_kill_point_applies_each_micro_batch_exactly_once(tmp_path):
     assert set(STAGE_OF_POINT) == set(KILL_POINTS)
     steps = 6
     # only volunteers compute, so the run waits for them; v0 (stage 0) and v1 (stage 1) survive
-    live = LiveSwarm(tmp_path, ["--model", "tiny", "--steps", str(steps), "--volunteers", "2", "--servers-compute", "no",
-                                "--volunteer-slowdown", "5", "--client-timeout", "2", "--announce-period", "0.5",
-                                "--run-id", f"kill-{os.getpid()}"])
+    live = tiny_swarm(tmp_path, "kill", steps, "--servers-compute", "no", "--volunteer-slowdown", "5")
     died = {}
 
     async def scenario():
@@ -78,8 +82,7 @@ def test_servers_killed_and_restarted_resume_without_losing_a_step(tmp_path):
     restarted with the same identity and checkpoint dir: each resumes its shard from the checkpoint
     and its buffers, ledger, pools and credits from its request log."""
     steps = 8
-    live = LiveSwarm(tmp_path, ["--model", "tiny", "--steps", str(steps), "--volunteers", "2", "--client-timeout", "2",
-                                "--announce-period", "0.5", "--run-id", f"restart-{os.getpid()}"])
+    live = tiny_swarm(tmp_path, "restart", steps)
     restarted_at = {}
 
     async def scenario():
@@ -96,5 +99,61 @@ def test_servers_killed_and_restarted_resume_without_losing_a_step(tmp_path):
     for name in restarted_at:
         log = (tmp_path / f"{name}.log").read_text(errors="replace")
         assert "resumed from" in log, log[-2000:]
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    assert no_children_left(live.args.run_id) == []
+
+
+def test_a_server_lost_for_good_is_failed_over_and_nothing_is_lost(tmp_path):
+    """`peer swarm --servers-per-stage 4` (two frontal and two backward servers per stage) SIGKILLs
+    the frontal server that builds the batches (and would coordinate failovers) once the run reaches
+    step 2, and a backward server of stage 1 at step 4, for good. The remaining servers notice each
+    loss in the DHT, the first remaining one makes a new layout epoch (the lost shard hosted by the
+    server that kept its replica, the rows re-segmented, unapplied batches run again), volunteers
+    and servers adopt it, and the run ends equal to the reference."""
+    run_id = f"failover-{os.getpid()}"
+    steps = 7
+    out = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "swarm", "--model", "tiny", "--steps", str(steps), "--volunteers", "2",
+         "--servers-per-stage", "4", "--lose-server", "s0f0@2", "--lose-server", "s1b1@4",
+         "--failover-after", "3", "--announce-period", "0.5", "--client-timeout", "2", "--run-id", run_id,
+         "--no-progress", "--work-dir", str(tmp_path / "work"), "--summary-json", str(tmp_path / "s.json"),
+         "--checkpoint-out", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["layout_epoch"] == 2, summary
+    assert summary["microbatches_applied"] == summary["microbatches_expected"], summary
+    logs = {name: (tmp_path / "work" / f"{name}.log").read_text(errors="replace") for name in ("s0f1", "s1f0")}
+    assert "took over shard slot 0" in logs["s0f1"] and "took over shard slot 3" in logs["s1f0"], logs
+    state = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    assert no_children_left(run_id) == []
+
+
+def test_a_failed_over_server_that_comes_back_is_refused_and_training_goes_on(tmp_path):
+    """A backward server of stage 0 is lost for good; once the others have failed it over, the same
+    server is started again (same identity and checkpoint dir): it finds the run's layout epoch
+    without it and exits with code 2 and the reason, and the run ends equal to the reference."""
+    steps = 6
+    live = tiny_swarm(tmp_path, "comeback", steps, "--servers-per-stage", "4", "--failover-after", "3")
+    back = {}
+
+    async def scenario():
+        await live.start()
+        await live.wait_version(2)
+        live.swarm.lose_server("s0b0")
+        await live.wait(lambda: live.monitor.epoch >= 1, 120, "the failover")
+        proc = live.swarm._spawn("s0b0-again", live.swarm.server_argv["s0b0"])
+        live.swarm.volunteers["s0b0-again"] = (proc, "none")  # (so that closing the swarm reaps it)
+        await live.wait(lambda: proc.poll() is not None, 120, "the returning server to exit")
+        back["code"] = proc.returncode
+        return await live.finish(steps)
+
+    statuses, state = live.run(scenario)
+    log = (tmp_path / "s0b0-again.log").read_text(errors="replace")
+    assert back["code"] == 2 and "s0b0 was failed over" in log, log[-2000:]
+    assert live.monitor.epoch == 1 and "s0b0" not in statuses
+    applied = {st.index: statuses[st.servers[0]]["microbatches_applied"] for st in live.monitor.layout.stages}
+    assert applied == {0: steps * 4, 1: steps * 4}
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
     assert no_children_left(live.args.run_id) == []

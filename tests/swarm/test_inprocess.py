@@ -62,3 +62,57 @@ def test_a_sum_that_overlaps_another_clients_push_in_part_is_rerun_not_lost():
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
     assert {s.shard.microbatches_applied for s in swarm.servers.values()} == {steps * run.micro_batches}
     assert sum(w.stats["conflicts"] for w in swarm.workers) == len(swarm.servers)
+
+
+@pytest.mark.parametrize("lost", [
+    ("s0f0", 2),  # the frontal server that builds the batches, and the run's failover coordinator
+    ("s1b1", 3),  # a backward server of the last stage
+])
+def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_reference(lost):
+    """Two frontal and two backward servers per stage; one is gone for good mid-run. The first remaining
+    server makes a new layout epoch: the lost shard slot is hosted by the server holding its replica,
+    the rows re-segmented among the rest of its role, every unapplied batch run again from the lowest
+    version of any shard. The result equals `peer reference --delay 1`, each micro-batch applied once
+    per shard."""
+    device, at = lost
+    steps = 6
+    cfg, layout, run = make_run(steps=steps, stages=2, frontal=2, backward=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1)
+    records = []
+
+    async def lose():
+        records.append(await swarm.lose(device))
+
+    state = asyncio.run(swarm.train(timeout=180, at_version={at: lose}))
+    (record,) = records
+    assert record["epoch"] == 1 and record["lost"] == [device] and record["from_batch"] <= at
+    stage = int(device[1])
+    new = swarm.servers[next(iter(swarm.servers))].layout.stages[stage]
+    assert device not in new.servers and len(new.hosts) == 4 and device not in new.hosts
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    for s in swarm.servers.values():
+        assert s.epoch == 1
+        assert {sh.microbatches_applied for sh in s.hosted.values()} == {steps * run.micro_batches}
+
+    async def refused():
+        from peer.node import LocalLink
+        from peer.protocol.wire import RemoteError
+
+        server = next(iter(swarm.servers.values()))
+        answers = []
+        for sender, method, meta in [
+                ("peer-u00", "take", {"epoch": 0}),  # a request of the epoch before the failover
+                ("peer-u00", "take", {"epoch": 2}),  # of an epoch not adopted here
+                ("peer-stranger", "adopt_epoch", record | {"epoch": 2}),
+                ("peer-stranger", "push_replica", {"slot": 0})]:
+            try:
+                await LocalLink(server, sender).call(method, meta)
+                answers.append(None)
+            except RemoteError as e:
+                answers.append(str(e))
+        return answers, server.epoch
+
+    answers, epoch = asyncio.run(refused())
+    assert epoch == 1
+    assert "stale epoch 0" in answers[0] and "epoch 2 is not adopted" in answers[1], answers
+    assert "not a server of this run" in answers[2] and "not a frontal or backward server" in answers[3], answers

@@ -1,0 +1,31 @@
+"""`peer swarm` and `peer serve` refuse bad failover arguments with a message that names them,
+before any process starts."""
+from __future__ import annotations
+
+import pytest
+
+from peer.cli import build_parser
+from peer.errors import UsageError
+from peer.swarm import validate
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--lose-server", "s0f0"], "expected DEVICE@STEP"),
+    (["--lose-server", "s9f0@2"], "not a server of the layout"),
+    (["--lose-server", "s0f0@0"], "STEP must be in 1..5"),
+    (["--lose-server", "s0f0@2"], "no other frontal server"),  # 2 servers per stage: one of each role
+    (["--servers-per-stage", "4", "--lose-server", "s0f0@2", "--lose-server", "s0f0@3"], "names a server twice"),
+    (["--servers-per-stage", "4", "--lose-server", "s0f0@2", "--failover-after", "0"], "needs --failover-after"),
+    (["--failover-after", "-1"], "--failover-after must be >= 0"),
+])
+def test_bad_failover_arguments_are_named(argv, words):
+    args = build_parser().parse_args(["swarm", "--model", "tiny", "--steps", "6", *argv])
+    with pytest.raises(UsageError, match=words):
+        validate(args)
+
+
+def test_good_failover_arguments_are_sorted_by_step():
+    args = build_parser().parse_args(["swarm", "--model", "tiny", "--steps", "6", "--servers-per-stage", "4",
+                                      "--lose-server", "s1b1@4", "--lose-server", "s0f0@2"])
+    validate(args)
+    assert args.losses == [(2, "s0f0"), (4, "s1b1")]
