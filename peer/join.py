@@ -127,8 +127,9 @@ async def join_main(args, stop: asyncio.Event) -> int:
         worker = StageWorker(run=run, layout=layout, cfg=cfg, stage=stage, device_id=device, links=links,
                              compute=1.0, torch_device=args.device, slowdown=slowdown, die_at=args.die_at)
         worker.compute = args.compute or worker.measure_compute()
-        print(f"joined run {run.run_id} as {device} ({peer_id}) on stage {stage}, compute {worker.compute:.3g} rows/s",
-              flush=True)
+        stretched = f" (compute stretched x{slowdown:g} by the link profile)" if slowdown > 1 else ""
+        print(f"joined run {run.run_id} as {device} ({peer_id}) on stage {stage}, compute {worker.compute:.3g} rows/s"
+              f"{stretched}", flush=True)
 
         async def announce():
             while not stop.is_set():

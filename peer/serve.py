@@ -302,7 +302,9 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         tasks.append(asyncio.ensure_future(worker.run_loop(stop)))
     for t in tasks:
         t.add_done_callback(report_crash)
-    print(f"serving {device} (stage {stage} {role}, layers {st.layers[0]}-{st.layers[1]}) as {peer_id}", flush=True)
+    stretched = f", compute stretched x{slowdown:g} by the link profile" if slowdown > 1 and not args.no_compute else ""
+    print(f"serving {device} (stage {stage} {role}, layers {st.layers[0]}-{st.layers[1]}{stretched}) as {peer_id}",
+          flush=True)
     await stop.wait()
     try:
         await asyncio.wait_for(announce("offline"), 5)

@@ -393,6 +393,7 @@ class Monitor:
         self.epoch = 0
         self.tokens_per_batch = tokens_per_batch
         self.servers: dict[str, tuple[str, dict]] = {}  # device -> (peer id, record)
+        self.server_ids = set(self.all_devices())  # of every epoch (a failover only removes servers)
 
     async def refresh(self) -> None:
         from parameter_server.layout import RunLayout
@@ -471,6 +472,12 @@ class Monitor:
             "requeued": sum(s["requeued"] for s in statuses.values()),
             "volunteers_killed": killed,
             "layout_epoch": self.epoch,
+            "layout": self.layout.to_dict(),
+            # the volunteers (not servers) registered with each stage's servers when the run ended
+            "volunteers_by_stage": {str(st.index): sorted({c["device"] for d in st.servers
+                                                           for c in statuses[d].get("clients", {}).values()}
+                                                          - self.server_ids)
+                                    for st in self.layout.stages},
             "wall_seconds": round(wall, 3),
             "tokens_per_second": round(args.steps * args.batch_size * cfg.seq_len / max(wall, 1e-9), 1),
             "bytes_on_wire": sum(sum(s.get("traffic", {}).values()) for s in statuses.values()),
