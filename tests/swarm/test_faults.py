@@ -1,5 +1,7 @@
 """Nothing lost (issue "exactly-once under churn"): volunteers SIGKILLed at every point of the
-protocol, and random churn, leave the final parameters equal to the fault-free reference."""
+protocol, and random churn, leave the final parameters equal to the same swarm run without faults
+and to `peer reference --delay 1`; servers restarted from their checkpoints, or lost for good and
+failed over, lose nothing either."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from safetensors.torch import load_file
 
 from peer.worker import KILL_POINTS
@@ -19,15 +22,38 @@ STAGE_OF_POINT = {"before_forward": 0, "during_forward": 0, "after_outputs": 0, 
                   "mid_grad_push": 0, "during_backward": 1, "after_input_grads": 1, "after_grad_push": 1}
 
 
+STEPS = 6  # of the kill-point and the random-churn runs, and of the fault-free run they must equal
+
+
+def swarm_cli(tmp_path, run_id: str, *extra: str) -> dict:
+    """`peer swarm` of the tiny model for STEPS steps: (summary, final parameters); exit code checked."""
+    out = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "swarm", "--model", "tiny", "--steps", str(STEPS), "--seed", "0",
+         "--client-timeout", "2", "--run-id", run_id, *extra, "--no-progress", "--work-dir", str(tmp_path / "work"),
+         "--summary-json", str(tmp_path / "s.json"), "--checkpoint-out", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert no_children_left(run_id) == []
+    return json.loads((tmp_path / "s.json").read_text()), load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    """The same run without a fault: 2 volunteers, nobody killed."""
+    summary, state = swarm_cli(tmp_path_factory.mktemp("fault-free"), f"fault-free-{os.getpid()}", "--volunteers", "2")
+    assert summary["volunteers_killed"] == 0 and summary["microbatches_applied"] == summary["microbatches_expected"]
+    return state
+
+
 def tiny_swarm(tmp_path, name: str, steps: int, *extra: str) -> LiveSwarm:
     """A swarm of the tiny model with 2 volunteers, quick to notice departures."""
     return LiveSwarm(tmp_path, ["--model", "tiny", "--steps", str(steps), "--volunteers", "2", "--client-timeout", "2",
                                 "--announce-period", "0.5", "--run-id", f"{name}-{os.getpid()}", *extra])
 
 
-def test_every_kill_point_applies_each_micro_batch_exactly_once(tmp_path):
+def test_every_kill_point_applies_each_micro_batch_exactly_once(tmp_path, fault_free):
     assert set(STAGE_OF_POINT) == set(KILL_POINTS)
-    steps = 6
+    steps = STEPS
     # only volunteers compute, so the run waits for them; v0 (stage 0) and v1 (stage 1) survive
     live = tiny_swarm(tmp_path, "kill", steps, "--servers-compute", "no", "--volunteer-slowdown", "5")
     died = {}
@@ -52,29 +78,23 @@ def test_every_kill_point_applies_each_micro_batch_exactly_once(tmp_path):
     assert all(code == -9 for code in died.values()), died
     applied = {st.index: statuses[st.servers[0]]["microbatches_applied"] for st in live.layout.stages}
     assert applied == {0: steps * 4, 1: steps * 4}
+    assert rel_diff(state, fault_free) < 1e-5
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
     assert no_children_left(live.args.run_id) == []
 
 
-def test_random_churn_equals_fault_free_run(tmp_path):
-    run_id = f"churn-cli-{os.getpid()}"
-    out = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "swarm", "--model", "tiny", "--steps", "5", "--volunteers", "4",
-         "--churn", "0.5", "--seed", "0", "--volunteer-slowdown", "10", "--client-timeout", "2", "--run-id", run_id,
-         # the volunteers do all the work, so a step lasts as long as they take and the kills, timed
-         # within a step, land inside the run (with the servers computing too, steps 2-5 could pass
-         # between two polls of the launcher and the run end before any kill: 1 run in 20)
-         "--servers-compute", "no",
-         "--no-progress", "--work-dir", str(tmp_path / "work"), "--summary-json", str(tmp_path / "s.json"),
-         "--checkpoint-out", str(tmp_path / "ckpt")],
-        capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "s.json").read_text())
+def test_random_churn_equals_fault_free_run(tmp_path, fault_free):
+    summary, state = swarm_cli(
+        tmp_path, f"churn-cli-{os.getpid()}", "--volunteers", "4", "--churn", "0.5", "--volunteer-slowdown", "10",
+        # the volunteers do all the work, so a step lasts as long as they take and the kills, timed
+        # within a step, land inside the run (with the servers computing too, steps 2-5 could pass
+        # between two polls of the launcher and the run end before any kill: 1 run in 20)
+        "--servers-compute", "no")
     assert summary["volunteers_killed"] >= 2, summary
     assert summary["microbatches_applied"] == summary["microbatches_expected"], summary
-    state = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
-    assert rel_diff(state, reference_state("tiny", 5)) < 1e-5
-    assert no_children_left(run_id) == []
+    assert isinstance(summary["duplicates_dropped"], int) and isinstance(summary["requeued"], int), summary
+    assert rel_diff(state, fault_free) < 1e-5
+    assert rel_diff(state, reference_state("tiny", STEPS)) < 1e-5
 
 
 def test_servers_killed_and_restarted_resume_without_losing_a_step(tmp_path):
