@@ -15,22 +15,36 @@ def _path(directory: str, device: str) -> str:
 
 
 def save_checkpoint(server, directory: str) -> None:
+    """Every shard slot the server hosts (its own and, after a failover, the slots it took over)."""
     path = _path(directory, server.device_id)
     tmp = path + ".tmp"
-    torch.save(server.shard.state_dict(), tmp)
+    torch.save({"own_slot": server.slot, "slots": {slot: sh.state_dict() for slot, sh in server.hosted.items()}}, tmp)
     os.replace(tmp, path)
     with open(os.path.join(directory, f"{server.device_id}.json"), "w") as f:  # for people and the dashboard
-        json.dump({"version": server.shard.version, "device": server.device_id, "stage": server.stage}, f)
+        json.dump({"version": server.version, "device": server.device_id, "stage": server.stage,
+                   "slots": sorted(server.hosted), "epoch": server.epoch}, f)
 
 
 def load_checkpoint(server, directory: str) -> bool:
+    """Load the server's own slot; a slot it had taken over goes back among its replicas, from where
+    the replay of its request log (which keeps the adopted layout epoch) takes it over again."""
     path = _path(directory, server.device_id)
     if not os.path.exists(path):
         return False
     state = torch.load(path, weights_only=False)
-    missing = set(server.shard.names) - set(state["params"])
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:3]}: not this server's shard")
-    server.shard.load_state_dict(state)
+    if "slots" not in state:  # a checkpoint of one shard, as written before failover existed
+        state = {"own_slot": server.slot, "slots": {server.slot: state}}
+    if state.get("own_slot") != server.slot or server.slot not in state["slots"]:
+        raise ValueError(f"checkpoint {path} holds shard slots {sorted(state['slots'])} of a server whose own slot "
+                         f"is {state.get('own_slot')}, not {server.slot}: not this server's checkpoint")
+    for slot, shard_state in state["slots"].items():
+        shard = server.shard if slot == server.slot else server._new_shard(slot)
+        missing = set(shard.names) - set(shard_state["params"])
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:3]} of shard slot {slot}: not this "
+                             "server's shard")
+        shard.load_state_dict(shard_state)
+        if slot != server.slot:
+            server.replicas[slot] = shard
     server.next_batch = server.shard.version
     return True

@@ -851,12 +851,12 @@ class StageServer(ServicerBase):
         if stage != self.stage or role != self.role or missing:
             raise PayloadError(f"epoch {epoch} moves {self.device_id} or gives it slots {missing} it holds no "
                                "replica of")
+        for i in take_over:  # all checked before anything changes
+            if self.replicas[i].version < from_batch:
+                raise PayloadError(f"the replica of slot {i} is at version {self.replicas[i].version}, below "
+                                   f"from_batch {from_batch}")
         for i in take_over:
-            shard = self.replicas.pop(i)
-            if shard.version < from_batch:
-                raise PayloadError(f"the replica of slot {i} is at version {shard.version}, below from_batch "
-                                   f"{from_batch}")
-            self.hosted[i] = shard
+            shard = self.hosted[i] = self.replicas.pop(i)
             logger.warning("%s: took over shard slot %d at version %d", self.device_id, i, shard.version)
         for shard in self.hosted.values():
             shard.batches = {}

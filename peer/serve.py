@@ -136,10 +136,14 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     torch.set_num_threads(1)
     stage, role, _ = layout.locate(device)
     st = layout.stages[stage]
+    t0 = time.perf_counter()
     dht = start_dht(args.initial_peers, identity_path=args.identity_path)
     p2p = await dht.replicate_p2p()
     peer_id = str(dht.peer_id)
+    logger.info("%s: DHT node and p2p daemon up in %.1f s", device, time.perf_counter() - t0)
+    t0 = time.perf_counter()
     current = await records.get(dht, records.config_key(run_cfg.run_id))
+    logger.info("%s: read the run's config record in %.1f s", device, time.perf_counter() - t0)
     if isinstance(current, dict) and isinstance(current.get("layout"), dict) and current.get("epoch", 0) > 0:
         from parameter_server.layout import RunLayout
 
@@ -172,12 +176,13 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         from parameter_server.server import RETAIN
 
         os.makedirs(args.checkpoint_dir, exist_ok=True)
+        t0 = time.perf_counter()
         resumed = load_checkpoint(server, args.checkpoint_dir)
         log_path = os.path.join(args.checkpoint_dir, f"{device}.requests.log")
         replayed = await server.recover(read_log(log_path))
         if resumed or replayed:
-            logger.warning("%s resumed from %s at version %d, replayed %d logged requests", device,
-                           args.checkpoint_dir, server.shard.version, replayed)
+            logger.warning("%s resumed from %s at version %d, replayed %d logged requests in %.1f s", device,
+                           args.checkpoint_dir, server.version, replayed, time.perf_counter() - t0)
         request_log = RequestLog(log_path)
         server.log = request_log
 

@@ -37,7 +37,8 @@ def reference_state(model: str, steps: int, seed: int = 0, batch_size: int = 16,
 class LiveSwarm:
     def __init__(self, work_dir: str, argv: list[str]):
         self.args = build_parser().parse_args(["swarm", "--work-dir", str(work_dir), "--no-progress", *argv])
-        self.args.verbose = 0
+        # HIVEPIPE_TEST_VERBOSE=1 (info) or 2 (debug) makes every process of the swarm log more
+        self.args.verbose = int(os.environ.get("HIVEPIPE_TEST_VERBOSE", "0"))
         self.cfg, self.layout, frontal, backward = validate(self.args)
         self.work_dir = str(work_dir)
         os.makedirs(self.work_dir, exist_ok=True)

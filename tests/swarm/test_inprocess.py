@@ -4,8 +4,10 @@ multi-process tests do not cover: it must equal `peer reference --delay 1`."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
+import torch
 
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import InProcessSwarm, make_run
@@ -68,7 +70,7 @@ def test_a_sum_that_overlaps_another_clients_push_in_part_is_rerun_not_lost():
     ("s0f0", 2),  # the frontal server that builds the batches, and the run's failover coordinator
     ("s1b1", 3),  # a backward server of the last stage
 ])
-def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_reference(lost):
+def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_reference(lost, tmp_path):
     """Two frontal and two backward servers per stage; one is gone for good mid-run. The first remaining
     server makes a new layout epoch: the lost shard slot is hosted by the server holding its replica,
     the rows re-segmented among the rest of its role, every unapplied batch run again from the lowest
@@ -116,3 +118,33 @@ def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_r
     assert epoch == 1
     assert "stale epoch 0" in answers[0] and "epoch 2 is not adopted" in answers[1], answers
     assert "not a server of this run" in answers[2] and "not a frontal or backward server" in answers[3], answers
+
+    # the server that took the lost slot over checkpoints both slots; the same server started afresh
+    # loads its own slot and gets the other back as a replica, which adopting the epoch takes over again
+    from parameter_server.checkpoint import load_checkpoint, save_checkpoint
+    from parameter_server.server import StageServer
+    from peer.model.transformer import init_state
+
+    (host,) = [s for s in swarm.servers.values() if len(s.hosted) == 2]
+    save_checkpoint(host, str(tmp_path))
+
+    def fresh(device):
+        st = layout.stages[layout.locate(device)[0]]
+        return StageServer(run=run, layout=layout, cfg=cfg, device_id=device, peer_id=f"peer-{device}",
+                           stage_params=init_state(cfg, *st.layers, run.seed), corpus=host.corpus)
+
+    again = fresh(host.device_id)
+    assert load_checkpoint(again, str(tmp_path)) and again.epoch == 0 and set(again.hosted) == {host.slot}
+    (other,) = set(host.hosted) - {host.slot}
+    assert again.replicas[other].version == host.hosted[other].version == steps
+    assert again.adopt(record) and set(again.hosted) == set(host.hosted)
+    for slot, shard in host.hosted.items():
+        assert all(torch.equal(shard.params[n], again.hosted[slot].params[n]) for n in shard.names)
+    # another server's checkpoint is refused, naming why, and changes nothing
+    neighbour = next(d for d in layout.stages[host.stage].servers if d not in (host.device_id, device))
+    stranger = fresh(neighbour)
+    before = {n: p.clone() for n, p in stranger.shard.params.items()}
+    shutil.copy(tmp_path / f"{host.device_id}.shard.pt", tmp_path / f"{neighbour}.shard.pt")
+    with pytest.raises(ValueError, match="not this server's checkpoint"):
+        load_checkpoint(stranger, str(tmp_path))
+    assert all(torch.equal(before[n], p) for n, p in stranger.shard.params.items()) and not stranger.replicas
