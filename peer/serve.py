@@ -269,7 +269,9 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                 await announce(state)
                 servers = await directory.refresh()
                 server.set_directory(servers, directory.versions, directory.epochs)
-                if state == "joining" and all(d in directory.known for s in layout.stages for d in s.servers):
+                # the servers of the current layout epoch (a server restarted after a failover does
+                # not wait for the lost one)
+                if state == "joining" and all(d in directory.known for s in server.layout.stages for d in s.servers):
                     state = "online"
                 if state == "online" and args.failover_after > 0:
                     await watch_for_lost(servers)
@@ -298,11 +300,13 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
 
     tasks = [asyncio.ensure_future(announcer()), asyncio.ensure_future(maintenance())]
     if not args.no_compute:
-        await directory.wait_for(st.servers, timeout=120)
+        # after a replayed failover the server is already in a later layout epoch: its worker starts there
+        await directory.wait_for(server.st.servers, timeout=120)
         server.set_directory(directory.servers)
-        worker_links = {d: connector(d) for d in st.servers}
-        worker = StageWorker(run=run_cfg, layout=layout, cfg=cfg, stage=stage, device_id=device, links=worker_links,
-                             compute=1.0, torch_device=args.device, slowdown=slowdown)
+        worker_links = {d: connector(d) for d in server.st.servers}
+        worker = StageWorker(run=run_cfg, layout=server.layout, cfg=cfg, stage=stage, device_id=device,
+                             links=worker_links, compute=1.0, torch_device=args.device, slowdown=slowdown)
+        worker.epoch = server.epoch
         worker.compute = worker.measure_compute()
         tasks.append(asyncio.ensure_future(worker.run_loop(stop)))
     for t in tasks:
