@@ -34,16 +34,18 @@ def load_checkpoint(server, directory: str) -> bool:
     state = torch.load(path, weights_only=False)
     if "slots" not in state:  # a checkpoint of one shard, as written before failover existed
         state = {"own_slot": server.slot, "slots": {server.slot: state}}
-    if state.get("own_slot") != server.slot or server.slot not in state["slots"]:
+    if state.get("own_slot") != server.slot or server.slot not in state["slots"] or \
+            not all(isinstance(k, int) and 0 <= k < len(server.slot_names) for k in state["slots"]):
         raise ValueError(f"checkpoint {path} holds shard slots {sorted(state['slots'])} of a server whose own slot "
                          f"is {state.get('own_slot')}, not {server.slot}: not this server's checkpoint")
-    for slot, shard_state in state["slots"].items():
-        shard = server.shard if slot == server.slot else server._new_shard(slot)
-        missing = set(shard.names) - set(shard_state["params"])
+    shards = {slot: server.shard if slot == server.slot else server._new_shard(slot) for slot in state["slots"]}
+    for slot, shard in shards.items():  # every slot checked before anything is loaded
+        missing = set(shard.names) - set(state["slots"][slot]["params"])
         if missing:
             raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:3]} of shard slot {slot}: not this "
                              "server's shard")
-        shard.load_state_dict(shard_state)
+    for slot, shard in shards.items():
+        shard.load_state_dict(state["slots"][slot])
         if slot != server.slot:
             server.replicas[slot] = shard
     server.next_batch = server.shard.version

@@ -4,11 +4,15 @@ records, call servers over P2P, kill volunteers and start new ones."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import torch
+from safetensors.torch import load_file
 
 from peer.cli import build_parser
 from peer.node import P2PLink, start_dht, visible_maddrs
@@ -117,6 +121,20 @@ class LiveSwarm:
             self.swarm.close()
         finally:
             self.dht.shutdown()
+
+
+def swarm_cli(tmp_path, run_id: str, *args: str, timeout: float = 600) -> tuple[dict, dict, str]:
+    """Run `peer swarm ARGS` as a process (work dir, summary and checkpoint under tmp_path); check it
+    exits 0 and leaves no process behind; return (summary, final parameters, its stdout)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "swarm", *args, "--run-id", run_id, "--no-progress",
+         "--work-dir", str(tmp_path / "work"), "--summary-json", str(tmp_path / "s.json"),
+         "--checkpoint-out", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert no_children_left(run_id) == []
+    summary = json.loads((tmp_path / "s.json").read_text())
+    return summary, load_file(str(tmp_path / "ckpt" / "model.safetensors")), out.stdout
 
 
 def no_children_left(work_dir: str) -> list[int]:

@@ -25,14 +25,8 @@ def make_run(model="tiny", stages=2, frontal=1, backward=1, steps=3, seed=0, bat
 class InProcessSwarm:
     def __init__(self, cfg, layout, run, corpus=None, volunteers_per_stage=1, servers_compute=True):
         self.cfg, self.layout, self.run = cfg, layout, run
-        corpus = corpus or load_corpus(None, seq_len=cfg.seq_len)
-        self.servers: dict[str, StageServer] = {}
-        for st in layout.stages:
-            for dev in st.servers:
-                self.servers[dev] = StageServer(
-                    run=run, layout=layout, cfg=cfg, device_id=dev, peer_id=f"peer-{dev}",
-                    stage_params=init_state(cfg, *st.layers, run.seed), corpus=corpus,
-                    connector=lambda d, src=dev: LocalLink(self.servers[d], f"peer-{src}"))
+        self.corpus = corpus or load_corpus(None, seq_len=cfg.seq_len)
+        self.servers: dict[str, StageServer] = {dev: self.new_server(dev) for st in layout.stages for dev in st.servers}
         directory = {d: f"peer-{d}" for d in self.servers}
         for s in self.servers.values():
             s.set_directory(directory)
@@ -44,6 +38,13 @@ class InProcessSwarm:
                 links = {d: LocalLink(self.servers[d], peer) for d in st.servers}
                 self.workers.append(StageWorker(run=run, layout=layout, cfg=cfg, stage=st.index, device_id=name,
                                                 links=links, compute=1.0, poll=0.005))
+
+    def new_server(self, dev: str) -> StageServer:
+        """Server `dev` of the first layout, fresh (its calls to other servers go to this swarm's)."""
+        st = self.layout.stages[self.layout.locate(dev)[0]]
+        return StageServer(run=self.run, layout=self.layout, cfg=self.cfg, device_id=dev, peer_id=f"peer-{dev}",
+                           stage_params=init_state(self.cfg, *st.layers, self.run.seed), corpus=self.corpus,
+                           connector=lambda d: LocalLink(self.servers[d], f"peer-{dev}"))
 
     def versions(self) -> list[int]:
         return [s.version for s in self.servers.values()]

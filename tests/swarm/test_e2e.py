@@ -3,40 +3,28 @@ real SIGKILL. Each scenario checks the trained parameters against `peer referenc
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from peer.protocol.wire import RemoteError
-from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, rel_diff
+from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, rel_diff, swarm_cli
 
 
 def test_peer_swarm_cli_matches_reference(tmp_path):
     """2 stages x (1 FS + 1 BS) + 2 volunteers per stage, 3 steps of the tiny model."""
-    run_id = f"cli-{os.getpid()}"
-    out = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "swarm", "--model", "tiny", "--steps", "3", "--stages", "2",
-         "--servers-per-stage", "2", "--volunteers", "4", "--run-id", run_id, "--no-progress",
-         "--work-dir", str(tmp_path / "work"), "--summary-json", str(tmp_path / "summary.json"),
-         "--checkpoint-out", str(tmp_path / "ckpt")],
-        capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.startswith("initial_peers=/ip4/127.0.0.1/tcp/"), out.stdout[:200]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary, state, stdout = swarm_cli(
+        tmp_path, f"cli-{os.getpid()}", "--model", "tiny", "--steps", "3", "--stages", "2", "--servers-per-stage", "2",
+        "--volunteers", "4", timeout=400)
+    assert stdout.startswith("initial_peers=/ip4/127.0.0.1/tcp/"), stdout[:200]
     for key in ("steps", "first_loss", "last_loss", "microbatches_expected", "microbatches_applied", "duplicates_dropped",
                 "requeued", "volunteers_killed", "wall_seconds", "tokens_per_second"):
         assert key in summary, key
     assert summary["microbatches_applied"] == summary["microbatches_expected"] == 3 * 4 * 2
     assert abs(summary["first_loss"] - math.log(256)) < 0.1
-    state = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     assert rel_diff(state, reference_state("tiny", 3)) < 1e-5
-    assert no_children_left(run_id) == []
 
 
 @pytest.fixture(scope="module")

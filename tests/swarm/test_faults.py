@@ -5,16 +5,12 @@ failed over, lose nothing either."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import subprocess
-import sys
 
 import pytest
-from safetensors.torch import load_file
 
 from peer.worker import KILL_POINTS
-from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, rel_diff
+from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, rel_diff, swarm_cli
 
 # where each point occurs: stage 0 has forward-only tasks (outputs go to its BS); the last stage
 # has forward+loss+backward tasks that send input gradients
@@ -25,22 +21,15 @@ STAGE_OF_POINT = {"before_forward": 0, "during_forward": 0, "after_outputs": 0, 
 STEPS = 6  # of the kill-point and the random-churn runs, and of the fault-free run they must equal
 
 
-def swarm_cli(tmp_path, run_id: str, *extra: str) -> dict:
-    """`peer swarm` of the tiny model for STEPS steps: (summary, final parameters); exit code checked."""
-    out = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "swarm", "--model", "tiny", "--steps", str(STEPS), "--seed", "0",
-         "--client-timeout", "2", "--run-id", run_id, *extra, "--no-progress", "--work-dir", str(tmp_path / "work"),
-         "--summary-json", str(tmp_path / "s.json"), "--checkpoint-out", str(tmp_path / "ckpt")],
-        capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert no_children_left(run_id) == []
-    return json.loads((tmp_path / "s.json").read_text()), load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+# the runs of `peer swarm` as a process here: the tiny model, STEPS steps, quick to notice departures
+CLI_ARGS = ("--model", "tiny", "--steps", str(STEPS), "--seed", "0", "--client-timeout", "2")
 
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
     """The same run without a fault: 2 volunteers, nobody killed."""
-    summary, state = swarm_cli(tmp_path_factory.mktemp("fault-free"), f"fault-free-{os.getpid()}", "--volunteers", "2")
+    summary, state, _ = swarm_cli(tmp_path_factory.mktemp("fault-free"), f"fault-free-{os.getpid()}", *CLI_ARGS,
+                                  "--volunteers", "2")
     assert summary["volunteers_killed"] == 0 and summary["microbatches_applied"] == summary["microbatches_expected"]
     return state
 
@@ -84,8 +73,8 @@ def test_every_kill_point_applies_each_micro_batch_exactly_once(tmp_path, fault_
 
 
 def test_random_churn_equals_fault_free_run(tmp_path, fault_free):
-    summary, state = swarm_cli(
-        tmp_path, f"churn-cli-{os.getpid()}", "--volunteers", "4", "--churn", "0.5", "--volunteer-slowdown", "10",
+    summary, state, _ = swarm_cli(
+        tmp_path, f"churn-cli-{os.getpid()}", *CLI_ARGS, "--volunteers", "4", "--churn", "0.5", "--volunteer-slowdown", "10",
         # the volunteers do all the work, so a step lasts as long as they take and the kills, timed
         # within a step, land inside the run (with the servers computing too, steps 2-5 could pass
         # between two polls of the launcher and the run end before any kill: 1 run in 20)
@@ -130,24 +119,16 @@ def test_a_server_lost_for_good_is_failed_over_and_nothing_is_lost(tmp_path):
     loss in the DHT, the first remaining one makes a new layout epoch (the lost shard hosted by the
     server that kept its replica, the rows re-segmented, unapplied batches run again), volunteers
     and servers adopt it, and the run ends equal to the reference."""
-    run_id = f"failover-{os.getpid()}"
     steps = 7
-    out = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "swarm", "--model", "tiny", "--steps", str(steps), "--volunteers", "2",
-         "--servers-per-stage", "4", "--lose-server", "s0f0@2", "--lose-server", "s1b1@4",
-         "--failover-after", "3", "--announce-period", "0.5", "--client-timeout", "2", "--run-id", run_id,
-         "--no-progress", "--work-dir", str(tmp_path / "work"), "--summary-json", str(tmp_path / "s.json"),
-         "--checkpoint-out", str(tmp_path / "ckpt")],
-        capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "s.json").read_text())
+    summary, state, _ = swarm_cli(
+        tmp_path, f"failover-{os.getpid()}", "--model", "tiny", "--steps", str(steps), "--volunteers", "2",
+        "--servers-per-stage", "4", "--lose-server", "s0f0@2", "--lose-server", "s1b1@4", "--failover-after", "3",
+        "--announce-period", "0.5", "--client-timeout", "2")
     assert summary["layout_epoch"] == 2, summary
     assert summary["microbatches_applied"] == summary["microbatches_expected"], summary
     logs = {name: (tmp_path / "work" / f"{name}.log").read_text(errors="replace") for name in ("s0f1", "s1f0")}
     assert "took over shard slot 0" in logs["s0f1"] and "took over shard slot 3" in logs["s1f0"], logs
-    state = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
-    assert no_children_left(run_id) == []
 
 
 def test_a_failed_over_server_that_comes_back_is_refused_and_training_goes_on(tmp_path):

@@ -122,18 +122,10 @@ def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_r
     # the server that took the lost slot over checkpoints both slots; the same server started afresh
     # loads its own slot and gets the other back as a replica, which adopting the epoch takes over again
     from parameter_server.checkpoint import load_checkpoint, save_checkpoint
-    from parameter_server.server import StageServer
-    from peer.model.transformer import init_state
 
     (host,) = [s for s in swarm.servers.values() if len(s.hosted) == 2]
     save_checkpoint(host, str(tmp_path))
-
-    def fresh(device):
-        st = layout.stages[layout.locate(device)[0]]
-        return StageServer(run=run, layout=layout, cfg=cfg, device_id=device, peer_id=f"peer-{device}",
-                           stage_params=init_state(cfg, *st.layers, run.seed), corpus=host.corpus)
-
-    again = fresh(host.device_id)
+    again = swarm.new_server(host.device_id)
     assert load_checkpoint(again, str(tmp_path)) and again.epoch == 0 and set(again.hosted) == {host.slot}
     (other,) = set(host.hosted) - {host.slot}
     assert again.replicas[other].version == host.hosted[other].version == steps
@@ -142,7 +134,7 @@ def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_r
         assert all(torch.equal(shard.params[n], again.hosted[slot].params[n]) for n in shard.names)
     # another server's checkpoint is refused, naming why, and changes nothing
     neighbour = next(d for d in layout.stages[host.stage].servers if d not in (host.device_id, device))
-    stranger = fresh(neighbour)
+    stranger = swarm.new_server(neighbour)
     before = {n: p.clone() for n, p in stranger.shard.params.items()}
     shutil.copy(tmp_path / f"{host.device_id}.shard.pt", tmp_path / f"{neighbour}.shard.pt")
     with pytest.raises(ValueError, match="not this server's checkpoint"):

@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-from safetensors.torch import load_file
-
-from tests.swarm.harness import no_children_left, reference_state, rel_diff
+from tests.swarm.harness import reference_state, rel_diff, swarm_cli
 
 RELIABLE = ["hostA", "hostB", "hostC", "hostD", "hostE"]
 VOLUNTEERS = {"alice": 10.0, "bob": 5.0, "carol": 10.0}  # tflops: bob computes at half speed
@@ -35,19 +31,13 @@ PLAN = {"stages": [{"frontal": ["hostA", "hostE"], "backward": ["hostB"], "clien
 def test_swarm_laid_out_by_a_plan_takes_its_devices_identities(tmp_path):
     (tmp_path / "cluster.json").write_text(json.dumps(cluster()))
     (tmp_path / "plan.json").write_text(json.dumps(PLAN))
-    run_id = f"plan-{os.getpid()}"
     work = tmp_path / "work"
     steps = 3
-    out = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "swarm", "--model", "tiny", "--steps", str(steps),
-         "--cluster", str(tmp_path / "cluster.json"), "--plan", str(tmp_path / "plan.json"), "--run-id", run_id,
-         # the plan's clients do all the work, so both must join (and stay registered) for the run to end
-         "--servers-compute", "no",
-         "--no-progress", "--work-dir", str(work), "--summary-json", str(tmp_path / "s.json"),
-         "--checkpoint-out", str(tmp_path / "ckpt")],
-        capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "s.json").read_text())
+    summary, state, _ = swarm_cli(
+        tmp_path, f"plan-{os.getpid()}", "--model", "tiny", "--steps", str(steps),
+        "--cluster", str(tmp_path / "cluster.json"), "--plan", str(tmp_path / "plan.json"),
+        # the plan's clients do all the work, so both must join (and stay registered) for the run to end
+        "--servers-compute", "no", timeout=400)
     assert summary["microbatches_applied"] == summary["microbatches_expected"] == steps * 4 * 2, summary
     # the run's layout is the plan's, and each client registered with the stage the plan gave it
     layout = summary["layout"]
@@ -63,6 +53,4 @@ def test_swarm_laid_out_by_a_plan_takes_its_devices_identities(tmp_path):
     # the profile's compute: bob has half the fastest device's tflops, so his steps are stretched x2
     assert "on stage 1" in (bob := (work / "bob.log").read_text(errors="replace")) and "stretched x2" in bob, bob[-2000:]
     assert "stretched" not in (work / "alice.log").read_text(errors="replace")
-    state = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
-    assert no_children_left(run_id) == []
