@@ -50,3 +50,28 @@ def load_checkpoint(server, directory: str) -> bool:
             server.replicas[slot] = shard
     server.next_batch = server.shard.version
     return True
+
+
+def read_model(directories) -> tuple[dict, dict]:
+    """The model the servers' checkpoints in `directories` hold: (parameter name -> tensor, shard
+    version of each parameter). Every checkpoint file's slots are read; where two hold the same
+    parameter (a replica after a failover), the higher version wins. ValueError names a folder
+    without checkpoints or a file that does not load."""
+    state: dict = {}
+    versions: dict = {}
+    for directory in directories:
+        files = sorted(f for f in os.listdir(directory) if f.endswith(".shard.pt"))
+        if not files:
+            raise ValueError(f"{directory}: no server checkpoint (*.shard.pt) in it")
+        for name in files:
+            path = os.path.join(directory, name)
+            try:
+                saved = torch.load(path, weights_only=False)
+            except Exception as e:
+                raise ValueError(f"{path}: not a server checkpoint ({e})") from None
+            slots = saved["slots"] if "slots" in saved else {0: saved}
+            for shard in slots.values():
+                for n, p in shard["params"].items():
+                    if versions.get(n, -1) < shard["version"]:
+                        state[n], versions[n] = p, shard["version"]
+    return state, versions

@@ -8,7 +8,7 @@ import importlib
 import logging
 import sys
 
-from peer.errors import UsageError
+from peer.errors import NetworkError, UsageError
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -61,6 +61,9 @@ def main(argv=None) -> int:
         return int(args._run(args) or 0)
     except UsageError as e:
         args._parser.print_usage(sys.stderr)
+        print(f"peer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except NetworkError as e:
         print(f"peer {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@ import collections
 import logging
 import os
 import time
+from typing import Callable
 
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
@@ -24,45 +25,215 @@ logger = logging.getLogger("hivepipe.node")
 TRAFFIC: collections.Counter = collections.Counter()
 
 
+LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
+ANY_MADDR = "/ip4/0.0.0.0/tcp/0"
+
+
+class NetworkStartError(RuntimeError):
+    """The DHT node could not start: an address that cannot be bound, initial peers that do not answer."""
+
+
 def start_dht(initial_peers=(), *, identity_path: str | None = None, client_mode: bool = False,
-              host: str = "127.0.0.1", port: int = 0) -> DHT:
+              host_maddrs=(LOOPBACK_MADDR,), announce_maddrs=None, timeout: float | None = None) -> DHT:
+    """A DHT node with its p2p daemon. A server listens on `host_maddrs` and announces
+    `announce_maddrs` (default: what it listens on); a client (volunteer, dashboard) dials out only.
+    `timeout` bounds the wait for the initial peers. Raises NetworkStartError saying what failed."""
     kwargs = dict(initial_peers=list(initial_peers) or None, start=True, client_mode=client_mode,
                   await_ready=True)
-    if not client_mode:
-        kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
+    kwargs["host_maddrs"] = [LOOPBACK_MADDR] if client_mode else list(host_maddrs)
+    if announce_maddrs and not client_mode:
+        kwargs["announce_maddrs"] = list(announce_maddrs)
     if identity_path:
         kwargs["identity_path"] = identity_path
-    return DHT(**kwargs)
+    if timeout is not None and initial_peers:
+        kwargs["bootstrap_timeout"] = min(timeout, 30.0)
+        kwargs["wait_timeout"] = min(max(timeout, 1.0), 30.0)
+    # initial peers that do not answer yet (a server restarting) are tried again until `timeout`
+    deadline = time.monotonic() + (timeout or 0.0)
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return DHT(**kwargs)
+        except Exception as e:
+            problem = _daemon_problem(e)
+            if "initial peers" in problem and time.monotonic() + 2.0 < deadline:
+                logger.log(logging.WARNING if tries == 1 else logging.DEBUG, "%s; trying again until --timeout %.0f s",
+                           problem, timeout)
+                time.sleep(2.0)
+                continue
+            where = " ".join(initial_peers) if initial_peers else "none"
+            raise NetworkStartError(f"{problem} (listening on {' '.join(kwargs['host_maddrs'])}; initial peers: "
+                                    f"{where})") from None
+
+
+def _daemon_problem(e: Exception) -> str:
+    import re
+
+    text = str(e).strip() or type(e).__name__
+    if "none of the initial_peers responded" in text or "failed to connect to bootstrap peers" in text:
+        return "none of the initial peers answered"
+    text = re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", text.splitlines()[-1])
+    if "failed to listen" in text or "cannot assign requested address" in text or "address already in use" in text:
+        return f"cannot listen on the given address: {text[:300]}"
+    return text[:400]
 
 
 def visible_maddrs(dht: DHT) -> list[str]:
     return [str(m) for m in dht.get_visible_maddrs()]
 
 
-class P2PLink:
-    """A server seen over hivemind P2P."""
+def is_loopback(maddr: str) -> bool:
+    return _ip_of(maddr) is not None and _ip_of(maddr).is_loopback
 
-    def __init__(self, p2p, peer_id: str, device: str, servicer_cls, links: LinkEmulator | None = None):
+
+def is_public(maddr: str) -> bool:
+    ip = _ip_of(maddr)
+    return ip is not None and ip.is_global
+
+
+def _ip_of(maddr: str):
+    import ipaddress
+
+    parts = maddr.split("/")
+    for proto in ("ip4", "ip6"):
+        if proto in parts:
+            try:
+                return ipaddress.ip_address(parts[parts.index(proto) + 1])
+            except (ValueError, IndexError):
+                return None
+    return None
+
+
+def announced_maddrs(dht: DHT) -> list[str]:
+    """The multiaddrs (with /p2p/) other hosts should dial: what the node announces, without its
+    loopback addresses when it has any other (a server listening on 0.0.0.0 also shows 127.0.0.1)."""
+    maddrs = visible_maddrs(dht)
+    outside = [m for m in maddrs if not is_loopback(m)]
+    return outside or maddrs
+
+
+class DialError(ConnectionError):
+    """The server could not be connected to at its announced addresses (or is in its backoff)."""
+
+
+class LinkHealth:
+    """Whether calls to one server get through, and the logging of it: one line when it starts
+    failing, one a minute (with a count) while it goes on, one when it answers again; never a
+    traceback. While it fails, dialling it again backs off (0.5 s doubling to `max_backoff`)."""
+
+    def __init__(self, name: str, clock=time.monotonic, period: float = 60.0, max_backoff: float = 5.0):
+        self.name, self.clock, self.period, self.max_backoff = name, clock, period, max_backoff
+        self.failing_since: float | None = None
+        self.failures = 0  # consecutive
+        self._unlogged = 0
+        self._logged_at = 0.0
+        self.next_try = 0.0
+
+    def failed(self, error: BaseException | str, dial: bool = True) -> None:
+        """A failed attempt; `dial` says the server could not even be connected to (only that
+        backs off: a call cut short on a live connection is tried again at once)."""
+        now = self.clock()
+        self.failures += 1
+        if self.failing_since is None:
+            self.failing_since = now
+        # one call cut short is common on a busy link: backoff and a log line start at the second
+        # failure in a row
+        if self.failures < 2:
+            return
+        if dial:
+            self.next_try = now + min(0.5 * 2 ** (self.failures - 2), self.max_backoff)
+        why = error if isinstance(error, str) else (str(error).strip().splitlines() or [type(error).__name__])[-1][:300]
+        if self.failures == 2:
+            self._logged_at, self._unlogged = now, 0
+            logger.warning("cannot reach %s: %s; retrying with backoff", self.name, why)
+        elif now - self._logged_at >= self.period:
+            logger.warning("still cannot reach %s after %.0f s (%d more failed attempts): %s", self.name,
+                           now - self.failing_since, self._unlogged + 1, why)
+            self._logged_at, self._unlogged = now, 0
+        else:
+            self._unlogged += 1
+
+    def succeeded(self) -> None:
+        if self.failures >= 2:
+            logger.warning("reached %s again after %.0f s", self.name, self.clock() - self.failing_since)
+        self.failing_since, self.failures, self.next_try = None, 0, 0.0
+
+    def backing_off(self) -> float:
+        """Seconds until the next dial may be tried (0 when it may now)."""
+        return max(self.next_try - self.clock(), 0.0)
+
+
+# peer id -> its health, shared by every link of this process to that peer
+HEALTH: dict[str, LinkHealth] = {}
+
+
+def health_of(peer_id: str, device: str) -> LinkHealth:
+    if peer_id not in HEALTH:
+        HEALTH[peer_id] = LinkHealth(f"{device} ({peer_id[-8:]})")
+    return HEALTH[peer_id]
+
+
+class P2PLink:
+    """A server seen over hivemind P2P. Before its first call, and after any failed one, it
+    connects to the server at the multiaddrs the server's record announces (`addresses()`): libp2p
+    can reach a peer only at addresses it knows, and a volunteer knows only its initial peer's."""
+
+    def __init__(self, p2p, peer_id: str, device: str, servicer_cls, links: LinkEmulator | None = None,
+                 addresses: Callable[[], list[str]] | None = None, backoff: bool = True):
+        self.p2p = p2p
         self.peer_id = peer_id
         self.device = device
         self._stub = servicer_cls.get_stub(p2p, PeerID.from_base58(peer_id))
         self.links = links or LinkEmulator()
+        self.addresses = addresses
+        self.health = health_of(peer_id, device)
+        self.backoff = backoff  # False for a liveness probe: it must really try
+        self._dialled = False
 
     # every server method is safe to repeat (gradient credits, relays and ledger entries are
     # de-duplicated by task and rows) except `take`, whose lost answer is a lease that will expire
     NOT_RETRIED = frozenset({"take"})
 
+    async def dial(self) -> None:
+        """Connect to the server at its announced addresses (a no-op for a peer already connected)."""
+        wait = self.health.backing_off() if self.backoff else 0.0
+        if wait > 0:
+            raise DialError(f"{self.device}: unreachable, next dial in {wait:.1f} s")
+        maddrs = self.addresses() if self.addresses is not None else []
+        if maddrs:
+            from multiaddr import Multiaddr
+
+            try:
+                await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(self.peer_id),
+                                                                [Multiaddr(m.split("/p2p/")[0]) for m in maddrs]), 15.0)
+            except Exception as e:
+                self.health.failed(e)
+                raise DialError(f"{self.device}: cannot connect at {' '.join(maddrs)}: {e}") from None
+        self._dialled = True
+
     async def call(self, method: str, meta: dict, tensors=(), timeout: float = 30.0):
         """One request; a connection that closes before answering is retried (but for `take`), then
-        raised as ConnectionError."""
+        raised as ConnectionError. A refusal by the server (RemoteError) says nothing of the link."""
         attempts = 1 if method in self.NOT_RETRIED else 3
         for attempt in range(attempts):
             try:
-                return await self._call_once(method, meta, tensors, timeout)
-            except ConnectionError:
-                if attempt == attempts - 1:
+                if not self._dialled:
+                    await self.dial()
+                result = await self._call_once(method, meta, tensors, timeout)
+            except RemoteError:
+                self.health.succeeded()
+                raise
+            except Exception as e:
+                if not isinstance(e, DialError):  # (a failed dial is counted where it happens)
+                    self.health.failed(e, dial=False)
+                self._dialled = False
+                if not isinstance(e, ConnectionError) or attempt == attempts - 1:
                     raise
                 await asyncio.sleep(0.1 * (attempt + 1))
+            else:
+                self.health.succeeded()
+                return result
 
     async def _call_once(self, method: str, meta: dict, tensors, timeout: float):
         messages = pack(meta, list(tensors), ExpertRequest)
@@ -117,6 +288,7 @@ class Directory:
         self.versions: dict[str, int] = {}  # server device -> announced parameter version
         self.epochs: dict[str, int] = {}  # server device -> the layout epoch of that announcement
         self.records: dict[str, dict] = {}  # peer id -> record (servers and clients)
+        self.addresses: dict[str, list[str]] = {}  # server peer id -> the multiaddrs it last announced
 
     async def refresh(self) -> dict[str, str]:
         servers, recs, versions, epochs = {}, {}, {}, {}
@@ -126,6 +298,8 @@ class Directory:
                     logger.debug("ignoring a malformed record under stage %d: %s", k, problem)
                     continue
                 recs[peer] = rec
+                if rec["kind"] == "server":
+                    self.addresses[peer] = [m for m in rec["maddrs"] if isinstance(m, str)]
                 if rec["kind"] == "server" and rec["state"] != "offline":
                     servers[rec["device"]] = peer
                     versions[rec["device"]] = rec["version"]
@@ -133,6 +307,14 @@ class Directory:
         self.servers, self.records, self.versions, self.epochs = servers, recs, versions, epochs
         self.known.update(servers)
         return servers
+
+    def link(self, p2p, device: str, servicer_cls, links: LinkEmulator | None = None,
+             peer_id: str | None = None, backoff: bool = True) -> "P2PLink":
+        """A P2P link to server `device` (by default the peer id last seen for it) that dials the
+        multiaddrs its record announces."""
+        peer = peer_id or self.known[device]
+        return P2PLink(p2p, peer, device, servicer_cls, links, addresses=lambda: self.addresses.get(peer, []),
+                       backoff=backoff)
 
     async def wait_for(self, devices, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

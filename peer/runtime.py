@@ -9,7 +9,10 @@ from peer.errors import UsageError
 
 def add_common_arguments(p) -> None:
     p.add_argument("--run-id", default="hivepipe", help="the run to serve or join (every DHT key starts with it)")
-    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="multiaddrs of DHT peers to join")
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
+                   help="multiaddrs of DHT peers to join, with /p2p/<peer id> (the initial_peers= line a server prints)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for the initial peers to answer (and, for a volunteer, for the run to appear)")
     p.add_argument("--link-profile", default=None, metavar="CLUSTER.json",
                    help="emulate the delays and bandwidths of this cluster file on every send")
     p.add_argument("--link-scale", type=float, default=1.0, help="multiply emulated link times by this factor")
@@ -19,7 +22,29 @@ def add_common_arguments(p) -> None:
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (used by peer swarm)")
 
 
+def check_maddrs(flag: str, values, *, need_peer_id: bool = False, need_port: bool = False) -> None:
+    """Every value parses as a multiaddr (and names a peer id / an explicit port where asked)."""
+    from multiaddr import Multiaddr
+
+    for m in values or ():
+        try:
+            parsed = Multiaddr(m)
+        except Exception as e:
+            raise UsageError(f"{flag}: {m!r} is not a multiaddr ({e})") from None
+        protocols = [p.name for p in parsed.protocols()]
+        if need_peer_id and "p2p" not in protocols:
+            raise UsageError(f"{flag}: {m!r} lacks the peer id: add /p2p/<peer id> (the initial_peers= line a "
+                             "server prints has it)")
+        if not any(p in protocols for p in ("ip4", "ip6", "dns", "dns4", "dns6")) or "tcp" not in protocols:
+            raise UsageError(f"{flag}: {m!r} needs an IP (or DNS) address and a TCP port, e.g. /ip4/203.0.113.7/tcp/31337")
+        if need_port and parsed.value_for_protocol("tcp") == "0":
+            raise UsageError(f"{flag}: {m!r} needs an explicit port (others dial it; port 0 means any)")
+
+
 def check_common(args) -> None:
+    check_maddrs("--initial-peers", args.initial_peers, need_peer_id=True)
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout must be positive seconds, got {args.timeout}")
     if args.device == "cuda":
         import torch
 

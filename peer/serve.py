@@ -7,7 +7,7 @@ import logging
 import os
 import time
 
-from peer.errors import UsageError
+from peer.errors import NetworkError, UsageError
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 from peer.runtime import add_common_arguments, check_common, run_until_signalled
 
@@ -34,7 +34,14 @@ def add_arguments(p) -> None:
     train.add_argument("--micro-batches", type=int, default=TRAIN_DEFAULTS["micro_batches"])
     train.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["lr"])
     net = p.add_argument_group("network and process")
-    net.add_argument("--host-maddrs", nargs="*", default=None, help="default: /ip4/127.0.0.1/tcp/0")
+    net.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
+                     help="where to listen (default: every interface, a free port; pin the port, e.g. "
+                          "/ip4/0.0.0.0/tcp/31337, to open it in a firewall)")
+    net.add_argument("--announce-maddrs", nargs="+", default=None, metavar="MADDR",
+                     help="the addresses others should dial, e.g. the public address in front of port forwarding "
+                          "(default: what it listens on); must give a port")
+    net.add_argument("--no-reachability-check", action="store_true",
+                     help="skip asking a peer of the run to dial this server back at start")
     net.add_argument("--identity-path", default=None, help="a persistent libp2p key (same peer id after restarts)")
     net.add_argument("--checkpoint-dir", default=None, help="save the shard here after every step; resume from it")
     net.add_argument("--announce-period", type=float, default=1.0, help="seconds between DHT announcements")
@@ -49,6 +56,10 @@ def add_arguments(p) -> None:
 
 def resolve(args):
     """Validate the arguments into (model config, layout, device id, run config); UsageError on any problem."""
+    from peer.runtime import check_maddrs
+
+    check_maddrs("--host-maddrs", args.host_maddrs)
+    check_maddrs("--announce-maddrs", args.announce_maddrs, need_port=True)
     from parameter_server.layout import RunLayout
     from peer.model.config import check_micro_batches, get_preset
     from peer.protocol.records import RunConfig
@@ -128,19 +139,34 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     from parameter_server.checkpoint import load_checkpoint, save_checkpoint
     from parameter_server.server import StageServer
     from peer.model.transformer import init_state
-    from peer.node import Directory, LocalLink, P2PLink, start_dht, visible_maddrs
+    from peer.node import Directory, LocalLink, NetworkStartError, announced_maddrs, start_dht
     from peer.protocol import records
     from peer.protocol.links import LinkEmulator
+    from peer.reachability import DialBackService
     from peer.worker import StageWorker
 
     torch.set_num_threads(1)
     stage, role, _ = layout.locate(device)
     st = layout.stages[stage]
     t0 = time.perf_counter()
-    dht = start_dht(args.initial_peers, identity_path=args.identity_path)
+    try:
+        dht = start_dht(args.initial_peers, identity_path=args.identity_path, host_maddrs=args.host_maddrs,
+                        announce_maddrs=args.announce_maddrs, timeout=args.timeout or 60.0)
+    except NetworkStartError as e:
+        raise NetworkError(str(e)) from None
     p2p = await dht.replicate_p2p()
     peer_id = str(dht.peer_id)
+    maddrs = announced_maddrs(dht)
+    # the first line on stdout: what a volunteer (or another server) passes to --initial-peers
+    print("initial_peers=" + " ".join(maddrs), flush=True)
     logger.info("%s: DHT node and p2p daemon up in %.1f s", device, time.perf_counter() - t0)
+    await DialBackService().add_p2p_handlers(p2p)
+    if not args.no_reachability_check:
+        try:
+            await check_own_reachability(dht, p2p, args, run_cfg.run_id, layout.num_stages, maddrs, device)
+        except NetworkError:
+            dht.shutdown()
+            raise
     t0 = time.perf_counter()
     current = await records.get(dht, records.config_key(run_cfg.run_id))
     logger.info("%s: read the run's config record in %.1f s", device, time.perf_counter() - t0)
@@ -153,7 +179,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                              "start it under a new device id as a volunteer, or start a new run")
     links = LinkEmulator.from_file(args.link_profile, device, args.link_scale)
     slowdown = args.slowdown or links.compute_slowdown()
-    link_cache: dict[tuple[str, str], P2PLink] = {}
+    link_cache: dict[tuple[str, str], object] = {}
     directory = Directory(dht, run_cfg.run_id, layout.num_stages)
 
     def connector(dev: str):
@@ -164,7 +190,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
             return LocalLink(server, peer_id)
         key = (dev, peer)
         if key not in link_cache:
-            link_cache[key] = P2PLink(p2p, peer, dev, StageServer, links)
+            link_cache[key] = directory.link(p2p, dev, StageServer, links, peer_id=peer)
         return link_cache[key]
 
     server = StageServer(run=run_cfg, layout=layout, cfg=cfg, device_id=device, peer_id=peer_id,
@@ -204,7 +230,6 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     seen_volunteers: set[str] = set()
     worker = None
     await server.add_p2p_handlers(p2p)
-    maddrs = visible_maddrs(dht)
     period = run_cfg.announce_period
 
     def record(state: str) -> dict:
@@ -246,7 +271,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         if lost and alive and alive[0] == device:
             for d in list(lost):  # silent in the DHT is not enough: it must not answer a direct call either
                 try:
-                    await P2PLink(p2p, directory.known[d], d, StageServer, links).call("ping", {}, timeout=5.0)
+                    await directory.link(p2p, d, StageServer, links, backoff=False).call("ping", {}, timeout=5.0)
                 except Exception:
                     continue
                 lost.remove(d)
@@ -324,3 +349,39 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     await asyncio.gather(*tasks, return_exceptions=True)
     dht.shutdown()
     return 0
+
+
+async def check_own_reachability(dht, p2p, args, run_id: str, num_stages: int, maddrs: list[str], device: str) -> None:
+    """Ask a server of the run (for a new run: an initial peer) to dial us back at `maddrs`.
+    NetworkError when nobody can; a first server on private addresses only gets one warning."""
+    from peer.node import is_public
+    from peer.protocol import records
+    from peer.reachability import check_reachable, split_peer
+
+    peer_id = str(dht.peer_id)
+    private = [m for m in maddrs if not is_public(m)]
+    if not args.initial_peers:
+        if len(private) == len(maddrs):
+            logger.warning("%s announces only private or loopback addresses (%s): hosts outside this network "
+                           "cannot reach it; pass --announce-maddrs with a public address if they should",
+                           device, " ".join(maddrs))
+        return
+    servers = []
+    for k in range(num_stages):
+        for peer, rec, _ in await records.read_stage(dht, run_id, k):
+            if rec is not None and rec["kind"] == "server" and peer != peer_id and rec["state"] != "offline":
+                servers.append((peer, [m for m in rec["maddrs"] if isinstance(m, str)]))
+    initial = [(split_peer(m)[1], [m]) for m in args.initial_peers if split_peer(m)[1] not in (None, peer_id)]
+    t0 = time.perf_counter()
+    ok, detail = await check_reachable(p2p, maddrs, servers or initial, timeout=30.0)
+    advice = ("open its TCP port to the internet (firewall, port forwarding), or pass --announce-maddrs with "
+              "the public address that forwards to it")
+    if ok:
+        logger.info("%s: reachable at %s (checked by %s in %.1f s)", device, " ".join(maddrs), detail[-8:],
+                    time.perf_counter() - t0)
+    elif ok is False or servers:
+        raise NetworkError(f"no peer of the run could dial this server back at {' '.join(maddrs)} ({detail}): "
+                           f"{advice}")
+    else:
+        logger.warning("%s: could not check that others can dial %s: no initial peer offers the check (%s)",
+                       device, " ".join(maddrs), detail)

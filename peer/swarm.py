@@ -21,6 +21,8 @@ from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 
 logger = logging.getLogger("hivepipe.swarm")
 
+LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"  # a local swarm never listens beyond this machine
+
 
 def add_arguments(p) -> None:
     p.add_argument("--stages", type=int, default=2)
@@ -194,7 +196,7 @@ class Swarm:
                     where = (["--plan", a.plan, "--device-id", name] if a.plan else
                              ["--stage", str(st.index), "--role", role, "--index", str(i), "--stages", str(a.stages),
                               "--frontal-per-stage", str(self.frontal), "--backward-per-stage", str(self.backward)])
-                    argv = ["serve", "--reliable", *where, "--model", a.model, "--seed", str(a.seed),
+                    argv = ["serve", "--reliable", *where, "--host-maddrs", LOOPBACK_MADDR, "--model", a.model, "--seed", str(a.seed),
                             "--steps", str(a.steps), "--batch-size", str(a.batch_size),
                             "--micro-batches", str(a.micro_batches), "--lr", str(a.lr),
                             "--announce-period", str(a.announce_period), "--task-timeout", str(a.task_timeout),
@@ -297,17 +299,19 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
     from tqdm import tqdm
 
     from peer.node import start_dht, visible_maddrs
+    from peer.reachability import DialBackService
 
     t_launch = time.time()
-    dht = start_dht([])
+    dht = start_dht([])  # every process of a local swarm listens on loopback only
     maddrs = visible_maddrs(dht)
     print(f"initial_peers={maddrs[0]}", flush=True)
     swarm = Swarm(args, layout, frontal, backward, maddrs, work_dir)
     rng = random.Random(args.seed)
     try:
+        p2p = await dht.replicate_p2p()
+        await DialBackService().add_p2p_handlers(p2p)  # the first server's reachability check asks us
         swarm.start_servers()
         swarm.start_volunteers()
-        p2p = await dht.replicate_p2p()
         monitor = Monitor(dht, p2p, args.run_id, layout, args.batch_size * cfg.seq_len)
         bar = tqdm(total=args.steps, desc="swarm", unit="step", disable=args.no_progress, file=sys.stderr)
         t_start = None
@@ -439,7 +443,8 @@ class Monitor:
         from parameter_server.server import StageServer
         from peer.node import P2PLink
 
-        return P2PLink(self.p2p, self.servers[device][0], device, StageServer)
+        peer, rec = self.servers[device]
+        return P2PLink(self.p2p, peer, device, StageServer, addresses=lambda: rec.get("maddrs", []))
 
     async def statuses(self) -> dict[str, dict]:
         out = {}

@@ -51,10 +51,13 @@ class LiveSwarm:
         self.monitor: Monitor | None = None
 
     async def start(self, volunteers: bool = True) -> None:
+        from peer.reachability import DialBackService
+
+        self.p2p = await self.dht.replicate_p2p()
+        await DialBackService().add_p2p_handlers(self.p2p)
         self.swarm.start_servers()
         if volunteers:
             self.swarm.start_volunteers()
-        self.p2p = await self.dht.replicate_p2p()
         self.monitor = Monitor(self.dht, self.p2p, self.args.run_id, self.layout, self.args.batch_size * self.cfg.seq_len)
 
     async def wait(self, predicate, timeout: float, what: str, poll: float = 0.1):
@@ -91,9 +94,7 @@ class LiveSwarm:
         return {rec["device"]: peer for peer, rec, _ in found if rec and rec["kind"] == "client"}
 
     def link(self, device: str) -> P2PLink:
-        from parameter_server.server import StageServer
-
-        return P2PLink(self.p2p, self.monitor.servers[device][0], device, StageServer)
+        return self.monitor._link(device)
 
     async def status(self, device: str) -> dict:
         meta, _ = await self.link(device).call("status", {}, timeout=30)

@@ -1,0 +1,230 @@
+"""The link emulator against a real network stack: the same small run on kernel-shaped links and on
+the in-process emulator at the same rates, with the cost model's prediction beside them.
+
+Kernel: three network namespaces on a bridge (tests/net/netns.py); the four servers (`--no-compute`)
+on the first host, listening on its address; two volunteers on each of the other two (one per
+stage), each volunteer host's link limited by `tc tbf` to RATE Mbit/s both ways. The kernel adds no
+delay (netem is not available here), so the emulator runs at the same rates with zero delay: every
+process on 127.0.0.1, `--link-profile` with the volunteers' bandwidth = RATE to every server and the
+servers' links among themselves unshaped. Seconds per step are taken from the servers' checkpoint
+records (the time each version first appears, steps 2..N), so both runs are measured the same way.
+
+    sudo python scripts/bench_netns.py [--rates 20 50 200] [--steps 8] [--model small] [--out docs/bench_netns.md]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import REPO, Report, loadavg, md_table  # noqa: E402
+
+from tests.net import netns  # noqa: E402
+
+SERVERS = [("0", "frontal", "s0f0"), ("0", "backward", "s0b0"), ("1", "frontal", "s1f0"), ("1", "backward", "s1b0")]
+VOLUNTEERS = [("vol1", "v0", 0), ("vol1", "v1", 1), ("vol2", "v2", 0), ("vol2", "v3", 1)]
+
+
+class Run:
+    """The processes of one run; `close()` stops every one of them."""
+
+    def __init__(self, work: Path):
+        self.work = work
+        work.mkdir(parents=True, exist_ok=True)
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, argv: list[str], prefix: list[str] = (), stdout=None) -> subprocess.Popen:
+        log = open(self.work / f"{name}.log", "ab")
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "peer.cli", *argv], cwd=REPO,
+                                stdout=stdout or log, stderr=log, stdin=subprocess.DEVNULL, text=stdout is not None,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + 15
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(deadline - time.time(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def step_times(ckpt: Path, steps: int, timeout: float, procs) -> dict[int, float]:
+    """Wall time at which every server's checkpoint first shows each version."""
+    seen: dict[int, float] = {}
+    deadline = time.time() + timeout
+    while True:
+        versions = []
+        for _, _, dev in SERVERS:
+            try:
+                versions.append(json.loads((ckpt / f"{dev}.json").read_text())["version"])
+            except (OSError, ValueError, KeyError):
+                versions.append(0)
+        v = min(versions)
+        for k in range(1, v + 1):
+            seen.setdefault(k, time.time())
+        if v >= steps:
+            return seen
+        dead = [p for p in procs if p.poll() is not None]
+        if dead or time.time() > deadline:
+            raise RuntimeError(f"run stopped at version {v} ({'a process exited' if dead else 'timed out'})")
+        time.sleep(0.1)
+
+
+def seconds_per_step(seen: dict[int, float], steps: int) -> float:
+    return (seen[steps] - seen[2]) / (steps - 2)
+
+
+def train_args(a) -> list[str]:
+    return ["--model", a.model, "--steps", str(a.steps), "--run-id", "bench"]
+
+
+def serve_args(a, stage, role, ckpt: Path, key: Path, host: str) -> list[str]:
+    return ["serve", "--reliable", "--stage", stage, "--role", role, "--stages", "2", *train_args(a), "--no-compute",
+            "--host-maddrs", f"/ip4/{host}/tcp/0", "--checkpoint-dir", str(ckpt), "--identity-path", str(key)]
+
+
+def run_kernel(a, rate: float, work: Path) -> tuple[float, list[float]]:
+    bed = netns.Testbed(["srv", "vol1", "vol2"], tag=f"hb{os.getpid() % 10000}")
+    run = Run(work)
+    try:
+        for host in ("vol1", "vol2"):
+            bed.shape(host, rate)
+        ip = bed.addrs["srv"]
+        ckpt = work / "ckpt"
+        first = run.start("s0f0", serve_args(a, *SERVERS[0][:2], ckpt, work / "s0f0.key", ip), bed.prefix("srv"),
+                          stdout=subprocess.PIPE)
+        initial = first.stdout.readline().strip().split("=", 1)[1].split()
+        for stage, role, dev in SERVERS[1:]:
+            run.start(dev, serve_args(a, stage, role, ckpt, work / f"{dev}.key", ip) + ["--initial-peers", *initial],
+                      bed.prefix("srv"))
+        for host, name, stage in VOLUNTEERS:
+            run.start(name, ["join", "--stage", str(stage), "--device-id", name, "--run-id", "bench",
+                             "--initial-peers", *initial], bed.prefix(host))
+        seen = step_times(ckpt, a.steps, a.timeout, run.procs)
+        return seconds_per_step(seen, a.steps), joined_compute(work)
+    finally:
+        run.close()
+        bed.close()
+
+
+def cluster_file(rate: float) -> dict:
+    servers = [d for _, _, d in SERVERS]
+    n = len(servers)
+    return {"reliable": [{"id": d, "tflops": 1.0} for d in servers],
+            "unreliable": [{"id": name, "tflops": 1.0} for _, name, _ in VOLUNTEERS],
+            "delay_ms": {"reliable": [[0.0] * n for _ in range(n)], "unreliable": [[0.0] * n for _ in VOLUNTEERS]},
+            "bandwidth_mbps": {"reliable": [[100000.0] * n for _ in range(n)],
+                               "unreliable": [[rate] * n for _ in VOLUNTEERS]}}
+
+
+def run_emulated(a, rate: float, work: Path) -> tuple[float, list[float]]:
+    run = Run(work)
+    profile = work / "cluster.json"
+    profile.write_text(json.dumps(cluster_file(rate)))
+    link = ["--link-profile", str(profile)]
+    try:
+        ckpt = work / "ckpt"
+        first = run.start("s0f0", serve_args(a, *SERVERS[0][:2], ckpt, work / "s0f0.key", "127.0.0.1") + link,
+                          stdout=subprocess.PIPE)
+        initial = first.stdout.readline().strip().split("=", 1)[1].split()
+        for stage, role, dev in SERVERS[1:]:
+            run.start(dev, serve_args(a, stage, role, ckpt, work / f"{dev}.key", "127.0.0.1") + link +
+                      ["--initial-peers", *initial])
+        for _, name, stage in VOLUNTEERS:
+            run.start(name, ["join", "--stage", str(stage), "--device-id", name, "--run-id", "bench",
+                             "--initial-peers", *initial] + link)
+        seen = step_times(ckpt, a.steps, a.timeout, run.procs)
+        return seconds_per_step(seen, a.steps), joined_compute(work)
+    finally:
+        run.close()
+
+
+def joined_compute(work: Path) -> list[float]:
+    """Each volunteer's measured compute (rows/s of its slice), from its 'joined' line, in VOLUNTEERS order."""
+    out = []
+    for _, name, _ in VOLUNTEERS:
+        found = re.search(r"on stage \d+, compute ([\d.e+]+) rows/s", (work / f"{name}.log").read_text(errors="replace"))
+        out.append(float(found.group(1)) if found else float("nan"))
+    return out
+
+
+def predicted(a, rate: float, rows_per_s: list[float]) -> float:
+    """The cost model's seconds per batch for this layout, the volunteers at their measured compute."""
+    from peer.model.config import flops_per_token_per_layer, get_preset, planner_model_file
+    from scheduler import load_cluster, load_model, plan_cost
+    from scheduler.files import Plan, Stage
+
+    cfg = get_preset(a.model)
+    half = cfg.layers // 2
+    layers = [(0, half), (half, cfg.layers)]
+    cluster = cluster_file(rate)
+    for (_, name, stage), rows in zip(VOLUNTEERS, rows_per_s):
+        n = layers[stage][1] - layers[stage][0]
+        flops = rows * cfg.seq_len * flops_per_token_per_layer(cfg) * n
+        next(u for u in cluster["unreliable"] if u["id"] == name)["tflops"] = flops / 1e12
+    for r in cluster["reliable"]:
+        r["tflops"] = 1e-12  # --no-compute: the servers take (almost) no rows
+    model = load_model(planner_model_file(cfg, 16, 4, bytes_per_value=4))
+    plan = Plan(stages=[Stage(frontal=[f"s{k}f0"], backward=[f"s{k}b0"],
+                              clients=[n for _, n, s in VOLUNTEERS if s == k], layers=layers[k]) for k in range(2)])
+    return plan_cost(load_cluster(cluster), model, plan).total
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", type=float, nargs="+", default=[20.0, 50.0, 200.0], help="Mbit/s of the volunteers' links")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--model", default="small")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--out", default=str(REPO / "docs" / "bench_netns.md"))
+    p.add_argument("--work", default=None)
+    a = p.parse_args()
+    why = netns.unavailable()
+    if why:
+        print(f"bench_netns: cannot make network namespaces here: {why}", file=sys.stderr)
+        return 2
+    if a.steps < 4:
+        p.error("--steps must be >= 4 (steps 2..N are timed)")
+    work = Path(a.work or tempfile.mkdtemp(prefix="hivepipe-netns-"))
+    report = Report("Kernel-shaped links vs the link emulator",
+                    f"Model `{a.model}`, batch 16 in 4 micro-batches, 2 stages, 4 servers `--no-compute` on one host, "
+                    f"4 volunteers (one per stage on each of two hosts), {a.steps} steps, seconds per step over steps "
+                    f"2..{a.steps}. Kernel: tbf on each volunteer host's veth, both ways, no added delay. Emulator: "
+                    "the same processes on 127.0.0.1 with a link profile of the same bandwidth and zero delay. "
+                    "Predicted: the cost model (plan_cost) with the volunteers' measured compute.")
+    rows = []
+    for rate in a.rates:
+        load = loadavg()
+        kernel, rk = run_kernel(a, rate, work / f"kernel-{rate:g}")
+        emulated, re_ = run_emulated(a, rate, work / f"emulated-{rate:g}")
+        pred = predicted(a, rate, [statistics.mean(x) for x in zip(rk, re_)])
+        rows.append([f"{rate:g}", kernel, emulated, emulated / kernel, pred, pred / kernel, load])
+        print(f"{rate:g} Mbit/s: kernel {kernel:.3f} s/step, emulator {emulated:.3f}, predicted {pred:.3f}", flush=True)
+    report.section("Seconds per step", md_table(
+        ["Mbit/s", "kernel (tbf) s/step", "emulator s/step", "emulator / kernel", "predicted s/step",
+         "predicted / kernel", "load 1/5/15"], rows))
+    report.write(Path(a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Addresses on one machine (no root needed): `peer serve` prints its initial_peers= line first,
+warns once when a first server announces only private addresses, and refuses with exit code 2 (and
+nothing written) an address that does not parse or cannot be bound, an initial peer without /p2p/,
+initial peers that do not answer within --timeout, and an announced address nobody can dial back."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from peer.cli import main
+
+SERVE = ["serve", "--reliable", "--stage", "0", "--role", "frontal", "--model", "tiny", "--steps", "2"]
+A_PEER = "12D3KooWKweDwQYLfYdehecUQviKrEF294JbjV4AHx4Q7n8aLXeB"
+
+
+@pytest.mark.parametrize("argv,words", [
+    (SERVE + ["--host-maddrs", "not-an-address"], "--host-maddrs: 'not-an-address' is not a multiaddr"),
+    (SERVE + ["--host-maddrs", "/ip4/127.0.0.1/udp/5"], "needs an IP (or DNS) address and a TCP port"),
+    (SERVE + ["--announce-maddrs", "/ip4/203.0.113.7/tcp/0"], "needs an explicit port"),
+    (SERVE + ["--initial-peers", "/ip4/127.0.0.1/tcp/5"], "lacks the peer id: add /p2p/<peer id>"),
+    (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/5"], "lacks the peer id"),
+    (["join", "--initial-peers", f"/ip4/127.0.0.1/tcp/5/p2p/{A_PEER}", "--timeout", "0"], "--timeout must be positive"),
+    (["join"], "--initial-peers is required"),
+])
+def test_bad_addresses_are_named(argv, words, capsys):
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err
+
+
+def peer(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "peer.cli", *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def test_an_address_that_cannot_be_bound_is_named_and_nothing_written(tmp_path):
+    out = peer(*SERVE, "--host-maddrs", "/ip4/198.51.100.1/tcp/0", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "cannot listen on the given address" in out.stderr and "/ip4/198.51.100.1/tcp/0" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_initial_peers_that_do_not_answer_within_the_timeout(tmp_path):
+    dead = f"/ip4/127.0.0.1/tcp/9/p2p/{A_PEER}"
+    for argv in (["join", "--initial-peers", dead, "--timeout", "3"],
+                 [*SERVE, "--initial-peers", dead, "--timeout", "3", "--checkpoint-dir", str(tmp_path / "c")]):
+        out = peer(*argv)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "none of the initial peers answered" in out.stderr and dead in out.stderr
+        assert "Traceback" not in out.stderr
+    assert not (tmp_path / "c").exists()
+
+
+def test_first_line_warning_and_a_refused_announce_address(tmp_path):
+    first = subprocess.Popen([sys.executable, "-m", "peer.cli", *SERVE, "--run-id", f"addr{os.getpid()}",
+                              "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--no-compute"],
+                             stdout=subprocess.PIPE, stderr=open(tmp_path / "first.log", "w"), text=True,
+                             start_new_session=True)
+    try:
+        line = first.stdout.readline().strip()
+        assert line.startswith("initial_peers=/ip4/127.0.0.1/tcp/") and "/p2p/" in line, line
+        initial = line.split("=", 1)[1].split()
+        bogus = "/ip4/127.0.0.1/tcp/9"  # nobody listens on the discard port
+        out = peer("serve", "--reliable", "--stage", "1", "--role", "frontal", "--model", "tiny", "--steps", "2",
+                   "--run-id", f"addr{os.getpid()}", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                   "--announce-maddrs", bogus, "--initial-peers", *initial, "--checkpoint-dir", str(tmp_path / "c"))
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert f"could dial this server back at {bogus}" in out.stderr and "--announce-maddrs" in out.stderr
+        assert out.stdout.startswith("initial_peers=" + bogus + "/p2p/")
+        assert not (tmp_path / "c").exists()
+    finally:
+        first.send_signal(signal.SIGTERM)
+        code = first.wait(timeout=30)
+        try:
+            os.killpg(first.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert code == 0
+    log = (tmp_path / "first.log").read_text()
+    warnings = [ln for ln in log.splitlines() if "announces only private or loopback addresses" in ln]
+    assert len(warnings) == 1 and "/ip4/127.0.0.1/tcp/" in warnings[0]
