@@ -6,11 +6,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# requests that belong to one layout epoch: their "epoch" field (0 when absent) must be the server's
-EPOCHED = frozenset({"take", "complete", "fail", "push_grads", "push_inputs", "get_inputs", "push_input_grads",
-                     "push_outputs", "push_output_grads"})
-
-
 @dataclass(frozen=True)
 class StageLayout:
     index: int

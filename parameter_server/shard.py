@@ -15,30 +15,12 @@ batches 0..t-2), and update t is applied when version == t, producing version t 
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
 
 from peer.model.optim import make_optimizer
 from peer.protocol.wire import PayloadError
-
-
-def version_for_batch(t: int) -> int:
-    """The parameters version batch t is computed on under the delayed update."""
-    return max(t - 1, 0)
-
-
-TASK_ID = re.compile(r"([FB])(\d+)\.(\d+)\.(\d+)\.(\d+)-(\d+)")
-
-
-def parse_task_id(task_id) -> tuple[str, int, int, int, tuple[int, int]]:
-    """"B3.1.0.4-8" -> ("backward", batch 3, micro 1, stage 0, rows (4, 8)); PayloadError otherwise."""
-    match = TASK_ID.fullmatch(task_id) if isinstance(task_id, str) else None
-    if match is None:
-        raise PayloadError(f"malformed task id {task_id!r}: expected <F|B><batch>.<micro>.<stage>.<lo>-<hi>")
-    kind, t, m, k, lo, hi = match.groups()
-    return ("forward" if kind == "F" else "backward"), int(t), int(m), int(k), (int(lo), int(hi))
 
 
 def assign_shards(sizes: dict[str, int], n_servers: int) -> list[list[str]]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 
 from peer.errors import NetworkError, UsageError
+from peer.runtime import setup_logging
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -42,15 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(p)
         p.set_defaults(_run=module.run, _parser=p)
     return parser
-
-
-def setup_logging(verbosity: int) -> None:
-    level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("hivepipe").setLevel(level)
-    if verbosity < 2:  # hivemind is chatty at INFO
-        for name in ("hivemind", "hivemind.dht", "hivemind.p2p"):
-            logging.getLogger(name).setLevel(logging.WARNING if verbosity <= 0 else logging.INFO)
 
 
 def main(argv=None) -> int:

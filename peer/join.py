@@ -8,7 +8,7 @@ import logging
 import time
 
 from peer.errors import UsageError
-from peer.runtime import add_common_arguments, check_common, run_until_signalled
+from peer.runtime import add_common_arguments, check_common, link_emulator, run_until_signalled
 
 logger = logging.getLogger("hivepipe.join")
 
@@ -39,7 +39,7 @@ def run(args) -> int:
             raise UsageError(f"--stage must be 'auto' or a stage index, got {args.stage!r}") from None
         if stage < 0:
             raise UsageError(f"--stage must be >= 0, got {stage}")
-    from peer.worker import KILL_POINTS
+    from peer.volunteer.worker import KILL_POINTS
 
     if args.die_at is not None and args.die_at not in KILL_POINTS:
         raise UsageError(f"--die-at {args.die_at!r}: choose from {', '.join(KILL_POINTS)}")
@@ -82,116 +82,6 @@ async def wait_until(stop: asyncio.Event, what: str, check, poll: float = 0.5, l
     return None
 
 
-async def probe_stage(links: list, nbytes: int, device: str, repeats: int = 3) -> tuple[list[float], list[float]]:
-    """One-way delay (s) and bandwidth (bytes/s) to each server, from real P2P calls: a tiny ping
-    gives the round trip, a ping carrying `nbytes` the transfer time."""
-    import torch
-
-    payload = torch.zeros(nbytes // 4, dtype=torch.float32)
-    delays, bandwidths = [], []
-    for link in links:
-        small, big = [], []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            await link.call("ping", {"device": device}, timeout=30)
-            small.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            await link.call("ping", {"device": device}, [payload], timeout=60)
-            big.append(time.perf_counter() - t0)
-        rtt, transfer = min(small), min(big)
-        delays.append(rtt / 2)
-        bandwidths.append(nbytes / max(transfer - rtt, 1e-6))
-    return delays, bandwidths
-
-
-def stage_bytes(run, cfg) -> int:
-    """Bytes a client moves per micro-batch share: activations forward and gradients back."""
-    return 2 * (run.batch_size // run.micro_batches) * cfg.seq_len * cfg.hidden * 4
-
-
-def planner_model(run, cfg):
-    """The run as the cost model's model file sees it (fp32 on the wire)."""
-    from peer.model.config import planner_model_file
-    from scheduler import load_model
-
-    return load_model(planner_model_file(cfg, run.batch_size, run.micro_batches, bytes_per_value=4))
-
-
-def stages_now(stage_records: list[list[tuple[str, dict]]], layout, cfg, own_peer: str):
-    """StageNow per stage from the stage keys' records: each server's and each online volunteer's
-    announced compute (rows/s of its slice) as FLOP/s; our own record left out."""
-    from peer.model.config import flops_per_token_per_layer
-    from scheduler.balance import StageNow
-
-    per_row_layer = cfg.seq_len * flops_per_token_per_layer(cfg)
-    out = []
-    for st, recs in zip(layout.stages, stage_records):
-        n = st.layers[1] - st.layers[0]
-        now = StageNow(frontal=list(st.frontal), backward=list(st.backward), layers=tuple(st.layers))
-        for peer, rec in recs:
-            if peer == own_peer or rec.get("state") != "online":
-                continue
-            flops = float(rec.get("compute") or 0.0) * per_row_layer * n
-            if rec["kind"] == "server":
-                if rec["device"] in st.servers:
-                    now.server_flops[rec["device"]] = flops
-            else:
-                now.volunteer_flops.append(flops)
-        out.append(now)
-    return out
-
-
-class StagePicker:
-    """`--stage auto`: measures this volunteer's links to every stage once, then decides (and
-    re-decides) its stage from the DHT records with scheduler.balance."""
-
-    def __init__(self, run, layout, cfg, directory, p2p, links_emulator, peer_id: str, nbytes: int, own_rows_s: float):
-        self.run, self.layout, self.cfg = run, layout, cfg
-        self.directory, self.p2p, self.links_emulator = directory, p2p, links_emulator
-        self.peer_id = peer_id
-        self.nbytes = nbytes
-        self.model = planner_model(run, cfg)
-        from peer.model.config import flops_per_token_per_layer
-
-        # measured on stage 0's slice: as FLOP/s
-        self.own_flops = own_rows_s * cfg.seq_len * flops_per_token_per_layer(cfg) * (layout.stages[0].layers[1]
-                                                                                     - layout.stages[0].layers[0])
-        self.delays: list | None = None
-        self.bandwidths: list | None = None
-
-    async def measure(self) -> None:
-        from parameter_server.server import StageServer
-
-        delays, bandwidths = [], []
-        for st in self.layout.stages:
-            links = [self.directory.link(self.p2p, d, StageServer, self.links_emulator) for d in st.servers]
-            dl, bw = await probe_stage(links, self.nbytes, self.links_emulator.own or "")
-            delays.append(dl)
-            bandwidths.append(bw)
-            logger.info("stage %d: delays %s ms, bandwidths %s MB/s", st.index, [round(d * 1e3, 1) for d in dl],
-                        [round(b / 1e6, 1) for b in bw])
-        self.delays, self.bandwidths = delays, bandwidths
-
-    async def decide(self, current: int | None):
-        from peer.protocol import records
-        from scheduler.balance import choose
-
-        per_stage = []
-        for k in range(self.layout.num_stages):
-            per_stage.append([(peer, rec) for peer, rec, _ in await records.read_stage(self.directory.dht,
-                                                                                      self.run.run_id, k)
-                              if rec is not None])
-        stages = stages_now(per_stage, self.layout, self.cfg, self.peer_id)
-        decision = choose(stages, self.model, self.own_flops, self.delays, self.bandwidths, self.nbytes,
-                          current=current)
-        computing = [f"{(sum(s.server_flops.values()) + sum(s.volunteer_flops)) / 1e9:.3g}" for s in stages]
-        logger.info("stage choice: %s; with this volunteer on each stage: %s; GFLOP/s computing now per stage: %s; "
-                    "link scores %s ms", decision.reason,
-                    ["%d empty" % p[0] if p[0] else "%.3g s" % p[1] for p in decision.predicted], computing,
-                    [round(x * 1e3, 1) for x in decision.link_scores])
-        return decision
-
-
 async def join_main(args, stop: asyncio.Event) -> int:
     import random
     import secrets
@@ -199,13 +89,13 @@ async def join_main(args, stop: asyncio.Event) -> int:
     import torch
 
     from parameter_server.layout import RunLayout
-    from parameter_server.server import StageServer
+    from parameter_server.service import StageServer
     from peer.errors import NetworkError
     from peer.model.config import get_preset
     from peer.node import Directory, NetworkStartError, start_dht
     from peer.protocol import records
-    from peer.protocol.links import LinkEmulator
-    from peer.worker import StageWorker
+    from peer.volunteer.stage_choice import StagePicker
+    from peer.volunteer.worker import StageWorker
 
     torch.set_num_threads(1)
     try:  # a volunteer dials out only (client mode): it works behind NAT without opening a port
@@ -238,7 +128,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
         if await wait_until(stop, f"the servers of run {run.run_id} ({' '.join(everyone)}) in the DHT",
                             all_servers) is None:
             return 0
-        links_emulator = LinkEmulator.from_file(args.link_profile, device, args.link_scale)
+        links_emulator = link_emulator(args, device)
         slowdown = args.slowdown or links_emulator.compute_slowdown()
         picker = None
         if args.stage == "auto":
@@ -280,9 +170,9 @@ async def join_main(args, stop: asyncio.Event) -> int:
                 while not leave.is_set():
                     elapsed = max(time.time() - worker.stats["started"], 1e-6)
                     done = worker.stats["forward"] + worker.stats["backward"]
-                    rec = {"kind": "client", "device": device, "stage": stage, "state": "online",
-                           "compute": float(worker.compute), "tasks_done": done, "throughput": done / elapsed,
-                           "time": time.time()}
+                    rec = records.record_to_dict(records.ClientRecord(
+                        device=device, stage=stage, state="online", compute=float(worker.compute), tasks_done=done,
+                        throughput=done / elapsed, time=time.time()))
                     try:
                         await records.store(dht, records.stage_key(run.run_id, stage), rec,
                                             ttl=3 * run.announce_period, subkey=peer_id)
@@ -297,8 +187,9 @@ async def join_main(args, stop: asyncio.Event) -> int:
                 """Say at once that we left this stage, rather than let the record expire."""
                 try:
                     await records.store(dht, records.stage_key(run.run_id, stage),
-                                        {"kind": "client", "device": device, "stage": stage, "state": "offline",
-                                         "compute": float(worker.compute), "time": time.time()},
+                                        records.record_to_dict(records.ClientRecord(
+                                            device=device, stage=stage, state="offline",
+                                            compute=float(worker.compute), time=time.time())),
                                         ttl=3 * run.announce_period, subkey=peer_id)
                 except Exception as e:
                     logger.debug("offline announce failed: %r", e)

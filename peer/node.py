@@ -4,7 +4,6 @@ read from the DHT."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
 import time
@@ -14,15 +13,12 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.proto.runtime_pb2 import ExpertRequest
 
-from peer.protocol import records
+from peer.protocol import methods, records
 from peer.protocol.links import LinkEmulator
 from peer.protocol.wire import PayloadError, RemoteError, pack, unpack
 
 logger = logging.getLogger("hivepipe.node")
 
-# bytes a server received ("<method>.request") and answered ("<method>.response"): every message of a
-# run goes to a server or comes back from one, so the servers' counters add up to the run's traffic
-TRAFFIC: collections.Counter = collections.Counter()
 
 
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
@@ -191,10 +187,6 @@ class P2PLink:
         self.backoff = backoff  # False for a liveness probe: it must really try
         self._dialled = False
 
-    # every server method is safe to repeat (gradient credits, relays and ledger entries are
-    # de-duplicated by task and rows) except `take`, whose lost answer is a lease that will expire
-    NOT_RETRIED = frozenset({"take"})
-
     async def dial(self) -> None:
         """Connect to the server at its announced addresses (a no-op for a peer already connected)."""
         wait = self.health.backing_off() if self.backoff else 0.0
@@ -215,7 +207,7 @@ class P2PLink:
     async def call(self, method: str, meta: dict, tensors=(), timeout: float = 30.0):
         """One request; a connection that closes before answering is retried (but for `take`), then
         raised as ConnectionError. A refusal by the server (RemoteError) says nothing of the link."""
-        attempts = 1 if method in self.NOT_RETRIED else 3
+        attempts = 1 if method in methods.NOT_RETRIED else 3
         for attempt in range(attempts):
             try:
                 if not self._dialled:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
+import sys
 
 from peer.errors import UsageError
 
@@ -20,6 +22,16 @@ def add_common_arguments(p) -> None:
                    help="stretch every compute step by this factor (default: from --link-profile's tflops)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the slice computes")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (used by peer swarm)")
+
+
+def setup_logging(verbosity: int) -> None:
+    """Quiet by default (warnings), -v info, -vv debug (hivemind too)."""
+    level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("hivepipe").setLevel(level)
+    if verbosity < 2:  # hivemind is chatty at INFO
+        for name in ("hivemind", "hivemind.dht", "hivemind.p2p"):
+            logging.getLogger(name).setLevel(logging.WARNING if verbosity <= 0 else logging.INFO)
 
 
 def check_maddrs(flag: str, values, *, need_peer_id: bool = False, need_port: bool = False) -> None:
@@ -61,6 +73,17 @@ def check_common(args) -> None:
             load_cluster(args.link_profile)
         except (OSError, PlanInputError) as e:
             raise UsageError(f"--link-profile {args.link_profile}: {e}") from None
+
+
+def link_emulator(args, device: str | None):
+    """The link emulator of `--link-profile` (checked by check_common) for this device."""
+    from peer.protocol.links import LinkEmulator
+
+    if not args.link_profile:
+        return LinkEmulator(None, device)
+    from scheduler import load_cluster
+
+    return LinkEmulator(load_cluster(args.link_profile), device, args.link_scale)
 
 
 def run_until_signalled(main_coro_factory) -> int:

@@ -9,7 +9,7 @@ import time
 
 from peer.errors import NetworkError, UsageError
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
-from peer.runtime import add_common_arguments, check_common, run_until_signalled
+from peer.runtime import add_common_arguments, check_common, link_emulator, run_until_signalled
 
 logger = logging.getLogger("hivepipe.serve")
 
@@ -137,13 +137,12 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     import torch
 
     from parameter_server.checkpoint import load_checkpoint, save_checkpoint
-    from parameter_server.server import StageServer
+    from parameter_server.service import StageServer
     from peer.model.transformer import init_state
     from peer.node import Directory, LocalLink, NetworkStartError, announced_maddrs, start_dht
     from peer.protocol import records
-    from peer.protocol.links import LinkEmulator
     from peer.reachability import DialBackService
-    from peer.worker import StageWorker
+    from peer.volunteer.worker import StageWorker
 
     torch.set_num_threads(1)
     stage, role, _ = layout.locate(device)
@@ -177,7 +176,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
             dht.shutdown()
             raise UsageError(f"{device} was failed over (the run is at layout epoch {current['epoch']} without it); "
                              "start it under a new device id as a volunteer, or start a new run")
-    links = LinkEmulator.from_file(args.link_profile, device, args.link_scale)
+    links = link_emulator(args, device)
     slowdown = args.slowdown or links.compute_slowdown()
     link_cache: dict[tuple[str, str], object] = {}
     directory = Directory(dht, run_cfg.run_id, layout.num_stages)
@@ -199,7 +198,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                          requeue=not args.no_requeue)
     if args.checkpoint_dir:
         from parameter_server.requestlog import RequestLog, read_log
-        from parameter_server.server import RETAIN
+        from parameter_server.service import RETAIN
 
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         t0 = time.perf_counter()
@@ -217,35 +216,15 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
             request_log.compact(version - (RETAIN - 1))
 
         server.on_step.append(persist)
-    # for the dashboard (scripts/dashboard.py): when the last versions were reached, and which
-    # volunteers (not servers' own workers) ever registered here
-    step_times: dict[int, float] = {}
-
-    def note_step(version: int) -> None:
-        step_times[version] = time.time()
-        for v in [v for v in step_times if v <= version - 16]:
-            del step_times[v]
-
-    server.on_step.append(note_step)
-    seen_volunteers: set[str] = set()
+    server.on_step.append(server.note_step)
     worker = None
     await server.add_p2p_handlers(p2p)
     period = run_cfg.announce_period
 
     def record(state: str) -> dict:
-        s = server.status()
         servers = set(directory.servers.values()) | {peer_id}
-        volunteers = set(server.clients) - servers
-        seen_volunteers.update(volunteers)
-        seen_volunteers.difference_update(servers)
-        return {"kind": "server", "device": device, "role": role, "stage": stage, "state": state,
-                "version": server.version, "epoch": server.epoch, "maddrs": maddrs, "pool": s["pool"], "layers": list(st.layers),
-                "losses": s["losses"], "stats": {k: s[k] for k in ("microbatches_applied", "duplicates", "requeued")}
-                | {"clients": len(server.clients), "payload_errors": s["counters"]["payload_errors"],
-                   "clients_joined": len(seen_volunteers), "clients_left": len(seen_volunteers - volunteers)},
-                "compute": float(worker.compute) if worker is not None else 0.0,
-                "step_times": {str(v): t for v, t in sorted(step_times.items())},
-                "time": time.time()}
+        compute = float(worker.compute) if worker is not None else 0.0
+        return records.record_to_dict(server.announcement(state, maddrs, compute, servers))
 
     async def announce(state: str) -> None:
         # the run config carries the current layout epoch, for volunteers that join after a failover

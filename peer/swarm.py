@@ -4,24 +4,22 @@ the end it writes the summary JSON and the full model assembled from the servers
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import math
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 
 from peer.errors import UsageError
+from peer.launcher.monitor import Monitor
+from peer.launcher.processes import Swarm
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 
 logger = logging.getLogger("hivepipe.swarm")
 
-LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"  # a local swarm never listens beyond this machine
 
 
 def add_arguments(p) -> None:
@@ -158,134 +156,6 @@ def parse_lose_server(values: list[str], layout, steps: int) -> list[tuple[int, 
     return sorted(out)
 
 
-class Swarm:
-    """The child processes of a local swarm; every one of them is gone after `close()`."""
-
-    def __init__(self, args, layout, frontal: int, backward: int, maddrs: list[str], work_dir: str):
-        self.args, self.layout, self.frontal, self.backward = args, layout, frontal, backward
-        self.maddrs = maddrs
-        self.work_dir = work_dir
-        self.servers: dict[str, subprocess.Popen] = {}
-        self.lost: list[str] = []  # servers SIGKILLed for good
-        self.server_argv: dict[str, list[str]] = {}
-        os.makedirs(os.path.join(work_dir, "identities"), exist_ok=True)
-        self.volunteers: dict[str, tuple[subprocess.Popen, str]] = {}  # name -> (process, stage argument)
-        self.killed = 0
-        self._count = 0
-
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(os.path.join(self.work_dir, f"{name}.log"), "ab")
-        cmd = [sys.executable, "-m", "peer.cli"] + (["-v"] if self.args.verbose else []) + argv
-        # its own process group: SIGKILL reaches its DHT process and p2p daemon too, as a real
-        # machine's crash would take them down
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-
-    def common(self) -> list[str]:
-        a = self.args
-        out = ["--run-id", a.run_id, "--initial-peers", *self.maddrs, "--parent-pid", str(os.getpid())]
-        if a.link_profile:
-            out += ["--link-profile", a.link_profile, "--link-scale", str(a.link_scale)]
-        return out
-
-    def start_servers(self) -> None:
-        a = self.args
-        for st in self.layout.stages:
-            for role, names in (("frontal", st.frontal), ("backward", st.backward)):
-                for i, name in enumerate(names):
-                    where = (["--plan", a.plan, "--device-id", name] if a.plan else
-                             ["--stage", str(st.index), "--role", role, "--index", str(i), "--stages", str(a.stages),
-                              "--frontal-per-stage", str(self.frontal), "--backward-per-stage", str(self.backward)])
-                    argv = ["serve", "--reliable", *where, "--host-maddrs", LOOPBACK_MADDR, "--model", a.model, "--seed", str(a.seed),
-                            "--steps", str(a.steps), "--batch-size", str(a.batch_size),
-                            "--micro-batches", str(a.micro_batches), "--lr", str(a.lr),
-                            "--announce-period", str(a.announce_period), "--task-timeout", str(a.task_timeout),
-                            "--client-timeout", str(a.client_timeout), "--failover-after", str(a.failover_after),
-                            "--checkpoint-dir", os.path.join(self.work_dir, "checkpoints"),
-                            "--identity-path", os.path.join(self.work_dir, "identities", f"{name}.key")] + self.common()
-                    if a.data:
-                        argv += ["--data", a.data]
-                    if a.servers_compute == "no":
-                        argv.append("--no-compute")
-                    if a.no_requeue:
-                        argv.append("--no-requeue")
-                    self.server_argv[name] = argv
-                    self.servers[name] = self._spawn(name, argv)
-
-    def start_volunteer(self, stage_arg: str, name: str | None = None, extra: list[str] = ()) -> str:
-        if name is None:
-            name = f"v{self._count}"
-            self._count += 1
-        argv = ["join", "--stage", stage_arg, "--device-id", name] + self.common() + list(extra)
-        if self.args.volunteer_slowdown:
-            argv += ["--slowdown", str(self.args.volunteer_slowdown)]
-        self.volunteers[name] = (self._spawn(name, argv), stage_arg)
-        return name
-
-    def start_volunteers(self) -> None:
-        a = self.args
-        if a.plan:  # each client of the plan, on its stage, under its device id
-            for st in self.layout.stages:
-                for name in st.clients:
-                    self.start_volunteer(str(st.index), name=name)
-            return
-        for i in range(a.volunteers):
-            stage = str(i % a.stages) if a.volunteer_stage == "spread" else a.volunteer_stage
-            self.start_volunteer(stage)
-
-    def kill_volunteer(self, name: str) -> None:
-        proc, stage = self.volunteers.pop(name)
-        if proc.poll() is None:
-            kill_group(proc, signal.SIGKILL)
-            proc.wait()
-            self.killed += 1
-        # a new volunteer takes the departed one's place in the cluster (and so its emulated links),
-        # with a fresh process and peer id
-        self.start_volunteer(stage, name=name)
-
-    def restart_server(self, name: str) -> None:
-        """SIGKILL a server (its whole process group) and start it again with the same identity and
-        checkpoint dir: it resumes from its shard checkpoint and request log."""
-        proc = self.servers[name]
-        kill_group(proc, signal.SIGKILL)
-        proc.wait()
-        self.servers[name] = self._spawn(name, self.server_argv[name])
-
-    def lose_server(self, name: str) -> None:
-        """SIGKILL a server (its whole process group) for good: the others fail it over."""
-        proc = self.servers.pop(name)
-        kill_group(proc, signal.SIGKILL)
-        proc.wait()
-        self.lost.append(name)
-
-    def check_alive(self) -> None:
-        for name, proc in self.servers.items():
-            if proc.poll() is not None:
-                tail = open(os.path.join(self.work_dir, f"{name}.log"), "rb").read()[-3000:].decode(errors="replace")
-                raise RuntimeError(f"server {name} exited with code {proc.returncode}:\n{tail}")
-
-    def close(self) -> None:
-        procs = list(self.servers.values()) + [p for p, _ in self.volunteers.values()]
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.time() + 10
-        for p in procs:
-            try:
-                p.wait(timeout=max(deadline - time.time(), 0.1))
-            except subprocess.TimeoutExpired:
-                pass
-            kill_group(p, signal.SIGKILL)  # whatever is left of it: its DHT process, its p2p daemon
-            p.wait()
-
-
-def kill_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def run(args) -> int:
     cfg, layout, frontal, backward = validate(args)
     work_dir = args.work_dir or tempfile.mkdtemp(prefix="hivepipe-swarm-")
@@ -386,105 +256,3 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
     finally:
         swarm.close()
         dht.shutdown()
-
-
-class Monitor:
-    """The launcher's view of the run: DHT records for progress, P2P calls for the final state."""
-
-    def __init__(self, dht, p2p, run_id: str, layout, tokens_per_batch: int):
-        self.dht, self.p2p, self.run_id, self.layout = dht, p2p, run_id, layout
-        self.num_layers = layout.stages[-1].layers[1]
-        self.epoch = 0
-        self.tokens_per_batch = tokens_per_batch
-        self.servers: dict[str, tuple[str, dict]] = {}  # device -> (peer id, record)
-        self.server_ids = set(self.all_devices())  # of every epoch (a failover only removes servers)
-
-    async def refresh(self) -> None:
-        from parameter_server.layout import RunLayout
-        from peer.protocol import records
-
-        try:  # after a failover the servers announce the layout of the new epoch
-            config = await records.get(self.dht, records.config_key(self.run_id))
-            if isinstance(config, dict) and config.get("epoch", 0) > self.epoch:
-                self.layout = RunLayout.from_dict(config["layout"], self.num_layers)
-                self.epoch = config["epoch"]
-        except Exception as e:
-            logger.debug("read config failed: %r", e)
-        for k in range(self.layout.num_stages):
-            try:
-                found = await records.read_stage(self.dht, self.run_id, k)
-            except Exception as e:
-                logger.debug("read_stage failed: %r", e)
-                continue
-            for peer, rec, _ in found:
-                if rec is not None and rec["kind"] == "server":
-                    self.servers[rec["device"]] = (peer, rec)
-
-    def all_devices(self) -> list[str]:
-        return [d for st in self.layout.stages for d in st.servers]
-
-    def all_online(self) -> bool:
-        return all(d in self.servers and self.servers[d][1]["state"] == "online" for d in self.all_devices())
-
-    def min_version(self) -> int:
-        if not all(d in self.servers for d in self.all_devices()):
-            return 0
-        return min(self.servers[d][1]["version"] for d in self.all_devices())
-
-    def loss(self, t: int) -> float | None:
-        last = self.layout.stages[-1]
-        for d in last.servers:
-            rec = self.servers.get(d, (None, {}))[1]
-            if str(t) in rec.get("losses", {}):
-                return rec["losses"][str(t)] / self.tokens_per_batch
-        return None
-
-    def _link(self, device: str):
-        from parameter_server.server import StageServer
-        from peer.node import P2PLink
-
-        peer, rec = self.servers[device]
-        return P2PLink(self.p2p, peer, device, StageServer, addresses=lambda: rec.get("maddrs", []))
-
-    async def statuses(self) -> dict[str, dict]:
-        out = {}
-        for d in self.all_devices():
-            meta, _ = await self._link(d).call("status", {}, timeout=30)
-            out[d] = meta
-        return out
-
-    async def assemble(self, version: int) -> dict:
-        """The full model at `version`, from every shard slot's host."""
-        state = {}
-        for st in self.layout.stages:
-            for slot, d in enumerate(st.hosts):
-                meta, tensors = await self._link(d).call("get_params", {"version": version, "slot": slot}, timeout=120)
-                state.update(zip(meta["names"], tensors))
-        return state
-
-    def summary(self, args, cfg, statuses: dict, killed: int, wall: float) -> dict:
-        last = self.layout.stages[-1]
-        loss_sums = statuses[last.servers[0]]["losses"]
-        losses = {int(k): v / self.tokens_per_batch for k, v in loss_sums.items()}
-        applied = sum(statuses[st.servers[0]]["microbatches_applied"] for st in self.layout.stages)
-        return {
-            "steps": args.steps,
-            "first_loss": losses[min(losses)],
-            "last_loss": losses[max(losses)],
-            "microbatches_expected": args.steps * args.micro_batches * self.layout.num_stages,
-            "microbatches_applied": applied,
-            "duplicates_dropped": sum(s["duplicates"] for s in statuses.values()),
-            "requeued": sum(s["requeued"] for s in statuses.values()),
-            "volunteers_killed": killed,
-            "layout_epoch": self.epoch,
-            "layout": self.layout.to_dict(),
-            # the volunteers (not servers) registered with each stage's servers when the run ended
-            "volunteers_by_stage": {str(st.index): sorted({c["device"] for d in st.servers
-                                                           for c in statuses[d].get("clients", {}).values()}
-                                                          - self.server_ids)
-                                    for st in self.layout.stages},
-            "wall_seconds": round(wall, 3),
-            "tokens_per_second": round(args.steps * args.batch_size * cfg.seq_len / max(wall, 1e-9), 1),
-            "bytes_on_wire": sum(sum(s.get("traffic", {}).values()) for s in statuses.values()),
-            "traffic": dict(sum((collections.Counter(s.get("traffic", {})) for s in statuses.values()), collections.Counter())),
-        }

@@ -1,6 +1,8 @@
 """Link and compute emulation (DESIGN.md, "Testing on one machine"): a link profile (a cluster
 file of shared/spec/cost-model.md) gives the one-way delay and bandwidth between two devices, and
-every send sleeps `delay + bytes / bandwidth` before it goes out, the way netem would delay it."""
+every send sleeps `delay + bytes / bandwidth` before it goes out, the way netem would delay it.
+The cluster is anything with `delay`, `bandwidth`, ids and flops (scheduler.Cluster); reading the
+file is the caller's (peer/runtime.py), so this floor does not import the planner."""
 from __future__ import annotations
 
 import asyncio
@@ -11,14 +13,6 @@ class LinkEmulator:
         self.cluster = cluster
         self.own = own_device
         self.scale = scale  # shrink all emulated times (benchmarks run scaled-down clusters)
-
-    @classmethod
-    def from_file(cls, path: str | None, own_device: str | None, scale: float = 1.0) -> "LinkEmulator":
-        if not path:
-            return cls(None, own_device)
-        from scheduler import load_cluster
-
-        return cls(load_cluster(path), own_device, scale)
 
     def seconds(self, dst_device: str | None, nbytes: int) -> float:
         if self.cluster is None or self.own is None or dst_device is None or dst_device == self.own:

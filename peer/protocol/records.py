@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from hivemind.utils import get_dht_time
@@ -54,37 +54,81 @@ class RunConfig:
         return cls(**{k: d[k] for k in kinds})
 
 
-# name -> (types, required) for the two kinds of stage records
-_SERVER_SCHEMA = {"kind": (str, True), "device": (str, True), "role": (str, True), "stage": (int, True),
-                  "state": (str, True), "version": (int, True), "maddrs": (list, True), "pool": (dict, False),
-                  "loss": ((int, float, type(None)), False), "losses": (dict, False), "stats": (dict, False),
-                  "layers": (list, False), "compute": ((int, float), False), "step_times": (dict, False),
-                  "epoch": (int, False),
-                  "time": ((int, float), True)}
-_CLIENT_SCHEMA = {"kind": (str, True), "device": (str, True), "stage": (int, True), "state": (str, True),
-                  "compute": ((int, float), True), "throughput": ((int, float), False), "tasks_done": (int, False),
-                  "time": ((int, float), True)}
+def _kinds(*types) -> dict:
+    return {"types": types}
 
 
-def validate_record(value: Any) -> dict:
-    """Return the record if it fits its schema, else raise ValueError saying what does not fit."""
+@dataclass
+class ServerRecord:
+    """A server's announcement under its stage key (subkey: its peer id), re-published every
+    announce period and expiring by itself: who it is, where to dial it, how far it is."""
+    device: str = field(metadata=_kinds(str))
+    role: str = field(metadata=_kinds(str))
+    stage: int = field(metadata=_kinds(int))
+    state: str = field(metadata=_kinds(str))
+    version: int = field(metadata=_kinds(int))
+    maddrs: list = field(metadata=_kinds(list))  # the multiaddrs it announces: peers connect there
+    time: float = field(metadata=_kinds(int, float))
+    epoch: int | None = field(default=None, metadata=_kinds(int))
+    pool: dict | None = field(default=None, metadata=_kinds(dict))
+    loss: float | None = field(default=None, metadata=_kinds(int, float, type(None)))
+    losses: dict | None = field(default=None, metadata=_kinds(dict))
+    stats: dict | None = field(default=None, metadata=_kinds(dict))
+    layers: list | None = field(default=None, metadata=_kinds(list))
+    compute: float | None = field(default=None, metadata=_kinds(int, float))
+    step_times: dict | None = field(default=None, metadata=_kinds(dict))
+    kind = "server"
+
+
+@dataclass
+class ClientRecord:
+    """A volunteer's announcement under the stage key it computes for (subkey: its peer id)."""
+    device: str = field(metadata=_kinds(str))
+    stage: int = field(metadata=_kinds(int))
+    state: str = field(metadata=_kinds(str))
+    compute: float = field(metadata=_kinds(int, float))
+    time: float = field(metadata=_kinds(int, float))
+    throughput: float | None = field(default=None, metadata=_kinds(int, float))
+    tasks_done: int | None = field(default=None, metadata=_kinds(int))
+    kind = "client"
+
+
+RECORD_KINDS = {"server": ServerRecord, "client": ClientRecord}
+
+
+def record_to_dict(rec: "ServerRecord | ClientRecord") -> dict:
+    """What goes into the DHT: the kind and every field that is set."""
+    return {"kind": rec.kind} | {f.name: getattr(rec, f.name) for f in fields(rec) if getattr(rec, f.name) is not None}
+
+
+def parse_record(value: Any) -> "ServerRecord | ClientRecord":
+    """The typed record of a raw DHT value; ValueError saying what does not fit."""
     if not isinstance(value, dict):
         raise ValueError(f"expected a map, got {type(value).__name__}")
     kind = value.get("kind")
-    schema = {"server": _SERVER_SCHEMA, "client": _CLIENT_SCHEMA}.get(kind) if isinstance(kind, str) else None
-    if schema is None:
+    cls = RECORD_KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
         raise ValueError(f"unknown record kind {kind!r}")
-    for name, (types, required) in schema.items():
-        if name not in value:
-            if required:
-                raise ValueError(f"{kind} record: missing field {name!r}")
+    for f in fields(cls):
+        if f.name not in value:
+            if f.default is MISSING:
+                raise ValueError(f"{kind} record: missing field {f.name!r}")
             continue
-        if not isinstance(value[name], types) or (isinstance(value[name], bool) and types is not bool):
-            raise ValueError(f"{kind} record: field {name!r} has the wrong type {type(value[name]).__name__}")
+        types = f.metadata["types"]
+        v = value[f.name]
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            raise ValueError(f"{kind} record: field {f.name!r} has the wrong type {type(v).__name__}")
     if value["state"] not in STATES:
         raise ValueError(f"{kind} record: state {value['state']!r} not one of {STATES}")
     if kind == "server" and value["role"] not in ROLES:
         raise ValueError(f"server record: role {value['role']!r} not one of {ROLES}")
+    return cls(**{f.name: value[f.name] for f in fields(cls) if f.name in value})
+
+
+def validate_record(value: Any) -> dict:
+    """Return the record (the raw map, as readers use it) if it fits its typed schema, else raise
+    ValueError saying what does not fit."""
+    parse_record(value)
     return value
 
 

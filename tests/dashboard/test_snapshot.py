@@ -11,8 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from parameter_server.layout import RunLayout
-from peer.dashboard import (History, build_parser, build_snapshot, main, prometheus_text, render_html,
-                            render_terminal, to_json)
+from peer.dashboard import main
+from peer.dashboard.cli import build_parser
+from peer.dashboard.metrics import prometheus_text
+from peer.dashboard.snapshot import History, build_snapshot, to_json
+from peer.dashboard.terminal import render_terminal
+from peer.dashboard.web import render_html
 from peer.protocol.records import validate_record
 
 NOW = 1_700_000_000.0

@@ -126,13 +126,14 @@ def test_an_accumulated_push_is_credited_all_or_nothing():
     """A push summed over several tasks is credited whole; one that overlaps credited tasks only in
     part is a conflict that changes nothing and names the tasks already credited; one whose tasks
     are all credited is a duplicate; overlapping rows inside one push are an error."""
-    from parameter_server.shard import ShardState, parse_task_id
+    from parameter_server.shard import ShardState
+    from peer.protocol.tasks import TaskId
 
     shard = ShardState({"w": torch.zeros(3)}, lr=1e-1, rows_per_micro=4, micro_batches=2, steps=2)
     ref = ShardState({"w": torch.zeros(3)}, lr=1e-1, rows_per_micro=4, micro_batches=2, steps=2)
 
     def pieces(*ids):
-        return [(tid, parse_task_id(tid)[2], parse_task_id(tid)[4]) for tid in ids]
+        return [(tid, TaskId.parse(tid).micro, TaskId.parse(tid).rows) for tid in ids]
 
     g = {tid: torch.tensor([1.0, 2.0, 3.0]) * (i + 1) for i, tid in
          enumerate(["B0.0.0.0-2", "B0.0.0.2-4", "B0.1.0.0-4"])}
@@ -156,7 +157,7 @@ def test_an_accumulated_push_is_credited_all_or_nothing():
     assert torch.allclose(shard.params["w"], ref.params["w"])
     for bad in ["X0.0.0.0-2", "B0.0.0.0", 7, "B0.0.0.0-2 "]:
         with pytest.raises(PayloadError, match="malformed task id"):
-            parse_task_id(bad)
+            TaskId.parse(bad)
 
 
 def test_a_failover_layout_moves_slots_and_keeps_roles_filled():
@@ -208,3 +209,24 @@ def test_a_replica_takes_the_shards_state_or_refuses_and_changes_nothing():
     for n in owner.names:
         assert torch.equal(replica.params[n], owner.params[n])
         assert torch.equal(replica.params_at(1)[n], owner.params_at(1)[n])
+
+
+def test_a_task_id_formats_and_parses_in_one_place():
+    from peer.protocol.tasks import TaskId, batch_of, task_id
+
+    tid = task_id("backward", 3, 1, 0, (4, 8))
+    assert tid == "B3.1.0.4-8"
+    assert TaskId.parse(tid) == TaskId("backward", 3, 1, 0, (4, 8)) and str(TaskId.parse(tid)) == tid
+    assert batch_of("F12.0.1.0-4") == 12 and batch_of("nonsense") is None and batch_of(None) is None
+
+
+def test_the_method_table_is_what_the_server_offers():
+    from parameter_server.service import StageServer
+    from peer.protocol import methods
+
+    for name in methods.NAMES:
+        assert hasattr(StageServer, f"rpc_{name}") and hasattr(StageServer, f"on_{name}"), name
+    offered = {n[len("on_"):] for n in dir(StageServer) if n.startswith("on_")}
+    assert offered == set(methods.NAMES)
+    assert methods.NOT_RETRIED == {"take"}
+    assert methods.SERVER_ONLY == {"push_inputs", "push_output_grads", "push_replica", "adopt_epoch"}

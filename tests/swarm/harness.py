@@ -17,7 +17,9 @@ from safetensors.torch import load_file
 from peer.cli import build_parser
 from peer.node import P2PLink, start_dht, visible_maddrs
 from peer.protocol import records
-from peer.swarm import Monitor, Swarm, kill_group, validate
+from peer.launcher.monitor import Monitor
+from peer.launcher.processes import Swarm, kill_group
+from peer.swarm import validate
 
 
 def rel_diff(a: dict, b: dict) -> float:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 
 from parameter_server.layout import RunLayout
-from parameter_server.server import StageServer
+from parameter_server.service import StageServer
 from peer.model.config import get_preset
 from peer.model.data import load_corpus
 from peer.model.transformer import init_state
 from peer.node import LocalLink
 from peer.protocol.records import RunConfig
-from peer.worker import StageWorker
+from peer.volunteer.worker import StageWorker
 
 
 def make_run(model="tiny", stages=2, frontal=1, backward=1, steps=3, seed=0, batch_size=16, micro_batches=4, lr=2e-3):

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from peer.worker import KILL_POINTS
+from peer.volunteer.worker import KILL_POINTS
 from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, rel_diff, swarm_cli
 
 # where each point occurs: stage 0 has forward-only tasks (outputs go to its BS); the last stage

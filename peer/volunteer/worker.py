@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from parameter_server.layout import owners
-from parameter_server.shard import assign_shards, version_for_batch
+from parameter_server.shard import assign_shards
+from peer.volunteer.flush import batches_to_push
 from peer.model.transformer import StageSlice, build_slice, loss_sum
 from peer.protocol.wire import RemoteError
 
@@ -259,21 +260,9 @@ class StageWorker:
 
     # gradient accumulation ---------------------------------------------------------------------
     def _flush_due(self, task: dict | None) -> list[int]:
-        """The pending batches to push now: all when idle (`task` None) or when too many leases are
-        held; before `task`, those it may wait on (its parameters need every batch < its batch - 1
-        applied) or, if it carries gradients itself, every older batch; any with a lease in the
-        last third of its time."""
-        now = time.monotonic()
-        held = sum(len(p.tasks) for p in self.pending.values())
-        due = []
-        for b, p in self.pending.items():
-            if task is None or held >= self.max_pending:
-                due.append(b)
-            elif b < task["batch"] - 1 or (b < task["batch"] and (self.last or task["kind"] == "backward")):
-                due.append(b)
-            elif any(now > deadline - length / 3 for _, _, deadline, length in p.tasks):
-                due.append(b)
-        return sorted(due)
+        """The pending batches to push now (peer/volunteer/flush.py)."""
+        leases = {b: [(deadline, length) for _, _, deadline, length in p.tasks] for b, p in self.pending.items()}
+        return batches_to_push(leases, task, time.monotonic(), self.max_pending, self.last)
 
     async def flush(self, batches: list[int]) -> None:
         for b in batches:

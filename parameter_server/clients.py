@@ -1,0 +1,60 @@
+"""Who computes for this server: the registry of clients (volunteers, and the servers' own
+workers), their registration and heartbeats, and dropping the silent ones, whose leases go back to
+the pool at once. Owns ClientInfo; must not touch rows, tasks' contents or parameters."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from peer.protocol.wire import PayloadError, field as mfield
+
+logger = logging.getLogger("hivepipe.server")
+
+
+@dataclass
+class ClientInfo:
+    device: str
+    compute: float
+    last_seen: float
+    tasks_done: int = 0
+
+
+class Clients:
+    """StageServer's registration, heartbeats and departures of the clients (a part of parameter_server.service.StageServer)."""
+
+    async def on_register(self, meta, tensors, sender):
+        device = mfield(meta, "device", str)
+        compute = mfield(meta, "compute", float)
+        if compute <= 0:
+            raise PayloadError("field 'compute' must be positive")
+        stage = mfield(meta, "stage", int)
+        if stage != self.stage:
+            raise PayloadError(f"this server serves stage {self.stage}, not {stage}")
+        new = sender not in self.clients
+        info = self.clients.setdefault(sender, ClientInfo(device, compute, self.clock()))
+        info.compute, info.device, info.last_seen = compute, device, self.clock()
+        if new:
+            logger.info("%s: client %s (%s) registered, compute %.3g", self.device_id, sender[-8:], device, compute)
+            self.pool.set_client_speed(sender, compute)
+        return {"ok": True, "version": self.version, "epoch": self.epoch}
+
+    def drop_stale_clients(self) -> list[str]:
+        now = self.clock()
+        gone = [p for p, c in self.clients.items() if now - c.last_seen > self.client_timeout and p != self.peer_id]
+        for p in gone:
+            del self.clients[p]
+            # with --no-requeue the departed client's leases are left to run out their full timeout
+            # (as a SWARM trainer waits out a request to a dead peer); the work is then done again
+            n = len(self.pool.client_left(p)) if self.requeue else len(self.pool.leases_of(p))
+            logger.info("%s: client %s left; %d tasks %s", self.device_id, p[-8:], n,
+                        "re-queued" if self.requeue else "left to time out")
+        return gone
+
+    def _client(self, sender: str) -> ClientInfo:
+        if self.replaying:  # the request was checked when it first arrived
+            return ClientInfo("replay", 1.0, self.clock())
+        c = self.clients.get(sender)
+        if c is None:
+            raise PayloadError(f"sender {sender[-8:]} is not registered for stage {self.stage}")
+        c.last_seen = self.clock()
+        return c

@@ -1,0 +1,162 @@
+"""Failover, all of it: replicas of every shard copied to the stage's next server after each step,
+the layout epochs (a record checked, adopted, or coordinated by the first remaining server when a
+server is lost for good), and `get_layout` for workers that meet a newer epoch. Must not touch the
+data path except to reset it when an epoch begins."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from parameter_server.layout import RunLayout
+from parameter_server.updates import snapshots_kept
+from peer.protocol.wire import PayloadError, field as mfield
+
+logger = logging.getLogger("hivepipe.server")
+
+
+class Failover:
+    """StageServer's replicas and layout epochs (a part of parameter_server.service.StageServer)."""
+
+    async def _send_replica(self, slot: int) -> None:
+        """After a step of `slot`, copy its new state to the next server of the stage (in shard
+        order), which can take the slot over if this server is lost for good. Sent in version order."""
+        servers = list(self.st.servers)
+        if len(servers) < 2 or self.replaying:
+            return
+        buddy = servers[(servers.index(self.device_id) + 1) % len(servers)]
+        lock = self.replica_locks.setdefault(slot, asyncio.Lock())
+        async with lock:
+            meta, tensors = self.hosted[slot].export()
+            if meta["version"] <= getattr(lock, "sent", -1):
+                return
+            await self._deliver(buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60)
+            lock.sent = meta["version"]
+
+    async def on_push_replica(self, meta, tensors, sender):
+        self._server_sender(sender, self.stage, "frontal", "backward")
+        slot = mfield(meta, "slot", int)
+        if not 0 <= slot < len(self.slot_names) or slot in self.hosted:
+            raise PayloadError(f"shard slot {slot} is not another server's slot of stage {self.stage}")
+        replica = self.replicas.get(slot) or self._new_shard(slot)
+        newer = replica.absorb(meta, tensors)
+        self.replicas[slot] = replica
+        self.counters["replicas_received"] += int(newer)
+        return {"result": "accepted" if newer else "duplicate", "version": replica.version}
+
+    async def on_get_layout(self, meta, tensors, sender):
+        """The current layout epoch: {"epoch", "layout", "from_batch"} (epoch 0 is the first layout)."""
+        return self.epoch_record or {"epoch": 0, "layout": self.layout.to_dict(), "from_batch": 0}
+
+    async def on_adopt_epoch(self, meta, tensors, sender):
+        """A failover's new layout epoch, from the server that coordinates it (any server of the run)."""
+        if sender != self.peer_id and not self.replaying:
+            dev = self.directory_reverse().get(sender)
+            if dev is None or not any(dev in st.servers for st in self.layout.stages):
+                raise PayloadError(f"sender {sender[-8:]} is not a server of this run")
+        self.adopt(meta)
+        return {"ok": True, "epoch": self.epoch}
+
+    def check_epoch_record(self, record: dict) -> tuple[int, RunLayout, int]:
+        epoch = mfield(record, "epoch", int)
+        from_batch = mfield(record, "from_batch", int)
+        try:
+            layout = RunLayout.from_dict(mfield(record, "layout", dict), self.cfg.layers)
+        except ValueError as e:
+            raise PayloadError(f"epoch layout: {e}") from None
+        if layout.num_stages != self.layout.num_stages or any(
+                a.layers != b.layers or len(a.hosts) != len(b.hosts) for a, b in zip(layout.stages, self.layout.stages)):
+            raise PayloadError("an epoch layout must keep the stages, their layers and their shard slots")
+        if not 0 <= from_batch < self.run.steps:
+            raise PayloadError(f"from_batch {from_batch} outside 0..{self.run.steps - 1}")
+        return epoch, layout, from_batch
+
+    def adopt(self, record: dict) -> bool:
+        """Switch to a later layout epoch: take over the slots it hosts here (from their replicas),
+        re-segment the rows among the remaining servers, drop every credit, pool, row and ledger of
+        unapplied batches, and run again from batch `from_batch` (the lowest version of any shard of
+        the run): every shard either has applied a batch, and ignores its pushes, or credits it whole
+        in the new epoch. Messages of the old epoch are refused from now on. False if not newer."""
+        epoch, layout, from_batch = self.check_epoch_record(record)
+        if epoch <= self.epoch:
+            return False
+        try:
+            stage, role, index = layout.locate(self.device_id)
+        except ValueError:
+            raise PayloadError(f"{self.device_id} is not a server of epoch {epoch}'s layout") from None
+        st = layout.stages[stage]
+        take_over = [i for i in st.slots_of(self.device_id) if i not in self.hosted]
+        missing = [i for i in take_over if i not in self.replicas]
+        if stage != self.stage or role != self.role or missing:
+            raise PayloadError(f"epoch {epoch} moves {self.device_id} or gives it slots {missing} it holds no "
+                               "replica of")
+        for i in take_over:  # all checked before anything changes
+            if self.replicas[i].version < from_batch:
+                raise PayloadError(f"the replica of slot {i} is at version {self.replicas[i].version}, below "
+                                   f"from_batch {from_batch}")
+        for i in take_over:
+            shard = self.hosted[i] = self.replicas.pop(i)
+            logger.warning("%s: took over shard slot %d at version %d", self.device_id, i, shard.version)
+        for shard in self.hosted.values():
+            shard.batches = {}
+        self.epoch, self.epoch_record, self.layout = epoch, dict(record), layout
+        self.st, self.index, self.reflow_from = st, index, from_batch
+        self.run_versions = {}  # readings of the old epoch no longer say what is applied
+        self._reset_datapath()
+        if self.log is not None and not self.replaying:
+            self.log.append({"method": "adopt_epoch", "meta": dict(record), "sender": self.peer_id,
+                             "batch": self.run.steps}, [])
+        for cb in self.on_epoch:
+            cb(dict(record))
+        logger.warning("%s: layout epoch %d from batch %d (stage %d: frontal %s, backward %s, slots %s)",
+                       self.device_id, epoch, from_batch, stage, list(st.frontal), list(st.backward), list(st.hosts))
+        self.maybe_start_batches()
+        return True
+
+    async def fail_over(self, lost: list[str]) -> dict:
+        """Coordinate the permanent loss of the servers `lost` (this server is the first remaining one
+        of the run): pick for each lost slot the remaining server of its stage with the newest replica,
+        find the lowest version of any shard, and send the new layout epoch to every remaining server
+        (this one too). Returns the record; PayloadError if the loss cannot be absorbed."""
+        alive = [d for st in self.layout.stages for d in st.servers if d not in lost]
+        statuses = {}
+        for d in alive:
+            link = None if d == self.device_id else self.connector(d)
+            if link is None and d != self.device_id:
+                raise PayloadError(f"{d} is not in the DHT right now")
+            statuses[d] = self.status() if link is None else (await link.call("status", {}, timeout=10.0))[0]
+        versions = [v for d in alive for v in statuses[d]["hosted"].values()]
+        moves = {}
+        for dev in lost:
+            stage = self.layout.locate(dev)[0]
+            st = self.layout.stages[stage]
+            for slot in st.slots_of(dev):
+                holders = [(statuses[d]["replicas"].get(str(slot), -1), d) for d in st.servers if d in statuses]
+                best, host = max(holders)
+                if best < 0:
+                    raise PayloadError(f"no remaining server of stage {stage} holds a replica of {dev}'s shard")
+                moves[dev] = host
+                versions.append(best)
+        if not moves:
+            raise PayloadError(f"{lost} host no shard slots")
+        from_batch = min(versions)
+        if max(versions) - from_batch >= snapshots_kept(self.layout.num_stages) - 1:
+            raise PayloadError(f"shards are at versions {min(versions)}..{max(versions)}: too far apart to run "
+                               "again from the lowest")
+        try:
+            layout = self.layout.without(moves)
+        except ValueError as e:
+            raise PayloadError(str(e)) from None
+        record = {"epoch": self.epoch + 1, "layout": layout.to_dict(), "from_batch": min(from_batch, self.run.steps - 1),
+                  "lost": sorted(lost)}
+        for d in alive:
+            if d == self.device_id:
+                continue
+            for _ in range(20):
+                try:
+                    await self.connector(d).call("adopt_epoch", record, timeout=10.0)
+                    break
+                except Exception as e:
+                    logger.info("%s: adopt_epoch to %s: %r", self.device_id, d, e)
+                    await asyncio.sleep(0.2)
+        self.adopt(record)
+        return record

@@ -1,0 +1,127 @@
+"""The frontal server's work: stage 0 builds each batch from (seed, t); a later stage receives its
+inputs from the previous stage's backward servers. It cuts its rows of each micro-batch into forward
+tasks by its clients' measured speed, serves inputs again for recomputation, and relays input
+gradients to the previous stage. Must not step parameters."""
+from __future__ import annotations
+
+import torch
+
+from parameter_server.layout import owners, split_by_weights
+from parameter_server.ledger import RowBuffer
+from peer.model.update_rule import version_for_batch
+from peer.protocol.tasks import task_id as make_task_id
+from peer.protocol.wire import PayloadError, field as mfield, rows_field
+from taskpool import Task
+
+
+class Frontal:
+    """StageServer's the frontal server's inputs, forward tasks and relay of input gradients (a part of parameter_server.service.StageServer)."""
+
+    def maybe_start_batches(self) -> None:
+        """Stage 0's FS builds batch t once the parameters it needs (version t-1) exist here, which
+        bounds the micro-batches in flight to two batches."""
+        if self.role != "frontal" or self.stage != 0 or self.replaying:
+            return
+        while self.next_batch < self.run.steps and self.version >= version_for_batch(self.next_batch) \
+                and self.next_batch <= self.version + 1:
+            t = self.next_batch
+            self._build_inputs(t)
+            for m in range(self.run.micro_batches):
+                self._make_forward_tasks(t, m)
+            self.next_batch += 1
+
+    def _build_inputs(self, t: int) -> None:
+        from peer.model.data import make_batch
+
+        inputs, labels = make_batch(self.corpus, self.run.seed, t, self.run.batch_size, self.seq)
+        lo, hi = self.seg
+        for m in range(self.run.micro_batches):
+            base = m * self.rows
+            buf = RowBuffer(lo, hi)
+            buf.add(lo, hi, inputs[base + lo : base + hi], labels[base + lo : base + hi])
+            self.buffers[(t, m)] = buf
+
+    def split_weights(self) -> list[tuple[str, float]]:
+        """Each registered client's share of new forward tasks (paper 3.2.1, "Dynamic Client
+        Participation"): its measured throughput once it has completed tasks here, else the compute
+        power it registered, both relative to the clients' total so the two scales mix."""
+        clients = sorted(self.clients.items())
+        measured = self.pool.stats().get("clients", {})
+        thr = {p: measured.get(p, {}).get("throughput", 0.0) for p, _ in clients}
+        have = [p for p in thr if thr[p] > 0]
+        if not have:
+            return [(p, c.compute) for p, c in clients]
+        # clients without a measurement yet get the median measured share of their registered compute
+        scale = sorted(thr[p] / self.clients[p].compute for p in have)[len(have) // 2]
+        return [(p, thr[p] if thr[p] > 0 else c.compute * scale) for p, c in clients]
+
+    def _make_forward_tasks(self, t: int, m: int) -> None:
+        lo, hi = self.seg
+        clients = self.split_weights()
+        weights = [w for _, w in clients] or [1.0]
+        for i, a, b in split_by_weights(lo, hi, weights):
+            preferred = clients[i][0] if clients else None
+            self._add_task(Task(task_id=make_task_id("forward", t, m, self.stage, (a, b)), kind="forward", batch=t, micro_batch=m,
+                               stage=self.stage, rows=(a, b), preferred_client=preferred))
+
+    async def on_push_inputs(self, meta, tensors, sender):
+        if self.role != "frontal" or self.stage == 0:
+            raise PayloadError("push_inputs goes to a frontal server of a stage > 0")
+        self._server_sender(sender, self.stage - 1, "backward")
+        t, m, a, b = self._rows_payload(meta, tensors, "push_inputs", ("hidden", "labels"))
+        buf = self.buffers.setdefault((t, m), RowBuffer(*self.seg))
+        if not buf.add(a, b, tensors[0], tensors[1]):
+            self.counters["relay_duplicates"] += 1
+            return {"result": "duplicate"}
+        if buf.complete:
+            self.waiting_inputs.append((t, m))
+            self.release_waiting()
+        return {"result": "accepted"}
+
+    def release_waiting(self) -> None:
+        """Publish forward tasks of batch t only once this server holds parameters version t-1, so
+        that no worker leases a task it cannot compute yet (and blocks on it while older, re-queued
+        work waits: a deadlock)."""
+        if self.replaying:
+            return
+        ready = [(t, m) for t, m in self.waiting_inputs if version_for_batch(t) <= self.version]
+        for key in ready:
+            self.waiting_inputs.remove(key)
+            self._make_forward_tasks(*key)
+
+    async def on_get_inputs(self, meta, tensors, sender):
+        self._client(sender)
+        if self.role != "frontal":
+            raise PayloadError("get_inputs goes to a frontal server")
+        t, m = self._batch_micro(meta)
+        a, b = rows_field(meta, "rows", self.rows)
+        buf = self.buffers.get((t, m))
+        if buf is None or not buf.has(a, b):
+            raise PayloadError(f"rows [{a}, {b}) of batch {t} micro-batch {m} are not held here")
+        x, _ = buf.slice(a, b)
+        return {"ok": True}, [x]
+
+    async def on_push_input_grads(self, meta, tensors, sender):
+        """A client's input gradient for rows of this FS: kept, and relayed to stage k-1's BS until
+        it is taken. Workers send it before their gradient shards, so once this stage has applied
+        batch t, every input gradient of t is held here."""
+        self._client(sender)
+        if self.role != "frontal" or self.stage == 0:
+            raise PayloadError("push_input_grads goes to a frontal server of a stage > 0")
+        task_id = mfield(meta, "task", str)
+        t, m, a, b = self._rows_payload(meta, tensors, "push_input_grads", ("input gradient",))
+        buf = self.grad_buffers.setdefault((t, m), RowBuffer(*self.seg))
+        fresh = buf.add(a, b, tensors[0], None)
+        if fresh:
+            self._relay_input_grads(t, m, a, b, tensors[0])
+        else:
+            self.counters["relay_duplicates"] += 1
+        return {"result": "accepted" if fresh else "duplicate", "task": task_id}
+
+    def _relay_input_grads(self, t: int, m: int, a: int, b: int, grad: torch.Tensor) -> None:
+        if self.replaying:
+            return
+        prev = self.layout.stages[self.stage - 1]
+        for j, x, y in owners(self.rows, len(prev.backward), a, b):
+            self._spawn(self._deliver(prev.backward[j], "push_output_grads",
+                                      {"batch": t, "micro": m, "rows": [x, y]}, [grad[x - a : y - a]]))

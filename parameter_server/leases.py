@@ -1,0 +1,66 @@
+"""The task pool's face to clients: `take` (a lease with the rows or gradients it needs),
+`complete` and `fail`, and the one place tasks enter the pool (forward tasks are logged, so that a
+restart re-creates the very same cut). Must not build rows or step parameters."""
+from __future__ import annotations
+
+from peer.model.update_rule import version_for_batch
+from peer.protocol.wire import PayloadError, field as mfield
+from taskpool import Completion, Task
+
+
+class Leases:
+    """StageServer's take, complete and fail (a part of parameter_server.service.StageServer)."""
+
+    async def on_take(self, meta, tensors, sender):
+        self._client(sender)
+        while True:
+            lease = self.pool.take(sender)
+            if lease is None:
+                return {"task": None, "version": self.version, "epoch": self.epoch}
+            task = lease.task
+            if task.batch < self.run_min_version():  # applied by every server: nothing left to do
+                self.pool.abandon(task.task_id)
+                continue
+            break
+        t, m, (a, b) = task.batch, task.micro_batch, task.rows
+        common = {"task": task.task_id, "kind": task.kind, "batch": t, "micro": m, "rows": [a, b],
+                  "stage": self.stage, "version": version_for_batch(t), "deadline": lease.deadline - self.clock(),
+                  "attempt": lease.attempt, "epoch": self.epoch}
+        if task.kind == "forward":
+            x, y = self.buffers[(t, m)].slice(a, b)
+            return dict(common, frontal=self.device_id), [x, y]
+        entry = task.payload_ref  # a LedgerEntry
+        g, _ = self.grad_buffers[(t, m)].slice(a, b)
+        return dict(common, frontal=entry.frontal, forward_task=entry.forward_task), [g]
+
+    def _known_task(self, meta) -> str:
+        task_id = mfield(meta, "task", str)
+        if task_id not in self.issued:
+            raise PayloadError(f"unknown task id {task_id!r}")
+        return task_id
+
+    def _add_task(self, task: Task) -> None:
+        """Forward tasks depend on the clients registered when they were cut, so they are logged and,
+        in a replay, re-created from the log; backward tasks follow from the ledger."""
+        if task.kind == "forward":
+            if self.replaying:
+                return
+            if self.log is not None:
+                self.log.append({"task": [task.task_id, task.batch, task.micro_batch, task.rows[0], task.rows[1],
+                                          task.preferred_client], "batch": task.batch})
+        self.pool.add(task)
+        self.issued.add(task.task_id)
+
+    async def on_complete(self, meta, tensors, sender):
+        c = self._client(sender)
+        task_id = self._known_task(meta)
+        result = self.pool.complete(task_id, sender)
+        if result is Completion.ACCEPTED:
+            c.tasks_done += 1
+        return {"result": result.value}
+
+    async def on_fail(self, meta, tensors, sender):
+        self._client(sender)
+        task_id = self._known_task(meta)
+        self.pool.fail(task_id, sender)
+        return {"ok": True}

@@ -1,0 +1,228 @@
+"""A reliable parameter server of one stage: frontal (FS) or backward (BS), following "One training
+step" of DESIGN.md and section 3.2 of the design paper. This file is its thin service: the state
+every part shares, the RPC surface (every `rpc_*` only decodes the stream, counts its bytes and
+dispatches to an `on_*` handler through `handle`, which checks the layout epoch, turns a refused
+payload into an error answer that changes nothing, and writes state-changing requests to the request
+log), and the directory of the run's servers. Each concern lives in a room of its own, composed here:
+
+- clients.py: registration, heartbeats, departures; checks.py: the checks every handler shares;
+- leases.py: take / complete / fail; updates.py: parameter versions, gradient credits, the step;
+- frontal.py / backward.py (+ ledger.py): the two roles' data path;
+- outbox.py: deliveries to other servers; failover.py: replicas and layout epochs;
+- recovery.py: request-log replay; status.py: ping and status; checkpoint.py: the shard on disk.
+
+Every handler checks its payload (shape, dtype, finite values, known ids, registered sender) and
+answers anything else with an error that says what is wrong, changing nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator, Awaitable, Callable
+
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
+
+from parameter_server.backward import Backward
+from parameter_server.checks import Checks
+from parameter_server.clients import ClientInfo, Clients
+from parameter_server.failover import Failover
+from parameter_server.frontal import Frontal
+from parameter_server.layout import RunLayout, segment
+from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
+from parameter_server.leases import Leases
+from parameter_server.outbox import Outbox
+from parameter_server.recovery import Recovery
+from parameter_server.shard import ShardState, assign_shards
+from parameter_server.status import Status
+from parameter_server.updates import RETAIN, Updates, snapshots_kept
+from peer.protocol import methods
+from peer.protocol.links import LinkEmulator
+from peer.protocol.tasks import batch_of
+from peer.protocol.traffic import TRAFFIC
+from peer.protocol.wire import PayloadError, field as mfield, pack, unpack
+from taskpool import TaskPool, TaskPoolError
+
+logger = logging.getLogger("hivepipe.server")
+
+__all__ = ["RETAIN", "StageServer"]
+
+
+def _batch_of(meta: dict) -> int:
+    """The batch a logged request concerns (for compacting the request log)."""
+    if isinstance(meta.get("batch"), int):
+        return meta["batch"]
+    return batch_of(meta.get("task")) or 0
+
+
+class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Outbox, Failover, Recovery, Status, ServicerBase):
+
+    def __init__(self, *, run, layout: RunLayout, cfg, device_id: str, peer_id: str, stage_params: dict,
+                 corpus=None, links: LinkEmulator | None = None, clock: Callable[[], float] = time.monotonic,
+                 task_timeout: float = 60.0, client_timeout: float = 5.0, preference_grace: float = 0.5,
+                 connector: Callable[[str], object] | None = None, requeue: bool = True):
+        self.run = run
+        self.layout = layout
+        self.cfg = cfg
+        self.device_id = device_id
+        self.peer_id = peer_id
+        self.stage, self.role, self.index = layout.locate(device_id)
+        self.st = layout.stages[self.stage]
+        self.last = self.stage == layout.num_stages - 1
+        self.corpus = corpus
+        self.links = links or LinkEmulator()
+        self.clock = clock
+        self.client_timeout = client_timeout
+        self.connector = connector
+        self.requeue = requeue
+        self.rows = run.batch_size // run.micro_batches  # rows per micro-batch
+        self.seq = cfg.seq_len
+        self.hidden = cfg.hidden
+        self.task_timeout, self.preference_grace = task_timeout, preference_grace
+        # the stage's parameters are cut into one shard slot per server of the first layout; this
+        # server hosts its own slot, and after a failover the slots of lost servers it held replicas of
+        self.stage_params = stage_params
+        self.slot_names = assign_shards({n: t.numel() for n, t in stage_params.items()}, len(self.st.hosts))
+        self.slot = self.st.hosts.index(device_id)
+        self.shard = self._new_shard(self.slot)
+        self.hosted: dict[int, ShardState] = {self.slot: self.shard}
+        self.replicas: dict[int, ShardState] = {}  # slots of other servers of the stage copied here after each step
+        self.replica_locks: dict[int, asyncio.Lock] = {}
+        self.run_versions: dict[str, int] = {}  # versions every server of the run announced
+        self.epoch = 0  # the layout epoch: 0 is the first layout, each failover starts the next
+        self.epoch_record: dict | None = None
+        self.reflow_from: int | None = None  # since the last failover: the first batch run again
+        self.clients: dict[str, ClientInfo] = {}
+        self._reset_datapath()
+        self.counters = {"payload_errors": 0, "relay_duplicates": 0, "output_duplicates": 0, "replicas_received": 0}
+        self.background: set[asyncio.Task] = set()
+        self.log = None  # RequestLog when the server has a checkpoint dir
+        self.replaying = False
+        self.step_event = asyncio.Event()
+        self.on_step: list[Callable[[int], Awaitable[None] | None]] = []
+        self.on_epoch: list[Callable[[dict], None]] = []
+        self.step_times: dict[int, float] = {}  # version -> wall time it was reached (note_step)
+        self.seen_volunteers: set[str] = set()  # volunteers that ever registered here (announcement)
+
+    def _new_shard(self, slot: int) -> ShardState:
+        names = self.slot_names[slot]
+        return ShardState({n: self.stage_params[n] for n in names}, lr=self.run.lr, rows_per_micro=self.rows,
+                          micro_batches=self.run.micro_batches, steps=self.run.steps,
+                          keep_versions=snapshots_kept(self.layout.num_stages))
+
+    def _reset_datapath(self) -> None:
+        """Fresh pools, rows and ledgers (at start, and when a failover starts a layout epoch)."""
+        # my segment of each micro-batch's rows, among this stage's servers of my role
+        self.seg = segment(self.rows, len(self.st.frontal if self.role == "frontal" else self.st.backward), self.index)
+        # a client keeps the leases of the tasks whose gradients it is still accumulating (at most the
+        # tasks of two batches, see StageWorker) and works on one more
+        self.pool = TaskPool(clock=self.clock, default_timeout=self.task_timeout,
+                             max_leases_per_client=2 * self.run.micro_batches + 1,
+                             preference_grace=self.preference_grace)
+        for peer, c in self.clients.items():
+            self.pool.set_client_speed(peer, c.compute)
+        self.issued: set[str] = set()  # every task id this server created
+        self.waiting_inputs: list[tuple[int, int]] = []  # FS k>0: complete inputs waiting for their version
+        self.buffers: dict[tuple[int, int], "RowBuffer"] = {}  # FS: inputs; BS: outputs
+        self.grad_buffers: dict[tuple[int, int], "RowBuffer"] = {}  # BS: output grads; FS: relayed input grads
+        self.ledger: dict[tuple[int, int], list["LedgerEntry"]] = {}
+        self.next_batch = self.reflow_from or 0  # stage-0 FS: the next batch to build
+
+    @property
+
+    def version(self) -> int:
+        """The parameters version every shard hosted here has reached."""
+        return min(sh.version for sh in self.hosted.values())
+
+    async def _serve(self, method: str, requests: AsyncIterator[ExpertRequest], context: P2PContext):
+        async def counted():
+            async for message in requests:
+                TRAFFIC[f"{method}.request"] += message.ByteSize()
+                yield message
+
+        try:
+            meta, tensors = await unpack(counted())
+        except PayloadError as e:
+            rmeta, rtensors = {"error": str(e)}, []
+        else:
+            rmeta, rtensors = await self.handle(method, meta, tensors, str(context.remote_id))
+        out = pack(rmeta, rtensors, ExpertResponse)
+        nbytes = sum(m.ByteSize() for m in out)
+        TRAFFIC[f"{method}.response"] += nbytes
+        await self.links.send(self._device_of(str(context.remote_id)), nbytes)
+        for message in out:
+            yield message
+
+    async def handle(self, method: str, meta: dict, tensors: list, sender: str) -> tuple[dict, list]:
+        """Run one request; any PayloadError/TaskPoolError becomes an error answer that changes nothing."""
+        handler = getattr(self, f"on_{method}")
+        try:
+            if method in methods.EPOCHED:
+                self._check_epoch(meta)
+            result = await handler(dict(meta), tensors, sender)
+        except (PayloadError, TaskPoolError) as e:
+            self.counters["payload_errors"] += 1
+            logger.info("%s rejected %s from %s: %s", self.device_id, method, sender[-8:], e)
+            return {"error": str(e)}, []
+        except Exception as e:  # a bug: answer, log, keep serving
+            logger.exception("%s failed on %s", self.device_id, method)
+            return {"error": f"internal error: {type(e).__name__}: {e}"}, []
+        result = result if isinstance(result, tuple) else (result, [])
+        if self.log is not None and not self.replaying and method in methods.LOGGED and result[0].get("result") != "duplicate":
+            self.log.append({"method": method, "meta": meta, "sender": sender, "batch": _batch_of(meta)}, tensors)
+        return result
+
+    def _check_epoch(self, meta: dict) -> None:
+        epoch = mfield(meta, "epoch", int, optional=True) or 0
+        if epoch < self.epoch:
+            raise PayloadError(f"stale epoch {epoch}: the run is at layout epoch {self.epoch} since a failover; "
+                               "fetch the layout again (get_layout)")
+        if epoch > self.epoch:
+            raise PayloadError(f"epoch {epoch} is not adopted here yet (this server is at epoch {self.epoch})")
+
+    def _device_of(self, peer: str) -> str | None:
+        c = self.clients.get(peer)
+        if c is not None:
+            return c.device
+        return self.directory_reverse().get(peer)
+
+    def directory_reverse(self) -> dict:
+        return getattr(self, "_directory_reverse", {})
+
+    def set_directory(self, device_to_peer: dict[str, str], versions: dict[str, int] | None = None,
+                      epochs: dict[str, int] | None = None) -> None:
+        """Merge what one read of the DHT found: a server once seen stays known (a read can miss a
+        record). Versions are taken only from announcements of this server's layout epoch: a
+        server that takes over a lagging shard slot announces a lower version than before."""
+        self._directory = getattr(self, "_directory", {}) | dict(device_to_peer)
+        self._directory_reverse = {p: d for d, p in self._directory.items()}
+        if versions is not None:
+            epochs = epochs or {}
+            self.run_versions.update({d: v for d, v in versions.items() if epochs.get(d, 0) == self.epoch})
+
+    def run_min_version(self) -> int:
+        """The lowest version any server of the run has announced: a batch below it is applied by
+        every shard, so no task of it is needed by anyone (after a failover, a stage re-runs the
+        forward and backward of batches it has applied itself for the stages that have not)."""
+        known = [self.run_versions.get(d, 0) for st in self.layout.stages for d in st.servers if d != self.device_id]
+        return min([self.version] + known)
+
+    def maintenance(self) -> None:
+        """Periodic: re-queue expired leases, forget silent clients."""
+        self.pool.expire(self.clock())
+        self.drop_stale_clients()
+
+
+def _make_rpc(name: str):
+
+    async def rpc(self, requests: AsyncIterator[ExpertRequest], context: P2PContext) -> AsyncIterator[ExpertResponse]:
+        async for message in self._serve(name, requests, context):
+            yield message
+
+    rpc.__name__ = rpc.__qualname__ = f"rpc_{name}"
+    return rpc
+
+
+for _name in methods.NAMES:
+    setattr(StageServer, f"rpc_{_name}", _make_rpc(_name))

@@ -1,0 +1,66 @@
+"""What a server says about itself: `ping` (the link probe), `status` (counters for the launcher and
+the dashboard, with the traffic counters), and the record it announces in the DHT. Reads the
+server's state; keeps only what the announcement itself needs (step times, volunteers seen)."""
+from __future__ import annotations
+
+import time
+
+from peer.protocol.records import ServerRecord
+from peer.protocol.traffic import TRAFFIC
+from peer.protocol.wire import field as mfield
+
+
+class Status:
+    """StageServer's ping and status (a part of parameter_server.service.StageServer)."""
+
+    async def on_ping(self, meta, tensors, sender):
+        """Round-trip and throughput probe: a tiny answer, sent back over the prober's emulated link
+        (a prober is not registered yet, so it names its device)."""
+        device = mfield(meta, "device", str, optional=True)
+        if device is not None and sender not in self.clients:
+            await self.links.send(device, 64)
+        return {"ok": True, "received": sum(t.numel() * t.element_size() for t in tensors), "stage": self.stage}
+
+    async def on_status(self, meta, tensors, sender):
+        return self.status(recent=None)
+
+    def status(self, recent: int | None = 8) -> dict:
+        """Counters for the DHT record and the launcher; `losses` maps batch -> summed token loss (the
+        `recent` last batches, or all of them)."""
+        pool = self.pool.stats()
+        losses = sorted(self.shard.losses.items())
+        return {
+            "device": self.device_id, "stage": self.stage, "role": self.role, "version": self.version,
+            "epoch": self.epoch, "hosted": {str(k): sh.version for k, sh in self.hosted.items()},
+            "replicas": {str(k): sh.version for k, sh in self.replicas.items()},
+            "losses": {str(k): v for k, v in (losses if recent is None else losses[-recent:])},
+            "microbatches_applied": min(sh.microbatches_applied for sh in self.hosted.values()),
+            "duplicates": self.shard.duplicates + pool.get("duplicates", 0) + self.counters["relay_duplicates"]
+            + self.counters["output_duplicates"],
+            "requeued": pool.get("requeued", 0), "pool": pool, "counters": dict(self.counters),
+            "clients": {p: {"device": c.device, "compute": c.compute, "tasks_done": c.tasks_done}
+                        for p, c in self.clients.items()},
+            "traffic": dict(TRAFFIC),
+        }
+
+    def note_step(self, version: int) -> None:
+        """When each of the last 16 versions was reached (the dashboard's seconds per step)."""
+        self.step_times[version] = time.time()
+        for v in [v for v in self.step_times if v <= version - 16]:
+            del self.step_times[v]
+
+    def announcement(self, state: str, maddrs: list[str], compute: float, servers: set[str]) -> ServerRecord:
+        """The record this server announces under its stage key: its place, addresses, version and
+        pools, its own worker's compute, the wall time of its last versions, and how many volunteers
+        (peers that are not `servers`) ever registered here and left."""
+        s = self.status()
+        volunteers = set(self.clients) - servers
+        self.seen_volunteers.update(volunteers)
+        self.seen_volunteers.difference_update(servers)
+        stats = {k: s[k] for k in ("microbatches_applied", "duplicates", "requeued")} | {
+            "clients": len(self.clients), "payload_errors": s["counters"]["payload_errors"],
+            "clients_joined": len(self.seen_volunteers), "clients_left": len(self.seen_volunteers - volunteers)}
+        return ServerRecord(device=self.device_id, role=self.role, stage=self.stage, state=state, version=self.version,
+                            epoch=self.epoch, maddrs=list(maddrs), pool=s["pool"], layers=list(self.st.layers),
+                            losses=s["losses"], stats=stats, compute=compute,
+                            step_times={str(v): t for v, t in sorted(self.step_times.items())}, time=time.time())

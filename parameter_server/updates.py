@@ -1,0 +1,107 @@
+"""Parameters and gradients: serving parameter versions, crediting gradient pushes exactly once
+(all or nothing per push, a task at most once), and the step under the delayed update
+(peer/model/update_rule.py), followed by a copy of the new shard to the stage's next server.
+Must not touch the data path's rows."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from peer.protocol.tasks import TaskId
+from peer.protocol.wire import PayloadError, field as mfield
+
+if TYPE_CHECKING:
+    from parameter_server.shard import ShardState
+
+logger = logging.getLogger("hivepipe.server")
+
+# Servers of a stage step on their own. A task of batch t+1 needs version t on every server of its
+# stage, so one server leads another by at most two versions: each keeps three parameter versions
+# and the rows of three batches, which is what a re-run of a task needs from the leader.
+RETAIN = 3
+
+
+def snapshots_kept(num_stages: int) -> int:
+    """Parameter versions a shard keeps. A failover re-runs every batch from the lowest version of any
+    shard of the run, and stages' versions can differ by two per stage boundary, so a shard keeps
+    that many more versions than a task needs in steady operation."""
+    return RETAIN + 2 * num_stages
+
+
+class Updates:
+    """StageServer's parameter versions, gradient credits and the step (a part of parameter_server.service.StageServer)."""
+
+    async def on_get_params(self, meta, tensors, sender):
+        version = mfield(meta, "version", int)
+        shard = self._hosted(meta)
+        if version > shard.version:
+            return {"retry": True, "version": shard.version}
+        snap = shard.params_at(version)
+        if snap is None:
+            raise PayloadError(f"version {version} is no longer held (current {shard.version})")
+        return {"names": shard.names, "version": version}, [snap[n] for n in shard.names]
+
+    def _hosted(self, meta: dict) -> ShardState:
+        slot = mfield(meta, "slot", int, optional=True)
+        slot = self.slot if slot is None else slot
+        if slot not in self.hosted:
+            raise PayloadError(f"shard slot {slot} is not hosted here (this server hosts {sorted(self.hosted)})")
+        return self.hosted[slot]
+
+    async def on_push_grads(self, meta, tensors, sender):
+        """A client's gradient shard accumulated over the tasks `tasks` (ids) of batch `batch`."""
+        if sender != self.peer_id:
+            self._client(sender)
+        t = mfield(meta, "batch", int)
+        ids = mfield(meta, "tasks", list)
+        if len(ids) > self.run.micro_batches * self.rows:
+            raise PayloadError(f"{len(ids)} tasks in one push: a batch has at most {self.run.micro_batches * self.rows}"
+                               " rows")
+        if len(set(map(str, ids))) != len(ids):
+            raise PayloadError("field 'tasks' names a task twice")
+        pieces = []
+        for task_id in ids:
+            tid = TaskId.parse(task_id)
+            kind, batch, micro, stage, rows = tid.kind, tid.batch, tid.micro, tid.stage, tid.rows
+            if stage != self.stage or batch != t:
+                raise PayloadError(f"task {task_id} is not of batch {t} of stage {self.stage}")
+            if kind != ("forward" if self.last else "backward"):
+                raise PayloadError(f"task {task_id}: only {'forward' if self.last else 'backward'} tasks carry "
+                                   f"gradients on stage {self.stage}")
+            pieces.append((task_id, micro, rows))
+        loss = mfield(meta, "loss_sum", float, optional=True)
+        if self.last and loss is None:
+            raise PayloadError("the last stage's gradient pushes must carry 'loss_sum'")
+        result, already = self._hosted(meta).credit(batch=t, pieces=pieces, grads=tensors, loss_sum=loss)
+        if result == "credited":
+            self._maybe_step()
+        return {"result": result, "credited": already}
+
+    def _maybe_step(self) -> None:
+        stepped = False
+        for slot, shard in sorted(self.hosted.items()):
+            while shard.ready_to_step():
+                before = self.version
+                v = shard.step()
+                stepped = True
+                logger.info("%s: applied batch %d -> version %d (slot %d)", self.device_id, v - 1, v, slot)
+                self._spawn(self._send_replica(slot))
+                if self.version == before:
+                    continue
+                self._forget_before(self.version - (RETAIN - 1))
+                for cb in self.on_step:
+                    r = cb(self.version)
+                    if asyncio.iscoroutine(r):
+                        self._spawn(r)
+        if stepped:
+            self.step_event.set()
+            self.step_event = asyncio.Event()
+            self.maybe_start_batches()
+            self.release_waiting()
+
+    def _forget_before(self, batch: int) -> None:
+        """Drop the rows and ledgers of batches < batch (applied by every server of the stage)."""
+        for store in (self.buffers, self.grad_buffers, self.ledger):
+            for key in [k for k in store if k[0] < batch]:
+                del store[key]

@@ -1,0 +1,112 @@
+"""The dashboard's command line (scripts/dashboard.py): a live terminal view, one JSON snapshot
+(`--json`), or the web page (`--serve PORT`)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+import sys
+import time
+
+from peer.dashboard.reader import DhtReader, Watcher
+from peer.dashboard.snapshot import DEFAULT_RUN_ID, RUN_ID_HINT, build_snapshot, run_found, to_json
+from peer.dashboard.terminal import live_view
+from peer.dashboard.web import serve
+
+logger = logging.getLogger("hivepipe.dashboard")
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"port {v} outside 0..65535")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dashboard.py",
+        description="Status of a hivepipe run, read from its DHT records: stages, servers, volunteers, "
+                    "task pools, progress and what blocks the run.")
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
+                   help="multiaddrs of DHT peers (e.g. the initial_peers=... line printed by `peer swarm`)")
+    p.add_argument("--run-id", default=DEFAULT_RUN_ID,
+                   help=f"the run to show (default {DEFAULT_RUN_ID!r}, the default of `peer swarm`; `peer serve` "
+                        "and `peer join` default to 'hivepipe'; the DHT cannot list runs, so there is no discovery)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--json", action="store_true", help="print one JSON snapshot and exit")
+    mode.add_argument("--serve", type=_port, default=None, metavar="PORT",
+                      help="serve a web page, /api/state (JSON) and /metrics (Prometheus) on 127.0.0.1:PORT "
+                           "(0: any free port; the address is printed)")
+    p.add_argument("--refresh", type=_positive, default=2.0, metavar="S", help="seconds between DHT reads (default 2)")
+    p.add_argument("--timeout", type=_positive, default=10.0, metavar="S",
+                   help="--json: seconds to wait for the run to appear before exiting with code 2 (default 10)")
+    p.add_argument("--stale-periods", type=_positive, default=3.0, metavar="N",
+                   help="a live record older than N announce periods shows as unreachable (default 3)")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from peer.errors import UsageError
+    from peer.runtime import check_maddrs, setup_logging
+
+    try:
+        check_maddrs("--initial-peers", args.initial_peers, need_peer_id=True)
+    except UsageError as e:
+        parser.error(str(e))
+
+    setup_logging(args.verbose)
+    try:
+        reader = DhtReader(args.initial_peers, args.run_id)
+    except Exception as e:
+        logger.debug("joining the DHT failed", exc_info=True)
+        print(f"dashboard: error: cannot join the DHT through {' '.join(args.initial_peers)}: {e}", file=sys.stderr)
+        return 2
+    def on_sigterm(signum, frame):  # SIGTERM stops the dashboard as Ctrl-C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        if args.json:
+            return one_shot(reader, args)
+        watcher = Watcher(reader, args.run_id, args.refresh, args.stale_periods)
+        if args.serve is not None:
+            return serve(watcher, args.serve, args.refresh)
+        return live_view(watcher, args.refresh)
+    except KeyboardInterrupt:
+        return 130 if args.json else 0
+    finally:
+        reader.shutdown()
+
+
+def one_shot(reader: DhtReader, args) -> int:
+    deadline = time.monotonic() + args.timeout
+    while True:
+        config, stages = reader.fetch()
+        if run_found(config, stages):
+            break
+        if time.monotonic() > deadline:
+            print(f"dashboard: error: no run {args.run_id!r} found in the DHT after {args.timeout:g} s {RUN_ID_HINT}",
+                  file=sys.stderr)
+            return 2
+        time.sleep(0.5)
+    snap = build_snapshot(args.run_id, config, stages, time.time(), stale_periods=args.stale_periods)
+    print(to_json(snap, indent=2), flush=True)
+    return 0

@@ -1,0 +1,111 @@
+"""The launcher's view of a run: the servers' DHT records for progress and the layout epoch, and
+P2P calls (at the addresses the records announce) for the final statuses and the assembled model.
+Must not start or stop processes (processes.py does)."""
+from __future__ import annotations
+
+import collections
+import logging
+
+logger = logging.getLogger("hivepipe.swarm")
+
+
+class Monitor:
+    """The launcher's view of the run: DHT records for progress, P2P calls for the final state."""
+
+    def __init__(self, dht, p2p, run_id: str, layout, tokens_per_batch: int):
+        self.dht, self.p2p, self.run_id, self.layout = dht, p2p, run_id, layout
+        self.num_layers = layout.stages[-1].layers[1]
+        self.epoch = 0
+        self.tokens_per_batch = tokens_per_batch
+        self.servers: dict[str, tuple[str, dict]] = {}  # device -> (peer id, record)
+        self.server_ids = set(self.all_devices())  # of every epoch (a failover only removes servers)
+
+    async def refresh(self) -> None:
+        from parameter_server.layout import RunLayout
+        from peer.protocol import records
+
+        try:  # after a failover the servers announce the layout of the new epoch
+            config = await records.get(self.dht, records.config_key(self.run_id))
+            if isinstance(config, dict) and config.get("epoch", 0) > self.epoch:
+                self.layout = RunLayout.from_dict(config["layout"], self.num_layers)
+                self.epoch = config["epoch"]
+        except Exception as e:
+            logger.debug("read config failed: %r", e)
+        for k in range(self.layout.num_stages):
+            try:
+                found = await records.read_stage(self.dht, self.run_id, k)
+            except Exception as e:
+                logger.debug("read_stage failed: %r", e)
+                continue
+            for peer, rec, _ in found:
+                if rec is not None and rec["kind"] == "server":
+                    self.servers[rec["device"]] = (peer, rec)
+
+    def all_devices(self) -> list[str]:
+        return [d for st in self.layout.stages for d in st.servers]
+
+    def all_online(self) -> bool:
+        return all(d in self.servers and self.servers[d][1]["state"] == "online" for d in self.all_devices())
+
+    def min_version(self) -> int:
+        if not all(d in self.servers for d in self.all_devices()):
+            return 0
+        return min(self.servers[d][1]["version"] for d in self.all_devices())
+
+    def loss(self, t: int) -> float | None:
+        last = self.layout.stages[-1]
+        for d in last.servers:
+            rec = self.servers.get(d, (None, {}))[1]
+            if str(t) in rec.get("losses", {}):
+                return rec["losses"][str(t)] / self.tokens_per_batch
+        return None
+
+    def _link(self, device: str):
+        from parameter_server.service import StageServer
+        from peer.node import P2PLink
+
+        peer, rec = self.servers[device]
+        return P2PLink(self.p2p, peer, device, StageServer, addresses=lambda: rec.get("maddrs", []))
+
+    async def statuses(self) -> dict[str, dict]:
+        out = {}
+        for d in self.all_devices():
+            meta, _ = await self._link(d).call("status", {}, timeout=30)
+            out[d] = meta
+        return out
+
+    async def assemble(self, version: int) -> dict:
+        """The full model at `version`, from every shard slot's host."""
+        state = {}
+        for st in self.layout.stages:
+            for slot, d in enumerate(st.hosts):
+                meta, tensors = await self._link(d).call("get_params", {"version": version, "slot": slot}, timeout=120)
+                state.update(zip(meta["names"], tensors))
+        return state
+
+    def summary(self, args, cfg, statuses: dict, killed: int, wall: float) -> dict:
+        last = self.layout.stages[-1]
+        loss_sums = statuses[last.servers[0]]["losses"]
+        losses = {int(k): v / self.tokens_per_batch for k, v in loss_sums.items()}
+        applied = sum(statuses[st.servers[0]]["microbatches_applied"] for st in self.layout.stages)
+        return {
+            "steps": args.steps,
+            "first_loss": losses[min(losses)],
+            "last_loss": losses[max(losses)],
+            "microbatches_expected": args.steps * args.micro_batches * self.layout.num_stages,
+            "microbatches_applied": applied,
+            "duplicates_dropped": sum(s["duplicates"] for s in statuses.values()),
+            "requeued": sum(s["requeued"] for s in statuses.values()),
+            "volunteers_killed": killed,
+            "layout_epoch": self.epoch,
+            "layout": self.layout.to_dict(),
+            # the volunteers (not servers) registered with each stage's servers when the run ended
+            "volunteers_by_stage": {str(st.index): sorted({c["device"] for d in st.servers
+                                                           for c in statuses[d].get("clients", {}).values()}
+                                                          - self.server_ids)
+                                    for st in self.layout.stages},
+            "wall_seconds": round(wall, 3),
+            "tokens_per_second": round(args.steps * args.batch_size * cfg.seq_len / max(wall, 1e-9), 1),
+            "bytes_on_wire": sum(sum(s.get("traffic", {}).values()) for s in statuses.values()),
+            "traffic": dict(sum((collections.Counter(s.get("traffic", {})) for s in statuses.values()), collections.Counter())),
+        }

@@ -1,0 +1,141 @@
+"""The processes of a local swarm: one place that starts, watches and kills them, shared by
+`peer swarm`, the tests and the benchmarks. Every child runs in its own process group (SIGKILL
+takes its DHT process and p2p daemon down too, as a real machine's crash would) and is gone after
+`close()`. Must not read the DHT (monitor.py does)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"  # a local swarm never listens beyond this machine
+
+
+class Swarm:
+    """The child processes of a local swarm; every one of them is gone after `close()`."""
+
+    def __init__(self, args, layout, frontal: int, backward: int, maddrs: list[str], work_dir: str):
+        self.args, self.layout, self.frontal, self.backward = args, layout, frontal, backward
+        self.maddrs = maddrs
+        self.work_dir = work_dir
+        self.servers: dict[str, subprocess.Popen] = {}
+        self.lost: list[str] = []  # servers SIGKILLed for good
+        self.server_argv: dict[str, list[str]] = {}
+        os.makedirs(os.path.join(work_dir, "identities"), exist_ok=True)
+        self.volunteers: dict[str, tuple[subprocess.Popen, str]] = {}  # name -> (process, stage argument)
+        self.killed = 0
+        self._count = 0
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(os.path.join(self.work_dir, f"{name}.log"), "ab")
+        cmd = [sys.executable, "-m", "peer.cli"] + (["-v"] if self.args.verbose else []) + argv
+        # its own process group: SIGKILL reaches its DHT process and p2p daemon too, as a real
+        # machine's crash would take them down
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+    def common(self) -> list[str]:
+        a = self.args
+        out = ["--run-id", a.run_id, "--initial-peers", *self.maddrs, "--parent-pid", str(os.getpid())]
+        if a.link_profile:
+            out += ["--link-profile", a.link_profile, "--link-scale", str(a.link_scale)]
+        return out
+
+    def start_servers(self) -> None:
+        a = self.args
+        for st in self.layout.stages:
+            for role, names in (("frontal", st.frontal), ("backward", st.backward)):
+                for i, name in enumerate(names):
+                    where = (["--plan", a.plan, "--device-id", name] if a.plan else
+                             ["--stage", str(st.index), "--role", role, "--index", str(i), "--stages", str(a.stages),
+                              "--frontal-per-stage", str(self.frontal), "--backward-per-stage", str(self.backward)])
+                    argv = ["serve", "--reliable", *where, "--host-maddrs", LOOPBACK_MADDR, "--model", a.model, "--seed", str(a.seed),
+                            "--steps", str(a.steps), "--batch-size", str(a.batch_size),
+                            "--micro-batches", str(a.micro_batches), "--lr", str(a.lr),
+                            "--announce-period", str(a.announce_period), "--task-timeout", str(a.task_timeout),
+                            "--client-timeout", str(a.client_timeout), "--failover-after", str(a.failover_after),
+                            "--checkpoint-dir", os.path.join(self.work_dir, "checkpoints"),
+                            "--identity-path", os.path.join(self.work_dir, "identities", f"{name}.key")] + self.common()
+                    if a.data:
+                        argv += ["--data", a.data]
+                    if a.servers_compute == "no":
+                        argv.append("--no-compute")
+                    if a.no_requeue:
+                        argv.append("--no-requeue")
+                    self.server_argv[name] = argv
+                    self.servers[name] = self._spawn(name, argv)
+
+    def start_volunteer(self, stage_arg: str, name: str | None = None, extra: list[str] = ()) -> str:
+        if name is None:
+            name = f"v{self._count}"
+            self._count += 1
+        argv = ["join", "--stage", stage_arg, "--device-id", name] + self.common() + list(extra)
+        if self.args.volunteer_slowdown:
+            argv += ["--slowdown", str(self.args.volunteer_slowdown)]
+        self.volunteers[name] = (self._spawn(name, argv), stage_arg)
+        return name
+
+    def start_volunteers(self) -> None:
+        a = self.args
+        if a.plan:  # each client of the plan, on its stage, under its device id
+            for st in self.layout.stages:
+                for name in st.clients:
+                    self.start_volunteer(str(st.index), name=name)
+            return
+        for i in range(a.volunteers):
+            stage = str(i % a.stages) if a.volunteer_stage == "spread" else a.volunteer_stage
+            self.start_volunteer(stage)
+
+    def kill_volunteer(self, name: str) -> None:
+        proc, stage = self.volunteers.pop(name)
+        if proc.poll() is None:
+            kill_group(proc, signal.SIGKILL)
+            proc.wait()
+            self.killed += 1
+        # a new volunteer takes the departed one's place in the cluster (and so its emulated links),
+        # with a fresh process and peer id
+        self.start_volunteer(stage, name=name)
+
+    def restart_server(self, name: str) -> None:
+        """SIGKILL a server (its whole process group) and start it again with the same identity and
+        checkpoint dir: it resumes from its shard checkpoint and request log."""
+        proc = self.servers[name]
+        kill_group(proc, signal.SIGKILL)
+        proc.wait()
+        self.servers[name] = self._spawn(name, self.server_argv[name])
+
+    def lose_server(self, name: str) -> None:
+        """SIGKILL a server (its whole process group) for good: the others fail it over."""
+        proc = self.servers.pop(name)
+        kill_group(proc, signal.SIGKILL)
+        proc.wait()
+        self.lost.append(name)
+
+    def check_alive(self) -> None:
+        for name, proc in self.servers.items():
+            if proc.poll() is not None:
+                tail = open(os.path.join(self.work_dir, f"{name}.log"), "rb").read()[-3000:].decode(errors="replace")
+                raise RuntimeError(f"server {name} exited with code {proc.returncode}:\n{tail}")
+
+    def close(self) -> None:
+        procs = list(self.servers.values()) + [p for p, _ in self.volunteers.values()]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + 10
+        for p in procs:
+            try:
+                p.wait(timeout=max(deadline - time.time(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+            kill_group(p, signal.SIGKILL)  # whatever is left of it: its DHT process, its p2p daemon
+            p.wait()
+
+
+def kill_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,44 @@
+"""The one table of RPC methods a parameter server offers, with what the rest of the system needs
+to know of each: whether it belongs to a layout epoch, whether a caller may repeat it after a lost
+answer, whether it changes server state (and so is written to the request log), and who may call
+it. The servicer, the client link and the retry policy all read this table; a method is added here
+or nowhere."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    epoched: bool  # carries the caller's layout epoch; refused from an older one
+    retry: bool  # safe to repeat when the answer was lost (credits, relays, ledger entries de-duplicate)
+    logged: bool  # changes the server's state: written to its request log, replayed after a restart
+    caller: str  # "client" (a registered worker), "server" (of the run), or "anyone"
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("register", epoched=False, retry=True, logged=False, caller="anyone"),
+    # a lost `take` answer is a lease that will expire: not repeated
+    Method("take", epoched=True, retry=False, logged=False, caller="client"),
+    Method("complete", epoched=True, retry=True, logged=True, caller="client"),
+    Method("fail", epoched=True, retry=True, logged=False, caller="client"),
+    Method("get_params", epoched=False, retry=True, logged=False, caller="anyone"),
+    Method("push_grads", epoched=True, retry=True, logged=True, caller="client"),
+    Method("push_inputs", epoched=True, retry=True, logged=True, caller="server"),
+    Method("get_inputs", epoched=True, retry=True, logged=False, caller="client"),
+    Method("push_input_grads", epoched=True, retry=True, logged=True, caller="client"),
+    Method("push_outputs", epoched=True, retry=True, logged=True, caller="client"),
+    Method("push_output_grads", epoched=True, retry=True, logged=True, caller="server"),
+    Method("ping", epoched=False, retry=True, logged=False, caller="anyone"),
+    Method("status", epoched=False, retry=True, logged=False, caller="anyone"),
+    Method("push_replica", epoched=False, retry=True, logged=False, caller="server"),
+    Method("adopt_epoch", epoched=False, retry=True, logged=False, caller="server"),
+    Method("get_layout", epoched=False, retry=True, logged=False, caller="anyone"),
+)}
+
+NAMES = tuple(METHODS)
+EPOCHED = frozenset(n for n, m in METHODS.items() if m.epoched)
+LOGGED = frozenset(n for n, m in METHODS.items() if m.logged)
+NOT_RETRIED = frozenset(n for n, m in METHODS.items() if not m.retry)
+SERVER_ONLY = frozenset(n for n, m in METHODS.items() if m.caller == "server")
