@@ -1,8 +1,8 @@
 """The link emulator against a real network stack: the same small run on kernel-shaped links and on
 the in-process emulator at the same rates, with the cost model's prediction beside them.
 
-Kernel: three network namespaces on a bridge (tests/net/netns.py); the four servers (`--no-compute`)
-on the first host, listening on its address; two volunteers on each of the other two (one per
+Kernel: five network namespaces on a bridge (tests/net/netns.py); the four servers (`--no-compute`)
+on the first host, listening on its address; one volunteer on each of the other four (two per
 stage), each volunteer host's link limited by `tc tbf` to RATE Mbit/s both ways. The kernel adds no
 delay (netem is not available here), so the emulator runs at the same rates with zero delay: every
 process on 127.0.0.1, `--link-profile` with the volunteers' bandwidth = RATE to every server and the
@@ -31,7 +31,8 @@ from _bench_common import REPO, Report, loadavg, md_table  # noqa: E402
 from tests.net import netns  # noqa: E402
 
 SERVERS = [("0", "frontal", "s0f0"), ("0", "backward", "s0b0"), ("1", "frontal", "s1f0"), ("1", "backward", "s1b0")]
-VOLUNTEERS = [("vol1", "v0", 0), ("vol1", "v1", 1), ("vol2", "v2", 0), ("vol2", "v3", 1)]
+# one host per volunteer: tbf shapes a host's link, and the emulator gives every volunteer a link of its own
+VOLUNTEERS = [("vol0", "v0", 0), ("vol1", "v1", 1), ("vol2", "v2", 0), ("vol3", "v3", 1)]
 
 
 class Run:
@@ -103,10 +104,10 @@ def serve_args(a, stage, role, ckpt: Path, key: Path, host: str) -> list[str]:
 
 
 def run_kernel(a, rate: float, work: Path) -> tuple[float, list[float]]:
-    bed = netns.Testbed(["srv", "vol1", "vol2"], tag=f"hb{os.getpid() % 10000}")
+    bed = netns.Testbed(["srv"] + [host for host, _, _ in VOLUNTEERS], tag=f"hb{os.getpid() % 10000}")
     run = Run(work)
     try:
-        for host in ("vol1", "vol2"):
+        for host, _, _ in VOLUNTEERS:
             bed.shape(host, rate)
         ip = bed.addrs["srv"]
         ckpt = work / "ckpt"
@@ -198,6 +199,8 @@ def main() -> int:
     p.add_argument("--out", default=str(REPO / "docs" / "bench_netns.md"))
     p.add_argument("--work", default=None)
     a = p.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so every run's processes and namespaces are removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     why = netns.unavailable()
     if why:
         print(f"bench_netns: cannot make network namespaces here: {why}", file=sys.stderr)
@@ -207,7 +210,7 @@ def main() -> int:
     work = Path(a.work or tempfile.mkdtemp(prefix="hivepipe-netns-"))
     report = Report("Kernel-shaped links vs the link emulator",
                     f"Model `{a.model}`, batch 16 in 4 micro-batches, 2 stages, 4 servers `--no-compute` on one host, "
-                    f"4 volunteers (one per stage on each of two hosts), {a.steps} steps, seconds per step over steps "
+                    f"4 volunteers (two per stage, each on a host of its own), {a.steps} steps, seconds per step over steps "
                     f"2..{a.steps}. Kernel: tbf on each volunteer host's veth, both ways, no added delay. Emulator: "
                     "the same processes on 127.0.0.1 with a link profile of the same bandwidth and zero delay. "
                     "Predicted: the cost model (plan_cost) with the volunteers' measured compute.")
