@@ -144,7 +144,10 @@ async def join_main(args, stop: asyncio.Event) -> int:
 
             if await wait_until(stop, "link measurements to every server", measured, poll=2.0) is None:
                 return 0
-            stage = (await picker.decide(None)).stage
+            decision = await wait_until(stop, "the stage records to choose a stage", lambda: picker.decide(None))
+            if decision is None:
+                return 0
+            stage = decision.stage
         else:
             stage = int(args.stage)
         verb = "joined run"

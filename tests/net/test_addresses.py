@@ -1,13 +1,15 @@
 """Addresses on one machine (no root needed): `peer serve` prints its initial_peers= line first,
 warns once when a first server announces only private addresses, and refuses with exit code 2 (and
 nothing written) an address that does not parse or cannot be bound, an initial peer without /p2p/,
-initial peers that do not answer within --timeout, and an announced address nobody can dial back."""
+initial peers that do not answer within --timeout, and an announced address nobody can dial back;
+a volunteer waiting for a run that is not there exits 0 on SIGTERM."""
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -54,6 +56,20 @@ def test_initial_peers_that_do_not_answer_within_the_timeout(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+def seen_within(stream, text: str, timeout: float) -> bool:
+    """Whether a line containing `text` comes out of `stream` within `timeout` seconds."""
+    found = threading.Event()
+
+    def read():
+        for line in stream:
+            if text in line:
+                found.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    return found.wait(timeout)
+
+
 def test_first_line_warning_and_a_refused_announce_address(tmp_path):
     first = subprocess.Popen([sys.executable, "-m", "peer.cli", *SERVE, "--run-id", f"addr{os.getpid()}",
                               "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--no-compute"],
@@ -71,6 +87,19 @@ def test_first_line_warning_and_a_refused_announce_address(tmp_path):
         assert f"could dial this server back at {bogus}" in out.stderr and "--announce-maddrs" in out.stderr
         assert out.stdout.startswith("initial_peers=" + bogus + "/p2p/")
         assert not (tmp_path / "c").exists()
+        # a volunteer whose run is not there waits, says so, and exits 0 on SIGTERM
+        join = subprocess.Popen([sys.executable, "-m", "peer.cli", "-v", "join", "--run-id", "no-such-run",
+                                 "--initial-peers", *initial], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            assert seen_within(join.stderr, "waiting for run 'no-such-run' to appear", 60)
+            join.send_signal(signal.SIGTERM)
+            assert join.wait(timeout=30) == 0
+        finally:
+            try:
+                os.killpg(join.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     finally:
         first.send_signal(signal.SIGTERM)
         code = first.wait(timeout=30)
