@@ -35,39 +35,6 @@ SERVERS = [("0", "frontal", "s0f0"), ("0", "backward", "s0b0"), ("1", "frontal",
 VOLUNTEERS = [("vol0", "v0", 0), ("vol1", "v1", 1), ("vol2", "v2", 0), ("vol3", "v3", 1)]
 
 
-class Run:
-    """The processes of one run; `close()` stops every one of them."""
-
-    def __init__(self, work: Path):
-        self.work = work
-        work.mkdir(parents=True, exist_ok=True)
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, name: str, argv: list[str], prefix: list[str] = (), stdout=None) -> subprocess.Popen:
-        log = open(self.work / f"{name}.log", "ab")
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "peer.cli", *argv], cwd=REPO,
-                                stdout=stdout or log, stderr=log, stdin=subprocess.DEVNULL, text=stdout is not None,
-                                start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.time() + 15
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(deadline - time.time(), 0.1))
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-
-
 def step_times(ckpt: Path, steps: int, timeout: float, procs) -> dict[int, float]:
     """Wall time at which every server's checkpoint first shows each version."""
     seen: dict[int, float] = {}
@@ -105,7 +72,7 @@ def serve_args(a, stage, role, ckpt: Path, key: Path, host: str) -> list[str]:
 
 def run_kernel(a, rate: float, work: Path) -> tuple[float, list[float]]:
     bed = netns.Testbed(["srv"] + [host for host, _, _ in VOLUNTEERS], tag=f"hb{os.getpid() % 10000}")
-    run = Run(work)
+    run = netns.Processes(str(work))
     try:
         for host, _, _ in VOLUNTEERS:
             bed.shape(host, rate)
@@ -120,7 +87,7 @@ def run_kernel(a, rate: float, work: Path) -> tuple[float, list[float]]:
         for host, name, stage in VOLUNTEERS:
             run.start(name, ["join", "--stage", str(stage), "--device-id", name, "--run-id", "bench",
                              "--initial-peers", *initial], bed.prefix(host))
-        seen = step_times(ckpt, a.steps, a.timeout, run.procs)
+        seen = step_times(ckpt, a.steps, a.timeout, [p for _, p in run.procs])
         return seconds_per_step(seen, a.steps), joined_compute(work)
     finally:
         run.close()
@@ -138,7 +105,7 @@ def cluster_file(rate: float) -> dict:
 
 
 def run_emulated(a, rate: float, work: Path) -> tuple[float, list[float]]:
-    run = Run(work)
+    run = netns.Processes(str(work))
     profile = work / "cluster.json"
     profile.write_text(json.dumps(cluster_file(rate)))
     link = ["--link-profile", str(profile)]
@@ -153,7 +120,7 @@ def run_emulated(a, rate: float, work: Path) -> tuple[float, list[float]]:
         for _, name, stage in VOLUNTEERS:
             run.start(name, ["join", "--stage", str(stage), "--device-id", name, "--run-id", "bench",
                              "--initial-peers", *initial] + link)
-        seen = step_times(ckpt, a.steps, a.timeout, run.procs)
+        seen = step_times(ckpt, a.steps, a.timeout, [p for _, p in run.procs])
         return seconds_per_step(seen, a.steps), joined_compute(work)
     finally:
         run.close()

@@ -89,3 +89,53 @@ class Testbed:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Processes:
+    """`peer` processes started in the testbed's hosts (or on this machine), each in its own process
+    group, logging to WORK/NAME.log; `close()` leaves none behind."""
+
+    def __init__(self, work):
+        self.work = work
+        os.makedirs(work, exist_ok=True)
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str], prefix=(), stdout=None) -> subprocess.Popen:
+        """`python -m peer.cli ARGV` under `prefix` (Testbed.prefix(host), or nothing); stdout to the
+        log unless given (subprocess.PIPE to read it, as text)."""
+        import sys
+
+        log = open(os.path.join(self.work, f"{name}.log"), "ab")
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "peer.cli", *argv], stdout=stdout or log, stderr=log,
+                                stdin=subprocess.DEVNULL, start_new_session=True, text=stdout is not None,
+                                cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        self.procs.append((name, proc))
+        return proc
+
+    def log(self, name: str) -> str:
+        with open(os.path.join(self.work, f"{name}.log"), errors="replace") as f:
+            return f.read()
+
+    def close(self, grace: float = 15.0) -> dict[str, int | None]:
+        """SIGTERM to each process, as an operator's `kill` would; SIGKILL to whatever of its group is
+        left after `grace` seconds. Returns {name: exit code, None if it had to be killed}."""
+        import signal
+        import time
+
+        for _, p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + grace
+        codes = {}
+        for name, p in self.procs:
+            try:
+                p.wait(timeout=max(deadline - time.time(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+            codes[name] = p.poll()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+        return codes

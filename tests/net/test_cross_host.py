@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -24,50 +23,25 @@ from tests.net import netns
 REASON = netns.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cross-host test: {REASON}")
 
-STEPS = 5
+STEPS = 8
 SERVERS = [("0", "frontal"), ("0", "backward"), ("1", "frontal"), ("1", "backward")]
 
 
-class Hosts:
+class Hosts(netns.Processes):
     """The testbed and every process started in it; `close()` leaves nothing behind."""
 
     def __init__(self, tmp_path):
-        self.tmp = tmp_path
+        super().__init__(str(tmp_path))
         self.bed = netns.Testbed(["srv", "vol1", "vol2"], tag=f"hx{os.getpid() % 10000}")
-        self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, host: str, name: str, argv: list[str], stdout=None) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "ab")
-        cmd = self.bed.prefix(host) + [sys.executable, "-m", "peer.cli", *argv]
-        proc = subprocess.Popen(cmd, stdout=stdout or log, stderr=log, stdin=subprocess.DEVNULL,
-                                start_new_session=True, text=stdout is not None, cwd=os.getcwd())
-        self.procs.append((name, proc))
-        return proc
+        return super().start(name, argv, self.bed.prefix(host), stdout)
 
-    def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text(errors="replace")
-
-    def close(self) -> None:
-        """SIGTERM to each process, as an operator's `kill` would; SIGKILL to whatever of its group is
-        left after 15 s. Returns {name: exit code}."""
-        for _, p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.time() + 15
-        codes = {}
-        for name, p in self.procs:
-            try:
-                p.wait(timeout=max(deadline - time.time(), 0.1))
-            except subprocess.TimeoutExpired:
-                pass
-            codes[name] = p.poll()
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-        self.bed.close()
-        return codes
+    def close(self) -> dict:
+        try:
+            return super().close()
+        finally:
+            self.bed.close()
 
 
 def first_line(proc: subprocess.Popen, timeout: float = 120) -> str:
@@ -106,10 +80,8 @@ def test_servers_on_one_host_volunteers_on_two_others(tmp_path):
         assert line.startswith("initial_peers=/ip4/" + srv_ip + "/tcp/"), line
         assert "127.0.0.1" not in line and "/p2p/" in line, line
         initial = line.split("=", 1)[1].split()
-        for stage, role in SERVERS[1:]:
-            hosts.start("srv", f"s{stage}{role[0]}",
-                        serve_argv(stage, role, srv_ip, run_id, ckpt, tmp_path / f"s{stage}{role[0]}.key",
-                                   "--initial-peers", *initial))
+        # the volunteers first: they wait for every server of the run, so all of them are there when
+        # the run starts (a late one could find the few tasks of a short run all taken)
         vols = []
         for host in ("vol1", "vol2"):
             for i in range(2):
@@ -118,6 +90,10 @@ def test_servers_on_one_host_volunteers_on_two_others(tmp_path):
                 hosts.start(host, name, ["join", "--stage", "auto", "--run-id", run_id, "--initial-peers", *initial,
                                          "--device-id", name, "--probe-bytes", str(1 << 18),
                                          "--rebalance-period", "5"], stdout=open(tmp_path / f"{name}.out", "w"))
+        for stage, role in SERVERS[1:]:
+            hosts.start("srv", f"s{stage}{role[0]}",
+                        serve_argv(stage, role, srv_ip, run_id, ckpt, tmp_path / f"s{stage}{role[0]}.key",
+                                   "--initial-peers", *initial))
         # the run ends when every server's checkpoint says so
         deadline = time.time() + 480
         dashboard = None
