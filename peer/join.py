@@ -119,13 +119,20 @@ async def join_main(args, stop: asyncio.Event) -> int:
         if args.stage != "auto" and int(args.stage) >= layout.num_stages:
             raise UsageError(f"--stage {args.stage}: the run has {layout.num_stages} stages")
         directory = Directory(dht, run.run_id, layout.num_stages)
-        everyone = [d for s in layout.stages for d in s.servers]
 
         async def all_servers():
+            """The run's current layout once all its servers are in the DHT: a failover while we wait
+            changes the layout (the config record carries the current epoch's), and a lost server
+            never comes back."""
+            nonlocal layout
+            value = await records.get(dht, records.config_key(run.run_id))
+            if isinstance(value, dict) and isinstance(value.get("layout"), dict):
+                layout = RunLayout.from_dict(value["layout"], cfg.layers)
             await directory.refresh()
-            return True if all(d in directory.servers for d in everyone) else None
+            return True if all(d in directory.servers for s in layout.stages for d in s.servers) else None
 
-        if await wait_until(stop, f"the servers of run {run.run_id} ({' '.join(everyone)}) in the DHT",
+        if await wait_until(stop, f"the servers of run {run.run_id} in the DHT "
+                                  f"({' '.join(d for s in layout.stages for d in s.servers)} at the start)",
                             all_servers) is None:
             return 0
         links_emulator = link_emulator(args, device)
