@@ -107,11 +107,8 @@ async def join_main(args, stop: asyncio.Event) -> int:
     device = args.device_id or f"v-{secrets.token_hex(3)}"
     rng = random.Random(peer_id)
     try:
-        async def config():
-            value = await records.get(dht, records.config_key(args.run_id))
-            return None if value is None else records.RunConfig.from_dict(value)
-
-        run = await wait_until(stop, f"run {args.run_id!r} to appear in the DHT (its config record)", config)
+        run = await wait_until(stop, f"run {args.run_id!r} to appear in the DHT (its config record)",
+                               lambda: records.read_config(dht, args.run_id))
         if run is None:
             return 0
         cfg = get_preset(run.model)
@@ -179,10 +176,10 @@ async def join_main(args, stop: asyncio.Event) -> int:
             async def announce(stage=stage, worker=worker):
                 while not leave.is_set():
                     elapsed = max(time.time() - worker.stats["started"], 1e-6)
-                    done = worker.stats["forward"] + worker.stats["backward"]
+                    tasks = worker.stats["forward"] + worker.stats["backward"]
                     rec = records.record_to_dict(records.ClientRecord(
-                        device=device, stage=stage, state="online", compute=float(worker.compute), tasks_done=done,
-                        throughput=done / elapsed, time=time.time()))
+                        device=device, stage=stage, state="online", compute=float(worker.compute), tasks_done=tasks,
+                        throughput=tasks / elapsed, time=time.time()))
                     try:
                         await records.store(dht, records.stage_key(run.run_id, stage), rec,
                                             ttl=3 * run.announce_period, subkey=peer_id)

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from scheduler.balance import link_score
 from scheduler.cost import engine_for
 from scheduler.files import Cluster, ModelSpec, Plan, PlanInputError
 from scheduler.state import layout_to_plan
@@ -24,7 +25,7 @@ def choose_stage_for_volunteer(delays, bandwidths, nbytes: float) -> int:
     for k, (dl, bw) in enumerate(zip(delays, bandwidths)):
         if not dl or len(dl) != len(bw):
             raise ValueError(f"choose_stage_for_volunteer: stage {k} needs as many bandwidths as delays, at least one")
-        score = sum(a + (nbytes / b if b > 0 else math.inf) for a, b in zip(dl, bw)) / len(dl)
+        score = link_score(dl, bw, nbytes)
         if best_k is None or score < best:
             best, best_k = score, k
     return best_k

@@ -3,7 +3,6 @@ share one DHT. Like Petals' module records: a key per stage, a subkey per peer i
 role, state, load and version, re-announced on a period and expiring by itself."""
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
@@ -159,14 +158,8 @@ async def read_stage(dht, run_id: str, stage: int) -> list[tuple[str, dict | Non
     return out
 
 
-async def read_config(dht, run_id: str, timeout: float = 60.0, poll: float = 0.25) -> RunConfig:
-    """Wait for the run's config record (published by its servers)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        value = await get(dht, config_key(run_id))
-        if value is not None:
-            return RunConfig.from_dict(value)
-        if loop.time() > deadline:
-            raise TimeoutError(f"no run {run_id!r} found in the DHT after {timeout:.0f} s")
-        await asyncio.sleep(poll)
+async def read_config(dht, run_id: str) -> RunConfig | None:
+    """The run's config record (published by its servers), or None while there is none; ValueError
+    when it does not fit the schema. Callers that wait poll it (peer/join.py's wait_until)."""
+    value = await get(dht, config_key(run_id))
+    return None if value is None else RunConfig.from_dict(value)
