@@ -22,7 +22,6 @@ logger = logging.getLogger("hivepipe.node")
 
 
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
-ANY_MADDR = "/ip4/0.0.0.0/tcp/0"
 
 
 class NetworkStartError(RuntimeError):
@@ -80,7 +79,8 @@ def visible_maddrs(dht: DHT) -> list[str]:
 
 
 def is_loopback(maddr: str) -> bool:
-    return _ip_of(maddr) is not None and _ip_of(maddr).is_loopback
+    ip = _ip_of(maddr)
+    return ip is not None and ip.is_loopback
 
 
 def is_public(maddr: str) -> bool:
