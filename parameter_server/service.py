@@ -41,7 +41,7 @@ from peer.protocol import methods
 from peer.protocol.links import LinkEmulator
 from peer.protocol.tasks import batch_of
 from peer.protocol.traffic import TRAFFIC
-from peer.protocol.wire import PayloadError, field as mfield, pack, unpack
+from peer.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, field as mfield, pack, unpack
 from taskpool import TaskPool, TaskPoolError
 
 logger = logging.getLogger("hivepipe.server")
@@ -142,8 +142,9 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Outbox, F
                 yield message
 
         try:
-            meta, tensors = await unpack(counted())
-        except PayloadError as e:
+            meta, tensors = await unpack(counted(), stall=STALL_SECONDS)
+        except (PayloadError, StreamCut) as e:
+            logger.debug("%s: %s request from %s refused: %s", self.device_id, method, str(context.remote_id)[-8:], e)
             rmeta, rtensors = {"error": str(e)}, []
         else:
             rmeta, rtensors = await self.handle(method, meta, tensors, str(context.remote_id))

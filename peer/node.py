@@ -15,7 +15,7 @@ from hivemind.proto.runtime_pb2 import ExpertRequest
 
 from peer.protocol import methods, records
 from peer.protocol.links import LinkEmulator
-from peer.protocol.wire import PayloadError, RemoteError, pack, unpack
+from peer.protocol.wire import STALL_SECONDS, PayloadError, RemoteError, StreamCut, pack, unpack
 
 logger = logging.getLogger("hivepipe.node")
 
@@ -235,16 +235,25 @@ class P2PLink:
             for m in messages:
                 yield m
 
+        started = time.monotonic()
+
         async def roundtrip():
             responses = await getattr(self._stub, f"rpc_{method}")(stream())
             try:
-                return await unpack(responses)
+                # the answer's messages follow each other at once: one that stalls cuts the call
+                return await unpack(responses, stall=STALL_SECONDS)
+            except StreamCut as e:
+                logger.debug("%s.%s: answer cut after %.1f s: %s", self.device, method, time.monotonic() - started, e)
+                raise StreamCut(f"{self.device}.{method}: {e}") from None
             except PayloadError as e:
                 if str(e) == "empty request":
                     raise ConnectionError(f"{self.device}.{method}: the connection closed before an answer") from None
                 raise
 
-        meta_r, tensors_r = await asyncio.wait_for(roundtrip(), timeout)
+        try:  # the deadline covers the whole call: the request, the handler's work, every answer message
+            meta_r, tensors_r = await asyncio.wait_for(roundtrip(), timeout)
+        except asyncio.TimeoutError:
+            raise asyncio.TimeoutError(f"{self.device}.{method}: no complete answer within {timeout:.0f} s") from None
         if "error" in meta_r:
             raise RemoteError(f"{self.device}.{method}: {meta_r['error']}")
         return meta_r, tensors_r

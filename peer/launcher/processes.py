@@ -60,6 +60,10 @@ class Swarm:
                             "--identity-path", os.path.join(self.work_dir, "identities", f"{name}.key")] + self.common()
                     if a.data:
                         argv += ["--data", a.data]
+                    if a.init_from:
+                        argv += ["--init-from", a.init_from]
+                    if a.seq_len is not None:
+                        argv += ["--seq-len", str(a.seq_len)]
                     if a.servers_compute == "no":
                         argv.append("--no-compute")
                     if a.no_requeue:
@@ -134,8 +138,44 @@ class Swarm:
             p.wait()
 
 
-def kill_group(proc: subprocess.Popen, sig: int) -> None:
+def kill_group(proc: subprocess.Popen, sig: int, wait: float = 5.0) -> None:
+    """Send `sig` to the process group that `proc` leads (it, its DHT process, its p2p daemon); for
+    SIGKILL, wait up to `wait` seconds until every member is gone, so that nothing of it outlives
+    the call (a killed process with much memory takes a moment to exit)."""
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
-        pass
+        return
+    if sig != signal.SIGKILL:
+        return
+    deadline = time.time() + wait
+    while time.time() < deadline:
+        if proc.poll() is None:
+            time.sleep(0.02)
+            continue
+        if not _group_members(proc.pid):
+            return
+        time.sleep(0.02)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes of group `pgid`; where /proc is missing, whether
+    signal 0 reaches the group."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != b"Z":  # fields: state, ppid, pgrp, ...
+            members.append(int(name))
+    return members

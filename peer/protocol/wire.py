@@ -9,6 +9,7 @@ raises `RemoteError` with the server's message.
 """
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import AsyncIterator, Iterable, Sequence
 
@@ -20,10 +21,18 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 CHUNK_BYTES = 1 << 20  # tensor parts of 1 MiB: far under the 4 MiB unary cap
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
+# the messages of one stream follow each other at once (a sender packs the whole payload first): a
+# gap this long between two of them, after the first, is a stalled stream, cut and reported
+STALL_SECONDS = 20.0
 
 
 class PayloadError(ValueError):
     """A request that does not fit what the handler expects (shape, dtype, NaN, unknown id, size...)."""
+
+
+class StreamCut(ConnectionError):
+    """A message stream that ended or stalled before its last tensor: the connection is at fault, not
+    the request, so a caller may try again (a ConnectionError, as P2PLink retries)."""
 
 
 class RemoteError(RuntimeError):
@@ -70,12 +79,34 @@ def payload_bytes(messages: Iterable) -> int:
     return sum(m.ByteSize() for m in messages)
 
 
-async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[dict, list[torch.Tensor]]:
-    """Read a whole message stream back into (metadata, tensors). Refuses more than `max_bytes`."""
+async def _messages(stream: AsyncIterator, stall: float | None):
+    """The stream's messages; StreamCut if a message after the first takes longer than `stall`
+    seconds (the first waits for the handler's work; the rest are sent as soon as it is done)."""
+    iterator = stream.__aiter__()
+    count = 0
+    while True:
+        try:
+            if stall and count:
+                message = await asyncio.wait_for(iterator.__anext__(), stall)
+            else:
+                message = await iterator.__anext__()
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise StreamCut(f"the stream stalled for {stall:.0f} s after {count} messages") from None
+        count += 1
+        yield message
+
+
+async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                 stall: float | None = None) -> tuple[dict, list[torch.Tensor]]:
+    """Read a whole message stream back into (metadata, tensors). Refuses more than `max_bytes`.
+    A stream that ends before the tensors its metadata declares, or (with `stall`) waits longer than
+    `stall` seconds for its next message, raises StreamCut."""
     meta = None
     groups: list[list] = []
     total = 0
-    async for message in stream:
+    async for message in _messages(stream, stall):
         total += message.ByteSize()
         if total > max_bytes:
             raise PayloadError(f"payload exceeds {max_bytes} bytes")
@@ -90,13 +121,17 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
                 raise PayloadError("tensor chunk without a header")
     if meta is None:
         raise PayloadError("empty request")
+    declared = meta.pop("n_tensors", len(groups))
+    if not isinstance(declared, int) or isinstance(declared, bool) or declared < 0:
+        raise PayloadError(f"field 'n_tensors' must be a count, got {declared!r}")
+    if len(groups) < declared:
+        raise StreamCut(f"the stream ended after {len(groups)} of the {declared} tensors its metadata declares")
+    if len(groups) > declared:
+        raise PayloadError(f"metadata declares {declared} tensors, {len(groups)} arrived")
     try:
         tensors = [deserialize_torch_tensor(combine_from_streaming(g)) for g in groups]
     except Exception as e:
         raise PayloadError(f"tensor does not deserialize: {e}") from None
-    declared = meta.pop("n_tensors", len(tensors))
-    if declared != len(tensors):
-        raise PayloadError(f"metadata declares {declared} tensors, {len(tensors)} arrived")
     return meta, tensors
 
 

@@ -11,7 +11,7 @@ from hivemind.proto.runtime_pb2 import ExpertRequest
 from parameter_server.layout import RunLayout, owners, segment, split_by_weights
 from parameter_server.requestlog import RequestLog, read_log
 from peer.protocol.records import RunConfig, validate_record
-from peer.protocol.wire import PayloadError, check_tensor, pack, unpack
+from peer.protocol.wire import PayloadError, StreamCut, check_tensor, pack, unpack
 
 
 async def _aiter(items):
@@ -33,11 +33,31 @@ def test_pack_unpack_roundtrip_streams_tensors_above_the_unary_cap():
     ([], "empty request"),
     ([ExpertRequest(metadata=b"\xc1")], "not valid msgpack"),
     ([ExpertRequest(metadata=msgpack.packb([1, 2]))], "must be a map"),
-    ([ExpertRequest(metadata=msgpack.packb({"n_tensors": 2}))], "declares 2 tensors"),
+    ([ExpertRequest(metadata=msgpack.packb({"n_tensors": "2"}))], "'n_tensors' must be a count"),
+    ([ExpertRequest(metadata=msgpack.packb({"n_tensors": 0}))] + pack({}, [torch.zeros(2)], ExpertRequest)[1:],
+     "declares 0 tensors, 1 arrived"),
 ])
 def test_unpack_refuses_malformed_requests(messages, problem):
     with pytest.raises(PayloadError, match=problem):
         asyncio.run(unpack(_aiter(messages)))
+
+
+def test_a_stream_that_ends_or_stalls_before_its_last_tensor_is_a_cut_connection():
+    """What the caller of a call whose answer was cut short sees: StreamCut, a ConnectionError (so
+    P2PLink tries again), never a payload error that would blame the request."""
+    messages = pack({"x": 1}, [torch.zeros(3), torch.ones(2)], ExpertRequest)
+    assert len(messages) == 2  # the metadata, then both tensors in one message
+    with pytest.raises(StreamCut, match="ended after 0 of the 2 tensors"):
+        asyncio.run(unpack(_aiter(messages[:1])))
+
+    async def stalls():
+        yield messages[0]
+        await asyncio.sleep(30)
+        yield messages[1]
+
+    with pytest.raises(StreamCut, match="stalled for 0 s after 1 messages"):
+        asyncio.run(unpack(stalls(), stall=0.2))
+    assert issubclass(StreamCut, ConnectionError)
 
 
 def test_unpack_refuses_oversized_payloads():
