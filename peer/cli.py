@@ -18,6 +18,8 @@ COMMANDS = {
     "join": ("peer.join", "join a run as a volunteer and pull tasks"),
     "swarm": ("peer.swarm", "run a whole swarm (DHT, servers, volunteers) on this machine"),
     "model-file": ("peer.model_file", "write the planner's model file for a model preset"),
+    "export": ("peer.export", "write a trained model as a Transformers LlamaForCausalLM folder"),
+    "generate": ("peer.generate", "write text with a trained model (hivepipe checkpoint or Transformers folder)"),
 }
 
 

@@ -91,7 +91,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
     from parameter_server.layout import RunLayout
     from parameter_server.service import StageServer
     from peer.errors import NetworkError
-    from peer.model.config import get_preset
+    from peer.model.config import run_model
     from peer.node import Directory, NetworkStartError, start_dht
     from peer.protocol import records
     from peer.volunteer.stage_choice import StagePicker
@@ -111,7 +111,10 @@ async def join_main(args, stop: asyncio.Event) -> int:
                                lambda: records.read_config(dht, args.run_id))
         if run is None:
             return 0
-        cfg = get_preset(run.model)
+        try:
+            cfg = run_model(run.model, run.arch)
+        except ValueError as e:
+            raise UsageError(f"run {run.run_id!r} names a model this peer cannot build: {e}") from None
         layout = RunLayout.from_dict(run.layout, cfg.layers)
         if args.stage != "auto" and int(args.stage) >= layout.num_stages:
             raise UsageError(f"--stage {args.stage}: the run has {layout.num_stages} stages")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from peer.errors import UsageError
-from peer.model.config import PRESETS, ModelConfig, check_micro_batches, get_preset
+from peer.model.config import PRESETS, ModelConfig, check_micro_batches
 
 if TYPE_CHECKING:  # torch stays out of `peer --help`
     import torch
@@ -83,8 +83,9 @@ def _deterministic(device: "torch.device"):
 
 def train_reference(cfg: ModelConfig, corpus: "Corpus", *, steps: int, seed: int, batch_size: int, micro_batches: int,
                     delay: int, lr: float, device: "torch.device | str" = "cpu", progress: bool = True,
-                    on_step: Callable[[StepInfo], None] | None = None) -> tuple[dict, dict]:
-    """Train from `build_slice(cfg, 0, cfg.layers, seed)` on batches 0..steps-1 of (corpus, seed).
+                    on_step: Callable[[StepInfo], None] | None = None, initial: dict | None = None) -> tuple[dict, dict]:
+    """Train from `build_slice(cfg, 0, cfg.layers, seed)` (or from the full-model state `initial`)
+    on batches 0..steps-1 of (corpus, seed).
 
     Returns (the final full-model state_dict as fp32 CPU tensors, a summary dict with steps,
     first_loss, last_loss, losses, wall_seconds, tokens_per_second and the run's settings). The loss
@@ -95,7 +96,7 @@ def train_reference(cfg: ModelConfig, corpus: "Corpus", *, steps: int, seed: int
 
     from peer.model.data import make_batch
     from peer.model.optim import apply_update, batch_gradient, make_optimizer
-    from peer.model.transformer import build_slice
+    from peer.model.transformer import StageSlice, build_slice
 
     check_training_args(steps=steps, batch_size=batch_size, micro_batches=micro_batches, delay=delay, lr=lr)
     device = torch.device(device)
@@ -104,7 +105,11 @@ def train_reference(cfg: ModelConfig, corpus: "Corpus", *, steps: int, seed: int
     with _deterministic(device):
         torch.manual_seed(seed)
         start = time.perf_counter()
-        model = build_slice(cfg, 0, cfg.layers, seed, device)
+        if initial is None:
+            model = build_slice(cfg, 0, cfg.layers, seed, device)
+        else:
+            model = StageSlice(cfg, 0, cfg.layers, device="meta")
+            model.load_state_dict({k: v.to(device) for k, v in initial.items()}, assign=True)
         optimizer = make_optimizer(model.parameters(), lr)
         pending: deque[dict] = deque()  # gradients whose updates are not applied yet, oldest first
         applied = 0
@@ -137,13 +142,15 @@ def train_reference(cfg: ModelConfig, corpus: "Corpus", *, steps: int, seed: int
     return state, summary
 
 
-def save_checkpoint(directory: str, state: dict, cfg: ModelConfig) -> str:
-    """Write `state` (full-model names) to DIRECTORY/model.safetensors with the config as metadata."""
+def save_checkpoint(directory: str, state: dict, cfg: ModelConfig, tokenizer: str = "bytes") -> str:
+    """Write `state` (full-model names) to DIRECTORY/model.safetensors with the config and the
+    tokenizer ("bytes", or the Transformers directory the run started from) as metadata."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, CHECKPOINT_FILE)
-    save_file(state, path, metadata={"model": cfg.name, "config": json.dumps(cfg.to_dict())})
+    save_file({k: v.contiguous() for k, v in state.items()}, path,
+              metadata={"model": cfg.name, "config": json.dumps(cfg.to_dict()), "tokenizer": tokenizer})
     return path
 
 
@@ -166,6 +173,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-out", metavar="DIR", help=f"write DIR/{CHECKPOINT_FILE} (the full model, fp32)")
     parser.add_argument("--summary-json", metavar="PATH", help="write the run's summary (losses, timings) as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from peer.hf import init as hf_init
+
+    hf_init.add_arguments(parser.add_argument_group("starting from a Transformers model"))
 
 
 def _prepare_output_folder(path: str, what: str) -> None:
@@ -193,8 +203,10 @@ def _check_device(name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from peer.hf import init as hf_init
+
+    cfg, hf = hf_init.resolve_model(args)
     try:
-        cfg = get_preset(args.model)
         check_training_args(steps=args.steps, batch_size=args.batch_size, micro_batches=args.micro_batches,
                             delay=args.delay, lr=args.lr)
     except ValueError as e:
@@ -205,12 +217,8 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint_out and os.path.exists(args.checkpoint_out) and not os.path.isdir(args.checkpoint_out):
         raise UsageError(f"--checkpoint-out {args.checkpoint_out!r} exists and is not a folder")
 
-    from peer.model.data import load_corpus
-
-    try:
-        corpus = load_corpus(args.data, seq_len=cfg.seq_len)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    corpus = hf_init.load_training_corpus(args.data, cfg, hf, progress=not args.no_progress)
+    initial = hf_init.initial_state(cfg, 0, cfg.layers, args.seed, hf) if hf is not None else None
     if args.checkpoint_out:
         _prepare_output_folder(args.checkpoint_out, "--checkpoint-out")
     if args.summary_json:
@@ -218,9 +226,9 @@ def run(args: argparse.Namespace) -> int:
 
     state, summary = train_reference(cfg, corpus, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
                                      micro_batches=args.micro_batches, delay=args.delay, lr=args.lr,
-                                     device=args.device, progress=not args.no_progress)
+                                     device=args.device, progress=not args.no_progress, initial=initial)
     if args.checkpoint_out:
-        summary["checkpoint"] = save_checkpoint(args.checkpoint_out, state, cfg)
+        summary["checkpoint"] = save_checkpoint(args.checkpoint_out, state, cfg, hf_init.model_record(cfg, hf)["tokenizer"])
     if args.summary_json:
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=2)

@@ -33,6 +33,9 @@ def add_arguments(p) -> None:
     train.add_argument("--batch-size", type=int, default=TRAIN_DEFAULTS["batch_size"])
     train.add_argument("--micro-batches", type=int, default=TRAIN_DEFAULTS["micro_batches"])
     train.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["lr"])
+    from peer.hf import init as hf_init
+
+    hf_init.add_arguments(train)
     net = p.add_argument_group("network and process")
     net.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
                      help="where to listen (default: every interface, a free port; pin the port, e.g. "
@@ -61,13 +64,11 @@ def resolve(args):
     check_maddrs("--host-maddrs", args.host_maddrs)
     check_maddrs("--announce-maddrs", args.announce_maddrs, need_port=True)
     from parameter_server.layout import RunLayout
-    from peer.model.config import check_micro_batches, get_preset
+    from peer.hf import init as hf_init
+    from peer.model.config import check_micro_batches
     from peer.protocol.records import RunConfig
 
-    try:
-        cfg = get_preset(args.model)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    cfg, args.hf_model = hf_init.resolve_model(args)
     try:
         check_micro_batches(args.batch_size, args.micro_batches)
     except ValueError as e:
@@ -109,9 +110,10 @@ def resolve(args):
     for st in layout.stages:
         if max(len(st.frontal), len(st.backward)) > rows:
             raise UsageError(f"stage {st.index} has more servers of one role than the {rows} rows of a micro-batch")
-    run = RunConfig(run_id=args.run_id, model=args.model, seed=args.seed, steps=args.steps, batch_size=args.batch_size,
-                    micro_batches=args.micro_batches, lr=args.lr, layout=layout.to_dict(),
-                    announce_period=args.announce_period)
+    run = RunConfig(run_id=args.run_id, model=cfg.name if args.hf_model else args.model, seed=args.seed,
+                    steps=args.steps, batch_size=args.batch_size, micro_batches=args.micro_batches, lr=args.lr,
+                    layout=layout.to_dict(), announce_period=args.announce_period,
+                    arch=cfg.to_dict() if args.hf_model else None)
     return cfg, layout, device, run
 
 
@@ -121,12 +123,9 @@ def run(args) -> int:
     stage, role, _ = layout.locate(device)
     corpus = None
     if stage == 0 and role == "frontal":
-        from peer.model.data import load_corpus
+        from peer.hf.init import load_training_corpus
 
-        try:
-            corpus = load_corpus(args.data, seq_len=cfg.seq_len)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        corpus = load_training_corpus(args.data, cfg, args.hf_model, progress=args.parent_pid is None)
     from peer.node import watch_parent
 
     watch_parent(args.parent_pid)
@@ -138,7 +137,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
 
     from parameter_server.checkpoint import load_checkpoint, save_checkpoint
     from parameter_server.service import StageServer
-    from peer.model.transformer import init_state
+    from peer.hf.init import initial_state, write_model_json
     from peer.node import Directory, LocalLink, NetworkStartError, announced_maddrs, start_dht
     from peer.protocol import records
     from peer.reachability import DialBackService
@@ -193,7 +192,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         return link_cache[key]
 
     server = StageServer(run=run_cfg, layout=layout, cfg=cfg, device_id=device, peer_id=peer_id,
-                         stage_params=init_state(cfg, *st.layers, run_cfg.seed), corpus=corpus, links=links,
+                         stage_params=initial_state(cfg, *st.layers, run_cfg.seed, args.hf_model), corpus=corpus, links=links,
                          task_timeout=args.task_timeout, client_timeout=args.client_timeout, connector=connector,
                          requeue=not args.no_requeue)
     if args.checkpoint_dir:
@@ -201,6 +200,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         from parameter_server.service import RETAIN
 
         os.makedirs(args.checkpoint_dir, exist_ok=True)
+        write_model_json(args.checkpoint_dir, cfg, args.hf_model)  # what `peer export --checkpoint-dirs` reads
         t0 = time.perf_counter()
         resumed = load_checkpoint(server, args.checkpoint_dir)
         log_path = os.path.join(args.checkpoint_dir, f"{device}.requests.log")

@@ -52,20 +52,25 @@ def add_arguments(p) -> None:
     p.add_argument("--failover-after", type=float, default=10.0,
                    help="seconds a server may be silent in the DHT before the others fail it over (0: never)")
     p.add_argument("--lose-server", action="append", default=[], metavar="DEVICE@STEP",
-                   help="SIGKILL server DEVICE for good once the run reaches STEP (failover; repeatable)")
+                   help="SIGKILL server DEVICE for good once the run reaches STEP and any earlier loss is failed "
+                        "over (repeatable)")
     p.add_argument("--summary-json", default=None)
     p.add_argument("--checkpoint-out", default=None, help="write model.safetensors here")
     p.add_argument("--work-dir", default=None, help="logs and server checkpoints (default: a temporary folder)")
     p.add_argument("--hold", action="store_true", help="keep the swarm up after the last step until Ctrl-C")
     p.add_argument("--no-progress", action="store_true")
+    from peer.hf import init as hf_init
+
+    hf_init.add_arguments(p.add_argument_group("starting from a Transformers model"))
 
 
 def validate(args):
     from parameter_server.layout import RunLayout
-    from peer.model.config import check_micro_batches, get_preset
+    from peer.hf import init as hf_init
+    from peer.model.config import check_micro_batches
 
+    cfg, args.hf_model = hf_init.resolve_model(args)
     try:
-        cfg = get_preset(args.model)
         check_micro_batches(args.batch_size, args.micro_batches)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -115,13 +120,10 @@ def validate(args):
                 raise ValueError
         except ValueError:
             raise UsageError(f"--volunteer-stage must be spread, auto or 0..{args.stages - 1}") from None
-    if args.data is not None:
-        from peer.model.data import load_corpus
-
-        try:
-            load_corpus(args.data, seq_len=cfg.seq_len)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+    if args.data is not None or args.hf_model is not None:
+        # checked here, before any process starts (with a tokenizer, this fills the token cache the
+        # batch-building server then reads)
+        hf_init.load_training_corpus(args.data, cfg, args.hf_model, progress=not args.no_progress)
     if args.failover_after < 0:
         raise UsageError(f"--failover-after must be >= 0 seconds, got {args.failover_after}")
     args.losses = parse_lose_server(args.lose_server, layout, args.steps)
@@ -165,6 +167,21 @@ def run(args) -> int:
     return run_until_signalled(lambda stop: swarm_main(args, cfg, layout, frontal, backward, work_dir, stop))
 
 
+async def wait_for_failovers(monitor, lost: list[str], timeout: float, stop: asyncio.Event) -> None:
+    """Wait until no server the launcher lost for good is in the run's current layout (the servers
+    fail a lost server over after --failover-after seconds, also once the last step is done), so
+    that the final statuses and parameters come from the servers that hold the slots."""
+    deadline = time.monotonic() + timeout
+    while not stop.is_set():
+        await monitor.refresh()
+        waiting = sorted(set(lost) & set(monitor.all_devices()))
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the servers {waiting}, lost for good, were not failed over within {timeout:.0f} s")
+        await asyncio.sleep(0.3)
+
+
 async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: asyncio.Event) -> int:
     from tqdm import tqdm
 
@@ -188,6 +205,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
         step_times: list[float] = []
         last_version, last_change = 0, time.time()
         pending_kills: list[tuple[float, str]] = []
+        ended_at = None  # when the last version was reached (losses may still be due then)
 
         def kill_due(until: float) -> None:
             """SIGKILL (and replace) every volunteer whose kill time is `until` or earlier."""
@@ -224,11 +242,22 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
                     n_kill = min(len(names), int(share) + (rng.random() < share - int(share)))
                     for name in rng.sample(names, n_kill):
                         pending_kills.append((now + rng.uniform(0, expected), name))
-            if version >= args.steps:
-                break
-            for at, name in [x for x in args.losses if x[0] <= version and x[1] in swarm.servers]:
+            # a loss is due once the run reaches its version, even if the run ends there: the servers
+            # fail it over after the last step too, and the summary waits for that
+            # one at a time: the next loss waits until the previous one is failed over
+            failed_over = not set(swarm.lost) & set(monitor.all_devices())
+            due = [x for x in args.losses if x[0] <= version and x[1] in swarm.servers]
+            if due and failed_over:
+                name = due[0][1]
                 logger.warning("losing server %s for good at version %d", name, version)
                 swarm.lose_server(name)
+            if version >= args.steps:
+                if not [x for x in args.losses if x[1] in swarm.servers]:
+                    break
+                ended_at = ended_at or time.time()
+                if time.time() - ended_at > args.failover_after + 120.0:
+                    raise RuntimeError(f"the losses {args.losses} could not all happen: the failover of "
+                                       f"{swarm.lost} did not come")
             kill_due(time.time())
             await asyncio.sleep(0.2)
         bar.close()
@@ -236,15 +265,16 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
             print("interrupted: stopping the swarm", file=sys.stderr)
             return 130
         wall = time.time() - (t_start or t_launch)
+        await wait_for_failovers(monitor, swarm.lost, args.failover_after + 120.0, stop)
         statuses = await monitor.statuses()
         state = await monitor.assemble(args.steps)
         summary = monitor.summary(args, cfg, statuses, swarm.killed, wall)
         summary["startup_seconds"] = (t_start or t_launch) - t_launch
         if args.checkpoint_out:
-            from safetensors.torch import save_file
+            from peer.hf.init import model_record
+            from peer.reference import save_checkpoint
 
-            os.makedirs(args.checkpoint_out, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(args.checkpoint_out, "model.safetensors"))
+            save_checkpoint(args.checkpoint_out, state, cfg, model_record(cfg, args.hf_model)["tokenizer"])
         if args.summary_json:
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=2)

@@ -193,11 +193,11 @@ def _parse_config(config: Any, errors: list[str]):
         return None, None, None
     if run.announce_period <= 0:
         errors.append(f"run config record: announce_period {run.announce_period} is not positive")
-    from peer.model.config import get_preset
+    from peer.model.config import run_model
 
     seq_len, num_layers = None, None
     try:
-        preset = get_preset(run.model)
+        preset = run_model(run.model, run.arch)
         seq_len, num_layers = preset.seq_len, preset.layers
     except ValueError as e:
         errors.append(f"run config record: {e}")

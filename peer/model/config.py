@@ -7,7 +7,8 @@ Parameter names are those of the full model's `state_dict` (a stage slice uses t
 
     embed.weight                          [vocab, hidden]          (first slice only)
     layers.{i}.attn_norm.weight           [hidden]
-    layers.{i}.attn.{wq,wk,wv,wo}.weight  [hidden, hidden]
+    layers.{i}.attn.{wq,wo}.weight        [hidden, hidden]
+    layers.{i}.attn.{wk,wv}.weight        [kv_heads * head_dim, hidden]  (grouped-query attention)
     layers.{i}.mlp_norm.weight            [hidden]
     layers.{i}.mlp.{w1,w3}.weight         [ffn_hidden, hidden]     (w1: gate, w3: up)
     layers.{i}.mlp.w2.weight              [hidden, ffn_hidden]     (down)
@@ -34,13 +35,23 @@ class ModelConfig:
     seq_len: int
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as `heads`
 
     def __post_init__(self):
-        for field_name in ("vocab_size", "hidden", "layers", "heads", "ffn_hidden", "seq_len"):
-            if getattr(self, field_name) < 1:
-                raise ValueError(f"model {self.name!r}: {field_name} must be >= 1, got {getattr(self, field_name)}")
+        if self.kv_heads == 0:
+            object.__setattr__(self, "kv_heads", self.heads)
+        for field_name in ("vocab_size", "hidden", "layers", "heads", "ffn_hidden", "seq_len", "kv_heads"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model {self.name!r}: {field_name} must be an integer >= 1, got {value!r}")
+        for field_name in ("rope_theta", "norm_eps"):
+            value = getattr(self, field_name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"model {self.name!r}: {field_name} must be a number > 0, got {value!r}")
         if self.hidden % self.heads:
             raise ValueError(f"model {self.name!r}: hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"model {self.name!r}: heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"model {self.name!r}: rotary embeddings need an even head size, got {self.head_dim}")
 
@@ -49,10 +60,15 @@ class ModelConfig:
         return self.hidden // self.heads
 
     @property
+    def kv_dim(self) -> int:
+        """Width of the key and value projections' outputs."""
+        return self.kv_heads * self.head_dim
+
+    @property
     def params_per_layer(self) -> int:
         """Parameters of one transformer block: 4 attention projections, 3 MLP matrices, 2 norms."""
         h, f = self.hidden, self.ffn_hidden
-        return 4 * h * h + 3 * h * f + 2 * h
+        return 2 * h * h + 2 * h * self.kv_dim + 3 * h * f + 2 * h
 
     def check_range(self, lo: int, hi: int) -> None:
         """Raise ValueError unless [lo, hi) is a non-empty layer range of this model."""
@@ -84,8 +100,10 @@ def param_shapes(cfg: ModelConfig, lo: int, hi: int) -> dict[str, tuple[int, ...
     for i in range(lo, hi):
         p = f"layers.{i}."
         shapes[p + "attn_norm.weight"] = (h,)
-        for w in ("wq", "wk", "wv", "wo"):
-            shapes[p + f"attn.{w}.weight"] = (h, h)
+        shapes[p + "attn.wq.weight"] = (h, h)
+        shapes[p + "attn.wk.weight"] = (cfg.kv_dim, h)
+        shapes[p + "attn.wv.weight"] = (cfg.kv_dim, h)
+        shapes[p + "attn.wo.weight"] = (h, h)
         shapes[p + "mlp_norm.weight"] = (h,)
         shapes[p + "mlp.w1.weight"] = (f, h)
         shapes[p + "mlp.w2.weight"] = (h, f)
@@ -110,6 +128,29 @@ PRESETS: dict[str, ModelConfig] = {
         ModelConfig("1b", BYTE_VOCAB, hidden=2048, layers=22, heads=32, ffn_hidden=5632, seq_len=2048),
     )
 }
+
+
+def model_from_dict(d) -> ModelConfig:
+    """A ModelConfig from its `to_dict()` (as a run's config record carries it); ValueError naming
+    the field that is missing, unknown or wrong."""
+    if not isinstance(d, dict):
+        raise ValueError(f"model architecture: expected a map, got {type(d).__name__}")
+    known = set(ModelConfig.__dataclass_fields__)
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"model architecture: unknown fields {unknown}")
+    missing = sorted(k for k in ("name", "vocab_size", "hidden", "layers", "heads", "ffn_hidden", "seq_len") if k not in d)
+    if missing:
+        raise ValueError(f"model architecture: missing fields {missing}")
+    if not isinstance(d["name"], str):
+        raise ValueError("model architecture: field 'name' must be a string")
+    return ModelConfig(**d)
+
+
+def run_model(model: str, arch: dict | None = None) -> ModelConfig:
+    """The model of a run: its recorded architecture when it has one (a run started from a
+    Transformers checkpoint), else the preset called `model`."""
+    return model_from_dict(arch) if arch else get_preset(model)
 
 
 def get_preset(name: str) -> ModelConfig:

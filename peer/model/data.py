@@ -28,8 +28,9 @@ _DEFAULT_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "t
 
 @dataclass(frozen=True)
 class Corpus:
-    """`train` and `val` are uint8 CPU tensors (val is the last 1% of the bytes, at least
-    VAL_MIN_SEQUENCES sequences); `fingerprint` is the sha256 of all the bytes."""
+    """`train` and `val` are CPU tensors of token ids: uint8 bytes, or int32 ids of a model's
+    tokenizer (val is the last 1% of the tokens, at least VAL_MIN_SEQUENCES sequences);
+    `fingerprint` is the sha256 of all the bytes (and of the tokenizer, when there is one)."""
 
     train: torch.Tensor
     val: torch.Tensor
@@ -86,23 +87,32 @@ def _read_path(path: str) -> bytes:
         return f.read()
 
 
-def load_corpus(path: str | None = None, *, seq_len: int = 128) -> Corpus:
+def load_corpus(path: str | None = None, *, seq_len: int = 128, tokenizer=None) -> Corpus:
     """Read a text file, or a folder of them (recursively, sorted by relative path, as bytes), or
-    with `path=None` the default corpus. ValueError naming the path if it is missing or empty or too
-    short to hold one training sequence and VAL_MIN_SEQUENCES held-out sequences of `seq_len`."""
+    with `path=None` the default corpus. The tokens are the bytes, or with `tokenizer` (an object
+    with `encode(bytes) -> int tensor` and `fingerprint`, e.g. peer.hf.tokenizer.CorpusTokenizer)
+    its ids. ValueError naming the path if it is missing or empty or too short to hold one training
+    sequence and VAL_MIN_SEQUENCES held-out sequences of `seq_len`."""
     if path is None:
         raw, source = _default_corpus_bytes()
     else:
         raw, source = _read_path(path), path
     if not raw:
         raise ValueError(f"data path {source!r} is empty")
+    fingerprint = hashlib.sha256(raw).hexdigest()
+    if tokenizer is None:
+        data, unit = torch.frombuffer(bytearray(raw), dtype=torch.uint8), "bytes"
+    else:
+        data, unit = tokenizer.encode(raw), "tokens"
+        fingerprint = hashlib.sha256(f"{fingerprint}:{tokenizer.fingerprint}".encode()).hexdigest()
+        source = f"{source} (token ids of tokenizer {tokenizer.fingerprint})"
     window = seq_len + 1  # a sequence and its shifted labels
-    n_val = max(int(len(raw) * VAL_FRACTION), VAL_MIN_SEQUENCES * window)
-    if len(raw) < n_val + window:
-        raise ValueError(f"data path {source!r} has {len(raw)} bytes, fewer than the {VAL_MIN_SEQUENCES * window + window} "
-                         f"needed for one training sequence and {VAL_MIN_SEQUENCES} held-out sequences of {seq_len} tokens")
-    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return Corpus(train=data[:-n_val], val=data[-n_val:], fingerprint=hashlib.sha256(raw).hexdigest(), source=source)
+    n_val = max(int(data.numel() * VAL_FRACTION), VAL_MIN_SEQUENCES * window)
+    if data.numel() < n_val + window:
+        raise ValueError(f"data path {source!r} has {data.numel()} {unit}, fewer than the "
+                         f"{VAL_MIN_SEQUENCES * window + window} needed for one training sequence and "
+                         f"{VAL_MIN_SEQUENCES} held-out sequences of {seq_len} tokens")
+    return Corpus(train=data[:-n_val], val=data[-n_val:], fingerprint=fingerprint, source=source)
 
 
 def make_batch(corpus: Corpus, seed: int, t: int, batch_size: int, seq_len: int, *,

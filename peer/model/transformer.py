@@ -57,17 +57,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
-        self.heads, self.head_dim = cfg.heads, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.wq = _linear(cfg.hidden, cfg.hidden, device)
-        self.wk = _linear(cfg.hidden, cfg.hidden, device)
-        self.wv = _linear(cfg.hidden, cfg.hidden, device)
+        self.wk = _linear(cfg.hidden, cfg.kv_dim, device)
+        self.wv = _linear(cfg.hidden, cfg.kv_dim, device)
         self.wo = _linear(cfg.hidden, cfg.hidden, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        q, k, v = (w(x).view(b, s, self.heads, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = (w(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        if self.kv_heads != self.heads:  # grouped-query attention: kv head i serves query heads i*g .. i*g+g-1
+            group = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, h))
 

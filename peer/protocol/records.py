@@ -35,6 +35,9 @@ class RunConfig:
     lr: float
     layout: dict  # RunLayout.to_dict()
     announce_period: float = 1.0
+    # the model's architecture (ModelConfig.to_dict()) for a run started from a Transformers
+    # checkpoint (`--init-from`): a volunteer builds its slice from it; None for a preset
+    arch: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -50,7 +53,10 @@ class RunConfig:
                 raise ValueError(f"run config record: missing field {k!r}")
             if not isinstance(d[k], kind) or isinstance(d[k], bool):
                 raise ValueError(f"run config record: field {k!r} has the wrong type {type(d[k]).__name__}")
-        return cls(**{k: d[k] for k in kinds})
+        arch = d.get("arch")
+        if arch is not None and not isinstance(arch, dict):
+            raise ValueError(f"run config record: field 'arch' has the wrong type {type(arch).__name__}")
+        return cls(**{k: d[k] for k in kinds}, arch=arch)
 
 
 def _kinds(*types) -> dict:
