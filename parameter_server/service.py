@@ -56,12 +56,22 @@ def _batch_of(meta: dict) -> int:
     return batch_of(meta.get("task")) or 0
 
 
+def default_max_request_bytes(stage_params: dict, rows: int, cfg) -> int:
+    """The largest request a server of this stage needs, with room to spare: a replica of the whole
+    stage's shard (parameters and AdamW's two moments, fp32), or a micro-batch's activations and
+    their gradients, plus 16 MiB for metadata and framing."""
+    stage_bytes = sum(t.numel() for t in stage_params.values()) * 4
+    activations = rows * cfg.seq_len * max(cfg.hidden, cfg.vocab_size) * 4
+    return 3 * stage_bytes + 2 * activations + (16 << 20)
+
+
 class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Outbox, Failover, Recovery, Status, ServicerBase):
 
     def __init__(self, *, run, layout: RunLayout, cfg, device_id: str, peer_id: str, stage_params: dict,
                  corpus=None, links: LinkEmulator | None = None, clock: Callable[[], float] = time.monotonic,
                  task_timeout: float = 60.0, client_timeout: float = 5.0, preference_grace: float = 0.5,
-                 connector: Callable[[str], object] | None = None, requeue: bool = True):
+                 connector: Callable[[str], object] | None = None, requeue: bool = True,
+                 max_request_bytes: int | None = None):
         self.run = run
         self.layout = layout
         self.cfg = cfg
@@ -86,6 +96,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Outbox, F
         self.slot_names = assign_shards({n: t.numel() for n, t in stage_params.items()}, len(self.st.hosts))
         self.slot = self.st.hosts.index(device_id)
         self.shard = self._new_shard(self.slot)
+        self.max_request_bytes = max_request_bytes or default_max_request_bytes(stage_params, self.rows, cfg)
         self.hosted: dict[int, ShardState] = {self.slot: self.shard}
         self.replicas: dict[int, ShardState] = {}  # slots of other servers of the stage copied here after each step
         self.replica_locks: dict[int, asyncio.Lock] = {}
@@ -142,7 +153,8 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Outbox, F
                 yield message
 
         try:
-            meta, tensors = await unpack(counted(), stall=STALL_SECONDS)
+            # a request beyond the limit is refused while its bytes arrive, before any tensor is built
+            meta, tensors = await unpack(counted(), max_bytes=self.max_request_bytes, stall=STALL_SECONDS)
         except (PayloadError, StreamCut) as e:
             logger.debug("%s: %s request from %s refused: %s", self.device_id, method, str(context.remote_id)[-8:], e)
             rmeta, rtensors = {"error": str(e)}, []

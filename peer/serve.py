@@ -54,6 +54,9 @@ def add_arguments(p) -> None:
                      help="seconds a server may be missing from the DHT before the others fail it over (0: never)")
     net.add_argument("--no-compute", action="store_true", help="do not run a local worker beside the services")
     net.add_argument("--no-requeue", action="store_true", help="drop a departed client's work (SWARM-like; benchmarks only)")
+    net.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                     help="refuse a request larger than N bytes while it arrives (default: 3x the stage's parameters "
+                          "in fp32 plus a micro-batch's activations twice plus 16 MiB)")
     add_common_arguments(p)
 
 
@@ -79,6 +82,8 @@ def resolve(args):
         raise UsageError(f"--lr must be positive, got {args.lr}")
     if args.failover_after < 0:
         raise UsageError(f"--failover-after must be >= 0 seconds, got {args.failover_after}")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1 << 16:
+        raise UsageError(f"--max-request-bytes must be at least 65536, got {args.max_request_bytes}")
     if args.plan:
         if not args.device_id:
             raise UsageError("--plan needs --device-id")
@@ -194,7 +199,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     server = StageServer(run=run_cfg, layout=layout, cfg=cfg, device_id=device, peer_id=peer_id,
                          stage_params=initial_state(cfg, *st.layers, run_cfg.seed, args.hf_model), corpus=corpus, links=links,
                          task_timeout=args.task_timeout, client_timeout=args.client_timeout, connector=connector,
-                         requeue=not args.no_requeue)
+                         requeue=not args.no_requeue, max_request_bytes=args.max_request_bytes)
     if args.checkpoint_dir:
         from parameter_server.requestlog import RequestLog, read_log
         from parameter_server.service import RETAIN

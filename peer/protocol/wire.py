@@ -128,11 +128,38 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
         raise StreamCut(f"the stream ended after {len(groups)} of the {declared} tensors its metadata declares")
     if len(groups) > declared:
         raise PayloadError(f"metadata declares {declared} tensors, {len(groups)} arrived")
+    for i, group in enumerate(groups):
+        _check_header(i, group)
     try:
         tensors = [deserialize_torch_tensor(combine_from_streaming(g)) for g in groups]
     except Exception as e:
         raise PayloadError(f"tensor does not deserialize: {e}") from None
     return meta, tensors
+
+
+# what a peer of this project sends (hivemind's NONE codec; bfloat16 as 2 bytes, or 4 in hivemind's
+# legacy mode): anything else is refused before a tensor is built from it
+_ITEM_BYTES = {"float32": (4,), "float16": (2,), "bfloat16": (2, 4), "float64": (8,), "int64": (8,), "int32": (4,),
+               "int16": (2,), "int8": (1,), "uint8": (1,), "bool": (1,)}
+MAX_DIMS = 8
+
+
+def _check_header(i: int, group: list) -> None:
+    """PayloadError unless tensor `i`'s parts are an uncompressed tensor of a known dtype whose
+    declared shape holds exactly the bytes that arrived (checked before anything is allocated)."""
+    head = group[0]
+    if head.compression != runtime_pb2.CompressionType.NONE:
+        raise PayloadError(f"tensor {i}: compression {head.compression} is not accepted (send uncompressed tensors)")
+    if head.dtype not in _ITEM_BYTES:
+        raise PayloadError(f"tensor {i}: dtype {head.dtype[:40]!r} is not accepted")
+    shape = list(head.size)
+    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+        raise PayloadError(f"tensor {i}: shape {shape[:MAX_DIMS + 1]} is not a tensor shape")
+    numel = math.prod(shape)
+    arrived = sum(len(part.buffer) for part in group)
+    if not any(numel * size == arrived for size in _ITEM_BYTES[head.dtype]):
+        raise PayloadError(f"tensor {i}: shape {shape} of {head.dtype} needs {numel * _ITEM_BYTES[head.dtype][0]} "
+                           f"bytes, {arrived} arrived")
 
 
 def check_tensor(t: torch.Tensor, name: str, shape: Sequence[int], dtype: torch.dtype, finite: bool = True) -> None:

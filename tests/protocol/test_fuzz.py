@@ -1,0 +1,170 @@
+"""Hostile bytes (issue "Hours, not minutes", item 5): every `rpc_*` method of a live server (a
+StageServer on a real hivemind P2P daemon), called from an outsider peer (its own daemon) with
+random metadata (not msgpack, wrong types, missing and extra fields) and random tensor parts (odd
+dtypes, shapes, NaN/inf, declared sizes far beyond what arrives, compression codes). The server
+answers each with an error or drops it, stays up, and its parameters, version and task pool are
+unchanged; a request over --max-request-bytes is refused while it arrives."""
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.proto.runtime_pb2 import ExpertRequest
+
+from parameter_server.service import StageServer
+from peer.protocol import methods
+from peer.protocol.wire import unpack
+from tests.swarm.inprocess import make_run
+
+FIELDS = ["task", "batch", "micro", "rows", "epoch", "slot", "version", "device", "compute", "tasks", "loss_sum",
+          "names", "n_tensors", "stage", "lost", "layout", "from_batch", "retry", "result"]
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=True),
+                    st.text(max_size=20), st.binary(max_size=20))
+values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                      max_leaves=8)
+metadata = st.one_of(
+    st.binary(max_size=64),  # not msgpack, or msgpack of anything
+    st.dictionaries(st.one_of(st.sampled_from(FIELDS), st.text(max_size=10)), values, max_size=8).map(
+        lambda d: msgpack.packb(d, use_bin_type=True)),
+)
+DTYPES = ["float32", "float16", "bfloat16", "int64", "uint8", "bool", "object", "V100000000", "", "complex128", "<f4"]
+
+
+@st.composite
+def tensor_parts(draw):
+    """A hivemind Tensor part: sometimes a real tensor (with NaN/inf), sometimes a header that lies."""
+    if draw(st.booleans()):
+        shape = draw(st.lists(st.integers(0, 5), max_size=3))
+        t = torch.randn(shape) if shape else torch.randn(())
+        if t.numel() and draw(st.booleans()):
+            t.view(-1)[0] = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+        from hivemind.compression import serialize_torch_tensor
+
+        return serialize_torch_tensor(t)
+    return runtime_pb2.Tensor(
+        buffer=draw(st.binary(max_size=64)),
+        size=draw(st.lists(st.integers(0, 2**32 - 1), max_size=5)),  # uint32 in the proto
+        dtype=draw(st.sampled_from(DTYPES)),
+        compression=draw(st.integers(0, 6)),
+        chunks=draw(st.integers(0, 3)),
+    )
+
+
+requests = st.tuples(metadata, st.lists(tensor_parts(), max_size=3), st.booleans())
+
+
+class LiveServer:
+    """A server of a tiny two-stage run (stage 0's frontal server, which builds batches), on a real
+    P2P daemon, and an outsider's daemon connected to it; their event loop runs in a thread."""
+
+    def __init__(self, max_request_bytes: int | None = None):
+        from peer.model.data import load_corpus
+        from peer.model.transformer import init_state
+
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        cfg, layout, run = make_run(steps=3)
+        st0 = layout.stages[0]
+
+        async def start():
+            self.p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            self.server = StageServer(run=run, layout=layout, cfg=cfg, device_id=st0.frontal[0],
+                                      peer_id=str(self.p2p.peer_id), stage_params=init_state(cfg, *st0.layers, 0),
+                                      corpus=load_corpus(None, seq_len=cfg.seq_len), max_request_bytes=max_request_bytes)
+            self.server.maybe_start_batches()
+            await self.server.add_p2p_handlers(self.p2p)
+            maddrs = [str(m) for m in await self.p2p.get_visible_maddrs()]
+            self.outsider = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            self.stub = StageServer.get_stub(self.outsider, PeerID.from_base58(str(self.p2p.peer_id)))
+
+        self.run(start())
+
+    def run(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def state(self) -> tuple:
+        s = self.server
+        params = tuple(float(p.detach().double().sum()) for p in s.shard.params.values())
+        pool = s.pool.stats()
+        return s.version, params, pool["queued"] + pool["leased"], pool["done"], sorted(s.issued), s.epoch
+
+    async def call(self, method: str, messages: list) -> str:
+        async def stream():
+            for m in messages:
+                yield m
+
+        try:
+            meta, _ = await asyncio.wait_for(unpack(await getattr(self.stub, f"rpc_{method}")(stream())), 20)
+        except asyncio.TimeoutError:
+            return "hung"
+        except Exception as e:  # the stream dropped: allowed
+            return f"dropped: {type(e).__name__}"
+        return "error" if "error" in meta else f"answered {sorted(meta)}"
+
+    def close(self):
+        async def stop():
+            await self.outsider.shutdown()
+            await self.p2p.shutdown()
+
+        self.run(stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def live():
+    server = LiveServer()
+    yield server
+    server.close()
+
+
+def _messages(meta: bytes, parts: list, split: bool) -> list:
+    if split and parts:
+        return [ExpertRequest(metadata=meta)] + [ExpertRequest(tensors=[p]) for p in parts]
+    return [ExpertRequest(metadata=meta, tensors=parts)]
+
+
+@pytest.mark.parametrize("method", methods.NAMES)
+def test_random_requests_are_refused_and_change_nothing(live, method):
+    before = live.state()
+    outcomes = []
+
+    @settings(max_examples=25, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(requests)
+    def one(request):
+        meta, parts, split = request
+        outcomes.append(live.run(live.call(method, _messages(meta, parts, split))))
+
+    one()
+    assert "hung" not in outcomes
+    # what may answer without an error: read-only methods, and register (which adds a client, not work)
+    if methods.METHODS[method].logged or method in ("take", "adopt_epoch", "push_replica"):
+        assert not [o for o in outcomes if o.startswith("answered")], outcomes
+    assert live.state() == before, method
+    assert live.run(live.call("ping", _messages(msgpack.packb({}), [], False))).startswith("answered")
+
+
+def test_a_request_over_max_request_bytes_is_refused_while_it_arrives():
+    server = LiveServer(max_request_bytes=1 << 16)
+    try:
+        big = torch.zeros(64, 1024)  # 256 KiB
+        from peer.protocol.wire import pack
+
+        before = server.state()
+        messages = pack({"batch": 0, "tasks": []}, [big], ExpertRequest)
+        result = server.run(server.call("push_grads", messages))
+        assert result == "error" or result.startswith("dropped"), result
+        assert server.server.counters["payload_errors"] == 0  # refused before the handler saw it
+        assert server.state() == before
+        small = pack({}, [], ExpertRequest)
+        assert server.run(server.call("ping", small)).startswith("answered")
+    finally:
+        server.close()
