@@ -92,7 +92,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
     from parameter_server.service import StageServer
     from peer.errors import NetworkError
     from peer.model.config import run_model
-    from peer.node import Directory, NetworkStartError, start_dht
+    from peer.node import Directory, NetworkStartError, start_dht, stop_dht
     from peer.protocol import records
     from peer.volunteer.stage_choice import StagePicker
     from peer.volunteer.worker import StageWorker
@@ -264,4 +264,4 @@ async def join_main(args, stop: asyncio.Event) -> int:
               f"done on stage(s) {' -> '.join(map(str, stages_worked)) or 'none'}", flush=True)
         return 0
     finally:
-        dht.shutdown()
+        stop_dht(dht)

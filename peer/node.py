@@ -62,6 +62,27 @@ def start_dht(initial_peers=(), *, identity_path: str | None = None, client_mode
                                     f"{where})") from None
 
 
+def stop_dht(dht: DHT, timeout: float = 5.0) -> None:
+    """Shut the DHT node's process down, and SIGKILL it if it is still there after `timeout`: a DHT
+    process forked from inside a running event loop inherits that loop's SIGTERM handler, so
+    hivemind's fallback (terminate) does not stop it, and the interpreter's exit would wait for it
+    forever (a launcher was seen hanging so, after its servers had crashed)."""
+    import signal
+
+    try:
+        dht.shutdown_timeout = min(getattr(dht, "shutdown_timeout", timeout), timeout)
+        dht.shutdown()
+    except Exception as e:  # a broken pipe to a dead process: nothing left to ask
+        logger.debug("DHT shutdown: %r", e)
+    if dht.pid is not None and dht.is_alive():
+        logger.debug("the DHT process %d did not stop; killing it", dht.pid)
+        try:
+            os.kill(dht.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        dht.join(timeout)
+
+
 def _daemon_problem(e: Exception) -> str:
     import re
 

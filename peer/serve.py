@@ -143,7 +143,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     from parameter_server.checkpoint import load_checkpoint, save_checkpoint
     from parameter_server.service import StageServer
     from peer.hf.init import initial_state, write_model_json
-    from peer.node import Directory, LocalLink, NetworkStartError, announced_maddrs, start_dht
+    from peer.node import Directory, LocalLink, NetworkStartError, announced_maddrs, start_dht, stop_dht
     from peer.protocol import records
     from peer.reachability import DialBackService
     from peer.volunteer.worker import StageWorker
@@ -168,7 +168,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         try:
             await check_own_reachability(dht, p2p, args, run_cfg.run_id, layout.num_stages, maddrs, device)
         except NetworkError:
-            dht.shutdown()
+            stop_dht(dht)
             raise
     t0 = time.perf_counter()
     current = await records.get(dht, records.config_key(run_cfg.run_id))
@@ -177,7 +177,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         from parameter_server.layout import RunLayout
 
         if not any(device in s.servers for s in RunLayout.from_dict(current["layout"], cfg.layers).stages):
-            dht.shutdown()
+            stop_dht(dht)
             raise UsageError(f"{device} was failed over (the run is at layout epoch {current['epoch']} without it); "
                              "start it under a new device id as a volunteer, or start a new run")
     links = link_emulator(args, device)
@@ -331,7 +331,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    dht.shutdown()
+    stop_dht(dht)
     return 0
 
 

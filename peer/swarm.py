@@ -185,7 +185,7 @@ async def wait_for_failovers(monitor, lost: list[str], timeout: float, stop: asy
 async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: asyncio.Event) -> int:
     from tqdm import tqdm
 
-    from peer.node import start_dht, visible_maddrs
+    from peer.node import start_dht, stop_dht, visible_maddrs
     from peer.reachability import DialBackService
 
     t_launch = time.time()
@@ -284,5 +284,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
             await stop.wait()
         return 0
     finally:
-        swarm.close()
-        dht.shutdown()
+        try:
+            swarm.close()
+        finally:
+            stop_dht(dht)

@@ -48,7 +48,9 @@ class DhtReader:
         return config, stages
 
     def shutdown(self) -> None:
-        self.dht.shutdown()
+        from peer.node import stop_dht
+
+        stop_dht(self.dht)
 
 
 class Watcher:

@@ -90,7 +90,7 @@ def model_record(cfg, hf) -> dict:
 
 def write_model_json(directory: str, cfg, hf) -> None:
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, MODEL_JSON + ".tmp")
+    tmp = os.path.join(directory, f"{MODEL_JSON}.{os.getpid()}.tmp")  # the servers of a local swarm share a folder
     with open(tmp, "w") as f:
         json.dump(model_record(cfg, hf), f, indent=2)
     os.replace(tmp, os.path.join(directory, MODEL_JSON))

@@ -185,7 +185,11 @@ class StageWorker:
                     await self._quiet(self.call(link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0)))
                 except Exception as e:  # a transport failure: hand the task back so it is re-queued at once
                     self.stats["dropped"] += 1
-                    logger.warning("%s: task %s interrupted: %r", self.device_id, meta["task"], e)
+                    # a server that cannot be reached is reported by its link's health (one line when
+                    # it starts failing, one a minute, one at recovery): a line per task would flood
+                    transport = isinstance(e, (ConnectionError, asyncio.TimeoutError))
+                    logger.log(logging.INFO if transport else logging.WARNING, "%s: task %s interrupted: %r",
+                               self.device_id, meta["task"], e)
                     await self._quiet(self.call(link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0)))
                 finally:
                     self.current = None
@@ -270,7 +274,9 @@ class StageWorker:
                 try:
                     await self.push_pending(self.pending.pop(b))
                 except Exception as e:  # its tasks stay leased here: they run out and are re-run by others
-                    logger.warning("%s: gradient push of batch %d failed: %r", self.device_id, b, e)
+                    transport = isinstance(e, (ConnectionError, asyncio.TimeoutError))
+                    logger.log(logging.INFO if transport else logging.WARNING, "%s: gradient push of batch %d "
+                               "failed: %r", self.device_id, b, e)
 
     async def push_pending(self, p: "Pending") -> None:
         """Push one batch's summed gradient, sharded, to every server of the stage with the ids of the

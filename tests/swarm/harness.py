@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from peer.cli import build_parser
-from peer.node import P2PLink, start_dht, visible_maddrs
+from peer.node import P2PLink, start_dht, stop_dht, visible_maddrs
 from peer.protocol import records
 from peer.launcher.monitor import Monitor
 from peer.launcher.processes import Swarm, kill_group
@@ -123,7 +123,7 @@ class LiveSwarm:
         try:
             self.swarm.close()
         finally:
-            self.dht.shutdown()
+            stop_dht(self.dht)
 
 
 def swarm_cli(tmp_path, run_id: str, *args: str, timeout: float = 600) -> tuple[dict, dict, str]:

@@ -1,0 +1,263 @@
+"""Soak: a swarm that runs for --minutes under churn, server restarts and a failover, sampling every
+process's memory, file descriptors and threads (issue "Hours, not minutes", item 1).
+
+The swarm: the small model, 2 stages x 4 servers (2 frontal + 2 backward each, so a server can be
+lost for good), --volunteers volunteers (default 6). Faults: --churn of the volunteers SIGKILLed
+and replaced per step, one server SIGKILLed and restarted from its checkpoint every
+--restart-every minutes, one lost for good once (at --lose-at minutes; failover after 10 s).
+Every --sample seconds each process (with its DHT process and p2p daemon) is sampled with psutil.
+At the end the model at the version every shard reached is compared with `peer reference` for that
+many steps.
+
+Writes, under --out: soak.csv (time, process, pid, rss_mb, fds, threads, version), soak.png (RSS per
+process over time with the step rate and the faults marked) and summary.json, and prints a table.
+
+    python scripts/soak.py --minutes 30 --out docs/soak
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--minutes", type=float, default=30.0)
+p.add_argument("--volunteers", type=int, default=6)
+p.add_argument("--churn", type=float, default=0.2, help="share of volunteers SIGKILLed and replaced per step")
+p.add_argument("--restart-every", type=float, default=10.0, help="minutes between server restarts")
+p.add_argument("--lose-at", type=float, default=None, help="minute at which a server is lost for good "
+               "(default: a third of --minutes)")
+p.add_argument("--sample", type=float, default=10.0, help="seconds between samples")
+p.add_argument("--model", default="small")
+p.add_argument("--seed", type=int, default=0)
+p.add_argument("--out", default="docs/soak")
+p.add_argument("--work-dir", default="/tmp/hivepipe-soak")
+args = p.parse_args()
+
+
+def tree(pid: int):
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return [proc] + proc.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def sample(procs: list) -> tuple[float, int, int]:
+    """RSS (MB), open fds and threads summed over a process and its children."""
+    import psutil
+
+    rss = fds = threads = 0
+    for proc in procs:
+        try:
+            with proc.oneshot():
+                rss += proc.memory_info().rss
+                fds += proc.num_fds()
+                threads += proc.num_threads()
+        except psutil.Error:
+            pass
+    return rss / 2**20, fds, threads
+
+
+async def main() -> dict:
+    import shutil
+
+    from peer.cli import build_parser
+    from peer.launcher.monitor import Monitor
+    from peer.launcher.processes import Swarm
+    from peer.node import start_dht, stop_dht, visible_maddrs
+    from peer.reachability import DialBackService
+    from peer.swarm import validate
+
+    shutil.rmtree(args.work_dir, ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)
+    sargs = build_parser().parse_args([
+        "swarm", "--model", args.model, "--steps", "1000000", "--volunteers", str(args.volunteers),
+        "--servers-per-stage", "4", "--servers-compute", "no", "--failover-after", "10", "--client-timeout", "3",
+        "--seed", str(args.seed), "--work-dir", args.work_dir, "--no-progress", "--run-id", f"soak-{os.getpid()}"])
+    sargs.verbose = 0
+    cfg, layout, frontal, backward = validate(sargs)
+    dht = start_dht([])
+    swarm = Swarm(sargs, layout, frontal, backward, visible_maddrs(dht), args.work_dir)
+    rng = random.Random(args.seed)
+    events: list[tuple[float, str]] = []
+    rows: list[dict] = []
+    versions: list[tuple[float, int]] = []
+    started: dict[str, float] = {}  # process name -> when its current process started
+    lose_at = (args.lose_at if args.lose_at is not None else args.minutes / 3) * 60
+    lost = None
+    try:
+        p2p = await dht.replicate_p2p()
+        await DialBackService().add_p2p_handlers(p2p)
+        swarm.start_servers()
+        swarm.start_volunteers()
+        monitor = Monitor(dht, p2p, sargs.run_id, layout, sargs.batch_size * cfg.seq_len)
+        t0 = time.time()
+        for name in list(swarm.servers) + list(swarm.volunteers):
+            started[name] = 0.0
+        next_sample, next_restart = 0.0, args.restart_every * 60
+        last_version = 0
+        from tqdm import tqdm
+
+        bar = tqdm(total=int(args.minutes * 60), desc="soak", unit="s", file=sys.stderr)
+        while (now := time.time() - t0) < args.minutes * 60:
+            bar.update(int(now) - bar.n)
+            swarm.check_alive()
+            try:
+                await monitor.refresh()
+            except Exception:
+                pass
+            version = monitor.min_version()
+            if version > last_version:
+                versions.append((now, version))
+                for _ in range(version - last_version):  # churn: a share of the volunteers per step
+                    share = args.churn * len(swarm.volunteers)
+                    n = int(share) + (rng.random() < share - int(share))
+                    for name in rng.sample(sorted(swarm.volunteers), min(n, len(swarm.volunteers))):
+                        swarm.kill_volunteer(name)
+                        started[name] = now
+                        events.append((now, f"kill {name}"))
+                last_version = version
+            if lost is None and now >= lose_at:
+                candidates = [d for st in monitor.layout.stages for d in st.backward[1:]]
+                lost = candidates[0]
+                swarm.lose_server(lost)
+                events.append((now, f"lose {lost}"))
+            if now >= next_restart:
+                alive = [d for d in monitor.all_devices() if d in swarm.servers and d != lost]
+                name = rng.choice(alive)
+                swarm.restart_server(name)
+                started[name] = now
+                events.append((now, f"restart {name}"))
+                next_restart += args.restart_every * 60
+            if now >= next_sample:
+                groups = {"launcher": tree(os.getpid())[:1] + [c for c in tree(os.getpid())[1:]
+                                                             if "peer.cli" not in " ".join(c.cmdline() or [])]}
+                for name, proc in list(swarm.servers.items()):
+                    groups[name] = tree(proc.pid)
+                for name, (proc, _) in list(swarm.volunteers.items()):
+                    groups[name] = tree(proc.pid)
+                for name, procs in groups.items():
+                    if not procs:
+                        continue
+                    rss, fds, threads = sample(procs)
+                    rows.append({"t": round(now, 1), "process": name, "pid": procs[0].pid, "rss_mb": round(rss, 1),
+                                 "fds": fds, "threads": threads, "version": version})
+                next_sample += args.sample
+            await asyncio.sleep(0.5)
+        bar.close()
+        await monitor.refresh()
+        final = monitor.min_version()
+        state = await monitor.assemble(final)
+        statuses = await monitor.statuses()
+    finally:
+        swarm.close()
+        stop_dht(dht)
+    return {"rows": rows, "events": events, "versions": versions, "final": final, "state": state,
+            "statuses": statuses, "layout": monitor.layout, "started": started, "cfg": cfg, "sargs": sargs}
+
+
+def report(r: dict) -> dict:
+    from peer.model.data import load_corpus
+    from peer.reference import train_reference
+
+    with open(os.path.join(args.out, "soak.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["t", "process", "pid", "rss_mb", "fds", "threads", "version"])
+        w.writeheader()
+        w.writerows(r["rows"])
+    # step times and stalls
+    times = [t for t, _ in r["versions"]]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    median = statistics.median(gaps) if gaps else 0.0
+    lose_t = next((t for t, e in r["events"] if e.startswith("lose")), None)
+    outside = [g for (a, b), g in zip(zip(times, times[1:]), gaps)
+               if lose_t is None or not (lose_t - 1 <= b and a <= lose_t + 60)]
+    # RSS growth of long-lived processes (the same pid from minute 5 to the end)
+    growth = {}
+    by_pid: dict[tuple[str, int], list[dict]] = {}
+    for row in r["rows"]:
+        by_pid.setdefault((row["process"], row["pid"]), []).append(row)
+    for (name, pid), samples in by_pid.items():
+        if samples[0]["t"] > 60 or samples[-1]["t"] - samples[0]["t"] < 10 * 60:
+            continue  # not long-lived
+        base = [s for s in samples if s["t"] >= samples[0]["t"] + 300]
+        if len(base) < 2:
+            continue
+        growth[f"{name} ({pid})"] = {
+            "rss_mb_at_5min": base[0]["rss_mb"], "rss_mb_end": samples[-1]["rss_mb"],
+            "growth_pct": round(100 * (samples[-1]["rss_mb"] / base[0]["rss_mb"] - 1), 1),
+            "fds": [base[0]["fds"], samples[-1]["fds"]], "threads": [base[0]["threads"], samples[-1]["threads"]]}
+    sargs, cfg = r["sargs"], r["cfg"]
+    corpus = load_corpus(None, seq_len=cfg.seq_len)
+    ref, _ = train_reference(cfg, corpus, steps=r["final"], seed=sargs.seed, batch_size=sargs.batch_size,
+                             micro_batches=sargs.micro_batches, delay=1, lr=sargs.lr, progress=False)
+    num = sum(float((r["state"][k] - ref[k]).double().pow(2).sum()) for k in ref)
+    den = sum(float(v.double().pow(2).sum()) for v in ref.values())
+    applied = sum(r["statuses"][st.servers[0]]["microbatches_applied"] for st in r["layout"].stages)
+    summary = {
+        "minutes": args.minutes, "steps": r["final"], "microbatches_applied": applied,
+        "microbatches_expected": r["final"] * sargs.micro_batches * len(r["layout"].stages),
+        "median_step_s": round(median, 2), "longest_stall_s": round(max(gaps), 1) if gaps else None,
+        "longest_stall_outside_failover_s": round(max(outside), 1) if outside else None,
+        "rel_diff_vs_reference": num ** 0.5 / den ** 0.5, "rss_growth": growth,
+        "events": [(round(t), e) for t, e in r["events"] if not e.startswith("kill")],
+        "volunteer_kills": sum(1 for _, e in r["events"] if e.startswith("kill")),
+    }
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+        for (name, pid), samples in sorted(by_pid.items()):
+            ax1.plot([s["t"] / 60 for s in samples], [s["rss_mb"] for s in samples], lw=0.8,
+                     label=name if not name.startswith("v") else None)
+        ax1.set_ylabel("RSS (MB, with DHT process and p2pd)")
+        ax1.legend(fontsize=7, ncol=4)
+        ax2.plot([t / 60 for t in times[1:]], [60 / max(g, 1e-3) for g in gaps], lw=0.8)
+        ax2.set_ylabel("steps per minute")
+        ax2.set_xlabel("minutes")
+        for t, e in r["events"]:
+            if not e.startswith("kill"):
+                for ax in (ax1, ax2):
+                    ax.axvline(t / 60, color="red", ls="--", lw=0.8)
+                ax2.text(t / 60, ax2.get_ylim()[1] * 0.9, e, fontsize=7, rotation=90, color="red")
+        kills = [t / 60 for t, e in r["events"] if e.startswith("kill")]
+        ax2.plot(kills, [0] * len(kills), "|", color="gray", label="volunteer SIGKILLed")
+        ax2.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "soak.png"), dpi=110)
+    except ImportError:
+        pass
+    return summary
+
+
+if __name__ == "__main__":
+    result = asyncio.run(main())
+    s = report(result)
+    print("| steps | micro-batches applied / expected | median step | longest stall (outside failover) | "
+          "final params vs reference |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| {s['steps']} | {s['microbatches_applied']} / {s['microbatches_expected']} | {s['median_step_s']} s | "
+          f"{s['longest_stall_s']} s ({s['longest_stall_outside_failover_s']} s) | {s['rel_diff_vs_reference']:.2e} |")
+    print()
+    print("| long-lived process | RSS at 5 min (MB) | RSS at end (MB) | growth | fds | threads |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, g in sorted(s["rss_growth"].items()):
+        print(f"| {name} | {g['rss_mb_at_5min']} | {g['rss_mb_end']} | {g['growth_pct']}% | "
+              f"{g['fds'][0]} -> {g['fds'][1]} | {g['threads'][0]} -> {g['threads'][1]} |")
+    print(f"\nevents: {s['events']}; {s['volunteer_kills']} volunteers SIGKILLed")
