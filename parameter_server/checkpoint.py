@@ -25,6 +25,20 @@ def save_checkpoint(server, directory: str) -> None:
                    "slots": sorted(server.hosted), "epoch": server.epoch}, f)
 
 
+def _replica_path(directory: str, device: str, slot: int) -> str:
+    return os.path.join(directory, f"{device}.replica{slot}.pt")
+
+
+def save_replica(server, directory: str, slot: int) -> None:
+    """The replica of another server's slot, as it arrives: the state a takeover starts from must
+    outlive a crash of this server (a crash right after adopting a slot, before its first step
+    there, lost the slot when replicas lived only in memory)."""
+    path = _replica_path(directory, server.device_id, slot)
+    tmp = path + ".tmp"
+    torch.save(server.replicas[slot].state_dict(), tmp)
+    os.replace(tmp, path)
+
+
 def load_checkpoint(server, directory: str) -> bool:
     """Load the server's own slot; a slot it had taken over goes back among its replicas, from where
     the replay of its request log (which keeps the adopted layout epoch) takes it over again."""
@@ -48,8 +62,26 @@ def load_checkpoint(server, directory: str) -> bool:
         shard.load_state_dict(state["slots"][slot])
         if slot != server.slot:
             server.replicas[slot] = shard
+    _load_replicas(server, directory)
     server.next_batch = server.shard.version
     return True
+
+
+def _load_replicas(server, directory: str) -> None:
+    """Replica files newer than what the checkpoint holds of those slots."""
+    for slot in range(len(server.slot_names)):
+        path = _replica_path(directory, server.device_id, slot)
+        if slot == server.slot or not os.path.exists(path):
+            continue
+        try:
+            saved = torch.load(path, weights_only=False)
+        except Exception as e:  # a torn file cannot be: it is written aside and renamed
+            raise ValueError(f"replica {path} does not load: {e}") from None
+        current = server.replicas.get(slot)
+        if current is None or saved["version"] > current.version:
+            shard = server._new_shard(slot)
+            shard.load_state_dict(saved)
+            server.replicas[slot] = shard
 
 
 def read_model(directories) -> tuple[dict, dict]:

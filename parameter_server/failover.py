@@ -41,6 +41,9 @@ class Failover:
         newer = replica.absorb(meta, tensors)
         self.replicas[slot] = replica
         self.counters["replicas_received"] += int(newer)
+        if newer:
+            for cb in self.on_replica:  # made durable before it is acknowledged
+                cb(slot)
         return {"result": "accepted" if newer else "duplicate", "version": replica.version}
 
     async def on_get_layout(self, meta, tensors, sender):
@@ -102,6 +105,16 @@ class Failover:
         self.st, self.index, self.reflow_from = st, index, from_batch
         self.run_versions = {}  # readings of the old epoch no longer say what is applied
         self._reset_datapath()
+        if take_over and not self.replaying:
+            for cb in self.on_adopt:  # the adopted slots reach the checkpoint before they are served
+                cb(dict(record))
+        if not self.replaying:
+            # the stage's ring of replicas changed: every slot hosted here goes to its new next server
+            # now, not at its next step, so that a second loss in the stage finds a copy
+            for slot, lock in self.replica_locks.items():
+                lock.sent = -1
+            for slot in sorted(self.hosted):
+                self._spawn(self._send_replica(slot))
         if self.log is not None and not self.replaying:
             self.log.append({"method": "adopt_epoch", "meta": dict(record), "sender": self.peer_id,
                              "batch": self.run.steps}, [])

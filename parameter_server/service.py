@@ -113,6 +113,8 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Outbox, F
         self.step_event = asyncio.Event()
         self.on_step: list[Callable[[int], Awaitable[None] | None]] = []
         self.on_epoch: list[Callable[[dict], None]] = []
+        self.on_adopt: list[Callable[[dict], None]] = []  # slots taken over (before the epoch is logged)
+        self.on_replica: list[Callable[[int], None]] = []  # a newer replica of a slot arrived
         self.step_times: dict[int, float] = {}  # version -> wall time it was reached (note_step)
         self.seen_volunteers: set[str] = set()  # volunteers that ever registered here (announcement)
 

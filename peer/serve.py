@@ -140,7 +140,7 @@ def run(args) -> int:
 async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.Event) -> int:
     import torch
 
-    from parameter_server.checkpoint import load_checkpoint, save_checkpoint
+    from parameter_server.checkpoint import load_checkpoint, save_checkpoint, save_replica
     from parameter_server.service import StageServer
     from peer.hf.init import initial_state, write_model_json
     from peer.node import Directory, LocalLink, NetworkStartError, announced_maddrs, start_dht, stop_dht
@@ -221,6 +221,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
             request_log.compact(version - (RETAIN - 1))
 
         server.on_step.append(persist)
+        server.on_adopt.append(lambda record: save_checkpoint(server, args.checkpoint_dir))
+        server.on_replica.append(lambda slot: save_replica(server, args.checkpoint_dir, slot))
     server.on_step.append(server.note_step)
     worker = None
     await server.add_p2p_handlers(p2p)
@@ -307,7 +309,35 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         if not task.cancelled() and task.exception() is not None:
             logger.error("%s: background task failed", device, exc_info=task.exception())
 
+    async def catch_up_epoch(target: int) -> None:
+        """Restarted while the run is at a later layout epoch than the log says (a crash between
+        taking a slot over and logging the epoch): take the epoch record from another server of
+        it and adopt it (the replicas it needs are on disk)."""
+        while not stop.is_set() and server.epoch < target:
+            await directory.refresh()
+            for d in [d for s_ in server.layout.stages for d in s_.servers if d != device]:
+                link = connector(d)
+                if link is None:
+                    continue
+                try:
+                    record, _ = await link.call("get_layout", {}, timeout=10.0)
+                    if record.get("epoch", 0) > server.epoch:
+                        server.adopt(record)
+                        logger.warning("%s: caught up with layout epoch %d from %s", device, server.epoch, d)
+                        return
+                except Exception as e:
+                    logger.debug("%s: get_layout from %s: %r", device, d, e)
+            await asyncio.sleep(1.0)
+
     tasks = [asyncio.ensure_future(announcer()), asyncio.ensure_future(maintenance())]
+    run_epoch = current.get("epoch", 0) if isinstance(current, dict) else 0
+    if isinstance(run_epoch, int) and run_epoch > server.epoch:
+        try:
+            await asyncio.wait_for(catch_up_epoch(run_epoch), 120)
+        except asyncio.TimeoutError:
+            logger.warning("%s: the run is at layout epoch %d, this server at %d: no server of the run gave its "
+                           "record within 120 s; going on (its coordinator sends it again)", device, run_epoch,
+                           server.epoch)
     if not args.no_compute:
         # after a replayed failover the server is already in a later layout epoch: its worker starts there
         await directory.wait_for(server.st.servers, timeout=120)

@@ -51,7 +51,9 @@ class Swarm:
                     where = (["--plan", a.plan, "--device-id", name] if a.plan else
                              ["--stage", str(st.index), "--role", role, "--index", str(i), "--stages", str(a.stages),
                               "--frontal-per-stage", str(self.frontal), "--backward-per-stage", str(self.backward)])
-                    argv = ["serve", "--reliable", *where, "--host-maddrs", LOOPBACK_MADDR, "--model", a.model, "--seed", str(a.seed),
+                    # every process of a local swarm is on this host's loopback: nobody to ask to dial back
+                    argv = ["serve", "--reliable", *where, "--host-maddrs", LOOPBACK_MADDR, "--no-reachability-check",
+                            "--model", a.model, "--seed", str(a.seed),
                             "--steps", str(a.steps), "--batch-size", str(a.batch_size),
                             "--micro-batches", str(a.micro_batches), "--lr", str(a.lr),
                             "--announce-period", str(a.announce_period), "--task-timeout", str(a.task_timeout),
