@@ -11,6 +11,7 @@ from typing import Callable
 
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.proto.runtime_pb2 import ExpertRequest
 
 from peer.protocol import methods, records
@@ -130,6 +131,11 @@ def announced_maddrs(dht: DHT) -> list[str]:
     return outside or maddrs
 
 
+def describe(error: BaseException) -> str:
+    """The last line of an exception's message (the daemon's are long), or its type."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[-1][:300]
+
+
 class DialError(ConnectionError):
     """The server could not be connected to at its announced addresses (or is in its backoff)."""
 
@@ -160,7 +166,7 @@ class LinkHealth:
             return
         if dial:
             self.next_try = now + min(0.5 * 2 ** (self.failures - 2), self.max_backoff)
-        why = error if isinstance(error, str) else (str(error).strip().splitlines() or [type(error).__name__])[-1][:300]
+        why = error if isinstance(error, str) else describe(error)
         if self.failures == 2:
             self._logged_at, self._unlogged = now, 0
             logger.warning("cannot reach %s: %s; retrying with backoff", self.name, why)
@@ -237,6 +243,13 @@ class P2PLink:
             except RemoteError:
                 self.health.succeeded()
                 raise
+            except P2PDaemonError as e:
+                # the daemon could not open the stream: the peer is gone, or up but not serving yet
+                # ("protocols not supported" while a restarted server loads its checkpoint). Counted as
+                # a failed dial, so that callers back off instead of spinning on it.
+                self.health.failed(e, dial=True)
+                self._dialled = False
+                raise DialError(f"{self.device}.{method}: {describe(e)}") from None
             except Exception as e:
                 if not isinstance(e, DialError):  # (a failed dial is counted where it happens)
                     self.health.failed(e, dial=False)
