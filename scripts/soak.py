@@ -35,7 +35,9 @@ p.add_argument("--volunteers", type=int, default=6)
 p.add_argument("--churn", type=float, default=0.2, help="share of volunteers SIGKILLed and replaced per step")
 p.add_argument("--restart-every", type=float, default=10.0, help="minutes between server restarts")
 p.add_argument("--lose-at", type=float, default=None, help="minute at which a server is lost for good "
-               "(default: a third of --minutes)")
+               "(default: a third of --minutes plus 2.5, away from the restarts)")
+p.add_argument("--failover-after", type=float, default=60.0,
+               help="seconds of silence before a server is failed over; longer than a restart takes (default 60)")
 p.add_argument("--sample", type=float, default=10.0, help="seconds between samples")
 p.add_argument("--model", default="small")
 p.add_argument("--seed", type=int, default=0)
@@ -84,7 +86,8 @@ async def main() -> dict:
     os.makedirs(args.out, exist_ok=True)
     sargs = build_parser().parse_args([
         "swarm", "--model", args.model, "--steps", "1000000", "--volunteers", str(args.volunteers),
-        "--servers-per-stage", "4", "--servers-compute", "no", "--failover-after", "10", "--client-timeout", "3",
+        "--servers-per-stage", "4", "--servers-compute", "no", "--failover-after", str(args.failover_after),
+        "--client-timeout", "3",
         "--seed", str(args.seed), "--work-dir", args.work_dir, "--no-progress", "--run-id", f"soak-{os.getpid()}"])
     sargs.verbose = 0
     cfg, layout, frontal, backward = validate(sargs)
@@ -95,7 +98,7 @@ async def main() -> dict:
     rows: list[dict] = []
     versions: list[tuple[float, int]] = []
     started: dict[str, float] = {}  # process name -> when its current process started
-    lose_at = (args.lose_at if args.lose_at is not None else args.minutes / 3) * 60
+    lose_at = (args.lose_at if args.lose_at is not None else args.minutes / 3 + 2.5) * 60
     lost = None
     try:
         p2p = await dht.replicate_p2p()
@@ -157,6 +160,9 @@ async def main() -> dict:
                 next_sample += args.sample
             await asyncio.sleep(0.5)
         bar.close()
+        from peer.swarm import wait_for_failovers
+
+        await wait_for_failovers(monitor, swarm.lost, args.failover_after + 120, asyncio.Event())
         await monitor.refresh()
         final = monitor.min_version()
         state = await monitor.assemble(final)
