@@ -14,6 +14,14 @@ from peer.protocol.wire import PayloadError, field as mfield
 logger = logging.getLogger("hivepipe.server")
 
 
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:  # adopted outside a server's loop (an in-process test): nobody to send to
+        return False
+
+
 class Failover:
     """StageServer's replicas and layout epochs (a part of parameter_server.service.StageServer)."""
 
@@ -108,7 +116,7 @@ class Failover:
         if take_over and not self.replaying:
             for cb in self.on_adopt:  # the adopted slots reach the checkpoint before they are served
                 cb(dict(record))
-        if not self.replaying:
+        if not self.replaying and _in_event_loop():
             # the stage's ring of replicas changed: every slot hosted here goes to its new next server
             # now, not at its next step, so that a second loss in the stage finds a copy
             for slot, lock in self.replica_locks.items():

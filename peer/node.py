@@ -370,8 +370,12 @@ def watch_parent(parent_pid: int | None) -> None:
     import threading
 
     def loop():
+        import signal
+
         while True:
             if os.getppid() != parent_pid:
+                if os.getpgrp() == os.getpid():  # our own group (as a launcher starts us): our DHT
+                    os.killpg(os.getpid(), signal.SIGKILL)  # process and p2p daemon go with us
                 os._exit(3)
             time.sleep(1.0)
 

@@ -210,11 +210,17 @@ def test_page_renders_in_headless_chromium(swarm, web, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("chromium is not installed")
-    out = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path}",
-                          "--virtual-time-budget=5000", "--dump-dom", web + "/"],
-                         capture_output=True, text=True, timeout=90)
-    dom = out.stdout
-    assert out.returncode == 0 and "</html>" in dom, out.stderr[-2000:]
+    for attempt in range(3):
+        out = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu",
+                              f"--user-data-dir={tmp_path / str(attempt)}", "--virtual-time-budget=5000",
+                              "--dump-dom", web + "/"], capture_output=True, text=True, timeout=90)
+        dom = out.stdout
+        assert out.returncode == 0 and "</html>" in dom, out.stderr[-2000:]
+        # on a loaded machine a record can be late by a few announce periods, and the page then (rightly)
+        # shows the stage blocked for a moment: look again
+        if 'class="badge st-ok">ok<' in dom:
+            break
+        time.sleep(2.0)
     assert f'id="run-id" class="mono">{swarm.run_id}<' in dom
     for k, st in enumerate(swarm.live.layout.stages):
         assert re.search(rf'<h2 id="stage-{k}"[^>]*>stage {k} · layers {st.layers[0]}-{st.layers[1]} · v\d+', dom), dom[-3000:]

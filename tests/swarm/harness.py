@@ -129,11 +129,20 @@ class LiveSwarm:
 def swarm_cli(tmp_path, run_id: str, *args: str, timeout: float = 600) -> tuple[dict, dict, str]:
     """Run `peer swarm ARGS` as a process (work dir, summary and checkpoint under tmp_path); check it
     exits 0 and leaves no process behind; return (summary, final parameters, its stdout)."""
-    out = subprocess.run(
+    # its own process group: on a timeout the launcher, its DHT process and every server and
+    # volunteer it started are killed, not the launcher alone
+    proc = subprocess.Popen(
         [sys.executable, "-m", "peer.cli", "swarm", *args, "--run-id", run_id, "--no-progress",
          "--work-dir", str(tmp_path / "work"), "--summary-json", str(tmp_path / "s.json"),
          "--checkpoint-out", str(tmp_path / "ckpt")],
-        capture_output=True, text=True, timeout=timeout)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc, signal.SIGKILL)  # (its servers and volunteers follow it: --parent-pid)
+        proc.communicate()
+        raise
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert out.returncode == 0, out.stderr[-3000:]
     assert no_children_left(run_id) == []
     summary = json.loads((tmp_path / "s.json").read_text())
