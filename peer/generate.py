@@ -69,11 +69,9 @@ def generate(cfg, state: dict, prompt: list[int], max_new_tokens: int, *, temper
     `temperature` is None."""
     import torch
 
-    from peer.model.transformer import StageSlice
+    from peer.model.transformer import slice_from_state
 
-    model = StageSlice(cfg, 0, cfg.layers, device="meta")
-    model.load_state_dict({k: v.to(device) for k, v in state.items()}, assign=True)
-    model.eval()
+    model = slice_from_state(cfg, 0, cfg.layers, state, device).eval()
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = list(prompt)
     with torch.no_grad():

@@ -96,7 +96,7 @@ def train_reference(cfg: ModelConfig, corpus: "Corpus", *, steps: int, seed: int
 
     from peer.model.data import make_batch
     from peer.model.optim import apply_update, batch_gradient, make_optimizer
-    from peer.model.transformer import StageSlice, build_slice
+    from peer.model.transformer import build_slice, slice_from_state
 
     check_training_args(steps=steps, batch_size=batch_size, micro_batches=micro_batches, delay=delay, lr=lr)
     device = torch.device(device)
@@ -105,11 +105,8 @@ def train_reference(cfg: ModelConfig, corpus: "Corpus", *, steps: int, seed: int
     with _deterministic(device):
         torch.manual_seed(seed)
         start = time.perf_counter()
-        if initial is None:
-            model = build_slice(cfg, 0, cfg.layers, seed, device)
-        else:
-            model = StageSlice(cfg, 0, cfg.layers, device="meta")
-            model.load_state_dict({k: v.to(device) for k, v in initial.items()}, assign=True)
+        model = (build_slice(cfg, 0, cfg.layers, seed, device) if initial is None
+                 else slice_from_state(cfg, 0, cfg.layers, initial, device))
         optimizer = make_optimizer(model.parameters(), lr)
         pending: deque[dict] = deque()  # gradients whose updates are not applied yet, oldest first
         applied = 0

@@ -188,9 +188,13 @@ def init_state(cfg: ModelConfig, lo: int, hi: int, seed: int) -> dict[str, torch
 
 def build_slice(cfg: ModelConfig, lo: int, hi: int, seed: int, device: torch.device | str = "cpu") -> StageSlice:
     """Slice [lo, hi) with its initial parameters (`init_state`), on `device`."""
+    return slice_from_state(cfg, lo, hi, init_state(cfg, lo, hi, seed), device)
+
+
+def slice_from_state(cfg: ModelConfig, lo: int, hi: int, state: dict, device: torch.device | str = "cpu") -> StageSlice:
+    """Slice [lo, hi) holding the parameters `state` (moved to `device`, nothing else allocated)."""
     model = StageSlice(cfg, lo, hi, device="meta")
-    state = {k: v.to(device) for k, v in init_state(cfg, lo, hi, seed).items()}
-    model.load_state_dict(state, assign=True)
+    model.load_state_dict({k: v.to(device) for k, v in state.items()}, assign=True)
     return model
 
 

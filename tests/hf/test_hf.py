@@ -35,11 +35,9 @@ def trained(tmp_path_factory):
 
 
 def _ours(state, cfg):
-    from peer.model.transformer import StageSlice
+    from peer.model.transformer import slice_from_state
 
-    model = StageSlice(cfg, 0, cfg.layers, device="meta")
-    model.load_state_dict(state, assign=True)
-    return model.eval()
+    return slice_from_state(cfg, 0, cfg.layers, state).eval()
 
 
 def test_export_gives_the_same_logits_and_token_ids_in_transformers(trained):
