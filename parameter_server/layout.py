@@ -138,6 +138,14 @@ class RunLayout:
             )
         return cls(tuple(stages))
 
+    def stranded(self, lost) -> list[tuple[int, str, tuple[str, ...]]]:
+        """The roles that `lost` leaves without a server, as (stage, role, its servers): a failover
+        cannot absorb those losses (`without` refuses them), so the run stops until one comes back."""
+        gone = set(lost)
+        return [(st.index, role, devs) for st in self.stages for role, devs in (("frontal", st.frontal),
+                                                                                 ("backward", st.backward))
+                if devs and set(devs) <= gone]
+
     def without(self, lost: dict[str, str]) -> "RunLayout":
         """The layout after a failover: each lost server (device -> the server now hosting its shard
         slots) removed from its role, the rows re-segmented among the rest of that role (the row
@@ -156,6 +164,20 @@ class RunLayout:
             stages.append(StageLayout(st.index, st.layers, frontal, backward, st.clients,
                                       hosts if hosts != frontal + backward else ()))
         return RunLayout(tuple(stages), self.idle, self.predicted_seconds_per_step)
+
+
+def halt_reason(stranded: list[tuple[int, str, tuple[str, ...]]], failover: bool = True) -> str | None:
+    """What a stopped run tells its peers and the dashboard: which role has no server left, and what
+    brings the run back (None when nothing is stranded). `failover` False: failover is off, so every
+    lost server stops the run, not only a role's last."""
+    if not stranded:
+        return None
+    parts = [f"stage {k} has no {role} server ({', '.join(devs)} gone)" for k, role, devs in stranded]
+    why = ("a role's last server cannot be failed over" if failover else "failover is off (--failover-after 0)")
+    devs = [d for _, _, ds in stranded for d in ds]
+    back = "it comes" if len(devs) == 1 else "they come"
+    return (f"run stopped: {'; '.join(parts)}; {why}, so the run waits until {back} back from the checkpoint "
+            f"(restart with the same --device, identity and --checkpoint-dir)")
 
 
 def segment(n: int, parts: int, i: int) -> tuple[int, int]:

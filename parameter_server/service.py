@@ -104,6 +104,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Outbox, F
         self.epoch = 0  # the layout epoch: 0 is the first layout, each failover starts the next
         self.epoch_record: dict | None = None
         self.reflow_from: int | None = None  # since the last failover: the first batch run again
+        self.halted: str | None = None  # why the run is stopped (a role lost its last server), announced
         self.clients: dict[str, ClientInfo] = {}
         self._reset_datapath()
         self.counters = {"payload_errors": 0, "relay_duplicates": 0, "output_duplicates": 0, "replicas_received": 0}

@@ -63,4 +63,5 @@ class Status:
         return ServerRecord(device=self.device_id, role=self.role, stage=self.stage, state=state, version=self.version,
                             epoch=self.epoch, maddrs=list(maddrs), pool=s["pool"], layers=list(self.st.layers),
                             losses=s["losses"], stats=stats, compute=compute,
-                            step_times={str(v): t for v, t in sorted(self.step_times.items())}, time=time.time())
+                            step_times={str(v): t for v, t in sorted(self.step_times.items())}, time=time.time(),
+                            halted=self.halted)

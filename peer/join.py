@@ -92,7 +92,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
     from parameter_server.service import StageServer
     from peer.errors import NetworkError
     from peer.model.config import run_model
-    from peer.node import Directory, NetworkStartError, start_dht, stop_dht
+    from peer.node import Directory, HaltNotice, NetworkStartError, start_dht, stop_dht
     from peer.protocol import records
     from peer.volunteer.stage_choice import StagePicker
     from peer.volunteer.worker import StageWorker
@@ -157,6 +157,24 @@ async def join_main(args, stop: asyncio.Event) -> int:
             stage = decision.stage
         else:
             stage = int(args.stage)
+        halt = HaltNotice(device, clear_after=6 * run.announce_period)
+
+        async def watch_halt():
+            """Say so when the run stops (a server announces that a role lost its last server), a
+            minute while it stays stopped, and when it goes on; the directory (and the servers'
+            addresses, which a restarted server may have changed) stays fresh meanwhile."""
+            while not stop.is_set():
+                try:
+                    await directory.refresh()
+                    halt.update(directory.halted())
+                except Exception as e:
+                    logger.debug("reading the stage records failed: %r", e)
+                try:
+                    await asyncio.wait_for(stop.wait(), 2 * run.announce_period)
+                except asyncio.TimeoutError:
+                    pass
+
+        watcher = asyncio.ensure_future(watch_halt())
         verb = "joined run"
         done = {"forward": 0, "backward": 0}
         stages_worked: list[int] = []
@@ -260,6 +278,8 @@ async def join_main(args, stop: asyncio.Event) -> int:
             if not moving:
                 break
             stage, verb = moving[0], "moved in run"
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
         print(f"left run {run.run_id} as {device}: {done['forward']} forward and {done['backward']} backward tasks "
               f"done on stage(s) {' -> '.join(map(str, stages_worked)) or 'none'}", flush=True)
         return 0

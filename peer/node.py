@@ -187,6 +187,34 @@ class LinkHealth:
         return max(self.next_try - self.clock(), 0.0)
 
 
+class HaltNotice:
+    """The log of a stopped run (a role lost its last server), in the manner of LinkHealth: one
+    ERROR line when it stops, with the reason; one a minute while it stays stopped; one when it
+    goes on. `update` takes the current reason (None: running). A reader of other peers' records
+    passes `clear_after`: a DHT read can miss every record that says so, so the run counts as going
+    on only once no read said it was stopped for that many seconds."""
+
+    def __init__(self, who: str, clock=time.monotonic, period: float = 60.0, clear_after: float = 0.0):
+        self.who, self.clock, self.period, self.clear_after = who, clock, period, clear_after
+        self.reason: str | None = None
+        self.since = self._logged_at = self._said_at = 0.0
+
+    def update(self, reason: str | None) -> None:
+        now = self.clock()
+        if reason is None:
+            if self.reason is not None and now - self._said_at >= self.clear_after:
+                logger.warning("%s: the run goes on again after %.0f s stopped", self.who, now - self.since)
+                self.reason = None
+            return
+        self._said_at = now
+        if self.reason is None:
+            self.reason, self.since, self._logged_at = reason, now, now
+            logger.error("%s: %s", self.who, reason)
+        elif reason != self.reason or now - self._logged_at >= self.period:
+            self.reason, self._logged_at = reason, now
+            logger.error("%s: still stopped after %.0f s: %s", self.who, now - self.since, reason)
+
+
 # peer id -> its health, shared by every link of this process to that peer
 HEALTH: dict[str, LinkHealth] = {}
 
@@ -342,6 +370,10 @@ class Directory:
         self.servers, self.records, self.versions, self.epochs = servers, recs, versions, epochs
         self.known.update(servers)
         return servers
+
+    def halted(self) -> str | None:
+        """Why the run is stopped, as a live server of it announces (None while it runs)."""
+        return records.halted_reason(self.records.values())
 
     def link(self, p2p, device: str, servicer_cls, links: LinkEmulator | None = None,
              peer_id: str | None = None, backoff: bool = True) -> "P2PLink":

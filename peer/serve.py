@@ -143,7 +143,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     from parameter_server.checkpoint import load_checkpoint, save_checkpoint, save_replica
     from parameter_server.service import StageServer
     from peer.hf.init import initial_state, write_model_json
-    from peer.node import Directory, LocalLink, NetworkStartError, announced_maddrs, start_dht, stop_dht
+    from parameter_server.layout import halt_reason
+    from peer.node import Directory, HaltNotice, LocalLink, NetworkStartError, announced_maddrs, start_dht, stop_dht
     from peer.protocol import records
     from peer.reachability import DialBackService
     from peer.volunteer.worker import StageWorker
@@ -240,11 +241,21 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         await records.store(dht, records.stage_key(run_cfg.run_id, stage), record(state), ttl=3 * period, subkey=peer_id)
 
     missing_since: dict[str, float] = {}
+    halt = HaltNotice(device)
+    online = asyncio.Event()  # every server of the layout was seen
+
+    async def answers(d: str) -> bool:
+        try:
+            await directory.link(p2p, d, StageServer, links, backoff=False).call("ping", {}, timeout=5.0)
+            return True
+        except Exception:
+            return False
 
     async def watch_for_lost(servers: dict[str, str]) -> None:
         """Once the run is online: a server of the current layout missing from the DHT for
-        --failover-after seconds is lost for good; the first remaining server of the run fails it
-        over (the others adopt the new layout epoch it sends them)."""
+        --failover-after seconds (30 s when failover is off) is lost. The first remaining server of
+        the run fails it over (the others adopt the new layout epoch it sends them); a role's last
+        server cannot be, so every server announces that the run is stopped until it comes back."""
         now = time.monotonic()
         current = [d for s in server.layout.stages for d in s.servers]
         for d in current:
@@ -252,18 +263,22 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                 missing_since.pop(d, None)
             else:
                 missing_since.setdefault(d, now)
-        lost = sorted(d for d, t0 in missing_since.items() if d in current and now - t0 >= args.failover_after)
+        after = args.failover_after or 30.0
+        lost = sorted(d for d, t0 in missing_since.items() if d in current and now - t0 >= after)
+        # silent in the DHT is not enough (a busy DHT node's read can miss records for seconds): it
+        # must not answer a direct call either
+        for d in [d for d in lost if await answers(d)]:
+            lost.remove(d)
+            missing_since.pop(d, None)
         alive = [d for d in current if d not in lost]
+        if args.failover_after > 0:
+            stranded = server.layout.stranded(lost)
+        else:
+            stranded = [server.layout.locate(d)[:2] + ((d,),) for d in lost]
+        server.halted = halt_reason(stranded, failover=args.failover_after > 0)
+        halt.update(server.halted)
+        lost = [d for d in lost if not any(d in devs for _, _, devs in stranded)]
         if lost and alive and alive[0] == device:
-            for d in list(lost):  # silent in the DHT is not enough: it must not answer a direct call either
-                try:
-                    await directory.link(p2p, d, StageServer, links, backoff=False).call("ping", {}, timeout=5.0)
-                except Exception:
-                    continue
-                lost.remove(d)
-                missing_since.pop(d, None)
-            if not lost:
-                return
             try:
                 record = await server.fail_over(lost)
                 logger.warning("%s: failed over %s: layout epoch %d from batch %d", device, lost, record["epoch"],
@@ -284,10 +299,23 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                 # not wait for the lost one)
                 if state == "joining" and all(d in directory.known for s in server.layout.stages for d in s.servers):
                     state = "online"
-                if state == "online" and args.failover_after > 0:
-                    await watch_for_lost(servers)
+                    online.set()
             except Exception as e:
                 logger.debug("announce failed: %r", e)
+            try:
+                await asyncio.wait_for(stop.wait(), period)
+            except asyncio.TimeoutError:
+                pass
+
+    async def watcher():
+        """Losses, once the run is online; apart from the announcer, whose records must not wait
+        for the calls of a liveness check or a failover."""
+        await online.wait()
+        while not stop.is_set():
+            try:
+                await watch_for_lost(dict(directory.servers))
+            except Exception as e:
+                logger.info("%s: checking for lost servers failed: %r", device, e)
             try:
                 await asyncio.wait_for(stop.wait(), period)
             except asyncio.TimeoutError:
@@ -329,7 +357,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                     logger.debug("%s: get_layout from %s: %r", device, d, e)
             await asyncio.sleep(1.0)
 
-    tasks = [asyncio.ensure_future(announcer()), asyncio.ensure_future(maintenance())]
+    tasks = [asyncio.ensure_future(announcer()), asyncio.ensure_future(watcher()), asyncio.ensure_future(maintenance())]
     run_epoch = current.get("epoch", 0) if isinstance(current, dict) else 0
     if isinstance(run_epoch, int) and run_epoch > server.epoch:
         try:

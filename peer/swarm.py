@@ -185,7 +185,7 @@ async def wait_for_failovers(monitor, lost: list[str], timeout: float, stop: asy
 async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: asyncio.Event) -> int:
     from tqdm import tqdm
 
-    from peer.node import start_dht, stop_dht, visible_maddrs
+    from peer.node import HaltNotice, start_dht, stop_dht, visible_maddrs
     from peer.reachability import DialBackService
 
     t_launch = time.time()
@@ -214,9 +214,11 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
                 if name in swarm.volunteers:
                     swarm.kill_volunteer(name)
 
+        halt = HaltNotice("swarm", clear_after=6 * args.announce_period)
         while not stop.is_set():
             swarm.check_alive()
             await monitor.refresh()
+            halt.update(monitor.halted())
             version = monitor.min_version()
             if t_start is None and monitor.all_online():
                 t_start = time.time()

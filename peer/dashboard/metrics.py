@@ -28,6 +28,7 @@ METRICS = {  # name -> help; every metric is a gauge
     "hivepipe_volunteers_live": "volunteers whose records are live",
     "hivepipe_volunteers_joined": "volunteers seen to join the run",
     "hivepipe_volunteers_lost": "volunteers seen to leave the run",
+    "hivepipe_run_stopped": "1 while a server says the run is stopped (a role lost its last server)",
     "hivepipe_malformed_records": "DHT records under the run's keys that do not fit the schema",
     "hivepipe_stage_blocked": "1 when the stage blocks the run (no live frontal or backward server, or no compute)",
     "hivepipe_stage_version": "the lowest parameter version among the stage's live servers",
@@ -65,6 +66,7 @@ class SnapshotCollector:
         p, h = snap["progress"], snap["health"]
         add("hivepipe_run_found", 0 if h["status"] == "not_found" else 1)
         add("hivepipe_health_ok", 1 if h["ok"] else 0)
+        add("hivepipe_run_stopped", 1 if h.get("stopped") else 0)
         for key in ("step", "steps", "tokens_per_second", "seconds_per_step", "predicted_seconds_per_step",
                     "microbatches_applied", "microbatches_expected", "volunteers_live", "volunteers_joined",
                     "volunteers_lost"):

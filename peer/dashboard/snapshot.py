@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from parameter_server.layout import RunLayout
-from peer.protocol.records import RunConfig, validate_record
+from peer.protocol.records import RunConfig, halted_reason, validate_record
 
 logger = logging.getLogger("hivepipe.dashboard")
 
@@ -233,7 +233,7 @@ def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, h
         errors.append("no config record (the servers publish it every announce period): showing the stage records alone")
     n_stages = layout.num_stages if layout is not None else len(stages)
 
-    stage_views, live_recs, last_stage_recs = [], [], []
+    stage_views, live_recs, last_stage_recs, every_server_rec = [], [], [], []
     for k in range(n_stages):
         raw = stages[k] if k < len(stages) else None
         servers: list[tuple[str, dict]] = []
@@ -281,6 +281,7 @@ def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, h
                         history.servers[(k, role, device)] = (p, r)
             roles[role] = entries
         live_recs += stage_live
+        every_server_rec += [r for _, r in servers]
         if k == n_stages - 1:
             last_stage_recs = [r for _, r in servers]
 
@@ -384,17 +385,24 @@ def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, h
     if malformed:
         warnings.append(f"{len(malformed)} malformed record(s)")
     finished = run is not None and step is not None and step >= run.steps
+    # a role lost its last server: the servers say so, and what brings the run back
+    # (any record in the DHT now, live or late: a record leaves the DHT a few announce periods after
+    # its last announcement, and a busy reader finds them all late)
+    stopped = None if finished else halted_reason(every_server_rec)
     if not found:
         status = "not_found"
     elif run is None and not stage_views:
         status = "error"
     elif finished:
         status = "finished"
+    elif stopped:
+        status = "stopped"
     elif blocking:
         status = "blocked"
     else:
         status = "ok"
-    health = {"ok": status in ("ok", "finished"), "status": status, "blocking": blocking, "warnings": warnings}
+    health = {"ok": status in ("ok", "finished"), "status": status, "stopped": stopped, "blocking": blocking,
+              "warnings": warnings}
     cfg_view = None
     if run is not None:
         cfg_view = {"model": run.model, "seed": run.seed, "steps": run.steps, "batch_size": run.batch_size,

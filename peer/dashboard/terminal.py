@@ -29,7 +29,7 @@ def fmt_age(seconds: float | None) -> str:
 
 
 STATE_STYLE = {"online": "green", "joining": "yellow", "offline": "dim", "unreachable": "bold red"}
-STATUS_STYLE = {"ok": "bold green", "finished": "bold cyan", "blocked": "bold red", "not_found": "bold red",
+STATUS_STYLE = {"ok": "bold green", "finished": "bold cyan", "blocked": "bold red", "stopped": "bold red", "not_found": "bold red",
                 "error": "bold red"}
 
 
@@ -64,6 +64,8 @@ def render_terminal(snap: dict):
     parts.append(title)
     for line in summary_lines(snap):
         parts.append(Text(line))
+    if h.get("stopped"):
+        parts.append(Text(h["stopped"], "bold red"))
     for b in h["blocking"]:
         parts.append(Text(f"BLOCKING stage {b['stage']}: {b['reason']}", "bold red"))
     for w in h["warnings"]:

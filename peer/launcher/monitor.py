@@ -41,6 +41,12 @@ class Monitor:
                 if rec is not None and rec["kind"] == "server":
                     self.servers[rec["device"]] = (peer, rec)
 
+    def halted(self) -> str | None:
+        """Why the run is stopped, as a live server of it announces (None while it runs)."""
+        from peer.protocol import records
+
+        return records.halted_reason(rec for _, rec in self.servers.values())
+
     def all_devices(self) -> list[str]:
         return [d for st in self.layout.stages for d in st.servers]
 

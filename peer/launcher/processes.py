@@ -119,6 +119,11 @@ class Swarm:
         proc.wait()
         self.lost.append(name)
 
+    def bring_back(self, name: str) -> None:
+        """Start a server lost with lose_server again, with its identity and checkpoint dir."""
+        self.lost.remove(name)
+        self.servers[name] = self._spawn(name, self.server_argv[name])
+
     def check_alive(self) -> None:
         for name, proc in self.servers.items():
             if proc.poll() is not None:

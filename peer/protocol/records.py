@@ -82,6 +82,8 @@ class ServerRecord:
     layers: list | None = field(default=None, metadata=_kinds(list))
     compute: float | None = field(default=None, metadata=_kinds(int, float))
     step_times: dict | None = field(default=None, metadata=_kinds(dict))
+    # set while the run is stopped: why (a role's last server is gone), what brings it back
+    halted: str | None = field(default=None, metadata=_kinds(str))
     kind = "server"
 
 
@@ -135,6 +137,14 @@ def validate_record(value: Any) -> dict:
     ValueError saying what does not fit."""
     parse_record(value)
     return value
+
+
+def halted_reason(recs) -> str | None:
+    """Why the run is stopped, as one of these (valid) records of its live servers says; None while
+    none of them says it is."""
+    reasons = sorted({r["halted"] for r in recs
+                      if r.get("kind") == "server" and r["state"] != "offline" and isinstance(r.get("halted"), str)})
+    return reasons[0] if reasons else None
 
 
 async def store(dht, key: str, value: Any, ttl: float, subkey: str | None = None) -> bool:

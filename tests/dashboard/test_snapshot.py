@@ -119,7 +119,7 @@ def test_figures_come_from_the_records():
     assert p["microbatches_applied"] == 2 * 4 * 3 and p["microbatches_expected"] == 10 * 4 * 2
     assert p["predicted_seconds_per_step"] is None
     assert (p["volunteers_live"], p["volunteers_joined"], p["volunteers_lost"]) == (2, 2, 0)
-    assert s["health"] == {"ok": True, "status": "ok", "blocking": [], "warnings": []}
+    assert s["health"] == {"ok": True, "status": "ok", "stopped": None, "blocking": [], "warnings": []}
 
 
 def test_step_is_the_lowest_live_version_and_rates_follow_the_slowest_server():
@@ -188,6 +188,39 @@ def test_a_stage_with_no_compute_blocks_but_a_computing_server_is_enough():
     stages[0][PEERS["s0b0"]] = server("s0b0", compute=50.0)
     s = snap(stages)
     assert s["health"]["status"] == "ok" and s["stages"][0]["compute"] == 50.0
+
+
+def test_a_run_a_server_says_is_stopped_shows_why_in_every_view():
+    """A role lost its last server: the live servers announce the run stopped and why; the
+    dashboard's status is `stopped` with that reason, in JSON, terminal, page and metrics."""
+    from rich.console import Console
+
+    from parameter_server.layout import halt_reason
+
+    reason = halt_reason([(1, "backward", ("s1b0",))])
+    stages = healthy()
+    del stages[1][PEERS["s1b0"]]
+    for d in ("s0f0", "s0b0"):
+        stages[0][PEERS[d]] = server(d, halted=reason)
+    stages[1][PEERS["s1f0"]] = server("s1f0", halted=reason)
+    s = snap(stages)
+    assert s["health"]["status"] == "stopped" and not s["health"]["ok"] and s["health"]["stopped"] == reason
+    assert "stage 1 has no backward server (s1b0 gone)" in reason and "--checkpoint-dir" in reason
+    assert s["health"]["blocking"] == [{"stage": 1, "reason": "no live backward server"}]
+    console = Console(width=80, record=True, force_terminal=False, color_system=None)
+    console.print(render_terminal(s))
+    text = " ".join(console.export_text().split())
+    assert "STOPPED" in text and "stage 1 has no backward server (s1b0 gone)" in text
+    assert [v for _, v in parse_prometheus(prometheus_text(s))["hivepipe_run_stopped"]] == [1.0]
+    assert "s.health.stopped" in render_html(1.0) and ".st-stopped" in render_html(1.0)
+    # an offline record's word does not count, and a record whose reason is not text is malformed
+    stages[0][PEERS["s0f0"]] = server("s0f0", state="offline", halted=reason)
+    stages[0][PEERS["s0b0"]] = server("s0b0", halted=7)
+    stages[1][PEERS["s1f0"]] = server("s1f0")
+    s = snap(stages)
+    assert s["health"]["status"] == "blocked" and s["health"]["stopped"] is None
+    assert any("halted" in m["reason"] for m in s["malformed"])
+    assert [v for _, v in parse_prometheus(prometheus_text(s))["hivepipe_run_stopped"]] == [0.0]
 
 
 def test_a_run_at_its_last_step_is_finished_not_blocked():

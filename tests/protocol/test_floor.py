@@ -194,6 +194,9 @@ def test_a_failover_layout_moves_slots_and_keeps_roles_filled():
         new.without({"s0f1": "s0b0"})
     with pytest.raises(ValueError, match="remaining server of the stage"):
         layout.without({"s0b1": "s1f0"})
+    # the losses a failover cannot absorb: a role left with no server
+    assert layout.stranded(["s0f0"]) == [] and new.stranded(["s0b0"]) == []
+    assert new.stranded(["s0f1", "s1b0", "s1b1"]) == [(0, "frontal", ("s0f1",)), (1, "backward", ("s1b0", "s1b1"))]
     bad = new.to_dict()
     bad["stages"][0]["shard_hosts"] = ["s0f1", "s0f1", "s0b0", "s1b1"]
     with pytest.raises(ValueError, match="shard_hosts"):

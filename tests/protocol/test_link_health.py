@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from peer.node import LinkHealth
+from parameter_server.layout import halt_reason
+from peer.node import HaltNotice, LinkHealth
 
 
 class Clock:
@@ -43,3 +44,43 @@ def test_backoff_doubles_to_a_cap():
         h.failed("refused")
         waits.append(h.backing_off())
     assert waits == [0.0, 0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+def test_a_stopped_run_is_said_once_then_once_a_minute_then_once_when_it_goes_on(caplog):
+    clock = Clock()
+    halt = HaltNotice("v3", clock=clock)
+    caplog.set_level(logging.WARNING, logger="hivepipe.node")
+    halt.update(None)
+    assert caplog.records == []
+    reason = halt_reason([(1, "backward", ("s1b0",))])
+    for _ in range(150):  # two and a half minutes, a look every second
+        clock.t += 1.0
+        halt.update(reason)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines[0] == ("ERROR", f"v3: {reason}")
+    assert lines[1:] == [("ERROR", f"v3: still stopped after 60 s: {reason}"),
+                         ("ERROR", f"v3: still stopped after 120 s: {reason}")]
+    other = halt_reason([(0, "frontal", ("s0f0",)), (1, "backward", ("s1b0",))])
+    clock.t += 1.0
+    halt.update(other)  # a different reason is said at once
+    assert caplog.records[-1].getMessage() == f"v3: still stopped after 150 s: {other}"
+    clock.t += 4.0
+    halt.update(None)
+    assert caplog.records[-1].getMessage() == "v3: the run goes on again after 154 s stopped"
+    halt.update(None)
+    assert len(caplog.records) == 5
+    # a reader of others' records: a read that misses them is not yet the run going on
+    reader = HaltNotice("v4", clock=clock, clear_after=3.0)
+    reader.update(reason)
+    clock.t += 2.0
+    reader.update(None)
+    clock.t += 0.5
+    reader.update(reason)
+    assert caplog.records[-1].getMessage() == f"v4: {reason}" and len(caplog.records) == 6
+    for _ in range(4):
+        clock.t += 1.0
+        reader.update(None)
+    assert caplog.records[-1].getMessage() == "v4: the run goes on again after 6 s stopped"
+    assert len(caplog.records) == 7
+    assert halt_reason([]) is None
+    assert "failover is off" in halt_reason([(0, "frontal", ("s0f0",))], failover=False)

@@ -4,7 +4,12 @@ the same swarm without faults equals: tests/swarm/test_e2e.py); servers restarte
 checkpoints, or lost for good and failed over, lose nothing either."""
 from __future__ import annotations
 
+import asyncio
+import glob
+import json
 import os
+import subprocess
+import sys
 
 from peer.volunteer.worker import KILL_POINTS
 from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, rel_diff, swarm_cli
@@ -157,3 +162,49 @@ def test_a_failed_over_server_that_comes_back_is_refused_and_training_goes_on(tm
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
     assert no_children_left(live.args.run_id) == []
 
+
+
+def test_the_loss_of_a_roles_last_server_stops_the_run_until_it_comes_back(tmp_path):
+    """Stage 1 has one backward server. SIGKILLed at step 2 and kept away past --failover-after, it
+    cannot be failed over: every server, every volunteer and the dashboard say that the run is
+    stopped and why (one line, not one per attempt). Restarted from its checkpoint, it brings the
+    run back, which ends equal to the reference and says so."""
+    steps = 6
+    live = tiny_swarm(tmp_path, "halt", steps, "--failover-after", "3")
+    said = "run stopped: stage 1 has no backward server (s1b0 gone)"
+    out = {}
+
+    def others() -> dict[str, str]:
+        return {os.path.basename(f)[:-4]: open(f, errors="replace").read() for f in glob.glob(str(tmp_path / "*.log"))
+                if not f.endswith("s1b0.log")}
+
+    async def scenario():
+        await live.start()
+        await live.wait_version(2)
+        live.swarm.lose_server("s1b0")
+        await live.wait(lambda: all(said in log for log in others().values()), 120,
+                        "every other peer to say the run stopped")
+        dash = await asyncio.to_thread(subprocess.run, [
+            sys.executable, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "dashboard.py"),
+            "--initial-peers", *live.swarm.maddrs, "--run-id", live.args.run_id, "--json"],
+            capture_output=True, text=True, timeout=120)
+        out["dashboard"] = dash
+        out["stopped_at"] = live.monitor.min_version()
+        await asyncio.sleep(5.0)  # stopped a while: no line per attempt
+        live.swarm.bring_back("s1b0")
+        return await live.finish(steps)
+
+    statuses, state = live.run(scenario)
+    snap = json.loads(out["dashboard"].stdout)
+    assert snap["health"]["status"] == "stopped" and said in snap["health"]["stopped"], snap["health"]
+    assert {"stage": 1, "reason": "no live backward server"} in snap["health"]["blocking"]
+    logs = others()
+    assert {"s0f0", "s0b0", "s1f0"} <= set(logs) and sum(n.startswith("v") for n in logs) == 2, sorted(logs)
+    for name, log in logs.items():
+        assert log.count(said) == 1, (name, log[-3000:])  # said once (the next would come after a minute)
+        assert "the run goes on again after" in log, (name, log[-3000:])
+    assert out["stopped_at"] < steps
+    assert "resumed from" in (tmp_path / "s1b0.log").read_text(errors="replace")
+    assert all(s["version"] == steps for s in statuses.values())
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    assert no_children_left(live.args.run_id) == []
