@@ -159,16 +159,19 @@ async def join_main(args, stop: asyncio.Event) -> int:
             stage = int(args.stage)
         halt = HaltNotice(device, clear_after=6 * run.announce_period)
 
+        async def look_at_halt():
+            try:
+                await asyncio.wait_for(directory.refresh(), 10.0)
+                halt.update(directory.halted(), max(directory.versions.values(), default=0))
+            except Exception as e:
+                logger.debug("reading the stage records failed: %r", e)
+
         async def watch_halt():
             """Say so when the run stops (a server announces that a role lost its last server), a
             minute while it stays stopped, and when it goes on; the directory (and the servers'
             addresses, which a restarted server may have changed) stays fresh meanwhile."""
             while not stop.is_set():
-                try:
-                    await directory.refresh()
-                    halt.update(directory.halted())
-                except Exception as e:
-                    logger.debug("reading the stage records failed: %r", e)
+                await look_at_halt()
                 try:
                     await asyncio.wait_for(stop.wait(), 2 * run.announce_period)
                 except asyncio.TimeoutError:
@@ -280,6 +283,8 @@ async def join_main(args, stop: asyncio.Event) -> int:
             stage, verb = moving[0], "moved in run"
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
+        if halt.reason is not None:  # the run may have gone on and ended between two looks
+            await look_at_halt()
         print(f"left run {run.run_id} as {device}: {done['forward']} forward and {done['backward']} backward tasks "
               f"done on stage(s) {' -> '.join(map(str, stages_worked)) or 'none'}", flush=True)
         return 0

@@ -192,21 +192,29 @@ class HaltNotice:
     ERROR line when it stops, with the reason; one a minute while it stays stopped; one when it
     goes on. `update` takes the current reason (None: running). A reader of other peers' records
     passes `clear_after`: a DHT read can miss every record that says so, so the run counts as going
-    on only once no read said it was stopped for that many seconds."""
+    on only once no read said it was stopped for that many seconds, or at once when the read shows
+    progress (the servers' highest parameter version, passed as `progress`) beyond any read made
+    while it was stopped: the records that carry a version also carry the stop."""
 
     def __init__(self, who: str, clock=time.monotonic, period: float = 60.0, clear_after: float = 0.0):
         self.who, self.clock, self.period, self.clear_after = who, clock, period, clear_after
         self.reason: str | None = None
         self.since = self._logged_at = self._said_at = 0.0
+        self._progress = -1  # the highest progress read while stopped
 
-    def update(self, reason: str | None) -> None:
+    def update(self, reason: str | None, progress: int | None = None) -> None:
         now = self.clock()
         if reason is None:
-            if self.reason is not None and now - self._said_at >= self.clear_after:
+            moved = progress is not None and progress > self._progress
+            if self.reason is not None and (moved or now - self._said_at >= self.clear_after):
                 logger.warning("%s: the run goes on again after %.0f s stopped", self.who, now - self.since)
                 self.reason = None
             return
         self._said_at = now
+        if self.reason is None:
+            self._progress = -1
+        if progress is not None:
+            self._progress = max(self._progress, progress)
         if self.reason is None:
             self.reason, self.since, self._logged_at = reason, now, now
             logger.error("%s: %s", self.who, reason)

@@ -218,7 +218,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
         while not stop.is_set():
             swarm.check_alive()
             await monitor.refresh()
-            halt.update(monitor.halted())
+            halt.update(monitor.halted(), monitor.min_version())
             version = monitor.min_version()
             if t_start is None and monitor.all_online():
                 t_start = time.time()

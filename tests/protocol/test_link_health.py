@@ -82,5 +82,14 @@ def test_a_stopped_run_is_said_once_then_once_a_minute_then_once_when_it_goes_on
         reader.update(None)
     assert caplog.records[-1].getMessage() == "v4: the run goes on again after 6 s stopped"
     assert len(caplog.records) == 7
+    # ... or at once when a read shows the run past every version read while it was stopped
+    reader.update(reason, progress=2)
+    reader.update(reason, progress=3)  # an update in flight at the stop is applied meanwhile
+    clock.t += 0.5
+    reader.update(None, progress=3)
+    assert len(caplog.records) == 8  # a read that misses the stop and shows no progress: not yet
+    reader.update(None, progress=4)
+    assert caplog.records[-1].getMessage() == "v4: the run goes on again after 0 s stopped"
+    assert len(caplog.records) == 9
     assert halt_reason([]) is None
     assert "failover is off" in halt_reason([(0, "frontal", ("s0f0",))], failover=False)
