@@ -234,11 +234,33 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         compute = float(worker.compute) if worker is not None else 0.0
         return records.record_to_dict(server.announcement(state, maddrs, compute, servers))
 
+    fenced: list[str] = []  # why this server left the run (failed over while it was away)
+
     async def announce(state: str) -> None:
         # the run config carries the current layout epoch, for volunteers that join after a failover
-        config = run_cfg.to_dict() | {"layout": server.layout.to_dict(), "epoch": server.epoch}
-        await records.store(dht, records.config_key(run_cfg.run_id), config, ttl=3 * period)
+        # (not from a server the run has failed over: its layout is of an older epoch)
+        if not fenced:
+            config = run_cfg.to_dict() | {"layout": server.layout.to_dict(), "epoch": server.epoch}
+            await records.store(dht, records.config_key(run_cfg.run_id), config, ttl=3 * period)
         await records.store(dht, records.stage_key(run_cfg.run_id, stage), record(state), ttl=3 * period, subkey=peer_id)
+
+    async def failed_over_meanwhile() -> str | None:
+        """Why this server is out of the run, if a later layout epoch leaves it out: the startup
+        check above reads the config record once, and the others may fail this server over while it
+        resumes (a restart slower than --failover-after)."""
+        from parameter_server.layout import RunLayout
+
+        if max(directory.epochs.values(), default=0) <= server.epoch:
+            return None
+        config = await records.get(dht, records.config_key(run_cfg.run_id))
+        if not (isinstance(config, dict) and isinstance(config.get("epoch"), int) and config["epoch"] > server.epoch
+                and isinstance(config.get("layout"), dict)):
+            return None
+        later = RunLayout.from_dict(config["layout"], cfg.layers)
+        if any(device in s.servers for s in later.stages):
+            return None
+        return (f"{device} was failed over while it was away (the run is at layout epoch {config['epoch']} without "
+                "it); it leaves the run: start it under a new device id as a volunteer, or start a new run")
 
     missing_since: dict[str, float] = {}
     halt = HaltNotice(device)
@@ -292,6 +314,12 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         state = "joining"
         while not stop.is_set():
             try:
+                why = await failed_over_meanwhile()
+                if why is not None:
+                    logger.error("%s", why)
+                    fenced.append(why)
+                    stop.set()
+                    break
                 await announce(state)
                 servers = await directory.refresh()
                 server.set_directory(servers, directory.versions, directory.epochs)
@@ -390,7 +418,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     stop_dht(dht)
-    return 0
+    return 2 if fenced else 0
 
 
 async def check_own_reachability(dht, p2p, args, run_id: str, num_stages: int, maddrs: list[str], device: str) -> None:

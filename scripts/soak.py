@@ -175,6 +175,12 @@ async def main() -> dict:
             "statuses": statuses, "layout": monitor.layout, "started": started, "cfg": cfg, "sargs": sargs}
 
 
+def rel_diff(a: dict, b: dict) -> float:
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
+    den = sum(float(v.double().pow(2).sum()) for v in b.values())
+    return (num / den) ** 0.5
+
+
 def report(r: dict) -> dict:
     from peer.model.data import load_corpus
     from peer.reference import train_reference
@@ -188,8 +194,15 @@ def report(r: dict) -> dict:
     gaps = [b - a for a, b in zip(times, times[1:])]
     median = statistics.median(gaps) if gaps else 0.0
     lose_t = next((t for t, e in r["events"] if e.startswith("lose")), None)
-    outside = [g for (a, b), g in zip(zip(times, times[1:]), gaps)
-               if lose_t is None or not (lose_t - 1 <= b and a <= lose_t + 60)]
+    failover = [(lose_t - 1, lose_t + args.failover_after + 60)] if lose_t is not None else []
+    # a restarted server's stage waits for it (a task of batch t+1 needs version t on every server
+    # of its stage): those pauses last as long as a restart
+    restarts = [(t - 1, t + 120) for t, e in r["events"] if e.startswith("restart")]
+
+    def outside_of(windows) -> list[float]:
+        return [b - a for a, b in zip(times, times[1:]) if not any(lo <= b and a <= hi for lo, hi in windows)]
+
+    outside, calm = outside_of(failover), outside_of(failover + restarts)
     # RSS growth of long-lived processes (the same pid from minute 5 to the end)
     growth = {}
     by_pid: dict[tuple[str, int], list[dict]] = {}
@@ -207,17 +220,42 @@ def report(r: dict) -> dict:
             "fds": [base[0]["fds"], samples[-1]["fds"]], "threads": [base[0]["threads"], samples[-1]["threads"]]}
     sargs, cfg = r["sargs"], r["cfg"]
     corpus = load_corpus(None, seq_len=cfg.seq_len)
-    ref, _ = train_reference(cfg, corpus, steps=r["final"], seed=sargs.seed, batch_size=sargs.batch_size,
-                             micro_batches=sargs.micro_batches, delay=1, lr=sargs.lr, progress=False)
-    num = sum(float((r["state"][k] - ref[k]).double().pow(2).sum()) for k in ref)
-    den = sum(float(v.double().pow(2).sum()) for v in ref.values())
+    run = dict(seed=sargs.seed, batch_size=sargs.batch_size, delay=1, lr=sargs.lr, progress=False)
+    ref, ref_sum = train_reference(cfg, corpus, steps=r["final"], micro_batches=sargs.micro_batches, **run)
+    # the floor of any comparison with the reference: the reference against itself with its
+    # micro-batches' gradients summed in other groups (the same sum in another floating-point order)
+    other = next(m for m in (sargs.micro_batches // 2, sargs.micro_batches * 2, 1)
+                 if m >= 1 and m != sargs.micro_batches and sargs.batch_size % m == 0)
+    regrouped, regrouped_sum = train_reference(cfg, corpus, steps=r["final"], micro_batches=other, **run)
+    tokens = sargs.batch_size * cfg.seq_len
+    last = r["layout"].stages[-1].servers[0]
+    swarm_losses = {int(k): v / tokens for k, v in r["statuses"][last]["losses"].items()}
+
+    def compare(losses: dict[int, float]) -> dict:
+        diffs = [abs(losses[t] - ref_sum["losses"][t]) for t in range(r["final"]) if t in losses]
+        tail = [t for t in range(max(r["final"] - 50, 0), r["final"]) if t in losses]
+        return {"max_abs_loss_diff_first_50": max(diffs[:50]),
+                "first_step_loss_diff_over_1e-3": next((t for t, d in enumerate(diffs) if d > 1e-3), None),
+                "mean_loss_last_50": sum(losses[t] for t in tail) / len(tail)}
+
     applied = sum(r["statuses"][st.servers[0]]["microbatches_applied"] for st in r["layout"].stages)
     summary = {
-        "minutes": args.minutes, "steps": r["final"], "microbatches_applied": applied,
-        "microbatches_expected": r["final"] * sargs.micro_batches * len(r["layout"].stages),
+        "minutes": args.minutes, "steps": r["final"],
+        # at the status call, after the steps compared (the run goes on until the swarm is stopped)
+        "microbatches_applied": applied,
+        "microbatches_expected": sum(r["statuses"][st.servers[0]]["version"] for st in r["layout"].stages)
+        * sargs.micro_batches,
         "median_step_s": round(median, 2), "longest_stall_s": round(max(gaps), 1) if gaps else None,
         "longest_stall_outside_failover_s": round(max(outside), 1) if outside else None,
-        "rel_diff_vs_reference": num ** 0.5 / den ** 0.5, "rss_growth": growth,
+        "longest_stall_outside_failover_and_restarts_s": round(max(calm), 1) if calm else None,
+        "longest_stalls": sorted(([round(a), round(b - a, 1)] for a, b in zip(times, times[1:])),
+                                 key=lambda x: -x[1])[:6],  # [second it began, seconds]
+        "rel_diff_vs_reference": rel_diff(r["state"], ref),
+        "rel_diff_reference_regrouped": rel_diff(regrouped, ref), "regrouped_micro_batches": other,
+        "swarm_vs_reference": compare(swarm_losses),
+        "regrouped_vs_reference": compare(dict(enumerate(regrouped_sum["losses"]))),
+        "reference_mean_loss_last_50": compare(dict(enumerate(ref_sum["losses"])))["mean_loss_last_50"],
+        "rss_growth": growth,
         "events": [(round(t), e) for t, e in r["events"] if not e.startswith("kill")],
         "volunteer_kills": sum(1 for _, e in r["events"] if e.startswith("kill")),
     }
@@ -256,11 +294,22 @@ def report(r: dict) -> dict:
 if __name__ == "__main__":
     result = asyncio.run(main())
     s = report(result)
-    print("| steps | micro-batches applied / expected | median step | longest stall (outside failover) | "
-          "final params vs reference |")
+    print("| steps | micro-batches applied / expected | median step | longest stall: all / outside failover / "
+          "outside failover and restarts | final params vs reference (reference vs itself regrouped) |")
     print("| --- | --- | --- | --- | --- |")
     print(f"| {s['steps']} | {s['microbatches_applied']} / {s['microbatches_expected']} | {s['median_step_s']} s | "
-          f"{s['longest_stall_s']} s ({s['longest_stall_outside_failover_s']} s) | {s['rel_diff_vs_reference']:.2e} |")
+          f"{s['longest_stall_s']} / {s['longest_stall_outside_failover_s']} / "
+          f"{s['longest_stall_outside_failover_and_restarts_s']} s | {s['rel_diff_vs_reference']:.2e} "
+          f"({s['rel_diff_reference_regrouped']:.2e}) |")
+    print()
+    print("| per-step loss vs the reference | max abs diff, first 50 steps | first step off by > 1e-3 | "
+          "mean loss, last 50 steps |")
+    print("| --- | --- | --- | --- |")
+    for name in ("swarm_vs_reference", "regrouped_vs_reference"):
+        c = s[name]
+        print(f"| {name.split('_vs_')[0]} | {c['max_abs_loss_diff_first_50']:.2e} | "
+              f"{c['first_step_loss_diff_over_1e-3']} | {c['mean_loss_last_50']:.4f} |")
+    print(f"| reference | 0 | - | {s['reference_mean_loss_last_50']:.4f} |")
     print()
     print("| long-lived process | RSS at 5 min (MB) | RSS at end (MB) | growth | fds | threads |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -8,9 +8,11 @@ import asyncio
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 
+from peer.protocol import records
 from peer.volunteer.worker import KILL_POINTS
 from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, rel_diff, swarm_cli
 
@@ -162,6 +164,43 @@ def test_a_failed_over_server_that_comes_back_is_refused_and_training_goes_on(tm
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
     assert no_children_left(live.args.run_id) == []
 
+
+
+def test_a_server_failed_over_while_it_is_frozen_leaves_the_run_when_it_wakes(tmp_path):
+    """A server frozen (SIGSTOP of its process group: a suspended laptop, a paused VM) for longer
+    than --failover-after is failed over; when it wakes, its own records are of an older layout
+    epoch. It finds the later epoch without it in the others' records, exits with code 2 and says
+    why, and never announces its older layout as the run's; the run ends equal to the reference.
+    (It stayed, a server of no epoch, and so does a restart slower than --failover-after that
+    passed the check at its start: then the loss of the stage's other backward server stopped
+    the run, found by scripts/soak.py.)"""
+    steps = 8
+    live = tiny_swarm(tmp_path, "frozen", steps, "--servers-per-stage", "4", "--failover-after", "3")
+    out = {}
+
+    async def scenario():
+        await live.start()
+        await live.wait_version(2)
+        proc = live.swarm.servers.pop("s0b0")
+        live.swarm.volunteers["s0b0-frozen"] = (proc, "none")  # (so that closing the swarm reaps it)
+        os.killpg(proc.pid, signal.SIGSTOP)
+        try:
+            await live.wait(lambda: live.monitor.epoch >= 1, 120, "the failover")
+        finally:
+            os.killpg(proc.pid, signal.SIGCONT)
+        await live.wait(lambda: proc.poll() is not None, 120, "the woken server to leave")
+        out["code"] = proc.returncode
+        result = await live.finish(steps)
+        config = await records.get(live.dht, records.config_key(live.args.run_id))
+        out["config_epoch"] = config.get("epoch")
+        return result
+
+    statuses, state = live.run(scenario)
+    log = (tmp_path / "s0b0.log").read_text(errors="replace")
+    assert out["code"] == 2 and "s0b0 was failed over while it was away" in log, log[-2000:]
+    assert out["config_epoch"] == 1 and "s0b0" not in statuses
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    assert no_children_left(live.args.run_id) == []
 
 
 def test_the_loss_of_a_roles_last_server_stops_the_run_until_it_comes_back(tmp_path):
