@@ -40,6 +40,15 @@ class Failover:
             await self._deliver(buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60)
             lock.sent = meta["version"]
 
+    def replicate_hosted(self) -> None:
+        """Send every slot hosted here to the stage's next server now, whatever was sent before:
+        when the run comes online (a server lost before the first step must have a copy somewhere)
+        and when a layout epoch changes the ring of replicas (a second loss must find one)."""
+        for lock in self.replica_locks.values():
+            lock.sent = -1
+        for slot in sorted(self.hosted):
+            self._spawn(self._send_replica(slot))
+
     async def on_push_replica(self, meta, tensors, sender):
         self._server_sender(sender, self.stage, "frontal", "backward")
         slot = mfield(meta, "slot", int)
@@ -119,10 +128,7 @@ class Failover:
         if not self.replaying and _in_event_loop():
             # the stage's ring of replicas changed: every slot hosted here goes to its new next server
             # now, not at its next step, so that a second loss in the stage finds a copy
-            for slot, lock in self.replica_locks.items():
-                lock.sent = -1
-            for slot in sorted(self.hosted):
-                self._spawn(self._send_replica(slot))
+            self.replicate_hosted()
         if self.log is not None and not self.replaying:
             self.log.append({"method": "adopt_epoch", "meta": dict(record), "sender": self.peer_id,
                              "batch": self.run.steps}, [])

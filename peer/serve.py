@@ -328,6 +328,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                 if state == "joining" and all(d in directory.known for s in server.layout.stages for d in s.servers):
                     state = "online"
                     online.set()
+                    server.replicate_hosted()  # a server lost before the first step can be failed over
             except Exception as e:
                 logger.debug("announce failed: %r", e)
             try:

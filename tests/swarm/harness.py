@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import torch
 from safetensors.torch import load_file
 
 from peer.cli import build_parser

@@ -166,6 +166,37 @@ def test_a_failed_over_server_that_comes_back_is_refused_and_training_goes_on(tm
 
 
 
+def test_a_server_lost_before_the_first_step_is_failed_over(tmp_path):
+    """Replicas used to be sent only after a step, so a server lost before the run's first step
+    could not be failed over ("no remaining server of stage 0 holds a replica", found by the soak
+    with an early loss): each server now sends its slots to its next server when the run comes
+    online. s0b1 is lost before any volunteer joins (servers do not compute), its next server s0f0
+    takes its slot over at version 0, and the run ends equal to the reference."""
+    steps = 4
+    live = tiny_swarm(tmp_path, "early", steps, "--servers-per-stage", "4", "--failover-after", "3",
+                      "--servers-compute", "no")
+
+    async def scenario():
+        await live.start(volunteers=False)
+
+        async def replica_held():
+            return (await live.status("s0f0"))["replicas"].get("3") == 0
+
+        await live.wait(lambda: live.monitor.all_online(), 120, "the servers to come online")
+        await live.wait(replica_held, 60, "s0f0 to hold s0b1's slot at version 0")
+        live.swarm.lose_server("s0b1")
+        await live.wait(lambda: live.monitor.epoch >= 1, 120, "the failover")
+        live.swarm.start_volunteers()
+        return await live.finish(steps)
+
+    statuses, state = live.run(scenario)
+    log = (tmp_path / "s0f0.log").read_text(errors="replace")
+    assert "took over shard slot 3 at version 0" in log, log[-2000:]
+    assert "s0b1" not in statuses
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    assert no_children_left(live.args.run_id) == []
+
+
 def test_a_server_failed_over_while_it_is_frozen_leaves_the_run_when_it_wakes(tmp_path):
     """A server frozen (SIGSTOP of its process group: a suspended laptop, a paused VM) for longer
     than --failover-after is failed over; when it wakes, its own records are of an older layout
