@@ -57,6 +57,23 @@ def tree(pid: int):
         return []
 
 
+def launcher_tree():
+    """This process, its DHT process and that one's p2p daemon: not the swarm's processes (each
+    `peer.cli` child is sampled on its own) nor their DHT processes and daemons."""
+    import psutil
+
+    me = psutil.Process(os.getpid())
+    out = [me]
+    for child in me.children():
+        try:
+            if "peer.cli" in " ".join(child.cmdline() or []):
+                continue
+            out += [child] + child.children(recursive=True)
+        except psutil.Error:
+            pass
+    return out
+
+
 def sample(procs: list) -> tuple[float, int, int]:
     """RSS (MB), open fds and threads summed over a process and its children."""
     import psutil
@@ -92,7 +109,7 @@ async def main() -> dict:
         "--seed", str(args.seed), "--work-dir", args.work_dir, "--no-progress", "--run-id", f"soak-{os.getpid()}"])
     sargs.verbose = 0
     cfg, layout, frontal, backward = validate(sargs)
-    dht = start_dht([])
+    dht = start_dht([], run_id=sargs.run_id, run_fp=Swarm.run_key(args.work_dir).fingerprint)
     swarm = Swarm(sargs, layout, frontal, backward, visible_maddrs(dht), args.work_dir)
     rng = random.Random(args.seed)
     events: list[tuple[float, str]] = []
@@ -146,8 +163,7 @@ async def main() -> dict:
                 events.append((now, f"restart {name}"))
                 next_restart += args.restart_every * 60
             if now >= next_sample:
-                groups = {"launcher": tree(os.getpid())[:1] + [c for c in tree(os.getpid())[1:]
-                                                             if "peer.cli" not in " ".join(c.cmdline() or [])]}
+                groups = {"launcher": launcher_tree()}
                 for name, proc in list(swarm.servers.items()):
                     groups[name] = tree(proc.pid)
                 for name, (proc, _) in list(swarm.volunteers.items()):
