@@ -13,6 +13,13 @@ from peer.protocol.wire import PayloadError, check_tensor, field as mfield, rows
 class Checks:
     """StageServer's payload and sender checks shared by the handlers (a part of parameter_server.service.StageServer)."""
 
+    def _any_server_sender(self, sender: str) -> None:
+        """A method only servers call (the method table's caller column): the sender's peer id, which
+        libp2p authenticates, must be a server of the current layout as the run-key-signed records
+        name them (the handler then checks its stage and role)."""
+        if not self._is_server(sender):
+            raise PayloadError(f"{sender[-8:]} is not a server of this run: only its servers may call this")
+
     def _server_sender(self, sender: str, stage: int, *roles: str) -> str:
         if self.replaying:
             return "replay"

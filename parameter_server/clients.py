@@ -30,6 +30,8 @@ class Clients:
         stage = mfield(meta, "stage", int)
         if stage != self.stage:
             raise PayloadError(f"this server serves stage {self.stage}, not {stage}")
+        if self.volunteers_allow is not None and sender not in self.volunteers_allow and not self._is_server(sender):
+            raise PayloadError(f"peer {sender} is not on this run's --volunteers-allow list")
         new = sender not in self.clients
         info = self.clients.setdefault(sender, ClientInfo(device, compute, self.clock()))
         info.compute, info.device, info.last_seen = compute, device, self.clock()
@@ -37,6 +39,13 @@ class Clients:
             logger.info("%s: client %s (%s) registered, compute %.3g", self.device_id, sender[-8:], device, compute)
             self.pool.set_client_speed(sender, compute)
         return {"ok": True, "version": self.version, "epoch": self.epoch}
+
+    def _is_server(self, peer: str) -> bool:
+        """The peer is this server or a server of the run (whose workers compute too)."""
+        if peer == self.peer_id or self.replaying:
+            return True
+        dev = self.directory_reverse().get(peer)
+        return dev is not None and any(dev in st.servers for st in self.layout.stages)
 
     def drop_stale_clients(self) -> list[str]:
         now = self.clock()

@@ -71,7 +71,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Outbox, F
                  corpus=None, links: LinkEmulator | None = None, clock: Callable[[], float] = time.monotonic,
                  task_timeout: float = 60.0, client_timeout: float = 5.0, preference_grace: float = 0.5,
                  connector: Callable[[str], object] | None = None, requeue: bool = True,
-                 max_request_bytes: int | None = None):
+                 max_request_bytes: int | None = None, volunteers_allow: frozenset[str] | None = None):
         self.run = run
         self.layout = layout
         self.cfg = cfg
@@ -86,6 +86,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Outbox, F
         self.client_timeout = client_timeout
         self.connector = connector
         self.requeue = requeue
+        self.volunteers_allow = volunteers_allow  # peer ids a closed run admits (None: open to anyone)
         self.rows = run.batch_size // run.micro_batches  # rows per micro-batch
         self.seq = cfg.seq_len
         self.hidden = cfg.hidden
@@ -174,6 +175,8 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Outbox, F
         """Run one request; any PayloadError/TaskPoolError becomes an error answer that changes nothing."""
         handler = getattr(self, f"on_{method}")
         try:
+            if method in methods.SERVER_ONLY:
+                self._any_server_sender(sender)
             if method in methods.EPOCHED:
                 self._check_epoch(meta)
             result = await handler(dict(meta), tensors, sender)

@@ -15,6 +15,7 @@ COMMANDS = {
     "reference": ("peer.reference", "single-process training with the swarm's exact update rule"),
     "plan": ("peer.plan_cmd", "lay out a cluster into pipeline stages (or score a plan)"),
     "serve": ("peer.serve", "run a reliable parameter server (frontal or backward) for one stage"),
+    "keygen": ("peer.keygen", "make a run key, which a run's servers share (--run-key) and which signs its records"),
     "join": ("peer.join", "join a run as a volunteer and pull tasks"),
     "swarm": ("peer.swarm", "run a whole swarm (DHT, servers, volunteers) on this machine"),
     "model-file": ("peer.model_file", "write the planner's model file for a model preset"),

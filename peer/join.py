@@ -23,6 +23,9 @@ def add_arguments(p) -> None:
     p.add_argument("--rebalance-period", type=float, default=60.0,
                    help="with --stage auto: seconds between checks whether another stage needs this volunteer "
                         "more (0: never move)")
+    p.add_argument("--identity-path", default=None, metavar="PATH",
+                   help="keep this volunteer's libp2p key here (made if missing): the same peer id on every start, "
+                        "for runs that admit only listed volunteers (`peer serve --volunteers-allow`)")
     p.add_argument("--die-at", default=None, metavar="POINT",
                    help="fault injection for tests: SIGKILL this volunteer at the first POINT of the protocol "
                         "(before_forward, during_forward, after_outputs, during_backward, after_input_grads, "
@@ -61,11 +64,17 @@ async def wait_until(stop: asyncio.Event, what: str, check, poll: float = 0.5, l
     """Poll `check()` (a coroutine returning a value, or None to keep waiting) until it gives a value
     or `stop` is set (then None). Says what it waits for once at the start and once a minute; a
     network failure inside `check` is waiting too, never an exit."""
+    from peer.protocol.trust import AmbiguousRunKey
+
     t0 = last = time.monotonic()
     logger.info("waiting for %s", what)
     while not stop.is_set():
         try:
             value = await check()
+        except UsageError:
+            raise
+        except AmbiguousRunKey as e:  # nothing to wait for: the user must say which run
+            raise UsageError(str(e)) from None
         except Exception as e:
             logger.debug("while waiting for %s: %r", what, e)
             value = None
@@ -99,7 +108,9 @@ async def join_main(args, stop: asyncio.Event) -> int:
 
     torch.set_num_threads(1)
     try:  # a volunteer dials out only (client mode): it works behind NAT without opening a port
-        dht = start_dht(args.initial_peers, client_mode=True, timeout=args.timeout or 120.0)
+        dht = start_dht(args.initial_peers, run_id=args.run_id, run_fp=args.run_fp, client_mode=True,
+                        identity_path=args.identity_path,
+                        timeout=args.timeout or 120.0)
     except NetworkStartError as e:
         raise NetworkError(str(e)) from None
     p2p = await dht.replicate_p2p()
@@ -125,7 +136,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
             changes the layout (the config record carries the current epoch's), and a lost server
             never comes back."""
             nonlocal layout
-            value = await records.get(dht, records.config_key(run.run_id))
+            value = await records.read_config_value(dht)
             if isinstance(value, dict) and isinstance(value.get("layout"), dict):
                 layout = RunLayout.from_dict(value["layout"], cfg.layers)
             await directory.refresh()
@@ -205,8 +216,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
                         device=device, stage=stage, state="online", compute=float(worker.compute), tasks_done=tasks,
                         throughput=tasks / elapsed, time=time.time()))
                     try:
-                        await records.store(dht, records.stage_key(run.run_id, stage), rec,
-                                            ttl=3 * run.announce_period, subkey=peer_id)
+                        await records.publish(dht, rec, ttl=3 * run.announce_period, stage=stage)
                     except Exception as e:
                         logger.debug("announce failed: %r", e)
                     try:
@@ -217,11 +227,9 @@ async def join_main(args, stop: asyncio.Event) -> int:
             async def offline(stage=stage, worker=worker):
                 """Say at once that we left this stage, rather than let the record expire."""
                 try:
-                    await records.store(dht, records.stage_key(run.run_id, stage),
-                                        records.record_to_dict(records.ClientRecord(
-                                            device=device, stage=stage, state="offline",
-                                            compute=float(worker.compute), time=time.time())),
-                                        ttl=3 * run.announce_period, subkey=peer_id)
+                    await records.publish(dht, records.record_to_dict(records.ClientRecord(
+                        device=device, stage=stage, state="offline", compute=float(worker.compute), time=time.time())),
+                        ttl=3 * run.announce_period, stage=stage)
                 except Exception as e:
                     logger.debug("offline announce failed: %r", e)
 

@@ -29,28 +29,64 @@ class NetworkStartError(RuntimeError):
     """The DHT node could not start: an address that cannot be bound, initial peers that do not answer."""
 
 
-def start_dht(initial_peers=(), *, identity_path: str | None = None, client_mode: bool = False,
-              host_maddrs=(LOOPBACK_MADDR,), announce_maddrs=None, timeout: float | None = None) -> DHT:
-    """A DHT node with its p2p daemon. A server listens on `host_maddrs` and announces
+def start_dht(initial_peers=(), *, run_id: str, run_fp: str | None, run_key=None, identity_path: str | None = None,
+              client_mode: bool = False, host_maddrs=(LOOPBACK_MADDR,), announce_maddrs=None,
+              timeout: float | None = None) -> DHT:
+    """A DHT node with its p2p daemon, holding the record validators of run `run_id` (whose run key
+    has fingerprint `run_fp`; None: learnt from the only config record that verifies) and what it
+    signs its records with: its libp2p identity (from `identity_path`, else a fresh one) and, on a
+    server, the run key (a trust.SigningKey). A server listens on `host_maddrs` and announces
     `announce_maddrs` (default: what it listens on); a client (volunteer, dashboard) dials out only.
     `timeout` bounds the wait for the initial peers. Raises NetworkStartError saying what failed."""
+    import tempfile
+
+    from hivemind.p2p import P2P
+
+    from peer.protocol.records import Trust
+    from peer.protocol.trust import SigningKey, validators
+
+    fresh = None
+    if not identity_path:  # a fresh identity of our own, so that this process can sign as its peer id
+        fresh = tempfile.mkdtemp(prefix="hivepipe-id-")
+        identity_path = os.path.join(fresh, "identity.key")
+        P2P.generate_identity(identity_path)
+    elif not os.path.exists(identity_path):
+        P2P.generate_identity(identity_path)
+    try:
+        identity = SigningKey.from_identity(identity_path)
+    except Exception as e:
+        raise NetworkStartError(f"identity {identity_path}: not a libp2p RSA identity ({type(e).__name__})") from None
     kwargs = dict(initial_peers=list(initial_peers) or None, start=True, client_mode=client_mode,
-                  await_ready=True)
+                  await_ready=True, record_validators=validators(run_id, run_fp))
+    if fresh:
+        kwargs["check_if_identity_free"] = False  # just made: nobody else has it
     kwargs["host_maddrs"] = [LOOPBACK_MADDR] if client_mode else list(host_maddrs)
     if announce_maddrs and not client_mode:
         kwargs["announce_maddrs"] = list(announce_maddrs)
-    if identity_path:
-        kwargs["identity_path"] = identity_path
+    kwargs["identity_path"] = identity_path
     if timeout is not None and initial_peers:
         kwargs["bootstrap_timeout"] = min(timeout, 30.0)
         kwargs["wait_timeout"] = min(max(timeout, 1.0), 30.0)
     # initial peers that do not answer yet (a server restarting) are tried again until `timeout`
     deadline = time.monotonic() + (timeout or 0.0)
+    try:
+        return _start(kwargs, deadline, timeout, initial_peers,
+                      Trust(run_id=run_id, run_fp=run_fp, identity=identity, run_key=run_key))
+    finally:
+        if fresh:  # the daemon has read it (or never will)
+            import shutil
+
+            shutil.rmtree(fresh, ignore_errors=True)
+
+
+def _start(kwargs: dict, deadline: float, timeout, initial_peers, trust) -> DHT:
     tries = 0
     while True:
         tries += 1
         try:
-            return DHT(**kwargs)
+            dht = DHT(**kwargs)
+            dht.hivepipe_trust = trust
+            return dht
         except Exception as e:
             problem = _daemon_problem(e)
             if "initial peers" in problem and time.monotonic() + 2.0 < deadline:

@@ -10,7 +10,10 @@ from peer.errors import UsageError
 
 
 def add_common_arguments(p) -> None:
-    p.add_argument("--run-id", default="hivepipe", help="the run to serve or join (every DHT key starts with it)")
+    p.add_argument("--run-id", default="hivepipe", metavar="NAME[@FINGERPRINT]",
+                   help="the run to serve or join (every DHT key starts with NAME); @FINGERPRINT names the run key "
+                        "its records must be signed with (its first server prints it; without it, a volunteer trusts "
+                        "the only run key that publishes NAME)")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
                    help="multiaddrs of DHT peers to join, with /p2p/<peer id> (the initial_peers= line a server prints)")
     p.add_argument("--timeout", type=float, default=None,
@@ -53,7 +56,20 @@ def check_maddrs(flag: str, values, *, need_peer_id: bool = False, need_port: bo
             raise UsageError(f"{flag}: {m!r} needs an explicit port (others dial it; port 0 means any)")
 
 
+def parse_run_id(args) -> None:
+    """--run-id NAME[@FINGERPRINT] -> args.run_id = NAME, args.run_fp = FINGERPRINT or None."""
+    from peer.protocol.trust import split_run_id
+
+    if hasattr(args, "run_fp"):
+        return  # parsed already
+    try:
+        args.run_id, args.run_fp = split_run_id(args.run_id)
+    except ValueError as e:
+        raise UsageError(f"--run-id: {e}") from None
+
+
 def check_common(args) -> None:
+    parse_run_id(args)
     check_maddrs("--initial-peers", args.initial_peers, need_peer_id=True)
     if args.timeout is not None and not args.timeout > 0:
         raise UsageError(f"--timeout must be positive seconds, got {args.timeout}")

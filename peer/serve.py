@@ -46,12 +46,18 @@ def add_arguments(p) -> None:
     net.add_argument("--no-reachability-check", action="store_true",
                      help="skip asking a peer of the run to dial this server back at start")
     net.add_argument("--identity-path", default=None, help="a persistent libp2p key (same peer id after restarts)")
+    net.add_argument("--run-key", required=True, metavar="PATH",
+                     help="the run's key, shared by its servers: it signs the run's config and server records "
+                          "(created here if missing: copy it to the run's other servers; or make it with `peer keygen`)")
     net.add_argument("--checkpoint-dir", default=None, help="save the shard here after every step; resume from it")
     net.add_argument("--announce-period", type=float, default=1.0, help="seconds between DHT announcements")
     net.add_argument("--task-timeout", type=float, default=60.0, help="seconds before an unanswered task is re-queued")
     net.add_argument("--client-timeout", type=float, default=5.0, help="seconds of silence before a client is dropped")
     net.add_argument("--failover-after", type=float, default=30.0,
                      help="seconds a server may be missing from the DHT before the others fail it over (0: never)")
+    net.add_argument("--volunteers-allow", default=None, metavar="FILE",
+                     help="a closed run: admit only the volunteers whose peer ids this file lists (one per line, '#' "
+                          "comments; a volunteer keeps its peer id with `peer join --identity-path`); default: open")
     net.add_argument("--no-compute", action="store_true", help="do not run a local worker beside the services")
     net.add_argument("--no-requeue", action="store_true", help="drop a departed client's work (SWARM-like; benchmarks only)")
     net.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
@@ -111,6 +117,20 @@ def resolve(args):
         layout.locate(device)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    from peer.protocol.trust import SigningKey
+
+    args.allowed = read_allow_list(args.volunteers_allow) if args.volunteers_allow else None
+    try:
+        args.run_key_obj, created = SigningKey.load_or_create(args.run_key)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--run-key: {e}") from None
+    if args.run_fp is not None and args.run_fp != args.run_key_obj.fingerprint:
+        raise UsageError(f"--run-key {args.run_key} has fingerprint {args.run_key_obj.fingerprint}, not the "
+                         f"{args.run_fp} that --run-id names")
+    args.run_fp = args.run_key_obj.fingerprint
+    if created:
+        logger.warning("made a new run key %s (fingerprint %s): copy it to this run's other servers", args.run_key,
+                       args.run_fp)
     rows = args.batch_size // args.micro_batches
     for st in layout.stages:
         if max(len(st.frontal), len(st.backward)) > rows:
@@ -120,6 +140,29 @@ def resolve(args):
                     layout=layout.to_dict(), announce_period=args.announce_period,
                     arch=cfg.to_dict() if args.hf_model else None)
     return cfg, layout, device, run
+
+
+def read_allow_list(path: str) -> frozenset[str]:
+    """The peer ids of --volunteers-allow FILE; UsageError naming the file and line of anything else."""
+    import multihash  # comes with hivemind
+    from hivemind.p2p import PeerID
+
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--volunteers-allow {path}: {getattr(e, 'strerror', None) or e}") from None
+    allowed = set()
+    for i, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            multihash.decode(PeerID.from_base58(text).to_bytes())  # a peer id is a multihash of a public key
+        except Exception:
+            raise UsageError(f"--volunteers-allow {path}, line {i}: {text[:60]!r} is not a peer id") from None
+        allowed.add(text)
+    return frozenset(allowed)
 
 
 def run(args) -> int:
@@ -154,7 +197,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     st = layout.stages[stage]
     t0 = time.perf_counter()
     try:
-        dht = start_dht(args.initial_peers, identity_path=args.identity_path, host_maddrs=args.host_maddrs,
+        dht = start_dht(args.initial_peers, run_id=run_cfg.run_id, run_fp=args.run_fp, run_key=args.run_key_obj,
+                        identity_path=args.identity_path, host_maddrs=args.host_maddrs,
                         announce_maddrs=args.announce_maddrs, timeout=args.timeout or 60.0)
     except NetworkStartError as e:
         raise NetworkError(str(e)) from None
@@ -163,6 +207,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     maddrs = announced_maddrs(dht)
     # the first line on stdout: what a volunteer (or another server) passes to --initial-peers
     print("initial_peers=" + " ".join(maddrs), flush=True)
+    # the second: what a volunteer passes to --run-id, so that it believes only this run's servers
+    print(f"run={run_cfg.run_id}@{args.run_fp}", flush=True)
     logger.info("%s: DHT node and p2p daemon up in %.1f s", device, time.perf_counter() - t0)
     await DialBackService().add_p2p_handlers(p2p)
     if not args.no_reachability_check:
@@ -172,7 +218,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
             stop_dht(dht)
             raise
     t0 = time.perf_counter()
-    current = await records.get(dht, records.config_key(run_cfg.run_id))
+    current = await records.read_config_value(dht)
     logger.info("%s: read the run's config record in %.1f s", device, time.perf_counter() - t0)
     if isinstance(current, dict) and isinstance(current.get("layout"), dict) and current.get("epoch", 0) > 0:
         from parameter_server.layout import RunLayout
@@ -200,7 +246,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     server = StageServer(run=run_cfg, layout=layout, cfg=cfg, device_id=device, peer_id=peer_id,
                          stage_params=initial_state(cfg, *st.layers, run_cfg.seed, args.hf_model), corpus=corpus, links=links,
                          task_timeout=args.task_timeout, client_timeout=args.client_timeout, connector=connector,
-                         requeue=not args.no_requeue, max_request_bytes=args.max_request_bytes)
+                         requeue=not args.no_requeue, max_request_bytes=args.max_request_bytes,
+                         volunteers_allow=args.allowed)
     if args.checkpoint_dir:
         from parameter_server.requestlog import RequestLog, read_log
         from parameter_server.service import RETAIN
@@ -241,8 +288,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         # (not from a server the run has failed over: its layout is of an older epoch)
         if not fenced:
             config = run_cfg.to_dict() | {"layout": server.layout.to_dict(), "epoch": server.epoch}
-            await records.store(dht, records.config_key(run_cfg.run_id), config, ttl=3 * period)
-        await records.store(dht, records.stage_key(run_cfg.run_id, stage), record(state), ttl=3 * period, subkey=peer_id)
+            await records.publish(dht, config, ttl=3 * period)
+        await records.publish(dht, record(state), ttl=3 * period, stage=stage)
 
     async def failed_over_meanwhile() -> str | None:
         """Why this server is out of the run, if a later layout epoch leaves it out: the startup
@@ -252,7 +299,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
 
         if max(directory.epochs.values(), default=0) <= server.epoch:
             return None
-        config = await records.get(dht, records.config_key(run_cfg.run_id))
+        config = await records.read_config_value(dht)
         if not (isinstance(config, dict) and isinstance(config.get("epoch"), int) and config["epoch"] > server.epoch
                 and isinstance(config.get("layout"), dict)):
             return None

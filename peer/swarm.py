@@ -78,6 +78,13 @@ def validate(args):
         raise UsageError("--servers-per-stage must be >= 2 (one frontal and one backward server)")
     if args.volunteers < 0 or args.steps < 1:
         raise UsageError("--volunteers must be >= 0 and --steps >= 1")
+    from peer.protocol.trust import split_run_id
+
+    try:
+        if split_run_id(args.run_id)[1] is not None:
+            raise ValueError("a local swarm makes its own run key: give the name alone")
+    except ValueError as e:
+        raise UsageError(f"--run-id: {e}") from None
     if args.volunteer_slowdown is not None and args.volunteer_slowdown < 1:
         raise UsageError("--volunteer-slowdown must be >= 1")
     if not 0 <= args.churn <= 1:
@@ -189,9 +196,11 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
     from peer.reachability import DialBackService
 
     t_launch = time.time()
-    dht = start_dht([])  # every process of a local swarm listens on loopback only
+    run_fp = Swarm.run_key(work_dir).fingerprint
+    dht = start_dht([], run_id=args.run_id, run_fp=run_fp)  # every process of a local swarm listens on loopback only
     maddrs = visible_maddrs(dht)
     print(f"initial_peers={maddrs[0]}", flush=True)
+    print(f"run={args.run_id}@{run_fp}", flush=True)  # what another machine's `peer join --run-id` takes
     swarm = Swarm(args, layout, frontal, backward, maddrs, work_dir)
     rng = random.Random(args.seed)
     try:

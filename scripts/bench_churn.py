@@ -167,12 +167,13 @@ def result_row(r: dict, key_cols: list) -> list:
 RESULT_HEADERS = ["s/step", "micro-batches applied", "killed", "re-queued", "duplicates", "last loss", "load"]
 
 
-async def _wait_for_version(maddr: str, run_id: str, version: int, timeout: float) -> None:
+async def _wait_for_version(maddr: str, run: str, version: int, timeout: float) -> None:
     """Until every server of the run announces parameter `version` in the DHT (training is under way)."""
     from peer.node import start_dht
     from peer.protocol import records
 
-    dht = start_dht([maddr], client_mode=True)
+    run_id, _, run_fp = run.partition("@")
+    dht = start_dht([maddr], run_id=run_id, run_fp=run_fp, client_mode=True)
     try:
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -203,13 +204,14 @@ def measure_rejoin(bench: Bench, n_probes: int) -> list[float]:
     times = []
     try:
         maddr = swarm.stdout.readline().strip().split("=", 1)[-1]
-        asyncio.run(_wait_for_version(maddr, "swarm", 2, a.run_timeout))
+        run = swarm.stdout.readline().strip().split("=", 1)[-1]  # NAME@FINGERPRINT
+        asyncio.run(_wait_for_version(maddr, run, 2, a.run_timeout))
         for i in range(n_probes):
             # a device the profile does not know: unshaped links and no compute stretch, so this
             # measures the process's own start; it is killed before it takes a task
             t0 = time.perf_counter()
             join = subprocess.Popen([sys.executable, "-m", "peer.cli", "join", "--stage", str(i % 2), "--device-id",
-                                     f"probe{i}", "--run-id", "swarm", "--initial-peers", maddr],
+                                     f"probe{i}", "--run-id", run, "--initial-peers", maddr],
                                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
             try:

@@ -70,7 +70,7 @@ async def main() -> None:
     sargs.verbose = 0
     cfg, layout, frontal, backward = validate(sargs)
     os.makedirs(args.work_dir, exist_ok=True)
-    dht = start_dht([])
+    dht = start_dht([], run_id=sargs.run_id, run_fp=Swarm.run_key(args.work_dir).fingerprint)
     swarm = Swarm(sargs, layout, frontal, backward, visible_maddrs(dht), args.work_dir)
     try:
         p2p = await dht.replicate_p2p()

@@ -67,7 +67,8 @@ def train_args(a) -> list[str]:
 
 def serve_args(a, stage, role, ckpt: Path, key: Path, host: str) -> list[str]:
     return ["serve", "--reliable", "--stage", stage, "--role", role, "--stages", "2", *train_args(a), "--no-compute",
-            "--host-maddrs", f"/ip4/{host}/tcp/0", "--checkpoint-dir", str(ckpt), "--identity-path", str(key)]
+            "--host-maddrs", f"/ip4/{host}/tcp/0", "--checkpoint-dir", str(ckpt), "--identity-path", str(key),
+            "--run-key", str(ckpt.parent / "run.key")]
 
 
 def run_kernel(a, rate: float, work: Path) -> tuple[float, list[float]]:
@@ -81,11 +82,12 @@ def run_kernel(a, rate: float, work: Path) -> tuple[float, list[float]]:
         first = run.start("s0f0", serve_args(a, *SERVERS[0][:2], ckpt, work / "s0f0.key", ip), bed.prefix("srv"),
                           stdout=subprocess.PIPE)
         initial = first.stdout.readline().strip().split("=", 1)[1].split()
+        run_id = first.stdout.readline().strip().split("=", 1)[1]  # bench@FINGERPRINT
         for stage, role, dev in SERVERS[1:]:
             run.start(dev, serve_args(a, stage, role, ckpt, work / f"{dev}.key", ip) + ["--initial-peers", *initial],
                       bed.prefix("srv"))
         for host, name, stage in VOLUNTEERS:
-            run.start(name, ["join", "--stage", str(stage), "--device-id", name, "--run-id", "bench",
+            run.start(name, ["join", "--stage", str(stage), "--device-id", name, "--run-id", run_id,
                              "--initial-peers", *initial], bed.prefix(host))
         seen = step_times(ckpt, a.steps, a.timeout, [p for _, p in run.procs])
         return seconds_per_step(seen, a.steps), joined_compute(work)
@@ -114,11 +116,12 @@ def run_emulated(a, rate: float, work: Path) -> tuple[float, list[float]]:
         first = run.start("s0f0", serve_args(a, *SERVERS[0][:2], ckpt, work / "s0f0.key", "127.0.0.1") + link,
                           stdout=subprocess.PIPE)
         initial = first.stdout.readline().strip().split("=", 1)[1].split()
+        run_id = first.stdout.readline().strip().split("=", 1)[1]  # bench@FINGERPRINT
         for stage, role, dev in SERVERS[1:]:
             run.start(dev, serve_args(a, stage, role, ckpt, work / f"{dev}.key", "127.0.0.1") + link +
                       ["--initial-peers", *initial])
         for _, name, stage in VOLUNTEERS:
-            run.start(name, ["join", "--stage", str(stage), "--device-id", name, "--run-id", "bench",
+            run.start(name, ["join", "--stage", str(stage), "--device-id", name, "--run-id", run_id,
                              "--initial-peers", *initial] + link)
         seen = step_times(ckpt, a.steps, a.timeout, [p for _, p in run.procs])
         return seconds_per_step(seen, a.steps), joined_compute(work)

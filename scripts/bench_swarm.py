@@ -59,8 +59,8 @@ async def _stream(messages):
 
 async def hop_costs(payloads: list[tuple[str, tuple[int, ...]]], repeats: int) -> list[list]:
     """Rows of the per-hop table: serialize, deserialize and transport medians for each payload."""
-    server = start_dht([])
-    client = start_dht(visible_maddrs(server))
+    server = start_dht([], run_id="bench-hop", run_fp=None)
+    client = start_dht(visible_maddrs(server), run_id="bench-hop", run_fp=None)
     try:
         p2p_server = await server.replicate_p2p()
         p2p_client = await client.replicate_p2p()

@@ -44,9 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "task pools, progress and what blocks the run.")
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
                    help="multiaddrs of DHT peers (e.g. the initial_peers=... line printed by `peer swarm`)")
-    p.add_argument("--run-id", default=DEFAULT_RUN_ID,
-                   help=f"the run to show (default {DEFAULT_RUN_ID!r}, the default of `peer swarm`; `peer serve` "
-                        "and `peer join` default to 'hivepipe'; the DHT cannot list runs, so there is no discovery)")
+    p.add_argument("--run-id", default=DEFAULT_RUN_ID, metavar="NAME[@FINGERPRINT]",
+                   help=f"the run to show (default {DEFAULT_RUN_ID!r}, the default of `peer swarm`; `peer serve` and `peer join` "
+                        "default to 'hivepipe'; the DHT cannot list runs, so there is no discovery), with @FINGERPRINT "
+                        "(the run= line of `peer serve` and `peer swarm`) to believe only the records its run key signed")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--json", action="store_true", help="print one JSON snapshot and exit")
     mode.add_argument("--serve", type=_port, default=None, metavar="PORT",
@@ -67,14 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     from peer.errors import UsageError
     from peer.runtime import check_maddrs, setup_logging
 
+    from peer.protocol.trust import split_run_id
+
     try:
         check_maddrs("--initial-peers", args.initial_peers, need_peer_id=True)
+        try:
+            args.run_id, args.run_fp = split_run_id(args.run_id)
+        except ValueError as e:
+            raise UsageError(f"--run-id: {e}") from None
     except UsageError as e:
         parser.error(str(e))
 
     setup_logging(args.verbose)
     try:
-        reader = DhtReader(args.initial_peers, args.run_id)
+        reader = DhtReader(args.initial_peers, args.run_id, args.run_fp)
     except Exception as e:
         logger.debug("joining the DHT failed", exc_info=True)
         print(f"dashboard: error: cannot join the DHT through {' '.join(args.initial_peers)}: {e}", file=sys.stderr)
@@ -107,6 +114,7 @@ def one_shot(reader: DhtReader, args) -> int:
                   file=sys.stderr)
             return 2
         time.sleep(0.5)
-    snap = build_snapshot(args.run_id, config, stages, time.time(), stale_periods=args.stale_periods)
+    snap = build_snapshot(args.run_id, config, stages, time.time(), stale_periods=args.stale_periods,
+                          rejected=reader.rejected)
     print(to_json(snap, indent=2), flush=True)
     return 0

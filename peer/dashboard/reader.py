@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from peer.dashboard.snapshot import MAX_PROBED_STAGES, History, build_snapshot, stage_count
-from peer.protocol.records import config_key, stage_key, subkey_values
+from peer.protocol.records import config_key, open_config, open_stage, stage_key
 
 logger = logging.getLogger("hivepipe.dashboard")
 
@@ -17,40 +17,77 @@ logger = logging.getLogger("hivepipe.dashboard")
 class DhtReader:
     """A client-mode DHT node (it stores nothing) reading the run's keys."""
 
-    def __init__(self, initial_peers: list[str], run_id: str):
+    def __init__(self, initial_peers: list[str], run_id: str, run_fp: str | None = None):
         from peer.node import start_dht
 
         self.run_id = run_id
-        self.dht = start_dht(initial_peers, client_mode=True)
+        self.dht = start_dht(initial_peers, run_id=run_id, run_fp=run_fp, client_mode=True)
+        self.trust = self.dht.hivepipe_trust
+        # records of the last fetch that did not verify, as the snapshot's "malformed" entries: those this
+        # reader dropped and those the DHT node's validator dropped before they reached it
+        self.rejected: list[dict] = []
 
     def _get(self, key: str) -> Any:
         found = self.dht.get(key, latest=True)
-        if found is None:
+        return None if found is None else found.value
+
+    def _stage(self, k: int) -> dict | None:
+        """{peer id: record} of the records under stage k that verify (None: no value at all)."""
+        raw = self._get(stage_key(self.run_id, k))
+        if raw is None:
             return None
-        value = found.value
-        if isinstance(value, dict):  # a key with subkeys: peer id -> ValueWithExpiration
-            return subkey_values(value)
-        return value
+        out = {}
+        for peer, rec, problem in open_stage(self.trust, k, raw):
+            if rec is None:
+                self.rejected.append({"stage": k, "peer": peer, "short": peer[-8:], "reason": f"dropped: {problem}"})
+            else:
+                out[peer] = rec
+        return out
 
     def fetch(self) -> tuple[Any, list[Any]]:
-        """(config value, [stage values]): as many stages as the config's layout names, or, without a
-        usable config, the stage keys up to the first empty one."""
-        config = self._get(config_key(self.run_id))
+        """(config, [stage maps]) of the records that verify: as many stages as the config's layout
+        names, or, without a usable config, the stage keys up to the first empty one. What did not
+        verify is in `rejected` after the call."""
+        from peer.protocol.trust import AmbiguousRunKey
+
+        self.rejected = []
+        try:
+            config, dropped = open_config(self.trust, self._get(config_key(self.run_id)))
+        except AmbiguousRunKey as e:
+            config, dropped = None, [("-", str(e))]
+        self.rejected += [{"stage": None, "peer": fp, "short": fp[-8:], "reason": f"config dropped: {why}"}
+                          for fp, why in dropped]
         n = stage_count(config)
         if n is not None:
-            return config, [self._get(stage_key(self.run_id, k)) for k in range(n)]
-        stages = []
-        for k in range(MAX_PROBED_STAGES):
-            value = self._get(stage_key(self.run_id, k))
-            if value is None:
-                break
-            stages.append(value)
+            stages = [self._stage(k) for k in range(n)]
+        else:
+            stages = []
+            for k in range(MAX_PROBED_STAGES):
+                value = self._stage(k)
+                if value is None:
+                    break
+                stages.append(value)
+        self.rejected += [{"stage": None, "peer": r["subkey"], "short": r["subkey"][-8:],
+                           "reason": f"dropped by this node's validator at {r['key']}: {r['reason']}"}
+                          for r in self.dht.run_coroutine(validator_rejections)]
         return config, stages
 
     def shutdown(self) -> None:
         from peer.node import stop_dht
 
         stop_dht(self.dht)
+
+
+async def validator_rejections(dht, node) -> list[dict]:
+    """(run in the DHT process) The records its run validator dropped, latest last."""
+    from dataclasses import asdict
+
+    from peer.protocol.trust import RunValidator
+
+    for v in getattr(node.protocol.record_validator, "_validators", []):
+        if isinstance(v, RunValidator):
+            return [asdict(r) for r in v.rejected]
+    return []
 
 
 class Watcher:
@@ -79,7 +116,7 @@ class Watcher:
             snap["errors"] = [problem] + [m for m in snap["errors"] if not m.startswith("reading the DHT failed")]
         else:
             snap = build_snapshot(self.run_id, config, stages, time.time(), history=self.history,
-                                  stale_periods=self.stale_periods)
+                                  stale_periods=self.stale_periods, rejected=self.reader.rejected)
         with self.lock:
             self.snapshot = snap
         return snap

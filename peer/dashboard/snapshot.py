@@ -214,13 +214,13 @@ def _parse_config(config: Any, errors: list[str]):
 
 
 def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, history: History | None = None,
-                   stale_periods: float = 3.0) -> dict:
+                   stale_periods: float = 3.0, rejected: list[dict] = ()) -> dict:
     """The dashboard's view of a run from raw DHT values: `config` is the `{run}.config` value (or
     None), `stages[k]` the `{run}.stage{k}` value (a map peer id -> record, or None). Never raises on
     bad records: they land in "malformed", config problems in "errors". `history` (optional) is
     read and updated."""
     errors: list[str] = []
-    malformed: list[dict] = []
+    malformed: list[dict] = list(rejected)  # records that failed their signatures (the reader says why)
     run, layout, seq_len = _parse_config(config, errors)
     period = run.announce_period if run is not None and run.announce_period > 0 else 1.0
     stale_after = stale_periods * period

@@ -25,7 +25,7 @@ class Monitor:
         from peer.protocol import records
 
         try:  # after a failover the servers announce the layout of the new epoch
-            config = await records.get(self.dht, records.config_key(self.run_id))
+            config = await records.read_config_value(self.dht)
             if isinstance(config, dict) and config.get("epoch", 0) > self.epoch:
                 self.layout = RunLayout.from_dict(config["layout"], self.num_layers)
                 self.epoch = config["epoch"]

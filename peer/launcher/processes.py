@@ -27,6 +27,16 @@ class Swarm:
         self.volunteers: dict[str, tuple[subprocess.Popen, str]] = {}  # name -> (process, stage argument)
         self.killed = 0
         self._count = 0
+        self.run_key_path = os.path.join(work_dir, "run.key")
+        self.run_fp = self.run_key(work_dir).fingerprint
+
+    @staticmethod
+    def run_key(work_dir: str):
+        """The run key of the swarm in `work_dir` (made there on first use; its servers share it)."""
+        from peer.protocol.trust import SigningKey
+
+        os.makedirs(work_dir, exist_ok=True)
+        return SigningKey.load_or_create(os.path.join(work_dir, "run.key"))[0]
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(os.path.join(self.work_dir, f"{name}.log"), "ab")
@@ -38,7 +48,7 @@ class Swarm:
 
     def common(self) -> list[str]:
         a = self.args
-        out = ["--run-id", a.run_id, "--initial-peers", *self.maddrs, "--parent-pid", str(os.getpid())]
+        out = ["--run-id", f"{a.run_id}@{self.run_fp}", "--initial-peers", *self.maddrs, "--parent-pid", str(os.getpid())]
         if a.link_profile:
             out += ["--link-profile", a.link_profile, "--link-scale", str(a.link_scale)]
         return out
@@ -59,7 +69,8 @@ class Swarm:
                             "--announce-period", str(a.announce_period), "--task-timeout", str(a.task_timeout),
                             "--client-timeout", str(a.client_timeout), "--failover-after", str(a.failover_after),
                             "--checkpoint-dir", os.path.join(self.work_dir, "checkpoints"),
-                            "--identity-path", os.path.join(self.work_dir, "identities", f"{name}.key")] + self.common()
+                            "--identity-path", os.path.join(self.work_dir, "identities", f"{name}.key"),
+                            "--run-key", self.run_key_path] + self.common()
                     if a.data:
                         argv += ["--data", a.data]
                     if a.init_from:

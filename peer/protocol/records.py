@@ -7,7 +7,6 @@ import logging
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from hivemind.utils import get_dht_time
 
 logger = logging.getLogger("hivepipe.records")
 
@@ -16,11 +15,15 @@ ROLES = ("frontal", "backward")
 
 
 def config_key(run_id: str) -> str:
-    return f"{run_id}.config"
+    from peer.protocol.trust import config_name
+
+    return config_name(run_id)
 
 
 def stage_key(run_id: str, stage: int) -> str:
-    return f"{run_id}.stage{stage}"
+    from peer.protocol.trust import stage_name
+
+    return stage_name(run_id, stage)
 
 
 @dataclass(frozen=True)
@@ -147,8 +150,40 @@ def halted_reason(recs) -> str | None:
     return reasons[0] if reasons else None
 
 
-async def store(dht, key: str, value: Any, ttl: float, subkey: str | None = None) -> bool:
-    return await dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True)
+@dataclass
+class Trust:
+    """What a process knows to write and read its run's records (peer.protocol.trust): the run, the
+    fingerprint of the run key it trusts (None until a reader without one has found the run's),
+    its own identity key (signs its records), and the run key itself on a server."""
+    run_id: str
+    run_fp: str | None
+    identity: Any  # trust.SigningKey
+    run_key: Any = None  # trust.SigningKey on the run's servers
+
+
+def trust_of(dht) -> Trust:
+    trust = getattr(dht, "hivepipe_trust", None)
+    if trust is None:
+        raise RuntimeError("this DHT node was started without the run's trust (peer.node.start_dht)")
+    return trust
+
+
+async def publish(dht, body: dict, ttl: float, stage: int | None = None) -> bool:
+    """Sign and store this process's record: the run's config (stage None; needs the run key) or its
+    own record under a stage key (subkey: its peer id)."""
+    from peer.protocol.trust import seal
+
+    trust = trust_of(dht)
+    if stage is None:
+        if trust.run_key is None:
+            raise RuntimeError("only a holder of the run key writes the run's config")
+        name, subkey, run_key = config_key(trust.run_id), trust.run_key.fingerprint, None
+        signer = trust.run_key
+    else:
+        name, subkey, signer = stage_key(trust.run_id, stage), str(dht.peer_id), trust.identity
+        run_key = trust.run_key if body.get("kind") == "server" else None
+    value = seal(name, subkey, body, ttl, signer, run_key=run_key)
+    return await dht.store(name, value, expiration_time=value["expires"], subkey=subkey, return_future=True)
 
 
 async def get(dht, key: str) -> Any:
@@ -161,21 +196,59 @@ def subkey_values(value: dict) -> dict[str, Any]:
     return {str(k): getattr(v, "value", v) for k, v in value.items()}
 
 
-async def read_stage(dht, run_id: str, stage: int) -> list[tuple[str, dict | None, str | None]]:
-    """All records under a stage key as (peer id, record or None, problem or None)."""
-    value = await get(dht, stage_key(run_id, stage))
+def open_config(trust: Trust, raw: Any) -> tuple[dict | None, list[tuple[str, str]]]:
+    """The run's config among the values under its config key (a map fingerprint -> envelope), and
+    [(subkey, why dropped)] of the others. A reader without a fingerprint takes the run key of the
+    only config that verifies (and keeps it); with several it cannot choose: ValueError."""
+    from peer.protocol.trust import AmbiguousRunKey, TrustError, open_record
+
+    bodies, dropped = {}, []
+    for subkey, value in (subkey_values(raw) if isinstance(raw, dict) else {}).items():
+        try:
+            bodies[subkey] = open_record(trust.run_id, "config", None, subkey, value, trust.run_fp)
+        except TrustError as e:
+            dropped.append((subkey, str(e)))
+    if trust.run_fp is None and bodies:
+        if len(bodies) > 1:
+            raise AmbiguousRunKey(f"run {trust.run_id!r} is published under {len(bodies)} run keys ({', '.join(sorted(bodies))}): "
+                             f"say which with --run-id {trust.run_id}@FINGERPRINT (the fingerprint its first server "
+                             "printed)")
+        trust.run_fp = next(iter(bodies))
+        logger.warning("trusting run key %s for run %r, the only one that publishes it (pass --run-id %s@%s to "
+                       "be sure)", trust.run_fp, trust.run_id, trust.run_id, trust.run_fp)
+    return bodies.get(trust.run_fp), dropped
+
+
+async def read_config_value(dht) -> dict | None:
+    """The run's config record (a map) as its run key signed it, or None while there is none."""
+    trust = trust_of(dht)
+    config, _ = open_config(trust, await get(dht, config_key(trust.run_id)))
+    return config
+
+
+def open_stage(trust: Trust, stage: int, raw: Any) -> list[tuple[str, dict | None, str | None]]:
+    """The records under a stage key as (peer id, record or None, why it was dropped or None)."""
+    from peer.protocol.trust import TrustError, open_record
+
     out = []
-    if isinstance(value, dict):
-        for subkey, raw in subkey_values(value).items():
-            try:
-                out.append((subkey, validate_record(raw), None))
-            except ValueError as e:
-                out.append((subkey, None, str(e)))
+    for subkey, value in (subkey_values(raw) if isinstance(raw, dict) else {}).items():
+        try:
+            out.append((subkey, open_record(trust.run_id, "stage", stage, subkey, value, trust.run_fp), None))
+        except TrustError as e:
+            out.append((subkey, None, str(e)))
     return out
+
+
+async def read_stage(dht, run_id: str, stage: int) -> list[tuple[str, dict | None, str | None]]:
+    """All records under a stage key as (peer id, record or None, problem or None): a record counts
+    only if its peer signed it (and, for a server, the run key)."""
+    trust = trust_of(dht)
+    assert run_id == trust.run_id, (run_id, trust.run_id)
+    return open_stage(trust, stage, await get(dht, stage_key(run_id, stage)))
 
 
 async def read_config(dht, run_id: str) -> RunConfig | None:
     """The run's config record (published by its servers), or None while there is none; ValueError
     when it does not fit the schema. Callers that wait poll it (peer/join.py's wait_until)."""
-    value = await get(dht, config_key(run_id))
+    value = await read_config_value(dht)
     return None if value is None else RunConfig.from_dict(value)

@@ -37,6 +37,7 @@ class Running:
         self.live = live
         self.loop = asyncio.new_event_loop()
         self.run_id = live.args.run_id
+        self.run_ref = f"{self.run_id}@{live.swarm.run_fp}"  # what the run= line says: believe only its key
         self.maddrs = live.swarm.maddrs
 
     def call(self, coro):
@@ -56,7 +57,7 @@ class Running:
         return {k: await self.live.clients(k) for k in range(self.live.layout.num_stages)}
 
     def dashboard(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, SCRIPT, "--initial-peers", *self.maddrs, "--run-id", self.run_id, *args],
+        return subprocess.run([sys.executable, SCRIPT, "--initial-peers", *self.maddrs, "--run-id", self.run_ref, *args],
                               capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
@@ -153,7 +154,7 @@ def test_a_dht_that_cannot_be_joined_is_a_clear_error():
 @pytest.fixture(scope="module")
 def web(swarm, tmp_path_factory):
     """`dashboard.py --serve 0`: the URL it printed."""
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--initial-peers", *swarm.maddrs, "--run-id", swarm.run_id,
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--initial-peers", *swarm.maddrs, "--run-id", swarm.run_ref,
                              "--serve", "0", "--refresh", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=REPO, start_new_session=True)
     lines: queue.Queue = queue.Queue()

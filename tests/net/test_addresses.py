@@ -16,6 +16,11 @@ import pytest
 from peer.cli import main
 
 SERVE = ["serve", "--reliable", "--stage", "0", "--role", "frontal", "--model", "tiny", "--steps", "2"]
+
+
+def serve(tmp_path) -> list[str]:
+    """SERVE with the run key in the test's folder (made by the first server that reaches it)."""
+    return SERVE + ["--run-key", str(tmp_path / "run.key")]
 A_PEER = "12D3KooWKweDwQYLfYdehecUQviKrEF294JbjV4AHx4Q7n8aLXeB"
 
 
@@ -27,8 +32,14 @@ A_PEER = "12D3KooWKweDwQYLfYdehecUQviKrEF294JbjV4AHx4Q7n8aLXeB"
     (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/5"], "lacks the peer id"),
     (["join", "--initial-peers", f"/ip4/127.0.0.1/tcp/5/p2p/{A_PEER}", "--timeout", "0"], "--timeout must be positive"),
     (["join"], "--initial-peers is required"),
+    (["join", "--run-id", "demo@12345", "--initial-peers", f"/ip4/127.0.0.1/tcp/5/p2p/{A_PEER}"],
+     "run fingerprint '12345': expected 16 hex digits"),
+    (["join", "--run-id", "de mo", "--initial-peers", f"/ip4/127.0.0.1/tcp/5/p2p/{A_PEER}"], "run id 'de mo'"),
+    (SERVE + ["--run-id", "demo@00000000000000ff"], "not the 00000000000000ff that --run-id names"),
 ])
-def test_bad_addresses_are_named(argv, words, capsys):
+def test_bad_addresses_are_named(argv, words, capsys, tmp_path):
+    if argv[0] == "serve":
+        argv = argv + ["--run-key", str(tmp_path / "run.key")]
     assert main(argv) == 2
     assert words in capsys.readouterr().err
 
@@ -37,8 +48,16 @@ def peer(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "peer.cli", *argv], capture_output=True, text=True, timeout=timeout)
 
 
+def test_a_run_key_that_is_not_one_is_named(tmp_path, capsys):
+    bad = tmp_path / "run.key"
+    bad.write_text("not a key")
+    assert main([*SERVE, "--run-key", str(bad)]) == 2
+    assert f"--run-key: run key {bad}: not a PEM private key" in capsys.readouterr().err
+    assert bad.read_text() == "not a key"
+
+
 def test_an_address_that_cannot_be_bound_is_named_and_nothing_written(tmp_path):
-    out = peer(*SERVE, "--host-maddrs", "/ip4/198.51.100.1/tcp/0", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    out = peer(*serve(tmp_path), "--host-maddrs", "/ip4/198.51.100.1/tcp/0", "--checkpoint-dir", str(tmp_path / "ckpt"))
     assert out.returncode == 2, out.stderr[-2000:]
     assert "cannot listen on the given address" in out.stderr and "/ip4/198.51.100.1/tcp/0" in out.stderr
     assert "Traceback" not in out.stderr
@@ -48,7 +67,7 @@ def test_an_address_that_cannot_be_bound_is_named_and_nothing_written(tmp_path):
 def test_initial_peers_that_do_not_answer_within_the_timeout(tmp_path):
     dead = f"/ip4/127.0.0.1/tcp/9/p2p/{A_PEER}"
     for argv in (["join", "--initial-peers", dead, "--timeout", "3"],
-                 [*SERVE, "--initial-peers", dead, "--timeout", "3", "--checkpoint-dir", str(tmp_path / "c")]):
+                 [*serve(tmp_path), "--initial-peers", dead, "--timeout", "3", "--checkpoint-dir", str(tmp_path / "c")]):
         out = peer(*argv)
         assert out.returncode == 2, out.stderr[-2000:]
         assert "none of the initial peers answered" in out.stderr and dead in out.stderr
@@ -71,7 +90,7 @@ def seen_within(stream, text: str, timeout: float) -> bool:
 
 
 def test_first_line_warning_and_a_refused_announce_address(tmp_path):
-    first = subprocess.Popen([sys.executable, "-m", "peer.cli", *SERVE, "--run-id", f"addr{os.getpid()}",
+    first = subprocess.Popen([sys.executable, "-m", "peer.cli", *serve(tmp_path), "--run-id", f"addr{os.getpid()}",
                               "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--no-compute"],
                              stdout=subprocess.PIPE, stderr=open(tmp_path / "first.log", "w"), text=True,
                              start_new_session=True)
@@ -81,7 +100,7 @@ def test_first_line_warning_and_a_refused_announce_address(tmp_path):
         initial = line.split("=", 1)[1].split()
         bogus = "/ip4/127.0.0.1/tcp/9"  # nobody listens on the discard port
         out = peer("serve", "--reliable", "--stage", "1", "--role", "frontal", "--model", "tiny", "--steps", "2",
-                   "--run-id", f"addr{os.getpid()}", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                   "--run-key", str(tmp_path / "run.key"), "--run-id", f"addr{os.getpid()}", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
                    "--announce-maddrs", bogus, "--initial-peers", *initial, "--checkpoint-dir", str(tmp_path / "c"))
         assert out.returncode == 2, out.stderr[-2000:]
         assert f"could dial this server back at {bogus}" in out.stderr and "--announce-maddrs" in out.stderr

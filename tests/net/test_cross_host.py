@@ -23,7 +23,7 @@ from tests.net import netns
 REASON = netns.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cross-host test: {REASON}")
 
-STEPS = 8
+STEPS = 16  # long enough that a slow-linked volunteer sharing a stage with a fast one gets rows (at 8, 2 of 3 runs on an idle machine starved one, before and after signed records)
 SERVERS = [("0", "frontal"), ("0", "backward"), ("1", "frontal"), ("1", "backward")]
 
 
@@ -58,7 +58,8 @@ REPO = Path(__file__).resolve().parents[2]
 def serve_argv(stage: str, role: str, host_ip: str, run_id: str, ckpt, key, *extra: str) -> list[str]:
     return ["serve", "--reliable", "--stage", stage, "--role", role, "--stages", "2", "--model", "tiny",
             "--steps", str(STEPS), "--run-id", run_id, "--no-compute", "--host-maddrs", f"/ip4/{host_ip}/tcp/0",
-            "--checkpoint-dir", str(ckpt), "--identity-path", str(key), "--task-timeout", "20", *extra]
+            "--checkpoint-dir", str(ckpt), "--identity-path", str(key), "--task-timeout", "20",
+            "--run-key", str(Path(ckpt).parent / "run.key"), *extra]
 
 
 def test_servers_on_one_host_volunteers_on_two_others(tmp_path):
@@ -80,6 +81,9 @@ def test_servers_on_one_host_volunteers_on_two_others(tmp_path):
         assert line.startswith("initial_peers=/ip4/" + srv_ip + "/tcp/"), line
         assert "127.0.0.1" not in line and "/p2p/" in line, line
         initial = line.split("=", 1)[1].split()
+        run = first_line(first)  # the second: run=NAME@FINGERPRINT, what volunteers pass to --run-id
+        assert run.startswith(f"run={run_id}@"), run
+        run = run.split("=", 1)[1]
         # the volunteers first: they wait for every server of the run, so all of them are there when
         # the run starts (a late one could find the few tasks of a short run all taken)
         vols = []
@@ -87,7 +91,7 @@ def test_servers_on_one_host_volunteers_on_two_others(tmp_path):
             for i in range(2):
                 name = f"{host}-{i}"
                 vols.append(name)
-                hosts.start(host, name, ["join", "--stage", "auto", "--run-id", run_id, "--initial-peers", *initial,
+                hosts.start(host, name, ["join", "--stage", "auto", "--run-id", run, "--initial-peers", *initial,
                                          "--device-id", name, "--probe-bytes", str(1 << 18),
                                          "--rebalance-period", "5"], stdout=open(tmp_path / f"{name}.out", "w"))
         for stage, role in SERVERS[1:]:
@@ -110,7 +114,7 @@ def test_servers_on_one_host_volunteers_on_two_others(tmp_path):
                 break
             if dashboard is None and len(done) == len(SERVERS):  # the dashboard from the third host
                 out = subprocess.run(bed.prefix("vol2") + [sys.executable, str(REPO / "scripts" / "dashboard.py"), "--json",
-                                                           "--run-id", run_id, "--initial-peers", *initial],
+                                                           "--run-id", run, "--initial-peers", *initial],
                                      capture_output=True, text=True, timeout=120)
                 assert out.returncode == 0, out.stderr[-2000:]
                 dashboard = json.loads(out.stdout)

@@ -47,7 +47,7 @@ class LiveSwarm:
         self.cfg, self.layout, frontal, backward = validate(self.args)
         self.work_dir = str(work_dir)
         os.makedirs(self.work_dir, exist_ok=True)
-        self.dht = start_dht([])
+        self.dht = start_dht([], run_id=self.args.run_id, run_fp=Swarm.run_key(self.work_dir).fingerprint)
         self.swarm = Swarm(self.args, self.layout, frontal, backward, visible_maddrs(self.dht), self.work_dir)
         self.monitor: Monitor | None = None
 

@@ -222,7 +222,7 @@ def test_a_server_failed_over_while_it_is_frozen_leaves_the_run_when_it_wakes(tm
         await live.wait(lambda: proc.poll() is not None, 120, "the woken server to leave")
         out["code"] = proc.returncode
         result = await live.finish(steps)
-        config = await records.get(live.dht, records.config_key(live.args.run_id))
+        config = await records.read_config_value(live.dht)
         out["config_epoch"] = config.get("epoch")
         return result
 

@@ -1,0 +1,35 @@
+"""The shape of a run's DHT values, as a pydantic schema for hivemind's SchemaValidator: every key
+of the run (`{run}_config`, `{run}_stage0` ...) maps subkeys to a signed envelope (see trust.py).
+The envelope's signatures and the record inside it are checked by trust.RunValidator."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import pydantic.v1 as pydantic
+from hivemind.dht.schema import SchemaValidator
+
+from peer.protocol.trust import MAX_STAGES
+
+
+class Envelope(pydantic.BaseModel):
+    body: Dict[pydantic.StrictStr, Any]
+    time: pydantic.StrictFloat
+    expires: pydantic.StrictFloat
+    signer: pydantic.StrictBytes
+    sig: pydantic.StrictBytes
+    run_key: Optional[pydantic.StrictBytes]
+    run_sig: Optional[pydantic.StrictBytes]
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+Records = Dict[pydantic.StrictStr, Envelope]
+
+# one field per key of a run: the SchemaValidator's prefix (the run id) makes them `{run}_{field}`
+RunKeys = pydantic.create_model("RunKeys", config=(Optional[Records], None),
+                                **{f"stage{k}": (Optional[Records], None) for k in range(MAX_STAGES)})
+
+
+def run_schema_validator(run_id: str) -> SchemaValidator:
+    return SchemaValidator(RunKeys, allow_extra_keys=True, prefix=run_id)

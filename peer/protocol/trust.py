@@ -1,0 +1,313 @@
+"""Who may write what in a run's DHT records, and how every reader checks it (issue "Trust").
+
+The trust root is the run key: an RSA key that the run's reliable servers share (`--run-key PATH`,
+made by the first server or `peer keygen`). Its fingerprint (16 hex digits of the SHA-256 of its
+public key) is what a volunteer holds, as `--run-id NAME@FINGERPRINT`. Every value of a run's keys is
+an envelope:
+
+    {"body": the record, "time": when it was made, "expires": when it stops counting,
+     "signer": the writer's public key (DER), "sig": its signature,
+     "run_key": the run's public key (DER) or None, "run_sig": the run key's signature or None}
+
+over the same bytes: msgpack of [key name, subkey, body, time, expires]. The key name carries the run
+id, so a record of another run (or another key) does not verify here.
+
+- `{run}_config`, subkey the run key's fingerprint: the run's config, signed by the run key itself
+  (signer == run key).
+- `{run}_stage{k}`, subkey a peer id: that peer's record. `signer` must be the peer's own libp2p
+  identity key (its peer id is the hash of it, which libp2p authenticates on every connection), so a
+  peer can write only its own record. A server record must also be signed by the run key; a client
+  record must not claim it.
+
+`RunValidator` applies these rules inside every DHT node of the run (hivemind's record-validator
+hook, beside a `SchemaValidator` for the envelope's shape): a store or an answer that breaks them
+is dropped and counted, with the reason at `-v`. Readers check again with `open_record`, which
+also holds a record to the fingerprint the reader trusts.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import RecordValidatorBase
+
+logger = logging.getLogger("hivepipe.trust")
+
+MAX_STAGES = 64  # stage keys a validator knows
+MAX_SKEW = 60.0  # seconds a record's time may lie ahead of the reader's clock
+MAX_TTL = 3600.0  # the longest life a record may claim (a replayed old record has expired)
+FINGERPRINT_LEN = 16
+
+
+class TrustError(ValueError):
+    """A record that must not be believed, with the reason."""
+
+
+class AmbiguousRunKey(ValueError):
+    """A reader without a fingerprint found the run published under several run keys."""
+
+
+def config_name(run_id: str) -> str:
+    return f"{run_id}_config"
+
+
+def stage_name(run_id: str, stage: int) -> str:
+    return f"{run_id}_stage{stage}"
+
+
+def split_run_id(text: str) -> tuple[str, str | None]:
+    """`NAME` or `NAME@FINGERPRINT` -> (name, fingerprint or None); ValueError naming the problem."""
+    name, _, fp = text.partition("@")
+    if not name or not all(c.isascii() and (c.isalnum() or c in "-._") for c in name):
+        raise ValueError(f"run id {name!r}: use letters, digits, '-', '_' and '.' only")
+    if "@" in text:
+        fp = fp.lower()
+        if len(fp) != FINGERPRINT_LEN or any(c not in "0123456789abcdef" for c in fp):
+            raise ValueError(f"run fingerprint {fp!r}: expected {FINGERPRINT_LEN} hex digits (as `peer serve` "
+                             "or `peer keygen` print it)")
+        return name, fp
+    return name, None
+
+
+def fingerprint(public_der: bytes) -> str:
+    return hashlib.sha256(public_der).hexdigest()[:FINGERPRINT_LEN]
+
+
+def _public_der(key) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def peer_id_of(public_der: bytes) -> str:
+    """The libp2p peer id (base58) of an RSA public key in DER, as libp2p derives it."""
+    import multihash  # comes with hivemind (py-multihash)
+    from hivemind.p2p import PeerID
+    from hivemind.proto import crypto_pb2
+
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=public_der).SerializeToString()
+    digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
+    return PeerID(digest).to_base58()
+
+
+class SigningKey:
+    """An RSA private key that signs records: a run key, or a node's libp2p identity."""
+
+    def __init__(self, private_key):
+        self._key = private_key
+        self.public_der = _public_der(private_key)
+        self.fingerprint = fingerprint(self.public_der)
+
+    def sign(self, payload: bytes) -> bytes:
+        return self._key.sign(payload, padding.PKCS1v15(), hashes.SHA256())
+
+    @classmethod
+    def generate(cls) -> "SigningKey":
+        return cls(rsa.generate_private_key(public_exponent=65537, key_size=2048))
+
+    def save(self, path: str) -> None:
+        """Write the key as PEM, readable by its owner only, without replacing an existing file."""
+        pem = self._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+
+    @classmethod
+    def load(cls, path: str) -> "SigningKey":
+        """A run key written by `save`; ValueError naming the file if it is not one."""
+        try:
+            with open(path, "rb") as f:
+                key = serialization.load_pem_private_key(f.read(), password=None)
+        except OSError as e:
+            raise ValueError(f"run key {path}: {e.strerror or e}") from None
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"run key {path}: not a PEM private key ({e})") from None
+        if not isinstance(key, rsa.RSAPrivateKey):
+            raise ValueError(f"run key {path}: not an RSA key")
+        return cls(key)
+
+    @classmethod
+    def load_or_create(cls, path: str) -> tuple["SigningKey", bool]:
+        """(the key at `path`, whether it was created now)."""
+        if os.path.exists(path):
+            return cls.load(path), False
+        key = cls.generate()
+        key.save(path)
+        return key, True
+
+    @classmethod
+    def from_identity(cls, path: str) -> "SigningKey":
+        """The private key of a libp2p identity file (hivemind's: protobuf around an RSA DER key)."""
+        from hivemind.proto import crypto_pb2
+
+        with open(path, "rb") as f:
+            data = crypto_pb2.PrivateKey.FromString(f.read()).data
+        return cls(serialization.load_der_private_key(data, password=None))
+
+
+def _payload(name: str, subkey: str, body: dict, t: float, expires: float) -> bytes:
+    return msgpack.packb([name, subkey, body, t, expires], use_bin_type=True)
+
+
+def seal(name: str, subkey: str, body: dict, ttl: float, signer: SigningKey, run_key: SigningKey | None = None,
+         now: float | None = None) -> dict:
+    """The envelope of `body` under key `name` and `subkey`, signed by `signer` (and by the run key)."""
+    t = float(now if now is not None else _now())
+    expires = t + float(ttl)
+    payload = _payload(name, subkey, body, t, expires)
+    return {"body": body, "time": t, "expires": expires, "signer": signer.public_der, "sig": signer.sign(payload),
+            "run_key": run_key.public_der if run_key is not None else None,
+            "run_sig": run_key.sign(payload) if run_key is not None else None}
+
+
+def _verify(public_der: Any, payload: bytes, signature: Any, whose: str) -> None:
+    if not isinstance(public_der, bytes) or not isinstance(signature, bytes):
+        raise TrustError(f"{whose} key or signature missing")
+    try:
+        key = serialization.load_der_public_key(public_der)
+    except (ValueError, TypeError):
+        raise TrustError(f"{whose} key is not a DER public key") from None
+    if not isinstance(key, rsa.RSAPublicKey):
+        raise TrustError(f"{whose} key is not an RSA key")
+    try:
+        key.verify(signature, payload, padding.PKCS1v15(), hashes.SHA256())
+    except InvalidSignature:
+        raise TrustError(f"bad {whose} signature") from None
+
+
+def _now() -> float:
+    from hivemind.utils import get_dht_time
+
+    return get_dht_time()
+
+
+ENVELOPE_FIELDS = ("body", "time", "expires", "signer", "sig", "run_key", "run_sig")
+
+
+def open_record(run_id: str, kind: str, stage: int | None, subkey: Any, value: Any, run_fp: str | None,
+                now: float | None = None) -> dict:
+    """The body of an envelope read under the run's `kind` key ("config" or "stage"), after every
+    check; TrustError with the reason otherwise. `run_fp`: the run key a reader trusts (None:
+    any run key whose own signature holds, for a reader that has not learnt the run's yet)."""
+    from peer.protocol import records
+
+    if not isinstance(value, dict) or set(value) != set(ENVELOPE_FIELDS):
+        raise TrustError("not a signed record (expected the fields " + ", ".join(ENVELOPE_FIELDS) + ")")
+    body, t, expires = value["body"], value["time"], value["expires"]
+    if not isinstance(body, dict) or not isinstance(t, float) or not isinstance(expires, float):
+        raise TrustError("signed record: 'body' must be a map and 'time', 'expires' floats")
+    if not isinstance(subkey, str):
+        raise TrustError(f"subkey must be a string, got {type(subkey).__name__}")
+    now = _now() if now is None else now
+    if t > now + MAX_SKEW:
+        raise TrustError(f"timestamp {t - now:.0f} s in the future")
+    if expires < now:
+        raise TrustError(f"expired {now - expires:.0f} s ago")
+    if not 0 <= expires - t <= MAX_TTL:
+        raise TrustError(f"claims a life of {expires - t:.0f} s (at most {MAX_TTL:.0f})")
+    name = config_name(run_id) if kind == "config" else stage_name(run_id, stage)
+    payload = _payload(name, subkey, body, t, expires)
+    _verify(value["signer"], payload, value["sig"], "writer's")
+    if kind == "config":
+        if fingerprint(value["signer"]) != subkey:
+            raise TrustError("a config record must be stored under its run key's fingerprint")
+        if run_fp is not None and subkey != run_fp:
+            raise TrustError(f"config of another run key ({subkey}, this run is {run_fp})")
+        try:
+            records.RunConfig.from_dict(body)
+        except ValueError as e:
+            raise TrustError(str(e)) from None
+        return body
+    if peer_id_of(value["signer"]) != subkey:
+        raise TrustError(f"record for peer {subkey[-8:]} signed by another peer's key")
+    try:
+        rec = records.parse_record(body)
+    except ValueError as e:
+        raise TrustError(str(e)) from None
+    if rec.stage != stage:
+        raise TrustError(f"record of stage {rec.stage} under stage {stage}'s key")
+    if rec.kind == "server":
+        _verify(value["run_key"], payload, value["run_sig"], "run")
+        if run_fp is not None and fingerprint(value["run_key"]) != run_fp:
+            raise TrustError(f"server record signed by another run key ({fingerprint(value['run_key'])}, this run is "
+                             f"{run_fp})")
+    elif value["run_key"] is not None or value["run_sig"] is not None:
+        raise TrustError("a volunteer's record must not carry a run signature")
+    return body
+
+
+@dataclass
+class Rejection:
+    time: float
+    key: str
+    subkey: str
+    reason: str
+
+
+class RunValidator(RecordValidatorBase):
+    """hivemind record validator of one run's keys; keys of other runs pass
+    through untouched. Every record it drops is counted and kept (the last 100) with the reason."""
+
+    def __init__(self, run_id: str, run_fp: str | None):
+        self.run_id, self.run_fp = run_id, run_fp
+        self.keys: dict[bytes, tuple[str, int | None]] = {
+            DHTID.generate(source=config_name(run_id)).to_bytes(): ("config", None)}
+        for k in range(MAX_STAGES):
+            self.keys[DHTID.generate(source=stage_name(run_id, k)).to_bytes()] = ("stage", k)
+        self.rejected: collections.deque[Rejection] = collections.deque(maxlen=100)
+        self.rejected_total = 0
+
+    @property
+    def priority(self) -> int:
+        return 20  # checked before the schema validator (hivemind checks in decreasing priority)
+
+    def check(self, record) -> str | None:
+        """Why `record` (a hivemind DHTRecord) must be dropped, or None."""
+        where = self.keys.get(record.key)
+        if where is None:
+            return None
+        kind, stage = where
+        if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+            return "the run's records are stored under subkeys"
+        try:
+            subkey = DHTProtocol.serializer.loads(record.subkey)
+            value = DHTProtocol.serializer.loads(record.value)
+        except Exception as e:
+            return f"undecodable: {type(e).__name__}"
+        try:
+            open_record(self.run_id, kind, stage, subkey, value, self.run_fp)
+        except TrustError as e:
+            return str(e)
+        return None
+
+    def validate(self, record) -> bool:
+        reason = self.check(record)
+        if reason is None:
+            return True
+        where = self.keys[record.key]
+        key = config_name(self.run_id) if where[0] == "config" else stage_name(self.run_id, where[1])
+        try:
+            subkey = str(DHTProtocol.serializer.loads(record.subkey))
+        except Exception:
+            subkey = "?"
+        self.rejected_total += 1
+        self.rejected.append(Rejection(time.time(), key, subkey, reason))
+        logger.info("dropped a record under %s (subkey %s): %s", key, subkey[-12:], reason)
+        return False
+
+
+def validators(run_id: str, run_fp: str | None) -> list:
+    """What every DHT node of the run is given: the envelope schema and the signature rules."""
+    from peer.protocol.schema import run_schema_validator
+
+    return [RunValidator(run_id, run_fp), run_schema_validator(run_id)]

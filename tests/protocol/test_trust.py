@@ -1,0 +1,151 @@
+"""Signed records (peer/protocol/trust.py): what a reader believes, and what it drops with the reason.
+Every case here is a forgery an outsider could store in the DHT; the live test is in
+tests/swarm/test_trust.py."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+
+from peer.protocol import records
+from peer.protocol.trust import (RunValidator, SigningKey, TrustError, config_name, open_record, peer_id_of, seal,
+                                 split_run_id, stage_name)
+
+NOW = 1_800_000_000.0
+RUN_KEY = SigningKey.generate()
+OTHER_RUN_KEY = SigningKey.generate()
+SERVER = SigningKey.generate()  # a server's libp2p identity
+VOLUNTEER = SigningKey.generate()
+OUTSIDER = SigningKey.generate()
+
+
+def server_body(device="s0f0", stage=0) -> dict:
+    return {"kind": "server", "device": device, "role": "frontal", "stage": stage, "state": "online", "version": 3,
+            "maddrs": ["/ip4/127.0.0.1/tcp/5"], "time": NOW}
+
+
+def client_body() -> dict:
+    return {"kind": "client", "device": "v1", "stage": 0, "state": "online", "compute": 2.0, "time": NOW}
+
+
+def config_body(steps=100000) -> dict:
+    return {"run_id": "r", "model": "tiny", "seed": 0, "steps": steps, "batch_size": 8, "micro_batches": 2,
+            "lr": 0.001, "layout": {}, "announce_period": 1.0, "arch": None}
+
+
+def stage_record(signer, body, run_key=None, subkey=None, run_id="r", ttl=3.0, now=NOW):
+    subkey = subkey or peer_id_of(signer.public_der)
+    return subkey, seal(stage_name(run_id, body["stage"]), subkey, body, ttl, signer, run_key=run_key, now=now)
+
+
+def read_stage(subkey, value, run_fp=RUN_KEY.fingerprint, stage=0, now=NOW + 1):
+    return open_record("r", "stage", stage, subkey, value, run_fp, now=now)
+
+
+def test_records_signed_as_the_rules_say_are_believed():
+    assert read_stage(*stage_record(SERVER, server_body(), RUN_KEY)) == server_body()
+    assert read_stage(*stage_record(VOLUNTEER, client_body())) == client_body()
+    config = seal(config_name("r"), RUN_KEY.fingerprint, config_body(), 3.0, RUN_KEY, now=NOW)
+    assert open_record("r", "config", None, RUN_KEY.fingerprint, config, RUN_KEY.fingerprint, now=NOW + 1) == config_body()
+
+
+@pytest.mark.parametrize("forge,reason", [
+    # an outsider re-publishes a live server's record under its own peer id: it has no run key
+    (lambda: stage_record(OUTSIDER, server_body()), "run key or signature missing"),
+    # ... signed with a run key of its own
+    (lambda: stage_record(OUTSIDER, server_body(), OTHER_RUN_KEY), "server record signed by another run key"),
+    # ... or under the server's peer id (it cannot sign as that peer)
+    (lambda: stage_record(OUTSIDER, server_body(), RUN_KEY, subkey=peer_id_of(SERVER.public_der)),
+     "signed by another peer's key"),
+    # a made-up server s0f9
+    (lambda: stage_record(OUTSIDER, server_body("s0f9")), "run key or signature missing"),
+    # a volunteer's record that claims a run signature it forged with another key
+    (lambda: stage_record(VOLUNTEER, client_body(), OTHER_RUN_KEY), "must not carry a run signature"),
+    # a record of another run replayed here (its key name differs, so its signature does not hold)
+    (lambda: stage_record(SERVER, server_body(), RUN_KEY, run_id="other"), "bad writer's signature"),
+    # a record of stage 1 put under stage 0's key
+    (lambda: (lambda sk, v: (sk, v))(*stage_record(SERVER, server_body(stage=1), RUN_KEY)), "bad writer's signature"),
+    # an expired one replayed later, and one dated in the future
+    (lambda: stage_record(SERVER, server_body(), RUN_KEY, now=NOW - 100), "expired 98 s ago"),
+    (lambda: stage_record(SERVER, server_body(), RUN_KEY, now=NOW + 3600), "s in the future"),
+    (lambda: stage_record(SERVER, server_body(), RUN_KEY, ttl=10 * 24 * 3600), "claims a life of"),
+])
+def test_forged_stage_records_are_dropped_with_the_reason(forge, reason):
+    subkey, value = forge()
+    with pytest.raises(TrustError, match=reason.replace("(", r"\(")):
+        read_stage(subkey, value)
+
+
+def test_a_tampered_record_fails_its_signature():
+    subkey, value = stage_record(SERVER, server_body(), RUN_KEY)
+    value["body"] = dict(value["body"], version=99)
+    with pytest.raises(TrustError, match="bad writer's signature"):
+        read_stage(subkey, value)
+    for broken in ({}, {"body": 1}, dict(value, extra=1), dict(value, time=1)):
+        with pytest.raises(TrustError):
+            read_stage(subkey, broken)
+
+
+def test_a_forged_config_is_dropped_and_the_run_key_is_learnt_once():
+    real = seal(config_name("r"), RUN_KEY.fingerprint, config_body(), 3.0, RUN_KEY, now=time.time())
+    # steps 100000 -> 1 under the real fingerprint, signed by another key
+    forged = seal(config_name("r"), RUN_KEY.fingerprint, config_body(steps=1), 3.0, OTHER_RUN_KEY, now=time.time())
+    with pytest.raises(TrustError, match="bad writer's signature"):
+        open_record("r", "config", None, RUN_KEY.fingerprint, dict(real, body=config_body(steps=1)), None)
+    with pytest.raises(TrustError, match="stored under its run key's fingerprint"):
+        open_record("r", "config", None, RUN_KEY.fingerprint, forged, None)
+    trust = records.Trust(run_id="r", run_fp=RUN_KEY.fingerprint, identity=VOLUNTEER)
+    config, dropped = records.open_config(trust, {RUN_KEY.fingerprint: real})
+    assert config["steps"] == 100000 and dropped == []
+    # a reader without a fingerprint takes the only run key that publishes the run, and keeps it
+    own = seal(config_name("r"), OTHER_RUN_KEY.fingerprint, config_body(steps=1), 3.0, OTHER_RUN_KEY, now=time.time())
+    tofu = records.Trust(run_id="r", run_fp=None, identity=VOLUNTEER)
+    config, _ = records.open_config(tofu, {RUN_KEY.fingerprint: real})
+    assert tofu.run_fp == RUN_KEY.fingerprint
+    config, dropped = records.open_config(tofu, {RUN_KEY.fingerprint: real, OTHER_RUN_KEY.fingerprint: own})
+    assert config["steps"] == 100000 and "config of another run key" in dropped[0][1]
+    # ... and refuses to choose between two
+    with pytest.raises(ValueError, match="published under 2 run keys"):
+        records.open_config(records.Trust(run_id="r", run_fp=None, identity=VOLUNTEER),
+                            {RUN_KEY.fingerprint: real, OTHER_RUN_KEY.fingerprint: own})
+
+
+def test_the_validator_drops_and_counts_what_breaks_the_rules():
+    """What a DHT node of the run does with a store or an answer: keys of other runs pass."""
+    v = RunValidator("r", RUN_KEY.fingerprint)
+    key = DHTID.generate(source=stage_name("r", 0)).to_bytes()
+
+    def record(subkey, value):
+        return DHTRecord(key, DHTProtocol.serializer.dumps(subkey), DHTProtocol.serializer.dumps(value), NOW + 3)
+
+    good = stage_record(SERVER, server_body(), RUN_KEY, now=time.time())
+    assert v.validate(record(*good))
+    forged = stage_record(OUTSIDER, server_body(), now=time.time())
+    assert not v.validate(record(*forged))
+    assert v.rejected_total == 1 and v.rejected[-1].key == "r_stage0" and "run key" in v.rejected[-1].reason
+    elsewhere = DHTRecord(DHTID.generate(source="another-run_stage0").to_bytes(), DHTProtocol.serializer.dumps("x"),
+                          DHTProtocol.serializer.dumps({"anything": 1}), NOW)
+    assert v.validate(elsewhere)
+    junk = DHTRecord(key, DHTProtocol.serializer.dumps("x"), b"\xc1not msgpack", NOW)
+    assert not v.validate(junk) and "undecodable" in v.rejected[-1].reason
+
+
+@pytest.mark.parametrize("text,parsed", [("demo", ("demo", None)), ("demo@00112233AABBCCDD", ("demo", "00112233aabbccdd"))])
+def test_run_ids(text, parsed):
+    assert split_run_id(text) == parsed
+
+
+@pytest.mark.parametrize("text", ["", "a b", "demo@", "demo@xyz", "demo@0011223344556677aa", "@0011223344556677"])
+def test_bad_run_ids(text):
+    with pytest.raises(ValueError):
+        split_run_id(text)
+
+
+def test_a_run_key_file_round_trip(tmp_path):
+    key, made = SigningKey.load_or_create(str(tmp_path / "run.key"))
+    again, made_again = SigningKey.load_or_create(str(tmp_path / "run.key"))
+    assert made and not made_again and again.fingerprint == key.fingerprint
+    assert (tmp_path / "run.key").stat().st_mode & 0o077 == 0
