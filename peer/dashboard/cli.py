@@ -66,16 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from peer.errors import UsageError
-    from peer.runtime import check_maddrs, setup_logging
-
-    from peer.protocol.trust import split_run_id
+    from peer.runtime import check_maddrs, parse_run_id, setup_logging
 
     try:
         check_maddrs("--initial-peers", args.initial_peers, need_peer_id=True)
-        try:
-            args.run_id, args.run_fp = split_run_id(args.run_id)
-        except ValueError as e:
-            raise UsageError(f"--run-id: {e}") from None
+        parse_run_id(args)
     except UsageError as e:
         parser.error(str(e))
 

@@ -7,7 +7,6 @@ import logging
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-
 logger = logging.getLogger("hivepipe.records")
 
 STATES = ("online", "joining", "offline")
