@@ -256,7 +256,7 @@ def test_the_loss_of_a_roles_last_server_stops_the_run_until_it_comes_back(tmp_p
                         "every other peer to say the run stopped")
         dash = await asyncio.to_thread(subprocess.run, [
             sys.executable, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "dashboard.py"),
-            "--initial-peers", *live.swarm.maddrs, "--run-id", live.args.run_id, "--json"],
+            "--initial-peers", *live.swarm.maddrs, "--run-id", f"{live.args.run_id}@{live.swarm.run_fp}", "--json"],
             capture_output=True, text=True, timeout=120)
         out["dashboard"] = dash
         out["stopped_at"] = live.monitor.min_version()
