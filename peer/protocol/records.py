@@ -199,12 +199,14 @@ def open_config(trust: Trust, raw: Any) -> tuple[dict | None, list[tuple[str, st
     """The run's config among the values under its config key (a map fingerprint -> envelope), and
     [(subkey, why dropped)] of the others. A reader without a fingerprint takes the run key of the
     only config that verifies (and keeps it); with several it cannot choose: ValueError."""
-    from peer.protocol.trust import AmbiguousRunKey, TrustError, open_record
+    from peer.protocol.trust import AmbiguousRunKey, Expired, TrustError, open_record
 
     bodies, dropped = {}, []
     for subkey, value in (subkey_values(raw) if isinstance(raw, dict) else {}).items():
         try:
             bodies[subkey] = open_record(trust.run_id, "config", None, subkey, value, trust.run_fp)
+        except Expired:
+            continue  # at its end of life (a replay is counted by the DHT node's validator)
         except TrustError as e:
             dropped.append((subkey, str(e)))
     if trust.run_fp is None and bodies:
@@ -227,12 +229,14 @@ async def read_config_value(dht) -> dict | None:
 
 def open_stage(trust: Trust, stage: int, raw: Any) -> list[tuple[str, dict | None, str | None]]:
     """The records under a stage key as (peer id, record or None, why it was dropped or None)."""
-    from peer.protocol.trust import TrustError, open_record
+    from peer.protocol.trust import Expired, TrustError, open_record
 
     out = []
     for subkey, value in (subkey_values(raw) if isinstance(raw, dict) else {}).items():
         try:
             out.append((subkey, open_record(trust.run_id, "stage", stage, subkey, value, trust.run_fp), None))
+        except Expired:
+            continue  # at its end of life (a replay is counted by the DHT node's validator)
         except TrustError as e:
             out.append((subkey, None, str(e)))
     return out

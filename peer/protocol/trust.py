@@ -54,6 +54,10 @@ class TrustError(ValueError):
     """A record that must not be believed, with the reason."""
 
 
+class Expired(TrustError):
+    """A record past its expiry: an honest one at its end of life (dropped quietly), or a replay."""
+
+
 class AmbiguousRunKey(ValueError):
     """A reader without a fingerprint found the run published under several run keys."""
 
@@ -212,7 +216,7 @@ def open_record(run_id: str, kind: str, stage: int | None, subkey: Any, value: A
     if t > now + MAX_SKEW:
         raise TrustError(f"timestamp {t - now:.0f} s in the future")
     if expires < now:
-        raise TrustError(f"expired {now - expires:.0f} s ago")
+        raise Expired(f"expired {now - expires:.0f} s ago")
     if not 0 <= expires - t <= MAX_TTL:
         raise TrustError(f"claims a life of {expires - t:.0f} s (at most {MAX_TTL:.0f})")
     name = config_name(run_id) if kind == "config" else stage_name(run_id, stage)
@@ -244,6 +248,9 @@ def open_record(run_id: str, kind: str, stage: int | None, subkey: Any, value: A
     elif value["run_key"] is not None or value["run_sig"] is not None:
         raise TrustError("a volunteer's record must not carry a run signature")
     return body
+
+
+QUIET = "expired at its own end of life"  # dropped, not counted
 
 
 @dataclass
@@ -286,6 +293,14 @@ class RunValidator(RecordValidatorBase):
             return f"undecodable: {type(e).__name__}"
         try:
             open_record(self.run_id, kind, stage, subkey, value, self.run_fp)
+        except Expired as e:
+            # an honest record reaching its end of life (the DHT keeps it until the expiry it was
+            # stored with, which is the envelope's) is dropped quietly; one stored to live on past
+            # its envelope is a replay
+            if isinstance(value, dict) and isinstance(value.get("expires"), float) and \
+                    record.expiration_time > value["expires"] + 1.0:
+                return f"replayed: {e}"
+            return QUIET
         except TrustError as e:
             return str(e)
         return None
@@ -294,6 +309,8 @@ class RunValidator(RecordValidatorBase):
         reason = self.check(record)
         if reason is None:
             return True
+        if reason is QUIET:
+            return False
         where = self.keys[record.key]
         key = config_name(self.run_id) if where[0] == "config" else stage_name(self.run_id, where[1])
         try:
