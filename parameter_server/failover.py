@@ -88,6 +88,12 @@ class Failover:
             raise PayloadError("an epoch layout must keep the stages, their layers and their shard slots")
         if not 0 <= from_batch < self.run.steps:
             raise PayloadError(f"from_batch {from_batch} outside 0..{self.run.steps - 1}")
+        banned = mfield(record, "banned", list, optional=True) or []
+        if not all(isinstance(p, str) and 0 < len(p) <= 128 for p in banned):
+            raise PayloadError("field 'banned' must list peer ids")
+        rollback_to = mfield(record, "rollback_to", int, optional=True)
+        if rollback_to is not None and not 0 <= rollback_to <= from_batch:
+            raise PayloadError(f"rollback_to {rollback_to} outside 0..from_batch {from_batch}")
         return epoch, layout, from_batch
 
     def adopt(self, record: dict) -> bool:
@@ -113,25 +119,46 @@ class Failover:
             if self.replicas[i].version < from_batch:
                 raise PayloadError(f"the replica of slot {i} is at version {self.replicas[i].version}, below "
                                    f"from_batch {from_batch}")
+        rollback_to = record.get("rollback_to")
+        if rollback_to is not None:  # a caught cheater's applied work is undone (parameter_server/verify.py)
+            for slot, shard in self.hosted.items():
+                if shard.version > rollback_to and shard.rollback_epoch < epoch and rollback_to not in shard.moments:
+                    raise PayloadError(f"slot {slot} no longer keeps version {rollback_to} to roll back to")
         for i in take_over:
             shard = self.hosted[i] = self.replicas.pop(i)
             logger.warning("%s: took over shard slot %d at version %d", self.device_id, i, shard.version)
+        rolled = False
+        if rollback_to is not None:
+            for slot, shard in self.hosted.items():
+                if shard.rollback(rollback_to, epoch):
+                    rolled = True
+                    logger.warning("%s: slot %d rolled back to version %d", self.device_id, slot, rollback_to)
+            for slot, replica in list(self.replicas.items()):
+                try:
+                    replica.rollback(rollback_to, epoch)
+                except PayloadError:  # it never held that version: its owner sends the rolled-back state
+                    del self.replicas[slot]
+            self._verify_params = {}
+        for peer in record.get("banned", []):
+            self._ban_here(peer, f"banned by layout epoch {epoch}")
         for shard in self.hosted.values():
             shard.batches = {}
         self.epoch, self.epoch_record, self.layout = epoch, dict(record), layout
         self.st, self.index, self.reflow_from = st, index, from_batch
         self.run_versions = {}  # readings of the old epoch no longer say what is applied
         self._reset_datapath()
-        if take_over and not self.replaying:
-            for cb in self.on_adopt:  # the adopted slots reach the checkpoint before they are served
-                cb(dict(record))
         if not self.replaying and _in_event_loop():
             # the stage's ring of replicas changed: every slot hosted here goes to its new next server
             # now, not at its next step, so that a second loss in the stage finds a copy
             self.replicate_hosted()
         if self.log is not None and not self.replaying:
+            if rolled:  # what was logged of the undone batches must not be replayed after a restart
+                self.log.drop_batches(rollback_to, self.run.steps)
             self.log.append({"method": "adopt_epoch", "meta": dict(record), "sender": self.peer_id,
                              "batch": self.run.steps}, [])
+        if (take_over or rolled) and not self.replaying:
+            for cb in self.on_adopt:  # adopted slots and rollbacks reach the checkpoint before they are served
+                cb(dict(record))
         for cb in self.on_epoch:
             cb(dict(record))
         logger.warning("%s: layout epoch %d from batch %d (stage %d: frontal %s, backward %s, slots %s)",
@@ -174,7 +201,7 @@ class Failover:
         except ValueError as e:
             raise PayloadError(str(e)) from None
         record = {"epoch": self.epoch + 1, "layout": layout.to_dict(), "from_batch": min(from_batch, self.run.steps - 1),
-                  "lost": sorted(lost)}
+                  "lost": sorted(lost), "banned": sorted(self.banned)}
         for d in alive:
             if d == self.device_id:
                 continue

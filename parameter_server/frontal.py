@@ -113,6 +113,7 @@ class Frontal:
         buf = self.grad_buffers.setdefault((t, m), RowBuffer(*self.seg))
         fresh = buf.add(a, b, tensors[0], None)
         if fresh:
+            self.gin_senders[(t, m, a, b)] = sender  # checked with its sender's gradient push (verify.py)
             self._relay_input_grads(t, m, a, b, tensors[0])
         else:
             self.counters["relay_duplicates"] += 1

@@ -52,7 +52,14 @@ class RequestLog:
 
     def compact(self, keep_from_batch: int) -> None:
         """Drop the records of batches < keep_from_batch (atomically rewrites the file)."""
-        self.entries = [(b, blob) for b, blob in self.entries if b >= keep_from_batch]
+        self._rewrite([(b, blob) for b, blob in self.entries if b >= keep_from_batch])
+
+    def drop_batches(self, lo: int, hi: int) -> None:
+        """Drop the records of batches lo..hi-1 (a rollback undid them; atomically rewrites the file)."""
+        self._rewrite([(b, blob) for b, blob in self.entries if not lo <= b < hi])
+
+    def _rewrite(self, entries: list) -> None:
+        self.entries = entries
         tmp = self.path + ".tmp"
         with open(tmp, "wb") as f:
             for _, blob in self.entries:

@@ -9,6 +9,7 @@ log), and the directory of the run's servers. Each concern lives in a room of it
 - leases.py: take / complete / fail; updates.py: parameter versions, gradient credits, the step;
 - frontal.py / backward.py (+ ledger.py): the two roles' data path;
 - outbox.py: deliveries to other servers; failover.py: replicas and layout epochs;
+- verify.py: re-runs of a sample of volunteers' work, bans and their rollbacks;
 - recovery.py: request-log replay; status.py: ping and status; checkpoint.py: the shard on disk.
 
 Every handler checks its payload (shape, dtype, finite values, known ids, registered sender) and
@@ -37,6 +38,7 @@ from parameter_server.recovery import Recovery
 from parameter_server.shard import ShardState, assign_shards
 from parameter_server.status import Status
 from parameter_server.updates import RETAIN, Updates, snapshots_kept
+from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Verification
 from peer.protocol import methods
 from peer.protocol.links import LinkEmulator
 from peer.protocol.tasks import batch_of
@@ -65,13 +67,15 @@ def default_max_request_bytes(stage_params: dict, rows: int, cfg) -> int:
     return 3 * stage_bytes + 2 * activations + (16 << 20)
 
 
-class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Outbox, Failover, Recovery, Status, ServicerBase):
+class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verification, Outbox, Failover, Recovery, Status,
+                  ServicerBase):
 
     def __init__(self, *, run, layout: RunLayout, cfg, device_id: str, peer_id: str, stage_params: dict,
                  corpus=None, links: LinkEmulator | None = None, clock: Callable[[], float] = time.monotonic,
                  task_timeout: float = 60.0, client_timeout: float = 5.0, preference_grace: float = 0.5,
                  connector: Callable[[str], object] | None = None, requeue: bool = True,
-                 max_request_bytes: int | None = None, volunteers_allow: frozenset[str] | None = None):
+                 max_request_bytes: int | None = None, volunteers_allow: frozenset[str] | None = None,
+                 verify_rate: float = DEFAULT_VERIFY_RATE, probation: int = DEFAULT_PROBATION):
         self.run = run
         self.layout = layout
         self.cfg = cfg
@@ -119,6 +123,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Outbox, F
         self.on_replica: list[Callable[[int], None]] = []  # a newer replica of a slot arrived
         self.step_times: dict[int, float] = {}  # version -> wall time it was reached (note_step)
         self.seen_volunteers: set[str] = set()  # volunteers that ever registered here (announcement)
+        self._init_verification(verify_rate, probation, run.seed)
 
     def _new_shard(self, slot: int) -> ShardState:
         names = self.slot_names[slot]
@@ -142,6 +147,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Outbox, F
         self.buffers: dict[tuple[int, int], "RowBuffer"] = {}  # FS: inputs; BS: outputs
         self.grad_buffers: dict[tuple[int, int], "RowBuffer"] = {}  # BS: output grads; FS: relayed input grads
         self.ledger: dict[tuple[int, int], list["LedgerEntry"]] = {}
+        self.gin_senders: dict[tuple, str] = {}  # FS: (t, m, a, b) -> who handed in that input gradient
         self.next_batch = self.reflow_from or 0  # stage-0 FS: the next batch to build
 
     @property
@@ -177,6 +183,8 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Outbox, F
         try:
             if method in methods.SERVER_ONLY:
                 self._any_server_sender(sender)
+            elif method not in methods.OPEN:
+                self._banned_check(sender)
             if method in methods.EPOCHED:
                 self._check_epoch(meta)
             result = await handler(dict(meta), tensors, sender)

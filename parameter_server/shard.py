@@ -63,6 +63,10 @@ class ShardState:
         self.version = 0
         self.keep_versions = keep_versions
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
+        # AdamW's state at each kept version (step count, exp_avg, exp_avg_sq per parameter): with the
+        # parameter snapshot, what a rollback to that version restores
+        self.moments: dict[int, dict[str, tuple]] = {0: self._moments()}
+        self.rollback_epoch = 0  # the last layout epoch whose rollback this shard applied
         self.batches: dict[int, BatchCredit] = {}
         self.losses: dict[int, float] = {}
         self.duplicates = 0
@@ -70,6 +74,54 @@ class ShardState:
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.params.items()}
+
+    def _moments(self) -> dict[str, tuple]:
+        out = {}
+        for n, p in self.params.items():
+            st = self.optimizer.state.get(p, {})
+            out[n] = (float(st["step"]) if "step" in st else 0.0,
+                      st["exp_avg"].clone() if "exp_avg" in st else None,
+                      st["exp_avg_sq"].clone() if "exp_avg_sq" in st else None)
+        return out
+
+    def _keep(self, version: int) -> None:
+        """Record version's parameters and AdamW state; forget versions beyond the kept window."""
+        self.snapshots[version] = self._snapshot()
+        self.moments[version] = self._moments()
+        for store in (self.snapshots, self.moments):
+            for v in [v for v in store if v <= version - self.keep_versions]:
+                del store[v]
+
+    def rollback(self, version: int, epoch: int) -> bool:
+        """Go back to the state right after version `version` was reached (parameters and AdamW state
+        from the kept history), forgetting every later version, credit and loss: the update of a batch
+        that carried a cheater's work is undone and the batch is credited again. Applied once per
+        layout epoch (a replayed request log does not roll back twice). False when nothing changes
+        (already at or below `version`, or this epoch's rollback already applied); PayloadError when
+        `version` is no longer kept."""
+        if epoch <= self.rollback_epoch or self.version <= version:
+            self.rollback_epoch = max(self.rollback_epoch, epoch)
+            return False
+        if version not in self.snapshots or version not in self.moments:
+            raise PayloadError(f"version {version} is no longer kept (kept: {sorted(self.snapshots)})")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.snapshots[version][n])
+                step, avg, avg_sq = self.moments[version][n]
+                if avg is None:
+                    self.optimizer.state.pop(p, None)
+                else:
+                    self.optimizer.state[p] = {"step": torch.tensor(step), "exp_avg": avg.clone(),
+                                               "exp_avg_sq": avg_sq.clone()}
+        for store in (self.snapshots, self.moments):
+            for v in [v for v in store if v > version]:
+                del store[v]
+        self.microbatches_applied -= (self.version - version) * self.micro_batches
+        self.losses = {t: v for t, v in self.losses.items() if t < version}
+        self.version = version
+        self.batches = {}
+        self.rollback_epoch = epoch
+        return True
 
     def shapes(self) -> dict[str, tuple]:
         return {n: tuple(p.shape) for n, p in self.params.items()}
@@ -172,9 +224,7 @@ class ShardState:
         self.version = t + 1
         self.losses[t] = bc.loss_sum
         self.microbatches_applied += self.micro_batches
-        self.snapshots[self.version] = self._snapshot()
-        for v in [v for v in self.snapshots if v <= self.version - self.keep_versions]:
-            del self.snapshots[v]
+        self._keep(self.version)
         return self.version
 
     # replicas: the state after each step, copied to another server of the stage ------------------
@@ -228,9 +278,7 @@ class ShardState:
         self.losses = {int(k): float(v) for k, v in meta.get("losses", {}).items()}
         self.microbatches_applied = int(meta.get("microbatches_applied", 0))
         self.duplicates = int(meta.get("duplicates", 0))
-        self.snapshots[version] = self._snapshot()
-        for v in [v for v in self.snapshots if v <= version - self.keep_versions]:
-            del self.snapshots[v]
+        self._keep(version)
         self.batches = {}
         return True
 
@@ -241,6 +289,8 @@ class ShardState:
             "params": {n: p.detach().clone() for n, p in self.params.items()},
             "optimizer": self.optimizer.state_dict(),
             "snapshots": self.snapshots,
+            "moments": self.moments,
+            "rollback_epoch": self.rollback_epoch,
             "losses": dict(self.losses),
             "microbatches_applied": self.microbatches_applied,
             "duplicates": self.duplicates,
@@ -253,6 +303,9 @@ class ShardState:
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self.snapshots = {int(v): s for v, s in state["snapshots"].items()}
+        # (a checkpoint written before rollbacks existed has no AdamW history: it cannot roll back)
+        self.moments = {int(v): m for v, m in state.get("moments", {}).items()}
+        self.rollback_epoch = int(state.get("rollback_epoch", 0))
         self.losses = {int(k): float(v) for k, v in state["losses"].items()}
         self.microbatches_applied = int(state["microbatches_applied"])
         self.duplicates = int(state["duplicates"])

@@ -41,6 +41,7 @@ class Status:
             "clients": {p: {"device": c.device, "compute": c.compute, "tasks_done": c.tasks_done}
                         for p, c in self.clients.items()},
             "traffic": dict(TRAFFIC),
+            "checks": dict(self.verify_counts), "banned": dict(self.banned),
         }
 
     def note_step(self, version: int) -> None:

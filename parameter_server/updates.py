@@ -73,8 +73,12 @@ class Updates:
         loss = mfield(meta, "loss_sum", float, optional=True)
         if self.last and loss is None:
             raise PayloadError("the last stage's gradient pushes must carry 'loss_sum'")
+        slot = mfield(meta, "slot", int, optional=True)
         result, already = self._hosted(meta).credit(batch=t, pieces=pieces, grads=tensors, loss_sum=loss)
         if result == "credited":
+            if self._note_contribution(sender, t):
+                self._check_later(self._check_push(sender, t, [p[0] for p in pieces],
+                                                   self.slot if slot is None else slot, tensors, loss))
             self._maybe_step()
         return {"result": result, "credited": already}
 
@@ -102,6 +106,6 @@ class Updates:
 
     def _forget_before(self, batch: int) -> None:
         """Drop the rows and ledgers of batches < batch (applied by every server of the stage)."""
-        for store in (self.buffers, self.grad_buffers, self.ledger):
+        for store in (self.buffers, self.grad_buffers, self.ledger, self.gin_senders):
             for key in [k for k in store if k[0] < batch]:
                 del store[key]

@@ -30,6 +30,10 @@ def add_arguments(p) -> None:
                    help="fault injection for tests: SIGKILL this volunteer at the first POINT of the protocol "
                         "(before_forward, during_forward, after_outputs, during_backward, after_input_grads, "
                         "mid_grad_push, after_grad_push, pulling_params)")
+    p.add_argument("--cheat", default=None, metavar="KIND[@AFTER]",
+                   help="TEST TOOL, never for real runs: after AFTER honest tasks (default 0) hand in wrong results "
+                        "(scale: x1e4, signflip, noise: +0.1 x RMS, zeros) to exercise the servers' checks; the "
+                        "servers ban such a volunteer")
     add_common_arguments(p)
 
 
@@ -46,6 +50,13 @@ def run(args) -> int:
 
     if args.die_at is not None and args.die_at not in KILL_POINTS:
         raise UsageError(f"--die-at {args.die_at!r}: choose from {', '.join(KILL_POINTS)}")
+    if args.cheat is not None:
+        from peer.volunteer.cheat import Cheat
+
+        try:
+            args.cheat = Cheat.parse(args.cheat)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.compute is not None and args.compute <= 0:
         raise UsageError("--compute must be positive")
     if args.rebalance_period < 0:
@@ -191,12 +202,14 @@ async def join_main(args, stop: asyncio.Event) -> int:
         watcher = asyncio.ensure_future(watch_halt())
         verb = "joined run"
         done = {"forward": 0, "backward": 0}
+        banned = None
         stages_worked: list[int] = []
         while not stop.is_set():
             st = layout.stages[stage]
             links = {d: directory.link(p2p, d, StageServer, links_emulator) for d in st.servers}
             worker = StageWorker(run=run, layout=layout, cfg=cfg, stage=stage, device_id=device, links=links,
-                                 compute=1.0, torch_device=args.device, slowdown=slowdown, die_at=args.die_at)
+                                 compute=1.0, torch_device=args.device, slowdown=slowdown, die_at=args.die_at,
+                                 cheat=args.cheat)
             worker.compute = args.compute or worker.measure_compute()
             stretched = f" (compute stretched x{slowdown:g} by the link profile)" if slowdown > 1 else ""
             print(f"{verb} {run.run_id} as {device} ({peer_id}) on stage {stage}, compute {worker.compute:.3g} rows/s"
@@ -286,11 +299,18 @@ async def join_main(args, stop: asyncio.Event) -> int:
             for kind in done:
                 done[kind] += worker.stats[kind]
             stages_worked.append(stage)
+            if worker.banned is not None:
+                banned = worker.banned
+                break
             if not moving:
                 break
             stage, verb = moving[0], "moved in run"
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
+        if banned is not None:
+            print(f"banned from run {run.run_id} as {device} ({peer_id}) after {done['forward']} forward and "
+                  f"{done['backward']} backward tasks: {banned}", flush=True)
+            return 3
         if halt.reason is not None:  # the run may have gone on and ended between two looks
             await look_at_halt()
         print(f"left run {run.run_id} as {device}: {done['forward']} forward and {done['backward']} backward tasks "

@@ -63,6 +63,12 @@ def add_arguments(p) -> None:
     net.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                      help="refuse a request larger than N bytes while it arrives (default: 3x the stage's parameters "
                           "in fp32 plus a micro-batch's activations twice plus 16 MiB)")
+    checks = p.add_argument_group("checked work (parameter_server/verify.py)")
+    checks.add_argument("--verify-rate", type=float, default=None, metavar="P",
+                        help="after its probation, re-run each volunteer contribution here with probability P "
+                             "(default 0.1: see README, 'Checked work'); 0 checks probation only")
+    checks.add_argument("--probation", type=int, default=None, metavar="N",
+                        help="re-run every one of a new volunteer's first N contributions here (default 4)")
     add_common_arguments(p)
 
 
@@ -120,6 +126,14 @@ def resolve(args):
     from peer.protocol.trust import SigningKey
 
     args.allowed = read_allow_list(args.volunteers_allow) if args.volunteers_allow else None
+    from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE
+
+    args.verify_rate = DEFAULT_VERIFY_RATE if args.verify_rate is None else args.verify_rate
+    if not 0.0 <= args.verify_rate <= 1.0:
+        raise UsageError(f"--verify-rate must be a probability in [0, 1], got {args.verify_rate}")
+    args.probation = DEFAULT_PROBATION if args.probation is None else args.probation
+    if args.probation < 0:
+        raise UsageError(f"--probation must be >= 0 contributions, got {args.probation}")
     try:
         args.run_key_obj, created = SigningKey.load_or_create(args.run_key)
     except (ValueError, OSError) as e:
@@ -247,7 +261,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                          stage_params=initial_state(cfg, *st.layers, run_cfg.seed, args.hf_model), corpus=corpus, links=links,
                          task_timeout=args.task_timeout, client_timeout=args.client_timeout, connector=connector,
                          requeue=not args.no_requeue, max_request_bytes=args.max_request_bytes,
-                         volunteers_allow=args.allowed)
+                         volunteers_allow=args.allowed, verify_rate=args.verify_rate, probation=args.probation)
     if args.checkpoint_dir:
         from parameter_server.requestlog import RequestLog, read_log
         from parameter_server.service import RETAIN

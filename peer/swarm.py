@@ -54,6 +54,12 @@ def add_arguments(p) -> None:
     p.add_argument("--lose-server", action="append", default=[], metavar="DEVICE@STEP",
                    help="SIGKILL server DEVICE for good once the run reaches STEP and any earlier loss is failed "
                         "over (repeatable)")
+    p.add_argument("--verify-rate", type=float, default=None, metavar="P",
+                   help="servers re-run each volunteer contribution with probability P after its probation (default 0.1)")
+    p.add_argument("--probation", type=int, default=None, metavar="N",
+                   help="servers re-run all of a new volunteer's first N contributions (default 4)")
+    p.add_argument("--cheater", action="append", default=[], metavar="KIND[@AFTER]",
+                   help="TEST TOOL: add a volunteer started with `peer join --cheat KIND[@AFTER]` (repeatable)")
     p.add_argument("--summary-json", default=None)
     p.add_argument("--checkpoint-out", default=None, help="write model.safetensors here")
     p.add_argument("--work-dir", default=None, help="logs and server checkpoints (default: a temporary folder)")

@@ -110,6 +110,12 @@ class Monitor:
                                                            for c in statuses[d].get("clients", {}).values()}
                                                           - self.server_ids)
                                     for st in self.layout.stages},
+            # checked work (parameter_server/verify.py): re-runs of volunteers' work and the bans they caused
+            "checks": {k: sum(s.get("checks", {}).get(k, 0) for s in statuses.values())
+                       for k in ("checked", "passed", "caught", "skipped")},
+            "max_honest_distance": max((s.get("checks", {}).get("max_honest_distance", 0.0) for s in statuses.values()),
+                                       default=0.0),
+            "banned": sorted({p for s in statuses.values() for p in s.get("banned", {})}),
             "wall_seconds": round(wall, 3),
             "tokens_per_second": round(args.steps * args.batch_size * cfg.seq_len / max(wall, 1e-9), 1),
             "bytes_on_wire": sum(sum(s.get("traffic", {}).values()) for s in statuses.values()),

@@ -81,6 +81,10 @@ class Swarm:
                         argv.append("--no-compute")
                     if a.no_requeue:
                         argv.append("--no-requeue")
+                    if a.verify_rate is not None:
+                        argv += ["--verify-rate", str(a.verify_rate)]
+                    if a.probation is not None:
+                        argv += ["--probation", str(a.probation)]
                     self.server_argv[name] = argv
                     self.servers[name] = self._spawn(name, argv)
 
@@ -104,6 +108,9 @@ class Swarm:
         for i in range(a.volunteers):
             stage = str(i % a.stages) if a.volunteer_stage == "spread" else a.volunteer_stage
             self.start_volunteer(stage)
+        for i, cheat in enumerate(a.cheater):  # test tool: liars the servers must catch
+            stage = str(i % a.stages) if a.volunteer_stage == "spread" else a.volunteer_stage
+            self.start_volunteer(stage, name=f"cheat{i}", extra=["--cheat", cheat, "--rebalance-period", "0"])
 
     def kill_volunteer(self, name: str) -> None:
         proc, stage = self.volunteers.pop(name)

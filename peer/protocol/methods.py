@@ -35,6 +35,11 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("push_replica", epoched=False, retry=True, logged=False, caller="server"),
     Method("adopt_epoch", epoched=False, retry=True, logged=False, caller="server"),
     Method("get_layout", epoched=False, retry=True, logged=False, caller="anyone"),
+    # checked work (parameter_server/verify.py): the rows a re-run needs, a caught cheater reported to
+    # the run's coordinator, and its ban on every server (the rollback travels as adopt_epoch)
+    Method("get_held", epoched=False, retry=True, logged=False, caller="server"),
+    Method("report_cheat", epoched=False, retry=True, logged=False, caller="server"),
+    Method("ban", epoched=False, retry=True, logged=False, caller="server"),
 )}
 
 NAMES = tuple(METHODS)
@@ -42,3 +47,5 @@ EPOCHED = frozenset(n for n, m in METHODS.items() if m.epoched)
 LOGGED = frozenset(n for n, m in METHODS.items() if m.logged)
 NOT_RETRIED = frozenset(n for n, m in METHODS.items() if not m.retry)
 SERVER_ONLY = frozenset(n for n, m in METHODS.items() if m.caller == "server")
+# what a banned volunteer may still call: reads that change nothing
+OPEN = frozenset({"get_params", "ping", "status", "get_layout"})

@@ -21,8 +21,10 @@ import torch
 
 from parameter_server.layout import owners
 from parameter_server.shard import assign_shards
+from parameter_server.verify import BANNED
 from peer.volunteer.flush import batches_to_push
-from peer.model.transformer import StageSlice, build_slice, loss_sum
+from peer.model.task_math import backward_rows, forward_rows
+from peer.model.transformer import StageSlice, build_slice
 from peer.protocol.wire import RemoteError
 
 logger = logging.getLogger("hivepipe.worker")
@@ -70,7 +72,7 @@ def die_here() -> None:
 class StageWorker:
     def __init__(self, *, run, layout, cfg, stage: int, device_id: str, links: dict, compute: float,
                  torch_device: str = "cpu", slowdown: float = 1.0, poll: float = 0.05, heartbeat: float = 1.0,
-                 die_at: str | None = None):
+                 die_at: str | None = None, cheat=None):
         self.run, self.layout, self.cfg = run, layout, cfg
         self.stage = stage
         self.st = layout.stages[stage]
@@ -100,6 +102,8 @@ class StageWorker:
         if die_at is not None and die_at not in KILL_POINTS:
             raise ValueError(f"unknown kill point {die_at!r}; choose from {', '.join(KILL_POINTS)}")
         self.die_at = die_at
+        self.cheat = cheat  # peer/volunteer/cheat.py: a lying volunteer, for tests of the servers' checks
+        self.banned: str | None = None  # why the run refuses this worker (its work failed a check)
         self._turn = 0
 
     def _set_layout(self, layout) -> None:
@@ -119,6 +123,9 @@ class StageWorker:
         except RemoteError as e:
             if "stale epoch" in str(e):
                 await self.refresh_layout(link)
+            elif BANNED in str(e) and self.banned is None:
+                self.banned = str(e)
+                logger.error("%s: %s", self.device_id, e)
             raise
 
     async def refresh_layout(self, link) -> None:
@@ -130,6 +137,10 @@ class StageWorker:
         self.epoch = record["epoch"]
         self._set_layout(RunLayout.from_dict(record["layout"], self.cfg.layers))
         self.pending.clear()  # the old epoch's leases are gone: its tasks are run again in this one
+        # a rollback (a cheater was caught) re-makes versions after its batch, and their inputs
+        self.versions.clear()
+        self.loaded_version = None
+        self.input_cache.clear()
         logger.warning("%s: layout epoch %d (servers %s)", self.device_id, self.epoch, list(self.st.servers))
 
     def _point(self, name: str) -> None:
@@ -162,7 +173,7 @@ class StageWorker:
         await self.register()
         beat = asyncio.ensure_future(self.heartbeat_loop(stop))
         try:
-            while not stop.is_set():
+            while not stop.is_set() and self.banned is None:
                 got = await self.take_one()
                 await self.flush(self._flush_due(None if got is None else got[1]))
                 if got is None:
@@ -317,9 +328,20 @@ class StageWorker:
             self.stats["dropped"] += n
             logger.info("%s: %d tasks of batch %d handed back to be re-run", self.device_id, n, p.batch)
 
-    def _grads(self) -> dict[str, torch.Tensor]:
-        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
-                for n, p in self.model.named_parameters()}
+    def _lying(self, batch: int | None = None) -> bool:
+        lying = self.cheat is not None and self.cheat.active(self.stats["forward"] + self.stats["backward"])
+        if lying and not getattr(self, "_lie_logged", False):
+            self._lie_logged = True
+            logger.warning("%s: cheat %s: handing in wrong results from task %d (batch %s) on", self.device_id,
+                           self.cheat.kind, self.stats["forward"] + self.stats["backward"] + 1, batch)
+        return lying
+
+    def _corrupt(self, gin, grads, loss, batch: int | None = None):
+        if not self._lying(batch):
+            return gin, grads, loss
+        return (None if gin is None else self.cheat.tensor(gin), {n: self.cheat.tensor(g) for n, g in grads.items()},
+                self.cheat.loss(loss))
+
 
     def _cached_inputs(self, t: int, m: int, a: int, b: int):
         for x0, y0, x in self.input_cache.get((t, m), []):
@@ -348,10 +370,11 @@ class StageWorker:
         def fwd():
             self._point("during_forward")
             self._load(meta["version"])
-            with torch.no_grad():
-                return self.model(x.to(self.torch_device)).float().cpu()
+            return forward_rows(self.model, x, self.torch_device)
 
         out = await self._compute(fwd)
+        if self._lying(t):
+            out = self.cheat.tensor(out)
         self.input_cache.setdefault((t, m), []).append((a, b, x))
         nxt = self.st.backward
         await asyncio.gather(*(
@@ -368,20 +391,7 @@ class StageWorker:
         """Recompute the slice on x and backpropagate; returns (input grad or None, loss_sum or None)."""
         self._point("during_backward")
         self._load(version)
-        self.model.zero_grad(set_to_none=True)
-        x = x.to(self.torch_device)
-        if not self.model.is_first:
-            x = x.detach().requires_grad_(True)
-        out = self.model(x)
-        loss = None
-        if labels is not None:
-            ls = loss_sum(out, labels.to(self.torch_device))
-            (ls / self.total_tokens).backward()
-            loss = float(ls.detach())
-        else:
-            out.backward(out_grad.to(self.torch_device))
-        gin = None if self.model.is_first else x.grad.detach().float().cpu()
-        return gin, loss, self._grads()
+        return backward_rows(self.model, x, self.torch_device, self.total_tokens, out_grad=out_grad, labels=labels)
 
     async def _forward_backward(self, link, meta, tensors) -> None:
         """The last stage: forward, loss and backward in one task."""
@@ -396,6 +406,7 @@ class StageWorker:
         the task staying leased until the sum is credited by every server. A task on its second
         attempt (its first client vanished or was late) is pushed alone at once, so that a sum never
         overlaps another client's in part for long."""
+        gin, grads, loss = self._corrupt(gin, grads, loss, meta["batch"])
         if gin is not None:
             await self.call(frontal, "push_input_grads", {"task": meta["task"], "batch": meta["batch"],
                                                           "micro": meta["micro"], "rows": meta["rows"]}, [gin],

@@ -252,4 +252,5 @@ def test_the_method_table_is_what_the_server_offers():
     offered = {n[len("on_"):] for n in dir(StageServer) if n.startswith("on_")}
     assert offered == set(methods.NAMES)
     assert methods.NOT_RETRIED == {"take"}
-    assert methods.SERVER_ONLY == {"push_inputs", "push_output_grads", "push_replica", "adopt_epoch"}
+    assert methods.SERVER_ONLY == {"push_inputs", "push_output_grads", "push_replica", "adopt_epoch", "get_held",
+                                   "report_cheat", "ban"}

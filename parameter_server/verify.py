@@ -1,0 +1,326 @@
+"""Checked work: a server re-runs a sample of its volunteers' work on its own CPU (or GPU) and bans a
+volunteer whose results do not match. A task's result is a pure function of the parameter version and
+its rows (peer/model/task_math.py), so a re-run gives the same numbers up to floating-point order.
+
+What is checked, where it arrives:
+- a gradient push (every server of the stage, for its own shard slot): every task it covers is re-run
+  (inputs and labels from the stage's frontal servers, output gradients from its backward servers,
+  parameters of the task's version from every shard), and the summed gradient of this slot, the loss
+  sum (last stage) and, on a frontal server, the input gradients this volunteer handed in for its
+  rows are compared;
+- a forward task's outputs (a backward server of a stage that is not the last).
+
+A volunteer's first `probation` contributions at a server are all checked; after that each one with
+probability `verify_rate`. Checks run beside the step (spawned, the compute in a thread of their
+own): an honest run pays only the recomputed share. A mismatch bans the volunteer: the server refuses
+it at once and reports it to the run's first server, which bans it on every server and starts a layout
+epoch that rolls every shard back to the first batch the volunteer contributed to (within the kept
+versions) and runs again from there; the machinery is failover's (parameter_server/failover.py).
+Must not step parameters itself."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import random
+
+import torch
+
+from parameter_server.layout import owners
+from peer.model.task_math import backward_rows, forward_rows
+from peer.model.update_rule import version_for_batch
+from peer.protocol.tasks import TaskId
+from peer.protocol.wire import PayloadError, RemoteError, field as mfield, rows_field
+
+logger = logging.getLogger("hivepipe.server")
+
+BANNED = "banned from this run"  # the refusal's wording, which a worker recognises (peer/volunteer/worker.py)
+# Relative L2 distance above which a re-run disagrees. Honest re-runs differ by summation order only:
+# scripts/bench_trust.py measures at most ~1e-6 on one CPU; CPU against GPU (TF32 off) stays below 1e-4.
+TOLERANCE = 1e-3
+DEFAULT_VERIFY_RATE = 0.1
+DEFAULT_PROBATION = 4
+
+
+def distance(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative L2 distance of `got` from `want` (absolute below a tiny floor, for all-zero results)."""
+    diff = float(torch.linalg.vector_norm((got.float() - want.float()).flatten()))
+    scale = float(torch.linalg.vector_norm(want.float().flatten()))
+    return diff / max(scale, 1e-6 * max(want.numel(), 1) ** 0.5)
+
+
+class Verification:
+    """StageServer's checks of volunteers' work and bans (a part of parameter_server.service.StageServer)."""
+
+    def _init_verification(self, verify_rate: float, probation: int, seed: int) -> None:
+        if not 0.0 <= verify_rate <= 1.0:
+            raise ValueError(f"verify rate must be in [0, 1], got {verify_rate}")
+        if probation < 0:
+            raise ValueError(f"probation must be >= 0 contributions, got {probation}")
+        self.verify_rate, self.probation = verify_rate, probation
+        self.verify_rng = random.Random(f"{seed}:{self.device_id}:verify")
+        self.banned: dict[str, str] = {}  # peer id -> why (kept across layout epochs)
+        self.contributions: dict[str, int] = {}  # peer id -> contributions seen here (probation)
+        self.contributed: dict[str, set[int]] = {}  # peer id -> batches it sent work of (kept window)
+        self.verify_counts = {"checked": 0, "passed": 0, "caught": 0, "skipped": 0, "max_honest_distance": 0.0}
+        self._verify_model = None
+        self._verify_params: dict[int, dict[str, torch.Tensor]] = {}
+        self._verify_executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.ban_lock = asyncio.Lock()
+
+    # what arrives ------------------------------------------------------------------------------
+    def _banned_check(self, sender: str) -> None:
+        if sender in self.banned:
+            raise PayloadError(f"peer {sender[-8:]} is {BANNED}: {self.banned[sender]}")
+
+    def _note_contribution(self, sender: str, t: int) -> bool:
+        """Remember that `sender` (a volunteer) sent work of batch t; True if this one is to be checked."""
+        if self.replaying or self._is_server(sender):
+            return False
+        kept = self.version - self.shard.keep_versions
+        batches = self.contributed.setdefault(sender, set())
+        batches.add(t)
+        for b in [b for b in batches if b < kept]:
+            batches.discard(b)
+        n = self.contributions.get(sender, 0)
+        self.contributions[sender] = n + 1
+        return n < self.probation or self.verify_rng.random() < self.verify_rate
+
+    def _check_later(self, coro) -> None:
+        self._spawn(self._guarded(coro))
+
+    async def _guarded(self, coro) -> None:
+        try:
+            await coro
+        except (PayloadError, RemoteError, ConnectionError, asyncio.TimeoutError, KeyError) as e:
+            # what a re-run needs is gone (an epoch began, the batch was forgotten): not evidence
+            self.verify_counts["skipped"] += 1
+            logger.debug("%s: check skipped: %r", self.device_id, e)
+
+    # re-running --------------------------------------------------------------------------------
+    async def _server_call(self, device: str, method: str, meta: dict) -> tuple[dict, list]:
+        if device == self.device_id:
+            answer, tensors = await self.handle(method, dict(meta), [], self.peer_id)
+            if "error" in answer:
+                raise RemoteError(answer["error"])
+            return answer, tensors
+        link = self.connector(device) if self.connector is not None else None
+        if link is None:
+            raise ConnectionError(f"{device} is not reachable from here")
+        return await link.call(method, meta, [], timeout=30.0)
+
+    async def _held_rows(self, what: str, t: int, m: int, a: int, b: int) -> list[torch.Tensor]:
+        """Rows [a, b) of what the stage's servers hold for (t, m): 'inputs' (inputs and labels, from
+        the frontal servers) or 'output_grads' (from the backward servers), stitched across segments."""
+        servers = self.st.frontal if what == "inputs" else self.st.backward
+        parts = []
+        for j, x, y in owners(self.rows, len(servers), a, b):
+            _, tensors = await self._server_call(servers[j], "get_held", {"what": what, "batch": t, "micro": m,
+                                                                          "rows": [x, y]})
+            parts.append(tensors)
+        return [torch.cat([p[i] for p in parts]) for i in range(len(parts[0]))]
+
+    async def _params_at(self, version: int) -> dict[str, torch.Tensor]:
+        if version in self._verify_params:
+            return self._verify_params[version]
+        state: dict[str, torch.Tensor] = {}
+        for slot, host in enumerate(self.st.hosts):
+            if slot in self.hosted:
+                snap = self.hosted[slot].params_at(version)
+                if snap is None:
+                    raise PayloadError(f"version {version} of slot {slot} is no longer held")
+                state.update(snap)
+                continue
+            for _ in range(100):
+                meta, tensors = await self._server_call(host, "get_params", {"version": version, "slot": slot})
+                if not meta.get("retry"):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise PayloadError(f"{host} has not reached version {version}")
+            state.update(zip(meta["names"], tensors))
+        self._verify_params[version] = state
+        for v in [v for v in self._verify_params if v < version - 1]:
+            del self._verify_params[v]
+        return state
+
+    async def _recompute(self, version: int, fn):
+        """Run fn(model) on this stage's slice holding parameters `version`, in the check's own thread."""
+        from peer.model.transformer import build_slice
+
+        params = await self._params_at(version)
+        if self._verify_executor is None:
+            self._verify_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify")
+            lo, hi = self.st.layers
+            self._verify_model = build_slice(self.cfg, lo, hi, self.run.seed)
+
+        def work():
+            self._verify_model.load_state_dict(params)
+            return fn(self._verify_model)
+
+        return await asyncio.get_running_loop().run_in_executor(self._verify_executor, work)
+
+    def _judge(self, sender: str, what: str, d: float, t: int) -> bool:
+        """True if the distance `d` is within tolerance (the check passed)."""
+        if d <= TOLERANCE:
+            self.verify_counts["max_honest_distance"] = max(self.verify_counts["max_honest_distance"], d)
+            return True
+        self._caught(sender, f"{what} of batch {t} is {d:.3g} (relative L2) from this server's re-run", t)
+        return False
+
+    async def _check_outputs(self, sender: str, t: int, m: int, a: int, b: int, out: torch.Tensor) -> None:
+        (x, _) = await self._held_rows("inputs", t, m, a, b)
+        want = await self._recompute(version_for_batch(t), lambda model: forward_rows(model, x, torch.device("cpu")))
+        self.verify_counts["checked"] += 1
+        if self._judge(sender, f"the outputs of rows {a}-{b} of micro-batch {m}", distance(out, want), t):
+            self.verify_counts["passed"] += 1
+
+    async def _check_push(self, sender: str, t: int, ids: list[str], slot: int, grads: list[torch.Tensor],
+                          loss: float | None) -> None:
+        names = self.slot_names[slot]
+        total = {n: torch.zeros_like(g) for n, g in zip(names, grads)}
+        loss_sum, gins = 0.0, []
+        tokens = self.run.batch_size * self.cfg.seq_len
+        for task in ids:
+            tid = TaskId.parse(task)
+            (a, b), m = tid.rows, tid.micro
+            x, labels = await self._held_rows("inputs", t, m, a, b)
+            g = None if self.last else (await self._held_rows("output_grads", t, m, a, b))[0]
+            gin, ls, full = await self._recompute(version_for_batch(t), lambda model: backward_rows(
+                model, x, torch.device("cpu"), tokens, out_grad=g, labels=labels if self.last else None))
+            for n in names:
+                total[n].add_(full[n])
+            loss_sum += ls or 0.0
+            gins.append((m, a, b, gin))
+        self.verify_counts["checked"] += 1
+        got = torch.cat([g.flatten() for g in grads])
+        want = torch.cat([total[n].flatten() for n in names])
+        if not self._judge(sender, f"its gradient of shard slot {slot} over {len(ids)} tasks", distance(got, want), t):
+            return
+        if self.last and loss is not None and \
+                not self._judge(sender, "its loss sum", abs(loss - loss_sum) / max(abs(loss_sum), 1e-6), t):
+            return
+        if self.role == "frontal" and self.stage > 0:
+            lo, hi = self.seg
+            for m, a, b, gin in gins:
+                buf = self.grad_buffers.get((t, m))
+                if lo <= a and b <= hi and buf is not None and buf.has(a, b) and \
+                        self.gin_senders.get((t, m, a, b)) == sender:
+                    if not self._judge(sender, f"its input gradient of rows {a}-{b} of micro-batch {m}",
+                                       distance(buf.slice(a, b)[0], gin), t):
+                        return
+        self.verify_counts["passed"] += 1
+
+    # bans --------------------------------------------------------------------------------------
+    def _ban_here(self, peer: str, why: str) -> None:
+        if peer in self.banned:
+            return
+        self.banned[peer] = why
+        self.clients.pop(peer, None)
+        n = len(self.pool.client_left(peer))
+        logger.warning("%s: volunteer %s banned (%s); %d of its leases re-queued", self.device_id, peer[-8:], why, n)
+
+    def _caught(self, peer: str, why: str, t: int) -> None:
+        if peer in self.banned:
+            return
+        self.verify_counts["caught"] += 1
+        self._ban_here(peer, why)
+        self._spawn(self._report(peer, why))
+
+    def coordinator(self) -> str:
+        """The server that orders bans (and their rollbacks) into layout epochs: the run's first."""
+        return next(d for st in self.layout.stages for d in st.servers)
+
+    async def _report(self, peer: str, why: str) -> None:
+        for attempt in range(30):
+            try:
+                coordinator = self.coordinator()
+                if coordinator == self.device_id:
+                    await self.ban_and_roll_back(peer, why)
+                else:
+                    await self._server_call(coordinator, "report_cheat", {"peer": peer, "why": why})
+                return
+            except Exception as e:
+                logger.info("%s: reporting %s failed (%r); trying again", self.device_id, peer[-8:], e)
+                await asyncio.sleep(0.5)
+
+    async def on_report_cheat(self, meta, tensors, sender):
+        peer, why = mfield(meta, "peer", str), mfield(meta, "why", str)
+        if self.coordinator() != self.device_id:
+            raise PayloadError(f"{self.device_id} does not coordinate this run's bans ({self.coordinator()} does)")
+        if self._is_server(peer):
+            raise PayloadError(f"{peer[-8:]} is a server of this run: servers are trusted, not banned")
+        self._spawn(self.ban_and_roll_back(peer, why))
+        return {"ok": True}
+
+    async def on_ban(self, meta, tensors, sender):
+        """Ban `peer` here; answer the first batch it contributed to that this server still keeps and
+        the versions of the slots hosted here."""
+        peer, why = mfield(meta, "peer", str), mfield(meta, "why", str)
+        self._ban_here(peer, why)
+        batches = self.contributed.get(peer)
+        return {"first_batch": min(batches) if batches else -1,
+                "versions": [sh.version for sh in self.hosted.values()],
+                "kept_from": max(sh.version - sh.keep_versions + 1 for sh in self.hosted.values())}
+
+    async def ban_and_roll_back(self, peer: str, why: str) -> dict | None:
+        """(The coordinator) ban `peer` on every server and start a layout epoch that drops every
+        unapplied contribution and rolls every shard back to the first batch it contributed to (as far
+        as the kept versions allow), then runs again from there. Returns the epoch record (None if the
+        peer was banned by an earlier epoch)."""
+        async with self.ban_lock:
+            if peer in (self.epoch_record or {}).get("banned", []):
+                return None
+            answers = []
+            for st in self.layout.stages:
+                for d in st.servers:
+                    answers.append(await self._server_call(d, "ban", {"peer": peer, "why": why}))
+            firsts = [a["first_batch"] for a, _ in answers if a["first_batch"] >= 0]
+            versions = [v for a, _ in answers for v in a["versions"]]
+            kept_from = max(a["kept_from"] for a, _ in answers)
+            record = {"epoch": self.epoch + 1, "layout": self.layout.to_dict(),
+                      "banned": sorted(set(self.banned) | {peer}),
+                      "lost": list((self.epoch_record or {}).get("lost", []))}
+            first = min(firsts) if firsts else None
+            if first is not None and first < max(versions):
+                target = max(first, kept_from)
+                if target > first:
+                    logger.error("%s: %s's work of batches %d..%d stays applied: versions before %d are no longer "
+                                 "kept", self.device_id, peer[-8:], first, target - 1, target)
+                record["rollback_to"] = target
+            low = min(versions + ([record["rollback_to"]] if "rollback_to" in record else []))
+            record["from_batch"] = min(low, self.run.steps - 1)
+            for st in self.layout.stages:
+                for d in st.servers:
+                    if d != self.device_id:
+                        for _ in range(20):
+                            try:
+                                await self._server_call(d, "adopt_epoch", record)
+                                break
+                            except Exception as e:
+                                logger.info("%s: adopt_epoch to %s: %r", self.device_id, d, e)
+                                await asyncio.sleep(0.2)
+            self.adopt(record)
+            logger.warning("%s: volunteer %s banned from the run; epoch %d %s", self.device_id, peer[-8:],
+                           record["epoch"], f"rolled back to version {record['rollback_to']}"
+                           if "rollback_to" in record else "(nothing of it was applied)")
+            return record
+
+    # the rows a check needs --------------------------------------------------------------------
+    async def on_get_held(self, meta, tensors, sender):
+        """Rows this server holds for a check: 'inputs' (a frontal server: inputs and labels) or
+        'output_grads' (a backward server)."""
+        what = mfield(meta, "what", str)
+        t, m = self._batch_micro(meta, check_applied=False)
+        a, b = rows_field(meta, "rows", self.rows)
+        want = {"inputs": ("frontal", self.buffers), "output_grads": ("backward", self.grad_buffers)}.get(what)
+        if want is None:
+            raise PayloadError(f"field 'what' must be 'inputs' or 'output_grads', got {what!r}")
+        role, store = want
+        if self.role != role:
+            raise PayloadError(f"{what} are held by {role} servers")
+        buf = store.get((t, m))
+        if buf is None or not buf.has(a, b):
+            raise PayloadError(f"{what} of rows [{a}, {b}) of batch {t} micro-batch {m} are not held here")
+        x, y = buf.slice(a, b)
+        return {"ok": True}, [x] if y is None else [x, y]

@@ -1,0 +1,39 @@
+"""What one task computes, as a pure function of a stage slice (holding the task's parameter version)
+and its rows: the forward pass of a stage that is not the last, and the backward pass (recomputing
+the forward) with the loss on the last stage or the output gradient on the others. The volunteer's
+worker runs these, and a server re-runs them to check a volunteer's work (parameter_server/verify.py):
+one definition, so the check compares like with like."""
+from __future__ import annotations
+
+import torch
+
+from peer.model.transformer import StageSlice, loss_sum
+
+
+def forward_rows(model: StageSlice, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The slice's output for rows x (no graph kept), fp32 on the CPU."""
+    with torch.no_grad():
+        return model(x.to(device)).float().cpu()
+
+
+def backward_rows(model: StageSlice, x: torch.Tensor, device: torch.device, total_tokens: int,
+                  out_grad: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+    """Recompute the slice on rows x and backpropagate the loss (labels given: the last stage, the
+    loss sum divided by the batch's tokens) or the output gradient. Returns (input gradient or None
+    on the first stage, loss sum or None, {parameter name: gradient} fp32 on the CPU)."""
+    model.zero_grad(set_to_none=True)
+    x = x.to(device)
+    if not model.is_first:
+        x = x.detach().requires_grad_(True)
+    out = model(x)
+    loss = None
+    if labels is not None:
+        ls = loss_sum(out, labels.to(device))
+        (ls / total_tokens).backward()
+        loss = float(ls.detach())
+    else:
+        out.backward(out_grad.to(device))
+    gin = None if model.is_first else x.grad.detach().float().cpu()
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
+             for n, p in model.named_parameters()}
+    return gin, loss, grads

@@ -1,0 +1,49 @@
+"""A volunteer that lies, for tests and benchmarks of the servers' checks (`peer join --cheat
+KIND[@AFTER]`): after AFTER honest tasks, every result it hands in (a forward task's outputs, an input
+gradient, its parameter gradients and loss) is corrupted the same way. Not a feature for users."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("scale", "signflip", "noise", "zeros")
+SCALE = 1e4  # "multiplies its gradients by 1e4"
+NOISE = 0.1  # Gaussian noise of 0.1 x the tensor's RMS: a relative L2 error of about 0.1
+
+
+@dataclass
+class Cheat:
+    kind: str
+    after: int = 0  # honest tasks before the lies start
+    seed: int = 0
+
+    @classmethod
+    def parse(cls, text: str, seed: int = 0) -> "Cheat":
+        """'scale', 'noise@12' -> Cheat; ValueError naming what is wrong."""
+        kind, _, after = text.partition("@")
+        if kind not in KINDS:
+            raise ValueError(f"--cheat {text!r}: kind must be one of {', '.join(KINDS)}")
+        if after and not after.isdigit():
+            raise ValueError(f"--cheat {text!r}: AFTER must be a count of honest tasks (an integer >= 0)")
+        return cls(kind, int(after or 0), seed)
+
+    def active(self, tasks_done: int) -> bool:
+        return tasks_done >= self.after
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        if self.kind == "scale":
+            return t * SCALE
+        if self.kind == "signflip":
+            return -t
+        if self.kind == "zeros":
+            return torch.zeros_like(t)
+        gen = torch.Generator().manual_seed(self.seed)
+        self.seed += 1
+        rms = t.float().pow(2).mean().sqrt()
+        return t + NOISE * rms * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+
+    def loss(self, x: float | None) -> float | None:
+        if x is None:
+            return None
+        return {"scale": x * SCALE, "signflip": -x, "zeros": 0.0}.get(self.kind, x * (1 + NOISE))

@@ -1,0 +1,117 @@
+"""The pieces of checked work that need no network: a shard's rollback to a kept version (parameters
+and AdamW state), the request log's drop of undone batches, the distance a re-run is judged by, and
+the test tool that lies (`peer join --cheat`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peer.protocol.wire import PayloadError
+
+
+def _shard(keep: int = 4):
+    from parameter_server.shard import ShardState
+
+    return ShardState({"w": torch.zeros(3), "b": torch.ones(2)}, lr=1e-1, rows_per_micro=1, micro_batches=1,
+                      steps=8, keep_versions=keep)
+
+
+def _grads(t: int):
+    return [torch.tensor([1.0, -2.0]) * (t + 1), torch.tensor([0.5, 1.0, -1.5]) / (t + 1)]  # names: b, w
+
+
+def _run(shard, batches, scale=1.0):
+    for t in batches:
+        assert shard.credit(batch=t, pieces=[(f"B{t}.0.0.0-1", 0, (0, 1))],
+                            grads=[g * scale for g in _grads(t)]) == ("credited", [])
+        shard.step()
+
+
+def test_a_rollback_restores_parameters_and_adamw_state_exactly():
+    """Batches 2 and 3 applied with a liar's gradient, rolled back to version 2 and applied again
+    honestly: the shard equals one that only ever saw honest gradients, AdamW moments included."""
+    clean, dirty = _shard(), _shard()
+    _run(clean, range(5))
+    _run(dirty, range(2))
+    _run(dirty, range(2, 4), scale=1e4)
+    assert dirty.rollback(2, epoch=1) is True
+    assert dirty.version == 2 and dirty.microbatches_applied == 2 and sorted(dirty.losses) == [0, 1]
+    assert sorted(dirty.snapshots) == [1, 2]  # the undone versions are forgotten (the window keeps 4)
+    _run(dirty, range(2, 5))
+    for n in clean.names:
+        assert torch.equal(clean.params[n], dirty.params[n]), n
+        a, b = clean.optimizer.state[clean.params[n]], dirty.optimizer.state[dirty.params[n]]
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+        assert float(a["step"]) == float(b["step"])
+
+
+def test_a_rollback_is_applied_once_per_epoch_and_refused_beyond_the_kept_versions():
+    shard = _shard(keep=3)
+    _run(shard, range(5))
+    before = {n: p.detach().clone() for n, p in shard.params.items()}
+    with pytest.raises(PayloadError, match="no longer kept"):
+        shard.rollback(1, epoch=1)
+    assert shard.version == 5 and all(torch.equal(before[n], shard.params[n]) for n in before)
+    assert shard.rollback(3, epoch=1) is True and shard.version == 3
+    _run(shard, [3])
+    assert shard.rollback(3, epoch=1) is False and shard.version == 4  # a replayed log does not undo twice
+    assert shard.rollback(4, epoch=2) is False  # nothing after version 4 to undo
+
+
+def test_a_rollback_to_version_zero_clears_adamw_and_survives_a_checkpoint():
+    from parameter_server.shard import ShardState
+
+    shard = _shard()
+    _run(shard, range(2))
+    state = shard.state_dict()
+    copy = _shard()
+    copy.load_state_dict(state)
+    assert copy.rollback(0, epoch=1) and copy.version == 0
+    assert not copy.optimizer.state and torch.equal(copy.params["b"], torch.ones(2))
+    assert isinstance(copy, ShardState) and copy.rollback_epoch == 1
+
+
+def test_the_request_log_drops_the_undone_batches(tmp_path):
+    from parameter_server.requestlog import RequestLog, read_log
+
+    log = RequestLog(str(tmp_path / "r.log"))
+    for b in (1, 2, 3, 4, 9):
+        log.append({"method": "push_grads", "batch": b}, [torch.ones(1)])
+    log.drop_batches(3, 9)
+    assert [r["batch"] for r, _ in read_log(log.path)] == [1, 2, 9]
+    log.append({"method": "x", "batch": 3})
+    assert [r["batch"] for r, _ in read_log(log.path)] == [1, 2, 9, 3]
+
+
+def test_distance_is_relative_and_names_every_lie():
+    from parameter_server.verify import TOLERANCE, distance
+    from peer.volunteer.cheat import Cheat
+
+    g = torch.linspace(-1, 1, 1000)
+    assert distance(g, g) == 0.0
+    assert distance(g * (1 + 1e-6), g) < 1e-5
+    for kind in ("scale", "signflip", "noise", "zeros"):
+        assert distance(Cheat.parse(kind).tensor(g), g) > 10 * TOLERANCE, kind
+    assert distance(torch.zeros(4), torch.zeros(4)) == 0.0  # an all-zero result that is right
+
+
+def test_the_cheat_argument_is_parsed_or_named_wrong():
+    from peer.volunteer.cheat import Cheat
+
+    assert Cheat.parse("noise@12") == Cheat("noise", 12)
+    c = Cheat.parse("scale@3")
+    assert not c.active(2) and c.active(3) and c.loss(2.0) == 2e4
+    for bad, words in (("lazy", "kind must be one of"), ("zeros@x", "AFTER"), ("zeros@-1", "AFTER")):
+        with pytest.raises(ValueError, match=words):
+            Cheat.parse(bad)
+
+
+def test_peer_join_refuses_a_bad_cheat_before_it_joins():
+    from peer.cli import build_parser
+    from peer.errors import UsageError
+    from peer.join import run
+
+    args = build_parser().parse_args(["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmP5pMMGzUaivesT5jgPHfCw3kTYvobEovLGprfmYjSKWy", "--run-id", "r",
+                                      "--cheat", "lazy"])
+    with pytest.raises(UsageError, match="--cheat 'lazy'"):
+        run(args)

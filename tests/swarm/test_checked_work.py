@@ -1,0 +1,50 @@
+"""Checked work (parameter_server/verify.py) on a live swarm of real processes: volunteers that lie
+(`peer join --cheat`) are caught by the servers' re-runs and banned, their work is undone by a
+rollback epoch, and the run ends equal to `peer reference --delay 1` as if they had never joined."""
+from __future__ import annotations
+
+import re
+
+from tests.swarm.harness import reference_state, rel_diff, swarm_cli
+
+STEPS = 10
+# the servers do not compute and the volunteers are slowed down, so that every volunteer, the liars
+# too, takes work from the first steps on
+COMMON = ("--model", "tiny", "--steps", str(STEPS), "--servers-compute", "no", "--volunteer-slowdown", "8",
+          "--client-timeout", "3", "--announce-period", "0.5")
+
+
+def _banned_lines(tmp_path) -> dict[str, str]:
+    out = {}
+    for log in (tmp_path / "work").glob("cheat*.log"):
+        text = log.read_text()
+        match = re.search(r"^banned from run .*$", text, re.M)
+        out[log.stem] = match.group(0) if match else text[-2000:]
+    return out
+
+
+def test_one_liar_of_each_kind_is_banned_and_the_run_equals_the_clean_one(tmp_path):
+    summary, state, _ = swarm_cli(tmp_path, "cheats", *COMMON, "--volunteers", "2", "--cheater", "scale",
+                                  "--cheater", "signflip", "--cheater", "noise", "--cheater", "zeros")
+    lines = _banned_lines(tmp_path)
+    # each liar is refused with the check it failed, named
+    assert len(lines) == 4 and all(line.startswith("banned from run") and "relative L2" in line
+                                   for line in lines.values()), lines
+    assert len(summary["banned"]) == 4, summary["banned"]
+    assert summary["checks"]["caught"] >= 4 and summary["checks"]["passed"] > 0, summary["checks"]
+    # honest re-runs agree far inside the tolerance
+    assert summary["max_honest_distance"] < 1e-4
+    assert summary["layout_epoch"] >= 1  # the rollbacks travel as layout epochs
+    assert summary["microbatches_applied"] == summary["microbatches_expected"]
+    assert rel_diff(state, reference_state("tiny", STEPS)) < 1e-5
+
+
+def test_a_liar_that_starts_after_its_probation_is_caught_and_undone(tmp_path):
+    summary, state, _ = swarm_cli(tmp_path, "latecheat", *COMMON, "--volunteers", "2", "--probation", "1",
+                                  "--verify-rate", "0.5", "--cheater", "scale@6")
+    (line,) = _banned_lines(tmp_path).values()
+    assert line.startswith("banned from run"), line
+    done = re.search(r"after (\d+) forward and (\d+) backward tasks", line)
+    assert done and int(done.group(1)) + int(done.group(2)) >= 6, line  # honest until then: past its probation
+    assert len(summary["banned"]) == 1
+    assert rel_diff(state, reference_state("tiny", STEPS)) < 1e-5
