@@ -75,7 +75,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
                  task_timeout: float = 60.0, client_timeout: float = 5.0, preference_grace: float = 0.5,
                  connector: Callable[[str], object] | None = None, requeue: bool = True,
                  max_request_bytes: int | None = None, volunteers_allow: frozenset[str] | None = None,
-                 verify_rate: float = DEFAULT_VERIFY_RATE, probation: int = DEFAULT_PROBATION):
+                 verify_rate: float = DEFAULT_VERIFY_RATE, probation: int = DEFAULT_PROBATION, verify_device: str = "cpu"):
         self.run = run
         self.layout = layout
         self.cfg = cfg
@@ -123,7 +123,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.on_replica: list[Callable[[int], None]] = []  # a newer replica of a slot arrived
         self.step_times: dict[int, float] = {}  # version -> wall time it was reached (note_step)
         self.seen_volunteers: set[str] = set()  # volunteers that ever registered here (announcement)
-        self._init_verification(verify_rate, probation, run.seed)
+        self._init_verification(verify_rate, probation, run.seed, verify_device)
 
     def _new_shard(self, slot: int) -> ShardState:
         names = self.slot_names[slot]

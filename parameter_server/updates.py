@@ -76,9 +76,9 @@ class Updates:
         slot = mfield(meta, "slot", int, optional=True)
         result, already = self._hosted(meta).credit(batch=t, pieces=pieces, grads=tensors, loss_sum=loss)
         if result == "credited":
-            if self._note_contribution(sender, t):
-                self._check_later(self._check_push(sender, t, [p[0] for p in pieces],
-                                                   self.slot if slot is None else slot, tensors, loss))
+            if self._note_contribution(sender, t, shared_by=len(self.st.hosts)):
+                self._check_later(self._check_push, sender, t, [p[0] for p in pieces],
+                                  self.slot if slot is None else slot, tensors, loss)
             self._maybe_step()
         return {"result": result, "credited": already}
 

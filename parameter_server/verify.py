@@ -52,17 +52,20 @@ def distance(got: torch.Tensor, want: torch.Tensor) -> float:
 class Verification:
     """StageServer's checks of volunteers' work and bans (a part of parameter_server.service.StageServer)."""
 
-    def _init_verification(self, verify_rate: float, probation: int, seed: int) -> None:
+    def _init_verification(self, verify_rate: float, probation: int, seed: int, device: str = "cpu") -> None:
         if not 0.0 <= verify_rate <= 1.0:
             raise ValueError(f"verify rate must be in [0, 1], got {verify_rate}")
         if probation < 0:
             raise ValueError(f"probation must be >= 0 contributions, got {probation}")
         self.verify_rate, self.probation = verify_rate, probation
+        self.verify_device = torch.device(device)  # where re-runs compute (the server's --device)
         self.verify_rng = random.Random(f"{seed}:{self.device_id}:verify")
         self.banned: dict[str, str] = {}  # peer id -> why (kept across layout epochs)
-        self.contributions: dict[str, int] = {}  # peer id -> contributions seen here (probation)
+        self.contributions: dict[str, int] = {}  # peer id -> contributions seen here
+        self.checks_passed: dict[str, int] = {}  # peer id -> its checks passed here (probation ends at `probation`)
         self.contributed: dict[str, set[int]] = {}  # peer id -> batches it sent work of (kept window)
-        self.verify_counts = {"checked": 0, "passed": 0, "caught": 0, "skipped": 0, "max_honest_distance": 0.0}
+        self.verify_counts = {"checked": 0, "passed": 0, "caught": 0, "skipped": 0, "tasks_rerun": 0,
+                              "max_honest_distance": 0.0}
         self._verify_model = None
         self._verify_params: dict[int, dict[str, torch.Tensor]] = {}
         self._verify_executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -73,8 +76,11 @@ class Verification:
         if sender in self.banned:
             raise PayloadError(f"peer {sender[-8:]} is {BANNED}: {self.banned[sender]}")
 
-    def _note_contribution(self, sender: str, t: int) -> bool:
-        """Remember that `sender` (a volunteer) sent work of batch t; True if this one is to be checked."""
+    def _note_contribution(self, sender: str, t: int, shared_by: int = 1) -> bool:
+        """Remember that `sender` (a volunteer) sent work of batch t; True if this one is to be checked.
+        Work that `shared_by` servers receive (a gradient push goes to every shard server) is checked by
+        each with probability verify_rate / shared_by, so that a push is re-run about verify_rate times
+        on average; on probation every server checks it."""
         if self.replaying or self._is_server(sender):
             return False
         kept = self.version - self.shard.keep_versions
@@ -82,12 +88,13 @@ class Verification:
         batches.add(t)
         for b in [b for b in batches if b < kept]:
             batches.discard(b)
-        n = self.contributions.get(sender, 0)
-        self.contributions[sender] = n + 1
-        return n < self.probation or self.verify_rng.random() < self.verify_rate
+        self.contributions[sender] = self.contributions.get(sender, 0) + 1
+        # on probation until `probation` checks passed (a check skipped for want of its rows does not count)
+        return self.checks_passed.get(sender, 0) < self.probation or \
+            self.verify_rng.random() < self.verify_rate / shared_by
 
-    def _check_later(self, coro) -> None:
-        self._spawn(self._guarded(coro))
+    def _check_later(self, check, *args) -> None:
+        self._spawn(self._guarded(check(self.epoch, *args)))
 
     async def _guarded(self, coro) -> None:
         try:
@@ -152,30 +159,39 @@ class Verification:
         if self._verify_executor is None:
             self._verify_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify")
             lo, hi = self.st.layers
-            self._verify_model = build_slice(self.cfg, lo, hi, self.run.seed)
+            self._verify_model = build_slice(self.cfg, lo, hi, self.run.seed, device=self.verify_device)
 
         def work():
-            self._verify_model.load_state_dict(params)
+            self._verify_model.load_state_dict({k: v.to(self.verify_device) for k, v in params.items()})
             return fn(self._verify_model)
 
         return await asyncio.get_running_loop().run_in_executor(self._verify_executor, work)
 
-    def _judge(self, sender: str, what: str, d: float, t: int) -> bool:
-        """True if the distance `d` is within tolerance (the check passed)."""
+    def _judge(self, epoch: int, sender: str, what: str, d: float, t: int) -> bool:
+        """True if the distance `d` is within tolerance (the check passed). A check that outlived its
+        layout epoch judges nothing: a rollback may have re-made the rows it read (an honest worker's
+        result on a liar's activations would then differ from a re-run on the clean ones)."""
+        if self.epoch != epoch:
+            raise PayloadError(f"the check began in layout epoch {epoch}, the run is at {self.epoch}")
         if d <= TOLERANCE:
             self.verify_counts["max_honest_distance"] = max(self.verify_counts["max_honest_distance"], d)
             return True
         self._caught(sender, f"{what} of batch {t} is {d:.3g} (relative L2) from this server's re-run", t)
         return False
 
-    async def _check_outputs(self, sender: str, t: int, m: int, a: int, b: int, out: torch.Tensor) -> None:
-        (x, _) = await self._held_rows("inputs", t, m, a, b)
-        want = await self._recompute(version_for_batch(t), lambda model: forward_rows(model, x, torch.device("cpu")))
-        self.verify_counts["checked"] += 1
-        if self._judge(sender, f"the outputs of rows {a}-{b} of micro-batch {m}", distance(out, want), t):
-            self.verify_counts["passed"] += 1
+    def _passed(self, sender: str) -> None:
+        self.verify_counts["passed"] += 1
+        self.checks_passed[sender] = self.checks_passed.get(sender, 0) + 1
 
-    async def _check_push(self, sender: str, t: int, ids: list[str], slot: int, grads: list[torch.Tensor],
+    async def _check_outputs(self, epoch: int, sender: str, t: int, m: int, a: int, b: int, out: torch.Tensor) -> None:
+        (x, _) = await self._held_rows("inputs", t, m, a, b)
+        want = await self._recompute(version_for_batch(t), lambda model: forward_rows(model, x, self.verify_device))
+        self.verify_counts["checked"] += 1
+        self.verify_counts["tasks_rerun"] += 1
+        if self._judge(epoch, sender, f"the outputs of rows {a}-{b} of micro-batch {m}", distance(out, want), t):
+            self._passed(sender)
+
+    async def _check_push(self, epoch: int, sender: str, t: int, ids: list[str], slot: int, grads: list[torch.Tensor],
                           loss: float | None) -> None:
         names = self.slot_names[slot]
         total = {n: torch.zeros_like(g) for n, g in zip(names, grads)}
@@ -187,18 +203,19 @@ class Verification:
             x, labels = await self._held_rows("inputs", t, m, a, b)
             g = None if self.last else (await self._held_rows("output_grads", t, m, a, b))[0]
             gin, ls, full = await self._recompute(version_for_batch(t), lambda model: backward_rows(
-                model, x, torch.device("cpu"), tokens, out_grad=g, labels=labels if self.last else None))
+                model, x, self.verify_device, tokens, out_grad=g, labels=labels if self.last else None))
             for n in names:
                 total[n].add_(full[n])
             loss_sum += ls or 0.0
             gins.append((m, a, b, gin))
         self.verify_counts["checked"] += 1
+        self.verify_counts["tasks_rerun"] += len(ids)
         got = torch.cat([g.flatten() for g in grads])
         want = torch.cat([total[n].flatten() for n in names])
-        if not self._judge(sender, f"its gradient of shard slot {slot} over {len(ids)} tasks", distance(got, want), t):
+        if not self._judge(epoch, sender, f"its gradient of shard slot {slot} over {len(ids)} tasks", distance(got, want), t):
             return
         if self.last and loss is not None and \
-                not self._judge(sender, "its loss sum", abs(loss - loss_sum) / max(abs(loss_sum), 1e-6), t):
+                not self._judge(epoch, sender, "its loss sum", abs(loss - loss_sum) / max(abs(loss_sum), 1e-6), t):
             return
         if self.role == "frontal" and self.stage > 0:
             lo, hi = self.seg
@@ -206,10 +223,10 @@ class Verification:
                 buf = self.grad_buffers.get((t, m))
                 if lo <= a and b <= hi and buf is not None and buf.has(a, b) and \
                         self.gin_senders.get((t, m, a, b)) == sender:
-                    if not self._judge(sender, f"its input gradient of rows {a}-{b} of micro-batch {m}",
+                    if not self._judge(epoch, sender, f"its input gradient of rows {a}-{b} of micro-batch {m}",
                                        distance(buf.slice(a, b)[0], gin), t):
                         return
-        self.verify_counts["passed"] += 1
+        self._passed(sender)
 
     # bans --------------------------------------------------------------------------------------
     def _ban_here(self, peer: str, why: str) -> None:

@@ -261,7 +261,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                          stage_params=initial_state(cfg, *st.layers, run_cfg.seed, args.hf_model), corpus=corpus, links=links,
                          task_timeout=args.task_timeout, client_timeout=args.client_timeout, connector=connector,
                          requeue=not args.no_requeue, max_request_bytes=args.max_request_bytes,
-                         volunteers_allow=args.allowed, verify_rate=args.verify_rate, probation=args.probation)
+                         volunteers_allow=args.allowed, verify_rate=args.verify_rate, probation=args.probation,
+                         verify_device=args.device)
     if args.checkpoint_dir:
         from parameter_server.requestlog import RequestLog, read_log
         from parameter_server.service import RETAIN

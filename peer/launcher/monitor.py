@@ -112,7 +112,9 @@ class Monitor:
                                     for st in self.layout.stages},
             # checked work (parameter_server/verify.py): re-runs of volunteers' work and the bans they caused
             "checks": {k: sum(s.get("checks", {}).get(k, 0) for s in statuses.values())
-                       for k in ("checked", "passed", "caught", "skipped")},
+                       for k in ("checked", "passed", "caught", "skipped", "tasks_rerun")},
+            # every task completed once at the server that leased it (re-runs of lost work included)
+            "tasks_completed": sum(s.get("pool", {}).get("done", 0) for s in statuses.values()),
             "max_honest_distance": max((s.get("checks", {}).get("max_honest_distance", 0.0) for s in statuses.values()),
                                        default=0.0),
             "banned": sorted({p for s in statuses.values() for p in s.get("banned", {})}),

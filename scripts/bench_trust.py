@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Checked work, measured: how far honest re-runs are from the original (the tolerance's margin), what
+checking costs an honest run, and how long a liar that passed its probation survives, for several
+--verify-rate values.
+
+    python scripts/bench_trust.py [--quick] [--out DIR] [--steps 20] [--rates 0,0.05,0.1,0.25,1]
+                                  [--after 8] [--work DIR]
+
+Parts:
+1. tolerance: one task's parameter gradient and input gradient (model presets tiny and small, stage 1
+   of 2) computed in fp32 on 1 and on 2 threads, with rows in another order, and in fp64: the
+   relative L2 distances an honest re-run can show, beside those of the four lies of `peer join
+   --cheat`. A GPU was not available to this benchmark; fp64 against fp32 bounds what a different
+   summation order (another device) can do.
+2. honest cost: the same swarm (tiny, 2 stages x 2 servers, 4 volunteers slowed down 8x, servers not
+   computing) without checks and with each rate (probation 4): seconds per step, re-run tasks per
+   completed task, and the largest honest distance seen.
+3. detection: the same swarm plus one volunteer `--cheat scale@AFTER` (honest for AFTER tasks, past
+   its probation of 1 passed check per server): lies handed in and batches from its first lie until
+   its ban, and the run's distance from `peer reference --delay 1` (the rollback undoing its work).
+
+Writes DIR/bench_trust.md and DIR/trust.png (DIR defaults to docs/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+
+from _bench_common import REPO, Report, exactly_once, loadavg, md_table, run_swarm
+
+SWARM = ["--model", "tiny", "--servers-compute", "no", "--volunteer-slowdown", "8", "--volunteers", "4",
+         "--client-timeout", "3", "--announce-period", "0.5"]
+
+
+def tolerance_rows() -> list[list]:
+    import torch
+
+    from peer.model.config import get_preset
+    from peer.model.task_math import backward_rows
+    from peer.model.transformer import build_slice
+    from peer.volunteer.cheat import Cheat
+    from parameter_server.verify import distance
+
+    rows = []
+    for preset in ("tiny", "small"):
+        cfg = get_preset(preset)
+        half = cfg.layers // 2
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(4, cfg.seq_len, cfg.hidden, generator=gen)
+        g = torch.randn(4, cfg.seq_len, cfg.hidden, generator=gen) * 1e-3
+        tokens = 16 * cfg.seq_len
+
+        def run(dtype=torch.float32, threads=1, order=(0, 1, 2, 3)):
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                model = build_slice(cfg, half, cfg.layers - 1 if cfg.layers > 2 else half + 1, seed=0).to(dtype)
+                idx = list(order)
+                gin, _, grads = backward_rows(model, x[idx].to(dtype), torch.device("cpu"), tokens,
+                                              out_grad=g[idx].to(dtype))
+                inverse = [idx.index(i) for i in range(len(idx))]
+                return gin[inverse].float(), torch.cat([v.float().flatten() for _, v in sorted(grads.items())])
+            finally:
+                torch.set_num_threads(before)
+
+        base_gin, base = run()
+        for label, kw in (("fp32, 2 threads", {"threads": 2}), ("fp32, rows reordered", {"order": (3, 1, 0, 2)}),
+                          ("fp64", {"dtype": torch.float64})):
+            gin, grads = run(**kw)
+            rows.append([preset, label, distance(grads, base), distance(gin, base_gin)])
+        for kind in ("scale", "signflip", "noise", "zeros"):
+            cheat = Cheat.parse(kind)
+            rows.append([preset, f"lie: {kind}", distance(cheat.tensor(base), base),
+                         distance(cheat.tensor(base_gin), base_gin)])
+    return rows
+
+
+def reference_distance(state_path: Path, steps: int, ref_cache: dict) -> float:
+    from safetensors.torch import load_file
+
+    from peer.model.config import get_preset
+    from peer.model.data import load_corpus
+    from peer.reference import train_reference
+
+    if steps not in ref_cache:
+        cfg = get_preset("tiny")
+        ref_cache[steps], _ = train_reference(cfg, load_corpus(None, seq_len=cfg.seq_len), steps=steps, seed=0,
+                                              batch_size=16, micro_batches=4, delay=1, lr=2e-3, progress=False)
+    ref, got = ref_cache[steps], load_file(str(state_path))
+    num = sum(float(((got[k].float() - ref[k].float()) ** 2).sum()) for k in ref)
+    den = sum(float((ref[k].float() ** 2).sum()) for k in ref)
+    return (num / den) ** 0.5
+
+
+def detection(run_dir: Path, after: int) -> dict:
+    """From the logs: the liar's first lie (batch), the tasks it had done when it was refused, and the
+    batch whose check caught it (the first server that saw the mismatch)."""
+    text = (run_dir / "cheat0.log").read_text()
+    first = re.search(r"from task (\d+) \(batch (\d+)\)", text)
+    banned = re.search(r"after (\d+) forward and (\d+) backward tasks", text)
+    catches = [re.search(r"banned \(.* of batch (\d+) is", log.read_text()) for log in run_dir.glob("s*.log")]
+    caught = min((int(m.group(1)) for m in catches if m), default=None)
+    out = {"first_lie_batch": int(first.group(2)) if first else None, "banned": bool(banned), "caught_batch": caught}
+    if banned:
+        out["lies"] = int(banned.group(1)) + int(banned.group(2)) - after
+    if first and caught is not None:
+        out["batches"] = caught - out["first_lie_batch"]
+    return out
+
+
+def plot(cost: list[dict], detect: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    rates = [r["rate"] for r in cost if r["rate"] is not None]
+    base = next(r["sps"] for r in cost if r["rate"] is None)
+    a.plot(rates, [r["sps"] / base for r in cost if r["rate"] is not None], "o-", label="s/step vs no checks")
+    a.plot(rates, [1 + r["rerun_share"] for r in cost if r["rate"] is not None], "s--", label="1 + re-run share")
+    a.set_xscale("symlog", linthresh=0.05)
+    a.set_xlabel("--verify-rate")
+    a.set_ylabel("honest run, relative")
+    a.legend()
+    a.set_title("what checking costs an honest run")
+    ok = [d for d in detect if d.get("banned")]
+    b.plot([d["rate"] for d in ok], [d["lies"] for d in ok], "o-", label="lies handed in before the ban")
+    b.plot([d["rate"] for d in ok], [d["batches"] for d in ok], "s--", label="batches from first lie to ban")
+    b.set_xscale("log")
+    b.set_xlabel("--verify-rate")
+    b.legend()
+    b.set_title("a liar past its probation")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(REPO / "docs"))
+    p.add_argument("--work", default="/tmp/bench_trust")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rates", default="0.05,0.1,0.25,1")
+    p.add_argument("--after", type=int, default=8, help="honest tasks before the liar starts")
+    p.add_argument("--quick", action="store_true", help="8 steps, rates 0.25 and 1")
+    p.add_argument("--run-timeout", type=float, default=900)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.steps, a.rates = 8, "0.25,1"
+    rates = [float(r) for r in a.rates.split(",")]
+    work, out = Path(a.work), Path(a.out)
+    work.mkdir(parents=True, exist_ok=True)
+    report = Report("Checked work: tolerance, cost and detection (scripts/bench_trust.py)",
+                    f"Measured {time.strftime('%Y-%m-%d')} on this machine (2 cores); load at start {loadavg()}.")
+
+    report.section("1. How far an honest re-run can be", "Relative L2 distance from fp32 on 1 thread "
+                   "(one task of 4 rows, the second half of the model's layers). The tolerance is 1e-3.")
+    report.add(md_table(["model", "re-run", "parameter gradient", "input gradient"], tolerance_rows()))
+
+    cost, detect, refs = [], [], {}
+    for rate in [None] + rates:
+        name = "off" if rate is None else f"rate{rate:g}"
+        checks = ["--verify-rate", "0", "--probation", "0"] if rate is None else ["--verify-rate", str(rate)]
+        print(f"[{time.strftime('%H:%M:%S')}] honest {name} (load {loadavg()})", flush=True)
+        s = run_swarm(f"honest-{name}", SWARM + ["--steps", str(a.steps), "--run-id", f"bt-{name}"] + checks, work,
+                      timeout=a.run_timeout)
+        cost.append({"rate": rate, "sps": s["wall_seconds"] / s["steps"], "applied": exactly_once(s),
+                     "rerun_share": s["checks"]["tasks_rerun"] / max(s["tasks_completed"], 1),
+                     "checks": s["checks"]["checked"], "max_d": s["max_honest_distance"],
+                     "banned": len(s["banned"]), "load": s["load"]})
+    report.section("2. What checking costs an honest run", f"tiny, {a.steps} steps, 2 stages x 2 servers (not "
+                   "computing), 4 volunteers slowed down 8x; probation: 4 passed checks per server except 'off'. "
+                   "Re-run share: tasks re-run by the servers per task completed.")
+    report.add(md_table(["--verify-rate", "s/step", "vs off", "re-run share", "checks", "max honest distance",
+                         "banned", "micro-batches", "load"],
+                        [["off" if r["rate"] is None else r["rate"], r["sps"], r["sps"] / cost[0]["sps"],
+                          r["rerun_share"], r["checks"], r["max_d"], r["banned"], r["applied"], r["load"]]
+                         for r in cost]))
+
+    for rate in rates:
+        name = f"liar{rate:g}"
+        print(f"[{time.strftime('%H:%M:%S')}] {name} (load {loadavg()})", flush=True)
+        ckpt = work / f"{name}-ckpt"
+        s = run_swarm(name, SWARM + ["--steps", str(a.steps), "--run-id", f"bt-{name}", "--verify-rate", str(rate),
+                                     "--probation", "1", "--cheater", f"scale@{a.after}", "--checkpoint-out",
+                                     str(ckpt)], work, timeout=a.run_timeout)
+        d = detection(work / name, a.after) | {"rate": rate, "applied": exactly_once(s), "sps": s["wall_seconds"] / s["steps"]}
+        d["distance"] = reference_distance(ckpt / "model.safetensors", a.steps, refs)
+        detect.append(d)
+    report.section("3. A liar past its probation", f"The same swarm plus `--cheater scale@{a.after}` (honest for "
+                   f"{a.after} tasks, probation: 1 passed check per server): lies it handed in and batches from its "
+                   "first lie until the ban; the final parameters' distance from `peer reference --delay 1`.")
+    report.add(md_table(["--verify-rate", "banned", "lies before the ban", "first lie (batch)", "caught (batch)",
+                         "batches", "distance from reference", "micro-batches", "s/step"],
+                        [[d["rate"], d["banned"], d.get("lies", "-"), d["first_lie_batch"], d["caught_batch"],
+                          d.get("batches", "-"), d["distance"], d["applied"], d["sps"]] for d in detect]))
+    (work / "results.json").write_text(json.dumps({"cost": cost, "detect": detect}, indent=1))
+    out.mkdir(parents=True, exist_ok=True)
+    plot(cost, detect, out / "trust.png")
+    report.write(out / "bench_trust.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
