@@ -239,6 +239,8 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         """Periodic: re-queue expired leases, forget silent clients."""
         self.pool.expire(self.clock())
         self.drop_stale_clients()
+        if self.hold_steps_until is not None and not self.steps_held():
+            self._maybe_step()  # a ban's hold ran out with every credit already here
 
 
 def _make_rpc(name: str):

@@ -83,6 +83,8 @@ class Updates:
         return {"result": result, "credited": already}
 
     def _maybe_step(self) -> None:
+        if self.steps_held():
+            return
         stepped = False
         for slot, shard in sorted(self.hosted.items()):
             while shard.ready_to_step():

@@ -40,6 +40,7 @@ BANNED = "banned from this run"  # the refusal's wording, which a worker recogni
 TOLERANCE = 1e-3
 DEFAULT_VERIFY_RATE = 0.1
 DEFAULT_PROBATION = 4
+HOLD_SECONDS = 60.0  # the longest a server holds its steps between a ban and the rollback's epoch
 
 
 def distance(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -70,6 +71,17 @@ class Verification:
         self._verify_params: dict[int, dict[str, torch.Tensor]] = {}
         self._verify_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.ban_lock = asyncio.Lock()
+        self.hold_steps_until: float | None = None  # set by a ban, cleared by the next layout epoch
+
+    def steps_held(self) -> bool:
+        """True while a ban's rollback epoch is awaited (Updates._maybe_step does not step)."""
+        if self.hold_steps_until is None:
+            return False
+        if self.clock() < self.hold_steps_until:
+            return True
+        logger.warning("%s: no layout epoch came within %.0f s of a ban: stepping again", self.device_id, HOLD_SECONDS)
+        self.hold_steps_until = None
+        return False
 
     # what arrives ------------------------------------------------------------------------------
     def _banned_check(self, sender: str) -> None:
@@ -275,6 +287,9 @@ class Verification:
         the versions of the slots hosted here."""
         peer, why = mfield(meta, "peer", str), mfield(meta, "why", str)
         self._ban_here(peer, why)
+        # no step until the rollback's epoch arrives: a step now would apply the liar's work and could
+        # push the version to roll back to out of the kept window (bounded, should the coordinator die)
+        self.hold_steps_until = self.clock() + HOLD_SECONDS
         batches = self.contributed.get(peer)
         return {"first_batch": min(batches) if batches else -1,
                 "versions": [sh.version for sh in self.hosted.values()],

@@ -145,11 +145,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rates", default="0.05,0.1,0.25,1")
     p.add_argument("--after", type=int, default=8, help="honest tasks before the liar starts")
+    p.add_argument("--repeat", type=int, default=2, help="runs of each honest configuration (the fastest is shown)")
     p.add_argument("--quick", action="store_true", help="8 steps, rates 0.25 and 1")
     p.add_argument("--run-timeout", type=float, default=900)
     a = p.parse_args(argv)
     if a.quick:
-        a.steps, a.rates = 8, "0.25,1"
+        a.steps, a.rates, a.repeat = 8, "0.25,1", 1
     rates = [float(r) for r in a.rates.split(",")]
     work, out = Path(a.work), Path(a.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -164,21 +165,30 @@ def main(argv=None) -> int:
     for rate in [None] + rates:
         name = "off" if rate is None else f"rate{rate:g}"
         checks = ["--verify-rate", "0", "--probation", "0"] if rate is None else ["--verify-rate", str(rate)]
-        print(f"[{time.strftime('%H:%M:%S')}] honest {name} (load {loadavg()})", flush=True)
-        s = run_swarm(f"honest-{name}", SWARM + ["--steps", str(a.steps), "--run-id", f"bt-{name}"] + checks, work,
-                      timeout=a.run_timeout)
+        runs = []
+        for i in range(a.repeat):
+            print(f"[{time.strftime('%H:%M:%S')}] honest {name} #{i + 1} (load {loadavg()})", flush=True)
+            runs.append(run_swarm(f"honest-{name}-{i}", SWARM + ["--steps", str(a.steps), "--run-id", f"bt-{name}-{i}"]
+                                  + checks, work, timeout=a.run_timeout))
+        # the fastest repeat: a lease lost to a slow `take` answer stalls a run by --task-timeout (30 s),
+        # whatever the checks do; the stalls are counted in the table
+        s = min(runs, key=lambda r: r["wall_seconds"])
         cost.append({"rate": rate, "sps": s["wall_seconds"] / s["steps"], "applied": exactly_once(s),
                      "rerun_share": s["checks"]["tasks_rerun"] / max(s["tasks_completed"], 1),
-                     "checks": s["checks"]["checked"], "max_d": s["max_honest_distance"],
-                     "banned": len(s["banned"]), "load": s["load"]})
+                     "checks": s["checks"]["checked"], "max_d": max(r["max_honest_distance"] for r in runs),
+                     "banned": sum(len(r["banned"]) for r in runs), "load": s["load"],
+                     "all_sps": [round(r["wall_seconds"] / r["steps"], 2) for r in runs],
+                     "requeued": [r["requeued"] for r in runs]})
     report.section("2. What checking costs an honest run", f"tiny, {a.steps} steps, 2 stages x 2 servers (not "
                    "computing), 4 volunteers slowed down 8x; probation: 4 passed checks per server except 'off'. "
-                   "Re-run share: tasks re-run by the servers per task completed.")
-    report.add(md_table(["--verify-rate", "s/step", "vs off", "re-run share", "checks", "max honest distance",
-                         "banned", "micro-batches", "load"],
+                   "Re-run share: tasks re-run by the servers per task completed. Each configuration ran "
+                   f"{a.repeat} times; the fastest is shown (a re-queued task is a lease that waited out the 30 s "
+                   "task timeout, a stall that has nothing to do with the checks).")
+    report.add(md_table(["--verify-rate", "s/step (fastest)", "vs off", "every repeat", "re-queued tasks",
+                         "re-run share", "checks", "max honest distance", "banned", "micro-batches", "load"],
                         [["off" if r["rate"] is None else r["rate"], r["sps"], r["sps"] / cost[0]["sps"],
-                          r["rerun_share"], r["checks"], r["max_d"], r["banned"], r["applied"], r["load"]]
-                         for r in cost]))
+                          " / ".join(map(str, r["all_sps"])), " / ".join(map(str, r["requeued"])), r["rerun_share"],
+                          r["checks"], r["max_d"], r["banned"], r["applied"], r["load"]] for r in cost]))
 
     for rate in rates:
         name = f"liar{rate:g}"
