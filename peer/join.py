@@ -201,7 +201,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
 
         watcher = asyncio.ensure_future(watch_halt())
         verb = "joined run"
-        done = {"forward": 0, "backward": 0}
+        done = {"forward": 0, "backward": 0, "recompute_avoided": 0}
         banned = None
         stages_worked: list[int] = []
         while not stop.is_set():
@@ -209,7 +209,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
             links = {d: directory.link(p2p, d, StageServer, links_emulator) for d in st.servers}
             worker = StageWorker(run=run, layout=layout, cfg=cfg, stage=stage, device_id=device, links=links,
                                  compute=1.0, torch_device=args.device, slowdown=slowdown, die_at=args.die_at,
-                                 cheat=args.cheat)
+                                 cheat=args.cheat, activation_memory=int(args.activation_memory * 2**20))
             worker.compute = args.compute or worker.measure_compute()
             stretched = f" (compute stretched x{slowdown:g} by the link profile)" if slowdown > 1 else ""
             print(f"{verb} {run.run_id} as {device} ({peer_id}) on stage {stage}, compute {worker.compute:.3g} rows/s"
@@ -314,7 +314,8 @@ async def join_main(args, stop: asyncio.Event) -> int:
         if halt.reason is not None:  # the run may have gone on and ended between two looks
             await look_at_halt()
         print(f"left run {run.run_id} as {device}: {done['forward']} forward and {done['backward']} backward tasks "
-              f"done on stage(s) {' -> '.join(map(str, stages_worked)) or 'none'}", flush=True)
+              f"done on stage(s) {' -> '.join(map(str, stages_worked)) or 'none'}; {done['recompute_avoided']} backward "
+              "tasks ran on their kept forward pass", flush=True)
         return 0
     finally:
         stop_dht(dht)

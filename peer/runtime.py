@@ -24,6 +24,9 @@ def add_common_arguments(p) -> None:
     p.add_argument("--slowdown", type=float, default=None,
                    help="stretch every compute step by this factor (default: from --link-profile's tflops)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the slice computes")
+    p.add_argument("--activation-memory", type=float, default=1024, metavar="MB",
+                   help="keep forward passes (their activations, on --device) up to this many MB so that the "
+                        "backward task of the same rows needs no recompute, oldest dropped first (0: always recompute)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (used by peer swarm)")
 
 
@@ -78,6 +81,8 @@ def check_common(args) -> None:
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: torch sees no CUDA device")
+    if args.activation_memory < 0:
+        raise UsageError(f"--activation-memory must be >= 0 MB, got {args.activation_memory}")
     if args.slowdown is not None and args.slowdown < 1:
         raise UsageError(f"--slowdown must be >= 1, got {args.slowdown}")
     if args.link_scale <= 0:

@@ -463,7 +463,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         server.set_directory(directory.servers)
         worker_links = {d: connector(d) for d in server.st.servers}
         worker = StageWorker(run=run_cfg, layout=server.layout, cfg=cfg, stage=stage, device_id=device,
-                             links=worker_links, compute=1.0, torch_device=args.device, slowdown=slowdown)
+                             links=worker_links, compute=1.0, torch_device=args.device, slowdown=slowdown,
+                             activation_memory=int(args.activation_memory * 2**20))
         worker.epoch = server.epoch
         worker.compute = worker.measure_compute()
         tasks.append(asyncio.ensure_future(worker.run_loop(stop)))

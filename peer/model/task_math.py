@@ -37,3 +37,46 @@ def backward_rows(model: StageSlice, x: torch.Tensor, device: torch.device, tota
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
              for n, p in model.named_parameters()}
     return gin, loss, grads
+
+
+class KeptForward:
+    """A forward pass kept with its autograd graph (its input, its output and the activations
+    autograd saved), so that the backward pass of the same rows runs without recomputing the forward.
+    Valid as long as the slice that ran it keeps its parameters unchanged."""
+
+    def __init__(self, x: torch.Tensor, out: torch.Tensor, nbytes: int):
+        self.x, self.out, self.nbytes = x, out, nbytes
+
+
+def forward_keeping(model: StageSlice, x: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, KeptForward]:
+    """The slice's output for rows x (fp32 on the CPU) and the kept pass; its size counts what autograd
+    saved for the backward pass (parameters excluded: they are not a copy)."""
+    params = {p.data_ptr() for p in model.parameters()}
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        if t.data_ptr() not in params:
+            saved += t.numel() * t.element_size()
+        return t
+
+    x = x.to(device)
+    if not model.is_first:
+        x = x.detach().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    kept = KeptForward(x, out, saved + out.numel() * out.element_size() + x.numel() * x.element_size())
+    return out.detach().float().cpu(), kept
+
+
+def backward_kept(model: StageSlice, kept: KeptForward, out_grad: torch.Tensor, device: torch.device):
+    """The backward pass of a kept forward (the graph is freed): (input gradient or None on the first
+    stage, None, {parameter name: gradient} fp32 on the CPU), as backward_rows returns them."""
+    named = list(model.named_parameters())
+    inputs = [p for _, p in named] if model.is_first else [kept.x] + [p for _, p in named]
+    res = torch.autograd.grad(kept.out, inputs, out_grad.to(device), allow_unused=True)
+    gin = None if model.is_first else res[0].detach().float().cpu()
+    pgrads = res if model.is_first else res[1:]
+    grads = {n: (g if g is not None else torch.zeros_like(p)).detach().float().cpu()
+             for (n, p), g in zip(named, pgrads)}
+    return gin, None, grads

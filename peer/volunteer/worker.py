@@ -23,8 +23,8 @@ from parameter_server.layout import owners
 from parameter_server.shard import assign_shards
 from parameter_server.verify import BANNED
 from peer.volunteer.flush import batches_to_push
-from peer.model.task_math import backward_rows, forward_rows
-from peer.model.transformer import StageSlice, build_slice
+from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
+from peer.model.transformer import StageSlice, build_slice, slice_from_state
 from peer.protocol.wire import RemoteError
 
 logger = logging.getLogger("hivepipe.worker")
@@ -72,7 +72,7 @@ def die_here() -> None:
 class StageWorker:
     def __init__(self, *, run, layout, cfg, stage: int, device_id: str, links: dict, compute: float,
                  torch_device: str = "cpu", slowdown: float = 1.0, poll: float = 0.05, heartbeat: float = 1.0,
-                 die_at: str | None = None, cheat=None):
+                 die_at: str | None = None, cheat=None, activation_memory: int = 1 << 30):
         self.run, self.layout, self.cfg = run, layout, cfg
         self.stage = stage
         self.st = layout.stages[stage]
@@ -91,11 +91,15 @@ class StageWorker:
         self.epoch = 0
         self._set_layout(layout)
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
-        self.loaded_version: int | None = None
+        self.models: dict[int, StageSlice] = {}  # version -> the slice holding it (kept forwards need theirs)
+        # forward passes kept for the backward task of the same rows (the backward server prefers the
+        # client of the forward pass), oldest dropped first beyond `activation_memory` bytes
+        self.kept: dict[tuple, KeptForward] = {}
+        self.activation_memory = activation_memory
         self.input_cache: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.stats = {"forward": 0, "backward": 0, "dropped": 0, "pushes": 0, "conflicts": 0, "compute_seconds": 0.0,
-                      "started": time.time()}
+                      "started": time.time(), "recomputed": 0, "recompute_avoided": 0}
         self.pending: dict[int, Pending] = {}  # batch -> gradients summed over tasks not pushed yet
         self.max_pending = 2 * run.micro_batches  # the servers lease a client 2 x micro-batches + 1 tasks
         self.current: tuple[str, str] | None = None  # (server device, task id) being worked on
@@ -139,7 +143,8 @@ class StageWorker:
         self.pending.clear()  # the old epoch's leases are gone: its tasks are run again in this one
         # a rollback (a cheater was caught) re-makes versions after its batch, and their inputs
         self.versions.clear()
-        self.loaded_version = None
+        self.models.clear()
+        self.kept.clear()
         self.input_cache.clear()
         logger.warning("%s: layout epoch %d (servers %s)", self.device_id, self.epoch, list(self.st.servers))
 
@@ -255,11 +260,23 @@ class StageWorker:
         self.versions[version] = state
         for v in [v for v in self.versions if v < version - 1]:
             del self.versions[v]
+            self.models.pop(v, None)
 
-    def _load(self, version: int) -> None:
-        if self.loaded_version != version:
-            self.model.load_state_dict({k: v.to(self.torch_device) for k, v in self.versions[version].items()})
-            self.loaded_version = version
+    def _model(self, version: int) -> StageSlice:
+        """The slice holding parameters `version` (one per kept version, so a kept forward pass stays
+        valid while the worker computes tasks of the other version)."""
+        if version not in self.models:
+            self.models[version] = slice_from_state(self.cfg, self.lo, self.hi, self.versions[version], self.torch_device)
+        return self.models[version]
+
+    def _keep(self, key: tuple, kept: KeptForward) -> None:
+        if kept.nbytes > self.activation_memory:
+            return
+        self.kept[key] = kept
+        total = sum(k.nbytes for k in self.kept.values())
+        while total > self.activation_memory:
+            oldest = next(iter(self.kept))
+            total -= self.kept.pop(oldest).nbytes
 
     async def _compute(self, fn):
         def timed():
@@ -363,25 +380,37 @@ class StageWorker:
             await self._backward(link, meta, tensors)
 
     async def _forward(self, link, meta, tensors) -> None:
+        """A forward task of a stage before the last: its rows go, cut by the next backward servers'
+        segments, to those servers; each piece's pass is kept (within the memory budget) for the
+        backward task of the same rows, which that server offers this worker first."""
         t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]
         x, y = tensors
+        version = meta["version"]
         self._point("before_forward")
+        nxt = self.st.backward
+        pieces = owners(self.rows, len(nxt), a, b)
 
         def fwd():
             self._point("during_forward")
-            self._load(meta["version"])
-            return forward_rows(self.model, x, self.torch_device)
+            model = self._model(version)
+            if self.activation_memory <= 0:
+                return [(forward_rows(model, x[p - a : q - a], self.torch_device), None) for _, p, q in pieces]
+            return [forward_keeping(model, x[p - a : q - a], self.torch_device) for _, p, q in pieces]
 
-        out = await self._compute(fwd)
+        outs = await self._compute(fwd)
+        for (_, p, q), (_, kept) in zip(pieces, outs):
+            for key in [k for k in self.kept if k[0] < t - 1]:
+                del self.kept[key]
+            if kept is not None:
+                self._keep((t, m, p, q, version), kept)
         if self._lying(t):
-            out = self.cheat.tensor(out)
+            outs = [(self.cheat.tensor(out), kept) for out, kept in outs]
         self.input_cache.setdefault((t, m), []).append((a, b, x))
-        nxt = self.st.backward
         await asyncio.gather(*(
             self.call(self.links[nxt[j]], "push_outputs", {"task": meta["task"], "batch": t, "micro": m, "rows": [p, q],
                                                            "frontal": meta["frontal"]},
-                      [out[p - a : q - a], y[p - a : q - a]], timeout=60.0, epoch=meta["epoch"])
-            for j, p, q in owners(self.rows, len(nxt), a, b)
+                      [out, y[p - a : q - a]], timeout=60.0, epoch=meta["epoch"])
+            for (j, p, q), (out, _) in zip(pieces, outs)
         ))
         self._point("after_outputs")
         await self.call(link, "complete", {"task": meta["task"]}, epoch=meta["epoch"])
@@ -390,8 +419,8 @@ class StageWorker:
     def _backward_pass(self, version: int, x: torch.Tensor, out_grad=None, labels=None):
         """Recompute the slice on x and backpropagate; returns (input grad or None, loss_sum or None)."""
         self._point("during_backward")
-        self._load(version)
-        return backward_rows(self.model, x, self.torch_device, self.total_tokens, out_grad=out_grad, labels=labels)
+        return backward_rows(self._model(version), x, self.torch_device, self.total_tokens, out_grad=out_grad,
+                             labels=labels)
 
     async def _forward_backward(self, link, meta, tensors) -> None:
         """The last stage: forward, loss and backward in one task."""
@@ -424,8 +453,21 @@ class StageWorker:
     async def _backward(self, link, meta, tensors) -> None:
         t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]
         (g,) = tensors
-        x = self._cached_inputs(t, m, a, b)
         frontal = self.links[meta["frontal"]]
+        kept = self.kept.pop((t, m, a, b, meta["version"]), None)
+        if kept is not None:  # this worker ran the forward pass of these very rows: no recompute
+
+            def bwd():
+                self._point("during_backward")
+                return backward_kept(self._model(meta["version"]), kept, g, self.torch_device)
+
+            gin, _, grads = await self._compute(bwd)
+            self.stats["recompute_avoided"] += 1
+            await self._finish(link, frontal, meta, gin, grads, None)
+            self.stats["backward"] += 1
+            return
+        self.stats["recomputed"] += 1
+        x = self._cached_inputs(t, m, a, b)
         if x is None:
             _, (x,) = await self.call(frontal, "get_inputs", {"batch": t, "micro": m, "rows": [a, b]},
                                       epoch=meta["epoch"])

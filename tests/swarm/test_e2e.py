@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -72,6 +73,8 @@ def churn_scenario(tmp_path_factory):
 
     live.run(scenario)
     result["left"] = no_children_left(live.args.run_id)
+    result["kept"] = sum(int(m) for log in work.glob("v*.log")
+                         for m in re.findall(r"(\d+) backward tasks ran on their kept forward pass", log.read_text()))
     return result
 
 
@@ -142,6 +145,12 @@ def test_killed_volunteer_does_not_stop_training(churn_scenario):
 def test_volunteer_joining_mid_run_gets_work_within_one_step(churn_scenario):
     r = churn_scenario
     assert r["late_worked_by"] <= r["late_joined_at"] + 1, r
+
+
+def test_backward_tasks_reuse_the_forward_pass_of_their_worker(churn_scenario):
+    """The backward server offers a backward task to the client of its forward pass first, and that
+    client keeps the pass: most backward tasks of stage 0 need no recompute (and the run stays exact)."""
+    assert churn_scenario["kept"] > 0
 
 
 def test_result_unchanged_by_churn_and_bad_input(churn_scenario):
