@@ -90,6 +90,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.client_timeout = client_timeout
         self.connector = connector
         self.requeue = requeue
+        self.compress = getattr(run, "compress", "none")  # activations and gradients on the wire (wire.py)
         self.volunteers_allow = volunteers_allow  # peer ids a closed run admits (None: open to anyone)
         self.rows = run.batch_size // run.micro_batches  # rows per micro-batch
         self.seq = cfg.seq_len
@@ -164,13 +165,15 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
 
         try:
             # a request beyond the limit is refused while its bytes arrive, before any tensor is built
-            meta, tensors = await unpack(counted(), max_bytes=self.max_request_bytes, stall=STALL_SECONDS)
+            meta, tensors = await unpack(counted(), max_bytes=self.max_request_bytes, stall=STALL_SECONDS,
+                                         accept=self.compress)
         except (PayloadError, StreamCut) as e:
             logger.debug("%s: %s request from %s refused: %s", self.device_id, method, str(context.remote_id)[-8:], e)
             rmeta, rtensors = {"error": str(e)}, []
         else:
             rmeta, rtensors = await self.handle(method, meta, tensors, str(context.remote_id))
-        out = pack(rmeta, rtensors, ExpertResponse)
+        out = pack(rmeta, rtensors, ExpertResponse,
+                   compress=self.compress if method in methods.COMPRESSED_ANSWERS else "none")
         nbytes = sum(m.ByteSize() for m in out)
         TRAFFIC[f"{method}.response"] += nbytes
         await self.links.send(self._device_of(str(context.remote_id)), nbytes)

@@ -30,7 +30,7 @@ from parameter_server.layout import owners
 from peer.model.task_math import backward_rows, forward_rows
 from peer.model.update_rule import version_for_batch
 from peer.protocol.tasks import TaskId
-from peer.protocol.wire import PayloadError, RemoteError, field as mfield, rows_field
+from peer.protocol.wire import PayloadError, RemoteError, field as mfield, roundtrip, rows_field
 
 logger = logging.getLogger("hivepipe.server")
 
@@ -137,7 +137,8 @@ class Verification:
             _, tensors = await self._server_call(servers[j], "get_held", {"what": what, "batch": t, "micro": m,
                                                                           "rows": [x, y]})
             parts.append(tensors)
-        return [torch.cat([p[i] for p in parts]) for i in range(len(parts[0]))]
+        # as the volunteer received them (under the run's --compress): the check re-runs what it ran
+        return [roundtrip(torch.cat([p[i] for p in parts]), self.compress) for i in range(len(parts[0]))]
 
     async def _params_at(self, version: int) -> dict[str, torch.Tensor]:
         if version in self._verify_params:
@@ -197,7 +198,8 @@ class Verification:
 
     async def _check_outputs(self, epoch: int, sender: str, t: int, m: int, a: int, b: int, out: torch.Tensor) -> None:
         (x, _) = await self._held_rows("inputs", t, m, a, b)
-        want = await self._recompute(version_for_batch(t), lambda model: forward_rows(model, x, self.verify_device))
+        want = roundtrip(await self._recompute(version_for_batch(t), lambda model: forward_rows(model, x, self.verify_device)),
+                         self.compress)
         self.verify_counts["checked"] += 1
         self.verify_counts["tasks_rerun"] += 1
         if self._judge(epoch, sender, f"the outputs of rows {a}-{b} of micro-batch {m}", distance(out, want), t):
@@ -223,7 +225,7 @@ class Verification:
         self.verify_counts["checked"] += 1
         self.verify_counts["tasks_rerun"] += len(ids)
         got = torch.cat([g.flatten() for g in grads])
-        want = torch.cat([total[n].flatten() for n in names])
+        want = torch.cat([roundtrip(total[n], self.compress).flatten() for n in names])
         if not self._judge(epoch, sender, f"its gradient of shard slot {slot} over {len(ids)} tasks", distance(got, want), t):
             return
         if self.last and loss is not None and \
@@ -236,7 +238,7 @@ class Verification:
                 if lo <= a and b <= hi and buf is not None and buf.has(a, b) and \
                         self.gin_senders.get((t, m, a, b)) == sender:
                     if not self._judge(epoch, sender, f"its input gradient of rows {a}-{b} of micro-batch {m}",
-                                       distance(buf.slice(a, b)[0], gin), t):
+                                       distance(buf.slice(a, b)[0], roundtrip(gin, self.compress)), t):
                         return
         self._passed(sender)
 

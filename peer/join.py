@@ -206,7 +206,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
         stages_worked: list[int] = []
         while not stop.is_set():
             st = layout.stages[stage]
-            links = {d: directory.link(p2p, d, StageServer, links_emulator) for d in st.servers}
+            links = {d: directory.link(p2p, d, StageServer, links_emulator, compress=run.compress) for d in st.servers}
             worker = StageWorker(run=run, layout=layout, cfg=cfg, stage=stage, device_id=device, links=links,
                                  compute=1.0, torch_device=args.device, slowdown=slowdown, die_at=args.die_at,
                                  cheat=args.cheat, activation_memory=int(args.activation_memory * 2**20))
@@ -314,8 +314,9 @@ async def join_main(args, stop: asyncio.Event) -> int:
         if halt.reason is not None:  # the run may have gone on and ended between two looks
             await look_at_halt()
         print(f"left run {run.run_id} as {device}: {done['forward']} forward and {done['backward']} backward tasks "
-              f"done on stage(s) {' -> '.join(map(str, stages_worked)) or 'none'}; {done['recompute_avoided']} backward "
-              "tasks ran on their kept forward pass", flush=True)
+              f"done on stage(s) {' -> '.join(map(str, stages_worked)) or 'none'}", flush=True)
+        print(f"{device}: {done['recompute_avoided']} backward tasks ran on their kept forward pass (no recompute)",
+              flush=True)
         return 0
     finally:
         stop_dht(dht)

@@ -275,8 +275,9 @@ class P2PLink:
     can reach a peer only at addresses it knows, and a volunteer knows only its initial peer's."""
 
     def __init__(self, p2p, peer_id: str, device: str, servicer_cls, links: LinkEmulator | None = None,
-                 addresses: Callable[[], list[str]] | None = None, backoff: bool = True):
+                 addresses: Callable[[], list[str]] | None = None, backoff: bool = True, compress: str = "none"):
         self.p2p = p2p
+        self.compress = compress  # the run's --compress (peer/protocol/wire.py)
         self.peer_id = peer_id
         self.device = device
         self._stub = servicer_cls.get_stub(p2p, PeerID.from_base58(peer_id))
@@ -334,7 +335,8 @@ class P2PLink:
                 return result
 
     async def _call_once(self, method: str, meta: dict, tensors, timeout: float):
-        messages = pack(meta, list(tensors), ExpertRequest)
+        messages = pack(meta, list(tensors), ExpertRequest,
+                        compress=self.compress if method in methods.COMPRESSED_REQUESTS else "none")
         await self.links.send(self.device, sum(m.ByteSize() for m in messages))
 
         async def stream():
@@ -347,7 +349,7 @@ class P2PLink:
             responses = await getattr(self._stub, f"rpc_{method}")(stream())
             try:
                 # the answer's messages follow each other at once: one that stalls cuts the call
-                return await unpack(responses, stall=STALL_SECONDS)
+                return await unpack(responses, stall=STALL_SECONDS, accept=self.compress)
             except StreamCut as e:
                 logger.debug("%s.%s: answer cut after %.1f s: %s", self.device, method, time.monotonic() - started, e)
                 raise StreamCut(f"{self.device}.{method}: {e}") from None
@@ -420,12 +422,12 @@ class Directory:
         return records.halted_reason(self.records.values())
 
     def link(self, p2p, device: str, servicer_cls, links: LinkEmulator | None = None,
-             peer_id: str | None = None, backoff: bool = True) -> "P2PLink":
+             peer_id: str | None = None, backoff: bool = True, compress: str = "none") -> "P2PLink":
         """A P2P link to server `device` (by default the peer id last seen for it) that dials the
         multiaddrs its record announces."""
         peer = peer_id or self.known[device]
         return P2PLink(p2p, peer, device, servicer_cls, links, addresses=lambda: self.addresses.get(peer, []),
-                       backoff=backoff)
+                       backoff=backoff, compress=compress)
 
     async def wait_for(self, devices, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

@@ -33,6 +33,9 @@ def add_arguments(p) -> None:
     train.add_argument("--batch-size", type=int, default=TRAIN_DEFAULTS["batch_size"])
     train.add_argument("--micro-batches", type=int, default=TRAIN_DEFAULTS["micro_batches"])
     train.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["lr"])
+    train.add_argument("--compress", default="none", choices=["none", "fp16", "bf16", "8bit"],
+                       help="activations, their gradients and gradient pushes on the wire: none (exact, the default), "
+                            "fp16, bf16 or 8bit (hivemind's codecs; lossy: the run no longer equals the reference)")
     from peer.hf import init as hf_init
 
     hf_init.add_arguments(train)
@@ -152,7 +155,7 @@ def resolve(args):
     run = RunConfig(run_id=args.run_id, model=cfg.name if args.hf_model else args.model, seed=args.seed,
                     steps=args.steps, batch_size=args.batch_size, micro_batches=args.micro_batches, lr=args.lr,
                     layout=layout.to_dict(), announce_period=args.announce_period,
-                    arch=cfg.to_dict() if args.hf_model else None)
+                    arch=cfg.to_dict() if args.hf_model else None, compress=args.compress)
     return cfg, layout, device, run
 
 
@@ -254,7 +257,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
             return LocalLink(server, peer_id)
         key = (dev, peer)
         if key not in link_cache:
-            link_cache[key] = directory.link(p2p, dev, StageServer, links, peer_id=peer)
+            link_cache[key] = directory.link(p2p, dev, StageServer, links, peer_id=peer, compress=run_cfg.compress)
         return link_cache[key]
 
     server = StageServer(run=run_cfg, layout=layout, cfg=cfg, device_id=device, peer_id=peer_id,

@@ -54,6 +54,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lose-server", action="append", default=[], metavar="DEVICE@STEP",
                    help="SIGKILL server DEVICE for good once the run reaches STEP and any earlier loss is failed "
                         "over (repeatable)")
+    p.add_argument("--compress", default="none", choices=["none", "fp16", "bf16", "8bit"],
+                   help="activations, their gradients and gradient pushes on the wire (default none: exact)")
     p.add_argument("--verify-rate", type=float, default=None, metavar="P",
                    help="servers re-run each volunteer contribution with probability P after its probation (default 0.1)")
     p.add_argument("--probation", type=int, default=None, metavar="N",

@@ -81,6 +81,8 @@ class Swarm:
                         argv.append("--no-compute")
                     if a.no_requeue:
                         argv.append("--no-requeue")
+                    if a.compress != "none":
+                        argv += ["--compress", a.compress]
                     if a.verify_rate is not None:
                         argv += ["--verify-rate", str(a.verify_rate)]
                     if a.probation is not None:

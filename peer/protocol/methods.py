@@ -47,5 +47,9 @@ EPOCHED = frozenset(n for n, m in METHODS.items() if m.epoched)
 LOGGED = frozenset(n for n, m in METHODS.items() if m.logged)
 NOT_RETRIED = frozenset(n for n, m in METHODS.items() if not m.retry)
 SERVER_ONLY = frozenset(n for n, m in METHODS.items() if m.caller == "server")
+# what travels compressed under a run's --compress (peer/protocol/wire.py): activations, their gradients
+# and gradient pushes; parameters, replicas and the rows a check reads stay exact
+COMPRESSED_REQUESTS = frozenset({"push_outputs", "push_inputs", "push_input_grads", "push_output_grads", "push_grads"})
+COMPRESSED_ANSWERS = frozenset({"take", "get_inputs"})
 # what a banned volunteer may still call: reads that change nothing
 OPEN = frozenset({"get_params", "ping", "status", "get_layout"})

@@ -40,6 +40,8 @@ class RunConfig:
     # the model's architecture (ModelConfig.to_dict()) for a run started from a Transformers
     # checkpoint (`--init-from`): a volunteer builds its slice from it; None for a preset
     arch: dict | None = None
+    # activations, their gradients and gradient pushes on the wire: none (exact) | fp16 | bf16 | 8bit
+    compress: str = "none"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,7 +60,13 @@ class RunConfig:
         arch = d.get("arch")
         if arch is not None and not isinstance(arch, dict):
             raise ValueError(f"run config record: field 'arch' has the wrong type {type(arch).__name__}")
-        return cls(**{k: d[k] for k in kinds}, arch=arch)
+        from peer.protocol.wire import COMPRESSION
+
+        compress = d.get("compress", "none")
+        if compress not in COMPRESSION:
+            raise ValueError(f"run config record: field 'compress' must be one of {', '.join(COMPRESSION)}, "
+                             f"got {compress!r}")
+        return cls(**{k: d[k] for k in kinds}, arch=arch, compress=compress)
 
 
 def _kinds(*types) -> dict:

@@ -55,11 +55,45 @@ def decode_meta(raw: bytes) -> dict:
     return meta
 
 
-def pack(meta: dict, tensors: Sequence[torch.Tensor], message_type) -> list:
-    """Metadata and tensors as a list of `message_type` (ExpertRequest or ExpertResponse) messages."""
+# Opt-in compression of activations, their gradients and gradient pushes (a run's `--compress`),
+# with hivemind's codecs: fp16 is FLOAT16, 8bit is UNIFORM_8BIT (a 256-level codebook per tensor), and
+# bf16 is a bfloat16 tensor under the NONE codec, widened back to fp32 on arrival. Only fp32 tensors of
+# at least MIN_COMPRESSED elements are compressed (not token ids, labels or tiny tensors); "none" is
+# exact and the default.
+COMPRESSION = ("none", "fp16", "bf16", "8bit")
+MIN_COMPRESSED = 1024
+_CODEC = {"none": runtime_pb2.CompressionType.NONE, "fp16": runtime_pb2.CompressionType.FLOAT16,
+          "bf16": runtime_pb2.CompressionType.NONE, "8bit": runtime_pb2.CompressionType.UNIFORM_8BIT}
+_UNIFORM_8BIT_OVERHEAD = 1032  # bytes beside one per element: the codebook and its header
+
+
+def _serialize(t: torch.Tensor, compress: str):
+    t = t.detach().cpu().contiguous()
+    if compress == "none" or t.dtype != torch.float32 or t.numel() < MIN_COMPRESSED:
+        return serialize_torch_tensor(t)
+    if compress == "bf16":
+        # hivemind's NONE codec in its 2-byte bfloat16 form (its serializer widens bfloat16 to 4 bytes
+        # unless USE_LEGACY_BFLOAT16=0 is set before import; its deserializer reads both)
+        return runtime_pb2.Tensor(compression=runtime_pb2.CompressionType.NONE, size=t.shape, dtype="bfloat16",
+                                  buffer=t.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return serialize_torch_tensor(t, _CODEC[compress])
+
+
+def roundtrip(t: torch.Tensor, compress: str) -> torch.Tensor:
+    """`t` as a peer receives it under `compress` (the identity for "none" and for tensors that are
+    not compressed): what a server's check re-runs on, so that it compares like with like."""
+    if compress == "none" or t.dtype != torch.float32 or t.numel() < MIN_COMPRESSED:
+        return t
+    out = deserialize_torch_tensor(_serialize(t, compress))
+    return out.float() if compress == "bf16" else out
+
+
+def pack(meta: dict, tensors: Sequence[torch.Tensor], message_type, compress: str = "none") -> list:
+    """Metadata and tensors as a list of `message_type` (ExpertRequest or ExpertResponse) messages,
+    fp32 tensors compressed with `compress` (COMPRESSION)."""
     parts: list = []
     for t in tensors:
-        parts.extend(split_for_streaming(serialize_torch_tensor(t.detach().cpu().contiguous()), CHUNK_BYTES))
+        parts.extend(split_for_streaming(_serialize(t, compress), CHUNK_BYTES))
     meta = dict(meta, n_tensors=len(tensors))
     messages = [message_type(metadata=encode_meta(meta))]
     batch: list = []
@@ -99,10 +133,11 @@ async def _messages(stream: AsyncIterator, stall: float | None):
 
 
 async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                 stall: float | None = None) -> tuple[dict, list[torch.Tensor]]:
-    """Read a whole message stream back into (metadata, tensors). Refuses more than `max_bytes`.
-    A stream that ends before the tensors its metadata declares, or (with `stall`) waits longer than
-    `stall` seconds for its next message, raises StreamCut."""
+                 stall: float | None = None, accept: str = "none") -> tuple[dict, list[torch.Tensor]]:
+    """Read a whole message stream back into (metadata, tensors). Refuses more than `max_bytes`, and
+    compressed tensors other than the run's `accept` codec. A stream that ends before the tensors its
+    metadata declares, or (with `stall`) waits longer than `stall` seconds for its next message,
+    raises StreamCut."""
     meta = None
     groups: list[list] = []
     total = 0
@@ -129,11 +164,13 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
     if len(groups) > declared:
         raise PayloadError(f"metadata declares {declared} tensors, {len(groups)} arrived")
     for i, group in enumerate(groups):
-        _check_header(i, group)
+        _check_header(i, group, accept)
     try:
         tensors = [deserialize_torch_tensor(combine_from_streaming(g)) for g in groups]
     except Exception as e:
         raise PayloadError(f"tensor does not deserialize: {e}") from None
+    if accept == "bf16":  # a bf16 run's activations and gradients travel as bfloat16: fp32 again here
+        tensors = [t.float() if t.dtype == torch.bfloat16 else t for t in tensors]
     return meta, tensors
 
 
@@ -144,12 +181,25 @@ _ITEM_BYTES = {"float32": (4,), "float16": (2,), "bfloat16": (2, 4), "float64": 
 MAX_DIMS = 8
 
 
-def _check_header(i: int, group: list) -> None:
-    """PayloadError unless tensor `i`'s parts are an uncompressed tensor of a known dtype whose
-    declared shape holds exactly the bytes that arrived (checked before anything is allocated)."""
+def _check_header(i: int, group: list, accept: str = "none") -> None:
+    """PayloadError unless tensor `i`'s parts are a tensor of a known dtype, uncompressed or in the
+    run's codec, whose declared shape holds exactly the bytes that arrived (checked before anything
+    is allocated)."""
     head = group[0]
+    if head.compression not in (runtime_pb2.CompressionType.NONE, _CODEC.get(accept)):
+        raise PayloadError(f"tensor {i}: compression {head.compression} is not accepted (this run's --compress is "
+                           f"{accept})")
     if head.compression != runtime_pb2.CompressionType.NONE:
-        raise PayloadError(f"tensor {i}: compression {head.compression} is not accepted (send uncompressed tensors)")
+        shape = list(head.size)
+        if head.dtype != "float32" or len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+            raise PayloadError(f"tensor {i}: a compressed tensor must be float32 of at most {MAX_DIMS} dims")
+        numel = math.prod(shape)
+        need = 2 * numel if head.compression == runtime_pb2.CompressionType.FLOAT16 else numel + _UNIFORM_8BIT_OVERHEAD
+        arrived = sum(len(part.buffer) for part in group)
+        if arrived != need:
+            raise PayloadError(f"tensor {i}: shape {shape} under codec {head.compression} needs {need} bytes, "
+                               f"{arrived} arrived")
+        return
     if head.dtype not in _ITEM_BYTES:
         raise PayloadError(f"tensor {i}: dtype {head.dtype[:40]!r} is not accepted")
     shape = list(head.size)
