@@ -115,6 +115,9 @@ class Verification:
             # what a re-run needs is gone (an epoch began, the batch was forgotten): not evidence
             self.verify_counts["skipped"] += 1
             logger.debug("%s: check skipped: %r", self.device_id, e)
+        except Exception:  # a bug in a check is no evidence against anyone: said, and the server goes on
+            self.verify_counts["skipped"] += 1
+            logger.exception("%s: a check failed", self.device_id)
 
     # re-running --------------------------------------------------------------------------------
     async def _server_call(self, device: str, method: str, meta: dict) -> tuple[dict, list]:
