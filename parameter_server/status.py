@@ -60,7 +60,8 @@ class Status:
         self.seen_volunteers.difference_update(servers)
         stats = {k: s[k] for k in ("microbatches_applied", "duplicates", "requeued")} | {
             "clients": len(self.clients), "payload_errors": s["counters"]["payload_errors"],
-            "clients_joined": len(self.seen_volunteers), "clients_left": len(self.seen_volunteers - volunteers)}
+            "clients_joined": len(self.seen_volunteers), "clients_left": len(self.seen_volunteers - volunteers),
+            "checked": self.verify_counts["checked"], "banned": len(self.banned)}
         return ServerRecord(device=self.device_id, role=self.role, stage=self.stage, state=state, version=self.version,
                             epoch=self.epoch, maddrs=list(maddrs), pool=s["pool"], layers=list(self.st.layers),
                             losses=s["losses"], stats=stats, compute=compute,

@@ -21,6 +21,12 @@ from pathlib import Path
 from _bench_common import REPO, Report, exactly_once, loadavg, md_table, run_swarm
 
 SERVERS = ["s0f0", "s0b0", "s1f0", "s1b0"]
+# what crosses a volunteer's link (its calls to the servers, both directions), and of it what
+# --compress may compress (peer/protocol/methods.py)
+VOLUNTEER_METHODS = ("register", "take", "complete", "fail", "get_params", "push_grads", "get_inputs",
+                     "push_input_grads", "push_outputs")
+COMPRESSIBLE = (("push_grads", "request"), ("push_input_grads", "request"), ("push_outputs", "request"),
+                ("take", "response"), ("get_inputs", "response"))
 VOLUNTEERS = 4
 DELAY = 50.0
 
@@ -85,18 +91,25 @@ def main(argv=None) -> int:
             s = run_swarm(name, ["--model", a.model, "--steps", str(a.steps), "--servers-compute", "no",
                                  "--volunteers", str(VOLUNTEERS), "--link-profile", str(profile), "--compress", mode,
                                  "--run-id", f"bc-{name}", "--task-timeout", "120"], work, timeout=a.run_timeout)
+            traffic = s["traffic"]
+            volunteer = sum(v for k, v in traffic.items() if k.split(".")[0] in VOLUNTEER_METHODS)
+            squeezed = sum(traffic.get(f"{m}.{d}", 0) for m, d in COMPRESSIBLE)
             rows.append({"bandwidth": bw, "mode": mode, "sps": s["wall_seconds"] / s["steps"],
                          "tok_s": s["tokens_per_second"], "mb_step": s["bytes_on_wire"] / s["steps"] / 1e6,
+                         "vol_mb_step": volunteer / s["steps"] / 1e6, "squeezed_mb_step": squeezed / s["steps"] / 1e6,
                          "last_loss": s["last_loss"], "applied": exactly_once(s), "load": s["load"],
                          "banned": len(s["banned"])})
     base = {r["bandwidth"]: r for r in rows if r["mode"] == "none"}
-    report.section("Seconds per step, bytes and loss per mode", "Bytes: everything the servers received and "
-                   "sent (every RPC), per step. Loss: the last step's mean token loss; 'vs none' is the difference "
-                   "from the exact run's.")
-    report.add(md_table(["Mbit/s", "--compress", "s/step", "tokens/s", "vs none", "MB/step", "last loss",
-                         "loss vs none", "banned", "micro-batches", "load"],
+    report.section("Seconds per step, bytes and loss per mode", "MB/step: everything the servers received and "
+                   "sent (every RPC, replicas between servers included); volunteer links: the volunteers' calls; "
+                   "compressible: activations, their gradients and gradient pushes, the part --compress touches "
+                   "(parameter pulls stay exact). Loss: the last step's mean token loss; 'vs none' is the "
+                   "difference from the exact run's.")
+    report.add(md_table(["Mbit/s", "--compress", "s/step", "tokens/s", "vs none", "MB/step", "volunteer links",
+                         "compressible", "last loss", "loss vs none", "banned", "micro-batches", "load"],
                         [[r["bandwidth"], r["mode"], r["sps"], r["tok_s"],
                           r["tok_s"] / base[r["bandwidth"]]["tok_s"] if r["bandwidth"] in base else "-", r["mb_step"],
+                          r["vol_mb_step"], r["squeezed_mb_step"],
                           r["last_loss"], r["last_loss"] - base[r["bandwidth"]]["last_loss"]
                           if r["bandwidth"] in base else "-", r["banned"], r["applied"], r["load"]] for r in rows]))
     (work / "results.json").write_text(json.dumps(rows, indent=1))

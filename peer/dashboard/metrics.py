@@ -28,6 +28,8 @@ METRICS = {  # name -> help; every metric is a gauge
     "hivepipe_volunteers_live": "volunteers whose records are live",
     "hivepipe_volunteers_joined": "volunteers seen to join the run",
     "hivepipe_volunteers_lost": "volunteers seen to leave the run",
+    "hivepipe_volunteers_banned": "volunteers banned because a server's re-run of their work disagreed",
+    "hivepipe_checks": "volunteer contributions re-run by the live servers (checked work)",
     "hivepipe_run_stopped": "1 while a server says the run is stopped (a role lost its last server)",
     "hivepipe_malformed_records": "DHT records under the run's keys that do not fit the schema",
     "hivepipe_stage_blocked": "1 when the stage blocks the run (no live frontal or backward server, or no compute)",
@@ -69,7 +71,7 @@ class SnapshotCollector:
         add("hivepipe_run_stopped", 1 if h.get("stopped") else 0)
         for key in ("step", "steps", "tokens_per_second", "seconds_per_step", "predicted_seconds_per_step",
                     "microbatches_applied", "microbatches_expected", "volunteers_live", "volunteers_joined",
-                    "volunteers_lost"):
+                    "volunteers_lost", "volunteers_banned", "checks"):
             add(f"hivepipe_{key}", p[key])
         add("hivepipe_loss", p["last_loss"])
         add("hivepipe_malformed_records", len(snap["malformed"]))

@@ -21,7 +21,8 @@ RUN_ID_HINT = (f"(check --run-id: `peer swarm` uses {DEFAULT_RUN_ID!r} by defaul
                "use 'hivepipe')")
 LIVE_STATES = ("online", "joining")
 POOL_FIELDS = ("queued", "leased", "done", "requeued", "duplicates", "oldest_queued_age")
-STATS_FIELDS = ("microbatches_applied", "duplicates", "requeued", "clients", "clients_joined", "clients_left")
+STATS_FIELDS = ("microbatches_applied", "duplicates", "requeued", "clients", "clients_joined", "clients_left",
+                "checked", "banned")
 MAX_PROBED_STAGES = 64  # without a usable config, stage keys are read until the first empty one
 RATE_WINDOW = 8  # steps over which seconds per step are measured
 
@@ -371,6 +372,10 @@ def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, h
         "volunteers_live": sum(s["volunteers_live"] for s in stage_views),
         "volunteers_joined": sum(s["volunteers_joined"] for s in stage_views),
         "volunteers_lost": sum(s["volunteers_lost"] for s in stage_views),
+        # checked work (parameter_server/verify.py): re-runs done by the live servers, and volunteers
+        # banned (a ban reaches every server, so the most any server counts)
+        "checks": sum(r.get("stats", {}).get("checked", 0) for r in live_recs),
+        "volunteers_banned": max([r.get("stats", {}).get("banned", 0) for r in live_recs], default=0),
     }
 
     blocking = [{"stage": s["index"], "reason": r} for s in stage_views for r in s["blocking"]]
