@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from peer.protocol.wire import PayloadError, field as mfield
 
 logger = logging.getLogger("hivepipe.server")
+# a lease younger than this may still be on its way to its client (in the answer to its `take`)
+LEASE_IN_FLIGHT = 5.0
 
 
 @dataclass
@@ -32,9 +34,21 @@ class Clients:
             raise PayloadError(f"this server serves stage {self.stage}, not {stage}")
         if self.volunteers_allow is not None and sender not in self.volunteers_allow and not self._is_server(sender):
             raise PayloadError(f"peer {sender} is not on this run's --volunteers-allow list")
+        holding = mfield(meta, "holding", list, optional=True)
+        if holding is not None and (len(holding) > 4 * self.run.micro_batches * self.rows + 8 or
+                                    not all(isinstance(t, str) and len(t) <= 64 for t in holding)):
+            raise PayloadError("field 'holding' must list the task ids the client holds")
         new = sender not in self.clients
         info = self.clients.setdefault(sender, ClientInfo(device, compute, self.clock()))
         info.compute, info.device, info.last_seen = compute, device, self.clock()
+        if holding is not None and self.requeue:  # (--no-requeue, the SWARM-like baseline, waits them out)
+            # leases the client does not know it holds (a lost `take` answer, a lost hand-back) go
+            # back to the pool now, not after --task-timeout; young ones may still be in flight
+            lost = self.pool.reclaim(sender, holding, min_age=LEASE_IN_FLIGHT)
+            if lost:
+                self.counters["leases_reclaimed"] = self.counters.get("leases_reclaimed", 0) + len(lost)
+                logger.info("%s: %s does not hold %s: re-queued", self.device_id, sender[-8:],
+                            ", ".join(t.task_id for t in lost))
         if new:
             logger.info("%s: client %s (%s) registered, compute %.3g", self.device_id, sender[-8:], device, compute)
             self.pool.set_client_speed(sender, compute)

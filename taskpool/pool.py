@@ -76,7 +76,7 @@ class _Entry:
     leases so far; ``open_at`` is when a preferred task becomes open to everyone.
     """
 
-    __slots__ = ("task", "key", "state", "lease", "attempts", "timeout", "added_at", "open_at")
+    __slots__ = ("task", "key", "state", "lease", "attempts", "timeout", "added_at", "open_at", "leased_at")
 
     def __init__(self, task: Task, key: int, timeout: float, now: float, grace: float) -> None:
         self.task = task
@@ -87,6 +87,7 @@ class _Entry:
         self.timeout = timeout
         self.added_at = now
         self.open_at = now + grace if task.preferred_client is not None else now
+        self.leased_at = now
 
 
 class TaskPool:
@@ -203,6 +204,7 @@ class TaskPool:
         heappop(heap)
 
         entry.state = _LEASED
+        entry.leased_at = now
         self._leased += 1
         attempt = entry.attempts = entry.attempts + 1
         speed = self._speed
@@ -267,6 +269,21 @@ class TaskPool:
             raise TaskPoolError(
                 f"fail: task {task_id!r} is leased to {lease.client!r}, not to {client!r}")
         self._requeue(entry, self._clock())
+
+    def reclaim(self, client: str, holding, min_age: float) -> list[Task]:
+        """Re-queue now the leases of ``client`` that it says it does not hold (``holding``: the
+        task ids it works on or keeps), among those leased at least ``min_age`` ago (a younger one
+        may still be on its way to it). A lease whose answer was lost, or whose hand-back was, would
+        otherwise wait out its whole timeout. Returns the re-queued tasks."""
+        rec = self._clients.get(client)
+        if rec is None:
+            return []
+        now = self._clock()
+        keep = set(holding)
+        lost = [e for tid, e in rec.leases.items() if tid not in keep and now - e.leased_at >= min_age]
+        for entry in lost:
+            self._requeue(entry, now)
+        return [e.task for e in lost]
 
     def abandon(self, task_id: str) -> None:
         """Drop a queued or leased task without completing it (no-requeue mode).  A later

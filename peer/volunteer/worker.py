@@ -101,6 +101,7 @@ class StageWorker:
         self.stats = {"forward": 0, "backward": 0, "dropped": 0, "pushes": 0, "conflicts": 0, "compute_seconds": 0.0,
                       "started": time.time(), "recomputed": 0, "recompute_avoided": 0}
         self.pending: dict[int, Pending] = {}  # batch -> gradients summed over tasks not pushed yet
+        self.pushing: list[Pending] = []  # sums on their way to the servers (their tasks still held)
         self.max_pending = 2 * run.micro_batches  # the servers lease a client 2 x micro-batches + 1 tasks
         self.current: tuple[str, str] | None = None  # (server device, task id) being worked on
         if die_at is not None and die_at not in KILL_POINTS:
@@ -154,10 +155,21 @@ class StageWorker:
             die_here()
 
     # ------------------------------------------------------------------------------------------
+    def holding(self, device: str) -> list[str]:
+        """The task ids leased from server `device` that this worker works on or keeps in a sum."""
+        sums = list(self.pending.values()) + list(self.pushing)
+        held = [tid for p in sums for link, tid, _, _ in p.tasks if link.device == device]
+        if self.current is not None and self.current[0] == device:
+            held.append(self.current[1])
+        return held
+
     async def register(self) -> None:
-        meta = {"device": self.device_id, "compute": float(self.compute), "stage": self.stage}
-        links = [self.links[d] for d in self.st.servers if d in self.links]
-        await asyncio.gather(*(self._quiet(link.call("register", meta, timeout=10.0)) for link in links))
+        """Register (and heartbeat) with every server of the stage, saying which of its tasks this
+        worker holds: a lease it does not know of (an answer lost on the way) is re-queued at once."""
+        base = {"device": self.device_id, "compute": float(self.compute), "stage": self.stage}
+        devices = [d for d in self.st.servers if d in self.links]
+        await asyncio.gather(*(self._quiet(self.links[d].call("register", dict(base, holding=self.holding(d)),
+                                                               timeout=10.0)) for d in devices))
 
     async def _quiet(self, coro):
         try:
@@ -180,6 +192,8 @@ class StageWorker:
         try:
             while not stop.is_set() and self.banned is None:
                 got = await self.take_one()
+                if got is not None:  # held from now on (the heartbeat says so), also while pushing below
+                    self.current = (got[0].device, got[1]["task"])
                 await self.flush(self._flush_due(None if got is None else got[1]))
                 if got is None:
                     try:
@@ -310,6 +324,13 @@ class StageWorker:
         """Push one batch's summed gradient, sharded, to every server of the stage with the ids of the
         tasks it covers; then complete the tasks every server credited and hand back the rest (they
         are re-run and pushed alone). Each server credits the push all or nothing."""
+        self.pushing.append(p)
+        try:
+            await self._push_pending(p)
+        finally:
+            self.pushing.remove(p)
+
+    async def _push_pending(self, p: "Pending") -> None:
         ids = [tid for _, tid, _, _ in p.tasks]
         base = {"tasks": ids, "batch": p.batch}
         if p.loss_sum is not None:

@@ -141,3 +141,38 @@ def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_r
     with pytest.raises(ValueError, match="not this server's checkpoint"):
         load_checkpoint(stranger, str(tmp_path))
     assert all(torch.equal(before[n], p) for n, p in stranger.shard.params.items()) and not stranger.replicas
+
+
+def test_a_lease_whose_answer_was_lost_goes_back_to_the_pool_at_the_next_heartbeat():
+    """The server leased a task but its answer never reached the worker (a `take` cut on the way
+    back). The worker's heartbeat lists the tasks it holds, so the server re-queues the lease once it
+    is old enough to have arrived, instead of after --task-timeout; a malformed list is refused."""
+    from peer.protocol.wire import RemoteError
+
+    cfg, layout, run = make_run(steps=1, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    now = [100.0]
+    fs.clock = lambda: now[0]
+    fs._reset_datapath()  # its pool on the injected clock
+    (a,) = swarm.workers
+    link = a.links[fs.device_id]
+
+    async def scenario():
+        await a.register()
+        fs.maybe_start_batches()
+        lost = fs.pool.take(link.sender)  # leased; the answer is lost
+        now[0] += 1.0
+        await a.register()  # a young lease may still be on its way: kept
+        assert fs.pool.lease_of(lost.task.task_id) is not None
+        now[0] += 5.0
+        await a.register()
+        assert fs.pool.lease_of(lost.task.task_id) is None and fs.counters["leases_reclaimed"] == 1
+        _, meta, _ = await a.take_one()
+        assert (meta["task"], meta["attempt"]) == (lost.task.task_id, 2)
+        for bad in ("T1", [1, 2], ["x" * 100]):
+            with pytest.raises(RemoteError, match="holding"):
+                await link.call("register", {"device": "u00", "compute": 1.0, "stage": 0, "holding": bad})
+        assert fs.pool.lease_of(meta["task"]) is not None  # the refused heartbeats changed nothing
+
+    asyncio.run(scenario())

@@ -463,3 +463,24 @@ def test_stale_heap_items_are_compacted(clock):
         assert len(pool._deadlines) <= 4 * 1 + 16 + 1
         assert len(pool._open) + len(pool._oldest) + len(pool._pending) + pool._pref_items <= 25
     assert pool.stats()["done"] == 2000
+
+
+def test_reclaim_requeues_the_leases_a_client_does_not_know_it_holds():
+    """A lease whose `take` answer was lost would wait out its timeout; the client's heartbeat lists
+    what it holds, and the pool re-queues the rest once they are old enough to have arrived."""
+    now = [0.0]
+    pool = TaskPool(clock=lambda: now[0], default_timeout=60.0, max_leases_per_client=3)
+    for i in range(3):
+        pool.add(Task(task_id=f"t{i}", kind="forward", batch=0, micro_batch=i, stage=0, rows=(0, 1)))
+    a, b = pool.take("c"), pool.take("c")
+    now[0] = 1.0
+    c = pool.take("c")
+    now[0] = 6.0
+    # the client knows a and nothing else; c is only 5 s old, b 6 s
+    lost = pool.reclaim("c", [a.task.task_id], min_age=5.5)
+    assert [t.task_id for t in lost] == [b.task.task_id]
+    assert {l.task.task_id for l in pool.leases_of("c")} == {a.task.task_id, c.task.task_id}
+    assert pool.stats()["requeued"] == 1
+    again = pool.take("other")
+    assert again is not None and again.task.task_id == b.task.task_id and again.attempt == 2
+    assert pool.reclaim("nobody", [], min_age=0.0) == []
