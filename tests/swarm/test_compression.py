@@ -6,7 +6,7 @@ from __future__ import annotations
 from peer.model.config import get_preset
 from tests.swarm.harness import reference_state, rel_diff, swarm_cli
 
-STEPS = 8
+STEPS = 6
 
 
 def test_an_8bit_run_moves_a_quarter_of_the_activation_bytes_and_still_catches_a_liar(tmp_path):
