@@ -461,8 +461,19 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                            "record within 120 s; going on (its coordinator sends it again)", device, run_epoch,
                            server.epoch)
     if not args.no_compute:
-        # after a replayed failover the server is already in a later layout epoch: its worker starts there
-        await directory.wait_for(server.st.servers, timeout=120)
+        # after a replayed failover the server is already in a later layout epoch: its worker starts there.
+        # A server fenced meanwhile (failed over while it was away) stops waiting at once: it never
+        # announces itself, so waiting for every server of its old layout would take the full 120 s
+        waiting = asyncio.ensure_future(directory.wait_for(server.st.servers, timeout=120))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not waiting.done():
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+        else:
+            waiting.result()
+    if not args.no_compute and not stop.is_set():
         server.set_directory(directory.servers)
         worker_links = {d: connector(d) for d in server.st.servers}
         worker = StageWorker(run=run_cfg, layout=server.layout, cfg=cfg, stage=stage, device_id=device,
