@@ -203,7 +203,13 @@ class Failover:
             raise PayloadError(str(e)) from None
         record = {"epoch": self.epoch + 1, "layout": layout.to_dict(), "from_batch": min(from_batch, self.run.steps - 1),
                   "lost": sorted(lost), "banned": sorted(self.banned)}
-        for d in alive:
+        await self.send_epoch(record, alive)
+        self.adopt(record)
+        return record
+
+    async def send_epoch(self, record: dict, devices) -> None:
+        """Send a layout epoch's record to every server of `devices` but this one (each tried 20 times)."""
+        for d in devices:
             if d == self.device_id:
                 continue
             for _ in range(20):
@@ -213,5 +219,3 @@ class Failover:
                 except Exception as e:
                     logger.info("%s: adopt_epoch to %s: %r", self.device_id, d, e)
                     await asyncio.sleep(0.2)
-        self.adopt(record)
-        return record

@@ -327,16 +327,7 @@ class Verification:
                 record["rollback_to"] = target
             low = min(versions + ([record["rollback_to"]] if "rollback_to" in record else []))
             record["from_batch"] = min(low, self.run.steps - 1)
-            for st in self.layout.stages:
-                for d in st.servers:
-                    if d != self.device_id:
-                        for _ in range(20):
-                            try:
-                                await self._server_call(d, "adopt_epoch", record)
-                                break
-                            except Exception as e:
-                                logger.info("%s: adopt_epoch to %s: %r", self.device_id, d, e)
-                                await asyncio.sleep(0.2)
+            await self.send_epoch(record, [d for st in self.layout.stages for d in st.servers])
             self.adopt(record)
             logger.warning("%s: volunteer %s banned from the run; epoch %d %s", self.device_id, peer[-8:],
                            record["epoch"], f"rolled back to version {record['rollback_to']}"

@@ -419,9 +419,9 @@ class StageWorker:
             return [forward_keeping(model, x[p - a : q - a], self.torch_device) for _, p, q in pieces]
 
         outs = await self._compute(fwd)
+        for key in [k for k in self.kept if k[0] < t - 1]:
+            del self.kept[key]
         for (_, p, q), (_, kept) in zip(pieces, outs):
-            for key in [k for k in self.kept if k[0] < t - 1]:
-                del self.kept[key]
             if kept is not None:
                 self._keep((t, m, p, q, version), kept)
         if self._lying(t):
