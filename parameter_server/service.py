@@ -42,7 +42,7 @@ from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Veri
 from peer.protocol import methods
 from peer.protocol.links import LinkEmulator
 from peer.protocol.tasks import batch_of
-from peer.protocol.traffic import TRAFFIC
+from peer.protocol.traffic import TRAFFIC, VALUES
 from peer.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, field as mfield, pack, unpack
 from taskpool import TaskPool, TaskPoolError
 
@@ -171,6 +171,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
             logger.debug("%s: %s request from %s refused: %s", self.device_id, method, str(context.remote_id)[-8:], e)
             rmeta, rtensors = {"error": str(e)}, []
         else:
+            VALUES[method] += sum(t.numel() for t in tensors)
             rmeta, rtensors = await self.handle(method, meta, tensors, str(context.remote_id))
         out = pack(rmeta, rtensors, ExpertResponse,
                    compress=self.compress if method in methods.COMPRESSED_ANSWERS else "none")

@@ -433,7 +433,9 @@ class Directory:
         deadline = time.monotonic() + timeout
         while True:
             await self.refresh()
-            missing = [d for d in devices if d not in self.servers]
+            # seen once is enough: one read of the stage keys can miss a record another DHT node
+            # holds, and with many servers a read that misses none may take a long while
+            missing = [d for d in devices if d not in self.known]
             if not missing:
                 return
             if time.monotonic() > deadline:

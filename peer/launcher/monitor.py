@@ -122,4 +122,7 @@ class Monitor:
             "tokens_per_second": round(args.steps * args.batch_size * cfg.seq_len / max(wall, 1e-9), 1),
             "bytes_on_wire": sum(sum(s.get("traffic", {}).values()) for s in statuses.values()),
             "traffic": dict(sum((collections.Counter(s.get("traffic", {})) for s in statuses.values()), collections.Counter())),
+            # tensor elements the requests of each method carried (bytes / values: the wire's bytes per value)
+            "traffic_values": dict(sum((collections.Counter(s.get("traffic_values", {})) for s in statuses.values()),
+                                       collections.Counter())),
         }

@@ -1,8 +1,11 @@
 """Bytes a server received ("<method>.request") and answered ("<method>.response"). Every message
 of a run goes to a server or comes back from one, so the servers' counters add up to the run's
-traffic. One process-wide counter; the servicer adds to it, `status` reports it."""
+traffic. One process-wide counter; the servicer adds to it, `status` reports it. VALUES counts the
+tensor elements each method's requests carried, whatever their wire dtype: bytes per value is what
+`--compress` buys (4 for float32 on the wire, about 1 for 8-bit), however many times work was re-sent."""
 from __future__ import annotations
 
 import collections
 
 TRAFFIC: collections.Counter = collections.Counter()
+VALUES: collections.Counter = collections.Counter()

@@ -157,7 +157,8 @@ def test_a_failed_over_server_that_comes_back_is_refused_and_training_goes_on(tm
     assert back["restarted_at"] < steps and "resumed from" in took_over, took_over[-2000:]
     assert took_over.count("took over shard slot 2") == 2, took_over[-3000:]  # at the failover, and in the replay
     # restarted in epoch 1, it does not wait for the lost server (it did, 120 s, then crashed)
-    assert "Traceback" not in took_over and took_over.count("serving s0b1") == 2, took_over[-3000:]
+    restarted = took_over[took_over.rindex("initial_peers="):]
+    assert "Traceback" not in took_over and "serving s0b1" in restarted, took_over[-3000:]
     assert live.monitor.epoch == 1 and "s0b0" not in statuses
     applied = {st.index: statuses[st.servers[0]]["microbatches_applied"] for st in live.monitor.layout.stages}
     assert applied == {0: steps * 4, 1: steps * 4}
@@ -262,7 +263,12 @@ def test_the_loss_of_a_roles_last_server_stops_the_run_until_it_comes_back(tmp_p
         out["stopped_at"] = live.monitor.min_version()
         await asyncio.sleep(5.0)  # stopped a while: no line per attempt
         live.swarm.bring_back("s1b0")
-        return await live.finish(steps)
+        done = await live.finish(steps)
+        # the last steps can take less time than a volunteer's next read of the records: every peer
+        # (they stay up until the swarm is closed) says so within seconds of it, not before the end
+        await live.wait(lambda: all("the run goes on again after" in log for log in others().values()), 60,
+                        "every other peer to say the run goes on")
+        return done
 
     statuses, state = live.run(scenario)
     snap = json.loads(out["dashboard"].stdout)
