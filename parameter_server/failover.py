@@ -27,18 +27,26 @@ class Failover:
 
     async def _send_replica(self, slot: int) -> None:
         """After a step of `slot`, copy its new state to the next server of the stage (in shard
-        order), which can take the slot over if this server is lost for good. Sent in version order."""
+        order), which can take the slot over if this server is lost for good. Every kept version
+        not sent yet goes, oldest first: a takeover at version v re-runs batch v, computed on version
+        v - 1, so the replica must hold that one too (when steps came faster than the copies, the
+        sender used to skip to the newest version, and a takeover then asked every worker for a
+        version its host never had: the run re-queued the same tasks forever)."""
         servers = list(self.st.servers)
         if len(servers) < 2 or self.replaying:
             return
         buddy = servers[(servers.index(self.device_id) + 1) % len(servers)]
         lock = self.replica_locks.setdefault(slot, asyncio.Lock())
         async with lock:
-            meta, tensors = self.hosted[slot].export()
-            if meta["version"] <= getattr(lock, "sent", -1):
+            shard = self.hosted.get(slot)
+            if shard is None:
                 return
-            await self._deliver(buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60)
-            lock.sent = meta["version"]
+            for version in [v for v in sorted(shard.snapshots) if v > getattr(lock, "sent", -1) and v in shard.moments]:
+                if version not in shard.snapshots:  # forgotten meanwhile (the shard stepped on)
+                    continue
+                meta, tensors = shard.export(version)
+                await self._deliver(buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60)
+                lock.sent = version
 
     def replicate_hosted(self) -> None:
         """Send every slot hosted here to the stage's next server now, whatever was sent before:

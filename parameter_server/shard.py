@@ -228,19 +228,25 @@ class ShardState:
         return self.version
 
     # replicas: the state after each step, copied to another server of the stage ------------------
-    def export(self) -> tuple[dict, list[torch.Tensor]]:
+    def export(self, version: int | None = None) -> tuple[dict, list[torch.Tensor]]:
         """(meta, tensors): the version, counters and AdamW step count, and per parameter (in `names`
-        order) its value, exp_avg and exp_avg_sq: enough for another server to take this shard over."""
+        order) its value, exp_avg and exp_avg_sq: enough for another server to take this shard over.
+        `version` (default: the current one) is any version still kept: a replica must receive every
+        version in order, since a takeover re-runs the batch computed on the version before its own."""
+        v = self.version if version is None else version
+        if v not in self.snapshots or v not in self.moments:
+            raise PayloadError(f"version {v} is no longer kept (kept: {sorted(self.snapshots)})")
         tensors, steps = [], []
         for n in self.names:
-            p = self.params[n]
-            st = self.optimizer.state.get(p, {})
-            steps.append(float(st["step"]) if "step" in st else 0.0)
-            tensors += [p.detach().clone(), st.get("exp_avg", torch.zeros_like(p)).clone(),
-                        st.get("exp_avg_sq", torch.zeros_like(p)).clone()]
-        meta = {"version": self.version, "names": self.names, "adam_steps": steps,
-                "losses": {str(k): v for k, v in self.losses.items()},
-                "microbatches_applied": self.microbatches_applied, "duplicates": self.duplicates}
+            step, avg, avg_sq = self.moments[v][n]
+            value = self.snapshots[v][n]
+            steps.append(step)
+            tensors += [value.clone(), torch.zeros_like(value) if avg is None else avg.clone(),
+                        torch.zeros_like(value) if avg_sq is None else avg_sq.clone()]
+        meta = {"version": v, "names": self.names, "adam_steps": steps,
+                "losses": {str(k): x for k, x in self.losses.items() if k < v},
+                "microbatches_applied": self.microbatches_applied - (self.version - v) * self.micro_batches,
+                "duplicates": self.duplicates}
         return meta, tensors
 
     def absorb(self, meta: dict, tensors: list[torch.Tensor]) -> bool:

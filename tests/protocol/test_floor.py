@@ -234,6 +234,35 @@ def test_a_replica_takes_the_shards_state_or_refuses_and_changes_nothing():
         assert torch.equal(replica.params_at(1)[n], owner.params_at(1)[n])
 
 
+def test_a_replica_can_be_sent_every_kept_version_in_order():
+    """Steps can come faster than the copies: the sender then sends each kept version, oldest first,
+    from the shard's history, so the replica holds the version before its newest (a takeover at
+    version v re-runs batch v on version v - 1). An export of a version no longer kept is refused."""
+    from parameter_server.shard import ShardState
+
+    def shard():
+        return ShardState({"w": torch.zeros(3)}, lr=1e-1, rows_per_micro=1, micro_batches=1, steps=8,
+                          keep_versions=3)
+
+    owner, replica = shard(), shard()
+    for t in range(4):
+        owner.credit(batch=t, pieces=[(f"B{t}.0.0.0-1", 0, (0, 1))], grads=[torch.tensor([1.0, -2.0, 0.5]) * (t + 1)])
+        owner.step()
+    with pytest.raises(PayloadError, match="no longer kept"):
+        owner.export(1)
+    for v in (2, 3, 4):
+        meta, tensors = owner.export(v)
+        assert meta["version"] == v and meta["microbatches_applied"] == v and sorted(map(int, meta["losses"])) == \
+            sorted(k for k in owner.losses if k < v)
+        assert replica.absorb(meta, tensors)
+    assert replica.version == 4 and torch.equal(replica.params["w"], owner.params["w"])
+    assert torch.equal(replica.params_at(3)["w"], owner.params_at(3)["w"])  # what re-running batch 4 needs
+    for s in (owner, replica):  # and both step on alike
+        s.credit(batch=4, pieces=[("B4.0.0.0-1", 0, (0, 1))], grads=[torch.ones(3)])
+        s.step()
+    assert torch.equal(replica.params["w"], owner.params["w"])
+
+
 def test_a_task_id_formats_and_parses_in_one_place():
     from peer.protocol.tasks import TaskId, batch_of, task_id
 
