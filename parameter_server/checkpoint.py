@@ -5,38 +5,110 @@ old version and optimizer state, and a replay would apply a step twice). The req
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
+
+logger = logging.getLogger("hivepipe.server")
 
 
 def _path(directory: str, device: str) -> str:
     return os.path.join(directory, f"{device}.shard.pt")
 
 
-def save_checkpoint(server, directory: str) -> None:
-    """Every shard slot the server hosts (its own and, after a failover, the slots it took over)."""
-    path = _path(directory, server.device_id)
+def checkpoint_state(server) -> tuple[dict, dict]:
+    """What a checkpoint holds, copied now (ShardState.state_dict copies what a step changes in
+    place): every shard slot the server hosts (its own and, after a failover, the slots it took
+    over), and the summary beside it for people and the dashboard."""
+    state = {"own_slot": server.slot, "slots": {slot: sh.state_dict() for slot, sh in server.hosted.items()}}
+    summary = {"version": server.version, "device": server.device_id, "stage": server.stage,
+               "slots": sorted(server.hosted), "epoch": server.epoch}
+    return state, summary
+
+
+def write_checkpoint(directory: str, device: str, state: dict, summary: dict) -> None:
+    path = _path(directory, device)
     tmp = path + ".tmp"
-    torch.save({"own_slot": server.slot, "slots": {slot: sh.state_dict() for slot, sh in server.hosted.items()}}, tmp)
+    torch.save(state, tmp)
     os.replace(tmp, path)
-    with open(os.path.join(directory, f"{server.device_id}.json"), "w") as f:  # for people and the dashboard
-        json.dump({"version": server.version, "device": server.device_id, "stage": server.stage,
-                   "slots": sorted(server.hosted), "epoch": server.epoch}, f)
+    with open(os.path.join(directory, f"{device}.json"), "w") as f:
+        json.dump(summary, f)
+
+
+def save_checkpoint(server, directory: str) -> None:
+    write_checkpoint(directory, server.device_id, *checkpoint_state(server))
 
 
 def _replica_path(directory: str, device: str, slot: int) -> str:
     return os.path.join(directory, f"{device}.replica{slot}.pt")
 
 
-def save_replica(server, directory: str, slot: int) -> None:
+def write_replica(directory: str, device: str, slot: int, state: dict) -> None:
     """The replica of another server's slot, as it arrives: the state a takeover starts from must
     outlive a crash of this server (a crash right after adopting a slot, before its first step
     there, lost the slot when replicas lived only in memory)."""
-    path = _replica_path(directory, server.device_id, slot)
+    path = _replica_path(directory, device, slot)
     tmp = path + ".tmp"
-    torch.save(server.replicas[slot].state_dict(), tmp)
+    torch.save(state, tmp)
     os.replace(tmp, path)
+
+
+class CheckpointWriter:
+    """A server's checkpoint and replica files, written by one thread of their own, in the order
+    they were asked for. The state is copied on the event loop (a few MB) and pickled and written
+    beside it: a step's checkpoint is ~24 copies of the shard (the kept versions with their AdamW
+    moments), and writing it on the loop held every call to the server while it ran.
+
+    - `after_step(then)`: the checkpoint of the state now; `then()` runs on the loop once it is on
+      disk (the request log may forget what the checkpoint holds only then). A crash before that
+      leaves the previous checkpoint and a log that still covers it.
+    - `now()`: write the state now and return when it is on disk (an adopted slot or a rollback
+      must be durable before it is served).
+    - `replica(slot)`: an awaitable that ends when the newest replica of `slot` is on disk (it is
+      acknowledged only then)."""
+
+    def __init__(self, server, directory: str):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.server, self.directory = server, directory
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"checkpoint-{server.device_id}")
+
+    def _submit(self, fn, *args):
+        return self._executor.submit(fn, *args)
+
+    def after_step(self, then=None) -> None:
+        import asyncio
+
+        job = self._submit(write_checkpoint, self.directory, self.server.device_id, *checkpoint_state(self.server))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (an in-process test stepping by hand): wait for it here
+            job.result()
+            if then is not None:
+                then()
+            return
+
+        def done(f):
+            if f.exception() is not None:
+                logger.error("%s: writing the checkpoint failed: %r", self.server.device_id, f.exception())
+            elif then is not None:
+                then()
+
+        job.add_done_callback(lambda f: loop.call_soon_threadsafe(done, f))
+
+    def now(self) -> None:
+        self._submit(write_checkpoint, self.directory, self.server.device_id, *checkpoint_state(self.server)).result()
+
+    def replica(self, slot: int):
+        import asyncio
+
+        state = self.server.replicas[slot].state_dict()
+        return asyncio.wrap_future(self._submit(write_replica, self.directory, self.server.device_id, slot, state))
+
+    def close(self) -> None:
+        """Wait for every write asked for."""
+        self._executor.shutdown(wait=True)
 
 
 def load_checkpoint(server, directory: str) -> bool:

@@ -121,8 +121,9 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.on_step: list[Callable[[int], Awaitable[None] | None]] = []
         self.on_epoch: list[Callable[[dict], None]] = []
         self.on_adopt: list[Callable[[dict], None]] = []  # slots taken over (before the epoch is logged)
-        self.on_replica: list[Callable[[int], None]] = []  # a newer replica of a slot arrived
+        self.on_replica: list[Callable[[int], Awaitable[None] | None]] = []  # a newer replica of a slot arrived
         self.step_times: dict[int, float] = {}  # version -> wall time it was reached (note_step)
+        self.missing_versions: set[tuple[int, int]] = set()  # (asked, current) refused and logged (get_params)
         self.seen_volunteers: set[str] = set()  # volunteers that ever registered here (announcement)
         self._init_verification(verify_rate, probation, run.seed, verify_device)
 

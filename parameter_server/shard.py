@@ -15,6 +15,8 @@ batches 0..t-2), and update t is applied when version == t, producing version t 
 """
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass, field
 
 import torch
@@ -293,9 +295,11 @@ class ShardState:
         return {
             "version": self.version,
             "params": {n: p.detach().clone() for n, p in self.params.items()},
-            "optimizer": self.optimizer.state_dict(),
-            "snapshots": self.snapshots,
-            "moments": self.moments,
+            # copies of what the next step changes in place (a thread may write this while it runs);
+            # the kept versions' tensors are never changed, so the maps are copied, not the tensors
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "snapshots": dict(self.snapshots),
+            "moments": dict(self.moments),
             "rollback_epoch": self.rollback_epoch,
             "losses": dict(self.losses),
             "microbatches_applied": self.microbatches_applied,

@@ -39,6 +39,12 @@ class Updates:
             return {"retry": True, "version": shard.version}
         snap = shard.params_at(version)
         if snap is None:
+            if version >= shard.version - 1 and (version, shard.version) not in self.missing_versions:
+                # a task of the current batches needs it: the run cannot go on until another
+                # layout epoch; say so once, loudly (workers re-queue such a task again and again)
+                self.missing_versions.add((version, shard.version))
+                logger.error("%s: version %d of a hosted slot is asked for and not held (held: %s): tasks "
+                             "computed on it cannot run", self.device_id, version, sorted(shard.snapshots))
             raise PayloadError(f"version {version} is no longer held (current {shard.version})")
         return {"names": shard.names, "version": version}, [snap[n] for n in shard.names]
 

@@ -200,7 +200,7 @@ def run(args) -> int:
 async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.Event) -> int:
     import torch
 
-    from parameter_server.checkpoint import load_checkpoint, save_checkpoint, save_replica
+    from parameter_server.checkpoint import CheckpointWriter, load_checkpoint
     from parameter_server.service import StageServer
     from peer.hf.init import initial_state, write_model_json
     from parameter_server.layout import halt_reason
@@ -266,6 +266,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                          requeue=not args.no_requeue, max_request_bytes=args.max_request_bytes,
                          volunteers_allow=args.allowed, verify_rate=args.verify_rate, probation=args.probation,
                          verify_device=args.device)
+    writer = None
     if args.checkpoint_dir:
         from parameter_server.requestlog import RequestLog, read_log
         from parameter_server.service import RETAIN
@@ -282,13 +283,14 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         request_log = RequestLog(log_path)
         server.log = request_log
 
-        def persist(version: int) -> None:
-            save_checkpoint(server, args.checkpoint_dir)
-            request_log.compact(version - (RETAIN - 1))
+        writer = CheckpointWriter(server, args.checkpoint_dir)
+
+        def persist(version: int) -> None:  # the log forgets old batches once the checkpoint is on disk
+            writer.after_step(lambda: request_log.compact(version - (RETAIN - 1)))
 
         server.on_step.append(persist)
-        server.on_adopt.append(lambda record: save_checkpoint(server, args.checkpoint_dir))
-        server.on_replica.append(lambda slot: save_replica(server, args.checkpoint_dir, slot))
+        server.on_adopt.append(lambda record: writer.now())
+        server.on_replica.append(writer.replica)
     server.on_step.append(server.note_step)
     worker = None
     await server.add_p2p_handlers(p2p)
@@ -495,6 +497,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    if writer is not None:
+        writer.close()  # the last step's checkpoint is on disk before the process ends
     stop_dht(dht)
     return 2 if fenced else 0
 

@@ -124,7 +124,10 @@ def check_shows_the_swarm(snap: dict, running: Running, volunteers: dict[int, di
 
 
 def test_json_snapshot_shows_every_stage_server_and_volunteer(swarm):
-    out = swarm.dashboard("--json", "--timeout", "30")
+    # what this test reads is membership, not staleness (tests/dashboard/test_snapshot.py): on a loaded
+    # machine a server's announcement can come 3 periods (1.5 s here) late, and one snapshot then
+    # rightly calls it unreachable (seen in CI), so records count as live for 10 periods here
+    out = swarm.dashboard("--json", "--timeout", "30", "--stale-periods", "10")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.strip() == "", f"logs should be quiet by default: {out.stderr[-2000:]}"
     snap = json.loads(out.stdout)
