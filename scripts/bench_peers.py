@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""hivepipe against what a user would pick instead, on one machine: the same model, corpus, global
+batch and number of steps trained by
+
+  (a) `peer swarm` (2 stages x 2 servers, which compute too, and --volunteers volunteers);
+  (b) hivemind's own collaborative data-parallel training (`hivemind.Optimizer`, as in DeDLOC and the
+      hivemind quickstart; matchmaking 1 s, averaging timeout 10 s, progress re-read every 0.5 s: this
+      run's epochs are short) with the same number of volunteer
+      processes, each holding the whole model (scripts/_hivemind_dp.py);
+  (c) `peer swarm --no-requeue` (SWARM-like: a departed volunteer's leases run out their full task
+      timeout before another volunteer gets them, as a SWARM trainer waits out a request to a dead
+      peer; still exact).
+
+each calm and with --churn of the volunteers SIGKILLed and replaced per step (hivemind: per epoch of
+the collaboration; its first peer, which measures, is never killed, as the swarm's servers are not).
+
+    python scripts/bench_peers.py [--steps 20] [--volunteers 4] [--churn 0.25] [--model small]
+                                  [--out docs/bench_peers.md] [--work DIR]
+
+Columns: tokens/s over the training (from the end of the first step/epoch for hivemind, whose peers
+start by matchmaking; from the moment every server is online for the swarm), and the mean token loss
+of the final parameters on 4 batches of the held-out split (the same batches for every row), with
+`peer reference` (one process, the swarm's exact update rule) as the yardstick. Writes the markdown
+table to --out and docs/peers.png beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import REPO, Report, exactly_once, loadavg, md_table, run_peer, run_swarm  # noqa: E402
+
+import torch  # noqa: E402
+
+from peer.model.config import get_preset  # noqa: E402
+
+EVAL_BATCHES = 4
+
+
+def eval_loss(model: str, state: dict) -> float:
+    """Mean token cross-entropy of `state` (a full-model state dict) on the held-out split."""
+    from peer.model.data import load_corpus, make_batch
+    from peer.model.transformer import loss_sum, slice_from_state
+
+    cfg = get_preset(model)
+    corpus = load_corpus(None, seq_len=cfg.seq_len)
+    net = slice_from_state(cfg, 0, cfg.layers, state)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for b in range(EVAL_BATCHES):
+            x, y = make_batch(corpus, 0, b, 16, cfg.seq_len, split="val")
+            total += float(loss_sum(net(x), y))
+            tokens += y.numel()
+    return total / tokens
+
+
+def load_safetensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def run_reference(model: str, steps: int, work: Path) -> dict:
+    out = work / "reference"
+    run_peer(["reference", "--model", model, "--steps", str(steps), "--summary-json", str(work / "reference.json"),
+              "--checkpoint-out", str(out), "--no-progress"], work / "reference.log", 900)
+    summary = json.loads((work / "reference.json").read_text())
+    return {"tokens_per_second": summary["tokens_per_second"], "final_loss": summary["last_loss"],
+            "eval_loss": eval_loss(model, load_safetensors(out / "model.safetensors")), "applied": "-"}
+
+
+def run_peer_swarm(name: str, model: str, steps: int, volunteers: int, churn: float, extra: list[str],
+                   work: Path) -> dict:
+    out = work / f"{name}-model"
+    args = ["--model", model, "--steps", str(steps), "--volunteers", str(volunteers), "--run-id", f"{name}-{time.time_ns()}",
+            "--checkpoint-out", str(out), *extra]
+    if churn:
+        args += ["--churn", str(churn)]
+    s = run_swarm(name, args, work, timeout=1800)
+    return {"tokens_per_second": s["tokens_per_second"], "final_loss": s["last_loss"],
+            "eval_loss": eval_loss(model, load_safetensors(out / "model.safetensors")), "applied": exactly_once(s),
+            "killed": s.get("volunteers_killed", 0), "load": s["load"]}
+
+
+def kill_peer(proc: subprocess.Popen) -> None:
+    """SIGKILL a hivemind peer with its process group: its DHT process and p2p daemon go too, as
+    when a machine vanishes (killing the peer alone left them running: ghosts in the DHT that also
+    took CPU from every later run)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the group's members exit a moment after the signal
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+def run_hivemind(name: str, model: str, steps: int, volunteers: int, churn: float, work: Path,
+                 timeout: float = 1800) -> dict:
+    """`volunteers` peers of scripts/_hivemind_dp.py; with churn, that share of peers 1.. is SIGKILLed
+    and replaced each time peer 0 reports a new epoch."""
+    out = work / name
+    out.mkdir(parents=True, exist_ok=True)
+    script = str(Path(__file__).resolve().parent / "_hivemind_dp.py")
+    run_id = f"{name}-{time.time_ns()}"
+    go = out / "go"
+    common = ["--run-id", run_id, "--out", str(out), "--model", model, "--steps", str(steps)]
+    procs: dict[int, subprocess.Popen] = {}
+    incarnations = {i: 0 for i in range(volunteers)}
+    logs = []
+    load = loadavg()
+
+    def start(i: int, initial: list[str]) -> subprocess.Popen:
+        log = open(out / f"peer{i}.{incarnations[i]}.log", "wb")
+        logs.append(log)
+        together = ["--go-file", str(go)] if incarnations[i] == 0 else []  # replacements join at once
+        return subprocess.Popen([sys.executable, script, *common, "--index", str(i), "--incarnation", str(incarnations[i]),
+                                 *together, "--initial-peers", *initial], cwd=REPO, stdout=subprocess.PIPE if i == 0 else log,
+                                stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    rng = random.Random(0)
+    killed = 0
+    deadline = time.monotonic() + timeout
+    try:
+        procs[0] = start(0, [])
+        first = procs[0].stdout.readline().decode()
+        if not first.startswith("initial_peers="):
+            raise RuntimeError(f"hivemind peer 0 did not start: {first!r}; see {out}")
+        initial = [first.strip().split("=", 1)[1]]
+        for i in range(1, volunteers):
+            procs[i] = start(i, initial)
+        while not all(Path(f"{go}.ready.{i}").exists() for i in range(volunteers)):  # every peer is up
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
+                raise RuntimeError(f"{name}: the hivemind peers did not all start; see {out}")
+            time.sleep(0.1)
+        go.touch()
+        for line in procs[0].stdout:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: ran past {timeout:.0f} s")
+            if not line.startswith(b"{"):
+                continue
+            if churn and volunteers > 1:
+                n = min(max(1, round(churn * volunteers)), volunteers - 1)
+                for i in rng.sample(range(1, volunteers), n):
+                    kill_peer(procs[i])
+                    killed += 1
+                    incarnations[i] += 1
+                    procs[i] = start(i, initial)
+        if procs[0].wait() != 0:
+            raise RuntimeError(f"{name}: hivemind peer 0 exited with {procs[0].returncode}; see {out}")
+    finally:
+        for p in procs.values():
+            kill_peer(p)
+        for log in logs:
+            log.close()
+    summary = json.loads((out / "summary.json").read_text())
+    state = torch.load(out / "model.pt")
+    return {"tokens_per_second": summary["tokens_per_second"], "final_loss": summary["losses"][-1],
+            "eval_loss": eval_loss(model, state), "applied": f"{summary['epochs']} epochs", "killed": killed,
+            "load": load, "sequences": hivemind_sequences(out)}
+
+
+def hivemind_sequences(out: Path, local_rows: int = 4) -> int:
+    """Sequences every hivemind peer of a run trained on, replaced ones included: each peer's log
+    ends with its local step count (peer 0's is in summary.json). A peer trains until it sees the
+    collaboration's target, so an epoch can take more than --batch-size sequences."""
+    steps = json.loads((out / "summary.json").read_text())["local_steps"]
+    for log in out.glob("peer*.log"):
+        if log.name.startswith("peer0."):
+            continue
+        last = [line for line in log.read_text(errors="replace").splitlines() if line.startswith('{"epoch"')]
+        if last:
+            steps += json.loads(last[-1])["local_steps"]
+    return steps * local_rows
+
+
+def plot(rows: list[tuple[str, str, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    labels = [f"{system}\n{cond}" for system, cond, _ in rows]
+    colors = ["#888" if s == "peer reference" else "#1f77b4" if s == "peer swarm" else
+              "#d62728" if "hivemind" in s else "#2ca02c" for s, _, _ in rows]
+    ax1.bar(labels, [r["tokens_per_second"] for _, _, r in rows], color=colors)
+    ax1.set_ylabel("tokens/s")
+    ax1.set_yscale("log")
+    ax2.bar(labels, [r["eval_loss"] for _, _, r in rows], color=colors)
+    ax2.set_ylabel("held-out loss of the final parameters")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelsize=7, rotation=45)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--volunteers", type=int, default=4)
+    p.add_argument("--churn", type=float, default=0.25)
+    p.add_argument("--model", default="small")
+    p.add_argument("--out", default=str(REPO / "docs" / "bench_peers.md"))
+    p.add_argument("--work", default=None)
+    args = p.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-peers-"))
+    report = Report("hivepipe against hivemind's data parallelism and SWARM-like pipelines", __doc__.split("\n\n", 1)[1])
+    rows: list[tuple[str, str, dict]] = []
+    rows.append(("peer reference", "one process", run_reference(args.model, args.steps, work)))
+    for cond, churn in (("calm", 0.0), (f"churn {args.churn:g}", args.churn)):
+        tag = "calm" if not churn else "churn"
+        rows.append(("peer swarm", cond, run_peer_swarm(f"swarm-{tag}", args.model, args.steps, args.volunteers,
+                                                        churn, [], work)))
+        rows.append(("hivemind.Optimizer", cond, run_hivemind(f"hivemind-{tag}", args.model, args.steps,
+                                                              args.volunteers, churn, work)))
+        rows.append(("peer swarm --no-requeue", cond, run_peer_swarm(f"norequeue-{tag}", args.model, args.steps,
+                                                                     args.volunteers, churn, ["--no-requeue"], work)))
+    table = md_table(["system", "volunteers", "tokens/s", "loss of the last step", "held-out loss (final params)",
+                      "sequences trained on", "applied", "killed", "load"],
+                     [[s, c, r["tokens_per_second"], round(r["final_loss"], 3), round(r["eval_loss"], 3),
+                       r.get("sequences", args.steps * 16), r["applied"], r.get("killed", "-"), r.get("load", "-")]
+                      for s, c, r in rows])
+    report.section(f"{args.model}, {args.steps} steps of 16 sequences, {args.volunteers} volunteers "
+                   f"(loadavg at start {loadavg()})", table)
+    out = Path(args.out)
+    report.write(out)
+    plot(rows, out.parent / "peers.png")
+    print(f"work dir: {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
