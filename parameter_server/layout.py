@@ -196,6 +196,11 @@ def owners(n: int, parts: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
     return out
 
 
+# the fewest tokens a forward task carries when a micro-batch has more clients than such tasks
+# (`peer serve --task-tokens`): 4 rows of the small model, 16 of tiny, 1 row of a 2,048-token model
+DEFAULT_TASK_TOKENS = 512
+
+
 def split_by_weights(lo: int, hi: int, weights: list[float]) -> list[tuple[int, int, int]]:
     """Rows [lo, hi) cut into len(weights) contiguous pieces proportional to the weights (largest
     remainder rounding), as (weight index, lo, hi); empty pieces are dropped, so fewer pieces come

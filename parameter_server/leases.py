@@ -3,19 +3,60 @@
 restart re-creates the very same cut). Must not build rows or step parameters."""
 from __future__ import annotations
 
+import asyncio
+import time
+
 from peer.model.update_rule import version_for_batch
 from peer.protocol.wire import PayloadError, field as mfield
 from taskpool import Completion, Task
 
 
+# the longest a `take` may wait for a task (its `wait` field): a waiting client costs the server one
+# open call instead of a poll every few tens of milliseconds, and gets a new task the moment it is cut
+MAX_TAKE_WAIT = 5.0
+RECHECK = 0.05  # a waiting take looks again this often: preferences and leases run out with the clock
+
+
 class Leases:
     """StageServer's take, complete and fail (a part of parameter_server.service.StageServer)."""
 
+    def _signal_tasks(self) -> None:
+        """Wake every `take` waiting for a task."""
+        event = getattr(self, "_tasks_added", None)
+        if event is not None:
+            event.set()
+        self._tasks_added = asyncio.Event()
+
+    async def _wait_for_task(self, sender: str, wait: float, epoch: int):
+        """A lease for `sender`, waiting up to `wait` seconds for one: woken when a task is added and
+        re-checked every RECHECK (a task preferred for another client, or a lease that runs out, opens
+        with the clock). None when none came, or the run moved meanwhile (a new layout epoch, a ban)."""
+        deadline = time.monotonic() + wait
+        while True:
+            if self.epoch != epoch or sender in self.banned or sender not in self.clients:
+                return None  # its next call hears why (stale epoch, banned, not registered)
+            lease = self.pool.take(sender)
+            left = deadline - time.monotonic()
+            if lease is not None or left <= 0:
+                return lease
+            if getattr(self, "_tasks_added", None) is None:
+                self._signal_tasks()
+            try:
+                await asyncio.wait_for(self._tasks_added.wait(), min(RECHECK, left))
+            except asyncio.TimeoutError:
+                pass
+
     async def on_take(self, meta, tensors, sender):
         self._client(sender)
+        wait = mfield(meta, "wait", float, optional=True) or 0.0
+        if not 0.0 <= wait <= MAX_TAKE_WAIT:
+            raise PayloadError(f"field 'wait' must be between 0 and {MAX_TAKE_WAIT:g} seconds, got {wait}")
+        epoch = self.epoch
         while True:
-            lease = self.pool.take(sender)
+            lease = await self._wait_for_task(sender, wait, epoch)
             if lease is None:
+                if wait > 0:
+                    self._check_epoch(meta)  # a failover came while it waited: the client fetches the layout
                 return {"task": None, "version": self.version, "epoch": self.epoch}
             task = lease.task
             if task.batch < self.run_min_version():  # applied by every server: nothing left to do
@@ -50,6 +91,7 @@ class Leases:
                                           task.preferred_client], "batch": task.batch})
         self.pool.add(task)
         self.issued.add(task.task_id)
+        self._signal_tasks()
 
     async def on_complete(self, meta, tensors, sender):
         c = self._client(sender)

@@ -29,7 +29,7 @@ from parameter_server.backward import Backward
 from parameter_server.checks import Checks
 from parameter_server.clients import ClientInfo, Clients
 from parameter_server.failover import Failover
-from parameter_server.frontal import Frontal
+from parameter_server.frontal import DEFAULT_TASK_TOKENS, Frontal
 from parameter_server.layout import RunLayout, segment
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.leases import Leases
@@ -42,7 +42,7 @@ from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Veri
 from peer.protocol import methods
 from peer.protocol.links import LinkEmulator
 from peer.protocol.tasks import batch_of
-from peer.protocol.traffic import TRAFFIC, VALUES
+from peer.protocol.traffic import CALLS, TRAFFIC, VALUES
 from peer.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, field as mfield, pack, unpack
 from taskpool import TaskPool, TaskPoolError
 
@@ -75,7 +75,8 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
                  task_timeout: float = 60.0, client_timeout: float = 5.0, preference_grace: float = 0.5,
                  connector: Callable[[str], object] | None = None, requeue: bool = True,
                  max_request_bytes: int | None = None, volunteers_allow: frozenset[str] | None = None,
-                 verify_rate: float = DEFAULT_VERIFY_RATE, probation: int = DEFAULT_PROBATION, verify_device: str = "cpu"):
+                 verify_rate: float = DEFAULT_VERIFY_RATE, probation: int = DEFAULT_PROBATION, verify_device: str = "cpu",
+                 task_tokens: int = DEFAULT_TASK_TOKENS):
         self.run = run
         self.layout = layout
         self.cfg = cfg
@@ -96,6 +97,10 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.seq = cfg.seq_len
         self.hidden = cfg.hidden
         self.task_timeout, self.preference_grace = task_timeout, preference_grace
+        # the fewest rows a forward task carries (parameter_server/frontal.py): every task costs a few
+        # calls whatever its size, so a micro-batch goes to fewer clients rather than into slivers
+        self.min_task_rows = max(1, -(-int(task_tokens) // cfg.seq_len))
+        self.task_credit: dict[str, float] = {}  # client -> rows owed by its share of the compute
         # the stage's parameters are cut into one shard slot per server of the first layout; this
         # server hosts its own slot, and after a failover the slots of lost servers it held replicas of
         self.stage_params = stage_params
@@ -164,6 +169,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
                 TRAFFIC[f"{method}.request"] += message.ByteSize()
                 yield message
 
+        CALLS[method] += 1
         try:
             # a request beyond the limit is refused while its bytes arrive, before any tensor is built
             meta, tensors = await unpack(counted(), max_bytes=self.max_request_bytes, stall=STALL_SECONDS,

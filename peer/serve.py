@@ -7,6 +7,7 @@ import logging
 import os
 import time
 
+from parameter_server.layout import DEFAULT_TASK_TOKENS
 from peer.errors import NetworkError, UsageError
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 from peer.runtime import add_common_arguments, check_common, link_emulator, run_until_signalled
@@ -61,6 +62,9 @@ def add_arguments(p) -> None:
     net.add_argument("--volunteers-allow", default=None, metavar="FILE",
                      help="a closed run: admit only the volunteers whose peer ids this file lists (one per line, '#' "
                           "comments; a volunteer keeps its peer id with `peer join --identity-path`); default: open")
+    net.add_argument("--task-tokens", type=int, default=DEFAULT_TASK_TOKENS, metavar="N",
+                     help="the fewest tokens a forward task carries: a micro-batch with more clients than such "
+                          "tasks goes to the clients owed the most rows (default %(default)s)")
     net.add_argument("--no-compute", action="store_true", help="do not run a local worker beside the services")
     net.add_argument("--no-requeue", action="store_true", help="drop a departed client's work (SWARM-like; benchmarks only)")
     net.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
@@ -93,6 +97,8 @@ def resolve(args):
         raise UsageError(str(e)) from None
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if args.task_tokens < 1:
+        raise UsageError(f"--task-tokens must be >= 1, got {args.task_tokens}")
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
     if args.failover_after < 0:
@@ -265,7 +271,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                          task_timeout=args.task_timeout, client_timeout=args.client_timeout, connector=connector,
                          requeue=not args.no_requeue, max_request_bytes=args.max_request_bytes,
                          volunteers_allow=args.allowed, verify_rate=args.verify_rate, probation=args.probation,
-                         verify_device=args.device)
+                         verify_device=args.device, task_tokens=args.task_tokens)
     writer = None
     if args.checkpoint_dir:
         from parameter_server.requestlog import RequestLog, read_log

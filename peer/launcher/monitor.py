@@ -125,4 +125,8 @@ class Monitor:
             # tensor elements the requests of each method carried (bytes / values: the wire's bytes per value)
             "traffic_values": dict(sum((collections.Counter(s.get("traffic_values", {})) for s in statuses.values()),
                                        collections.Counter())),
+            # calls that reached a server over the network, per method (a server's own worker calls its
+            # own server in-process: no RPC)
+            "rpc_calls": dict(sum((collections.Counter(s.get("calls", {})) for s in statuses.values()),
+                                  collections.Counter())),
         }

@@ -87,6 +87,8 @@ class Swarm:
                         argv += ["--verify-rate", str(a.verify_rate)]
                     if a.probation is not None:
                         argv += ["--probation", str(a.probation)]
+                    if getattr(a, "task_tokens", None) is not None:
+                        argv += ["--task-tokens", str(a.task_tokens)]
                     self.server_argv[name] = argv
                     self.servers[name] = self._spawn(name, argv)
 

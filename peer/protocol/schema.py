@@ -3,6 +3,7 @@ of the run (`{run}_config`, `{run}_stage0` ...) maps subkeys to a signed envelop
 The envelope's signatures and the record inside it are checked by trust.RunValidator."""
 from __future__ import annotations
 
+import collections
 from typing import Any, Dict, Optional
 
 import pydantic.v1 as pydantic
@@ -31,5 +32,36 @@ RunKeys = pydantic.create_model("RunKeys", config=(Optional[Records], None),
                                 **{f"stage{k}": (Optional[Records], None) for k in range(MAX_STAGES)})
 
 
+class CachedSchemaValidator(SchemaValidator):
+    """hivemind's SchemaValidator with its verdicts remembered per stored bytes (key, subkey, value):
+    the verdict is a pure function of them, and a DHT node validates the same stored record again on
+    every read that reaches it (pydantic's parse and dict() were the largest share of a swarm's DHT
+    processes' time). Bounded: the oldest verdicts go first."""
+
+    CACHE = 4096
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._verdicts: collections.OrderedDict = collections.OrderedDict()
+
+    def merge_with(self, other) -> bool:
+        merged = super().merge_with(other)
+        if merged:
+            self._verdicts.clear()  # another schema may accept what this one refused
+        return merged
+
+    def validate(self, record) -> bool:
+        key = (record.key, record.subkey, record.value)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            verdict = super().validate(record)
+            self._verdicts[key] = verdict
+            if len(self._verdicts) > self.CACHE:
+                self._verdicts.popitem(last=False)
+        else:
+            self._verdicts.move_to_end(key)
+        return verdict
+
+
 def run_schema_validator(run_id: str) -> SchemaValidator:
-    return SchemaValidator(RunKeys, allow_extra_keys=True, prefix=run_id)
+    return CachedSchemaValidator(RunKeys, allow_extra_keys=True, prefix=run_id)

@@ -57,6 +57,10 @@ class Pending:
             self.loss_sum = (self.loss_sum or 0.0) + loss
 
 
+# how long an idle worker's take waits at a server for a task (the server caps it at MAX_TAKE_WAIT)
+TAKE_WAIT = 1.0
+
+
 class NotReady(Exception):
     """The parameters a task needs are not on every server yet."""
 
@@ -104,6 +108,10 @@ class StageWorker:
         self.pushing: list[Pending] = []  # sums on their way to the servers (their tasks still held)
         self.max_pending = 2 * run.micro_batches  # the servers lease a client 2 x micro-batches + 1 tasks
         self.current: tuple[str, str] | None = None  # (server device, task id) being worked on
+        # an idle worker waits for a task at every server of its stage at once (long-polled `take`s, at
+        # most one per server); a task that arrives while it works on another waits here, leased to it
+        self.waiting: dict[str, asyncio.Future] = {}
+        self.ready: list[tuple] = []  # (link, meta, tensors)
         if die_at is not None and die_at not in KILL_POINTS:
             raise ValueError(f"unknown kill point {die_at!r}; choose from {', '.join(KILL_POINTS)}")
         self.die_at = die_at
@@ -161,6 +169,8 @@ class StageWorker:
         held = [tid for p in sums for link, tid, _, _ in p.tasks if link.device == device]
         if self.current is not None and self.current[0] == device:
             held.append(self.current[1])
+        self._harvest()
+        held += [meta["task"] for link, meta, _ in self.ready if link.device == device]
         return held
 
     async def register(self) -> None:
@@ -192,14 +202,13 @@ class StageWorker:
         try:
             while not stop.is_set() and self.banned is None:
                 got = await self.take_one()
+                if got is None:  # idle: push what it holds, then wait for work at every server at once
+                    await self.flush(self._flush_due(None))
+                    got = await self.wait_for_task(stop)
                 if got is not None:  # held from now on (the heartbeat says so), also while pushing below
                     self.current = (got[0].device, got[1]["task"])
                 await self.flush(self._flush_due(None if got is None else got[1]))
                 if got is None:
-                    try:
-                        await asyncio.wait_for(stop.wait(), self.poll)
-                    except asyncio.TimeoutError:
-                        pass
                     continue
                 link, meta, tensors = got
                 self.current = (link.device, meta["task"])
@@ -226,28 +235,87 @@ class StageWorker:
             await self.flush(sorted(self.pending))  # a clean stop hands in what it has
         finally:
             beat.cancel()
+            await self._stop_waiting()
+
+    async def _stop_waiting(self) -> None:
+        """Cancel the waiting takes and hand back the tasks that arrived but were never started."""
+        for fut in self.waiting.values():
+            fut.cancel()
+        await asyncio.gather(*self.waiting.values(), return_exceptions=True)
+        self.waiting.clear()
+        ready, self.ready = self.ready, []
+        await asyncio.gather(*(self._quiet(self.call(link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0)))
+                               for link, meta, _ in ready))
+
+    def _order(self) -> list[str]:
+        """The stage's servers to ask for a task: backward servers first, rotating the start."""
+        order = [d for d in list(self.st.backward) + list(self.st.frontal) if d in self.links]
+        if not order:
+            return order
+        self._turn = (self._turn + 1) % len(order)
+        return order[self._turn:] + order[: self._turn]
+
+    async def _take(self, device: str, wait: float = 0.0):
+        """(link, meta, tensors) of a task leased from `device`, or None; waits up to `wait` seconds
+        there for one (a long poll) when asked to."""
+        link = self.links[device]
+        try:
+            meta, tensors = await self.call(link, "take", {"wait": wait} if wait else {}, timeout=10.0 + wait)
+        except RemoteError as e:
+            if "not registered" in str(e):
+                await self._quiet(link.call("register", {"device": self.device_id, "compute": float(self.compute),
+                                                         "stage": self.stage}))
+            if wait:
+                await asyncio.sleep(self.poll)  # the answer came at once: no tight loop of refused waits
+            return None
+        except Exception as e:
+            logger.info("%s: take from %s failed: %r", self.device_id, device, e)
+            if wait:
+                await asyncio.sleep(self.poll)
+            return None
+        return (link, meta, tensors) if meta.get("task") else None
+
+    def _harvest(self) -> None:
+        """Move the tasks that waiting takes brought into `ready`."""
+        for device, fut in list(self.waiting.items()):
+            if fut.done():
+                del self.waiting[device]
+                got = None if fut.cancelled() or fut.exception() is not None else fut.result()
+                if got is not None:
+                    self.ready.append(got)
 
     async def take_one(self):
-        """Ask the backward servers, then the frontal servers, for a task (rotating the start)."""
-        order = list(self.st.backward) + list(self.st.frontal)
-        self._turn = (self._turn + 1) % len(order)
-        for device in order[self._turn:] + order[: self._turn]:
-            link = self.links.get(device)
-            if link is None:
+        """A task that already arrived, else one from the first server that has one (backward servers
+        first, rotating the start; a server with a waiting take is not asked twice); None if none has."""
+        self._harvest()
+        if self.ready:
+            return self.ready.pop(0)
+        for device in self._order():
+            if device in self.waiting:
                 continue
-            try:
-                meta, tensors = await self.call(link, "take", {}, timeout=10.0)
-            except RemoteError as e:
-                if "not registered" in str(e):
-                    await self._quiet(link.call("register", {"device": self.device_id, "compute": float(self.compute),
-                                                             "stage": self.stage}))
-                continue
-            except Exception as e:
-                logger.info("%s: take from %s failed: %r", self.device_id, device, e)
-                continue
-            if meta.get("task"):
-                return link, meta, tensors
+            got = await self._take(device)
+            if got is not None:
+                return got
         return None
+
+    async def wait_for_task(self, stop: asyncio.Event, wait: float = TAKE_WAIT):
+        """Wait up to `wait` seconds for a task at every server of the stage at once (one long-polled
+        take per server): an idle worker costs each server one open call per `wait` seconds rather
+        than a poll every `poll` seconds, and gets a task the moment one is cut. The first task to
+        arrive is returned; one that another server hands out meanwhile waits in `ready`."""
+        for device in self._order():
+            if device not in self.waiting:
+                self.waiting[device] = asyncio.ensure_future(self._take(device, wait))
+        if not self.waiting:
+            await asyncio.sleep(self.poll)
+            return None
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([*self.waiting.values(), stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        self._harvest()
+        return self.ready.pop(0) if self.ready else None
 
     # ------------------------------------------------------------------------------------------
     async def ensure_version(self, version: int, patience: float = 2.0) -> None:

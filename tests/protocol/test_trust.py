@@ -164,3 +164,31 @@ def test_a_run_key_file_round_trip(tmp_path):
     again, made_again = SigningKey.load_or_create(str(tmp_path / "run.key"))
     assert made and not made_again and again.fingerprint == key.fingerprint
     assert (tmp_path / "run.key").stat().st_mode & 0o077 == 0
+
+
+def test_remembered_verdicts_never_pass_a_forgery_nor_an_expired_record():
+    """Signatures that verified and schema verdicts are remembered (a DHT node re-validates the same
+    stored record on every read); what changed bytes, swapped signatures or the clock says still counts."""
+    from peer.protocol import trust
+    from peer.protocol.schema import run_schema_validator
+
+    subkey, good = stage_record(SERVER, server_body(), RUN_KEY)
+    assert read_stage(subkey, good) == server_body()
+    assert read_stage(subkey, good) == server_body()  # answered from the remembered signatures
+    tampered = dict(good, body=dict(good["body"], version=4))
+    with pytest.raises(TrustError, match="bad writer's signature"):
+        read_stage(subkey, tampered)
+    _, other = stage_record(SERVER, server_body(device="s0f1"), RUN_KEY)
+    with pytest.raises(TrustError, match="bad writer's signature"):
+        read_stage(subkey, dict(good, sig=other["sig"]))
+    with pytest.raises(trust.Expired):
+        read_stage(subkey, good, now=NOW + 10)
+    assert len(trust._VERIFIED) <= trust.VERIFIED_CACHE
+
+    schema = run_schema_validator("r")
+    key = DHTID.generate(source=stage_name("r", 0)).to_bytes()
+    ok = DHTRecord(key, DHTProtocol.serializer.dumps(subkey), DHTProtocol.serializer.dumps(good), NOW + 3)
+    extra = DHTRecord(key, DHTProtocol.serializer.dumps(subkey), DHTProtocol.serializer.dumps(dict(good, extra=1)),
+                      NOW + 3)
+    for _ in range(2):  # the second round is answered from the remembered verdicts
+        assert schema.validate(ok) and not schema.validate(extra)
