@@ -14,7 +14,8 @@ from taskpool import Completion, Task
 # the longest a `take` may wait for a task (its `wait` field): a waiting client costs the server one
 # open call instead of a poll every few tens of milliseconds, and gets a new task the moment it is cut
 MAX_TAKE_WAIT = 5.0
-RECHECK = 0.05  # a waiting take looks again this often: preferences and leases run out with the clock
+RECHECK = 0.05
+MAX_COMPLETE = 1024  # task ids one `complete` may carry  # a waiting take looks again this often: preferences and leases run out with the clock
 
 
 class Leases:
@@ -94,12 +95,25 @@ class Leases:
         self._signal_tasks()
 
     async def on_complete(self, meta, tensors, sender):
+        """One task ("task": id) or several ("tasks": [ids], what a gradient push covered at this
+        server: one call instead of one per task); every id is checked before any is completed."""
         c = self._client(sender)
-        task_id = self._known_task(meta)
-        result = self.pool.complete(task_id, sender)
-        if result is Completion.ACCEPTED:
-            c.tasks_done += 1
-        return {"result": result.value}
+        if "tasks" not in meta:
+            task_ids = [self._known_task(meta)]
+        else:
+            task_ids = mfield(meta, "tasks", list)
+            if not 1 <= len(task_ids) <= MAX_COMPLETE:
+                raise PayloadError(f"field 'tasks' must list 1 to {MAX_COMPLETE} task ids, got {len(task_ids)}")
+            task_ids = [self._known_task({"task": tid}) for tid in task_ids]
+        results = {}
+        for task_id in task_ids:
+            result = self.pool.complete(task_id, sender)
+            if result is Completion.ACCEPTED:
+                c.tasks_done += 1
+            results[task_id] = result.value
+        if "tasks" in meta:
+            return {"results": results}
+        return {"result": results[task_ids[0]]}
 
     async def on_fail(self, meta, tensors, sender):
         self._client(sender)

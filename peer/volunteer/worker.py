@@ -425,10 +425,16 @@ class StageWorker:
                 # some tasks were credited there from another client's copy: the rest are re-run alone
                 credited &= set(answer[0].get("credited", []))
                 self.stats["conflicts"] += 1
-        await asyncio.gather(*(
-            self._quiet(self.call(link, "complete" if tid in credited else "fail", {"task": tid}, epoch=p.epoch))
-            for link, tid, _, _ in p.tasks
-        ))
+        # one `complete` per server for every task of the sum it leased; a task not credited everywhere
+        # is handed back on its own
+        done: dict[str, tuple] = {}
+        for link, tid, _, _ in p.tasks:
+            if tid in credited:
+                done.setdefault(link.device, (link, []))[1].append(tid)
+        await asyncio.gather(
+            *(self._quiet(self.call(link, "complete", {"tasks": tids}, epoch=p.epoch)) for link, tids in done.values()),
+            *(self._quiet(self.call(link, "fail", {"task": tid}, epoch=p.epoch))
+              for link, tid, _, _ in p.tasks if tid not in credited))
         n = len(ids) - len(credited)
         if n:
             self.stats["dropped"] += n

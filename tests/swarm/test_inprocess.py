@@ -176,3 +176,113 @@ def test_a_lease_whose_answer_was_lost_goes_back_to_the_pool_at_the_next_heartbe
         assert fs.pool.lease_of(meta["task"]) is not None  # the refused heartbeats changed nothing
 
     asyncio.run(scenario())
+
+
+def test_a_waiting_take_gets_the_task_cut_while_it_waits_and_a_bad_wait_is_refused():
+    """An idle worker long-polls `take` at every server of its stage at once: the task cut while it
+    waits comes back at once, without a poll; a wait that ends empty answers no task; a wait out of
+    bounds is refused with its name and leases nothing."""
+    import time
+
+    from parameter_server.leases import MAX_TAKE_WAIT
+    from peer.protocol.wire import RemoteError
+
+    cfg, layout, run = make_run(steps=1, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    (a,) = swarm.workers
+    link = a.links[fs.device_id]
+
+    async def scenario():
+        await a.register()
+        t0 = time.monotonic()
+        meta, _ = await link.call("take", {"wait": 0.3})
+        assert meta["task"] is None and time.monotonic() - t0 >= 0.25  # waited, found nothing
+        for bad in (-1.0, MAX_TAKE_WAIT + 1, "1"):
+            with pytest.raises(RemoteError, match="'wait'"):
+                await link.call("take", {"wait": bad})
+        stop = asyncio.Event()
+        waiting = asyncio.ensure_future(a.wait_for_task(stop, wait=3.0))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and set(a.waiting) == set(layout.stages[0].servers)
+        t0 = time.monotonic()
+        fs.maybe_start_batches()  # batch 0's forward tasks are cut now
+        got = await asyncio.wait_for(waiting, 2.0)
+        assert got is not None and got[1]["kind"] == "forward" and time.monotonic() - t0 < 0.5
+        assert set(a.waiting) == set(layout.stages[0].backward)  # the backward server's wait goes on
+        stop.set()
+        await a._stop_waiting()  # what it was still waiting for is cancelled; nothing stays leased to it unseen
+        assert not a.waiting and not a.ready
+
+    asyncio.run(scenario())
+
+
+def test_a_micro_batch_goes_whole_to_the_clients_owed_the_most_rows():
+    """With more clients than tasks of --task-tokens, each micro-batch goes to the clients whose
+    share of the compute is owed the most rows: equal clients get one whole micro-batch each per
+    batch, and a client twice as fast gets twice the rows over a few batches."""
+    import collections
+
+    from parameter_server.clients import ClientInfo
+
+    cfg, layout, run = make_run(steps=1, stages=1, batch_size=16, micro_batches=4)  # 4 rows per micro-batch
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=0, servers_compute=False)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    assert fs.min_task_rows == 16  # 512 tokens of 32 (tiny): a whole micro-batch
+    for name in ("c1", "c2", "c3", "c4"):
+        fs.clients[f"peer-{name}"] = ClientInfo(name, 1.0, fs.clock())
+    made = []
+    fs._add_task = made.append
+
+    def cut(micro_batches: int) -> collections.Counter:
+        made.clear()
+        for m in range(micro_batches):
+            fs._make_forward_tasks(0, m % run.micro_batches)
+        rows = collections.Counter()
+        for task in made:
+            rows[task.preferred_client] += task.rows[1] - task.rows[0]
+        return rows
+
+    rows = cut(4)
+    assert len(made) == 4 and sorted(rows.values()) == [4, 4, 4, 4]  # one whole micro-batch each
+    fs.clients["peer-c1"].compute = 2.0  # c1 is twice as fast as each other client
+    fs.task_credit.clear()
+    rows = cut(20)
+    assert rows["peer-c1"] == 2 * rows["peer-c2"] == 2 * rows["peer-c3"] == 2 * rows["peer-c4"] == 32
+    fs.min_task_rows = 1  # --task-tokens 1: every client gets a share of every micro-batch, as before
+    rows = cut(1)
+    assert len(made) == 4 and sum(rows.values()) == 4
+
+
+def test_one_complete_carries_every_task_of_a_push_and_a_bad_list_changes_nothing():
+    from parameter_server.leases import MAX_COMPLETE
+    from peer.protocol.wire import RemoteError
+
+    cfg, layout, run = make_run(steps=1, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    fs.min_task_rows = 1
+    (a,) = swarm.workers
+    link = a.links[fs.device_id]
+
+    async def scenario():
+        await a.register()
+        fs.maybe_start_batches()
+        ids = []
+        while True:
+            meta, _ = await link.call("take", {})
+            if meta["task"] is None:
+                break
+            ids.append(meta["task"])
+        assert len(ids) >= 2
+        for bad, why in (([], "1 to"), (["x"] * (MAX_COMPLETE + 1), "1 to"), ([ids[0], "F99.0.0.0-1"], "unknown task id"),
+                         ("T1", "must be list")):
+            with pytest.raises(RemoteError, match=why):
+                await link.call("complete", {"tasks": bad})
+        assert all(fs.pool.lease_of(t) is not None for t in ids)  # the refused calls completed nothing
+        meta, _ = await link.call("complete", {"tasks": ids[:2]})
+        assert meta["results"] == {ids[0]: "accepted", ids[1]: "accepted"}
+        meta, _ = await link.call("complete", {"task": ids[0]})
+        assert meta["result"] == "duplicate"
+
+    asyncio.run(scenario())
