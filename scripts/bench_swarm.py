@@ -211,11 +211,34 @@ round is a warm-up and not counted.
           f"{exchange / 1e6:.2f}", f"{measured / exchange:.1f}"]]) +
         f"\n\nBy method (per step, load at the swarm's start {swarm['load']}):\n\n" +
         md_table(["method", "request MB", "response MB", "total MB", "share"], method_rows(swarm, steps)))
+    report.section("RPCs per micro-batch share (each swarm run)", rpc_text(swarms))
     grads_per_step = swarm["traffic"].get("push_grads.request", 0) / steps
     report.section("Reading the numbers", interpretation(cfg, s, swarms, ratio, hop_rows, measured, floor,
                                                          exchange, grads_per_step))
     report.write(args.out)
     return 0
+
+
+# what a worker calls for its tasks, what it calls to stay registered, what servers call each other
+TASK_PATH = ("take", "complete", "fail", "push_outputs", "push_input_grads", "push_grads", "get_inputs", "get_params")
+UPKEEP = ("register",)
+
+
+def rpc_text(swarms: list[dict]) -> str:
+    """Calls that reached a server over the network, per task (a micro-batch share: the rows of one
+    micro-batch one worker computes at one stage); a server's own worker calls its own server in-process."""
+    rows = []
+    for i, sw in enumerate(swarms):
+        calls, tasks = sw.get("rpc_calls", {}), max(sw["tasks_completed"], 1)
+        path = sum(calls.get(m, 0) for m in TASK_PATH)
+        empty = max(calls.get("take", 0) - tasks, 0)  # takes that found nothing (at most one per task found one)
+        upkeep = sum(calls.get(m, 0) for m in UPKEEP)
+        between = sum(v for m, v in calls.items() if m not in TASK_PATH + UPKEEP + ("status",))
+        rows.append([f"#{i + 1}", tasks, f"{path / tasks:.2f}", f"{(path - empty) / tasks:.2f}", f"{upkeep / tasks:.2f}",
+                     f"{between / tasks:.2f}", ", ".join(f"{m} {calls.get(m, 0) / tasks:.2f}" for m in TASK_PATH
+                                                         if calls.get(m))])
+    return "\n" + md_table(["run", "tasks", "task-path calls per task", "without takes that found nothing",
+                             "heartbeats per task", "server-to-server calls per task", "by method, per task"], rows)
 
 
 def interpretation(cfg, s, swarms, ratio, hop_rows, measured, floor, exchange, grads_per_step) -> str:
@@ -232,9 +255,10 @@ def interpretation(cfg, s, swarms, ratio, hop_rows, measured, floor, exchange, g
 - **Throughput.** The swarm reaches {ratio:.2f}x the single process's tokens/s on the same 2 cores. The
   reference is one process doing only arithmetic; the swarm runs {s['stages'] * s['servers_per_stage'] + s['volunteers']}
   training processes, each with its own DHT process and p2p daemon, on those 2 cores, and does more work
-  per token: the backward task recomputes the forward pass (a worker does 2 forwards + 1 backward),
-  every tensor crosses process boundaries 2 to 3 times (worker → server → worker), and each of a
-  task's {{take, outputs or input gradient, gradient shards, complete}} is a separate P2P call. The
+  per token: every tensor crosses process boundaries 2 to 3 times (worker → server → worker), every
+  version's parameters are pulled by every worker and every worker's gradient sum is pushed, each
+  server replicates and checkpoints its shard every step, and every task costs its own calls
+  (section "RPCs" above); a backward task taken by another worker than the forward's recomputes it. The
   swarm's `wall_seconds` starts once every server is online, so the {startup:.0f} s of
   startup is not in its tokens/s. The swarm's runs differ by {max(tps) / min(tps):.1f}x here, and runs
   of the same command during this work differed by up to 3x, with the other jobs' load: every process
