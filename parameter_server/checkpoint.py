@@ -27,11 +27,59 @@ def checkpoint_state(server) -> tuple[dict, dict]:
     return state, summary
 
 
-def write_checkpoint(directory: str, device: str, state: dict, summary: dict) -> None:
-    path = _path(directory, device)
+def _save_atomic(obj, path: str) -> None:
     tmp = path + ".tmp"
-    torch.save(state, tmp)
+    torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def _history_out(directory: str, prefix: str, shard: dict) -> dict:
+    """A shard's state with its kept versions (parameter snapshot and AdamW moments of each) moved to
+    files of their own, `{prefix}.{token}.pt`, each written once: a version never changes under its
+    token, so a step writes only the version it made, not every kept one again (the whole window,
+    3 + 2 x stages versions of 3 tensors each, was ~24 copies of the shard per step and server)."""
+    shard = dict(shard)
+    snapshots, moments, tokens = shard.pop("snapshots"), shard.pop("moments"), shard.pop("tokens")
+    history = {}
+    for v, snap in snapshots.items():
+        name = f"{prefix}.{tokens[v]}.pt"
+        if not os.path.exists(os.path.join(directory, name)):
+            _save_atomic({"snapshot": snap, "moments": moments.get(v)}, os.path.join(directory, name))
+        history[v] = name
+    shard["history"], shard["tokens"] = history, tokens
+    return shard
+
+
+def _history_in(directory: str, shard: dict) -> dict:
+    """The inverse of _history_out (a state written before it, with the versions inline, as it is)."""
+    if "history" not in shard:
+        return shard
+    shard = dict(shard)
+    shard["snapshots"], shard["moments"] = {}, {}
+    for v, name in shard.pop("history").items():
+        saved = torch.load(os.path.join(directory, name), weights_only=False)
+        shard["snapshots"][v] = saved["snapshot"]
+        if saved["moments"] is not None:
+            shard["moments"][v] = saved["moments"]
+    return shard
+
+
+def _forget_history(directory: str, prefix: str, keep: set[str]) -> None:
+    """Delete the version files under `prefix` that the file just written no longer names."""
+    for name in os.listdir(directory):
+        if name.startswith(prefix + ".") and name.endswith(".pt") and name not in keep:
+            try:
+                os.remove(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+
+
+def write_checkpoint(directory: str, device: str, state: dict, summary: dict) -> None:
+    prefix = f"{device}.history"
+    state = dict(state, slots={slot: _history_out(directory, f"{prefix}.s{slot}", sh)
+                               for slot, sh in state["slots"].items()})
+    _save_atomic(state, _path(directory, device))
+    _forget_history(directory, prefix, {name for sh in state["slots"].values() for name in sh["history"].values()})
     with open(os.path.join(directory, f"{device}.json"), "w") as f:
         json.dump(summary, f)
 
@@ -48,10 +96,10 @@ def write_replica(directory: str, device: str, slot: int, state: dict) -> None:
     """The replica of another server's slot, as it arrives: the state a takeover starts from must
     outlive a crash of this server (a crash right after adopting a slot, before its first step
     there, lost the slot when replicas lived only in memory)."""
-    path = _replica_path(directory, device, slot)
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    prefix = f"{device}.replica{slot}.history"
+    state = _history_out(directory, prefix, state)
+    _save_atomic(state, _replica_path(directory, device, slot))
+    _forget_history(directory, prefix, set(state["history"].values()))
 
 
 class CheckpointWriter:
@@ -131,7 +179,7 @@ def load_checkpoint(server, directory: str) -> bool:
             raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:3]} of shard slot {slot}: not this "
                              "server's shard")
     for slot, shard in shards.items():
-        shard.load_state_dict(state["slots"][slot])
+        shard.load_state_dict(_history_in(directory, state["slots"][slot]))
         if slot != server.slot:
             server.replicas[slot] = shard
     _load_replicas(server, directory)
@@ -152,7 +200,7 @@ def _load_replicas(server, directory: str) -> None:
         current = server.replicas.get(slot)
         if current is None or saved["version"] > current.version:
             shard = server._new_shard(slot)
-            shard.load_state_dict(saved)
+            shard.load_state_dict(_history_in(directory, saved))
             server.replicas[slot] = shard
 
 

@@ -16,6 +16,7 @@ batches 0..t-2), and update t is applied when version == t, producing version t 
 from __future__ import annotations
 
 import copy
+import uuid
 
 from dataclasses import dataclass, field
 
@@ -68,6 +69,9 @@ class ShardState:
         # AdamW's state at each kept version (step count, exp_avg, exp_avg_sq per parameter): with the
         # parameter snapshot, what a rollback to that version restores
         self.moments: dict[int, dict[str, tuple]] = {0: self._moments()}
+        # a name for each kept version's contents, new whenever a version is made (a rollback re-makes
+        # later versions with other contents): a checkpoint writes each version's file once, by it
+        self.tokens: dict[int, str] = {0: _token()}
         self.rollback_epoch = 0  # the last layout epoch whose rollback this shard applied
         self.batches: dict[int, BatchCredit] = {}
         self.losses: dict[int, float] = {}
@@ -90,7 +94,8 @@ class ShardState:
         """Record version's parameters and AdamW state; forget versions beyond the kept window."""
         self.snapshots[version] = self._snapshot()
         self.moments[version] = self._moments()
-        for store in (self.snapshots, self.moments):
+        self.tokens[version] = _token()
+        for store in (self.snapshots, self.moments, self.tokens):
             for v in [v for v in store if v <= version - self.keep_versions]:
                 del store[v]
 
@@ -115,7 +120,7 @@ class ShardState:
                 else:
                     self.optimizer.state[p] = {"step": torch.tensor(step), "exp_avg": avg.clone(),
                                                "exp_avg_sq": avg_sq.clone()}
-        for store in (self.snapshots, self.moments):
+        for store in (self.snapshots, self.moments, self.tokens):
             for v in [v for v in store if v > version]:
                 del store[v]
         self.microbatches_applied -= (self.version - version) * self.micro_batches
@@ -300,6 +305,7 @@ class ShardState:
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "snapshots": dict(self.snapshots),
             "moments": dict(self.moments),
+            "tokens": dict(self.tokens),
             "rollback_epoch": self.rollback_epoch,
             "losses": dict(self.losses),
             "microbatches_applied": self.microbatches_applied,
@@ -315,8 +321,14 @@ class ShardState:
         self.snapshots = {int(v): s for v, s in state["snapshots"].items()}
         # (a checkpoint written before rollbacks existed has no AdamW history: it cannot roll back)
         self.moments = {int(v): m for v, m in state.get("moments", {}).items()}
+        tokens = state.get("tokens", {})
+        self.tokens = {v: str(tokens[v]) if v in tokens else _token() for v in self.snapshots}
         self.rollback_epoch = int(state.get("rollback_epoch", 0))
         self.losses = {int(k): float(v) for k, v in state["losses"].items()}
         self.microbatches_applied = int(state["microbatches_applied"])
         self.duplicates = int(state["duplicates"])
         self.batches = {}
+
+
+def _token() -> str:
+    return uuid.uuid4().hex[:16]

@@ -115,3 +115,46 @@ def test_peer_join_refuses_a_bad_cheat_before_it_joins():
                                       "--cheat", "lazy"])
     with pytest.raises(UsageError, match="--cheat 'lazy'"):
         run(args)
+
+
+def test_a_checkpoint_writes_each_kept_version_once_and_reads_back_the_whole_history(tmp_path):
+    """The kept versions (what rollbacks and replicas need) live in files of their own, written once
+    each: a step adds one file and the oldest goes; a rollback's re-made versions get new files; the
+    history read back equals the shard's, AdamW moments included."""
+    import os
+    from types import SimpleNamespace
+
+    from parameter_server.checkpoint import _history_in, checkpoint_state, write_checkpoint, write_replica
+
+    shard = _shard(keep=3)
+    server = SimpleNamespace(slot=0, hosted={0: shard}, version=0, device_id="s0f0", stage=0, epoch=0)
+
+    def write() -> dict[str, float]:
+        server.version = shard.version
+        write_checkpoint(str(tmp_path), "s0f0", *checkpoint_state(server))
+        return {f: os.stat(tmp_path / f).st_mtime_ns for f in os.listdir(tmp_path) if ".history." in f}
+
+    _run(shard, range(3))
+    files = write()
+    assert len(files) == 3  # versions 1, 2, 3
+    _run(shard, [3])
+    again = write()
+    assert len(again) == 3 and len(set(again) - set(files)) == 1  # one new version file, the oldest gone
+    assert all(again[f] == files[f] for f in set(again) & set(files))  # the others were not rewritten
+    assert shard.rollback(2, epoch=1)
+    _run(shard, [2, 3])
+    redone = write()
+    assert len(redone) == 3 and len(set(redone) - set(again)) == 2  # versions 3 and 4 were made anew
+    saved = torch.load(tmp_path / "s0f0.shard.pt", weights_only=False)["slots"][0]
+    assert "snapshots" not in saved
+    copy = _shard(keep=3)
+    copy.load_state_dict(_history_in(str(tmp_path), saved))
+    assert sorted(copy.snapshots) == sorted(shard.snapshots) == [2, 3, 4]
+    for v in shard.snapshots:
+        assert all(torch.equal(copy.snapshots[v][n], shard.snapshots[v][n]) for n in shard.names)
+        for n in shard.names:
+            assert copy.moments[v][n][0] == shard.moments[v][n][0]
+            assert torch.equal(copy.moments[v][n][1], shard.moments[v][n][1])
+    write_replica(str(tmp_path), "s0b0", 1, shard.state_dict())  # a replica's history beside it, apart
+    assert len([f for f in os.listdir(tmp_path) if f.startswith("s0b0.replica1.history.")]) == 3
+    assert len([f for f in os.listdir(tmp_path) if f.startswith("s0f0.history.")]) == 3
