@@ -389,7 +389,15 @@ def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, h
                 warnings.append(f"stage {s['index']} {e['role']} {e['device']} ({e['short']}) is offline")
     if malformed:
         warnings.append(f"{len(malformed)} malformed record(s)")
-    finished = run is not None and step is not None and step >= run.steps
+    # finished once every server of the layout has announced the last version: the live ones alone
+    # can all be there while a lost server's slot is not (a role's last server gone: the others of its
+    # stage step their own slots to the end)
+    reached: dict[str, int] = {}
+    for r in every_server_rec:
+        reached[r["device"]] = max(reached.get(r["device"], -1), r["version"])
+    devices = [d for st_ in layout.stages for d in st_.servers] if layout is not None else []
+    finished = run is not None and step is not None and step >= run.steps and \
+        all(reached.get(d, -1) >= run.steps for d in devices)
     # a role lost its last server: the servers say so, and what brings the run back
     # (any record in the DHT now, live or late: a record leaves the DHT a few announce periods after
     # its last announcement, and a busy reader finds them all late)

@@ -231,6 +231,21 @@ def test_a_run_at_its_last_step_is_finished_not_blocked():
     assert s["progress"]["microbatches_applied"] == s["progress"]["microbatches_expected"] == 80
 
 
+def test_a_run_whose_lost_server_is_behind_is_stopped_not_finished():
+    """Stage 1's last backward server is gone at version 2; the live servers stepped their own slots
+    to the end (seen in CI once the swarm got faster): the run is not finished, it is stopped."""
+    from parameter_server.layout import halt_reason
+
+    reason = halt_reason([(1, "backward", ("s1b0",))])
+    stages = [{PEERS[d]: server(d, version=10, halted=reason) for d in ("s0f0", "s0b0")},
+              {PEERS["s1f0"]: server("s1f0", version=10, halted=reason),
+               PEERS["s1b0"]: server("s1b0", version=2, age=30.0)}]
+    s = snap(stages)
+    assert s["health"]["status"] == "stopped" and s["health"]["stopped"] == reason
+    del stages[1][PEERS["s1b0"]]  # its record expired: no word of it at all
+    assert snap(stages)["health"]["status"] == "stopped"
+
+
 def test_a_joining_server_is_live():
     stages = healthy()
     stages[0][PEERS["s0f0"]] = server("s0f0", state="joining", version=0, step_times={})
