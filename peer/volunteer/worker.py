@@ -58,7 +58,7 @@ class Pending:
 
 
 # how long an idle worker's take waits at a server for a task (the server caps it at MAX_TAKE_WAIT)
-TAKE_WAIT = 1.0
+TAKE_WAIT = 3.0
 
 
 class NotReady(Exception):
