@@ -2,7 +2,7 @@
 process's memory, file descriptors and threads (issue "Hours, not minutes", item 1).
 
 The swarm: the small model, 2 stages x 4 servers (2 frontal + 2 backward each, so a server can be
-lost for good), --volunteers volunteers (default 6). Faults: --churn of the volunteers SIGKILLed
+lost for good; they compute too unless --servers-compute no), --volunteers volunteers (default 6). Faults: --churn of the volunteers SIGKILLed
 and replaced per step, one server SIGKILLed and restarted from its checkpoint every
 --restart-every minutes, one lost for good once (at --lose-at minutes; failed over after --failover-after s).
 Every --sample seconds each process (with its DHT process and p2p daemon) is sampled with psutil.
@@ -39,6 +39,9 @@ p.add_argument("--lose-at", type=float, default=None, help="minute at which a se
 p.add_argument("--failover-after", type=float, default=120.0,
                help="seconds of silence before a server is failed over; longer than a restart takes on a loaded "
                     "machine (on 2 cores a restart of the small model took over 60 s; default 120)")
+p.add_argument("--servers-compute", choices=["yes", "no"], default="yes",
+               help="servers run a local worker too (the default of peer swarm and peer serve); with 'no' a "
+                    "stage whose volunteers were all just replaced waits for them to load")
 p.add_argument("--sample", type=float, default=10.0, help="seconds between samples")
 p.add_argument("--model", default="small")
 p.add_argument("--seed", type=int, default=0)
@@ -104,7 +107,7 @@ async def main() -> dict:
     os.makedirs(args.out, exist_ok=True)
     sargs = build_parser().parse_args([
         "swarm", "--model", args.model, "--steps", "1000000", "--volunteers", str(args.volunteers),
-        "--servers-per-stage", "4", "--servers-compute", "no", "--failover-after", str(args.failover_after),
+        "--servers-per-stage", "4", "--servers-compute", args.servers_compute, "--failover-after", str(args.failover_after),
         "--client-timeout", "3",
         "--seed", str(args.seed), "--work-dir", args.work_dir, "--no-progress", "--run-id", f"soak-{os.getpid()}"])
     sargs.verbose = 0
@@ -256,7 +259,7 @@ def report(r: dict) -> dict:
 
     applied = sum(r["statuses"][st.servers[0]]["microbatches_applied"] for st in r["layout"].stages)
     summary = {
-        "minutes": args.minutes, "steps": r["final"],
+        "minutes": args.minutes, "servers_compute": args.servers_compute, "steps": r["final"],
         # at the status call, after the steps compared (the run goes on until the swarm is stopped)
         "microbatches_applied": applied,
         "microbatches_expected": sum(r["statuses"][st.servers[0]]["version"] for st in r["layout"].stages)
