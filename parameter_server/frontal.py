@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from parameter_server.layout import DEFAULT_TASK_TOKENS, owners, split_by_weights  # noqa: F401 (re-exported)
+from parameter_server.layout import owners, split_by_weights
 from parameter_server.ledger import RowBuffer
 from peer.model.update_rule import version_for_batch
 from peer.protocol.tasks import task_id as make_task_id

@@ -14,18 +14,22 @@ from taskpool import Completion, Task
 # the longest a `take` may wait for a task (its `wait` field): a waiting client costs the server one
 # open call instead of a poll every few tens of milliseconds, and gets a new task the moment it is cut
 MAX_TAKE_WAIT = 5.0
-RECHECK = 0.05
-MAX_COMPLETE = 1024  # task ids one `complete` may carry  # a waiting take looks again this often: preferences and leases run out with the clock
+RECHECK = 0.05  # a waiting take looks again this often: preferences and leases run out with the clock
+MAX_COMPLETE = 1024  # task ids one `complete` may carry
 
 
 class Leases:
     """StageServer's take, complete and fail (a part of parameter_server.service.StageServer)."""
 
+    def _tasks_event(self) -> asyncio.Event:
+        """What a waiting `take` waits on: set (and replaced) when a task is added."""
+        if getattr(self, "_tasks_added", None) is None:
+            self._tasks_added = asyncio.Event()
+        return self._tasks_added
+
     def _signal_tasks(self) -> None:
         """Wake every `take` waiting for a task."""
-        event = getattr(self, "_tasks_added", None)
-        if event is not None:
-            event.set()
+        self._tasks_event().set()
         self._tasks_added = asyncio.Event()
 
     async def _wait_for_task(self, sender: str, wait: float, epoch: int):
@@ -40,10 +44,8 @@ class Leases:
             left = deadline - time.monotonic()
             if lease is not None or left <= 0:
                 return lease
-            if getattr(self, "_tasks_added", None) is None:
-                self._signal_tasks()
             try:
-                await asyncio.wait_for(self._tasks_added.wait(), min(RECHECK, left))
+                await asyncio.wait_for(self._tasks_event().wait(), min(RECHECK, left))
             except asyncio.TimeoutError:
                 pass
 

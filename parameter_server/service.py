@@ -29,8 +29,8 @@ from parameter_server.backward import Backward
 from parameter_server.checks import Checks
 from parameter_server.clients import ClientInfo, Clients
 from parameter_server.failover import Failover
-from parameter_server.frontal import DEFAULT_TASK_TOKENS, Frontal
-from parameter_server.layout import RunLayout, segment
+from parameter_server.frontal import Frontal
+from parameter_server.layout import DEFAULT_TASK_TOKENS, RunLayout, segment
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.leases import Leases
 from parameter_server.outbox import Outbox
