@@ -3,13 +3,12 @@ of the run (`{run}_config`, `{run}_stage0` ...) maps subkeys to a signed envelop
 The envelope's signatures and the record inside it are checked by trust.RunValidator."""
 from __future__ import annotations
 
-import collections
 from typing import Any, Dict, Optional
 
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import SchemaValidator
 
-from peer.protocol.trust import MAX_STAGES
+from peer.protocol.trust import MAX_STAGES, Remembered
 
 
 class Envelope(pydantic.BaseModel):
@@ -38,11 +37,9 @@ class CachedSchemaValidator(SchemaValidator):
     every read that reaches it (pydantic's parse and dict() were the largest share of a swarm's DHT
     processes' time). Bounded: the oldest verdicts go first."""
 
-    CACHE = 4096
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._verdicts: collections.OrderedDict = collections.OrderedDict()
+        self._verdicts = Remembered()
 
     def merge_with(self, other) -> bool:
         merged = super().merge_with(other)
@@ -55,11 +52,7 @@ class CachedSchemaValidator(SchemaValidator):
         verdict = self._verdicts.get(key)
         if verdict is None:
             verdict = super().validate(record)
-            self._verdicts[key] = verdict
-            if len(self._verdicts) > self.CACHE:
-                self._verdicts.popitem(last=False)
-        else:
-            self._verdicts.move_to_end(key)
+            self._verdicts.put(key, verdict)
         return verdict
 
 

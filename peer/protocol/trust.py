@@ -174,25 +174,48 @@ def seal(name: str, subkey: str, body: dict, ttl: float, signer: SigningKey, run
             "run_sig": run_key.sign(payload) if run_key is not None else None}
 
 
-# signatures that verified, (public key, signature, signed bytes) -> None, newest last: every DHT node
-# re-validates the same stored record each time a reader asks for it (a swarm reads each record a few
-# times per announce period), and an RSA check with its key parse costs ~0.2 ms of a busy core. Only a
-# triple that verified is kept, so a forgery can never be answered from here.
-_VERIFIED: collections.OrderedDict = collections.OrderedDict()
+class Remembered:
+    """A bounded map of verdicts, the least recently used forgotten first: what the record validators
+    remember per stored bytes (this module's signatures, schema.py's schema verdicts)."""
+
+    def __init__(self, size: int = 4096):
+        self.size = size
+        self._items: collections.OrderedDict = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key, default=None):
+        if key not in self._items:
+            return default
+        self._items.move_to_end(key)
+        return self._items[key]
+
+    def put(self, key, value) -> None:
+        self._items[key] = value
+        if len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+
+# signatures that verified, (public key, signature, signed bytes): every DHT node re-validates the same
+# stored record each time a reader asks for it (a swarm reads each record a few times per announce
+# period), and an RSA check with its key parse costs ~0.2 ms of a busy core. Only a triple that
+# verified is kept, so a forgery can never be answered from here.
 VERIFIED_CACHE = 4096
+_VERIFIED = Remembered(VERIFIED_CACHE)
 
 
 def _verify(public_der: Any, payload: bytes, signature: Any, whose: str) -> None:
     if not isinstance(public_der, bytes) or not isinstance(signature, bytes):
         raise TrustError(f"{whose} key or signature missing")
     triple = (public_der, signature, payload)
-    if triple in _VERIFIED:
-        _VERIFIED.move_to_end(triple)
+    if _VERIFIED.get(triple):
         return
     _verify_uncached(public_der, payload, signature, whose)
-    _VERIFIED[triple] = None
-    if len(_VERIFIED) > VERIFIED_CACHE:
-        _VERIFIED.popitem(last=False)
+    _VERIFIED.put(triple, True)
 
 
 def _verify_uncached(public_der: bytes, payload: bytes, signature: bytes, whose: str) -> None:
