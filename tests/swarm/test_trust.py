@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,10 @@ from tests.swarm.inprocess import InProcessSwarm, make_run
 REPO = Path(__file__).resolve().parents[2]
 
 
-def forge(outsider: DHT, key: SigningKey, real_server: dict, real_config: dict, run_fp: str, run_id: str) -> list:
-    """The forged stores of the issue, each as (what, store result)."""
+def forge(outsider: DHT, key: SigningKey, real_server: dict, real_config: dict, run_fp: str, run_id: str,
+          keep: bool = False) -> list:
+    """The forged stores of the issue, each as (what, store result); `keep`: the outsider also keeps them
+    in its own storage, as a malicious full node would."""
     me = str(outsider.peer_id)
     t = get_dht_time()
     stage0 = stage_name(run_id, 0)
@@ -44,8 +47,22 @@ def forge(outsider: DHT, key: SigningKey, real_server: dict, real_config: dict, 
          seal(config_name(run_id), run_fp, dict(real_config, steps=1), 60.0, key)),
         ("config as plain map", config_name(run_id), run_fp, dict(real_config, steps=1)),
     ]
-    return [(what, outsider.store(k, value, expiration_time=t + 60.0, subkey=subkey))
-            for what, k, subkey, value in attempts]
+    results = [(what, outsider.store(k, value, expiration_time=t + 60.0, subkey=subkey))
+               for what, k, subkey, value in attempts]
+    if keep:
+        outsider.run_coroutine(partial(_keep_locally, [(k, subkey, value, t + 60.0) for _, k, subkey, value in attempts]))
+    return results
+
+
+async def _keep_locally(records: list, dht, node) -> None:
+    """(run in the outsider's DHT process) A malicious node keeps its forgeries in its own storage
+    whether or not it is among the nearest nodes of their keys, which `store` alone leaves to chance
+    (hivemind stores on the num_replicas nodes nearest the key, the storing node only if it is one)."""
+    from hivemind.dht.routing import DHTID
+
+    for key, subkey, value, expiration in records:
+        node.protocol.storage.store(DHTID.generate(source=key), node.protocol.serializer.dumps(value), expiration,
+                                    subkey=subkey)
 
 
 def test_an_outsider_cannot_forge_records_or_call_server_methods(tmp_path):
@@ -70,7 +87,7 @@ def test_an_outsider_cannot_forge_records_or_call_server_methods(tmp_path):
             out["client"] = forge(client, key, real_server, real_config, run_fp, run_id)
             # 2. a full DHT node without validators: it keeps its forgeries and serves them to readers
             keeper = DHT(initial_peers=maddrs, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-            out["keeper"] = forge(keeper, key, real_server, real_config, run_fp, run_id)
+            out["keeper"] = forge(keeper, key, real_server, real_config, run_fp, run_id, keep=True)
             out["keeper_id"] = str(keeper.peer_id)
             # what every reader of the run sees: the real config and the real servers only
             out["config"] = await records.read_config_value(live.dht)
