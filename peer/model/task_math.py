@@ -50,7 +50,8 @@ class KeptForward:
 
 def forward_keeping(model: StageSlice, x: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, KeptForward]:
     """The slice's output for rows x (fp32 on the CPU) and the kept pass; its size counts what autograd
-    saved for the backward pass (parameters excluded: they are not a copy)."""
+    saved for the backward pass (parameters excluded: they are not a copy). A first-order backward
+    only (saved tensors come back detached)."""
     params = {p.data_ptr() for p in model.parameters()}
     saved = 0
 
@@ -58,7 +59,10 @@ def forward_keeping(model: StageSlice, x: torch.Tensor, device: torch.device) ->
         nonlocal saved
         if t.data_ptr() not in params:
             saved += t.numel() * t.element_size()
-        return t
+        # a detached alias (same storage, no grad_fn), never `t` itself: an op that saves its own output
+        # (rsqrt, attention) would else hold tensor -> grad_fn -> saved tensor in a cycle through C++
+        # that gc cannot break, and a pass dropped without its backward would never be freed
+        return t.detach()
 
     x = x.to(device)
     if not model.is_first:
