@@ -22,7 +22,8 @@ class Recovery:
                     tid, t, m, a, b, preferred = record["task"]
                     batches.add(t)
                     cut.add((t, m))
-                    if tid not in self.issued and not (self.stage == 0 and t < self.version - (RETAIN - 1)):
+                    if tid not in self.issued and t >= self.forgotten_before and \
+                            not (self.stage == 0 and t < self.version - (RETAIN - 1)):
                         if self.stage == 0 and self.role == "frontal" and (t, m) not in self.buffers:
                             self._build_inputs(t)
                         self.pool.add(Task(task_id=tid, kind="forward", batch=t, micro_batch=m, stage=self.stage,

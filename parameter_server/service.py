@@ -149,7 +149,8 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
                              preference_grace=self.preference_grace)
         for peer, c in self.clients.items():
             self.pool.set_client_speed(peer, c.compute)
-        self.issued: set[str] = set()  # every task id this server created
+        self.issued: set[str] = set()  # every task id this server created, of batches >= forgotten_before
+        self.forgotten_before = 0  # the closed tasks of earlier batches are forgotten (updates._forget_before)
         self.waiting_inputs: list[tuple[int, int]] = []  # FS k>0: complete inputs waiting for their version
         self.buffers: dict[tuple[int, int], "RowBuffer"] = {}  # FS: inputs; BS: outputs
         self.grad_buffers: dict[tuple[int, int], "RowBuffer"] = {}  # BS: output grads; FS: relayed input grads

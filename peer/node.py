@@ -29,6 +29,28 @@ class NetworkStartError(RuntimeError):
     """The DHT node could not start: an address that cannot be bound, initial peers that do not answer."""
 
 
+IDENTITY_DIR_PREFIX = "hivepipe-id-"
+
+
+def _sweep_identity_dirs(tmp: str) -> None:
+    """Remove the fresh-identity folders of processes that are gone: one killed while its DHT started
+    (churn does that) never reached its own clean-up. A folder is named after its process's pid."""
+    import shutil
+
+    for name in os.listdir(tmp):
+        if not name.startswith(IDENTITY_DIR_PREFIX):
+            continue
+        pid = name[len(IDENTITY_DIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)  # signal 0: is it alive (nothing is sent)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+        except PermissionError:
+            pass  # alive, someone else's
+
+
 def start_dht(initial_peers=(), *, run_id: str, run_fp: str | None, run_key=None, identity_path: str | None = None,
               client_mode: bool = False, host_maddrs=(LOOPBACK_MADDR,), announce_maddrs=None,
               timeout: float | None = None) -> DHT:
@@ -47,7 +69,8 @@ def start_dht(initial_peers=(), *, run_id: str, run_fp: str | None, run_key=None
 
     fresh = None
     if not identity_path:  # a fresh identity of our own, so that this process can sign as its peer id
-        fresh = tempfile.mkdtemp(prefix="hivepipe-id-")
+        _sweep_identity_dirs(tempfile.gettempdir())
+        fresh = tempfile.mkdtemp(prefix=f"{IDENTITY_DIR_PREFIX}{os.getpid()}-")
         identity_path = os.path.join(fresh, "identity.key")
         P2P.generate_identity(identity_path)
     elif not os.path.exists(identity_path):

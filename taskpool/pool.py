@@ -11,7 +11,9 @@ Every task added to the pool is, at any moment, in exactly one of four states::
 
 so ``queued + leased + done + abandoned == added`` always.  ``done`` and ``abandoned``
 are final: their ids are kept (two sets) so that the id cannot be added again and a
-later result for it is answered DUPLICATE and counted.  A leased task has exactly one
+later result for it is answered DUPLICATE and counted, until the owner calls
+``forget_closed(batch)`` for the batches it will never see a result of again (a run lasts
+days: kept for ever, the ids would grow by every task).  A leased task has exactly one
 holder, and the holder's :class:`~taskpool.speed.ClientRecord` lists it.  A queued task
 is either *open* (any client may take it) or *preferred* (only its preferred client may,
 until the grace period ends or that client leaves).
@@ -126,6 +128,7 @@ class TaskPool:
         self._by_key: dict[int, _Entry] = {}
         self._done: set[str] = set()
         self._abandoned: set[str] = set()
+        self._closed_by_batch: dict[int, list[str]] = {}  # batch -> ids done or abandoned, to forget
         self._seq = 0
 
         self._open: list[int] = []
@@ -248,6 +251,7 @@ class TaskPool:
         entry.state = _CLOSED
         del self._by_key[entry.key]
         self._done.add(task_id)
+        self._closed_by_batch.setdefault(entry.task.batch, []).append(task_id)
         self._ndone += 1
         now = self._clock()
         rec = self._clients.get(client)
@@ -293,7 +297,22 @@ class TaskPool:
             raise TaskPoolError(f"abandon: task {task_id!r} is {self._closed_state(task_id)}")
         self._close(entry)
         self._abandoned.add(task_id)
+        self._closed_by_batch.setdefault(entry.task.batch, []).append(task_id)
         self._nabandoned += 1
+
+    def forget_closed(self, before_batch: int) -> list[str]:
+        """Forget the ids of the done and abandoned tasks of batches < ``before_batch``: the
+        counters stay, but a later result for one of them is then an unknown id (misuse) and the
+        id may be added again. For an owner whose batches end (applied, out of every window), so
+        that a run of days keeps ids of its recent batches only. Returns the ids forgotten."""
+        gone: list[str] = []
+        for batch in [b for b in self._closed_by_batch if b < before_batch]:
+            ids = self._closed_by_batch.pop(batch)
+            for tid in ids:
+                self._done.discard(tid)
+                self._abandoned.discard(tid)
+            gone += ids
+        return gone
 
     # ------------------------------------------------------------------ time and churn
 

@@ -9,6 +9,8 @@ import shutil
 import pytest
 import torch
 
+from parameter_server.updates import RETAIN
+from peer.protocol.tasks import TaskId
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import InProcessSwarm, make_run
 
@@ -27,6 +29,11 @@ def test_in_process_swarm_equals_reference(stages, frontal, backward, volunteers
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
     applied = {s.stage: s.shard.microbatches_applied for s in swarm.servers.values()}
     assert applied == {k: steps * run.micro_batches for k in range(stages)}
+    # the ids of closed tasks are kept for the batches still in the window only (a run of days)
+    for s in swarm.servers.values():
+        assert s.forgotten_before == steps - (RETAIN - 1)
+        assert all(TaskId.parse(tid).batch >= s.forgotten_before for tid in s.issued), (s.device_id, s.issued)
+        assert s.pool.forget_closed(s.forgotten_before) == []
 
 
 def test_a_sum_that_overlaps_another_clients_push_in_part_is_rerun_not_lost():

@@ -328,6 +328,35 @@ def test_abandon_drops_the_task_and_late_results(clock):
     assert (s["abandoned"], s["duplicates"], s["done"]) == (2, 1, 0)
 
 
+def test_forget_closed_drops_the_ids_of_old_batches_only(clock):
+    pool = make_pool(clock)
+    for b in range(3):
+        pool.add(task(f"d{b}", batch=b))
+        pool.add(task(f"x{b}", batch=b, mb=1))
+        pool.complete(f"d{b}", "a")
+        pool.abandon(f"x{b}")
+    pool.add(task("live", batch=0, mb=2))  # not closed: never forgotten
+    assert sorted(pool.forget_closed(2)) == ["d0", "d1", "x0", "x1"]
+    assert pool.forget_closed(2) == []
+    # a late result for a forgotten id is an unknown id; the recent batch's ids are kept
+    with pytest.raises(TaskPoolError, match="unknown task id"):
+        pool.complete("d1", "a")
+    assert pool.complete("d2", "a") is Completion.DUPLICATE and pool.is_done("d2")
+    assert pool.lease_of("live") is None and take_id(pool, "a") == "live"
+    s = pool.stats()  # the counters stay
+    assert (s["done"], s["abandoned"], s["added"]) == (3, 3, 7)
+
+
+def test_a_long_run_that_forgets_its_batches_keeps_ids_of_recent_ones_only(clock):
+    pool = make_pool(clock)
+    for b in range(500):
+        for m in range(8):
+            pool.add(task(f"{b}/{m}", batch=b, mb=m))
+            pool.complete(take_id(pool, "a"), "a")
+        pool.forget_closed(b - 1)
+    assert sum(pool.is_done(f"{b}/{m}") for b in range(500) for m in range(8)) == 16  # batches 498 and 499
+
+
 # ------------------------------------------------------------------------ misuse
 
 
