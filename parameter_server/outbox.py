@@ -44,6 +44,11 @@ class Outbox:
                     logger.debug("%s: %s to %s refused: %s", self.device_id, method, device, e)
                 except Exception as e:
                     logger.debug("%s: %s to %s failed: %r", self.device_id, method, device, e)
+            task = asyncio.current_task()
+            if task is not None and getattr(task, "cancelling", lambda: 0)():  # (Python >= 3.11)
+                # cancelled (the server is stopping) while a call turned the cancellation into an error
+                # of its own: stop here, else the retries (up to ~10 minutes) keep the process alive
+                raise asyncio.CancelledError
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
         logger.warning("%s: gave up delivering %s to %s", self.device_id, method, device)
