@@ -5,6 +5,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import time
 
 from parameter_server.layout import DEFAULT_TASK_TOKENS
@@ -54,6 +55,11 @@ def add_arguments(p) -> None:
                      help="the run's key, shared by its servers: it signs the run's config and server records "
                           "(created here if missing: copy it to the run's other servers; or make it with `peer keygen`)")
     net.add_argument("--checkpoint-dir", default=None, help="save the shard here after every step; resume from it")
+    net.add_argument("--supervise", action="store_true",
+                     help="run the server in a child process and fork it again, from its checkpoint and under the "
+                          "same identity, when it crashes (killed by a signal or an error exit): torch and hivemind "
+                          "stay imported, so a restart takes seconds (needs --checkpoint-dir; the identity defaults "
+                          "to CHECKPOINT_DIR/DEVICE.identity.key; at most 5 restarts in 10 minutes)")
     net.add_argument("--announce-period", type=float, default=1.0, help="seconds between DHT announcements")
     net.add_argument("--task-timeout", type=float, default=60.0, help="seconds before an unanswered task is re-queued")
     net.add_argument("--client-timeout", type=float, default=5.0, help="seconds of silence before a client is dropped")
@@ -190,6 +196,12 @@ def read_allow_list(path: str) -> frozenset[str]:
 
 def run(args) -> int:
     check_common(args)
+    if args.supervise:
+        if not args.checkpoint_dir:
+            raise UsageError("--supervise restarts a crashed server from its checkpoint: give --checkpoint-dir")
+        from tqdm import tqdm
+
+        tqdm.monitor_interval = 0  # no monitor thread behind the corpus's progress bar: the supervisor forks
     cfg, layout, device, run_cfg = resolve(args)
     stage, role, _ = layout.locate(device)
     corpus = None
@@ -199,8 +211,40 @@ def run(args) -> int:
         corpus = load_training_corpus(args.data, cfg, args.hf_model, progress=args.parent_pid is None)
     from peer.node import watch_parent
 
-    watch_parent(args.parent_pid)
-    return run_until_signalled(lambda stop: serve_main(args, cfg, layout, device, run_cfg, corpus, stop))
+    if not args.supervise:
+        watch_parent(args.parent_pid)
+        return run_until_signalled(lambda stop: serve_main(args, cfg, layout, device, run_cfg, corpus, stop))
+    from peer.supervisor import supervise
+
+    if args.identity_path is None:  # a restarted server must come back under the same peer id
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        args.identity_path = os.path.join(args.checkpoint_dir, f"{device}.identity.key")
+    preload_server_modules()
+
+    def child(supervisor_pid: int) -> int:
+        watch_parent(supervisor_pid)
+        try:
+            return run_until_signalled(lambda stop: serve_main(args, cfg, layout, device, run_cfg, corpus, stop))
+        except (UsageError, NetworkError) as e:
+            print(f"peer serve: error: {e}", file=sys.stderr, flush=True)
+            return 2
+
+    return supervise(child, name=device, parent_pid=args.parent_pid)
+
+
+def preload_server_modules() -> None:
+    """Import what serve_main imports, before the supervisor forks: a restarted child pays for none
+    of it (no thread, no event loop and no CUDA context is started by these imports)."""
+    import torch  # noqa: F401
+
+    import parameter_server.checkpoint  # noqa: F401
+    import parameter_server.requestlog  # noqa: F401
+    import parameter_server.service  # noqa: F401
+    import peer.hf.init  # noqa: F401
+    import peer.node  # noqa: F401
+    import peer.protocol.records  # noqa: F401
+    import peer.reachability  # noqa: F401
+    import peer.volunteer.worker  # noqa: F401
 
 
 async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.Event) -> int:

@@ -69,6 +69,9 @@ def add_arguments(p) -> None:
     p.add_argument("--work-dir", default=None, help="logs and server checkpoints (default: a temporary folder)")
     p.add_argument("--hold", action="store_true", help="keep the swarm up after the last step until Ctrl-C")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--supervise-servers", action="store_true",
+                   help="start every server with `peer serve --supervise` (a crashed server is forked again from "
+                        "its checkpoint by a supervisor that keeps torch and hivemind imported)")
     from peer.hf import init as hf_init
 
     hf_init.add_arguments(p.add_argument_group("starting from a Transformers model"))

@@ -5,6 +5,8 @@ The swarm: the small model, 2 stages x 4 servers (2 frontal + 2 backward each, s
 lost for good; they compute too unless --servers-compute no), --volunteers volunteers (default 6). Faults: --churn of the volunteers SIGKILLed
 and replaced per step, one server SIGKILLed and restarted from its checkpoint every
 --restart-every minutes, one lost for good once (at --lose-at minutes; failed over after --failover-after s).
+Restarts are --restarts supervised (the default: `peer serve --supervise`, the server process SIGKILLed and
+forked again by its supervisor) or cold (the whole server SIGKILLed and started as a new process).
 Every --sample seconds each process (with its DHT process and p2p daemon) is sampled with psutil.
 At the end the model at the version every shard reached is compared with `peer reference` for that
 many steps.
@@ -42,6 +44,11 @@ p.add_argument("--failover-after", type=float, default=120.0,
 p.add_argument("--servers-compute", choices=["yes", "no"], default="yes",
                help="servers run a local worker too (the default of peer swarm and peer serve); with 'no' a "
                     "stage whose volunteers were all just replaced waits for them to load")
+p.add_argument("--restarts", choices=["supervised", "cold"], default="supervised",
+               help="supervised (default): servers run under `peer serve --supervise` and the soak SIGKILLs the "
+                    "server process (with its DHT process and p2p daemon), which the supervisor forks again; cold: "
+                    "the soak SIGKILLs the whole server and starts a new process, which imports torch and hivemind "
+                    "again (26 s on this machine under the soak's load)")
 p.add_argument("--sample", type=float, default=10.0, help="seconds between samples")
 p.add_argument("--model", default="small")
 p.add_argument("--seed", type=int, default=0)
@@ -98,7 +105,7 @@ async def main() -> dict:
 
     from peer.cli import build_parser
     from peer.launcher.monitor import Monitor
-    from peer.launcher.processes import Swarm
+    from peer.launcher.processes import Swarm, child_groups
     from peer.node import start_dht, stop_dht, visible_maddrs
     from peer.reachability import DialBackService
     from peer.swarm import validate
@@ -109,7 +116,8 @@ async def main() -> dict:
         "swarm", "--model", args.model, "--steps", "1000000", "--volunteers", str(args.volunteers),
         "--servers-per-stage", "4", "--servers-compute", args.servers_compute, "--failover-after", str(args.failover_after),
         "--client-timeout", "3",
-        "--seed", str(args.seed), "--work-dir", args.work_dir, "--no-progress", "--run-id", f"soak-{os.getpid()}"])
+        "--seed", str(args.seed), "--work-dir", args.work_dir, "--no-progress", "--run-id", f"soak-{os.getpid()}"]
+        + (["--supervise-servers"] if args.restarts == "supervised" else []))
     sargs.verbose = 0
     cfg, layout, frontal, backward = validate(sargs)
     dht = start_dht([], run_id=sargs.run_id, run_fp=Swarm.run_key(args.work_dir).fingerprint)
@@ -168,7 +176,12 @@ async def main() -> dict:
             if now >= next_sample:
                 groups = {"launcher": launcher_tree()}
                 for name, proc in list(swarm.servers.items()):
-                    groups[name] = tree(proc.pid)
+                    workers = child_groups(proc.pid)
+                    if workers:  # supervised: the server process (a new pid after each restart) and its supervisor
+                        groups[name] = tree(workers[0])
+                        groups[f"{name} supervisor"] = tree(proc.pid)[:1]
+                    else:
+                        groups[name] = tree(proc.pid)
                 for name, (proc, _) in list(swarm.volunteers.items()):
                     groups[name] = tree(proc.pid)
                 for name, procs in groups.items():
@@ -259,7 +272,8 @@ def report(r: dict) -> dict:
 
     applied = sum(r["statuses"][st.servers[0]]["microbatches_applied"] for st in r["layout"].stages)
     summary = {
-        "minutes": args.minutes, "servers_compute": args.servers_compute, "steps": r["final"],
+        "minutes": args.minutes, "servers_compute": args.servers_compute, "restarts": args.restarts,
+        "steps": r["final"],
         # at the status call, after the steps compared (the run goes on until the swarm is stopped)
         "microbatches_applied": applied,
         "microbatches_expected": sum(r["statuses"][st.servers[0]]["version"] for st in r["layout"].stages)

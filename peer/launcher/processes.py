@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+from peer.supervisor import group_members as _group_members, proc_table as _proc_table
+
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"  # a local swarm never listens beyond this machine
 
 
@@ -83,6 +85,8 @@ class Swarm:
                         argv.append("--no-requeue")
                     if a.compress != "none":
                         argv += ["--compress", a.compress]
+                    if getattr(a, "supervise_servers", False):
+                        argv.append("--supervise")
                     if a.verify_rate is not None:
                         argv += ["--verify-rate", str(a.verify_rate)]
                     if a.probation is not None:
@@ -128,8 +132,12 @@ class Swarm:
 
     def restart_server(self, name: str) -> None:
         """SIGKILL a server (its whole process group) and start it again with the same identity and
-        checkpoint dir: it resumes from its shard checkpoint and request log."""
+        checkpoint dir: it resumes from its shard checkpoint and request log. A supervised server
+        (`--supervise-servers`): SIGKILL its server process, whose supervisor forks it again."""
         proc = self.servers[name]
+        if "--supervise" in self.server_argv[name]:
+            kill_worker(proc)
+            return
         kill_group(proc, signal.SIGKILL)
         proc.wait()
         self.servers[name] = self._spawn(name, self.server_argv[name])
@@ -168,13 +176,16 @@ class Swarm:
 
 
 def kill_group(proc: subprocess.Popen, sig: int, wait: float = 5.0) -> None:
-    """Send `sig` to the process group that `proc` leads (it, its DHT process, its p2p daemon); for
-    SIGKILL, wait up to `wait` seconds until every member is gone, so that nothing of it outlives
-    the call (a killed process with much memory takes a moment to exit)."""
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        return
+    """Send `sig` to the process group that `proc` leads (it, its DHT process, its p2p daemon) and,
+    for SIGKILL, to the groups of its descendants that lead their own (a supervised server's server
+    process); for SIGKILL, wait up to `wait` seconds until every member is gone, so that nothing of
+    it outlives the call (a killed process with much memory takes a moment to exit)."""
+    groups = [proc.pid] + (child_groups(proc.pid) if sig == signal.SIGKILL else [])
+    for pgid in groups:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
     if sig != signal.SIGKILL:
         return
     deadline = time.time() + wait
@@ -182,29 +193,27 @@ def kill_group(proc: subprocess.Popen, sig: int, wait: float = 5.0) -> None:
         if proc.poll() is None:
             time.sleep(0.02)
             continue
-        if not _group_members(proc.pid):
+        if not any(_group_members(pgid) for pgid in groups):
             return
         time.sleep(0.02)
 
 
-def _group_members(pgid: int) -> list[int]:
-    """Pids of the live (not zombie) processes of group `pgid`; where /proc is missing, whether
-    signal 0 reaches the group."""
-    if not os.path.isdir("/proc"):
+def kill_worker(proc: subprocess.Popen, wait: float = 5.0) -> int | None:
+    """SIGKILL the server process of a supervised server (`peer serve --supervise`: `proc`'s child
+    in a group of its own, with its DHT process and p2p daemon), as a crash would; its supervisor
+    forks a new one. Returns the killed pid (None if there was none)."""
+    workers = child_groups(proc.pid)
+    for pgid in workers:
         try:
-            os.killpg(pgid, 0)
+            os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
-    members = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != b"Z":  # fields: state, ppid, pgrp, ...
-            members.append(int(name))
-    return members
+            pass
+    deadline = time.time() + wait
+    while time.time() < deadline and any(_group_members(pgid) for pgid in workers):
+        time.sleep(0.02)
+    return workers[0] if workers else None
+
+
+def child_groups(pid: int) -> list[int]:
+    """Process groups led by children of `pid` (a supervised server's server process leads its own)."""
+    return sorted(n for n, (ppid, pgrp) in _proc_table().items() if ppid == pid and pgrp == n)

@@ -44,6 +44,12 @@ def test_bad_addresses_are_named(argv, words, capsys, tmp_path):
     assert words in capsys.readouterr().err
 
 
+def test_supervise_without_a_checkpoint_is_named_and_nothing_written(tmp_path, capsys):
+    assert main(serve(tmp_path) + ["--supervise"]) == 2
+    assert "--supervise restarts a crashed server from its checkpoint: give --checkpoint-dir" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # not even the run key
+
+
 def peer(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "peer.cli", *argv], capture_output=True, text=True, timeout=timeout)
 

@@ -8,10 +8,12 @@ import asyncio
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 
+from peer.launcher.processes import child_groups
 from peer.protocol import records
 from peer.volunteer.worker import KILL_POINTS
 from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, rel_diff, swarm_cli
@@ -101,6 +103,38 @@ def test_servers_killed_and_restarted_resume_without_losing_a_step(tmp_path):
     for name in restarted_at:
         log = (tmp_path / f"{name}.log").read_text(errors="replace")
         assert "resumed from" in log, log[-2000:]
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    assert no_children_left(live.args.run_id) == []
+
+
+def test_a_supervised_server_killed_is_forked_again_by_its_supervisor_and_loses_nothing(tmp_path):
+    """`--supervise-servers`: the server process of s0b0 (not its supervisor) is SIGKILLed mid-run
+    with its DHT process and p2p daemon; the supervisor, which kept torch and hivemind imported,
+    forks a new one under the same identity, which resumes from the checkpoint and request log."""
+    steps = 8
+    live = tiny_swarm(tmp_path, "supervised", steps, "--supervise-servers")
+    seen = {}
+
+    async def scenario():
+        await live.start()
+        await live.wait_version(2)
+        supervisor = live.swarm.servers["s0b0"]
+        seen["supervisor"] = supervisor.pid
+        seen["workers_before"] = child_groups(supervisor.pid)
+        live.swarm.restart_server("s0b0")
+        await live.wait(lambda: child_groups(supervisor.pid) not in ([], seen["workers_before"]), 60,
+                        "the supervisor to fork a new server process")
+        seen["workers_after"] = child_groups(supervisor.pid)
+        seen["supervisor_alive"] = supervisor.poll() is None
+        return await live.finish(steps)
+
+    statuses, state = live.run(scenario)
+    assert len(seen["workers_before"]) == 1 and seen["supervisor_alive"], seen
+    assert all(s["version"] == steps for s in statuses.values())
+    log = (tmp_path / "s0b0.log").read_text(errors="replace")
+    assert "was killed by SIGKILL" in log and "restarting it" in log and "resumed from" in log, log[-3000:]
+    resumed_at = int(re.search(r"resumed from .* at version (\d+)", log).group(1))
+    assert resumed_at < steps, log[-3000:]  # it came back mid-run, and the run waited for it
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
     assert no_children_left(live.args.run_id) == []
 
