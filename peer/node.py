@@ -53,13 +53,15 @@ def _sweep_identity_dirs(tmp: str) -> None:
 
 def start_dht(initial_peers=(), *, run_id: str, run_fp: str | None, run_key=None, identity_path: str | None = None,
               client_mode: bool = False, host_maddrs=(LOOPBACK_MADDR,), announce_maddrs=None,
-              timeout: float | None = None) -> DHT:
+              timeout: float | None = None, identity_known_free: bool = False) -> DHT:
     """A DHT node with its p2p daemon, holding the record validators of run `run_id` (whose run key
     has fingerprint `run_fp`; None: learnt from the only config record that verifies) and what it
     signs its records with: its libp2p identity (from `identity_path`, else a fresh one) and, on a
     server, the run key (a trust.SigningKey). A server listens on `host_maddrs` and announces
     `announce_maddrs` (default: what it listens on); a client (volunteer, dashboard) dials out only.
-    `timeout` bounds the wait for the initial peers. Raises NetworkStartError saying what failed."""
+    `timeout` bounds the wait for the initial peers; `identity_known_free`: skip hivemind's check
+    that no other peer uses the identity (a restart whose predecessor is known to be gone).
+    Raises NetworkStartError saying what failed."""
     import tempfile
 
     from hivemind.p2p import P2P
@@ -81,8 +83,8 @@ def start_dht(initial_peers=(), *, run_id: str, run_fp: str | None, run_key=None
         raise NetworkStartError(f"identity {identity_path}: not a libp2p RSA identity ({type(e).__name__})") from None
     kwargs = dict(initial_peers=list(initial_peers) or None, start=True, client_mode=client_mode,
                   await_ready=True, record_validators=validators(run_id, run_fp))
-    if fresh:
-        kwargs["check_if_identity_free"] = False  # just made: nobody else has it
+    if fresh or identity_known_free:
+        kwargs["check_if_identity_free"] = False  # just made, or its last holder is gone: nobody else has it
     kwargs["host_maddrs"] = [LOOPBACK_MADDR] if client_mode else list(host_maddrs)
     if announce_maddrs and not client_mode:
         kwargs["announce_maddrs"] = list(announce_maddrs)
@@ -202,7 +204,9 @@ class DialError(ConnectionError):
 class LinkHealth:
     """Whether calls to one server get through, and the logging of it: one line when it starts
     failing, one a minute (with a count) while it goes on, one when it answers again; never a
-    traceback. While it fails, dialling it again backs off (0.5 s doubling to `max_backoff`)."""
+    traceback. While it fails, dialling it again backs off (0.5 s doubling to `max_backoff`), but
+    for addresses other than those of the last failed dial: a server that restarted announces new
+    ones (a fresh port) once it serves, and is dialled there at once."""
 
     def __init__(self, name: str, clock=time.monotonic, period: float = 60.0, max_backoff: float = 5.0):
         self.name, self.clock, self.period, self.max_backoff = name, clock, period, max_backoff
@@ -211,12 +215,16 @@ class LinkHealth:
         self._unlogged = 0
         self._logged_at = 0.0
         self.next_try = 0.0
+        self.failed_addresses: frozenset[str] | None = None  # where the last failed dial went
 
-    def failed(self, error: BaseException | str, dial: bool = True) -> None:
+    def failed(self, error: BaseException | str, dial: bool = True, addresses=None) -> None:
         """A failed attempt; `dial` says the server could not even be connected to (only that
-        backs off: a call cut short on a live connection is tried again at once)."""
+        backs off: a call cut short on a live connection is tried again at once); `addresses`:
+        where it was dialled."""
         now = self.clock()
         self.failures += 1
+        if dial and addresses:
+            self.failed_addresses = frozenset(addresses)
         if self.failing_since is None:
             self.failing_since = now
         # one call cut short is common on a busy link: backoff and a log line start at the second
@@ -239,10 +247,13 @@ class LinkHealth:
     def succeeded(self) -> None:
         if self.failures >= 2:
             logger.warning("reached %s again after %.0f s", self.name, self.clock() - self.failing_since)
-        self.failing_since, self.failures, self.next_try = None, 0, 0.0
+        self.failing_since, self.failures, self.next_try, self.failed_addresses = None, 0, 0.0, None
 
-    def backing_off(self) -> float:
-        """Seconds until the next dial may be tried (0 when it may now)."""
+    def backing_off(self, addresses=None) -> float:
+        """Seconds until the next dial may be tried (0 when it may now, or when `addresses` are not
+        those where the last dial failed)."""
+        if addresses and self.failed_addresses is not None and frozenset(addresses) != self.failed_addresses:
+            return 0.0
         return max(self.next_try - self.clock(), 0.0)
 
 
@@ -312,10 +323,10 @@ class P2PLink:
 
     async def dial(self) -> None:
         """Connect to the server at its announced addresses (a no-op for a peer already connected)."""
-        wait = self.health.backing_off() if self.backoff else 0.0
+        maddrs = self.addresses() if self.addresses is not None else []
+        wait = self.health.backing_off(maddrs) if self.backoff else 0.0
         if wait > 0:
             raise DialError(f"{self.device}: unreachable, next dial in {wait:.1f} s")
-        maddrs = self.addresses() if self.addresses is not None else []
         if maddrs:
             from multiaddr import Multiaddr
 
@@ -323,7 +334,7 @@ class P2PLink:
                 await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(self.peer_id),
                                                                 [Multiaddr(m.split("/p2p/")[0]) for m in maddrs]), 15.0)
             except Exception as e:
-                self.health.failed(e)
+                self.health.failed(e, addresses=maddrs)
                 raise DialError(f"{self.device}: cannot connect at {' '.join(maddrs)}: {e}") from None
         self._dialled = True
 
@@ -343,7 +354,7 @@ class P2PLink:
                 # the daemon could not open the stream: the peer is gone, or up but not serving yet
                 # ("protocols not supported" while a restarted server loads its checkpoint). Counted as
                 # a failed dial, so that callers back off instead of spinning on it.
-                self.health.failed(e, dial=True)
+                self.health.failed(e, dial=True, addresses=self.addresses() if self.addresses is not None else None)
                 self._dialled = False
                 raise DialError(f"{self.device}.{method}: {describe(e)}") from None
             except Exception as e:

@@ -221,8 +221,12 @@ def run(args) -> int:
         args.identity_path = os.path.join(args.checkpoint_dir, f"{device}.identity.key")
     preload_server_modules()
 
-    def child(supervisor_pid: int) -> int:
+    def child(supervisor_pid: int, run: int) -> int:
         watch_parent(supervisor_pid)
+        # a restart: the supervisor saw the last holder of this identity die (with its p2p daemon), so
+        # the check that nobody else uses it (a p2p daemon of its own and a DHT lookup: seconds) is
+        # skipped; the first start checks
+        args.identity_known_free = run > 0
         try:
             return run_until_signalled(lambda stop: serve_main(args, cfg, layout, device, run_cfg, corpus, stop))
         except (UsageError, NetworkError) as e:
@@ -235,7 +239,7 @@ def run(args) -> int:
 def preload_server_modules() -> None:
     """Import what serve_main imports, before the supervisor forks: a restarted child pays for none
     of it (no thread, no event loop and no CUDA context is started by these imports)."""
-    import torch  # noqa: F401
+    import torch
 
     import parameter_server.checkpoint  # noqa: F401
     import parameter_server.requestlog  # noqa: F401
@@ -245,6 +249,9 @@ def preload_server_modules() -> None:
     import peer.protocol.records  # noqa: F401
     import peer.reachability  # noqa: F401
     import peer.volunteer.worker  # noqa: F401
+
+    # the first optimizer imports torch._dynamo (1.6 s here idle, 7.8 s under a soak's load)
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
 async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.Event) -> int:
@@ -266,7 +273,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     try:
         dht = start_dht(args.initial_peers, run_id=run_cfg.run_id, run_fp=args.run_fp, run_key=args.run_key_obj,
                         identity_path=args.identity_path, host_maddrs=args.host_maddrs,
-                        announce_maddrs=args.announce_maddrs, timeout=args.timeout or 60.0)
+                        announce_maddrs=args.announce_maddrs, timeout=args.timeout or 60.0,
+                        identity_known_free=getattr(args, "identity_known_free", False))
     except NetworkStartError as e:
         raise NetworkError(str(e)) from None
     p2p = await dht.replicate_p2p()
@@ -294,6 +302,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
             stop_dht(dht)
             raise UsageError(f"{device} was failed over (the run is at layout epoch {current['epoch']} without it); "
                              "start it under a new device id as a volunteer, or start a new run")
+    t0 = time.perf_counter()
     links = link_emulator(args, device)
     slowdown = args.slowdown or links.compute_slowdown()
     link_cache: dict[tuple[str, str], object] = {}
@@ -316,6 +325,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                          requeue=not args.no_requeue, max_request_bytes=args.max_request_bytes,
                          volunteers_allow=args.allowed, verify_rate=args.verify_rate, probation=args.probation,
                          verify_device=args.device, task_tokens=args.task_tokens)
+    logger.info("%s: its stage server built in %.1f s", device, time.perf_counter() - t0)
     writer = None
     if args.checkpoint_dir:
         from parameter_server.requestlog import RequestLog, read_log

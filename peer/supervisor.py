@@ -63,7 +63,7 @@ def describe(status: int) -> tuple[str, int, bool]:
     return f"exited with code {code}", code, code not in FINAL_CODES
 
 
-def _fork(child_main: Callable[[int], int]) -> int:
+def _fork(child_main: Callable[[int, int], int], run: int) -> int:
     supervisor = os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: never returns into the supervisor's stack
@@ -72,7 +72,7 @@ def _fork(child_main: Callable[[int], int]) -> int:
             os.setpgid(0, 0)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_DFL)
-            code = int(child_main(supervisor) or 0)
+            code = int(child_main(supervisor, run) or 0)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
         except BaseException:  # noqa: BLE001 - the child's crash is reported and ends it
@@ -137,10 +137,11 @@ def _end_group(pgid: int, wait_s: float = 5.0) -> None:
         time.sleep(0.02)
 
 
-def supervise(child_main: Callable[[int], int], *, name: str, parent_pid: int | None = None, max_restarts: int = 5,
+def supervise(child_main: Callable[[int, int], int], *, name: str, parent_pid: int | None = None, max_restarts: int = 5,
               window_s: float = 600.0, poll_s: float = 0.1, clock: Callable[[], float] = time.monotonic) -> int:
-    """Run `child_main(supervisor_pid) -> exit code` in a forked child until it ends for good;
-    return its exit code (128 + signal for a child killed by a signal)."""
+    """Run `child_main(supervisor_pid, run) -> exit code` in a forked child until it ends for good
+    (`run`: 0 for the first start, n for the n-th restart); return its exit code (128 + signal for
+    a child killed by a signal)."""
     budget = RestartBudget(max_restarts, window_s, clock)
     stopping: list[int] = []
     child: list[int] = []
@@ -151,10 +152,12 @@ def supervise(child_main: Callable[[int], int], *, name: str, parent_pid: int | 
             _kill_group(child[0], signal.SIGTERM)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    runs = 0
     try:
         while True:
             started = clock()
-            child[:] = [_fork(child_main)]
+            child[:] = [_fork(child_main, runs)]
+            runs += 1
             status = None
             while status is None:
                 pid, st = os.waitpid(child[0], os.WNOHANG)

@@ -54,6 +54,7 @@ p.add_argument("--model", default="small")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--out", default="docs/soak")
 p.add_argument("--work-dir", default="/tmp/hivepipe-soak")
+p.add_argument("-v", "--verbose", action="count", default=0, help="the swarm's processes log at INFO (their logs: --work-dir)")
 args = p.parse_args()
 
 
@@ -118,7 +119,7 @@ async def main() -> dict:
         "--client-timeout", "3",
         "--seed", str(args.seed), "--work-dir", args.work_dir, "--no-progress", "--run-id", f"soak-{os.getpid()}"]
         + (["--supervise-servers"] if args.restarts == "supervised" else []))
-    sargs.verbose = 0
+    sargs.verbose = args.verbose
     cfg, layout, frontal, backward = validate(sargs)
     dht = start_dht([], run_id=sargs.run_id, run_fp=Swarm.run_key(args.work_dir).fingerprint)
     swarm = Swarm(sargs, layout, frontal, backward, visible_maddrs(dht), args.work_dir)
@@ -196,10 +197,18 @@ async def main() -> dict:
         from peer.swarm import wait_for_failovers
 
         await wait_for_failovers(monitor, swarm.lost, args.failover_after + 120, asyncio.Event())
-        await monitor.refresh()
-        final = monitor.min_version()
-        state = await monitor.assemble(final)
-        statuses = await monitor.statuses()
+        for attempt in range(20):  # a server restarted in the last minute may not serve yet
+            await monitor.refresh()
+            final = monitor.min_version()
+            try:
+                state = await monitor.assemble(final)
+                statuses = await monitor.statuses()
+                break
+            except Exception as e:
+                if attempt == 19:
+                    raise
+                print(f"soak: the final parameters are not readable yet ({e}); trying again", file=sys.stderr)
+                await asyncio.sleep(3.0)
     finally:
         swarm.close()
         stop_dht(dht)

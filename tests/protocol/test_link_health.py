@@ -46,6 +46,24 @@ def test_backoff_doubles_to_a_cap():
     assert waits == [0.0, 0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
 
 
+def test_new_addresses_are_dialled_at_once():
+    """A restarted server announces a fresh port: its new addresses skip the backoff of the old ones,
+    and fail into a backoff of their own."""
+    clock = Clock()
+    h = LinkHealth("x", clock=clock, max_backoff=5.0)
+    old, new = ["/ip4/10.0.0.1/tcp/1000/p2p/Qm1"], ["/ip4/10.0.0.1/tcp/2000/p2p/Qm1"]
+    for _ in range(5):
+        h.failed("refused", addresses=old)
+    assert h.backing_off(old) == 4.0 and h.backing_off() == 4.0
+    assert h.backing_off(new) == 0.0
+    h.failed("refused", addresses=new)
+    assert h.backing_off(new) == 5.0 and h.backing_off(old) == 0.0
+    h.failed("cut short", dial=False, addresses=old)  # not a dial: where it went says nothing
+    assert h.backing_off(new) == 5.0
+    h.succeeded()
+    assert h.backing_off(old) == 0.0 and h.failed_addresses is None
+
+
 def test_a_stopped_run_is_said_once_then_once_a_minute_then_once_when_it_goes_on(caplog):
     clock = Clock()
     halt = HaltNotice("v3", clock=clock)

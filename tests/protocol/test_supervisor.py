@@ -19,11 +19,12 @@ def counting_child(tmp_path, outcomes):
     (an int: exit with it; 'kill': SIGKILL itself)."""
     runs = tmp_path / "runs"
 
-    def child(supervisor_pid: int) -> int:
+    def child(supervisor_pid: int, run: int) -> int:
         assert os.getppid() == supervisor_pid and os.getpgrp() == os.getpid()  # its own process group
         with open(runs, "a") as f:
             f.write(f"{os.getpid()}\n")
         n = len(runs.read_text().split()) - 1
+        assert run == n
         outcome = outcomes[min(n, len(outcomes) - 1)]
         if outcome == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -54,7 +55,7 @@ def test_restarts_are_bounded(tmp_path):
 def test_an_exception_in_the_child_is_a_crash(tmp_path):
     marker = tmp_path / "raised"
 
-    def child(_):
+    def child(*_):
         if not marker.exists():
             marker.write_text("x")
             raise RuntimeError("boom")
@@ -88,7 +89,7 @@ SCRIPT = textwrap.dedent("""
     import os, sys, time
     from peer.supervisor import supervise
 
-    def child(_):
+    def child(*_):
         print(os.getpid(), flush=True)
         time.sleep(60)
         return 0
