@@ -353,6 +353,12 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         server.on_replica.append(writer.replica)
     server.on_step.append(server.note_step)
     worker = None
+    # who the run's servers are, before this server answers anyone: a restarted server refused the
+    # others' replicas and inputs ("not a server of this run") until its first announcement round
+    try:
+        server.set_directory(await directory.refresh(), directory.versions, directory.epochs)
+    except Exception as e:
+        logger.debug("%s: reading the run's servers before serving failed: %r", device, e)
     await server.add_p2p_handlers(p2p)
     period = run_cfg.announce_period
 

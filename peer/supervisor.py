@@ -148,8 +148,11 @@ def supervise(child_main: Callable[[int, int], int], *, name: str, parent_pid: i
 
     def forward(signum, _frame):
         stopping.append(signum)
-        if child:
-            _kill_group(child[0], signal.SIGTERM)
+        if child:  # to the child alone, as a launcher does: it stops its DHT process and daemon itself
+            try:
+                os.kill(child[0], signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     runs = 0
