@@ -11,8 +11,10 @@ Every --sample seconds each process (with its DHT process and p2p daemon) is sam
 At the end the model at the version every shard reached is compared with `peer reference` for that
 many steps.
 
-Writes, under --out: soak.csv (time, process, pid, rss_mb, fds, threads, version), soak.png (RSS per
-process over time with the step rate and the faults marked) and summary.json, and prints a table.
+Writes, under --out: soak.csv (time, process, pid, rss_mb, fds, threads, version), versions.csv (when
+each version was reached), events.csv (kills, restarts, the loss), soak.png (RSS per process over
+time with the step rate and the faults marked) and summary.json, and prints a table; --replot draws
+soak.png again from those files.
 
     python scripts/soak.py --minutes 30 --out docs/soak
 """
@@ -54,6 +56,9 @@ p.add_argument("--model", default="small")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--out", default="docs/soak")
 p.add_argument("--work-dir", default="/tmp/hivepipe-soak")
+p.add_argument("--replot", default=None, metavar="DIR",
+               help="only draw DIR/soak.png again from DIR's soak.csv, versions.csv and events.csv (or the "
+                    "summary's events)")
 p.add_argument("-v", "--verbose", action="count", default=0, help="the swarm's processes log at INFO (their logs: --work-dir)")
 args = p.parse_args()
 
@@ -177,10 +182,11 @@ async def main() -> dict:
             if now >= next_sample:
                 groups = {"launcher": launcher_tree()}
                 for name, proc in list(swarm.servers.items()):
-                    workers = child_groups(proc.pid)
-                    if workers:  # supervised: the server process (a new pid after each restart) and its supervisor
-                        groups[name] = tree(workers[0])
-                        groups[f"{name} supervisor"] = tree(proc.pid)[:1]
+                    if args.restarts == "supervised":  # the server process (a new pid after each restart),
+                        groups[f"{name} supervisor"] = tree(proc.pid)[:1]  # and its supervisor on its own
+                        workers = child_groups(proc.pid)
+                        if workers:  # (none while the supervisor imports or forks again)
+                            groups[name] = tree(workers[0])
                     else:
                         groups[name] = tree(proc.pid)
                 for name, (proc, _) in list(swarm.volunteers.items()):
@@ -220,6 +226,44 @@ def rel_diff(a: dict, b: dict) -> float:
     num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
     den = sum(float(v.double().pow(2).sum()) for v in b.values())
     return (num / den) ** 0.5
+
+
+def plot(rows: list[dict], events: list, versions: list, path: str) -> None:
+    """RSS per process over time (one line per process and pid) and steps per minute, faults marked."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_pid: dict[tuple[str, int], list[dict]] = {}
+    for row in rows:
+        by_pid.setdefault((row["process"], int(row["pid"])), []).append(row)
+    for name, pid in [k for k in by_pid if (f"{k[0]} supervisor", k[1]) in by_pid]:
+        del by_pid[(name, pid)]  # a supervisor sampled under its server's name (soaks before stop 26's fix)
+    times = [float(t) for t, _ in versions]
+    # versions reached over time (each change as polled, or samples): steps per minute between entries
+    rates = [(b[1] - a[1]) * 60 / max(float(b[0]) - float(a[0]), 1e-3) for a, b in zip(versions, versions[1:])]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    for (name, pid), samples in sorted(by_pid.items()):
+        ax1.plot([float(s["t"]) / 60 for s in samples], [float(s["rss_mb"]) for s in samples], lw=0.8,
+                 label=name if not name.startswith("v") else None)
+    ax1.set_ylabel("RSS (MB, with DHT process and p2pd)")
+    ax1.legend(fontsize=7, ncol=4)
+    ax2.plot([t / 60 for t in times[1:]], rates, lw=0.8)
+    ax2.set_ylabel("steps per minute")
+    ax2.set_xlabel("minutes")
+    for t, e in events:
+        if not e.startswith("kill"):
+            for ax in (ax1, ax2):
+                ax.axvline(t / 60, color="red", ls="--", lw=0.8)
+            ax2.text(t / 60, ax2.get_ylim()[1] * 0.9, e, fontsize=7, rotation=90, color="red")
+    kills = [t / 60 for t, e in events if e.startswith("kill")]
+    ax2.plot(kills, [0] * len(kills), "|", color="gray", label="volunteer SIGKILLed")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def report(r: dict) -> dict:
@@ -303,37 +347,32 @@ def report(r: dict) -> dict:
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-        for (name, pid), samples in sorted(by_pid.items()):
-            ax1.plot([s["t"] / 60 for s in samples], [s["rss_mb"] for s in samples], lw=0.8,
-                     label=name if not name.startswith("v") else None)
-        ax1.set_ylabel("RSS (MB, with DHT process and p2pd)")
-        ax1.legend(fontsize=7, ncol=4)
-        ax2.plot([t / 60 for t in times[1:]], [60 / max(g, 1e-3) for g in gaps], lw=0.8)
-        ax2.set_ylabel("steps per minute")
-        ax2.set_xlabel("minutes")
-        for t, e in r["events"]:
-            if not e.startswith("kill"):
-                for ax in (ax1, ax2):
-                    ax.axvline(t / 60, color="red", ls="--", lw=0.8)
-                ax2.text(t / 60, ax2.get_ylim()[1] * 0.9, e, fontsize=7, rotation=90, color="red")
-        kills = [t / 60 for t, e in r["events"] if e.startswith("kill")]
-        ax2.plot(kills, [0] * len(kills), "|", color="gray", label="volunteer SIGKILLed")
-        ax2.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "soak.png"), dpi=110)
-    except ImportError:
-        pass
+    for name, header, data in (("versions.csv", ["t", "version"], r["versions"]), ("events.csv", ["t", "event"], r["events"])):
+        with open(os.path.join(args.out, name), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(header)
+            w.writerows(data)
+    plot(r["rows"], r["events"], r["versions"], os.path.join(args.out, "soak.png"))
     return summary
 
 
-if __name__ == "__main__":
+def replot(folder: str) -> None:
+    def read(name):
+        with open(os.path.join(folder, name), newline="") as f:
+            return list(csv.DictReader(f))
+
+    versions = [(float(row["t"]), int(row["version"])) for row in read("versions.csv")]
+    if os.path.exists(os.path.join(folder, "events.csv")):
+        events = [(float(row["t"]), row["event"]) for row in read("events.csv")]
+    else:
+        with open(os.path.join(folder, "summary.json")) as f:
+            events = [(float(t), e) for t, e in json.load(f)["events"]]
+    plot(read("soak.csv"), events, versions, os.path.join(folder, "soak.png"))
+
+
+if __name__ == "__main__" and args.replot:
+    replot(args.replot)
+elif __name__ == "__main__":
     result = asyncio.run(main())
     s = report(result)
     print("| steps | micro-batches applied / expected | median step | longest stall: all / outside failover / "
