@@ -386,7 +386,7 @@ class P2PLink:
                 return await unpack(responses, stall=STALL_SECONDS, accept=self.compress)
             except StreamCut as e:
                 logger.debug("%s.%s: answer cut after %.1f s: %s", self.device, method, time.monotonic() - started, e)
-                raise StreamCut(f"{self.device}.{method}: {e}") from None
+                raise StreamCut(f"{self.device}.{method}: {e}", meta=e.meta) from None
             except PayloadError as e:
                 if str(e) == "empty request":
                     raise ConnectionError(f"{self.device}.{method}: the connection closed before an answer") from None

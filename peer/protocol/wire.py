@@ -32,7 +32,13 @@ class PayloadError(ValueError):
 
 class StreamCut(ConnectionError):
     """A message stream that ended or stalled before its last tensor: the connection is at fault, not
-    the request, so a caller may try again (a ConnectionError, as P2PLink retries)."""
+    the request, so a caller may try again (a ConnectionError, as P2PLink retries). `meta`: the
+    metadata that did arrive (None if none did): a `take` answer cut after it names the task the
+    server leased, which the caller can hand back at once."""
+
+    def __init__(self, message: str, meta: dict | None = None):
+        super().__init__(message)
+        self.meta = meta
 
 
 class RemoteError(RuntimeError):
@@ -141,26 +147,30 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
     meta = None
     groups: list[list] = []
     total = 0
-    async for message in _messages(stream, stall):
-        total += message.ByteSize()
-        if total > max_bytes:
-            raise PayloadError(f"payload exceeds {max_bytes} bytes")
-        if meta is None:
-            meta = decode_meta(message.metadata)
-        for part in message.tensors:
-            if part.dtype:  # first chunk of a new tensor
-                groups.append([part])
-            elif groups:
-                groups[-1].append(part)
-            else:
-                raise PayloadError("tensor chunk without a header")
+    try:
+        async for message in _messages(stream, stall):
+            total += message.ByteSize()
+            if total > max_bytes:
+                raise PayloadError(f"payload exceeds {max_bytes} bytes")
+            if meta is None:
+                meta = decode_meta(message.metadata)
+            for part in message.tensors:
+                if part.dtype:  # first chunk of a new tensor
+                    groups.append([part])
+                elif groups:
+                    groups[-1].append(part)
+                else:
+                    raise PayloadError("tensor chunk without a header")
+    except StreamCut as e:
+        raise StreamCut(str(e), meta=None if meta is None else {k: v for k, v in meta.items() if k != "n_tensors"}) from None
     if meta is None:
         raise PayloadError("empty request")
     declared = meta.pop("n_tensors", len(groups))
     if not isinstance(declared, int) or isinstance(declared, bool) or declared < 0:
         raise PayloadError(f"field 'n_tensors' must be a count, got {declared!r}")
     if len(groups) < declared:
-        raise StreamCut(f"the stream ended after {len(groups)} of the {declared} tensors its metadata declares")
+        raise StreamCut(f"the stream ended after {len(groups)} of the {declared} tensors its metadata declares",
+                        meta=meta)
     if len(groups) > declared:
         raise PayloadError(f"metadata declares {declared} tensors, {len(groups)} arrived")
     for i, group in enumerate(groups):

@@ -25,7 +25,7 @@ from parameter_server.verify import BANNED
 from peer.volunteer.flush import batches_to_push
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
 from peer.model.transformer import StageSlice, build_slice, slice_from_state
-from peer.protocol.wire import RemoteError
+from peer.protocol.wire import RemoteError, StreamCut
 
 logger = logging.getLogger("hivepipe.worker")
 
@@ -270,6 +270,10 @@ class StageWorker:
             return None
         except Exception as e:
             logger.info("%s: take from %s failed: %r", self.device_id, device, e)
+            leased = e.meta.get("task") if isinstance(e, StreamCut) and isinstance(e.meta, dict) else None
+            if isinstance(leased, str):  # the answer was cut after naming the task: the server leased it
+                # to us; hand it back now rather than leave it until a heartbeat reclaims it (>= 5 s)
+                await self._quiet(self.call(link, "fail", {"task": leased}, epoch=e.meta.get("epoch", self.epoch)))
             if wait:
                 await asyncio.sleep(self.poll)
             return None

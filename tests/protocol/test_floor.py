@@ -47,16 +47,18 @@ def test_a_stream_that_ends_or_stalls_before_its_last_tensor_is_a_cut_connection
     P2PLink tries again), never a payload error that would blame the request."""
     messages = pack({"x": 1}, [torch.zeros(3), torch.ones(2)], ExpertRequest)
     assert len(messages) == 2  # the metadata, then both tensors in one message
-    with pytest.raises(StreamCut, match="ended after 0 of the 2 tensors"):
+    with pytest.raises(StreamCut, match="ended after 0 of the 2 tensors") as cut:
         asyncio.run(unpack(_aiter(messages[:1])))
+    assert cut.value.meta == {"x": 1}  # what did arrive: a cut `take` answer names the leased task
 
     async def stalls():
         yield messages[0]
         await asyncio.sleep(30)
         yield messages[1]
 
-    with pytest.raises(StreamCut, match="stalled for 0 s after 1 messages"):
+    with pytest.raises(StreamCut, match="stalled for 0 s after 1 messages") as cut:
         asyncio.run(unpack(stalls(), stall=0.2))
+    assert cut.value.meta == {"x": 1}
     assert issubclass(StreamCut, ConnectionError)
 
 
