@@ -11,6 +11,10 @@ from peer.protocol.wire import PayloadError, field as mfield
 logger = logging.getLogger("hivepipe.server")
 # a lease younger than this may still be on its way to its client (in the answer to its `take`)
 LEASE_IN_FLIGHT = 5.0
+# a client that this server's node has had no connection to for this long (in two reads of the
+# connections) and that has not called meanwhile has left: a SIGKILLed volunteer's connection closes
+# at once, so its leases go back without waiting out --client-timeout of silence
+DISCONNECT_GRACE = 1.0
 
 
 @dataclass
@@ -19,6 +23,7 @@ class ClientInfo:
     compute: float
     last_seen: float
     tasks_done: int = 0
+    unconnected_since: float | None = None  # first read of the node's connections that lacked it
 
 
 class Clients:
@@ -65,13 +70,34 @@ class Clients:
         now = self.clock()
         gone = [p for p, c in self.clients.items() if now - c.last_seen > self.client_timeout and p != self.peer_id]
         for p in gone:
-            del self.clients[p]
-            # with --no-requeue the departed client's leases are left to run out their full timeout
-            # (as a SWARM trainer waits out a request to a dead peer); the work is then done again
-            n = len(self.pool.client_left(p)) if self.requeue else len(self.pool.leases_of(p))
-            logger.info("%s: client %s left; %d tasks %s", self.device_id, p[-8:], n,
-                        "re-queued" if self.requeue else "left to time out")
+            self._client_left(p, "silent")
         return gone
+
+    def drop_disconnected_clients(self, connected: set[str]) -> list[str]:
+        """Drop the clients that `connected` (the peers this server's node has a connection to now)
+        lacked for DISCONNECT_GRACE seconds, in two reads at least, without a call meanwhile."""
+        now = self.clock()
+        gone = []
+        for p, c in self.clients.items():
+            if p == self.peer_id or p in connected:
+                c.unconnected_since = None
+            elif c.unconnected_since is None:
+                c.unconnected_since = now
+            elif now - c.unconnected_since >= DISCONNECT_GRACE and now - c.last_seen >= DISCONNECT_GRACE:
+                gone.append(p)
+        for p in gone:
+            self._client_left(p, "its connection closed")
+        return gone
+
+    def _client_left(self, peer: str, why: str) -> None:
+        del self.clients[peer]
+        key = "clients_disconnected" if why == "its connection closed" else "clients_timed_out"
+        self.counters[key] = self.counters.get(key, 0) + 1
+        # with --no-requeue the departed client's leases are left to run out their full timeout
+        # (as a SWARM trainer waits out a request to a dead peer); the work is then done again
+        n = len(self.pool.client_left(peer)) if self.requeue else len(self.pool.leases_of(peer))
+        logger.info("%s: client %s left (%s); %d tasks %s", self.device_id, peer[-8:], why, n,
+                    "re-queued" if self.requeue else "left to time out")
 
     def _client(self, sender: str) -> ClientInfo:
         if self.replaying:  # the request was checked when it first arrived

@@ -14,6 +14,7 @@ from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 from peer.runtime import add_common_arguments, check_common, link_emulator, run_until_signalled
 
 logger = logging.getLogger("hivepipe.serve")
+CONNECTION_READ_PERIOD = 0.5  # seconds between two reads of the node's connections (departed clients)
 
 
 def add_arguments(p) -> None:
@@ -484,12 +485,20 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                 pass
 
     async def maintenance():
+        next_read = 0.0
         while not stop.is_set():
             try:
                 server.maintenance()
                 server.maybe_start_batches()
             except Exception:
                 logger.exception("%s: maintenance failed", device)
+            if time.monotonic() >= next_read:  # a client whose connection closed has left (SIGKILL closes it)
+                next_read = time.monotonic() + CONNECTION_READ_PERIOD
+                try:
+                    peers = await asyncio.wait_for(p2p.list_peers(), 5.0)
+                    server.drop_disconnected_clients({str(info.peer_id) for info in peers})
+                except Exception as e:
+                    logger.debug("%s: reading the node's connections failed: %r", device, e)
             try:
                 await asyncio.wait_for(stop.wait(), 0.2)
             except asyncio.TimeoutError:

@@ -81,6 +81,38 @@ def test_random_churn_equals_the_reference(tmp_path):
     assert rel_diff(state, reference_state("tiny", STEPS)) < 1e-5
 
 
+def test_a_volunteer_killed_holding_a_task_is_noticed_when_its_connection_closes(tmp_path):
+    """With --client-timeout 600 (silence would not do it), a volunteer that SIGKILLs itself (with
+    its DHT process and p2p daemon) in the middle of a forward task is dropped once its connection
+    closes, its lease re-queued at once, and the run ends equal to the reference."""
+    steps = 3
+    live = tiny_swarm(tmp_path, "disconnect", steps, "--servers-compute", "no", "--volunteer-slowdown", "5",
+                      "--client-timeout", "600", "--task-timeout", "600")
+    died = {}
+
+    async def scenario():
+        await live.start(volunteers=False)
+        live.swarm.start_volunteer("0", name="die-mid-forward", extra=["--die-at", "during_forward"])
+        live.swarm.start_volunteers()
+
+        def dead():
+            proc, _ = live.swarm.volunteers["die-mid-forward"]
+            if proc.poll() is not None:
+                died["code"] = proc.returncode
+            return "code" in died
+
+        await live.wait(dead, 300, "the doomed volunteer to die", poll=0.2)
+        return await live.finish(steps)
+
+    statuses, state = live.run(scenario)
+    assert died["code"] == -9
+    stage0 = [statuses[d]["counters"] for d in live.layout.stages[0].servers]
+    assert sum(c.get("clients_disconnected", 0) for c in stage0) >= 1, stage0
+    assert sum(c.get("clients_timed_out", 0) for c in stage0) == 0, stage0
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    assert no_children_left(live.args.run_id) == []
+
+
 def test_servers_killed_and_restarted_resume_without_losing_a_step(tmp_path):
     """A backward server of stage 0 and a frontal server of stage 1 are SIGKILLed mid-run and
     restarted with the same identity and checkpoint dir: each resumes its shard from the checkpoint

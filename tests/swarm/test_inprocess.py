@@ -331,3 +331,40 @@ def test_a_take_answer_cut_after_its_metadata_hands_the_task_back_at_once():
 
     task = asyncio.run(scenario())
     assert task.startswith("F0.")
+
+
+def test_a_client_whose_connection_closed_is_dropped_and_its_leases_requeued():
+    """drop_disconnected_clients, time injected: a client missing from the node's connections for a
+    second (two reads) and silent meanwhile has left, and its lease goes back to the pool at once;
+    a client that is connected, or that called meanwhile, stays."""
+    cfg, layout, run = make_run(steps=1, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    a, b = swarm.workers
+    pa, pb = (w.links[fs.device_id].sender for w in (a, b))
+
+    async def scenario():
+        fs.maybe_start_batches()
+        await a.register()
+        await b.register()
+        got = await a.take_one()
+        return got[1]["task"]
+
+    task = asyncio.run(scenario())
+    now = [fs.clock()]
+    fs.clock = fs.pool._clock = lambda: now[0]
+    assert [lease.task.task_id for lease in fs.pool.leases_of(pa)] == [task]
+    assert fs.drop_disconnected_clients({pb}) == []  # first read without a: not yet
+    now[0] += 0.6
+    assert fs.drop_disconnected_clients({pb}) == []  # within the grace
+    now[0] += 0.5
+    fs.clients[pb].last_seen = now[0] - 5.0  # b is silent, but connected: stays
+    assert fs.drop_disconnected_clients({pb}) == [pa]
+    assert pa not in fs.clients and pb in fs.clients
+    assert fs.pool.leases_of(pa) == [] and fs.pool.lease_of(task) is None and not fs.pool.is_done(task)
+    assert fs.pool.take(pb).task.task_id == task  # back in the pool, for another client
+    # a client that reappears among the connections starts over; one that called meanwhile stays
+    assert fs.drop_disconnected_clients(set()) == []
+    fs.clients[pb].last_seen = now[0] + 1.5
+    now[0] += 1.5
+    assert fs.drop_disconnected_clients(set()) == []
