@@ -10,9 +10,11 @@ import sys
 import time
 
 from peer.dashboard.reader import DhtReader, Watcher
-from peer.dashboard.snapshot import DEFAULT_RUN_ID, RUN_ID_HINT, build_snapshot, run_found, to_json
+from peer.dashboard.snapshot import DEFAULT_RUN_ID, RUN_ID_HINT, build_snapshot, merge_reads, run_found, to_json
 from peer.dashboard.terminal import live_view
 from peer.dashboard.web import serve
+
+ONE_SHOT_EXTRA_READS = 2  # --json reads the run 3 times, an announce period apart (merge_reads)
 
 logger = logging.getLogger("hivepipe.dashboard")
 
@@ -49,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default to 'hivepipe'; the DHT cannot list runs, so there is no discovery), with @FINGERPRINT "
                         "(the run= line of `peer serve` and `peer swarm`) to believe only the records its run key signed")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--json", action="store_true", help="print one JSON snapshot and exit")
+    mode.add_argument("--json", action="store_true", help="print one JSON snapshot and exit (three reads an announce period apart, merged: one DHT read can miss a record)")
     mode.add_argument("--serve", type=_port, default=None, metavar="PORT",
                       help="serve a web page, /api/state (JSON) and /metrics (Prometheus) on 127.0.0.1:PORT "
                            "(0: any free port; the address is printed)")
@@ -109,7 +111,16 @@ def one_shot(reader: DhtReader, args) -> int:
                   file=sys.stderr)
             return 2
         time.sleep(0.5)
+    # one read can miss a record (see merge_reads): read again over two announce periods, keep the latest
+    reads, rejected = [(config, stages)], list(reader.rejected)
+    period = config.get("announce_period") if isinstance(config, dict) else None
+    period = min(float(period), 5.0) if isinstance(period, (int, float)) and 0 < period < math.inf else 1.0
+    for _ in range(ONE_SHOT_EXTRA_READS):
+        time.sleep(period)
+        reads.append(reader.fetch())
+        rejected += [r for r in reader.rejected if r not in rejected]
+    config, stages = merge_reads(reads)
     snap = build_snapshot(args.run_id, config, stages, time.time(), stale_periods=args.stale_periods,
-                          rejected=reader.rejected)
+                          rejected=rejected)
     print(to_json(snap, indent=2), flush=True)
     return 0

@@ -214,6 +214,34 @@ def _parse_config(config: Any, errors: list[str]):
     return run, layout, seq_len
 
 
+def merge_reads(reads: list[tuple[Any, list[Any]]]) -> tuple[Any, list[Any]]:
+    """One view of several (config, stages) reads of the run: a single DHT read can miss a record
+    (one announced late under load lapses for a moment; a node nearest the key may not hold it yet),
+    so a one-shot snapshot reads over an announce period or two and keeps, per peer, the latest
+    record any read found (by its `time`). The config is the last read's that has one."""
+    config = next((c for c, _ in reversed(reads) if c is not None), None)
+    width = max((len(st) for _, st in reads), default=0)
+    stages: list[Any] = []
+    for k in range(width):
+        merged: dict | None = None
+        for _, st in reads:
+            value = st[k] if k < len(st) else None
+            if not isinstance(value, dict):
+                continue
+            merged = {} if merged is None else merged
+            for peer, rec in value.items():
+                old = merged.get(peer)
+                if old is None or _record_time(rec) >= _record_time(old):
+                    merged[peer] = rec
+        stages.append(merged)
+    return config, stages
+
+
+def _record_time(rec: Any) -> float:
+    t = rec.get("time") if isinstance(rec, dict) else None
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) else float("-inf")
+
+
 def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, history: History | None = None,
                    stale_periods: float = 3.0, rejected: list[dict] = ()) -> dict:
     """The dashboard's view of a run from raw DHT values: `config` is the `{run}.config` value (or

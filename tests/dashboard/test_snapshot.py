@@ -564,3 +564,21 @@ def test_the_default_run_id_is_the_swarm_default():
 
     swarm_default = peer_parser().parse_args(["swarm"]).run_id
     assert build_parser().parse_args(["--initial-peers", "x"]).run_id == swarm_default == "swarm"
+
+
+def test_merged_reads_keep_every_peers_latest_record():
+    """A one-shot snapshot merges several reads: a record one read missed (s0b0 in the second) is
+    kept, the later of two records of a peer wins, and a stage no read found stays None."""
+    from peer.dashboard.snapshot import merge_reads
+
+    first = healthy()
+    second = shift(healthy(), 0.5)
+    del second[0][PEERS["s0b0"]]
+    merged_config, merged = merge_reads([(config(), first), (None, second), (config(steps=11), [second[0]])])
+    assert merged_config["steps"] == 11  # the last read that has a config
+    assert set(merged[0]) == set(first[0]) and set(merged[1]) == set(first[1])
+    assert merged[0][PEERS["s0b0"]] is first[0][PEERS["s0b0"]]  # only the first read had it
+    assert merged[0][PEERS["s0f0"]]["time"] == first[0][PEERS["s0f0"]]["time"] + 0.5  # the later one
+    assert merge_reads([(None, [None, None]), (None, [None])]) == (None, [None, None])
+    snap = build_snapshot("r", merged_config, merged, NOW + 0.5)
+    assert {e["device"] for e in snap["stages"][0]["backward"] if e["peer"]} == {"s0b0"}
