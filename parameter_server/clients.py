@@ -15,6 +15,9 @@ LEASE_IN_FLIGHT = 5.0
 # connections) and that has not called meanwhile has left: a SIGKILLed volunteer's connection closes
 # at once, so its leases go back without waiting out --client-timeout of silence
 DISCONNECT_GRACE = 1.0
+# the refusal of a call from a client this server does not know (never registered, dropped, or
+# registered before this server restarted): the client registers and tries again
+NOT_REGISTERED = "is not registered for stage"
 
 
 @dataclass
@@ -104,6 +107,6 @@ class Clients:
             return ClientInfo("replay", 1.0, self.clock())
         c = self.clients.get(sender)
         if c is None:
-            raise PayloadError(f"sender {sender[-8:]} is not registered for stage {self.stage}")
+            raise PayloadError(f"sender {sender[-8:]} {NOT_REGISTERED} {self.stage}")
         c.last_seen = self.clock()
         return c

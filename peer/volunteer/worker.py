@@ -21,6 +21,7 @@ import torch
 
 from parameter_server.layout import owners
 from parameter_server.shard import assign_shards
+from parameter_server.clients import NOT_REGISTERED
 from parameter_server.verify import BANNED
 from peer.volunteer.flush import batches_to_push
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
@@ -130,16 +131,25 @@ class StageWorker:
         """A request of layout epoch `epoch` (a task's requests carry the epoch the task was taken in;
         default: the worker's). A server at a later epoch (a failover happened) makes the worker
         fetch the new layout and drop what it held of the old one."""
-        try:
-            return await link.call(method, dict(meta, epoch=self.epoch if epoch is None else epoch), list(tensors),
-                                   timeout=timeout)
-        except RemoteError as e:
-            if "stale epoch" in str(e):
-                await self.refresh_layout(link)
-            elif BANNED in str(e) and self.banned is None:
-                self.banned = str(e)
-                logger.error("%s: %s", self.device_id, e)
-            raise
+        for attempt in (0, 1):
+            try:
+                return await link.call(method, dict(meta, epoch=self.epoch if epoch is None else epoch), list(tensors),
+                                       timeout=timeout)
+            except RemoteError as e:
+                if "stale epoch" in str(e):
+                    await self.refresh_layout(link)
+                elif BANNED in str(e) and self.banned is None:
+                    self.banned = str(e)
+                    logger.error("%s: %s", self.device_id, e)
+                elif NOT_REGISTERED in str(e) and attempt == 0:
+                    # the server does not know this worker (it restarted and forgot its clients, or
+                    # dropped it): a refused call changed nothing, so register there and try once more
+                    # instead of dropping the task
+                    await self._quiet(link.call("register", {"device": self.device_id, "compute": float(self.compute),
+                                                             "stage": self.stage, "holding": self.holding(link.device)},
+                                                timeout=10.0))
+                    continue
+                raise
 
     async def refresh_layout(self, link) -> None:
         from parameter_server.layout import RunLayout

@@ -368,3 +368,24 @@ def test_a_client_whose_connection_closed_is_dropped_and_its_leases_requeued():
     fs.clients[pb].last_seen = now[0] + 1.5
     now[0] += 1.5
     assert fs.drop_disconnected_clients(set()) == []
+
+
+def test_a_server_that_forgot_its_clients_is_registered_with_again_not_refused():
+    """A restarted server does not know the clients that registered before (seen in the stop-26
+    soak: workers' pushes to a restarted server refused 'not registered', their tasks dropped and
+    run again). The worker registers there and repeats the refused call, which changed nothing."""
+    cfg, layout, run = make_run(steps=1, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    worker = swarm.workers[0]
+    link = worker.links[fs.device_id]
+
+    async def scenario():
+        fs.maybe_start_batches()
+        await worker.register()
+        fs.clients.clear()  # as after a restart
+        meta, _ = await worker.call(link, "take", {})
+        return meta
+
+    meta = asyncio.run(scenario())
+    assert meta["task"].startswith("F0.") and link.sender in fs.clients
