@@ -46,13 +46,16 @@ class Clients:
         if holding is not None and (len(holding) > 4 * self.run.micro_batches * self.rows + 8 or
                                     not all(isinstance(t, str) and len(t) <= 64 for t in holding)):
             raise PayloadError("field 'holding' must list the task ids the client holds")
+        # the client's last take here failed without an answer (it has one take in flight per server
+        # at most): no lease of it here is on its way, so those it does not hold are lost now
+        take_lost = mfield(meta, "take_lost", bool, optional=True)
         new = sender not in self.clients
         info = self.clients.setdefault(sender, ClientInfo(device, compute, self.clock()))
         info.compute, info.device, info.last_seen = compute, device, self.clock()
         if holding is not None and self.requeue:  # (--no-requeue, the SWARM-like baseline, waits them out)
             # leases the client does not know it holds (a lost `take` answer, a lost hand-back) go
             # back to the pool now, not after --task-timeout; young ones may still be in flight
-            lost = self.pool.reclaim(sender, holding, min_age=LEASE_IN_FLIGHT)
+            lost = self.pool.reclaim(sender, holding, min_age=0.0 if take_lost else LEASE_IN_FLIGHT)
             if lost:
                 self.counters["leases_reclaimed"] = self.counters.get("leases_reclaimed", 0) + len(lost)
                 logger.info("%s: %s does not hold %s: re-queued", self.device_id, sender[-8:],

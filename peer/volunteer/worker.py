@@ -284,6 +284,13 @@ class StageWorker:
             if isinstance(leased, str):  # the answer was cut after naming the task: the server leased it
                 # to us; hand it back now rather than leave it until a heartbeat reclaims it (>= 5 s)
                 await self._quiet(self.call(link, "fail", {"task": leased}, epoch=e.meta.get("epoch", self.epoch)))
+            elif isinstance(e, (ConnectionError, asyncio.TimeoutError)):
+                # no answer at all: the server may have leased a task whose answer was lost. This was the
+                # only take in flight there, so say so with what we hold: it re-queues the rest at once
+                # (else a heartbeat does once the lease is 5 s old, the time an answer may be on its way)
+                await self._quiet(link.call("register", {"device": self.device_id, "compute": float(self.compute),
+                                                         "stage": self.stage, "holding": self.holding(device),
+                                                         "take_lost": True}, timeout=10.0))
             if wait:
                 await asyncio.sleep(self.poll)
             return None

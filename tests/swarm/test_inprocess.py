@@ -389,3 +389,33 @@ def test_a_server_that_forgot_its_clients_is_registered_with_again_not_refused()
 
     meta = asyncio.run(scenario())
     assert meta["task"].startswith("F0.") and link.sender in fs.clients
+
+
+def test_a_take_answer_lost_whole_is_reclaimed_at_once():
+    """The server leased a task and its whole answer was lost (the connection closed before an
+    answer: seen in the stop-26 soak). The worker, which has no other take in flight there, registers
+    with what it holds and 'take_lost': the lease goes back at once, not when it is 5 s old."""
+    cfg, layout, run = make_run(steps=1, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    worker = swarm.workers[0]
+    real = worker.links[fs.device_id]
+
+    class LostAnswer:
+        def __init__(self, link):
+            self.link, self.device, self.sender = link, link.device, link.sender
+
+        async def call(self, method, meta, tensors=(), timeout=30.0):
+            answer, tensors_r = await self.link.call(method, meta, tensors, timeout)
+            if method == "take" and answer.get("task"):
+                raise ConnectionError(f"{self.device}.take: the connection closed before an answer")
+            return answer, tensors_r
+
+    async def scenario():
+        fs.maybe_start_batches()
+        await worker.register()
+        worker.links[fs.device_id] = LostAnswer(real)
+        assert await worker._take(fs.device_id) is None
+        return fs.pool.leases_of(real.sender)
+
+    assert asyncio.run(scenario()) == []
