@@ -307,21 +307,11 @@ def test_a_take_answer_cut_after_its_metadata_hands_the_task_back_at_once():
     worker = swarm.workers[0]
     real = worker.links[fs.device_id]
 
-    class CutAfterMetadata:
-        def __init__(self, link):
-            self.link, self.device, self.sender = link, link.device, link.sender
-
-        async def call(self, method, meta, tensors=(), timeout=30.0):
-            answer, tensors_r = await self.link.call(method, meta, tensors, timeout)
-            if method == "take" and answer.get("task"):
-                raise StreamCut(f"{self.device}.take: the stream ended after 0 of the 2 tensors its metadata "
-                                "declares", meta=answer)
-            return answer, tensors_r
-
     async def scenario():
         fs.maybe_start_batches()
         await worker.register()
-        worker.links[fs.device_id] = CutAfterMetadata(real)
+        worker.links[fs.device_id] = TakeAnswerLost(real, lambda device, answer: StreamCut(
+            f"{device}.take: the stream ended after 0 of the 2 tensors its metadata declares", meta=answer))
         assert await worker._take(fs.device_id) is None
         assert fs.pool.leases_of(real.sender) == []  # handed back, not held
         worker.links[fs.device_id] = real
@@ -401,21 +391,26 @@ def test_a_take_answer_lost_whole_is_reclaimed_at_once():
     worker = swarm.workers[0]
     real = worker.links[fs.device_id]
 
-    class LostAnswer:
-        def __init__(self, link):
-            self.link, self.device, self.sender = link, link.device, link.sender
-
-        async def call(self, method, meta, tensors=(), timeout=30.0):
-            answer, tensors_r = await self.link.call(method, meta, tensors, timeout)
-            if method == "take" and answer.get("task"):
-                raise ConnectionError(f"{self.device}.take: the connection closed before an answer")
-            return answer, tensors_r
-
     async def scenario():
         fs.maybe_start_batches()
         await worker.register()
-        worker.links[fs.device_id] = LostAnswer(real)
+        worker.links[fs.device_id] = TakeAnswerLost(real, lambda device, answer: ConnectionError(
+            f"{device}.take: the connection closed before an answer"))
         assert await worker._take(fs.device_id) is None
         return fs.pool.leases_of(real.sender)
 
     assert asyncio.run(scenario()) == []
+
+
+class TakeAnswerLost:
+    """A link whose `take` reaches the server (which leases a task) but whose answer is lost on the
+    way back: `error(device, answer)` is what the caller gets instead."""
+
+    def __init__(self, link, error):
+        self.link, self.device, self.sender, self.error = link, link.device, link.sender, error
+
+    async def call(self, method, meta, tensors=(), timeout=30.0):
+        answer, tensors_r = await self.link.call(method, meta, tensors, timeout)
+        if method == "take" and answer.get("task"):
+            raise self.error(self.device, answer)
+        return answer, tensors_r
