@@ -145,9 +145,7 @@ class StageWorker:
                     # the server does not know this worker (it restarted and forgot its clients, or
                     # dropped it): a refused call changed nothing, so register there and try once more
                     # instead of dropping the task
-                    await self._quiet(link.call("register", {"device": self.device_id, "compute": float(self.compute),
-                                                             "stage": self.stage, "holding": self.holding(link.device)},
-                                                timeout=10.0))
+                    await self._quiet(link.call("register", self._registration(link.device), timeout=10.0))
                     continue
                 raise
 
@@ -186,10 +184,16 @@ class StageWorker:
     async def register(self) -> None:
         """Register (and heartbeat) with every server of the stage, saying which of its tasks this
         worker holds: a lease it does not know of (an answer lost on the way) is re-queued at once."""
-        base = {"device": self.device_id, "compute": float(self.compute), "stage": self.stage}
         devices = [d for d in self.st.servers if d in self.links]
-        await asyncio.gather(*(self._quiet(self.links[d].call("register", dict(base, holding=self.holding(d)),
-                                                               timeout=10.0)) for d in devices))
+        await asyncio.gather(*(self._quiet(self.links[d].call("register", self._registration(d), timeout=10.0))
+                               for d in devices))
+
+    def _registration(self, device: str | None = None, **extra) -> dict:
+        """A `register` request; with `device`, listing what this worker holds at that server."""
+        meta = {"device": self.device_id, "compute": float(self.compute), "stage": self.stage, **extra}
+        if device is not None:
+            meta["holding"] = self.holding(device)
+        return meta
 
     async def _quiet(self, coro):
         try:
@@ -273,8 +277,7 @@ class StageWorker:
             meta, tensors = await self.call(link, "take", {"wait": wait} if wait else {}, timeout=10.0 + wait)
         except RemoteError as e:
             if "not registered" in str(e):
-                await self._quiet(link.call("register", {"device": self.device_id, "compute": float(self.compute),
-                                                         "stage": self.stage}))
+                await self._quiet(link.call("register", self._registration()))
             if wait:
                 await asyncio.sleep(self.poll)  # the answer came at once: no tight loop of refused waits
             return None
@@ -288,9 +291,7 @@ class StageWorker:
                 # no answer at all: the server may have leased a task whose answer was lost. This was the
                 # only take in flight there, so say so with what we hold: it re-queues the rest at once
                 # (else a heartbeat does once the lease is 5 s old, the time an answer may be on its way)
-                await self._quiet(link.call("register", {"device": self.device_id, "compute": float(self.compute),
-                                                         "stage": self.stage, "holding": self.holding(device),
-                                                         "take_lost": True}, timeout=10.0))
+                await self._quiet(link.call("register", self._registration(device, take_lost=True), timeout=10.0))
             if wait:
                 await asyncio.sleep(self.poll)
             return None

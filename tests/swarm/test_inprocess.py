@@ -301,10 +301,7 @@ def test_a_take_answer_cut_after_its_metadata_hands_the_task_back_at_once():
     and hands it back at once, instead of leaving the lease for a heartbeat to reclaim after 5 s."""
     from peer.protocol.wire import StreamCut
 
-    cfg, layout, run = make_run(steps=1, stages=1)
-    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
-    fs = swarm.servers[layout.stages[0].frontal[0]]
-    worker = swarm.workers[0]
+    fs, (worker,) = one_stage(volunteers=1)
     real = worker.links[fs.device_id]
 
     async def scenario():
@@ -327,10 +324,7 @@ def test_a_client_whose_connection_closed_is_dropped_and_its_leases_requeued():
     """drop_disconnected_clients, time injected: a client missing from the node's connections for a
     second (two reads) and silent meanwhile has left, and its lease goes back to the pool at once;
     a client that is connected, or that called meanwhile, stays."""
-    cfg, layout, run = make_run(steps=1, stages=1)
-    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
-    fs = swarm.servers[layout.stages[0].frontal[0]]
-    a, b = swarm.workers
+    fs, (a, b) = one_stage(volunteers=2)
     pa, pb = (w.links[fs.device_id].sender for w in (a, b))
 
     async def scenario():
@@ -364,10 +358,7 @@ def test_a_server_that_forgot_its_clients_is_registered_with_again_not_refused()
     """A restarted server does not know the clients that registered before (seen in the stop-26
     soak: workers' pushes to a restarted server refused 'not registered', their tasks dropped and
     run again). The worker registers there and repeats the refused call, which changed nothing."""
-    cfg, layout, run = make_run(steps=1, stages=1)
-    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
-    fs = swarm.servers[layout.stages[0].frontal[0]]
-    worker = swarm.workers[0]
+    fs, (worker,) = one_stage(volunteers=1)
     link = worker.links[fs.device_id]
 
     async def scenario():
@@ -385,10 +376,7 @@ def test_a_take_answer_lost_whole_is_reclaimed_at_once():
     """The server leased a task and its whole answer was lost (the connection closed before an
     answer: seen in the stop-26 soak). The worker, which has no other take in flight there, registers
     with what it holds and 'take_lost': the lease goes back at once, not when it is 5 s old."""
-    cfg, layout, run = make_run(steps=1, stages=1)
-    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
-    fs = swarm.servers[layout.stages[0].frontal[0]]
-    worker = swarm.workers[0]
+    fs, (worker,) = one_stage(volunteers=1)
     real = worker.links[fs.device_id]
 
     async def scenario():
@@ -414,3 +402,11 @@ class TakeAnswerLost:
         if method == "take" and answer.get("task"):
             raise self.error(self.device, answer)
         return answer, tensors_r
+
+
+def one_stage(volunteers: int):
+    """(frontal server, volunteer workers) of a one-stage, one-step in-process swarm where only
+    volunteers compute."""
+    cfg, layout, run = make_run(steps=1, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=volunteers, servers_compute=False)
+    return swarm.servers[layout.stages[0].frontal[0]], swarm.workers
