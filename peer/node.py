@@ -53,14 +53,13 @@ def _sweep_identity_dirs(tmp: str) -> None:
 
 def start_dht(initial_peers=(), *, run_id: str, run_fp: str | None, run_key=None, identity_path: str | None = None,
               client_mode: bool = False, host_maddrs=(LOOPBACK_MADDR,), announce_maddrs=None,
-              timeout: float | None = None, identity_known_free: bool = False) -> DHT:
+              timeout: float | None = None) -> DHT:
     """A DHT node with its p2p daemon, holding the record validators of run `run_id` (whose run key
     has fingerprint `run_fp`; None: learnt from the only config record that verifies) and what it
     signs its records with: its libp2p identity (from `identity_path`, else a fresh one) and, on a
     server, the run key (a trust.SigningKey). A server listens on `host_maddrs` and announces
     `announce_maddrs` (default: what it listens on); a client (volunteer, dashboard) dials out only.
-    `timeout` bounds the wait for the initial peers; `identity_known_free`: skip hivemind's check
-    that no other peer uses the identity (a restart whose predecessor is known to be gone).
+    `timeout` bounds the wait for the initial peers.
     Raises NetworkStartError saying what failed."""
     import tempfile
 
@@ -83,8 +82,8 @@ def start_dht(initial_peers=(), *, run_id: str, run_fp: str | None, run_key=None
         raise NetworkStartError(f"identity {identity_path}: not a libp2p RSA identity ({type(e).__name__})") from None
     kwargs = dict(initial_peers=list(initial_peers) or None, start=True, client_mode=client_mode,
                   await_ready=True, record_validators=validators(run_id, run_fp))
-    if fresh or identity_known_free:
-        kwargs["check_if_identity_free"] = False  # just made, or its last holder is gone: nobody else has it
+    if fresh:
+        kwargs["check_if_identity_free"] = False  # just made: nobody else has it
     kwargs["host_maddrs"] = [LOOPBACK_MADDR] if client_mode else list(host_maddrs)
     if announce_maddrs and not client_mode:
         kwargs["announce_maddrs"] = list(announce_maddrs)
@@ -143,6 +142,66 @@ def stop_dht(dht: DHT, timeout: float = 5.0) -> None:
         except ProcessLookupError:
             pass
         dht.join(timeout)
+
+
+async def replicate_p2p_at(dht: DHT, socket_path: str):
+    """A P2P replica of `dht`'s daemon that takes its streams at the unix socket `socket_path`, for a
+    server process whose DHT node outlives it (`peer serve --supervise`: the supervisor holds the
+    node). The daemon keeps a dead replica's stream handlers (only its unary ones go with its
+    connection) and refuses to register them again ("already set"); a restarted replica listening
+    at the same path is where they already lead, so it takes them over without a word. A replica
+    at a fresh path (hivemind's `replicate_p2p`) could not serve them again."""
+    from hivemind.p2p import P2P
+    from hivemind.p2p.p2p_daemon_bindings import p2pclient
+    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+    from hivemind.utils.multiaddr import Multiaddr  # (the `multiaddr` package drops a unix path's leading /)
+
+    class Replica(P2P):
+        async def add_binary_stream_handler(self, name, handler, balanced: bool = False) -> None:
+            try:
+                await super().add_binary_stream_handler(name, handler, balanced)
+            except ControlFailure as e:  # registered by our predecessor at this very socket
+                if "already set" not in str(e):
+                    raise
+                logger.debug("stream handler %s: taken over from the previous server process", name)
+
+    daemon = dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr)
+    replica = Replica()
+    replica._child, replica._alive = None, True  # the daemon is the DHT process's, not ours to stop
+    replica._daemon_listen_maddr = daemon
+    replica._client_listen_maddr = Multiaddr(f"/unix{socket_path}")
+    replica._client = await p2pclient.Client.create(daemon, replica._client_listen_maddr)
+    await replica._ping_daemon()
+    return replica
+
+
+async def _leave_with(parent_pid: int, _dht, node) -> None:
+    """Run inside a DHT process held by a supervisor: when the supervisor is gone (SIGKILLed alone,
+    so nobody stopped us), stop the p2p daemon and leave, instead of serving its identity forever."""
+    import signal
+
+    async def watch():
+        while os.getppid() == parent_pid:
+            await asyncio.sleep(1.0)
+        child = getattr(node.p2p, "_child", None)
+        if child is not None and child.returncode is None:
+            try:
+                os.kill(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os._exit(3)
+
+    _WATCHERS.add(asyncio.get_event_loop().create_task(watch()))
+
+
+_WATCHERS: set = set()  # (a task nobody holds may be collected before it ends)
+
+
+def dht_leaves_with(dht: DHT, parent_pid: int) -> None:
+    """Make `dht`'s process (and its p2p daemon) end when process `parent_pid` does."""
+    import functools
+
+    dht.run_coroutine(functools.partial(_leave_with, parent_pid))
 
 
 def _daemon_problem(e: Exception) -> str:

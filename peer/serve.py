@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 
 from parameter_server.layout import DEFAULT_TASK_TOKENS
@@ -221,20 +222,56 @@ def run(args) -> int:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         args.identity_path = os.path.join(args.checkpoint_dir, f"{device}.identity.key")
     preload_server_modules()
+    # the host's DHT node (with its p2p daemon) is the supervisor's: it outlives a crashed server
+    # process, so a restart starts no node (seconds under load), keeps the peers' connections and
+    # the addresses they know, and takes its stream handlers over (peer.node.replicate_p2p_at)
+    import torch.multiprocessing
+
+    from peer.node import dht_leaves_with, stop_dht
+
+    # hivemind shares its futures' state through torch's shared-memory manager process (strategy
+    # "file_system"), one connection per process; a forked child would share the supervisor's (a
+    # child SIGKILLed mid-message broke it for every later one). The supervisor shares by file
+    # descriptor and starts no manager; each server process starts its own, which dies with it.
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    dht = start_server_dht(args, run_cfg, device)
+    dht_leaves_with(dht, os.getpid())
+    socket_path = os.path.join(tempfile.gettempdir(), f"hivepipe-{os.getpid()}-{device[:40]}.sock")
 
     def child(supervisor_pid: int, run: int) -> int:
         watch_parent(supervisor_pid)
-        # a restart: the supervisor saw the last holder of this identity die (with its p2p daemon), so
-        # the check that nobody else uses it (a p2p daemon of its own and a DHT lookup: seconds) is
-        # skipped; the first start checks
-        args.identity_known_free = run > 0
+        torch.multiprocessing.set_sharing_strategy("file_system")  # hivemind's choice (see above)
+        args.restarted = run > 0  # the node was checked reachable by the first server process
         try:
-            return run_until_signalled(lambda stop: serve_main(args, cfg, layout, device, run_cfg, corpus, stop))
+            return run_until_signalled(lambda stop: serve_main(args, cfg, layout, device, run_cfg, corpus, stop,
+                                                               dht=dht, socket_path=socket_path))
         except (UsageError, NetworkError) as e:
             print(f"peer serve: error: {e}", file=sys.stderr, flush=True)
             return 2
 
-    return supervise(child, name=device, parent_pid=args.parent_pid)
+    try:
+        return supervise(child, name=device, parent_pid=args.parent_pid,
+                         needs=lambda: None if dht.is_alive() else "its DHT process is gone")
+    finally:
+        stop_dht(dht)
+        try:
+            os.unlink(socket_path)
+        except OSError:
+            pass
+
+
+def start_server_dht(args, run_cfg, device: str):
+    from peer.node import NetworkStartError, start_dht
+
+    t0 = time.perf_counter()
+    try:
+        dht = start_dht(args.initial_peers, run_id=run_cfg.run_id, run_fp=args.run_fp, run_key=args.run_key_obj,
+                        identity_path=args.identity_path, host_maddrs=args.host_maddrs,
+                        announce_maddrs=args.announce_maddrs, timeout=args.timeout or 60.0)
+    except NetworkStartError as e:
+        raise NetworkError(str(e)) from None
+    logger.info("%s: DHT node and p2p daemon up in %.1f s", device, time.perf_counter() - t0)
+    return dht
 
 
 def preload_server_modules() -> None:
@@ -255,14 +292,17 @@ def preload_server_modules() -> None:
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
-async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.Event) -> int:
+async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.Event, dht=None,
+                     socket_path: str | None = None) -> int:
+    """Serve `device` until `stop`: on `dht` (a node held by a supervisor, taken over at
+    `socket_path`), or on a DHT node of its own."""
     import torch
 
     from parameter_server.checkpoint import CheckpointWriter, load_checkpoint
     from parameter_server.service import StageServer
     from peer.hf.init import initial_state, write_model_json
     from parameter_server.layout import halt_reason
-    from peer.node import Directory, HaltNotice, LocalLink, NetworkStartError, announced_maddrs, start_dht, stop_dht
+    from peer.node import Directory, HaltNotice, LocalLink, announced_maddrs, replicate_p2p_at, stop_dht
     from peer.protocol import records
     from peer.reachability import DialBackService
     from peer.volunteer.worker import StageWorker
@@ -270,28 +310,25 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     torch.set_num_threads(1)
     stage, role, _ = layout.locate(device)
     st = layout.stages[stage]
-    t0 = time.perf_counter()
-    try:
-        dht = start_dht(args.initial_peers, run_id=run_cfg.run_id, run_fp=args.run_fp, run_key=args.run_key_obj,
-                        identity_path=args.identity_path, host_maddrs=args.host_maddrs,
-                        announce_maddrs=args.announce_maddrs, timeout=args.timeout or 60.0,
-                        identity_known_free=getattr(args, "identity_known_free", False))
-    except NetworkStartError as e:
-        raise NetworkError(str(e)) from None
-    p2p = await dht.replicate_p2p()
+    owns_dht = dht is None  # else the supervisor's, which outlives this process
+    if owns_dht:
+        dht = start_server_dht(args, run_cfg, device)
+        p2p = await dht.replicate_p2p()
+    else:
+        p2p = await replicate_p2p_at(dht, socket_path)
     peer_id = str(dht.peer_id)
     maddrs = announced_maddrs(dht)
     # the first line on stdout: what a volunteer (or another server) passes to --initial-peers
     print("initial_peers=" + " ".join(maddrs), flush=True)
     # the second: what a volunteer passes to --run-id, so that it believes only this run's servers
     print(f"run={run_cfg.run_id}@{args.run_fp}", flush=True)
-    logger.info("%s: DHT node and p2p daemon up in %.1f s", device, time.perf_counter() - t0)
     await DialBackService().add_p2p_handlers(p2p)
-    if not args.no_reachability_check:
+    if not args.no_reachability_check and not getattr(args, "restarted", False):
         try:
             await check_own_reachability(dht, p2p, args, run_cfg.run_id, layout.num_stages, maddrs, device)
         except NetworkError:
-            stop_dht(dht)
+            if owns_dht:
+                stop_dht(dht)
             raise
     t0 = time.perf_counter()
     current = await records.read_config_value(dht)
@@ -300,7 +337,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         from parameter_server.layout import RunLayout
 
         if not any(device in s.servers for s in RunLayout.from_dict(current["layout"], cfg.layers).stages):
-            stop_dht(dht)
+            if owns_dht:
+                stop_dht(dht)
             raise UsageError(f"{device} was failed over (the run is at layout epoch {current['epoch']} without it); "
                              "start it under a new device id as a volunteer, or start a new run")
     t0 = time.perf_counter()
@@ -574,7 +612,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     await asyncio.gather(*tasks, return_exceptions=True)
     if writer is not None:
         writer.close()  # the last step's checkpoint is on disk before the process ends
-    stop_dht(dht)
+    if owns_dht:
+        stop_dht(dht)
     return 2 if fenced else 0
 
 

@@ -5,18 +5,21 @@ unhandled error) should be back in seconds, from its checkpoint, under the same 
 manager can restart it too, but the new process imports torch and hivemind again before it does
 anything: 3-5 s on an idle machine, 26 s measured on this 2-core machine under a soak's load, and
 the server's stage waits for it all that time (a batch needs every shard of its stage). The
-supervisor imports everything once and forks: a restarted child starts its DHT node at once.
+supervisor imports everything once and forks: a restarted child resumes at once, on the same DHT node.
 
-The child runs in its own process group (with its DHT process and p2p daemon), so a crash of the
-child takes those down and leaves the supervisor; the child watches the supervisor and leaves with
-it. The supervisor restarts a child that died of a signal or exited with an error code other than
+The child runs in its own process group, so a crash of the child takes what it started down and
+leaves the supervisor; the child watches the supervisor and leaves with it. `peer serve` starts the
+host's DHT node (its process and p2p daemon) in the supervisor before the first fork: the node
+outlives a crashed server process, and `needs` stops the child when the node is gone. The supervisor restarts a child that died of a signal or exited with an error code other than
 the ones that mean "do not try again" (0: done, 2: a usage or network error that would repeat, 3:
 its parent is gone, 130: interrupted); at most `max_restarts` times within `window_s` seconds (then
 it gives up with the child's status, as systemd's StartLimitBurst does). SIGTERM/SIGINT to the
 supervisor are passed to the child, which then is not restarted.
 
-The supervisor starts no thread and no event loop before it forks (fork copies only the calling
-thread): it polls its child and its own parent instead.
+The supervisor starts no event loop and no thread of its own (fork copies only the calling thread;
+hivemind's future reader, started with the DHT node, idles in a pipe read): it polls its child and
+its own parent instead. A forked child runs multiprocessing's after-fork hooks, as a process that
+multiprocessing forks does.
 """
 from __future__ import annotations
 
@@ -70,6 +73,11 @@ def _fork(child_main: Callable[[int, int], int], run: int) -> int:
         code = 1
         try:
             os.setpgid(0, 0)
+            # what multiprocessing does in a process it forks: its fd sharer (which passes pipes to
+            # the DHT process) and other per-process state were the supervisor's
+            import multiprocessing.util
+
+            multiprocessing.util._run_after_forkers()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_DFL)
             code = int(child_main(supervisor, run) or 0)
@@ -130,7 +138,7 @@ def group_members(pgid: int) -> list[int]:
 
 def _end_group(pgid: int, wait_s: float = 5.0) -> None:
     """SIGKILL what is left of a process group and wait until it is gone, so that a restarted child
-    does not meet its predecessor's p2p daemon under the same identity."""
+    does not meet what its predecessor started."""
     _kill_group(pgid, signal.SIGKILL)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and group_members(pgid):
@@ -138,17 +146,19 @@ def _end_group(pgid: int, wait_s: float = 5.0) -> None:
 
 
 def supervise(child_main: Callable[[int, int], int], *, name: str, parent_pid: int | None = None, max_restarts: int = 5,
-              window_s: float = 600.0, poll_s: float = 0.1, clock: Callable[[], float] = time.monotonic) -> int:
+              window_s: float = 600.0, poll_s: float = 0.1, clock: Callable[[], float] = time.monotonic,
+              needs: Callable[[], str | None] | None = None) -> int:
     """Run `child_main(supervisor_pid, run) -> exit code` in a forked child until it ends for good
     (`run`: 0 for the first start, n for the n-th restart); return its exit code (128 + signal for
-    a child killed by a signal)."""
+    a child killed by a signal). `needs()`: what the child cannot do without is gone (a message; the
+    supervisor's DHT process died), checked every poll: the child is killed and 1 returned."""
     budget = RestartBudget(max_restarts, window_s, clock)
     stopping: list[int] = []
     child: list[int] = []
 
     def forward(signum, _frame):
         stopping.append(signum)
-        if child:  # to the child alone, as a launcher does: it stops its DHT process and daemon itself
+        if child:  # to the child alone, as a launcher does: it ends its work and announces "offline"
             try:
                 os.kill(child[0], signal.SIGTERM)
             except ProcessLookupError:
@@ -171,8 +181,14 @@ def supervise(child_main: Callable[[int, int], int], *, name: str, parent_pid: i
                     _kill_group(child[0], signal.SIGKILL)
                     os.waitpid(child[0], 0)
                     return 3
+                missing = needs() if needs is not None else None
+                if missing:
+                    logger.error("%s: %s; stopping its server process", name, missing)
+                    _kill_group(child[0], signal.SIGKILL)
+                    os.waitpid(child[0], 0)
+                    return 1
                 time.sleep(poll_s)
-            _end_group(child[0])  # what is left of its group (DHT process, p2p daemon)
+            _end_group(child[0])  # what is left of its group
             what, code, may_restart = describe(status)
             if stopping or not may_restart:
                 logger.info("%s: its server process %s", name, what)

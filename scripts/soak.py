@@ -48,7 +48,7 @@ p.add_argument("--servers-compute", choices=["yes", "no"], default="yes",
                     "stage whose volunteers were all just replaced waits for them to load")
 p.add_argument("--restarts", choices=["supervised", "cold"], default="supervised",
                help="supervised (default): servers run under `peer serve --supervise` and the soak SIGKILLs the "
-                    "server process (with its DHT process and p2p daemon), which the supervisor forks again; cold: "
+                    "server process, which the supervisor forks again (its DHT node, held by the supervisor, lives on); cold: "
                     "the soak SIGKILLs the whole server and starts a new process, which imports torch and hivemind "
                     "again (26 s on this machine under the soak's load)")
 p.add_argument("--sample", type=float, default=10.0, help="seconds between samples")
@@ -183,10 +183,13 @@ async def main() -> dict:
                 groups = {"launcher": launcher_tree()}
                 for name, proc in list(swarm.servers.items()):
                     if args.restarts == "supervised":  # the server process (a new pid after each restart),
-                        groups[f"{name} supervisor"] = tree(proc.pid)[:1]  # and its supervisor on its own
+                        everything = tree(proc.pid)  # its supervisor on its own, and the supervisor's DHT
+                        groups[f"{name} supervisor"] = everything[:1]  # node (DHT process and p2p daemon)
                         workers = child_groups(proc.pid)
-                        if workers:  # (none while the supervisor imports or forks again)
-                            groups[name] = tree(workers[0])
+                        server = tree(workers[0]) if workers else []  # (none while it forks again)
+                        if server:
+                            groups[name] = server
+                        groups[f"{name} node"] = [q for q in everything[1:] if q.pid not in {w.pid for w in server}]
                     else:
                         groups[name] = tree(proc.pid)
                 for name, (proc, _) in list(swarm.volunteers.items()):

@@ -52,6 +52,28 @@ def test_restarts_are_bounded(tmp_path):
     assert len(runs.read_text().split()) == 3  # the first run and two restarts
 
 
+def test_a_child_whose_needs_are_gone_is_stopped(tmp_path):
+    """`needs` (for a server: its supervisor's DHT process) checked while the child runs: once it
+    reports something gone, the child is killed and the supervisor returns 1, without a restart."""
+    runs = tmp_path / "runs"
+    gone = tmp_path / "gone"
+
+    def child(*_):
+        with open(runs, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        gone.write_text("x")
+        time.sleep(60)
+        return 0
+
+    t0 = time.monotonic()
+    assert supervise(child, name="t", poll_s=0.02, needs=lambda: "its DHT process is gone" if gone.exists() else None) == 1
+    assert time.monotonic() - t0 < 30  # not the child's 60 s
+    pids = runs.read_text().split()
+    assert len(pids) == 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pids[0]), 0)
+
+
 def test_an_exception_in_the_child_is_a_crash(tmp_path):
     marker = tmp_path / "raised"
 

@@ -143,9 +143,10 @@ def test_servers_killed_and_restarted_resume_without_losing_a_step(tmp_path):
 
 
 def test_a_supervised_server_killed_is_forked_again_by_its_supervisor_and_loses_nothing(tmp_path):
-    """`--supervise-servers`: the server process of s0b0 (not its supervisor) is SIGKILLed mid-run
-    with its DHT process and p2p daemon; the supervisor, which kept torch and hivemind imported,
-    forks a new one under the same identity, which resumes from the checkpoint and request log."""
+    """`--supervise-servers`: the server process of s0b0 (not its supervisor) is SIGKILLed mid-run;
+    the supervisor, which kept torch and hivemind imported and holds the DHT node, forks a new one,
+    which takes the node's streams over (same peer id, same address), resumes from the checkpoint
+    and request log, and the run ends equal to the reference."""
     steps = 8
     live = tiny_swarm(tmp_path, "supervised", steps, "--supervise-servers")
     seen = {}
@@ -168,6 +169,9 @@ def test_a_supervised_server_killed_is_forked_again_by_its_supervisor_and_loses_
     assert all(s["version"] == steps for s in statuses.values())
     log = (tmp_path / "s0b0.log").read_text(errors="replace")
     assert "was killed by SIGKILL" in log and "restarting it" in log and "resumed from" in log, log[-3000:]
+    # the DHT node and its p2p daemon lived on: both server processes announced the same address
+    announced = re.findall(r"^initial_peers=(.*)$", log, re.M)
+    assert len(announced) == 2 and announced[0] == announced[1], announced
     resumed_at = int(re.search(r"resumed from .* at version (\d+)", log).group(1))
     assert resumed_at < steps, log[-3000:]  # it came back mid-run, and the run waited for it
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5

@@ -1,0 +1,69 @@
+"""A DHT node held by a supervisor (peer.node.dht_leaves_with): when the process that holds it is
+SIGKILLed alone, nobody stops the node, so the node stops itself and its p2p daemon (real
+processes, real SIGKILL)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+HOLDER = textwrap.dedent("""
+    import os, sys, time
+    from peer.node import dht_leaves_with, start_dht
+
+    dht = start_dht(run_id="lifetime", run_fp=None)
+    dht_leaves_with(dht, os.getpid())
+    print(dht.pid, flush=True)
+    time.sleep(120)
+""")
+
+
+def descendants(pid: int) -> list[int]:
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != b"Z":
+                table[int(name)] = int(fields[1])
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in table.items() if pp == p]
+        out += kids
+        frontier += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def test_a_held_dht_node_leaves_with_its_holder():
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        dht_pid = int(holder.stdout.readline())
+        node = descendants(holder.pid)
+        assert dht_pid in node and len(node) >= 2, node  # the DHT process and its p2p daemon
+        os.kill(holder.pid, signal.SIGKILL)  # the holder alone, as an OOM kill would
+        holder.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(alive(p) for p in node):
+            time.sleep(0.1)
+        assert not [p for p in node if alive(p)], "the DHT process or its p2p daemon outlived their holder"
+    finally:
+        try:
+            os.killpg(holder.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
