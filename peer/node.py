@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from hivemind.dht import DHT
@@ -144,35 +145,49 @@ def stop_dht(dht: DHT, timeout: float = 5.0) -> None:
         dht.join(timeout)
 
 
-async def replicate_p2p_at(dht: DHT, socket_path: str):
-    """A P2P replica of `dht`'s daemon that takes its streams at the unix socket `socket_path`, for a
-    server process whose DHT node outlives it (`peer serve --supervise`: the supervisor holds the
-    node). The daemon keeps a dead replica's stream handlers (only its unary ones go with its
-    connection) and refuses to register them again ("already set"); a restarted replica listening
-    at the same path is where they already lead, so it takes them over without a word. A replica
-    at a fresh path (hivemind's `replicate_p2p`) could not serve them again."""
-    from hivemind.p2p import P2P
-    from hivemind.p2p.p2p_daemon_bindings import p2pclient
-    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
-    from hivemind.utils.multiaddr import Multiaddr  # (the `multiaddr` package drops a unix path's leading /)
+@dataclass
+class HeldNode:
+    """A DHT node held by a supervisor for the server processes it forks, one after the other: the
+    handle, the unix socket where each of them takes the node's streams, and what does not change
+    while the node lives (asked once, not by every restart: each ask is a round trip through the DHT
+    process, slow under load)."""
 
-    class Replica(P2P):
-        async def add_binary_stream_handler(self, name, handler, balanced: bool = False) -> None:
-            try:
-                await super().add_binary_stream_handler(name, handler, balanced)
-            except ControlFailure as e:  # registered by our predecessor at this very socket
-                if "already set" not in str(e):
-                    raise
-                logger.debug("stream handler %s: taken over from the previous server process", name)
+    dht: DHT
+    socket_path: str
+    daemon: object  # the p2p daemon's control multiaddr
+    maddrs: list[str]  # announced_maddrs(dht)
 
-    daemon = dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr)
-    replica = Replica()
-    replica._child, replica._alive = None, True  # the daemon is the DHT process's, not ours to stop
-    replica._daemon_listen_maddr = daemon
-    replica._client_listen_maddr = Multiaddr(f"/unix{socket_path}")
-    replica._client = await p2pclient.Client.create(daemon, replica._client_listen_maddr)
-    await replica._ping_daemon()
-    return replica
+    @classmethod
+    def of(cls, dht: DHT, socket_path: str) -> "HeldNode":
+        return cls(dht, socket_path, dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr), announced_maddrs(dht))
+
+    async def replicate(self):
+        """A P2P replica of the node's daemon that takes its streams at `socket_path`. The daemon
+        keeps a dead replica's stream handlers (only its unary ones go with its connection) and
+        refuses to register them again ("already set"); a restarted replica listening at the same
+        path is where they already lead, so it takes them over without a word. A replica at a fresh
+        path (hivemind's `replicate_p2p`) could not serve them again."""
+        from hivemind.p2p import P2P
+        from hivemind.p2p.p2p_daemon_bindings import p2pclient
+        from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+        from hivemind.utils.multiaddr import Multiaddr  # (the `multiaddr` package drops a unix path's leading /)
+
+        class Replica(P2P):
+            async def add_binary_stream_handler(self, name, handler, balanced: bool = False) -> None:
+                try:
+                    await super().add_binary_stream_handler(name, handler, balanced)
+                except ControlFailure as e:  # registered by our predecessor at this very socket
+                    if "already set" not in str(e):
+                        raise
+                    logger.debug("stream handler %s: taken over from the previous server process", name)
+
+        replica = Replica()
+        replica._child, replica._alive = None, True  # the daemon is the DHT process's, not ours to stop
+        replica._daemon_listen_maddr = self.daemon
+        replica._client_listen_maddr = Multiaddr(f"/unix{self.socket_path}")
+        replica._client = await p2pclient.Client.create(self.daemon, replica._client_listen_maddr)
+        await replica._ping_daemon()
+        return replica
 
 
 async def _leave_with(parent_pid: int, _dht, node) -> None:

@@ -224,10 +224,10 @@ def run(args) -> int:
     preload_server_modules()
     # the host's DHT node (with its p2p daemon) is the supervisor's: it outlives a crashed server
     # process, so a restart starts no node (seconds under load), keeps the peers' connections and
-    # the addresses they know, and takes its stream handlers over (peer.node.replicate_p2p_at)
+    # the addresses they know, and takes its stream handlers over (peer.node.HeldNode)
     import torch.multiprocessing
 
-    from peer.node import dht_leaves_with, stop_dht
+    from peer.node import HeldNode, dht_leaves_with, stop_dht
 
     # hivemind shares its futures' state through torch's shared-memory manager process (strategy
     # "file_system"), one connection per process; a forked child would share the supervisor's (a
@@ -236,7 +236,7 @@ def run(args) -> int:
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
     dht = start_server_dht(args, run_cfg, device)
     dht_leaves_with(dht, os.getpid())
-    socket_path = os.path.join(tempfile.gettempdir(), f"hivepipe-{os.getpid()}-{device[:40]}.sock")
+    held = HeldNode.of(dht, os.path.join(tempfile.gettempdir(), f"hivepipe-{os.getpid()}-{device[:40]}.sock"))
 
     def child(supervisor_pid: int, run: int) -> int:
         watch_parent(supervisor_pid)
@@ -244,7 +244,7 @@ def run(args) -> int:
         args.restarted = run > 0  # the node was checked reachable by the first server process
         try:
             return run_until_signalled(lambda stop: serve_main(args, cfg, layout, device, run_cfg, corpus, stop,
-                                                               dht=dht, socket_path=socket_path))
+                                                               held=held))
         except (UsageError, NetworkError) as e:
             print(f"peer serve: error: {e}", file=sys.stderr, flush=True)
             return 2
@@ -255,7 +255,7 @@ def run(args) -> int:
     finally:
         stop_dht(dht)
         try:
-            os.unlink(socket_path)
+            os.unlink(held.socket_path)
         except OSError:
             pass
 
@@ -292,17 +292,16 @@ def preload_server_modules() -> None:
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
-async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.Event, dht=None,
-                     socket_path: str | None = None) -> int:
-    """Serve `device` until `stop`: on `dht` (a node held by a supervisor, taken over at
-    `socket_path`), or on a DHT node of its own."""
+async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.Event, held=None) -> int:
+    """Serve `device` until `stop`: on `held` (a peer.node.HeldNode: a supervisor's), or on a DHT
+    node of its own."""
     import torch
 
     from parameter_server.checkpoint import CheckpointWriter, load_checkpoint
     from parameter_server.service import StageServer
     from peer.hf.init import initial_state, write_model_json
     from parameter_server.layout import halt_reason
-    from peer.node import Directory, HaltNotice, LocalLink, announced_maddrs, replicate_p2p_at, stop_dht
+    from peer.node import Directory, HaltNotice, LocalLink, announced_maddrs, stop_dht
     from peer.protocol import records
     from peer.reachability import DialBackService
     from peer.volunteer.worker import StageWorker
@@ -310,14 +309,17 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     torch.set_num_threads(1)
     stage, role, _ = layout.locate(device)
     st = layout.stages[stage]
-    owns_dht = dht is None  # else the supervisor's, which outlives this process
+    owns_dht = held is None  # else the supervisor's, which outlives this process
     if owns_dht:
         dht = start_server_dht(args, run_cfg, device)
         p2p = await dht.replicate_p2p()
+        maddrs = announced_maddrs(dht)
     else:
-        p2p = await replicate_p2p_at(dht, socket_path)
+        t0 = time.perf_counter()
+        dht, maddrs = held.dht, held.maddrs
+        p2p = await held.replicate()
+        logger.info("%s: attached to its supervisor's DHT node in %.1f s", device, time.perf_counter() - t0)
     peer_id = str(dht.peer_id)
-    maddrs = announced_maddrs(dht)
     # the first line on stdout: what a volunteer (or another server) passes to --initial-peers
     print("initial_peers=" + " ".join(maddrs), flush=True)
     # the second: what a volunteer passes to --run-id, so that it believes only this run's servers

@@ -12,7 +12,7 @@ At the end the model at the version every shard reached is compared with `peer r
 many steps.
 
 Writes, under --out: soak.csv (time, process, pid, rss_mb, fds, threads, version), versions.csv (when
-each version was reached), events.csv (kills, restarts, the loss), soak.png (RSS per process over
+each version was reached, by the servers' own clocks: peer.launcher.monitor.StepTimes), events.csv (kills, restarts, the loss), soak.png (RSS per process over
 time with the step rate and the faults marked) and summary.json, and prints a table; --replot draws
 soak.png again from those files.
 
@@ -221,7 +221,10 @@ async def main() -> dict:
     finally:
         swarm.close()
         stop_dht(dht)
-    return {"rows": rows, "events": events, "versions": versions, "final": final, "state": state,
+    # when each version was reached, from the servers' clocks (their records' step_times): the polled
+    # minimum above (for the churn's pace) pauses and jumps whenever a DHT read misses a record
+    steps = [(t - t0, v) for v, t in monitor.reached.completed().items() if 0 < v <= final]
+    return {"rows": rows, "events": events, "versions": versions, "steps": steps, "final": final, "state": state,
             "statuses": statuses, "layout": monitor.layout, "started": started, "cfg": cfg, "sargs": sargs}
 
 
@@ -278,7 +281,8 @@ def report(r: dict) -> dict:
         w.writeheader()
         w.writerows(r["rows"])
     # step times and stalls
-    times = [t for t, _ in r["versions"]]
+    polled = [t for t, _ in r["versions"]]
+    times = [t for t, _ in r["steps"]] or polled
     gaps = [b - a for a, b in zip(times, times[1:])]
     median = statistics.median(gaps) if gaps else 0.0
     lose_t = next((t for t, e in r["events"] if e.startswith("lose")), None)
@@ -291,6 +295,10 @@ def report(r: dict) -> dict:
         return [b - a for a, b in zip(times, times[1:]) if not any(lo <= b and a <= hi for lo, hi in windows)]
 
     outside, calm = outside_of(failover), outside_of(failover + restarts)
+    # each restart's own stall: the longest gap that overlaps the half minute after its kill
+    restart_stalls = [max((b - a for a, b in zip(times, times[1:]) if t - 1 <= b and a <= t + 30), default=None)
+                      for t, e in r["events"] if e.startswith("restart")]
+    polled_gaps = [b - a for a, b in zip(polled, polled[1:])]
     # RSS growth of long-lived processes (the same pid from minute 5 to the end)
     growth = {}
     by_pid: dict[tuple[str, int], list[dict]] = {}
@@ -337,6 +345,10 @@ def report(r: dict) -> dict:
         "median_step_s": round(median, 2), "longest_stall_s": round(max(gaps), 1) if gaps else None,
         "longest_stall_outside_failover_s": round(max(outside), 1) if outside else None,
         "longest_stall_outside_failover_and_restarts_s": round(max(calm), 1) if calm else None,
+        "restart_stalls_s": [round(x, 1) if x is not None else None for x in restart_stalls],
+        "step_times_from": "servers' step_times" if r["steps"] else "polled minimum version",
+        "longest_stall_polled_s": round(max(polled_gaps), 1) if polled_gaps else None,
+        "median_step_polled_s": round(statistics.median(polled_gaps), 2) if polled_gaps else None,
         "longest_stalls": sorted(([round(a), round(b - a, 1)] for a, b in zip(times, times[1:])),
                                  key=lambda x: -x[1])[:6],  # [second it began, seconds]
         "rel_diff_vs_reference": rel_diff(r["state"], ref),
@@ -350,12 +362,13 @@ def report(r: dict) -> dict:
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    for name, header, data in (("versions.csv", ["t", "version"], r["versions"]), ("events.csv", ["t", "event"], r["events"])):
+    for name, header, data in (("versions.csv", ["t", "version"], r["steps"] or r["versions"]),
+                               ("events.csv", ["t", "event"], r["events"])):
         with open(os.path.join(args.out, name), "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(header)
             w.writerows(data)
-    plot(r["rows"], r["events"], r["versions"], os.path.join(args.out, "soak.png"))
+    plot(r["rows"], r["events"], r["steps"] or r["versions"], os.path.join(args.out, "soak.png"))
     return summary
 
 
@@ -385,6 +398,8 @@ elif __name__ == "__main__":
           f"{s['longest_stall_s']} / {s['longest_stall_outside_failover_s']} / "
           f"{s['longest_stall_outside_failover_and_restarts_s']} s | {s['rel_diff_vs_reference']:.2e} "
           f"({s['rel_diff_reference_regrouped']:.2e}) |")
+    print(f"\nstep times from the {s['step_times_from']}; each restart's stall: {s['restart_stalls_s']} s; "
+          f"polled minimum version: median {s['median_step_polled_s']} s, longest gap {s['longest_stall_polled_s']} s")
     print()
     print("| per-step loss vs the reference | max abs diff, first 50 steps | first step off by > 1e-3 | "
           "mean loss, last 50 steps |")

@@ -19,6 +19,7 @@ class Monitor:
         self.tokens_per_batch = tokens_per_batch
         self.servers: dict[str, tuple[str, dict]] = {}  # device -> (peer id, record)
         self.server_ids = set(self.all_devices())  # of every epoch (a failover only removes servers)
+        self.reached = StepTimes()
 
     async def refresh(self) -> None:
         from parameter_server.layout import RunLayout
@@ -40,6 +41,7 @@ class Monitor:
             for peer, rec, _ in found:
                 if rec is not None and rec["kind"] == "server":
                     self.servers[rec["device"]] = (peer, rec)
+                    self.reached.note(rec["device"], rec.get("step_times"))
 
     def halted(self) -> str | None:
         """Why the run is stopped, as a live server of it announces (None while it runs)."""
@@ -130,3 +132,35 @@ class Monitor:
             "rpc_calls": dict(sum((collections.Counter(s.get("calls", {})) for s in statuses.values()),
                                   collections.Counter())),
         }
+
+
+class StepTimes:
+    """When the run reached each version, from the servers' own clocks: a server's record carries
+    the wall time of its last 16 versions (`step_times`), so a reader that misses records for a
+    while (a DHT read under load can miss some for seconds) still learns every version's time,
+    where polling `min_version` would see a pause and then a jump. A version is reached when its
+    last server reached it; a server that applied a version again (replaying its log after a
+    restart) keeps the first time seen."""
+
+    def __init__(self):
+        self.by_server: dict[str, dict[int, float]] = {}
+
+    def note(self, device: str, step_times) -> None:
+        if not isinstance(step_times, dict):
+            return
+        seen = self.by_server.setdefault(device, {})
+        for v, t in step_times.items():
+            try:
+                v, t = int(v), float(t)
+            except (TypeError, ValueError):
+                continue
+            if v not in seen or t < seen[v]:
+                seen[v] = t
+
+    def completed(self) -> dict[int, float]:
+        """version -> wall time its last server reached it (versions some server was seen at)."""
+        out: dict[int, float] = {}
+        for seen in self.by_server.values():
+            for v, t in seen.items():
+                out[v] = max(out.get(v, t), t)
+        return dict(sorted(out.items()))
