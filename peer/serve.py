@@ -229,10 +229,11 @@ def run(args) -> int:
 
     from peer.node import HeldNode, dht_leaves_with, stop_dht
 
-    # hivemind shares its futures' state through torch's shared-memory manager process (strategy
-    # "file_system"), one connection per process; a forked child would share the supervisor's (a
-    # child SIGKILLed mid-message broke it for every later one). The supervisor shares by file
-    # descriptor and starts no manager; each server process starts its own, which dies with it.
+    # hivemind shares its futures' state through torch shared memory, by default (strategy
+    # "file_system") through a manager process with one connection per process: a forked child
+    # would share the supervisor's (a child SIGKILLed mid-message broke it for every later one), or
+    # start its own (0.2 s idle, more under load, and its segments left behind at each SIGKILL).
+    # The supervisor and its server processes share by file descriptor: no manager at all.
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
     dht = start_server_dht(args, run_cfg, device)
     dht_leaves_with(dht, os.getpid())
@@ -240,7 +241,6 @@ def run(args) -> int:
 
     def child(supervisor_pid: int, run: int) -> int:
         watch_parent(supervisor_pid)
-        torch.multiprocessing.set_sharing_strategy("file_system")  # hivemind's choice (see above)
         args.restarted = run > 0  # the node was checked reachable by the first server process
         try:
             return run_until_signalled(lambda stop: serve_main(args, cfg, layout, device, run_cfg, corpus, stop,
