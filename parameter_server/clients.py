@@ -15,6 +15,11 @@ LEASE_IN_FLIGHT = 5.0
 # connections) and that has not called meanwhile has left: a SIGKILLed volunteer's connection closes
 # at once, so its leases go back without waiting out --client-timeout of silence
 DISCONNECT_GRACE = 1.0
+# a gap this long between two of this server's silence checks (every 0.2 s) is the server's own
+# stall (its event loop busy, its process starved of CPU), not its clients' silence: their
+# heartbeats meanwhile wait unread, so the gap does not count against them (seen at the start of
+# the stop-27 soak: a server whose loop stalled for 3 s dropped three clients as "silent" at once)
+OWN_STALL = 1.0
 # the refusal of a call from a client this server does not know (never registered, dropped, or
 # registered before this server restarted): the client registers and tries again
 NOT_REGISTERED = "is not registered for stage"
@@ -49,13 +54,16 @@ class Clients:
         # the client's last take here failed without an answer (it has one take in flight per server
         # at most): no lease of it here is on its way, so those it does not hold are lost now
         take_lost = mfield(meta, "take_lost", bool, optional=True)
+        # the client's process just started (a supervised server's worker forked again keeps its
+        # peer id, and its node keeps the connection open): what it held here was its predecessor's
+        first = mfield(meta, "first", bool, optional=True)
         new = sender not in self.clients
         info = self.clients.setdefault(sender, ClientInfo(device, compute, self.clock()))
         info.compute, info.device, info.last_seen = compute, device, self.clock()
         if holding is not None and self.requeue:  # (--no-requeue, the SWARM-like baseline, waits them out)
             # leases the client does not know it holds (a lost `take` answer, a lost hand-back) go
             # back to the pool now, not after --task-timeout; young ones may still be in flight
-            lost = self.pool.reclaim(sender, holding, min_age=0.0 if take_lost else LEASE_IN_FLIGHT)
+            lost = self.pool.reclaim(sender, holding, min_age=0.0 if take_lost or first else LEASE_IN_FLIGHT)
             if lost:
                 self.counters["leases_reclaimed"] = self.counters.get("leases_reclaimed", 0) + len(lost)
                 logger.info("%s: %s does not hold %s: re-queued", self.device_id, sender[-8:],
@@ -74,6 +82,10 @@ class Clients:
 
     def drop_stale_clients(self) -> list[str]:
         now = self.clock()
+        last, self.last_silence_check = self.last_silence_check, now
+        if last is not None and now - last > OWN_STALL:
+            for c in self.clients.values():
+                c.last_seen = min(c.last_seen + (now - last), now)
         gone = [p for p, c in self.clients.items() if now - c.last_seen > self.client_timeout and p != self.peer_id]
         for p in gone:
             self._client_left(p, "silent")

@@ -117,6 +117,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.reflow_from: int | None = None  # since the last failover: the first batch run again
         self.halted: str | None = None  # why the run is stopped (a role lost its last server), announced
         self.clients: dict[str, ClientInfo] = {}
+        self.last_silence_check: float | None = None  # (Clients.drop_stale_clients)
         self._reset_datapath()
         self.counters = {"payload_errors": 0, "relay_duplicates": 0, "output_duplicates": 0, "replicas_received": 0}
         self.background: set[asyncio.Task] = set()

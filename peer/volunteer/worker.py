@@ -181,11 +181,14 @@ class StageWorker:
         held += [meta["task"] for link, meta, _ in self.ready if link.device == device]
         return held
 
-    async def register(self) -> None:
+    async def register(self, first: bool = False) -> None:
         """Register (and heartbeat) with every server of the stage, saying which of its tasks this
-        worker holds: a lease it does not know of (an answer lost on the way) is re-queued at once."""
+        worker holds: a lease it does not know of (an answer lost on the way) is re-queued at once.
+        `first`: this worker just started, so any lease under its peer id is a predecessor's (a
+        supervised server forked again) and goes back at once, however young."""
         devices = [d for d in self.st.servers if d in self.links]
-        await asyncio.gather(*(self._quiet(self.links[d].call("register", self._registration(d), timeout=10.0))
+        extra = {"first": True} if first else {}
+        await asyncio.gather(*(self._quiet(self.links[d].call("register", self._registration(d, **extra), timeout=10.0))
                                for d in devices))
 
     def _registration(self, device: str | None = None, **extra) -> dict:
@@ -203,15 +206,41 @@ class StageWorker:
             return None
 
     async def heartbeat_loop(self, stop: asyncio.Event) -> None:
+        """A heartbeat to each server of the stage on its own beat: a server slow to answer (its
+        loop busy, or restarting) must not delay the others', which would count the delay as
+        silence (seen at the start of the stop-27 soak, when all were sent and awaited together).
+        The stage's servers are looked up every beat (a failover changes them)."""
+        beats: dict[str, asyncio.Future] = {}
+        try:
+            while not stop.is_set():
+                devices = {d for d in self.st.servers if d in self.links}
+                for d in [d for d, b in beats.items() if d not in devices or b.done()]:
+                    beats.pop(d).cancel()
+                for d in sorted(devices - beats.keys()):
+                    beats[d] = asyncio.ensure_future(self._beat(d, stop))
+                await self._pause(stop, self.heartbeat)
+        finally:
+            for b in beats.values():
+                b.cancel()
+            await asyncio.gather(*beats.values(), return_exceptions=True)
+
+    async def _beat(self, device: str, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            await self.register()
-            try:
-                await asyncio.wait_for(stop.wait(), self.heartbeat)
-            except asyncio.TimeoutError:
-                pass
+            link = self.links.get(device)
+            if link is None or device not in self.st.servers:
+                return
+            await self._quiet(link.call("register", self._registration(device), timeout=10.0))
+            await self._pause(stop, self.heartbeat)
+
+    @staticmethod
+    async def _pause(stop: asyncio.Event, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(stop.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
 
     async def run_loop(self, stop: asyncio.Event) -> None:
-        await self.register()
+        await self.register(first=True)
         beat = asyncio.ensure_future(self.heartbeat_loop(stop))
         try:
             while not stop.is_set() and self.banned is None:

@@ -390,6 +390,28 @@ def test_a_take_answer_lost_whole_is_reclaimed_at_once():
     assert asyncio.run(scenario()) == []
 
 
+def test_a_worker_that_just_started_gets_its_predecessors_leases_requeued_at_once():
+    """A supervised server's process is forked again under the same peer id, and its node keeps the
+    connection open, so the servers of its stage see neither a closed connection nor silence: the
+    leases its dead worker held would wait until 5 s old (seen in the stop-27 soak: a restart's stall
+    4 s longer). A worker's first register says it just started: they go back at once."""
+    fs, (worker,) = one_stage(volunteers=1)
+
+    async def scenario():
+        fs.maybe_start_batches()
+        await worker.register()
+        got = await worker.take_one()
+        assert got is not None and fs.pool.leases_of(worker.links[fs.device_id].sender)
+        await worker.register()  # an ordinary heartbeat: the young lease may still be on its way
+        assert fs.pool.leases_of(worker.links[fs.device_id].sender)
+        worker.current = None  # its successor holds nothing
+        await worker.register(first=True)
+        return fs.pool.leases_of(worker.links[fs.device_id].sender), got[1]["task"]
+
+    leases, task = asyncio.run(scenario())
+    assert leases == [] and not fs.pool.is_done(task)
+
+
 class TakeAnswerLost:
     """A link whose `take` reaches the server (which leases a task) but whose answer is lost on the
     way back: `error(device, answer)` is what the caller gets instead."""
@@ -410,3 +432,62 @@ def one_stage(volunteers: int):
     cfg, layout, run = make_run(steps=1, stages=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=volunteers, servers_compute=False)
     return swarm.servers[layout.stages[0].frontal[0]], swarm.workers
+
+
+def test_a_server_that_stalled_itself_does_not_drop_its_clients_as_silent():
+    """drop_stale_clients, time injected: silence is counted only while the server itself runs its
+    checks; a gap between two checks over OWN_STALL (its loop busy, its process starved) is not
+    the clients' (seen at the start of the stop-27 soak: three clients dropped at once)."""
+    from parameter_server.clients import OWN_STALL
+
+    fs, (a,) = one_stage(volunteers=1)
+    pa = a.links[fs.device_id].sender
+    asyncio.run(a.register())
+    now = [fs.clock()]
+    fs.clock = fs.pool._clock = lambda: now[0]
+    fs.client_timeout = 3.0
+    fs.drop_stale_clients()
+    now[0] += 5.0  # the server's own stall: 5 s without a check
+    assert fs.drop_stale_clients() == [] and pa in fs.clients
+    for _ in range(14):  # then it checks every 0.2 s, and the client stays silent
+        now[0] += 0.2
+        assert fs.drop_stale_clients() == []
+    assert now[0] - fs.clients[pa].last_seen <= 3.0 + 1e-9
+    now[0] += 0.2
+    assert fs.drop_stale_clients() == [pa]  # 3 s of silence the server saw: gone
+    assert OWN_STALL < 3.0
+
+
+def test_heartbeats_to_a_slow_server_do_not_hold_back_the_others():
+    """Each server of the stage gets its own heartbeat: one whose register answers take seconds
+    (its loop busy, or restarting) must not delay the heartbeats to the others, which would count
+    that as the worker's silence."""
+    fs, (a,) = one_stage(volunteers=1)
+    a.heartbeat = 0.1
+    devices = sorted(d for d in a.st.servers if d in a.links)
+    assert len(devices) >= 2, devices
+    slow = devices[0]
+    registers = {d: 0 for d in devices}
+
+    def wrap(device, plain):
+        async def call(method, meta, tensors=(), timeout=30.0):
+            if method == "register":
+                registers[device] += 1
+                if device == slow:
+                    await asyncio.sleep(5.0)
+            return await plain(method, meta, tensors, timeout)
+        return call
+
+    for d in devices:
+        a.links[d].call = wrap(d, a.links[d].call)
+
+    async def scenario():
+        stop = asyncio.Event()
+        beat = asyncio.ensure_future(a.heartbeat_loop(stop))
+        await asyncio.sleep(1.5)
+        stop.set()
+        await beat
+
+    asyncio.run(scenario())
+    assert registers[slow] == 1
+    assert all(registers[d] >= 4 for d in devices[1:]), registers
