@@ -248,16 +248,22 @@ def plot(rows: list[dict], events: list, versions: list, path: str) -> None:
         by_pid.setdefault((row["process"], int(row["pid"])), []).append(row)
     for name, pid in [k for k in by_pid if (f"{k[0]} supervisor", k[1]) in by_pid]:
         del by_pid[(name, pid)]  # a supervisor sampled under its server's name (soaks before stop 26's fix)
-    times = [float(t) for t, _ in versions]
-    # versions reached over time (each change as polled, or samples): steps per minute between entries
-    rates = [(b[1] - a[1]) * 60 / max(float(b[0]) - float(a[0]), 1e-3) for a, b in zip(versions, versions[1:])]
+    # steps per minute in 30 s bins (two versions can be reached a millisecond apart: a rate per
+    # gap would spike to tens of thousands)
+    bin_s = 30.0
+    reached = [(float(t), int(v)) for t, v in versions]
+    end = max((t for t, _ in reached), default=0.0)
+    bins = [i * bin_s for i in range(int(end // bin_s) + 1)]
+    last_before = [max((v for t, v in reached if t < lo), default=0) for lo in bins]
+    last_in = [max((v for t, v in reached if t < lo + bin_s), default=0) for lo in bins]
+    rates = [(b - a) * 60 / bin_s for a, b in zip(last_before, last_in)]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     for (name, pid), samples in sorted(by_pid.items()):
         ax1.plot([float(s["t"]) / 60 for s in samples], [float(s["rss_mb"]) for s in samples], lw=0.8,
                  label=name if not name.startswith("v") else None)
-    ax1.set_ylabel("RSS (MB, with DHT process and p2pd)")
+    ax1.set_ylabel("RSS (MB)")
     ax1.legend(fontsize=7, ncol=4)
-    ax2.plot([t / 60 for t in times[1:]], rates, lw=0.8)
+    ax2.step([(lo + bin_s) / 60 for lo in bins], rates, where="pre", lw=0.8)
     ax2.set_ylabel("steps per minute")
     ax2.set_xlabel("minutes")
     for t, e in events:
