@@ -71,6 +71,15 @@ class Clients:
         if new:
             logger.info("%s: client %s (%s) registered, compute %.3g", self.device_id, sender[-8:], device, compute)
             self.pool.set_client_speed(sender, compute)
+            if holding and self.requeue:
+                # a client new here that holds tasks of ours: this server restarted (its leases are
+                # not in its log, so their tasks were queued again) or dropped it as silent. It goes
+                # on with them; leased back to it, nobody else does them a second time (seen in the
+                # stop-27 soak after a 1 s restart: a worker took such tasks again and summed them twice)
+                adopted = [t for t in holding if self.pool.adopt(sender, t) is not None]
+                if adopted:
+                    self.counters["leases_adopted"] = self.counters.get("leases_adopted", 0) + len(adopted)
+                    logger.info("%s: %s holds %s: leased to it again", self.device_id, sender[-8:], ", ".join(adopted))
         return {"ok": True, "version": self.version, "epoch": self.epoch}
 
     def _is_server(self, peer: str) -> bool:

@@ -173,10 +173,8 @@ class TaskPool:
         """Lease the best task this client may have, or None (nothing for it, or it
         already holds ``max_leases_per_client`` leases)."""
         now = self._clock()
-        rec = self._clients.get(client)
+        rec = self._room_for(client, now)
         if rec is None:
-            rec = self._speed.get(client, now)
-        elif len(rec.leases) >= self._k:
             return None
         pending = self._pending
         if pending and pending[0][0] <= now:
@@ -205,7 +203,30 @@ class TaskPool:
         if entry is None:
             return None
         heappop(heap)
+        return self._lease(entry, client, rec, now)
 
+    def adopt(self, client: str, task_id: str) -> Lease | None:
+        """Lease a queued task to the client that says it already holds it: a server that restarted
+        lost its leases (they are not in its request log) and queued their tasks again while their
+        holders still work on them; another client would take them and the work be done twice.
+        None when the task is not queued (leased, done, unknown) or the client holds its maximum."""
+        entry = self._tasks.get(task_id)
+        if entry is None or entry.state not in (_OPEN, _PREF):
+            return None
+        now = self._clock()
+        rec = self._room_for(client, now)
+        if rec is None:
+            return None
+        return self._lease(entry, client, rec, now)  # (its stale heap items are skipped by take)
+
+    def _room_for(self, client: str, now: float):
+        """The client's record, or None when it holds ``max_leases_per_client`` leases already."""
+        rec = self._clients.get(client)
+        if rec is None:
+            return self._speed.get(client, now)
+        return None if len(rec.leases) >= self._k else rec
+
+    def _lease(self, entry: _Entry, client: str, rec, now: float) -> Lease:
         entry.state = _LEASED
         entry.leased_at = now
         self._leased += 1

@@ -412,6 +412,32 @@ def test_a_worker_that_just_started_gets_its_predecessors_leases_requeued_at_onc
     assert leases == [] and not fs.pool.is_done(task)
 
 
+def test_a_restarted_server_leases_back_what_its_clients_still_hold():
+    """A restarted server lost its leases (they are not in its request log) and queued their tasks
+    again; a worker that still works on one registers there (new to it) listing it, and it is
+    leased back to that worker instead of being taken and done twice by another (seen in the
+    stop-27 soak: 8 pushes refused 'names a task twice')."""
+    fs, (a, b) = one_stage(volunteers=2)
+    pa = a.links[fs.device_id].sender
+
+    async def scenario():
+        fs.maybe_start_batches()
+        await a.register()
+        await b.register()
+        link, meta, _ = await a.take_one()
+        a.current = (link.device, meta["task"])  # what run_loop records for the task it works on
+        fs.pool.client_left(pa)  # the restart: the lease is gone and the task queued again,
+        del fs.clients[pa]  # and the client unknown
+        await a.register()
+        return meta["task"]
+
+    task = asyncio.run(scenario())
+    assert fs.pool.lease_of(task).client == pa
+    assert fs.counters.get("leases_adopted") == 1
+    while (lease := fs.pool.take(b.links[fs.device_id].sender)) is not None:
+        assert lease.task.task_id != task
+
+
 class TakeAnswerLost:
     """A link whose `take` reaches the server (which leases a task) but whose answer is lost on the
     way back: `error(device, answer)` is what the caller gets instead."""

@@ -513,3 +513,22 @@ def test_reclaim_requeues_the_leases_a_client_does_not_know_it_holds():
     again = pool.take("other")
     assert again is not None and again.task.task_id == b.task.task_id and again.attempt == 2
     assert pool.reclaim("nobody", [], min_age=0.0) == []
+
+
+def test_adopt_leases_a_queued_task_to_the_client_that_holds_it(clock):
+    """A restarted server queued again the tasks its clients still work on; a client's heartbeat
+    lists them and the pool leases each back to it: nobody else takes it, its result completes it."""
+    pool = make_pool(clock, max_leases_per_client=2)
+    for i in range(4):
+        pool.add(task(f"t{i}", mb=i, preferred_client="p" if i == 3 else None))
+    lease = pool.adopt("c", "t2")
+    assert lease is not None and lease.client == "c" and lease.task.task_id == "t2" and lease.attempt == 1
+    assert pool.adopt("d", "t2") is None  # leased already
+    assert pool.adopt("c", "t3") is not None  # a preferred (someone else's grace) task too
+    assert pool.adopt("c", "t1") is None  # c holds its maximum of 2
+    assert pool.adopt("c", "nope") is None
+    assert [take_id(pool, "d") for _ in range(2)] == ["t0", "t1"]  # the adopted ones are skipped
+    assert take_id(pool, "e") is None
+    assert pool.complete("t2", "c") is Completion.ACCEPTED
+    assert pool.adopt("c", "t2") is None  # done
+    assert pool.stats()["leased"] == 3
