@@ -301,22 +301,14 @@ def test_a_take_answer_cut_after_its_metadata_hands_the_task_back_at_once():
     and hands it back at once, instead of leaving the lease for a heartbeat to reclaim after 5 s."""
     from peer.protocol.wire import StreamCut
 
-    fs, (worker,) = one_stage(volunteers=1)
-    real = worker.links[fs.device_id]
-
-    async def scenario():
-        fs.maybe_start_batches()
-        await worker.register()
-        worker.links[fs.device_id] = TakeAnswerLost(real, lambda device, answer: StreamCut(
-            f"{device}.take: the stream ended after 0 of the 2 tensors its metadata declares", meta=answer))
-        assert await worker._take(fs.device_id) is None
-        assert fs.pool.leases_of(real.sender) == []  # handed back, not held
+    async def then(fs, worker, real):
         worker.links[fs.device_id] = real
         got = await worker._take(fs.device_id)  # and the same task is there to take again
         assert got is not None
         return got[1]["task"]
 
-    task = asyncio.run(scenario())
+    task = take_with_its_answer_lost(lambda device, answer: StreamCut(
+        f"{device}.take: the stream ended after 0 of the 2 tensors its metadata declares", meta=answer), then)
     assert task.startswith("F0.")
 
 
@@ -376,18 +368,26 @@ def test_a_take_answer_lost_whole_is_reclaimed_at_once():
     """The server leased a task and its whole answer was lost (the connection closed before an
     answer: seen in the stop-26 soak). The worker, which has no other take in flight there, registers
     with what it holds and 'take_lost': the lease goes back at once, not when it is 5 s old."""
+    take_with_its_answer_lost(lambda device, answer: ConnectionError(
+        f"{device}.take: the connection closed before an answer"))
+
+
+def take_with_its_answer_lost(error, then=None):
+    """One worker's take from a one-stage server whose answer is lost as `error(device, answer)`
+    says: the take gives nothing and the worker holds no lease there (handed back, or reclaimed at
+    once); `then(fs, worker, real_link)` goes on from there, its result returned."""
     fs, (worker,) = one_stage(volunteers=1)
     real = worker.links[fs.device_id]
 
     async def scenario():
         fs.maybe_start_batches()
         await worker.register()
-        worker.links[fs.device_id] = TakeAnswerLost(real, lambda device, answer: ConnectionError(
-            f"{device}.take: the connection closed before an answer"))
+        worker.links[fs.device_id] = TakeAnswerLost(real, error)
         assert await worker._take(fs.device_id) is None
-        return fs.pool.leases_of(real.sender)
+        assert fs.pool.leases_of(real.sender) == []
+        return await then(fs, worker, real) if then is not None else None
 
-    assert asyncio.run(scenario()) == []
+    return asyncio.run(scenario())
 
 
 def test_a_worker_that_just_started_gets_its_predecessors_leases_requeued_at_once():
