@@ -412,6 +412,10 @@ class P2PLink:
                 raise DialError(f"{self.device}: cannot connect at {' '.join(maddrs)}: {e}") from None
         self._dialled = True
 
+    def retry_in(self) -> float:
+        """Seconds until this server may be dialled again (0 when now)."""
+        return self.health.backing_off(self.addresses() if self.addresses is not None else None)
+
     async def call(self, method: str, meta: dict, tensors=(), timeout: float = 30.0):
         """One request; a connection that closes before answering is retried (but for `take`), then
         raised as ConnectionError. A refusal by the server (RemoteError) says nothing of the link."""

@@ -58,6 +58,14 @@ class Pending:
             self.loss_sum = (self.loss_sum or 0.0) + loss
 
 
+# the requests a task in hand needs (its parameters and inputs, handing its results in), retried while
+# their server is away for up to AWAY_GRACE_S (a crashed server restarted by its supervisor answers
+# again within about a second; a lost one is failed over in minutes, and its tasks are handed back
+# after this wait); each is safe to repeat (peer/protocol/methods.py)
+WAITS_FOR_RESTART = frozenset({"get_params", "get_inputs", "push_outputs", "push_input_grads", "push_grads",
+                               "complete"})
+AWAY_GRACE_S = 5.0
+
 # how long an idle worker's take waits at a server for a task (the server caps it at MAX_TAKE_WAIT)
 TAKE_WAIT = 3.0
 
@@ -130,8 +138,13 @@ class StageWorker:
     async def call(self, link, method: str, meta: dict, tensors=(), timeout: float = 30.0, epoch: int | None = None):
         """A request of layout epoch `epoch` (a task's requests carry the epoch the task was taken in;
         default: the worker's). A server at a later epoch (a failover happened) makes the worker
-        fetch the new layout and drop what it held of the old one."""
-        for attempt in (0, 1):
+        fetch the new layout and drop what it held of the old one. A request a task in hand needs
+        (WAITS_FOR_RESTART) that cannot get through is tried again for up to AWAY_GRACE_S: a
+        supervised server is back within about a second of a crash, and a retry costs that wait
+        where handing the task back costs its whole re-run (each such request is safe to repeat)."""
+        give_up = time.monotonic() + (AWAY_GRACE_S if method in WAITS_FOR_RESTART else 0.0)
+        registered = False
+        while True:
             try:
                 return await link.call(method, dict(meta, epoch=self.epoch if epoch is None else epoch), list(tensors),
                                        timeout=timeout)
@@ -141,13 +154,20 @@ class StageWorker:
                 elif BANNED in str(e) and self.banned is None:
                     self.banned = str(e)
                     logger.error("%s: %s", self.device_id, e)
-                elif NOT_REGISTERED in str(e) and attempt == 0:
+                elif NOT_REGISTERED in str(e) and not registered:
                     # the server does not know this worker (it restarted and forgot its clients, or
                     # dropped it): a refused call changed nothing, so register there and try once more
                     # instead of dropping the task
+                    registered = True
                     await self._quiet(link.call("register", self._registration(link.device), timeout=10.0))
                     continue
                 raise
+            except ConnectionError:
+                # (a dial in its backoff fails at once: wait that out, at least a moment)
+                wait = max(getattr(link, "retry_in", lambda: 0.0)(), 0.25)
+                if time.monotonic() + wait > give_up:
+                    raise
+                await asyncio.sleep(wait)
 
     async def refresh_layout(self, link) -> None:
         from parameter_server.layout import RunLayout
@@ -379,8 +399,8 @@ class StageWorker:
         for device, slot, names in self.shards:
             deadline = time.monotonic() + patience
             while True:
-                meta, tensors = await self.links[device].call("get_params", {"version": version, "slot": slot},
-                                                              timeout=60.0)
+                meta, tensors = await self.call(self.links[device], "get_params", {"version": version, "slot": slot},
+                                                timeout=60.0)
                 if not meta.get("retry"):
                     break
                 if time.monotonic() > deadline:
