@@ -542,17 +542,18 @@ class Directory:
                        backoff=backoff, compress=compress)
 
     async def wait_for(self, devices, timeout: float = 120.0) -> None:
+        """Until every device in `devices` has been seen in a record. Seen once is enough: one read
+        of the stage keys can miss a record another DHT node holds, and with many servers a read that
+        misses none may take a long while; and devices already seen cost no read at all (a restarted
+        server read the run's servers before it served, and a second read of a busy DHT can take seconds)."""
         deadline = time.monotonic() + timeout
-        while True:
+        while [d for d in devices if d not in self.known]:
             await self.refresh()
-            # seen once is enough: one read of the stage keys can miss a record another DHT node
-            # holds, and with many servers a read that misses none may take a long while
             missing = [d for d in devices if d not in self.known]
-            if not missing:
-                return
-            if time.monotonic() > deadline:
+            if missing and time.monotonic() > deadline:
                 raise TimeoutError(f"servers not found in the DHT: {missing}")
-            await asyncio.sleep(0.3)
+            if missing:
+                await asyncio.sleep(0.3)
 
 
 def watch_parent(parent_pid: int | None) -> None:

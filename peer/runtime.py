@@ -30,6 +30,30 @@ def add_common_arguments(p) -> None:
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (used by peer swarm)")
 
 
+def trim_heap() -> bool:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim). Tensors freed after a
+    burst (the rows of batches held through a failover's pause, a re-run window) stay in glibc's
+    arenas otherwise, and a server's RSS keeps the burst's high-water mark for the rest of a run.
+    False where there is no glibc (nothing to do there)."""
+    import ctypes
+    import ctypes.util
+
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc.malloc_trim  # (AttributeError where the C library is not glibc)
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc:
+        return False
+    _libc.malloc_trim(0)
+    return True
+
+
+_libc = None
+
+
 def setup_logging(verbosity: int) -> None:
     """Quiet by default (warnings), -v info, -vv debug (hivemind too)."""
     level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG

@@ -12,10 +12,11 @@ import time
 from parameter_server.layout import DEFAULT_TASK_TOKENS
 from peer.errors import NetworkError, UsageError
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
-from peer.runtime import add_common_arguments, check_common, link_emulator, run_until_signalled
+from peer.runtime import add_common_arguments, check_common, link_emulator, run_until_signalled, trim_heap
 
 logger = logging.getLogger("hivepipe.serve")
 CONNECTION_READ_PERIOD = 0.5  # seconds between two reads of the node's connections (departed clients)
+HEAP_TRIM_PERIOD = 60.0  # seconds between two returns of the C heap's free pages (peer.runtime.trim_heap)
 
 
 def add_arguments(p) -> None:
@@ -526,7 +527,11 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
 
     async def maintenance():
         next_read = 0.0
+        next_trim = time.monotonic() + HEAP_TRIM_PERIOD
         while not stop.is_set():
+            if time.monotonic() >= next_trim:
+                next_trim = time.monotonic() + HEAP_TRIM_PERIOD
+                trim_heap()
             try:
                 server.maintenance()
                 server.maybe_start_batches()
