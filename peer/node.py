@@ -104,12 +104,45 @@ def start_dht(initial_peers=(), *, run_id: str, run_fp: str | None, run_key=None
             shutil.rmtree(fresh, ignore_errors=True)
 
 
+class RequestPipe:
+    """The DHT process's end of its request pipe, as hivemind's DHT reads it (poll, recv, fileno),
+    except that a request that cannot be unpickled because its sender died while handing over a
+    file descriptor inside it is refused as a ConnectionError, which the DHT process logs and
+    skips, instead of an EOFError, which ends the DHT process. Every request carries its future's
+    pipe to the caller, handed over by the caller's multiprocessing resource sharer; a supervised
+    server process SIGKILLed just after a call left the node of its supervisor with EOFError in that
+    hand-over and killed it (stop-28 soak, 20 minutes in). The pipe's own end of file still ends it."""
+
+    def __init__(self, conn):
+        self._conn = conn
+
+    def recv(self):
+        from multiprocessing.reduction import ForkingPickler
+
+        message = self._conn.recv_bytes()
+        try:
+            return ForkingPickler.loads(message)
+        except EOFError as e:
+            raise ConnectionError(f"a DHT request whose sender died while handing it over: {e!r}") from None
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
+class RunDHT(DHT):
+    """hivemind's DHT, reading its requests through RequestPipe."""
+
+    def run(self) -> None:
+        self._inner_pipe = RequestPipe(self._inner_pipe)
+        super().run()
+
+
 def _start(kwargs: dict, deadline: float, timeout, initial_peers, trust) -> DHT:
     tries = 0
     while True:
         tries += 1
         try:
-            dht = DHT(**kwargs)
+            dht = RunDHT(**kwargs)
             dht.hivepipe_trust = trust
             return dht
         except Exception as e:

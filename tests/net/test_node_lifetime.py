@@ -67,3 +67,38 @@ def test_a_held_dht_node_leaves_with_its_holder():
             os.killpg(holder.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _hand_over_from_the_dead():
+    raise EOFError  # what multiprocessing's resource sharer raises when the sender died mid-hand-over
+
+
+class DiesInFlight:
+    """A request argument that unpickles as a dead caller's future pipe does in the DHT process."""
+
+    def __reduce__(self):
+        return _hand_over_from_the_dead, ()
+
+
+def test_a_request_whose_sender_died_while_handing_it_over_does_not_end_the_dht_process():
+    """Every DHT request carries its caller's pipe, which the DHT process fetches from the caller;
+    a supervised server process SIGKILLed just after a call made that fetch fail with EOFError and
+    killed its supervisor's DHT node with it (stop-28 soak). hivemind's own DHT dies of it; ours
+    skips that request and goes on answering."""
+    from hivemind.dht import DHT
+
+    from peer.node import RunDHT, stop_dht
+
+    for cls, survives in ((DHT, False), (RunDHT, True)):
+        dht = cls(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=0.5)
+        try:
+            dht._outer_pipe.send(("_get", [], dict(key="k", latest=True, future=DiesInFlight())))
+            deadline = time.monotonic() + 10.0
+            while dht.is_alive() and time.monotonic() < deadline and not survives:
+                time.sleep(0.1)
+            assert dht.is_alive() == survives, cls
+            if survives:  # and still answers (bounded: a dead DHT process never resolves a future)
+                assert dht.store("k", "v", expiration_time=time.time() + 60, return_future=True).result(timeout=10)
+                assert dht.get("k", return_future=True).result(timeout=10).value == "v"
+        finally:
+            stop_dht(dht)
