@@ -32,6 +32,7 @@ class ClientInfo:
     last_seen: float
     tasks_done: int = 0
     unconnected_since: float | None = None  # first read of the node's connections that lacked it
+    takes_lost: int = 0  # registrations that said a take's answer was lost (a take still waiting is dropped)
 
 
 class Clients:
@@ -60,6 +61,8 @@ class Clients:
         new = sender not in self.clients
         info = self.clients.setdefault(sender, ClientInfo(device, compute, self.clock()))
         info.compute, info.device, info.last_seen = compute, device, self.clock()
+        if take_lost:
+            info.takes_lost += 1
         if holding is not None and self.requeue:  # (--no-requeue, the SWARM-like baseline, waits them out)
             # leases the client does not know it holds (a lost `take` answer, a lost hand-back) go
             # back to the pool now, not after --task-timeout; young ones may still be in flight

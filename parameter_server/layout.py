@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from scheduler.rows import split_by_weights  # noqa: F401 (the frontal servers' split; the step model's too)
+
+
 @dataclass(frozen=True)
 class StageLayout:
     index: int
@@ -199,27 +202,3 @@ def owners(n: int, parts: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
 # the fewest tokens a forward task carries when a micro-batch has more clients than such tasks
 # (`peer serve --task-tokens`): 4 rows of the small model, 16 of tiny, 1 row of a 2,048-token model
 DEFAULT_TASK_TOKENS = 512
-
-
-def split_by_weights(lo: int, hi: int, weights: list[float]) -> list[tuple[int, int, int]]:
-    """Rows [lo, hi) cut into len(weights) contiguous pieces proportional to the weights (largest
-    remainder rounding), as (weight index, lo, hi); empty pieces are dropped, so fewer pieces come
-    back when rows are scarcer than weights."""
-    n = hi - lo
-    if n <= 0:
-        return []
-    w = [max(float(x), 0.0) for x in weights] or [1.0]
-    total = sum(w)
-    if total <= 0:
-        w, total = [1.0] * len(w), float(len(w))
-    exact = [n * x / total for x in w]
-    counts = [int(e) for e in exact]
-    order = sorted(range(len(w)), key=lambda i: (-(exact[i] - counts[i]), i))
-    for i in order[: n - sum(counts)]:
-        counts[i] += 1
-    pieces, at = [], lo
-    for i, c in enumerate(counts):
-        if c > 0:
-            pieces.append((i, at, at + c))
-            at += c
-    return pieces

@@ -4,12 +4,14 @@ restart re-creates the very same cut). Must not build rows or step parameters.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from peer.model.update_rule import version_for_batch
 from peer.protocol.wire import PayloadError, field as mfield
 from taskpool import Completion, Task
 
+logger = logging.getLogger("hivepipe.server")
 
 # the longest a `take` may wait for a task (its `wait` field): a waiting client costs the server one
 # open call instead of a poll every few tens of milliseconds, and gets a new task the moment it is cut
@@ -35,11 +37,22 @@ class Leases:
     async def _wait_for_task(self, sender: str, wait: float, epoch: int):
         """A lease for `sender`, waiting up to `wait` seconds for one: woken when a task is added and
         re-checked every RECHECK (a task preferred for another client, or a lease that runs out, opens
-        with the clock). None when none came, or the run moved meanwhile (a new layout epoch, a ban)."""
+        with the clock). None when none came, or the run moved meanwhile (a new layout epoch, a ban),
+        or the client has given this take up as lost."""
         deadline = time.monotonic() + wait
+        info = self.clients.get(sender)
+        lost = info.takes_lost if info is not None else 0
         while True:
             if self.epoch != epoch or sender in self.banned or sender not in self.clients:
                 return None  # its next call hears why (stale epoch, banned, not registered)
+            if self.clients[sender] is not info or info.takes_lost != lost:
+                # the client said this take's answer never reached it (register with 'take_lost')
+                # while it still waited here: a lease now would be answered into a closed stream
+                # and wait for a heartbeat to be re-queued (seen in the stop-29 soak: 5 s stalls)
+                self.counters["takes_dropped"] = self.counters.get("takes_dropped", 0) + 1
+                logger.info("%s: a take by %s that it gave up as lost was still waiting: dropped", self.device_id,
+                            sender[-8:])
+                return None
             lease = self.pool.take(sender)
             left = deadline - time.monotonic()
             if lease is not None or left <= 0:

@@ -250,7 +250,11 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
 
     def maintenance(self) -> None:
         """Periodic: re-queue expired leases, forget silent clients."""
-        self.pool.expire(self.clock())
+        expired = self.pool.expire(self.clock())
+        if expired:  # a lease that ran out its deadline: its client kept it without an answer
+            self.counters["leases_expired"] = self.counters.get("leases_expired", 0) + len(expired)
+            logger.info("%s: %d lease(s) ran out and went back to the pool: %s", self.device_id, len(expired),
+                        " ".join(str(t.task_id) for t in expired[:8]))
         self.drop_stale_clients()
         if self.hold_steps_until is not None and not self.steps_held():
             self._maybe_step()  # a ban's hold ran out with every credit already here

@@ -54,6 +54,9 @@ class BatchCredit:
         )
 
 
+LOSS_HISTORY = 4096  # batches whose loss a shard keeps (status, dashboard, replicas, checkpoints)
+
+
 class ShardState:
     def __init__(self, params: dict[str, torch.Tensor], *, lr: float, rows_per_micro: int, micro_batches: int,
                  steps: int, keep_versions: int = 2):
@@ -220,6 +223,14 @@ class ShardState:
         bc = self.batches.get(self.version)
         return self.version < self.steps and bc is not None and bc.complete()
 
+    def _trim_losses(self) -> None:
+        """Keep the last LOSS_HISTORY batches' losses: the history travels in every replica export
+        and checkpoint, so kept whole it would grow each of them by a line per step for as long as a run
+        lasts (past the 4 MiB of a unary message within days)."""
+        if len(self.losses) > LOSS_HISTORY:
+            for t in sorted(self.losses)[: len(self.losses) - LOSS_HISTORY]:
+                del self.losses[t]
+
     def step(self) -> int:
         """Apply the update of batch `version`; returns the new version."""
         t = self.version
@@ -230,6 +241,7 @@ class ShardState:
         self.optimizer.zero_grad(set_to_none=True)
         self.version = t + 1
         self.losses[t] = bc.loss_sum
+        self._trim_losses()
         self.microbatches_applied += self.micro_batches
         self._keep(self.version)
         return self.version
@@ -289,6 +301,7 @@ class ShardState:
                                            "exp_avg_sq": tensors[3 * i + 2].clone()}
         self.version = version
         self.losses = {int(k): float(v) for k, v in meta.get("losses", {}).items()}
+        self._trim_losses()
         self.microbatches_applied = int(meta.get("microbatches_applied", 0))
         self.duplicates = int(meta.get("duplicates", 0))
         self._keep(version)
@@ -325,6 +338,7 @@ class ShardState:
         self.tokens = {v: str(tokens[v]) if v in tokens else _token() for v in self.snapshots}
         self.rollback_epoch = int(state.get("rollback_epoch", 0))
         self.losses = {int(k): float(v) for k, v in state["losses"].items()}
+        self._trim_losses()
         self.microbatches_applied = int(state["microbatches_applied"])
         self.duplicates = int(state["duplicates"])
         self.batches = {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import random
 
@@ -29,6 +30,7 @@ import torch
 from parameter_server.layout import owners
 from peer.model.task_math import backward_rows, forward_rows
 from peer.model.update_rule import version_for_batch
+from peer.protocol.params import NotReady, fetch_slot
 from peer.protocol.tasks import TaskId
 from peer.protocol.wire import PayloadError, RemoteError, field as mfield, roundtrip, rows_field
 
@@ -154,13 +156,11 @@ class Verification:
                     raise PayloadError(f"version {version} of slot {slot} is no longer held")
                 state.update(snap)
                 continue
-            for _ in range(100):
-                meta, tensors = await self._server_call(host, "get_params", {"version": version, "slot": slot})
-                if not meta.get("retry"):
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                raise PayloadError(f"{host} has not reached version {version}")
+            try:
+                meta, tensors = await fetch_slot(functools.partial(self._server_call, host), host, slot, version,
+                                                 patience=5.0, poll=0.05)
+            except NotReady as e:
+                raise PayloadError(str(e)) from None
             state.update(zip(meta["names"], tensors))
         self._verify_params[version] = state
         for v in [v for v in self._verify_params if v < version - 1]:

@@ -580,9 +580,10 @@ class Directory:
         misses none may take a long while; and devices already seen cost no read at all (a restarted
         server read the run's servers before it served, and a second read of a busy DHT can take seconds)."""
         deadline = time.monotonic() + timeout
-        while [d for d in devices if d not in self.known]:
+        missing = [d for d in devices if d not in self.known]
+        while missing:
             await self.refresh()
-            missing = [d for d in devices if d not in self.known]
+            missing = [d for d in missing if d not in self.known]
             if missing and time.monotonic() > deadline:
                 raise TimeoutError(f"servers not found in the DHT: {missing}")
             if missing:

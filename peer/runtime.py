@@ -31,10 +31,11 @@ def add_common_arguments(p) -> None:
 
 
 def trim_heap() -> bool:
-    """Hand the C heap's free pages back to the system (glibc's malloc_trim). Tensors freed after a
-    burst (the rows of batches held through a failover's pause, a re-run window) stay in glibc's
-    arenas otherwise, and a server's RSS keeps the burst's high-water mark for the rest of a run.
-    False where there is no glibc (nothing to do there)."""
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim). Tensors under glibc's
+    mmap threshold (64 KiB rows and the like) stay in its arenas when freed otherwise, and a process's
+    RSS keeps a burst's high-water mark for the rest of a run. (What a stage-0 server gains at a
+    failover is not that: it is the lost server's share, held live; README "Measured".) False where
+    there is no glibc (nothing to do there)."""
     import ctypes
     import ctypes.util
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import os
 import random
 import sys
@@ -14,6 +13,7 @@ import tempfile
 import time
 
 from peer.errors import UsageError
+from peer.launcher.churn import Churn
 from peer.launcher.monitor import Monitor
 from peer.launcher.processes import Swarm
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
@@ -217,7 +217,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
     print(f"initial_peers={maddrs[0]}", flush=True)
     print(f"run={args.run_id}@{run_fp}", flush=True)  # what another machine's `peer join --run-id` takes
     swarm = Swarm(args, layout, frontal, backward, maddrs, work_dir)
-    rng = random.Random(args.seed)
+    churn = Churn(swarm, args.churn, random.Random(args.seed))
     try:
         p2p = await dht.replicate_p2p()
         await DialBackService().add_p2p_handlers(p2p)  # the first server's reachability check asks us
@@ -228,15 +228,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
         t_start = None
         step_times: list[float] = []
         last_version, last_change = 0, time.time()
-        pending_kills: list[tuple[float, str]] = []
         ended_at = None  # when the last version was reached (losses may still be due then)
-
-        def kill_due(until: float) -> None:
-            """SIGKILL (and replace) every volunteer whose kill time is `until` or earlier."""
-            for when, name in [pk for pk in pending_kills if pk[0] <= until]:
-                pending_kills.remove((when, name))
-                if name in swarm.volunteers:
-                    swarm.kill_volunteer(name)
 
         halt = HaltNotice("swarm", clear_after=6 * args.announce_period)
         while not stop.is_set():
@@ -247,8 +239,10 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
             if t_start is None and monitor.all_online():
                 t_start = time.time()
                 last_change = t_start
+                if version < args.steps:  # the first step's kills: its length is not known yet
+                    churn.steps_began(1, within=args.announce_period)
             if version > last_version:
-                now = time.time()
+                now, last_seen = time.time(), last_version
                 step_times.append((now - last_change) / (version - last_version))
                 last_version, last_change = version, now
                 bar.update(version - bar.n)
@@ -256,18 +250,14 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
                 if loss is not None:
                     elapsed = max(now - (t_start or now), 1e-6)
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{version * args.batch_size * cfg.seq_len / elapsed:.0f}")
-                if args.churn > 0 and version < args.steps:
-                    # a kill meant for the step that just ended happens now, at its boundary: every step
-                    # loses its share of volunteers however fast it ran
-                    kill_due(math.inf)
-                    expected = sum(step_times[-3:]) / len(step_times[-3:])
-                    names = sorted(swarm.volunteers)
-                    # churn x volunteers on average: the fraction's remainder is a coin toss, so 40% and
-                    # 60% of 4 volunteers are 1.6 and 2.4 kills per step, not both 2
-                    share = args.churn * len(names)
-                    n_kill = min(len(names), int(share) + (rng.random() < share - int(share)))
-                    for name in rng.sample(names, n_kill):
-                        pending_kills.append((now + rng.uniform(0, expected), name))
+                if version < args.steps:
+                    passed = version - last_seen
+                    churn.step_ended()
+                    # the steps that passed unseen (the DHT records change once per announce period)
+                    # and the next one: each its share, within the step expected next
+                    churn.steps_began(passed, within=sum(step_times[-3:]) / len(step_times[-3:]))
+                else:
+                    churn.stop()
             # a loss is due once the run reaches its version, even if the run ends there: the servers
             # fail it over after the last step too, and the summary waits for that
             # one at a time: the next loss waits until the previous one is failed over
@@ -284,7 +274,6 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
                 if time.time() - ended_at > args.failover_after + 120.0:
                     raise RuntimeError(f"the losses {args.losses} could not all happen: the failover of "
                                        f"{swarm.lost} did not come")
-            kill_due(time.time())
             # the servers' records change once per announce period: reading the DHT more often only
             # loads every DHT node of the run (at 0.2 s it was a fifth of the DHT processes' work)
             await asyncio.sleep(max(0.2, args.announce_period / 2))
@@ -312,6 +301,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
             await stop.wait()
         return 0
     finally:
+        churn.stop()
         try:
             swarm.close()
         finally:

@@ -51,6 +51,11 @@ p.add_argument("--restarts", choices=["supervised", "cold"], default="supervised
                     "server process, which the supervisor forks again (its DHT node, held by the supervisor, lives on); cold: "
                     "the soak SIGKILLs the whole server and starts a new process, which imports torch and hivemind "
                     "again (26 s on this machine under the soak's load)")
+p.add_argument("--start-nice", type=int, default=10,
+               help="niceness of a volunteer process until it has joined (then 0; needs root, else 0 throughout): "
+                    "on one machine a new volunteer's start-up (imports, DHT node, model build: about 3 CPU-s) "
+                    "takes the cores the running swarm steps on, where on a network it runs on the volunteer's "
+                    "own machine; 0 turns this off")
 p.add_argument("--sample", type=float, default=10.0, help="seconds between samples")
 p.add_argument("--model", default="small")
 p.add_argument("--seed", type=int, default=0)
@@ -71,6 +76,49 @@ def tree(pid: int):
         return [proc] + proc.children(recursive=True)
     except psutil.Error:
         return []
+
+
+class StartNice:
+    """Volunteers start at --start-nice and are set back to 0 once their log says they joined: the
+    start-up of a replacement volunteer (a fresh process every few seconds under the soak's churn)
+    then waits for the cores the swarm's steps need instead of taking them, as it would on its own
+    machine. Only where this process may lower a niceness again (root)."""
+
+    def __init__(self, swarm, nice: int):
+        self.swarm, self.nice = swarm, nice if os.geteuid() == 0 else 0
+        self.starting: dict[str, tuple[int, int]] = {}  # name -> (pid, its log's size when it started)
+
+    def started(self, name: str) -> None:
+        import psutil
+
+        if self.nice <= 0:
+            return
+        proc = self.swarm.volunteers[name][0]
+        log = os.path.join(self.swarm.work_dir, f"{name}.log")
+        try:
+            psutil.Process(proc.pid).nice(self.nice)  # before it forks its DHT process and daemon
+            self.starting[name] = (proc.pid, os.path.getsize(log))
+        except (psutil.Error, OSError):
+            pass
+
+    def poll(self) -> None:
+        import psutil
+
+        for name, (pid, offset) in list(self.starting.items()):
+            current = self.swarm.volunteers.get(name)
+            if current is None or current[0].pid != pid:
+                del self.starting[name]  # killed before it joined
+                continue
+            with open(os.path.join(self.swarm.work_dir, f"{name}.log"), "rb") as f:
+                f.seek(offset)
+                joined = f" as {name} (".encode() in f.read()
+            if joined:
+                del self.starting[name]
+                for proc in tree(pid):
+                    try:
+                        proc.nice(0)
+                    except psutil.Error:
+                        pass
 
 
 def launcher_tree():
@@ -140,6 +188,9 @@ async def main() -> dict:
         await DialBackService().add_p2p_handlers(p2p)
         swarm.start_servers()
         swarm.start_volunteers()
+        nice = StartNice(swarm, args.start_nice)
+        for name in swarm.volunteers:
+            nice.started(name)
         monitor = Monitor(dht, p2p, sargs.run_id, layout, sargs.batch_size * cfg.seq_len)
         t0 = time.time()
         for name in list(swarm.servers) + list(swarm.volunteers):
@@ -152,6 +203,7 @@ async def main() -> dict:
         while (now := time.time() - t0) < args.minutes * 60:
             bar.update(int(now) - bar.n)
             swarm.check_alive()
+            nice.poll()
             try:
                 await monitor.refresh()
             except Exception:
@@ -164,6 +216,7 @@ async def main() -> dict:
                     n = int(share) + (rng.random() < share - int(share))
                     for name in rng.sample(sorted(swarm.volunteers), min(n, len(swarm.volunteers))):
                         swarm.kill_volunteer(name)
+                        nice.started(name)
                         started[name] = now
                         events.append((now, f"kill {name}"))
                 last_version = version
@@ -278,6 +331,46 @@ def plot(rows: list[dict], events: list, versions: list, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def rss_growth(rows: list[dict], failover: list[tuple[float, float]]) -> dict:
+    """RSS growth of the long-lived processes (the same pid from minute 5 to the end), by sample and
+    by the means over a minute; across the failover window (`failover`: [(start, end)] or []) and
+    after it."""
+    growth = {}
+    by_pid: dict[tuple[str, int], list[dict]] = {}
+    for row in rows:
+        by_pid.setdefault((row["process"], row["pid"]), []).append(row)
+    for (name, pid), samples in by_pid.items():
+        if samples[0]["t"] > 60 or samples[-1]["t"] - samples[0]["t"] < 10 * 60:
+            continue  # not long-lived
+        base = [s for s in samples if s["t"] >= samples[0]["t"] + 300]
+        if len(base) < 2:
+            continue
+        end = samples[-1]["t"]
+
+        def mean_rss(lo: float, hi: float) -> float | None:
+            window = [s["rss_mb"] for s in samples if lo <= s["t"] < hi]
+            return statistics.mean(window) if window else None
+
+        def pct(a, b):
+            return None if a is None or b is None else round(100 * (b / a - 1), 1)
+
+        # a single sample swings by +-5% with the tasks in flight: also the means over a minute
+        start_mean, end_mean = mean_rss(base[0]["t"], base[0]["t"] + 60), mean_rss(end - 60, end + 1)
+        g = growth[f"{name} ({pid})"] = {
+            "rss_mb_at_5min": base[0]["rss_mb"], "rss_mb_end": samples[-1]["rss_mb"],
+            "growth_pct": round(100 * (samples[-1]["rss_mb"] / base[0]["rss_mb"] - 1), 1),
+            "minute_means_mb": [round(start_mean, 1), round(end_mean, 1)], "growth_pct_of_means": pct(start_mean, end_mean),
+            "fds": [base[0]["fds"], samples[-1]["fds"]], "threads": [base[0]["threads"], samples[-1]["threads"]]}
+        if failover and failover[0][1] + 180 < end:
+            # the failover moves the lost server's slot (a second replica on the next server), rows
+            # and tasks onto the others: a step; what grows after it is what a longer run would add
+            (lo, hi) = failover[0]
+            before, after = mean_rss(lo - 120, lo), mean_rss(hi, hi + 120)
+            g["failover_step_pct"] = pct(before, after)
+            g["growth_after_failover_pct"] = pct(after, end_mean)
+    return growth
+
+
 def report(r: dict) -> dict:
     from peer.model.data import load_corpus
     from peer.reference import train_reference
@@ -305,21 +398,7 @@ def report(r: dict) -> dict:
     restart_stalls = [max((b - a for a, b in zip(times, times[1:]) if t - 1 <= b and a <= t + 30), default=None)
                       for t, e in r["events"] if e.startswith("restart")]
     polled_gaps = [b - a for a, b in zip(polled, polled[1:])]
-    # RSS growth of long-lived processes (the same pid from minute 5 to the end)
-    growth = {}
-    by_pid: dict[tuple[str, int], list[dict]] = {}
-    for row in r["rows"]:
-        by_pid.setdefault((row["process"], row["pid"]), []).append(row)
-    for (name, pid), samples in by_pid.items():
-        if samples[0]["t"] > 60 or samples[-1]["t"] - samples[0]["t"] < 10 * 60:
-            continue  # not long-lived
-        base = [s for s in samples if s["t"] >= samples[0]["t"] + 300]
-        if len(base) < 2:
-            continue
-        growth[f"{name} ({pid})"] = {
-            "rss_mb_at_5min": base[0]["rss_mb"], "rss_mb_end": samples[-1]["rss_mb"],
-            "growth_pct": round(100 * (samples[-1]["rss_mb"] / base[0]["rss_mb"] - 1), 1),
-            "fds": [base[0]["fds"], samples[-1]["fds"]], "threads": [base[0]["threads"], samples[-1]["threads"]]}
+    growth = rss_growth(r["rows"], failover)
     sargs, cfg = r["sargs"], r["cfg"]
     corpus = load_corpus(None, seq_len=cfg.seq_len)
     run = dict(seed=sargs.seed, batch_size=sargs.batch_size, delay=1, lr=sargs.lr, progress=False)
@@ -416,9 +495,13 @@ elif __name__ == "__main__":
               f"{c['first_step_loss_diff_over_1e-3']} | {c['mean_loss_last_50']:.4f} |")
     print(f"| reference | 0 | - | {s['reference_mean_loss_last_50']:.4f} |")
     print()
-    print("| long-lived process | RSS at 5 min (MB) | RSS at end (MB) | growth | fds | threads |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| long-lived process | RSS at 5 min (MB) | RSS at end (MB) | growth | minute means (MB) | growth of "
+          "means | failover step | growth after failover | fds | threads |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, g in sorted(s["rss_growth"].items()):
+        step, after = g.get("failover_step_pct"), g.get("growth_after_failover_pct")
         print(f"| {name} | {g['rss_mb_at_5min']} | {g['rss_mb_end']} | {g['growth_pct']}% | "
+              f"{g['minute_means_mb'][0]} -> {g['minute_means_mb'][1]} | {g['growth_pct_of_means']}% | "
+              f"{'-' if step is None else f'{step}%'} | {'-' if after is None else f'{after}%'} | "
               f"{g['fds'][0]} -> {g['fds'][1]} | {g['threads'][0]} -> {g['threads'][1]} |")
     print(f"\nevents: {s['events']}; {s['volunteer_kills']} volunteers SIGKILLed")

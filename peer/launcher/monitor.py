@@ -3,8 +3,11 @@ P2P calls (at the addresses the records announce) for the final statuses and the
 Must not start or stop processes (processes.py does)."""
 from __future__ import annotations
 
+import asyncio
 import collections
+import functools
 import logging
+import time
 
 logger = logging.getLogger("hivepipe.swarm")
 
@@ -75,19 +78,41 @@ class Monitor:
         peer, rec = self.servers[device]
         return P2PLink(self.p2p, peer, device, StageServer, addresses=lambda: rec.get("maddrs", []))
 
-    async def statuses(self) -> dict[str, dict]:
+    async def _call(self, device: str, method: str, meta: dict, timeout: float = 30.0,
+                    patience: float = 60.0) -> tuple[dict, list]:
+        """One request to a server, asked again while it cannot be reached for up to `patience`
+        seconds: a server just brought back can still be in this process's dial backoff (its own and
+        libp2p's, which the launcher's DHT node ran into while it was away) for some seconds."""
+        deadline = time.monotonic() + patience
+        while True:
+            link = self._link(device)
+            try:
+                return await link.call(method, meta, timeout=timeout)
+            except ConnectionError:
+                wait = max(link.retry_in(), 0.25)
+                if time.monotonic() + wait > deadline:
+                    raise
+                logger.debug("%s.%s: not reachable yet, asking again in %.1f s", device, method, wait)
+                await asyncio.sleep(wait)
+
+    async def statuses(self, patience: float = 60.0) -> dict[str, dict]:
         out = {}
         for d in self.all_devices():
-            meta, _ = await self._link(d).call("status", {}, timeout=30)
+            meta, _ = await self._call(d, "status", {}, patience=patience)
             out[d] = meta
         return out
 
-    async def assemble(self, version: int) -> dict:
-        """The full model at `version`, from every shard slot's host."""
+    async def assemble(self, version: int, patience: float = 120.0, poll: float = 0.25) -> dict:
+        """The full model at `version`, from every shard slot's host. A host whose slot is not there
+        yet answers `retry` (a slot adopted at a failover can trail its host's own shard by a step or
+        two): asked again until `patience` runs out, then NotReady naming it."""
+        from peer.protocol.params import fetch_slot
+
         state = {}
         for st in self.layout.stages:
             for slot, d in enumerate(st.hosts):
-                meta, tensors = await self._link(d).call("get_params", {"version": version, "slot": slot}, timeout=120)
+                meta, tensors = await fetch_slot(functools.partial(self._call, d, timeout=120), d, slot, version,
+                                                 patience, poll)
                 state.update(zip(meta["names"], tensors))
         return state
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from parameter_server.verify import BANNED
 from peer.volunteer.flush import batches_to_push
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
 from peer.model.transformer import StageSlice, build_slice, slice_from_state
+from peer.protocol.params import NotReady, fetch_slot
 from peer.protocol.wire import RemoteError, StreamCut
 
 logger = logging.getLogger("hivepipe.worker")
@@ -70,10 +72,6 @@ AWAY_GRACE_S = 5.0
 TAKE_WAIT = 3.0
 
 
-class NotReady(Exception):
-    """The parameters a task needs are not on every server yet."""
-
-
 def die_here() -> None:
     """SIGKILL this process and its group (its DHT process and p2p daemon), as a crash would."""
     import os
@@ -112,7 +110,7 @@ class StageWorker:
         self.input_cache: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.stats = {"forward": 0, "backward": 0, "dropped": 0, "pushes": 0, "conflicts": 0, "compute_seconds": 0.0,
-                      "started": time.time(), "recomputed": 0, "recompute_avoided": 0}
+                      "param_seconds": 0.0, "started": time.time(), "recomputed": 0, "recompute_avoided": 0}
         self.pending: dict[int, Pending] = {}  # batch -> gradients summed over tasks not pushed yet
         self.pushing: list[Pending] = []  # sums on their way to the servers (their tasks still held)
         self.max_pending = 2 * run.micro_batches  # the servers lease a client 2 x micro-batches + 1 tasks
@@ -275,8 +273,13 @@ class StageWorker:
                     continue
                 link, meta, tensors = got
                 self.current = (link.device, meta["task"])
+                started, computed, pulled = time.monotonic(), self.stats["compute_seconds"], self.stats["param_seconds"]
                 try:
                     await self.process(link, meta, tensors)
+                    # where a task's time went (-vv): the rest of it is calls (outputs, gradients, complete)
+                    logger.debug("%s: %s done in %.3f s (compute %.3f s, parameters %.3f s)", self.device_id,
+                                 meta["task"], time.monotonic() - started, self.stats["compute_seconds"] - computed,
+                                 self.stats["param_seconds"] - pulled)
                 except NotReady as e:
                     logger.info("%s: handing back %s: %s", self.device_id, meta["task"], e)
                     await self._quiet(self.call(link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0)))
@@ -397,15 +400,8 @@ class StageWorker:
             return
         state: dict[str, torch.Tensor] = {}
         for device, slot, names in self.shards:
-            deadline = time.monotonic() + patience
-            while True:
-                meta, tensors = await self.call(self.links[device], "get_params", {"version": version, "slot": slot},
-                                                timeout=60.0)
-                if not meta.get("retry"):
-                    break
-                if time.monotonic() > deadline:
-                    raise NotReady(f"{device} has version {meta.get('version')}, the task needs {version}")
-                await asyncio.sleep(self.poll)
+            meta, tensors = await fetch_slot(functools.partial(self.call, self.links[device], timeout=60.0),
+                                             device, slot, version, patience, self.poll)
             self._point("pulling_params")
             if meta.get("names") != names:
                 raise RemoteError(f"{device} serves shard {meta.get('names')}, expected {names}")
@@ -433,11 +429,16 @@ class StageWorker:
 
     async def _compute(self, fn):
         def timed():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             result = fn()
             elapsed = time.perf_counter() - t0
             if self.slowdown > 1:
-                time.sleep(elapsed * (self.slowdown - 1))  # emulate a slower device
+                # emulate a slower device: the pass lasts `slowdown` times the processor time it used
+                # (torch runs on this one thread), however long other processes kept it from a core;
+                # stretching the wall time would multiply their contention too (on 2 cores shared by a
+                # dozen processes, x10 of a pass slowed 1.5x is a device 1.5x slower than declared)
+                busy = time.thread_time() - c0 if self.torch_device.type == "cpu" else elapsed
+                time.sleep(max(0.0, self.slowdown * busy - elapsed))
             self.stats["compute_seconds"] += time.perf_counter() - t0
             return result
 
@@ -535,7 +536,9 @@ class StageWorker:
     # ------------------------------------------------------------------------------------------
     async def process(self, link, meta: dict, tensors: list) -> None:
         t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]
+        pulling = time.monotonic()
         await self.ensure_version(meta["version"])
+        self.stats["param_seconds"] += time.monotonic() - pulling
         for key in [k for k in self.input_cache if k[0] < t - 1]:
             del self.input_cache[key]
         if meta["kind"] == "forward" and not self.last:

@@ -285,3 +285,30 @@ def test_the_method_table_is_what_the_server_offers():
     assert methods.NOT_RETRIED == {"take"}
     assert methods.SERVER_ONLY == {"push_inputs", "push_output_grads", "push_replica", "adopt_epoch", "get_held",
                                    "report_cheat", "ban"}
+
+
+def test_a_shard_keeps_a_bounded_loss_history(monkeypatch):
+    """A shard's loss history travels in every replica export and checkpoint: it keeps the last
+    LOSS_HISTORY batches, so a run of days does not grow them by a line per step; a replica or a
+    checkpoint written with a longer history is cut to the same bound when loaded."""
+    import parameter_server.shard as shard_mod
+    from parameter_server.shard import ShardState
+
+    monkeypatch.setattr(shard_mod, "LOSS_HISTORY", 5)
+    shard = ShardState({"w": torch.zeros(3)}, lr=1e-2, rows_per_micro=1, micro_batches=1, steps=20, keep_versions=3)
+    for t in range(12):
+        assert shard.credit(batch=t, pieces=[(f"B{t}.0.0.0-1", 0, (0, 1))], grads=[torch.ones(3)],
+                            loss_sum=float(t)) == ("credited", [])
+        shard.step()
+    assert shard.losses == {t: float(t) for t in range(7, 12)}
+    meta, tensors = shard.export()
+    assert sorted(map(int, meta["losses"])) == list(range(7, 12))
+    state = shard.state_dict()
+    state["losses"] = {str(t): float(t) for t in range(12)}  # written by a server without the bound
+    meta["losses"] = dict(state["losses"])
+    again = ShardState({"w": torch.zeros(3)}, lr=1e-2, rows_per_micro=1, micro_batches=1, steps=20, keep_versions=3)
+    again.load_state_dict(state)
+    assert sorted(again.losses) == list(range(7, 12)) and again.version == 12
+    replica = ShardState({"w": torch.zeros(3)}, lr=1e-2, rows_per_micro=1, micro_batches=1, steps=20, keep_versions=3)
+    assert replica.absorb(meta, tensors)
+    assert sorted(replica.losses) == list(range(7, 12))

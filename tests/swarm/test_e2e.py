@@ -154,9 +154,15 @@ def test_killed_volunteer_does_not_stop_training(churn_scenario):
     assert applied == r["steps"] * 4 * 2
 
 
-def test_volunteer_joining_mid_run_gets_work_within_one_step(churn_scenario):
+def test_volunteer_joining_mid_run_gets_work_within_two_steps(churn_scenario):
+    """Stage 0's frontal server cuts a batch's forward tasks up to one batch ahead of its version
+    (two batches in flight), each for the clients registered then: a volunteer that registers just
+    after batch v+1 was cut gets its first task from batch v+2, two steps after the version it saw
+    when it joined. On a quiet machine it was given work in the step it joined (3 of 3 runs, stop 30);
+    under the suite's load, in stop 30's third full run, it took the second (joined at 5, first task
+    at 7)."""
     r = churn_scenario
-    assert r["late_worked_by"] <= r["late_joined_at"] + 1, r
+    assert r["late_worked_by"] <= r["late_joined_at"] + 2, r
 
 
 def test_backward_tasks_reuse_the_forward_pass_of_their_worker(churn_scenario):

@@ -4,6 +4,8 @@ multi-process tests do not cover: it must equal `peer reference --delay 1`."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import shutil
 
 import pytest
@@ -150,12 +152,8 @@ def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_r
     assert all(torch.equal(before[n], p) for n, p in stranger.shard.params.items()) and not stranger.replicas
 
 
-def test_a_lease_whose_answer_was_lost_goes_back_to_the_pool_at_the_next_heartbeat():
-    """The server leased a task but its answer never reached the worker (a `take` cut on the way
-    back). The worker's heartbeat lists the tasks it holds, so the server re-queues the lease once it
-    is old enough to have arrived, instead of after --task-timeout; a malformed list is refused."""
-    from peer.protocol.wire import RemoteError
-
+def one_worker_on_a_clock():
+    """One stage's frontal server on an injected clock (`now[0]`), one volunteer and its link."""
     cfg, layout, run = make_run(steps=1, stages=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
     fs = swarm.servers[layout.stages[0].frontal[0]]
@@ -163,7 +161,37 @@ def test_a_lease_whose_answer_was_lost_goes_back_to_the_pool_at_the_next_heartbe
     fs.clock = lambda: now[0]
     fs._reset_datapath()  # its pool on the injected clock
     (a,) = swarm.workers
-    link = a.links[fs.device_id]
+    return fs, a, a.links[fs.device_id], now
+
+
+def test_a_lease_that_runs_out_its_deadline_is_requeued_counted_and_logged(caplog):
+    """A client that holds a lease past its deadline without a word (no heartbeat naming it, no
+    hand-back): the server's maintenance re-queues it, counts it and says so at INFO, so that a
+    stall it causes shows in the logs."""
+    fs, a, link, now = one_worker_on_a_clock()
+
+    async def scenario():
+        await a.register()
+        fs.maybe_start_batches()
+        held = fs.pool.take(link.sender)
+        fs.maintenance()
+        assert fs.pool.lease_of(held.task.task_id) is not None and "leases_expired" not in fs.counters
+        now[0] += fs.task_timeout * 4 + 1  # past any deadline factor (at most 4)
+        with caplog.at_level(logging.INFO, logger="hivepipe.server"):
+            fs.maintenance()
+        assert fs.pool.lease_of(held.task.task_id) is None and fs.counters["leases_expired"] == 1
+        assert f"1 lease(s) ran out and went back to the pool: {held.task.task_id}" in caplog.text
+
+    asyncio.run(scenario())
+
+
+def test_a_lease_whose_answer_was_lost_goes_back_to_the_pool_at_the_next_heartbeat():
+    """The server leased a task but its answer never reached the worker (a `take` cut on the way
+    back). The worker's heartbeat lists the tasks it holds, so the server re-queues the lease once it
+    is old enough to have arrived, instead of after --task-timeout; a malformed list is refused."""
+    from peer.protocol.wire import RemoteError
+
+    fs, a, link, now = one_worker_on_a_clock()
 
     async def scenario():
         await a.register()
@@ -372,6 +400,49 @@ def test_a_take_answer_lost_whole_is_reclaimed_at_once():
         f"{device}.take: the connection closed before an answer"))
 
 
+class TakeCutWhileWaiting:
+    """A link whose `take` reaches the server and waits there for a task, while the caller's side of
+    the stream closes at once (seen in the stop-29 soak: "the connection closed before an answer",
+    then a 5 s stall as the server leased a task into the closed stream): the server's handler goes
+    on in `handlers`."""
+
+    def __init__(self, link):
+        self.link, self.device, self.sender, self.handlers = link, link.device, link.sender, []
+        self.waiting_when_cut = []
+
+    async def call(self, method, meta, tensors=(), timeout=30.0):
+        if method == "take":
+            self.handlers.append(asyncio.ensure_future(self.link.call(method, meta, tensors, timeout)))
+            await asyncio.sleep(0.1)
+            self.waiting_when_cut.append(not self.handlers[-1].done())
+            raise ConnectionError(f"{self.device}.take: the connection closed before an answer")
+        return await self.link.call(method, meta, tensors, timeout)
+
+
+def test_a_take_given_up_while_it_still_waits_at_the_server_leases_nothing():
+    """The worker's take failed without an answer while the server still waits for a task to give
+    it. The worker registers with 'take_lost'; the task cut after that is not leased into the dead
+    call (which answers no task) but stays in the pool for the next take, which gets it at once."""
+    fs, (worker,) = one_stage(volunteers=1)
+    real = worker.links[fs.device_id]
+
+    async def scenario():
+        await worker.register()
+        cut = worker.links[fs.device_id] = TakeCutWhileWaiting(real)
+        assert await worker._take(fs.device_id, wait=3.0) is None
+        (handler,) = cut.handlers
+        assert cut.waiting_when_cut == [True]
+        fs.maybe_start_batches()  # the task it waited for is cut now
+        answer, _ = await asyncio.wait_for(handler, 2.0)
+        assert answer["task"] is None and fs.pool.leases_of(real.sender) == []
+        assert fs.counters["takes_dropped"] == 1
+        worker.links[fs.device_id] = real
+        got = await worker._take(fs.device_id)
+        assert got is not None and got[1]["task"].startswith("F0.")
+
+    asyncio.run(scenario())
+
+
 def take_with_its_answer_lost(error, then=None):
     """One worker's take from a one-stage server whose answer is lost as `error(device, answer)`
     says: the take gives nothing and the worker holds no lease there (handed back, or reclaimed at
@@ -565,3 +636,18 @@ def test_heartbeats_to_a_slow_server_do_not_hold_back_the_others():
     asyncio.run(scenario())
     assert registers[slow] == 1
     assert all(registers[d] >= 4 for d in devices[1:]), registers
+
+
+def test_each_task_says_at_debug_where_its_time_went(caplog):
+    """`-vv`: every task a worker hands in logs its wall time with its compute and its parameter
+    pulls (the rest is its calls), which is how the soak's stalls were read."""
+    cfg, layout, run = make_run(steps=2, stages=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    with caplog.at_level(logging.DEBUG, logger="hivepipe.worker"):
+        asyncio.run(swarm.train(timeout=120))
+    lines = [r.getMessage() for r in caplog.records if " done in " in r.getMessage()]
+    done = [re.search(r": ([FB]\S+) done in ([\d.]+) s \(compute ([\d.]+) s, parameters ([\d.]+) s\)", x) for x in lines]
+    assert all(done) and len(done) == sum(w.stats["forward"] + w.stats["backward"] for w in swarm.workers)
+    for m in done:
+        assert float(m.group(2)) >= float(m.group(3)) + float(m.group(4)) - 1e-3
+    assert all(w.stats["param_seconds"] > 0 for w in swarm.workers)
