@@ -6,10 +6,12 @@ import asyncio
 import math
 import os
 import re
+import signal
 
 import pytest
 import torch
 
+from peer.launcher.processes import kill_group
 from peer.protocol.wire import RemoteError
 from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, rel_diff, swarm_cli
 
@@ -31,7 +33,8 @@ def test_peer_swarm_cli_matches_reference(tmp_path):
 @pytest.fixture(scope="module")
 def churn_scenario(tmp_path_factory):
     """One swarm where volunteers do all the work (servers do not compute): a hostile client sends
-    bad payloads, a volunteer is SIGKILLed while it holds a task, and a new volunteer joins."""
+    bad payloads, a volunteer is SIGKILLed while it holds a task, the stage's other volunteer
+    freezes, a new volunteer joins, and the frozen one wakes."""
     work = tmp_path_factory.mktemp("churn")
     steps = 12
     live = LiveSwarm(work, ["--model", "tiny", "--steps", str(steps), "--volunteers", "4", "--servers-compute", "no",
@@ -57,10 +60,18 @@ def churn_scenario(tmp_path_factory):
         result["killed_on"] = await live.wait(v0_holds_lease, 60, "v0 to hold a lease", poll=0.02)
         result["version_at_kill"] = live.monitor.min_version()
         live.kill("v0")
-        # a volunteer joins mid-run on stage 0
-        live.swarm.start_volunteer("0", name="late")
-        peers = await live.wait(lambda: _has(live, "late"), 90, "late to announce")
-        result["late_joined_at"] = live.monitor.min_version()
+        # stage 0's other volunteer freezes (a laptop's lid closed: SIGSTOP of its process group)
+        # until a new volunteer has joined mid-run on stage 0, so that the run waits for the
+        # newcomer: the tiny run's steps (about 1 s) can otherwise all be done before a volunteer
+        # process has started (5-8 s), as on the CI machine
+        frozen, _ = live.swarm.volunteers["v2"]
+        kill_group(frozen, signal.SIGSTOP)
+        try:
+            live.swarm.start_volunteer("0", name="late")
+            peers = await live.wait(lambda: _has(live, "late"), 90, "late to announce")
+            result["late_joined_at"] = live.monitor.min_version()
+        finally:
+            kill_group(frozen, signal.SIGCONT)
 
         async def late_got_work():
             """The version when a server of stage 0 first shows a task leased to or done by it (a

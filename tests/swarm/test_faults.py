@@ -127,7 +127,7 @@ def test_servers_killed_and_restarted_resume_without_losing_a_step(tmp_path):
     async def scenario():
         await live.start()
         for name, at in (("s0b0", 2), ("s1f0", 4)):
-            await live.wait_version(at)
+            await live.wait_server_version(name, at)
             restarted_at[name] = live.monitor.min_version()
             live.swarm.restart_server(name)
         return await live.finish(steps)
@@ -153,7 +153,7 @@ def test_a_supervised_server_killed_is_forked_again_by_its_supervisor_and_loses_
 
     async def scenario():
         await live.start()
-        await live.wait_version(2)
+        await live.wait_server_version("s0b0", 2)
         supervisor = live.swarm.servers["s0b0"]
         seen["supervisor"] = supervisor.pid
         seen["workers_before"] = child_groups(supervisor.pid)
@@ -210,7 +210,7 @@ def test_a_failed_over_server_that_comes_back_is_refused_and_training_goes_on(tm
 
     async def scenario():
         await live.start()
-        await live.wait_version(2)
+        await live.wait_server_version("s0b0", 2)
         live.swarm.lose_server("s0b0")
         await live.wait(lambda: live.monitor.epoch >= 1, 120, "the failover", poll=0.05)
         # right after adopting the slot, before a step of the new epoch: the slot is in its
@@ -285,7 +285,7 @@ def test_a_server_failed_over_while_it_is_frozen_leaves_the_run_when_it_wakes(tm
 
     async def scenario():
         await live.start()
-        await live.wait_version(2)
+        await live.wait_server_version("s0b0", 2)
         proc = live.swarm.servers.pop("s0b0")
         live.swarm.volunteers["s0b0-frozen"] = (proc, "none")  # (so that closing the swarm reaps it)
         os.killpg(proc.pid, signal.SIGSTOP)
@@ -313,7 +313,7 @@ def test_the_loss_of_a_roles_last_server_stops_the_run_until_it_comes_back(tmp_p
     cannot be failed over: every server, every volunteer and the dashboard say that the run is
     stopped and why (one line, not one per attempt). Restarted from its checkpoint, it brings the
     run back, which ends equal to the reference and says so."""
-    steps = 6
+    steps = 8
     live = tiny_swarm(tmp_path, "halt", steps, "--failover-after", "3")
     said = "run stopped: stage 1 has no backward server (s1b0 gone)"
     out = {}
@@ -324,7 +324,7 @@ def test_the_loss_of_a_roles_last_server_stops_the_run_until_it_comes_back(tmp_p
 
     async def scenario():
         await live.start()
-        await live.wait_version(2)
+        await live.wait_server_version("s1b0", 2)
         live.swarm.lose_server("s1b0")
         await live.wait(lambda: all(said in log for log in others().values()), 120,
                         "every other peer to say the run stopped")
