@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from parameter_server.layout import owners, split_by_weights
+from parameter_server.layout import cut_rows, owners
 from parameter_server.ledger import RowBuffer
 from peer.model.update_rule import version_for_batch
 from peer.protocol.tasks import task_id as make_task_id
@@ -55,35 +55,14 @@ class Frontal:
         scale = sorted(thr[p] / self.clients[p].compute for p in have)[len(have) // 2]
         return [(p, thr[p] if thr[p] > 0 else c.compute * scale) for p, c in clients]
 
-    def _task_clients(self, rows: int) -> tuple[list[tuple[str, float]], bool]:
-        """The clients that get this micro-batch's rows, with their weights: all of them when the rows
-        allow every one a task of at least `min_task_rows`; else the ones whose share of the compute
-        is owed the most rows (each accrues its share of every micro-batch and pays for the rows it
-        gets), so that over a batch every client still gets rows in proportion to its speed, in
-        fewer, larger tasks (a 1-row task cost as many calls as a 4-row one). The flag: whether the
-        chosen clients pay for their rows from their credit."""
-        clients = self.split_weights()
-        k = max(1, rows // self.min_task_rows)
-        if len(clients) <= k:
-            return clients, False
-        total = sum(max(w, 0.0) for _, w in clients) or float(len(clients))
-        credit = self.task_credit
-        for p in [p for p in credit if p not in self.clients]:
-            del credit[p]
-        for p, w in clients:
-            credit[p] = credit.get(p, 0.0) + rows * max(w, 0.0) / total
-        return sorted(clients, key=lambda c: (-credit[c[0]], c[0]))[:k], True
-
     def _make_forward_tasks(self, t: int, m: int) -> None:
+        """One micro-batch's rows of this stage cut into forward tasks, each preferred for the client
+        it was cut for (scheduler/rows.py `cut_rows`: by the clients' split weights and, when rows
+        are fewer than clients x min_task_rows, by the rows each is owed)."""
         lo, hi = self.seg
-        clients, pays = self._task_clients(hi - lo)
-        weights = [w for _, w in clients] or [1.0]
-        for i, a, b in split_by_weights(lo, hi, weights):
-            if pays:
-                self.task_credit[clients[i][0]] -= b - a
-            preferred = clients[i][0] if clients else None
+        for client, a, b in cut_rows(lo, hi, self.split_weights(), self.task_credit, self.min_task_rows):
             self._add_task(Task(task_id=make_task_id("forward", t, m, self.stage, (a, b)), kind="forward", batch=t, micro_batch=m,
-                               stage=self.stage, rows=(a, b), preferred_client=preferred))
+                               stage=self.stage, rows=(a, b), preferred_client=client))
 
     async def on_push_inputs(self, meta, tensors, sender):
         if self.role != "frontal" or self.stage == 0:

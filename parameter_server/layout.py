@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from scheduler.rows import split_by_weights  # noqa: F401 (the frontal servers' split; the step model's too)
+from scheduler.rows import cut_rows, split_by_weights  # noqa: F401 (the frontal servers' cut; the step model's too)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""How a frontal server cuts a micro-batch's rows among its clients by their weights: here, below the
-servers, so that the step model (scheduler/stepsim.py) plays the very rule the servers run
-(parameter_server/frontal.py imports it through parameter_server.layout)."""
+"""How a frontal server cuts a micro-batch's rows among its clients: here, below the servers, so
+that the step model (scheduler/stepsim.py) plays the very rules the servers run
+(parameter_server/frontal.py imports them through parameter_server.layout)."""
 from __future__ import annotations
 
 
@@ -25,4 +25,32 @@ def split_by_weights(lo: int, hi: int, weights: list[float]) -> list[tuple[int, 
         if c > 0:
             pieces.append((i, at, at + c))
             at += c
+    return pieces
+
+
+def cut_rows(lo: int, hi: int, clients: list[tuple[str, float]], credit: dict[str, float],
+             min_task_rows: int) -> list[tuple[str | None, int, int]]:
+    """A micro-batch's rows [lo, hi) cut into forward tasks, as (preferred client, lo, hi).
+    `clients` are (name, weight) in a fixed order. Every client gets a piece when the rows allow
+    each one at least `min_task_rows`; else only the ones owed the most rows get one: each client
+    accrues its weight's share of every micro-batch's rows in `credit` (updated in place; clients no
+    longer listed are dropped from it) and pays for the rows it gets, so that over a batch every
+    client still gets rows in proportion to its weight, in fewer, larger tasks (a 1-row task costs
+    as many calls as a 4-row one). No clients: one piece for anyone (None)."""
+    rows = hi - lo
+    k = max(1, rows // min_task_rows)
+    if len(clients) <= k:
+        weights = [w for _, w in clients] or [1.0]
+        return [(clients[i][0] if clients else None, a, b) for i, a, b in split_by_weights(lo, hi, weights)]
+    names = {p for p, _ in clients}
+    for p in [p for p in credit if p not in names]:
+        del credit[p]
+    total = sum(max(w, 0.0) for _, w in clients) or float(len(clients))
+    for p, w in clients:
+        credit[p] = credit.get(p, 0.0) + rows * max(w, 0.0) / total
+    chosen = sorted(clients, key=lambda c: (-credit[c[0]], c[0]))[:k]
+    pieces = []
+    for i, a, b in split_by_weights(lo, hi, [w for _, w in chosen]):
+        credit[chosen[i][0]] -= b - a
+        pieces.append((chosen[i][0], a, b))
     return pieces

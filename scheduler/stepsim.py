@@ -20,7 +20,7 @@ costs besides the links (`Calibration`):
 What it plays, as the swarm does it:
 - stage 0's frontal server cuts batch t (one forward task per micro-batch and chosen worker) once
   its version is at least t - 1, at most two batches ahead; every forward task goes to the worker
-  owed the most rows by its registered compute (`_credit_split`, as parameter_server/frontal.py);
+  owed the most rows by its registered compute (scheduler/rows.py `cut_rows`, the server's own);
 - a worker takes the best task it may (lower batch, lower micro-batch, backward first; a task
   preferred for another worker is open to it after `preference_grace`), paying a round trip, or
   only the answer's way when it was idle and waiting at the server (the long-polled take);
@@ -34,7 +34,7 @@ What it plays, as the swarm does it:
   fetching the inputs);
 - a worker sums a batch's gradients and pushes them (one shard to each server of its stage, in
   parallel, then `complete`) when it goes idle or before a task that needs them
-  (peer/volunteer/flush.py); a server steps batch t when every micro-batch of t is credited and
+  (scheduler/flush.py, the worker's own rule); a server steps batch t when every micro-batch of t is credited and
   its version is t;
 - a server's own worker calls its own server in-process: no link, no call cost.
 
@@ -45,9 +45,9 @@ the checked work's re-runs, heartbeats and DHT traffic, and any CPU contention b
 (scripts/bench_fidelity.py) says how far that takes it from measured runs.
 
 Pure Python and numpy, no torch or network (the planner's floor): it may not import the servers or
-the worker, so the credit choice and the flush rule are written here again from the files named
-above (a change to one of them belongs in both places); the split of rows is the servers' own
-(scheduler/rows.py).
+the worker, so the rules it plays with them live below both and both call them: the frontal
+server's cut of a micro-batch's rows with its credit (scheduler/rows.py) and the worker's flush
+rule (scheduler/flush.py).
 """
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ import statistics
 from dataclasses import dataclass, field
 
 from scheduler.files import Cluster, Plan
-from scheduler.rows import split_by_weights
+from scheduler.flush import batches_to_push
+from scheduler.rows import cut_rows
 
 
 @dataclass
@@ -272,27 +273,15 @@ class StepSimulation:
         self._changed()
 
     def _credit_split(self, fs: _Server) -> list:
-        """(worker, rows) of one micro-batch's forward tasks: every worker when the rows allow each
-        `min_task_rows`; else those owed the most rows by their compute (parameter_server/frontal.py)."""
+        """(worker, rows) of one micro-batch's forward tasks, cut as the frontal server cuts them
+        (scheduler/rows.py `cut_rows`) by the weights the workers registered."""
         names = sorted(self.stage_workers[fs.stage])
         if all(d in self.cal.weights for d in names):
             weights = [float(self.cal.weights[d]) for d in names]
         else:
             weights = [self.workers[d].flops for d in names]
-        n = self.work.rows
-        k = max(1, n // self.work.min_task_rows)
-        if len(names) > k:
-            total = sum(weights)
-            for d, w in zip(names, weights):
-                fs.credit[d] = fs.credit.get(d, 0.0) + n * w / total
-            chosen = sorted(zip(names, weights), key=lambda x: (-fs.credit[x[0]], x[0]))[:k]
-            names, weights = [c[0] for c in chosen], [c[1] for c in chosen]
-            pieces = split_by_weights(0, n, weights)
-            for i, a, b in pieces:
-                fs.credit[names[i]] -= b - a
-        else:
-            pieces = split_by_weights(0, n, weights)
-        return [(names[i], b - a) for i, a, b in pieces]
+        return [(d, b - a) for d, a, b in cut_rows(0, self.work.rows, list(zip(names, weights)), fs.credit,
+                                                   self.work.min_task_rows)]
 
     def _make_forward_tasks(self, fs: _Server, t: int, m: int) -> None:
         kind = "fb" if fs.stage == self.K - 1 else "forward"
@@ -387,11 +376,10 @@ class StepSimulation:
         return task.rows * self.work.input_bytes[task.stage]
 
     def _worker(self, w: _Worker):
-        last = w.stage == self.K - 1
         while True:
             task, waited = self._best(w), False
             if task is None:  # idle: push what it holds, then wait at every server for a task
-                for b in sorted(w.pending):
+                for b in self._flush_due(w, None):
                     yield from self._push(w, b)
                 if self._best(w) is None:
                     yield lambda: self._best(w) is not None
@@ -406,12 +394,18 @@ class StepSimulation:
             elif w.host != task.server:  # the take was waiting there: only the answer travels
                 self.trace.calls += 1
                 yield self.one_way(task.server, w.device, nbytes) + self.cal.call_seconds + nbytes * self.cal.byte_seconds
-            for b in sorted(w.pending):
-                if b < task.batch - 1 or (b < task.batch and (last or task.kind == "backward")):
-                    yield from self._push(w, b)
+            for b in self._flush_due(w, task):
+                yield from self._push(w, b)
             yield from self._ensure_version(w, max(task.batch - 1, 0))
             yield from self._process(w, task)
             self.trace.tasks += 1
+
+    def _flush_due(self, w: _Worker, task: _Task | None) -> list[int]:
+        """The worker's own flush rule (scheduler/flush.py), with the worker's cap of held leases
+        (2 x micro-batches); the model has no lease deadlines, so no lease is ever about to run out."""
+        held = {b: [(float("inf"), 1.0)] * len(tasks) for b, tasks in w.pending.items()}
+        return batches_to_push(held, None if task is None else {"batch": task.batch, "kind": task.kind}, self.now,
+                               2 * self.work.micro_batches, w.stage == self.K - 1)
 
     def _ensure_version(self, w: _Worker, v: int):
         if v in w.versions:

@@ -24,7 +24,7 @@ from parameter_server.layout import owners
 from parameter_server.shard import assign_shards
 from parameter_server.clients import NOT_REGISTERED
 from parameter_server.verify import BANNED
-from peer.volunteer.flush import batches_to_push
+from scheduler.flush import batches_to_push
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
 from peer.model.transformer import StageSlice, build_slice, slice_from_state
 from peer.protocol.params import NotReady, fetch_slot
@@ -446,7 +446,7 @@ class StageWorker:
 
     # gradient accumulation ---------------------------------------------------------------------
     def _flush_due(self, task: dict | None) -> list[int]:
-        """The pending batches to push now (peer/volunteer/flush.py)."""
+        """The pending batches to push now (scheduler/flush.py)."""
         leases = {b: [(deadline, length) for _, _, deadline, length in p.tasks] for b, p in self.pending.items()}
         return batches_to_push(leases, task, time.monotonic(), self.max_pending, self.last)
 

@@ -1,7 +1,7 @@
-"""The worker's gradient-flush policy (peer/volunteer/flush.py) driven as a pure function."""
+"""The worker's gradient-flush policy (scheduler/flush.py) driven as a pure function."""
 from __future__ import annotations
 
-from peer.volunteer.flush import batches_to_push
+from scheduler.flush import batches_to_push
 
 LEASE = (100.0, 60.0)  # deadline 100 s, a 60 s lease: its last third starts at 80 s
 

@@ -1,5 +1,6 @@
 """When a worker pushes the gradients it has summed per batch: a pure function of what it holds,
-the task it is about to compute and the time, so tests can drive it without a network.
+the task it is about to compute and the time, so tests can drive it without a network. Here, below
+the worker, so that the step model (scheduler/stepsim.py) plays the worker's own rule.
 
 A worker sums the parameter gradients of the tasks of one batch and keeps their leases until every
 server has credited the sum. It pushes a batch's sum:
