@@ -40,6 +40,8 @@ class Leases:
         with the clock). None when none came, or the run moved meanwhile (a new layout epoch, a ban),
         or the client has given this take up as lost."""
         deadline = time.monotonic() + wait
+        # (None only while a restart replays its log: _client does not check the sender then, and
+        # the loop's first test answers None)
         info = self.clients.get(sender)
         lost = info.takes_lost if info is not None else 0
         while True:

@@ -3,11 +3,12 @@ P2P calls (at the addresses the records announce) for the final statuses and the
 Must not start or stop processes (processes.py does)."""
 from __future__ import annotations
 
-import asyncio
 import collections
 import functools
 import logging
 import time
+
+from peer.protocol.wire import wait_to_redial
 
 logger = logging.getLogger("hivepipe.swarm")
 
@@ -89,11 +90,9 @@ class Monitor:
             try:
                 return await link.call(method, meta, timeout=timeout)
             except ConnectionError:
-                wait = max(link.retry_in(), 0.25)
-                if time.monotonic() + wait > deadline:
+                logger.debug("%s.%s: not reachable yet, asking again in %.1f s", device, method, link.retry_in())
+                if not await wait_to_redial(link, deadline):
                     raise
-                logger.debug("%s.%s: not reachable yet, asking again in %.1f s", device, method, wait)
-                await asyncio.sleep(wait)
 
     async def statuses(self, patience: float = 60.0) -> dict[str, dict]:
         out = {}

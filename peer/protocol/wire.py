@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from typing import AsyncIterator, Iterable, Sequence
 
 import msgpack
@@ -262,3 +263,14 @@ def rows_field(meta: dict, key: str, limit: int) -> tuple[int, int]:
 
 RequestMessage = runtime_pb2.ExpertRequest
 ResponseMessage = runtime_pb2.ExpertResponse
+
+
+async def wait_to_redial(link, give_up: float) -> bool:
+    """After a call to `link` failed with ConnectionError: sleep until its server may be dialled
+    again (a dial in its backoff fails at once; at least a moment) and say True, or say False at
+    once when that would pass `give_up` (a time.monotonic()). An in-process link has no backoff."""
+    wait = max(getattr(link, "retry_in", lambda: 0.0)(), 0.25)
+    if time.monotonic() + wait > give_up:
+        return False
+    await asyncio.sleep(wait)
+    return True

@@ -28,7 +28,7 @@ from scheduler.flush import batches_to_push
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
 from peer.model.transformer import StageSlice, build_slice, slice_from_state
 from peer.protocol.params import NotReady, fetch_slot
-from peer.protocol.wire import RemoteError, StreamCut
+from peer.protocol.wire import RemoteError, StreamCut, wait_to_redial
 
 logger = logging.getLogger("hivepipe.worker")
 
@@ -161,11 +161,8 @@ class StageWorker:
                     continue
                 raise
             except ConnectionError:
-                # (a dial in its backoff fails at once: wait that out, at least a moment)
-                wait = max(getattr(link, "retry_in", lambda: 0.0)(), 0.25)
-                if time.monotonic() + wait > give_up:
+                if not await wait_to_redial(link, give_up):
                     raise
-                await asyncio.sleep(wait)
 
     async def refresh_layout(self, link) -> None:
         from parameter_server.layout import RunLayout
