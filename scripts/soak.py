@@ -14,7 +14,7 @@ many steps.
 Writes, under --out: soak.csv (time, process, pid, rss_mb, fds, threads, version), versions.csv (when
 each version was reached, by the servers' own clocks: peer.launcher.monitor.StepTimes), events.csv (kills, restarts, the loss), soak.png (RSS per process over
 time with the step rate and the faults marked) and summary.json, and prints a table; --replot draws
-soak.png again from those files.
+soak.png again from those files and prints the memory table from them.
 
     python scripts/soak.py --minutes 30 --out docs/soak
 """
@@ -63,7 +63,7 @@ p.add_argument("--out", default="docs/soak")
 p.add_argument("--work-dir", default="/tmp/hivepipe-soak")
 p.add_argument("--replot", default=None, metavar="DIR",
                help="only draw DIR/soak.png again from DIR's soak.csv, versions.csv and events.csv (or the "
-                    "summary's events)")
+                    "summary's events), and print the memory table from them")
 p.add_argument("-v", "--verbose", action="count", default=0, help="the swarm's processes log at INFO (their logs: --work-dir)")
 args = p.parse_args()
 
@@ -332,15 +332,16 @@ def plot(rows: list[dict], events: list, versions: list, path: str) -> None:
 
 
 def rss_growth(rows: list[dict], failover: list[tuple[float, float]]) -> dict:
-    """RSS growth of the long-lived processes (the same pid from minute 5 to the end), by sample and
-    by the means over a minute; across the failover window (`failover`: [(start, end)] or []) and
-    after it."""
+    """RSS growth of the long-lived processes (the same pid for at least 10 minutes, from its minute 5
+    to the end: a server restarted mid-run too, from 5 minutes after its restart), by sample and by
+    the means over a minute; across the failover window (`failover`: [(start, end)] or []) and after
+    it."""
     growth = {}
     by_pid: dict[tuple[str, int], list[dict]] = {}
     for row in rows:
         by_pid.setdefault((row["process"], row["pid"]), []).append(row)
     for (name, pid), samples in by_pid.items():
-        if samples[0]["t"] > 60 or samples[-1]["t"] - samples[0]["t"] < 10 * 60:
+        if samples[-1]["t"] - samples[0]["t"] < 10 * 60:
             continue  # not long-lived
         base = [s for s in samples if s["t"] >= samples[0]["t"] + 300]
         if len(base) < 2:
@@ -356,12 +357,14 @@ def rss_growth(rows: list[dict], failover: list[tuple[float, float]]) -> dict:
 
         # a single sample swings by +-5% with the tasks in flight: also the means over a minute
         start_mean, end_mean = mean_rss(base[0]["t"], base[0]["t"] + 60), mean_rss(end - 60, end + 1)
-        g = growth[f"{name} ({pid})"] = {
+        started = samples[0]["t"]
+        label = f"{name} ({pid})" if started <= 60 else f"{name} ({pid}, started at {started / 60:.1f} min)"
+        g = growth[label] = {
             "rss_mb_at_5min": base[0]["rss_mb"], "rss_mb_end": samples[-1]["rss_mb"],
             "growth_pct": round(100 * (samples[-1]["rss_mb"] / base[0]["rss_mb"] - 1), 1),
             "minute_means_mb": [round(start_mean, 1), round(end_mean, 1)], "growth_pct_of_means": pct(start_mean, end_mean),
             "fds": [base[0]["fds"], samples[-1]["fds"]], "threads": [base[0]["threads"], samples[-1]["threads"]]}
-        if failover and failover[0][1] + 180 < end:
+        if failover and samples[0]["t"] < failover[0][0] and failover[0][1] + 180 < end:
             # the failover moves the lost server's slot (a second replica on the next server), rows
             # and tasks onto the others: a step; what grows after it is what a longer run would add
             (lo, hi) = failover[0]
@@ -457,6 +460,18 @@ def report(r: dict) -> dict:
     return summary
 
 
+def print_growth(growth: dict) -> None:
+    print("| long-lived process | RSS at 5 min (MB) | RSS at end (MB) | growth | minute means (MB) | growth of "
+          "means | failover step | growth after failover | fds | threads |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, g in sorted(growth.items()):
+        step, after = g.get("failover_step_pct"), g.get("growth_after_failover_pct")
+        print(f"| {name} | {g['rss_mb_at_5min']} | {g['rss_mb_end']} | {g['growth_pct']}% | "
+              f"{g['minute_means_mb'][0]} -> {g['minute_means_mb'][1]} | {g['growth_pct_of_means']}% | "
+              f"{'-' if step is None else f'{step}%'} | {'-' if after is None else f'{after}%'} | "
+              f"{g['fds'][0]} -> {g['fds'][1]} | {g['threads'][0]} -> {g['threads'][1]} |")
+
+
 def replot(folder: str) -> None:
     def read(name):
         with open(os.path.join(folder, name), newline="") as f:
@@ -468,7 +483,12 @@ def replot(folder: str) -> None:
     else:
         with open(os.path.join(folder, "summary.json")) as f:
             events = [(float(t), e) for t, e in json.load(f)["events"]]
-    plot(read("soak.csv"), events, versions, os.path.join(folder, "soak.png"))
+    samples = [{"t": float(row["t"]), "process": row["process"], "pid": int(row["pid"]), "rss_mb": float(row["rss_mb"]),
+                "fds": int(row["fds"]), "threads": int(row["threads"])} for row in read("soak.csv")]
+    plot(samples, events, versions, os.path.join(folder, "soak.png"))
+    # the memory table again, from the samples (a soak's summary.json predates a later change of it)
+    lose_t = next((t for t, e in events if e.startswith("lose")), None)
+    print_growth(rss_growth(samples, [(lose_t - 1, lose_t + args.failover_after + 60)] if lose_t is not None else []))
 
 
 if __name__ == "__main__" and args.replot:
@@ -495,13 +515,5 @@ elif __name__ == "__main__":
               f"{c['first_step_loss_diff_over_1e-3']} | {c['mean_loss_last_50']:.4f} |")
     print(f"| reference | 0 | - | {s['reference_mean_loss_last_50']:.4f} |")
     print()
-    print("| long-lived process | RSS at 5 min (MB) | RSS at end (MB) | growth | minute means (MB) | growth of "
-          "means | failover step | growth after failover | fds | threads |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, g in sorted(s["rss_growth"].items()):
-        step, after = g.get("failover_step_pct"), g.get("growth_after_failover_pct")
-        print(f"| {name} | {g['rss_mb_at_5min']} | {g['rss_mb_end']} | {g['growth_pct']}% | "
-              f"{g['minute_means_mb'][0]} -> {g['minute_means_mb'][1]} | {g['growth_pct_of_means']}% | "
-              f"{'-' if step is None else f'{step}%'} | {'-' if after is None else f'{after}%'} | "
-              f"{g['fds'][0]} -> {g['fds'][1]} | {g['threads'][0]} -> {g['threads'][1]} |")
+    print_growth(s["rss_growth"])
     print(f"\nevents: {s['events']}; {s['volunteer_kills']} volunteers SIGKILLed")
