@@ -42,7 +42,8 @@ class Swarm:
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(os.path.join(self.work_dir, f"{name}.log"), "ab")
-        cmd = [sys.executable, "-m", "peer.cli"] + (["-v"] if self.args.verbose else []) + argv
+        # `peer swarm -vv` (debug) makes every process log at debug too, not only at info
+        cmd = [sys.executable, "-m", "peer.cli"] + (["-" + "v" * self.args.verbose] if self.args.verbose else []) + argv
         # its own process group: SIGKILL reaches its DHT process and p2p daemon too, as a real
         # machine's crash would take them down
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
