@@ -89,28 +89,35 @@ class LiveSwarm:
     async def wait_version(self, version: int, timeout: float = 240.0) -> None:
         await self.wait(lambda: self.monitor.min_version() >= version, timeout, f"version {version}")
 
-    async def wait_server_version(self, device: str, version: int, timeout: float = 240.0) -> None:
-        """Wait until `device` itself says it holds `version` (its status over P2P), so that a fault
-        injected right after lands at that version: the DHT records that wait_version reads are
-        announced every --announce-period, by which time the tiny model can be several steps further
-        (a loss meant for step 2 landed at the run's end on a faster machine). Asked every 0.25 s
-        until it is one version short, then every 20 ms, on one link."""
+    async def wait_server(self, device: str, predicate, what: str, near=None, timeout: float = 240.0) -> dict:
+        """Wait until `predicate(status)` holds for `device`'s own status over P2P (on one link),
+        asked every 0.25 s, or every 20 ms once `near(status)` holds; the status. The DHT records
+        that `wait` reads lag: they are announced every --announce-period, and while a peer of the
+        DHT is frozen a read can wait on it for seconds or miss records."""
         deadline, link = time.monotonic() + timeout, None
         while True:
             self.swarm.check_alive()
+            close = False
             try:
                 link = link or self.link(device)
                 meta, _ = await link.call("status", {}, timeout=30)
-                if meta["version"] >= version:
-                    return
-                short = meta["version"] == version - 1
-            except (KeyError, ConnectionError):  # not in the records read so far, or not up yet
-                link, short = None, False
+                if predicate(meta):
+                    return meta
+                close = near is not None and near(meta)
+            except (KeyError, ConnectionError, asyncio.TimeoutError):  # not in the records yet, not up, busy
+                link = None
                 await self.monitor.refresh()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout} s waiting for {device} at version {version}; "
+                raise TimeoutError(f"timed out after {timeout} s waiting for {device}: {what}; "
                                    f"servers: {await self.diagnose()}")
-            await asyncio.sleep(0.02 if short else 0.25)
+            await asyncio.sleep(0.02 if close else 0.25)
+
+    async def wait_server_version(self, device: str, version: int, timeout: float = 240.0) -> None:
+        """Until `device` itself holds `version`, so that a fault injected right after lands at that
+        version (a loss meant for step 2 landed at the run's end on a faster machine when the test
+        waited on the records)."""
+        await self.wait_server(device, lambda st: st["version"] >= version, f"version {version}",
+                               near=lambda st: st["version"] >= version - 1, timeout=timeout)
 
     async def clients(self, stage: int) -> dict[str, str]:
         """device id -> peer id of the volunteers announced under a stage."""
