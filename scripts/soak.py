@@ -122,19 +122,24 @@ class StartNice:
 
 
 def launcher_tree():
-    """This process, its DHT process and that one's p2p daemon: not the swarm's processes (each
-    `peer.cli` child is sampled on its own) nor their DHT processes and daemons."""
+    """This process, its DHT process and that one's p2p daemon, and the forker (which forks the
+    swarm's processes): not the swarm's processes (each `peer.cli` process, forked or not, is
+    sampled on its own) nor their DHT processes and daemons."""
     import psutil
 
-    me = psutil.Process(os.getpid())
-    out = [me]
-    for child in me.children():
-        try:
-            if "peer.cli" in " ".join(child.cmdline() or []):
-                continue
-            out += [child] + child.children(recursive=True)
-        except psutil.Error:
-            pass
+    out = [psutil.Process(os.getpid())]
+
+    def walk(proc) -> None:
+        for child in proc.children():
+            try:
+                if "peer.cli" in " ".join(child.cmdline() or []):
+                    continue
+                out.append(child)
+                walk(child)
+            except psutil.Error:
+                pass
+
+    walk(out[0])
     return out
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+from peer.launcher.forker import Forker
 from peer.supervisor import group_members as _group_members, proc_table as _proc_table
 
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"  # a local swarm never listens beyond this machine
@@ -31,6 +32,8 @@ class Swarm:
         self._count = 0
         self.run_key_path = os.path.join(work_dir, "run.key")
         self.run_fp = self.run_key(work_dir).fingerprint
+        # started now, so that its imports overlap the launcher's own start (peer/launcher/forker.py)
+        self.forker = None if getattr(args, "fresh_processes", False) else Forker(os.path.join(work_dir, "forker.log"))
 
     @staticmethod
     def run_key(work_dir: str):
@@ -40,18 +43,23 @@ class Swarm:
         os.makedirs(work_dir, exist_ok=True)
         return SigningKey.load_or_create(os.path.join(work_dir, "run.key"))[0]
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(os.path.join(self.work_dir, f"{name}.log"), "ab")
+    def _spawn(self, name: str, argv: list[str]):
+        path = os.path.join(self.work_dir, f"{name}.log")
         # `peer swarm -vv` (debug) makes every process log at debug too, not only at info
-        cmd = [sys.executable, "-m", "peer.cli"] + (["-" + "v" * self.args.verbose] if self.args.verbose else []) + argv
+        argv = (["-" + "v" * self.args.verbose] if self.args.verbose else []) + argv
+        if self.forker is not None:  # forked from the imported state: same process, no imports
+            return self.forker.spawn(argv, path)
         # its own process group: SIGKILL reaches its DHT process and p2p daemon too, as a real
         # machine's crash would take them down
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        with open(path, "ab") as log:
+            return subprocess.Popen([sys.executable, "-m", "peer.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
 
     def common(self) -> list[str]:
         a = self.args
-        out = ["--run-id", f"{a.run_id}@{self.run_fp}", "--initial-peers", *self.maddrs, "--parent-pid", str(os.getpid())]
+        # the process that starts them: a forked child watches the forker, which leaves with this one
+        parent = self.forker.proc.pid if self.forker is not None else os.getpid()
+        out = ["--run-id", f"{a.run_id}@{self.run_fp}", "--initial-peers", *self.maddrs, "--parent-pid", str(parent)]
         if a.link_profile:
             out += ["--link-profile", a.link_profile, "--link-scale", str(a.link_scale)]
         return out
@@ -174,6 +182,8 @@ class Swarm:
                 pass
             kill_group(p, signal.SIGKILL)  # whatever is left of it: its DHT process, its p2p daemon
             p.wait()
+        if self.forker is not None:
+            self.forker.close()
 
 
 def kill_group(proc: subprocess.Popen, sig: int, wait: float = 5.0) -> None:

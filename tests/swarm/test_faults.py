@@ -34,7 +34,7 @@ CLI_ARGS = ("--model", "tiny", "--steps", str(STEPS), "--seed", "0", "--client-t
 def tiny_swarm(tmp_path, name: str, steps: int, *extra: str) -> LiveSwarm:
     """A swarm of the tiny model with 2 volunteers, quick to notice departures."""
     return LiveSwarm(tmp_path, ["--model", "tiny", "--steps", str(steps), "--volunteers", "2", "--client-timeout", "2",
-                                "--announce-period", "0.5", "--run-id", f"{name}-{os.getpid()}", *extra])
+                                "--announce-period", "1", "--run-id", f"{name}-{os.getpid()}", *extra])
 
 
 def test_every_kill_point_applies_each_micro_batch_exactly_once(tmp_path):
@@ -189,7 +189,7 @@ def test_a_server_lost_for_good_is_failed_over_and_nothing_is_lost(tmp_path):
     summary, state, _ = swarm_cli(
         tmp_path, f"failover-{os.getpid()}", "--model", "tiny", "--steps", str(steps), "--volunteers", "2",
         "--servers-per-stage", "4", "--lose-server", "s0f0@2", "--lose-server", "s1b1@4", "--failover-after", "3",
-        "--announce-period", "0.5", "--client-timeout", "2")
+        "--announce-period", "1", "--client-timeout", "2")
     assert summary["layout_epoch"] == 2, summary
     assert summary["microbatches_applied"] == summary["microbatches_expected"], summary
     logs = {name: (tmp_path / "work" / f"{name}.log").read_text(errors="replace") for name in ("s0f1", "s1f0")}
