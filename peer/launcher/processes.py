@@ -32,8 +32,9 @@ class Swarm:
         self._count = 0
         self.run_key_path = os.path.join(work_dir, "run.key")
         self.run_fp = self.run_key(work_dir).fingerprint
-        # started now, so that its imports overlap the launcher's own start (peer/launcher/forker.py)
-        self.forker = None if getattr(args, "fresh_processes", False) else Forker(os.path.join(work_dir, "forker.log"))
+        # started now, so that its imports overlap the launcher's own start (peer/launcher/forker.py);
+        # its output is forker.out, not a .log: the work dir's *.log are the swarm's peers, one each
+        self.forker = None if getattr(args, "fresh_processes", False) else Forker(os.path.join(work_dir, "forker.out"))
 
     @staticmethod
     def run_key(work_dir: str):

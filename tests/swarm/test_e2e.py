@@ -22,7 +22,7 @@ def test_peer_swarm_cli_matches_reference(tmp_path):
     summary, state, stdout = swarm_cli(
         tmp_path, f"cli-{os.getpid()}", "--model", "tiny", "--steps", "3", "--stages", "2", "--servers-per-stage", "2",
         "--volunteers", "4", "--fresh-processes", timeout=400)
-    assert not (tmp_path / "work" / "forker.log").exists()
+    assert not (tmp_path / "work" / "forker.out").exists()
     assert stdout.startswith("initial_peers=/ip4/127.0.0.1/tcp/"), stdout[:200]
     for key in ("steps", "first_loss", "last_loss", "microbatches_expected", "microbatches_applied", "duplicates_dropped",
                 "requeued", "volunteers_killed", "wall_seconds", "tokens_per_second"):
