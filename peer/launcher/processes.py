@@ -34,7 +34,9 @@ class Swarm:
         self.run_fp = self.run_key(work_dir).fingerprint
         # started now, so that its imports overlap the launcher's own start (peer/launcher/forker.py);
         # its output is forker.out, not a .log: the work dir's *.log are the swarm's peers, one each
-        self.forker = None if getattr(args, "fresh_processes", False) else Forker(os.path.join(work_dir, "forker.out"))
+        # Linux only: elsewhere (macOS) a fork of a process that imported torch is not safe
+        fork = sys.platform.startswith("linux") and not getattr(args, "fresh_processes", False)
+        self.forker = Forker(os.path.join(work_dir, "forker.out")) if fork else None
 
     @staticmethod
     def run_key(work_dir: str):
