@@ -47,7 +47,7 @@ class ForkedProcess:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self.forker.returncode(self.pid)
+            self.forker.check(self)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -88,8 +88,9 @@ class Forker:
         self.sock = ours
         self.sock.setblocking(False)
         self.buf = b""
-        self.codes: dict[int, int] = {}
-        self.pids: list[int] = []
+        # the live children by pid: an exit status goes to the process it belongs to (pids are
+        # reused, 32768 of them here, so a status must not outlive its process)
+        self.live: dict[int, ForkedProcess] = {}
 
     def spawn(self, argv: list[str], log: str) -> ForkedProcess:
         """Fork `python -m peer.cli ARGV` with its output appended to `log`."""
@@ -103,8 +104,9 @@ class Forker:
         while True:
             for msg in self._messages():
                 if "pid" in msg:
-                    self.pids.append(msg["pid"])
-                    return ForkedProcess(self, msg["pid"], [sys.executable, "-m", "peer.cli", *argv])
+                    proc = ForkedProcess(self, msg["pid"], [sys.executable, "-m", "peer.cli", *argv])
+                    self.live[proc.pid] = proc
+                    return proc
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the process forker did not answer within {self.timeout} s: see {self.log}")
             if not self._wait_readable(0.5) and self.proc.poll() is not None:
@@ -117,14 +119,12 @@ class Forker:
         for _ in self._messages():
             pass
 
-    def returncode(self, pid: int) -> int | None:
+    def check(self, proc: ForkedProcess) -> None:
+        """Take in the statuses sent so far; `proc.returncode` is set once it has exited."""
         self.pump()
-        if pid in self.codes:
-            return self.codes[pid]
-        if self.proc.poll() is not None and not _alive(pid):  # the zygote died: nobody reports it
-            self.codes[pid] = -signal.SIGKILL
-            return self.codes[pid]
-        return None
+        if proc.returncode is None and self.proc.poll() is not None and not _alive(proc.pid):
+            proc.returncode = -signal.SIGKILL  # the zygote died: nobody reports it
+            self.live.pop(proc.pid, None)
 
     def _wait_readable(self, timeout: float) -> bool:
         try:
@@ -147,8 +147,8 @@ class Forker:
         while b"\n" in self.buf:
             line, self.buf = self.buf.split(b"\n", 1)
             msg = json.loads(line)
-            if "exit" in msg:
-                self.codes[msg["exit"]] = msg["code"]
+            if "exit" in msg and msg["exit"] in self.live:
+                self.live.pop(msg["exit"]).returncode = msg["code"]
             yield msg
 
     def close(self) -> None:
