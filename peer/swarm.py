@@ -46,10 +46,9 @@ def add_arguments(p) -> None:
     p.add_argument("--link-profile", default=None, metavar="CLUSTER.json")
     p.add_argument("--link-scale", type=float, default=1.0)
     p.add_argument("--run-id", default="swarm")
-    p.add_argument("--fresh-processes", action="store_true",
-                   help="start each server and volunteer as a new interpreter (default on Linux: fork them from one "
-                        "process that imported torch and hivemind once, which starts them seconds sooner; "
-                        "elsewhere always a new interpreter)")
+    p.add_argument("--fork-processes", action="store_true",
+                   help="Linux only: fork each server and volunteer from one process that imported torch and "
+                        "hivemind once, which starts them seconds sooner (default: each a new interpreter)")
     p.add_argument("--announce-period", type=float, default=1.0)
     p.add_argument("--task-timeout", type=float, default=30.0)
     p.add_argument("--client-timeout", type=float, default=4.0)

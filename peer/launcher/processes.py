@@ -35,7 +35,7 @@ class Swarm:
         # started now, so that its imports overlap the launcher's own start (peer/launcher/forker.py);
         # its output is forker.out, not a .log: the work dir's *.log are the swarm's peers, one each
         # Linux only: elsewhere (macOS) a fork of a process that imported torch is not safe
-        fork = sys.platform.startswith("linux") and not getattr(args, "fresh_processes", False)
+        fork = sys.platform.startswith("linux") and getattr(args, "fork_processes", False)
         self.forker = Forker(os.path.join(work_dir, "forker.out")) if fork else None
 
     @staticmethod

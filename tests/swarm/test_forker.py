@@ -1,7 +1,7 @@
 """peer/launcher/forker.py: a process forked from the preloaded zygote is what `python -m peer.cli
 ARGV` would be (its command line, its own session and process group, its output in its log, stdin
-from /dev/null, its exit status reported), and the zygote leaves with the launcher. The swarm tests
-run every server and volunteer through it; tests/swarm/test_e2e.py's CLI test runs --fresh-processes."""
+from /dev/null, its exit status reported), and the zygote leaves with the launcher. `peer swarm
+--fork-processes` uses it (opt-in since stop 33's last suite runs: see the README)."""
 import json
 import os
 import signal
