@@ -184,7 +184,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
         async def look_at_halt():
             try:
                 await asyncio.wait_for(directory.refresh(), 10.0)
-                halt.update(directory.halted(), max(directory.versions.values(), default=0))
+                halt.update(directory.halted(run.announce_period), max(directory.versions.values(), default=0))
             except Exception as e:
                 logger.debug("reading the stage records failed: %r", e)
 
@@ -229,7 +229,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
                         device=device, stage=stage, state="online", compute=float(worker.compute), tasks_done=tasks,
                         throughput=tasks / elapsed, time=time.time()))
                     try:
-                        await records.publish(dht, rec, ttl=3 * run.announce_period, stage=stage)
+                        await records.publish(dht, rec, ttl=records.record_ttl(run.announce_period), stage=stage)
                     except Exception as e:
                         logger.debug("announce failed: %r", e)
                     try:
@@ -242,7 +242,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
                 try:
                     await records.publish(dht, records.record_to_dict(records.ClientRecord(
                         device=device, stage=stage, state="offline", compute=float(worker.compute), time=time.time())),
-                        ttl=3 * run.announce_period, stage=stage)
+                        ttl=records.record_ttl(run.announce_period), stage=stage)
                 except Exception as e:
                     logger.debug("offline announce failed: %r", e)
 

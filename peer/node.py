@@ -31,6 +31,9 @@ class NetworkStartError(RuntimeError):
 
 
 IDENTITY_DIR_PREFIX = "hivepipe-id-"
+# how long one DHT call waits for its peer: a request is a few kB, which crosses the slowest link
+# supported (300 ms, 10 Mbit/s) in well under a second; hivemind's default is 3 s
+DHT_CALL_TIMEOUT = 5.0
 
 
 def _sweep_identity_dirs(tmp: str) -> None:
@@ -89,9 +92,14 @@ def start_dht(initial_peers=(), *, run_id: str, run_fp: str | None, run_key=None
     if announce_maddrs and not client_mode:
         kwargs["announce_maddrs"] = list(announce_maddrs)
     kwargs["identity_path"] = identity_path
+    # one DHT call to a peer (a ping, a find, a store) waits at most DHT_CALL_TIMEOUT: the wait for
+    # the initial peers is `timeout` (the loop in _start), never every later call's, or a frozen or
+    # vanished peer holds each read and store that reaches it that long (it was 30 s: announcements
+    # expired before they were stored, and a failover took 45 s instead of 6)
+    kwargs["wait_timeout"] = DHT_CALL_TIMEOUT
     if timeout is not None and initial_peers:
         kwargs["bootstrap_timeout"] = min(timeout, 30.0)
-        kwargs["wait_timeout"] = min(max(timeout, 1.0), 30.0)
+        kwargs["wait_timeout"] = min(max(timeout, 1.0), DHT_CALL_TIMEOUT)
     # initial peers that do not answer yet (a server restarting) are tried again until `timeout`
     deadline = time.monotonic() + (timeout or 0.0)
     try:
@@ -543,6 +551,10 @@ class Directory:
         self.epochs: dict[str, int] = {}  # server device -> the layout epoch of that announcement
         self.records: dict[str, dict] = {}  # peer id -> record (servers and clients)
         self.addresses: dict[str, list[str]] = {}  # server peer id -> the multiaddrs it last announced
+        # server device -> (the time its newest record was written, when (time.monotonic) this
+        # process saw that record's time advance): a record lives records.record_ttl, longer than
+        # its writer may be silent, so liveness is how long since a server last said something new
+        self._heard: dict[str, tuple[float, float]] = {}
 
     async def refresh(self) -> dict[str, str]:
         servers, recs, versions, epochs = {}, {}, {}, {}
@@ -554,6 +566,7 @@ class Directory:
                 recs[peer] = rec
                 if rec["kind"] == "server":
                     self.addresses[peer] = [m for m in rec["maddrs"] if isinstance(m, str)]
+                    self._note(rec)
                 if rec["kind"] == "server" and rec["state"] != "offline":
                     servers[rec["device"]] = peer
                     versions[rec["device"]] = rec["version"]
@@ -562,9 +575,27 @@ class Directory:
         self.known.update(servers)
         return servers
 
-    def halted(self) -> str | None:
-        """Why the run is stopped, as a live server of it announces (None while it runs)."""
-        return records.halted_reason(self.records.values())
+    def _note(self, rec: dict) -> None:
+        device, written = rec["device"], float(rec["time"])
+        if rec["state"] == "offline":  # it said it left
+            self._heard[device] = (written, float("-inf"))
+            return
+        last = self._heard.get(device)
+        if last is None:  # first sight: as old as its own time says (a record outlives its writer)
+            self._heard[device] = (written, time.monotonic() - max(0.0, time.time() - written))
+        elif written > last[0]:  # something new: its writer was there a read ago
+            self._heard[device] = (written, time.monotonic())
+
+    def silent_for(self, device: str) -> float:
+        """Seconds since server `device` last announced something new, as this directory's reads
+        saw it (inf if never, or if it announced that it went offline)."""
+        heard = self._heard.get(device)
+        return float("inf") if heard is None else time.monotonic() - heard[1]
+
+    def halted(self, period: float) -> str | None:
+        """Why the run is stopped, as a live server of it announces (None while it runs): records
+        fresher than records.stale_after(period) (a stopped server's record outlives it)."""
+        return records.halted_reason(r for r in self.records.values() if records.is_fresh(r, period))
 
     def link(self, p2p, device: str, servicer_cls, links: LinkEmulator | None = None,
              peer_id: str | None = None, backoff: bool = True, compress: str = "none") -> "P2PLink":

@@ -417,8 +417,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         # (not from a server the run has failed over: its layout is of an older epoch)
         if not fenced:
             config = run_cfg.to_dict() | {"layout": server.layout.to_dict(), "epoch": server.epoch}
-            await records.publish(dht, config, ttl=3 * period)
-        await records.publish(dht, record(state), ttl=3 * period, stage=stage)
+            await records.publish(dht, config, ttl=records.record_ttl(period))
+        await records.publish(dht, record(state), ttl=records.record_ttl(period), stage=stage)
 
     async def failed_over_meanwhile() -> str | None:
         """Why this server is out of the run, if a later layout epoch leaves it out: the startup
@@ -453,15 +453,16 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         except Exception:
             return False
 
-    async def watch_for_lost(servers: dict[str, str]) -> None:
-        """Once the run is online: a server of the current layout missing from the DHT for
-        --failover-after seconds (30 s when failover is off) is lost. The first remaining server of
-        the run fails it over (the others adopt the new layout epoch it sends them); a role's last
-        server cannot be, so every server announces that the run is stopped until it comes back."""
+    async def watch_for_lost() -> None:
+        """Once the run is online: a server of the current layout silent in the DHT (no new record
+        for records.stale_after(period)) for --failover-after seconds more (30 s when failover is
+        off) is lost. The first remaining server of the run fails it over (the others adopt the new
+        layout epoch it sends them); a role's last server cannot be, so every server announces
+        that the run is stopped until it comes back."""
         now = time.monotonic()
         current = [d for s in server.layout.stages for d in s.servers]
         for d in current:
-            if d in servers:
+            if d == device or directory.silent_for(d) <= records.stale_after(period):
                 missing_since.pop(d, None)
             else:
                 missing_since.setdefault(d, now)
@@ -525,7 +526,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         await online.wait()
         while not stop.is_set():
             try:
-                await watch_for_lost(dict(directory.servers))
+                await watch_for_lost()
             except Exception as e:
                 logger.info("%s: checking for lost servers failed: %r", device, e)
             try:

@@ -4,12 +4,38 @@ role, state, load and version, re-announced on a period and expiring by itself."
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 logger = logging.getLogger("hivepipe.records")
 
 STATES = ("online", "joining", "offline")
+
+# An announcement is stored to live STALE_PERIODS announce periods, and never less than
+# MIN_RECORD_TTL: a store that meets a silent DHT peer (frozen, gone, behind a dead NAT) waits
+# peer.node.DHT_CALL_TIMEOUT (5 s) for it, to find the key's nodes and again to store, and a record
+# that expired before it arrived was never seen by anyone (with a 3 s life, one frozen server hid
+# every stage-0 record from every reader while it was frozen). Whether its writer is still there is
+# judged by how fresh the record is (its `time`: is_fresh, Directory.silent_for), not by whether a
+# record is there.
+STALE_PERIODS = 3
+MIN_RECORD_TTL = 15.0
+
+
+def record_ttl(period: float) -> float:
+    """How long an announcement made every `period` seconds is stored for."""
+    return max(STALE_PERIODS * period, MIN_RECORD_TTL)
+
+
+def stale_after(period: float) -> float:
+    """How old a record may be while its writer still counts as there: STALE_PERIODS periods."""
+    return STALE_PERIODS * period
+
+
+def is_fresh(rec: dict, period: float, now: float | None = None) -> bool:
+    """Whether `rec` (a valid record) was written within stale_after(period) seconds of `now`."""
+    return (time.time() if now is None else now) - float(rec["time"]) <= stale_after(period)
 ROLES = ("frontal", "backward")
 
 

@@ -292,9 +292,6 @@ def open_record(run_id: str, kind: str, stage: int | None, subkey: Any, value: A
     return body
 
 
-QUIET = "expired at its own end of life"  # dropped, not counted
-
-
 @dataclass
 class Rejection:
     time: float
@@ -336,13 +333,15 @@ class RunValidator(RecordValidatorBase):
         try:
             open_record(self.run_id, kind, stage, subkey, value, self.run_fp)
         except Expired as e:
-            # an honest record reaching its end of life (the DHT keeps it until the expiry it was
-            # stored with, which is the envelope's) is dropped quietly; one stored to live on past
-            # its envelope is a replay
+            # one stored to live on past its envelope is a replay. An honest record at its end of
+            # life (stored with the envelope's expiry) passes: the DHT drops it at that expiry and
+            # readers skip it (records.open_stage), while refusing it here made hivemind drop the
+            # whole stage key a DHT node answered with (it refuses a map when one entry fails), a
+            # record that expired between that node's answer and this check hiding every other
             if isinstance(value, dict) and isinstance(value.get("expires"), float) and \
                     record.expiration_time > value["expires"] + 1.0:
                 return f"replayed: {e}"
-            return QUIET
+            return None
         except TrustError as e:
             return str(e)
         return None
@@ -351,8 +350,6 @@ class RunValidator(RecordValidatorBase):
         reason = self.check(record)
         if reason is None:
             return True
-        if reason is QUIET:
-            return False
         where = self.keys[record.key]
         key = config_name(self.run_id) if where[0] == "config" else stage_name(self.run_id, where[1])
         try:

@@ -45,9 +45,11 @@ def planner_model(run, cfg):
     return load_model(planner_model_file(cfg, run.batch_size, run.micro_batches, bytes_per_value=4))
 
 
-def stages_now(stage_records: list[list[tuple[str, dict]]], layout, cfg, own_peer: str):
+def stages_now(stage_records: list[list[tuple[str, dict]]], layout, cfg, own_peer: str,
+               fresh=lambda rec: True):
     """StageNow per stage from the stage keys' records: each server's and each online volunteer's
-    announced compute (rows/s of its slice) as FLOP/s; our own record left out."""
+    announced compute (rows/s of its slice) as FLOP/s; our own record left out, and records that
+    `fresh` says are stale (a killed volunteer's record outlives it: records.record_ttl)."""
     from peer.model.config import flops_per_token_per_layer
     from scheduler.balance import StageNow
 
@@ -57,7 +59,7 @@ def stages_now(stage_records: list[list[tuple[str, dict]]], layout, cfg, own_pee
         n = st.layers[1] - st.layers[0]
         now = StageNow(frontal=list(st.frontal), backward=list(st.backward), layers=tuple(st.layers))
         for peer, rec in recs:
-            if peer == own_peer or rec.get("state") != "online":
+            if peer == own_peer or rec.get("state") != "online" or not fresh(rec):
                 continue
             flops = float(rec.get("compute") or 0.0) * per_row_layer * n
             if rec["kind"] == "server":
@@ -109,7 +111,8 @@ class StagePicker:
             per_stage.append([(peer, rec) for peer, rec, _ in await records.read_stage(self.directory.dht,
                                                                                       self.run.run_id, k)
                               if rec is not None])
-        stages = stages_now(per_stage, self.layout, self.cfg, self.peer_id)
+        stages = stages_now(per_stage, self.layout, self.cfg, self.peer_id,
+                            fresh=lambda rec: records.is_fresh(rec, self.run.announce_period))
         decision = choose(stages, self.model, self.own_flops, self.delays, self.bandwidths, self.nbytes,
                           current=current)
         computing = [f"{(sum(s.server_flops.values()) + sum(s.volunteer_flops)) / 1e9:.3g}" for s in stages]

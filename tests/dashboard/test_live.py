@@ -265,7 +265,7 @@ def test_a_killed_volunteer_leaves_the_view(swarm, web):
         assert waited < 20 * PERIOD, f"v1 still shows {gone} {waited:.1f} s after SIGKILL"
         time.sleep(0.2)
     noticed = time.monotonic() - killed_at
-    # the record expires after 3 announce periods; the page reads every 0.5 s; allow for a loaded machine
+    # the record goes stale after 3 announce periods; the page reads every 0.5 s; allow for a loaded machine
     assert noticed < 20 * PERIOD
     out = swarm.dashboard("--json", "--timeout", "30")
     assert out.returncode == 0, out.stderr[-3000:]

@@ -133,14 +133,16 @@ def test_the_validator_drops_and_counts_what_breaks_the_rules():
     assert not v.validate(junk) and "undecodable" in v.rejected[-1].reason
 
 
-def test_an_expired_record_is_dropped_quietly_and_a_replayed_one_is_counted():
-    """A record at its end of life (the DHT's expiry is the envelope's) is no forgery: dropped, not
-    counted (the dashboard listed one as malformed); the same envelope stored to live on is a replay."""
+def test_an_expired_record_passes_the_dht_a_replayed_one_is_counted_and_readers_skip_both():
+    """A record at its end of life (the DHT's expiry is the envelope's) is no forgery: the DHT
+    passes it, uncounted (the dashboard listed one as malformed; refused, it made hivemind drop the
+    whole stage key a node answered with), and readers skip it; the same envelope stored to live on
+    is a replay."""
     v = RunValidator("r", RUN_KEY.fingerprint)
     key = DHTID.generate(source=stage_name("r", 0)).to_bytes()
     subkey, value = stage_record(SERVER, server_body(), RUN_KEY, now=time.time() - 10)
     ser = DHTProtocol.serializer.dumps
-    assert not v.validate(DHTRecord(key, ser(subkey), ser(value), value["expires"]))
+    assert v.validate(DHTRecord(key, ser(subkey), ser(value), value["expires"]))
     assert v.rejected_total == 0
     assert not v.validate(DHTRecord(key, ser(subkey), ser(value), time.time() + 60))
     assert v.rejected_total == 1 and v.rejected[-1].reason.startswith("replayed: expired")

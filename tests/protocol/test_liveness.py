@@ -1,0 +1,62 @@
+"""Liveness from records that outlive their writers (records.record_ttl): a record is stored for at
+least MIN_RECORD_TTL, so whether its writer is there is how fresh it is, not whether it is found."""
+from __future__ import annotations
+
+import time
+
+from peer.node import Directory
+from peer.protocol import records
+
+
+def server_rec(device: str, written: float, state: str = "online") -> dict:
+    return {"kind": "server", "device": device, "role": "frontal", "stage": 0, "state": state, "version": 1,
+            "maddrs": [], "time": written}
+
+
+def test_a_record_lives_past_a_slow_store_and_goes_stale_after_three_periods():
+    assert records.record_ttl(0.5) == records.MIN_RECORD_TTL == 15.0
+    assert records.record_ttl(10.0) == 30.0
+    now = 1000.0
+    assert records.is_fresh(server_rec("a", now - 2.9), 1.0, now)
+    assert not records.is_fresh(server_rec("a", now - 3.1), 1.0, now)
+
+
+def test_a_server_is_silent_since_its_record_last_changed():
+    d = Directory(dht=None, run_id="r", num_stages=1)
+    assert d.silent_for("s0f0") == float("inf")  # never seen
+    d._note(server_rec("s0f0", time.time() - 100.0))  # first seen 100 s old: a dead server's leftover
+    assert 99.0 < d.silent_for("s0f0") < 110.0
+    d._note(server_rec("s0f0", time.time() - 1.0))  # something new: it was there a read ago
+    assert d.silent_for("s0f0") < 1.0
+    fresh_at = time.time() - 1.0
+    d._note(server_rec("s0f0", fresh_at))
+    first = d.silent_for("s0f0")
+    time.sleep(0.05)
+    d._note(server_rec("s0f0", fresh_at))  # the same record read again: no news
+    assert d.silent_for("s0f0") >= first + 0.04
+    d._note(server_rec("s0f0", time.time(), state="offline"))  # it said it left
+    assert d.silent_for("s0f0") == float("inf")
+
+
+def test_a_stale_halt_notice_does_not_stop_the_run():
+    d = Directory(dht=None, run_id="r", num_stages=1)
+    halted = server_rec("s0f0", time.time() - 10.0) | {"halted": "stage 1 has no backward server"}
+    d.records = {"peer": halted}
+    assert d.halted(1.0) is None  # written 10 s ago by a server that stopped announcing
+    d.records = {"peer": halted | {"time": time.time()}}
+    assert d.halted(1.0) == "stage 1 has no backward server"
+
+
+def test_stage_choice_counts_fresh_volunteers_only():
+    from parameter_server.layout import RunLayout
+    from peer.model.config import get_preset
+    from peer.volunteer.stage_choice import stages_now
+
+    cfg = get_preset("tiny")
+    layout = RunLayout.even(2, cfg.layers)
+    now = time.time()
+    vol = {"kind": "client", "device": "v", "stage": 0, "state": "online", "compute": 100.0}
+    recs = [[("p1", vol | {"time": now}), ("p2", vol | {"time": now - 60.0})], []]
+    every = stages_now(recs, layout, cfg, "me")
+    fresh = stages_now(recs, layout, cfg, "me", fresh=lambda r: records.is_fresh(r, 1.0, now))
+    assert len(every[0].volunteer_flops) == 2 and len(fresh[0].volunteer_flops) == 1
