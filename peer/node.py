@@ -558,8 +558,8 @@ class Directory:
 
     async def refresh(self) -> dict[str, str]:
         servers, recs, versions, epochs = {}, {}, {}, {}
-        for k in range(self.num_stages):
-            for peer, rec, problem in await records.read_stage(self.dht, self.run_id, k):
+        for k, found in enumerate(await records.read_stages(self.dht, self.run_id, self.num_stages)):
+            for peer, rec, problem in found:
                 if rec is None:
                     logger.debug("ignoring a malformed record under stage %d: %s", k, problem)
                     continue

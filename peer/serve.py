@@ -412,13 +412,20 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
 
     fenced: list[str] = []  # why this server left the run (failed over while it was away)
 
+    config_sent = {"body": None, "at": float("-inf")}
+
     async def announce(state: str) -> None:
         # the run config carries the current layout epoch, for volunteers that join after a failover
-        # (not from a server the run has failed over: its layout is of an older epoch)
+        # (not from a server the run has failed over: its layout is of an older epoch). It is the
+        # same for every server and changes only at a failover: stored when it changes and a third
+        # of its life after the last store, not every period (each store is a DHT traversal)
+        ttl = records.record_ttl(period)
         if not fenced:
             config = run_cfg.to_dict() | {"layout": server.layout.to_dict(), "epoch": server.epoch}
-            await records.publish(dht, config, ttl=records.record_ttl(period))
-        await records.publish(dht, record(state), ttl=records.record_ttl(period), stage=stage)
+            if config != config_sent["body"] or time.monotonic() - config_sent["at"] >= ttl / 3:
+                if await records.publish(dht, config, ttl=ttl):
+                    config_sent.update(body=config, at=time.monotonic())
+        await records.publish(dht, record(state), ttl=ttl, stage=stage)
 
     async def failed_over_meanwhile() -> str | None:
         """Why this server is out of the run, if a later layout epoch leaves it out: the startup

@@ -36,12 +36,12 @@ class Monitor:
                 self.epoch = config["epoch"]
         except Exception as e:
             logger.debug("read config failed: %r", e)
-        for k in range(self.layout.num_stages):
-            try:
-                found = await records.read_stage(self.dht, self.run_id, k)
-            except Exception as e:
-                logger.debug("read_stage failed: %r", e)
-                continue
+        try:
+            per_stage = await records.read_stages(self.dht, self.run_id, self.layout.num_stages)
+        except Exception as e:
+            logger.debug("reading the stage records failed: %r", e)
+            per_stage = []
+        for found in per_stage:
             for peer, rec, _ in found:
                 if rec is not None and rec["kind"] == "server":
                     self.servers[rec["device"]] = (peer, rec)

@@ -276,6 +276,25 @@ def open_stage(trust: Trust, stage: int, raw: Any) -> list[tuple[str, dict | Non
     return out
 
 
+async def _latest_of_each(_dht, node, keys: tuple[str, ...]) -> dict[str, Any]:
+    """(Runs in the DHT process.) The latest value of every key in `keys`, found by one traversal of
+    the DHT for all of them."""
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    return {k: None if v is None else v.value for k, v in found.items()}
+
+
+async def read_stages(dht, run_id: str, num_stages: int) -> list[list[tuple[str, dict | None, str | None]]]:
+    """read_stage of stages 0..num_stages-1, in one DHT traversal rather than one per stage (each
+    server and volunteer reads every stage each announce period: most of an idle swarm's DHT calls)."""
+    import functools
+
+    trust = trust_of(dht)
+    assert run_id == trust.run_id, (run_id, trust.run_id)
+    keys = tuple(stage_key(run_id, k) for k in range(num_stages))
+    raw = await dht.run_coroutine(functools.partial(_latest_of_each, keys=keys), return_future=True)
+    return [open_stage(trust, k, raw.get(key)) for k, key in enumerate(keys)]
+
+
 async def read_stage(dht, run_id: str, stage: int) -> list[tuple[str, dict | None, str | None]]:
     """All records under a stage key as (peer id, record or None, problem or None): a record counts
     only if its peer signed it (and, for a server, the run key)."""

@@ -106,11 +106,9 @@ class StagePicker:
         from peer.protocol import records
         from scheduler.balance import choose
 
-        per_stage = []
-        for k in range(self.layout.num_stages):
-            per_stage.append([(peer, rec) for peer, rec, _ in await records.read_stage(self.directory.dht,
-                                                                                      self.run.run_id, k)
-                              if rec is not None])
+        per_stage = [[(peer, rec) for peer, rec, _ in found if rec is not None]
+                     for found in await records.read_stages(self.directory.dht, self.run.run_id,
+                                                            self.layout.num_stages)]
         stages = stages_now(per_stage, self.layout, self.cfg, self.peer_id,
                             fresh=lambda rec: records.is_fresh(rec, self.run.announce_period))
         decision = choose(stages, self.model, self.own_flops, self.delays, self.bandwidths, self.nbytes,
