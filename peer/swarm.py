@@ -3,6 +3,7 @@
 the end it writes the summary JSON and the full model assembled from the servers' shards."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -46,9 +47,10 @@ def add_arguments(p) -> None:
     p.add_argument("--link-profile", default=None, metavar="CLUSTER.json")
     p.add_argument("--link-scale", type=float, default=1.0)
     p.add_argument("--run-id", default="swarm")
-    p.add_argument("--fork-processes", action="store_true",
-                   help="Linux only: fork each server and volunteer from one process that imported torch and "
-                        "hivemind once, which starts them seconds sooner (default: each a new interpreter)")
+    p.add_argument("--fork-processes", action=argparse.BooleanOptionalAction, default=True,
+                   help="Linux: fork each server and volunteer from one process that imported torch and hivemind "
+                        "once, which starts them seconds sooner (the default; elsewhere, or with "
+                        "--no-fork-processes, each is a new interpreter)")
     p.add_argument("--announce-period", type=float, default=1.0)
     p.add_argument("--task-timeout", type=float, default=30.0)
     p.add_argument("--client-timeout", type=float, default=4.0)

@@ -1,5 +1,6 @@
 """How long a local swarm takes to start: every process forked from the preloaded forker
-(`--fork-processes`, peer/launcher/forker.py) against every process a fresh interpreter (the default).
+(the default on Linux, peer/launcher/forker.py) against every process a fresh interpreter
+(`--no-fork-processes`).
 
 For each layout and mode: seconds from the launcher's start until every server has announced
 itself online and until the run's first step is done, and the CPU seconds that every process of
@@ -49,7 +50,7 @@ async def one_start(servers_per_stage: int, volunteers: int, fresh: bool) -> dic
     work = tempfile.mkdtemp(prefix="hivepipe-bench-startup-")
     argv = ["swarm", "--model", "tiny", "--steps", "1000", "--servers-per-stage", str(servers_per_stage),
             "--volunteers", str(volunteers), "--work-dir", work, "--run-id", f"startup-{os.getpid()}", "--no-progress"]
-    args = build_parser().parse_args(argv + ([] if fresh else ["--fork-processes"]))
+    args = build_parser().parse_args(argv + (["--no-fork-processes"] if fresh else []))
     cfg, layout, frontal, backward = validate(args)
     t0 = time.monotonic()
     cpu0 = swarm_cpu_seconds()

@@ -39,6 +39,9 @@ def reference_state(model: str, steps: int, seed: int = 0, batch_size: int = 16,
     return state
 
 
+REFRESH = 0.5  # s between the harness's reads of the records while it waits
+
+
 class LiveSwarm:
     def __init__(self, work_dir: str, argv: list[str]):
         self.args = build_parser().parse_args(["swarm", "--work-dir", str(work_dir), "--no-progress", *argv])
@@ -62,10 +65,15 @@ class LiveSwarm:
         self.monitor = Monitor(self.dht, self.p2p, self.args.run_id, self.layout, self.args.batch_size * self.cfg.seq_len)
 
     async def wait(self, predicate, timeout: float, what: str, poll: float = 0.1):
-        deadline = time.monotonic() + timeout
+        """Until `predicate()` holds, asked every `poll` s; the records it may look at are read every
+        REFRESH s (they change once per announce period, and a read every 0.1 s cost a quarter of the
+        2 cores: each read visits every DHT node of the swarm)."""
+        deadline, refreshed = time.monotonic() + timeout, float("-inf")
         while True:
             self.swarm.check_alive()
-            await self.monitor.refresh()
+            if time.monotonic() - refreshed >= REFRESH:
+                refreshed = time.monotonic()
+                await self.monitor.refresh()
             value = predicate()
             if asyncio.iscoroutine(value):
                 value = await value

@@ -1,7 +1,8 @@
 """peer/launcher/forker.py: a process forked from the preloaded zygote is what `python -m peer.cli
 ARGV` would be (its command line, its own session and process group, its output in its log, stdin
-from /dev/null, its exit status reported), and the zygote leaves with the launcher. `peer swarm
---fork-processes` uses it (opt-in since stop 33's last suite runs: see the README)."""
+from /dev/null, its exit status reported), and the zygote leaves with the launcher. `peer swarm`
+uses it on Linux (the default; --no-fork-processes: a new interpreter each), and so does every swarm
+test but the CLI one in test_e2e.py."""
 import json
 import os
 import signal
