@@ -8,6 +8,8 @@ import sys
 
 from peer.errors import UsageError
 
+logger = logging.getLogger("hivepipe.runtime")
+
 
 def add_common_arguments(p) -> None:
     p.add_argument("--run-id", default="hivepipe", metavar="NAME[@FINGERPRINT]",
@@ -132,11 +134,28 @@ def link_emulator(args, device: str | None):
     return LinkEmulator(load_cluster(args.link_profile), device, args.link_scale)
 
 
+def quiet_cancellations(loop: asyncio.AbstractEventLoop) -> None:
+    """Make `loop` log a cancellation that reaches its exception handler at debug level, not as an
+    ERROR with a traceback: hivemind cancels a stream handler (p2p_daemon._handle_stream) when its
+    peer's connection closes, and asyncio's stream callback then reports it as "Exception in
+    callback ... CancelledError" (seen in a server's log when a failed-over server that came back
+    was refused and left). A peer leaving is not an error; every other exception is reported as
+    before."""
+    def handler(loop, context):
+        if isinstance(context.get("exception"), asyncio.CancelledError):
+            logger.debug("cancelled: %s", context.get("message"))
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
 def run_until_signalled(main_coro_factory) -> int:
     """Run `main_coro_factory(stop_event)` until it returns or SIGTERM/SIGINT sets the event."""
     async def runner():
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        quiet_cancellations(loop)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         return await main_coro_factory(stop)

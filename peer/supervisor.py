@@ -66,6 +66,25 @@ def describe(status: int) -> tuple[str, int, bool]:
     return f"exited with code {code}", code, code not in FINAL_CODES
 
 
+def after_fork_in_child() -> None:
+    """In a child forked from a process that imported hivemind (a supervisor, the swarm's zygote):
+    redo what a fresh interpreter has of its own. Multiprocessing's after-fork hooks (its fd sharer,
+    which passes pipes to the DHT process, and other per-process state were the parent's), and
+    hivemind's process-wide multiprocessing locks, which it makes in class attributes when it is
+    imported: in a fork each is one semaphore shared with the parent and its other children, and a
+    child SIGKILLed while it held one hung all the others (found by the churn test with forked
+    volunteers: replacements stuck in their DHT process's MPFuture update lock)."""
+    import multiprocessing
+    import multiprocessing.util
+
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture
+
+    multiprocessing.util._run_after_forkers()
+    MPFuture.reset_backend()
+    _AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
+
+
 def _fork(child_main: Callable[[int, int], int], run: int) -> int:
     supervisor = os.getpid()
     pid = os.fork()
@@ -73,11 +92,7 @@ def _fork(child_main: Callable[[int, int], int], run: int) -> int:
         code = 1
         try:
             os.setpgid(0, 0)
-            # what multiprocessing does in a process it forks: its fd sharer (which passes pipes to
-            # the DHT process) and other per-process state were the supervisor's
-            import multiprocessing.util
-
-            multiprocessing.util._run_after_forkers()
+            after_fork_in_child()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_DFL)
             code = int(child_main(supervisor, run) or 0)
@@ -106,21 +121,26 @@ def _kill_group(pgid: int, sig: int) -> None:
         pass
 
 
+def proc_stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, pgrp) of process `pid` from /proc, or None if it is gone, a zombie, or /proc is missing."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+    except OSError:
+        return None
+    if len(fields) < 3 or fields[0] == b"Z":  # fields: state, ppid, pgrp, ...
+        return None
+    return int(fields[1]), int(fields[2])
+
+
 def proc_table() -> dict[int, tuple[int, int]]:
     """pid -> (ppid, pgrp) of every live (not zombie) process, from /proc (empty where it is missing)."""
-    table = {}
     if not os.path.isdir("/proc"):
-        return table
+        return {}
+    table = {}
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
-        except OSError:
-            continue
-        if fields[0] != b"Z":  # fields: state, ppid, pgrp, ...
-            table[int(name)] = (int(fields[1]), int(fields[2]))
+        if name.isdigit() and (stat := proc_stat(int(name))) is not None:
+            table[int(name)] = stat
     return table
 
 

@@ -70,12 +70,11 @@ def _serve(sock: socket.socket) -> dict | None:
 
 def _become(request: dict) -> list[str]:
     """In the forked child: a process of its own, as `python -m peer.cli ARGV` would be."""
-    import multiprocessing
-    import multiprocessing.util
-
     import numpy as np
     import setproctitle
     import torch
+
+    from peer.supervisor import after_fork_in_child
 
     os.setsid()
     fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -87,17 +86,7 @@ def _become(request: dict) -> list[str]:
     os.close(null)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
-    multiprocessing.util._run_after_forkers()
-    # hivemind keeps process-wide multiprocessing locks in class attributes, made when it is
-    # imported: in a fork of the zygote each would be one semaphore shared by every process of the
-    # swarm, and a process SIGKILLed while it held one would hang all the others (found by the
-    # churn test: replacement volunteers stuck in their DHT process's MPFuture update lock). A fresh
-    # interpreter makes its own, and so does the child.
-    from hivemind.utils.asyncio import _AsyncContextWrapper
-    from hivemind.utils.mpfuture import MPFuture
-
-    MPFuture.reset_backend()
-    _AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
+    after_fork_in_child()  # its own multiprocessing state and hivemind locks, as a fresh interpreter
     np.random.seed()
     torch.seed()
     argv = [str(a) for a in request["argv"]]

@@ -164,8 +164,6 @@ class Forker:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
+    from peer.supervisor import proc_stat
+
+    return proc_stat(pid) is not None

@@ -32,9 +32,9 @@ class Swarm:
         self._count = 0
         self.run_key_path = os.path.join(work_dir, "run.key")
         self.run_fp = self.run_key(work_dir).fingerprint
-        # started now, so that its imports overlap the launcher's own start (peer/launcher/forker.py);
-        # its output is forker.out, not a .log: the work dir's *.log are the swarm's peers, one each
-        # Linux only: elsewhere (macOS) a fork of a process that imported torch is not safe
+        # the forker (peer/launcher/forker.py), started now so that its imports overlap the
+        # launcher's; Linux only (on macOS a fork of a process that imported torch is not safe).
+        # Its output is forker.out: the work dir's *.log are the swarm's peers, one each
         fork = sys.platform.startswith("linux") and getattr(args, "fork_processes", False)
         self.forker = Forker(os.path.join(work_dir, "forker.out")) if fork else None
 

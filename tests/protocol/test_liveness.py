@@ -60,3 +60,25 @@ def test_stage_choice_counts_fresh_volunteers_only():
     every = stages_now(recs, layout, cfg, "me")
     fresh = stages_now(recs, layout, cfg, "me", fresh=lambda r: records.is_fresh(r, 1.0, now))
     assert len(every[0].volunteer_flops) == 2 and len(fresh[0].volunteer_flops) == 1
+
+
+def test_a_cancelled_stream_handler_is_not_logged_as_an_error(caplog):
+    """hivemind cancels a stream handler when its peer's connection closes; asyncio reports that as
+    "Exception in callback ... CancelledError" with a traceback (seen in a server's log when a
+    refused server left). A server's loop logs it at debug; any other exception still as an error."""
+    import asyncio
+    import logging
+
+    from peer.runtime import quiet_cancellations
+
+    loop = asyncio.new_event_loop()
+    try:
+        quiet_cancellations(loop)
+        with caplog.at_level(logging.DEBUG):
+            loop.call_exception_handler({"message": "Exception in callback", "exception": asyncio.CancelledError()})
+            assert [r.levelno for r in caplog.records if "Exception in callback" in r.getMessage()] == [logging.DEBUG]
+            caplog.clear()
+            loop.call_exception_handler({"message": "Exception in callback", "exception": ValueError("real")})
+            assert [r.levelno for r in caplog.records] == [logging.ERROR]
+    finally:
+        loop.close()
