@@ -57,6 +57,8 @@ p.add_argument("--start-nice", type=int, default=10,
                     "takes the cores the running swarm steps on, where on a network it runs on the volunteer's "
                     "own machine; 0 turns this off")
 p.add_argument("--sample", type=float, default=10.0, help="seconds between samples")
+p.add_argument("--no-fork-processes", action="store_true",
+               help="start each process of the swarm as a new interpreter (peer swarm --no-fork-processes)")
 p.add_argument("--model", default="small")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--out", default="docs/soak")
@@ -176,7 +178,8 @@ async def main() -> dict:
         "--servers-per-stage", "4", "--servers-compute", args.servers_compute, "--failover-after", str(args.failover_after),
         "--client-timeout", "3",
         "--seed", str(args.seed), "--work-dir", args.work_dir, "--no-progress", "--run-id", f"soak-{os.getpid()}"]
-        + (["--supervise-servers"] if args.restarts == "supervised" else []))
+        + (["--supervise-servers"] if args.restarts == "supervised" else [])
+        + (["--no-fork-processes"] if args.no_fork_processes else []))
     sargs.verbose = args.verbose
     cfg, layout, frontal, backward = validate(sargs)
     dht = start_dht([], run_id=sargs.run_id, run_fp=Swarm.run_key(args.work_dir).fingerprint)
