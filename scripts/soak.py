@@ -9,7 +9,10 @@ Restarts are --restarts supervised (the default: `peer serve --supervise`, the s
 forked again by its supervisor) or cold (the whole server SIGKILLed and started as a new process).
 Every --sample seconds each process (with its DHT process and p2p daemon) is sampled with psutil.
 At the end the model at the version every shard reached is compared with `peer reference` for that
-many steps.
+many steps. Each volunteer process is followed from its start to its "joined" line to its kill: how
+many replacements joined before they were killed, how long joining took, and how many volunteers
+were joined at a time on average (summary.json "volunteers"): under fast churn a replacement can be
+killed before it ever joins, and then the swarm runs on fewer volunteers than it starts.
 
 Writes, under --out: soak.csv (time, process, pid, rss_mb, fds, threads, version), versions.csv (when
 each version was reached, by the servers' own clocks: peer.launcher.monitor.StepTimes), events.csv (kills, restarts, the loss), soak.png (RSS per process over
@@ -80,47 +83,77 @@ def tree(pid: int):
         return []
 
 
-class StartNice:
-    """Volunteers start at --start-nice and are set back to 0 once their log says they joined: the
-    start-up of a replacement volunteer (a fresh process every few seconds under the soak's churn)
-    then waits for the cores the swarm's steps need instead of taking them, as it would on its own
-    machine. Only where this process may lower a niceness again (root)."""
+class Arrivals:
+    """Every volunteer process of the run: when it started, when it joined (its log says so) and when
+    it was killed. A replacement that is killed before it has joined never worked for the run, so
+    the churn's cost (and what the swarm really ran on) is in these figures, not in the kill count.
+    Volunteers also start at --start-nice and are set back to 0 once they joined: the start-up of a
+    replacement (a process every few seconds under the soak's churn) then waits for the cores the
+    swarm's steps need instead of taking them, as it would on its own machine (only where this
+    process may lower a niceness again: root)."""
 
     def __init__(self, swarm, nice: int):
         self.swarm, self.nice = swarm, nice if os.geteuid() == 0 else 0
         self.starting: dict[str, tuple[int, int]] = {}  # name -> (pid, its log's size when it started)
+        self.current: dict[str, list] = {}  # name -> [started, joined or None] of its current process
+        self.done: list[tuple[float, float | None, float]] = []  # (started, joined or None, killed)
 
-    def started(self, name: str) -> None:
+    def started(self, name: str, now: float) -> None:
         import psutil
 
-        if self.nice <= 0:
-            return
         proc = self.swarm.volunteers[name][0]
         log = os.path.join(self.swarm.work_dir, f"{name}.log")
+        self.current[name] = [now, None]
         try:
-            psutil.Process(proc.pid).nice(self.nice)  # before it forks its DHT process and daemon
-            self.starting[name] = (proc.pid, os.path.getsize(log))
+            self.starting[name] = (proc.pid, os.path.getsize(log) if os.path.exists(log) else 0)
+            if self.nice > 0:
+                psutil.Process(proc.pid).nice(self.nice)  # before it forks its DHT process and daemon
         except (psutil.Error, OSError):
             pass
 
-    def poll(self) -> None:
+    def killed(self, name: str, now: float) -> None:
+        if name in self.current:
+            started, joined = self.current.pop(name)
+            self.done.append((started, joined, now))
+        self.starting.pop(name, None)
+
+    def poll(self, now: float) -> None:
         import psutil
 
         for name, (pid, offset) in list(self.starting.items()):
             current = self.swarm.volunteers.get(name)
             if current is None or current[0].pid != pid:
-                del self.starting[name]  # killed before it joined
+                del self.starting[name]  # gone before it joined
                 continue
-            with open(os.path.join(self.swarm.work_dir, f"{name}.log"), "rb") as f:
-                f.seek(offset)
-                joined = f" as {name} (".encode() in f.read()
+            try:
+                with open(os.path.join(self.swarm.work_dir, f"{name}.log"), "rb") as f:
+                    f.seek(offset)
+                    joined = f" as {name} (".encode() in f.read()
+            except OSError:
+                continue
             if joined:
                 del self.starting[name]
-                for proc in tree(pid):
+                self.current[name][1] = now
+                for proc in tree(pid) if self.nice > 0 else []:
                     try:
                         proc.nice(0)
                     except psutil.Error:
                         pass
+
+    def summary(self, end: float) -> dict:
+        """Of the processes started after the first ones (the replacements): how many joined before
+        they were killed and how long joining took; and the volunteers joined at a time, on average
+        over the run."""
+        runs = self.done + [(s, j, end) for s, j in self.current.values()]
+        later = [r for r in runs if r[0] > 0]
+        delays = sorted(j - s for s, j, _ in later if j is not None)
+        joined_time = sum(k - j for _, j, k in runs if j is not None)
+        return {"replacements": len(later), "replacements_joined": len(delays),
+                "replacements_killed_before_joining": sum(1 for _, j, k in later if j is None and k < end),
+                "join_s_median": round(statistics.median(delays), 1) if delays else None,
+                "join_s_p90": round(delays[int(0.9 * len(delays))], 1) if delays else None,
+                "kills_of_joined_volunteers": sum(1 for _, j, k in self.done if j is not None),
+                "mean_volunteers_joined": round(joined_time / end, 2) if end > 0 else None}
 
 
 def launcher_tree():
@@ -196,9 +229,9 @@ async def main() -> dict:
         await DialBackService().add_p2p_handlers(p2p)
         swarm.start_servers()
         swarm.start_volunteers()
-        nice = StartNice(swarm, args.start_nice)
+        arrivals = Arrivals(swarm, args.start_nice)
         for name in swarm.volunteers:
-            nice.started(name)
+            arrivals.started(name, 0.0)
         monitor = Monitor(dht, p2p, sargs.run_id, layout, sargs.batch_size * cfg.seq_len)
         t0 = time.time()
         for name in list(swarm.servers) + list(swarm.volunteers):
@@ -211,7 +244,7 @@ async def main() -> dict:
         while (now := time.time() - t0) < args.minutes * 60:
             bar.update(int(now) - bar.n)
             swarm.check_alive()
-            nice.poll()
+            arrivals.poll(now)
             try:
                 await monitor.refresh()
             except Exception:
@@ -223,8 +256,9 @@ async def main() -> dict:
                     share = args.churn * len(swarm.volunteers)
                     n = int(share) + (rng.random() < share - int(share))
                     for name in rng.sample(sorted(swarm.volunteers), min(n, len(swarm.volunteers))):
+                        arrivals.killed(name, now)
                         swarm.kill_volunteer(name)
-                        nice.started(name)
+                        arrivals.started(name, now)
                         started[name] = now
                         events.append((now, f"kill {name}"))
                 last_version = version
@@ -264,6 +298,7 @@ async def main() -> dict:
                 next_sample += args.sample
             await asyncio.sleep(0.5)
         bar.close()
+        participation = arrivals.summary(time.time() - t0)
         from peer.swarm import wait_for_failovers
 
         await wait_for_failovers(monitor, swarm.lost, args.failover_after + 120, asyncio.Event())
@@ -286,6 +321,7 @@ async def main() -> dict:
     # minimum above (for the churn's pace) pauses and jumps whenever a DHT read misses a record
     steps = [(t - t0, v) for v, t in monitor.reached.completed().items() if 0 < v <= final]
     return {"rows": rows, "events": events, "versions": versions, "steps": steps, "final": final, "state": state,
+            "participation": participation,
             "statuses": statuses, "layout": monitor.layout, "started": started, "cfg": cfg, "sargs": sargs}
 
 
@@ -455,6 +491,7 @@ def report(r: dict) -> dict:
         "rss_growth": growth,
         "events": [(round(t), e) for t, e in r["events"] if not e.startswith("kill")],
         "volunteer_kills": sum(1 for _, e in r["events"] if e.startswith("kill")),
+        "volunteers": r["participation"],
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -525,3 +562,8 @@ elif __name__ == "__main__":
     print()
     print_growth(s["rss_growth"])
     print(f"\nevents: {s['events']}; {s['volunteer_kills']} volunteers SIGKILLed")
+    v = s["volunteers"]
+    print(f"volunteers: {v['replacements']} replacements started, {v['replacements_joined']} joined (start to joined: "
+          f"median {v['join_s_median']} s, 90th percentile {v['join_s_p90']} s), {v['replacements_killed_before_joining']} "
+          f"killed before joining; {v['kills_of_joined_volunteers']} kills hit a joined volunteer; "
+          f"{v['mean_volunteers_joined']} volunteers joined at a time on average")
