@@ -141,15 +141,18 @@ async def join_main(args, stop: asyncio.Event) -> int:
         if args.stage != "auto" and int(args.stage) >= layout.num_stages:
             raise UsageError(f"--stage {args.stage}: the run has {layout.num_stages} stages")
         directory = Directory(dht, run.run_id, layout.num_stages)
+        epoch = 0  # the layout epoch of `layout` (the run config carries it after a failover)
 
         async def all_servers():
             """The run's current layout once all its servers are in the DHT: a failover while we wait
             changes the layout (the config record carries the current epoch's), and a lost server
             never comes back."""
-            nonlocal layout
+            nonlocal layout, epoch
             value = await records.read_config_value(dht)
             if isinstance(value, dict) and isinstance(value.get("layout"), dict):
                 layout = RunLayout.from_dict(value["layout"], cfg.layers)
+                # that layout's epoch: a first request of an older one is refused ("stale epoch")
+                epoch = value["epoch"] if isinstance(value.get("epoch"), int) and value["epoch"] >= 0 else 0
             await directory.refresh()
             return True if all(d in directory.servers for s in layout.stages for d in s.servers) else None
 
@@ -209,7 +212,8 @@ async def join_main(args, stop: asyncio.Event) -> int:
             links = {d: directory.link(p2p, d, StageServer, links_emulator, compress=run.compress) for d in st.servers}
             worker = StageWorker(run=run, layout=layout, cfg=cfg, stage=stage, device_id=device, links=links,
                                  compute=1.0, torch_device=args.device, slowdown=slowdown, die_at=args.die_at,
-                                 cheat=args.cheat, activation_memory=int(args.activation_memory * 2**20))
+                                 cheat=args.cheat, activation_memory=int(args.activation_memory * 2**20),
+                                 epoch=epoch)
             worker.compute = args.compute or worker.measure_compute()
             stretched = f" (compute stretched x{slowdown:g} by the link profile)" if slowdown > 1 else ""
             print(f"{verb} {run.run_id} as {device} ({peer_id}) on stage {stage}, compute {worker.compute:.3g} rows/s"
@@ -304,6 +308,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
                 break
             if not moving:
                 break
+            layout, epoch = worker.layout, worker.epoch  # as its last failover left them
             stage, verb = moving[0], "moved in run"
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)

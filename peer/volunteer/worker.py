@@ -83,7 +83,7 @@ def die_here() -> None:
 class StageWorker:
     def __init__(self, *, run, layout, cfg, stage: int, device_id: str, links: dict, compute: float,
                  torch_device: str = "cpu", slowdown: float = 1.0, poll: float = 0.05, heartbeat: float = 1.0,
-                 die_at: str | None = None, cheat=None, activation_memory: int = 1 << 30):
+                 die_at: str | None = None, cheat=None, activation_memory: int = 1 << 30, epoch: int = 0):
         self.run, self.layout, self.cfg = run, layout, cfg
         self.stage = stage
         self.st = layout.stages[stage]
@@ -99,7 +99,7 @@ class StageWorker:
         self.rows = run.batch_size // run.micro_batches
         self.total_tokens = run.batch_size * cfg.seq_len
         self.model: StageSlice = build_slice(cfg, self.lo, self.hi, run.seed, device=self.torch_device)
-        self.epoch = 0
+        self.epoch = epoch  # of `layout`
         self._set_layout(layout)
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.models: dict[int, StageSlice] = {}  # version -> the slice holding it (kept forwards need theirs)

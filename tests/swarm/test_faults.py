@@ -245,7 +245,10 @@ def test_a_server_lost_before_the_first_step_is_failed_over(tmp_path):
     could not be failed over ("no remaining server of stage 0 holds a replica", found by the soak
     with an early loss): each server now sends its slots to its next server when the run comes
     online. s0b1 is lost before any volunteer joins (servers do not compute), its next server s0f0
-    takes its slot over at version 0, and the run ends equal to the reference."""
+    takes its slot over at version 0, and the run ends equal to the reference. The volunteers join
+    once the run config carries layout epoch 1, and start in it: no server refuses their requests
+    as of a stale epoch (they used to start at epoch 0 whatever the config said, and every volunteer
+    that joined after a failover was refused once before it fetched the layout)."""
     steps = 4
     live = tiny_swarm(tmp_path, "early", steps, "--servers-per-stage", "4", "--failover-after", "3",
                       "--servers-compute", "no")
@@ -260,12 +263,22 @@ def test_a_server_lost_before_the_first_step_is_failed_over(tmp_path):
         await live.wait(replica_held, 60, "s0f0 to hold s0b1's slot at version 0")
         live.swarm.lose_server("s0b1")
         await live.wait_server("s0f0", lambda st: st["epoch"] >= 1, "the failover", timeout=120)
+
+        async def config_at_epoch_1():
+            config = await records.read_config_value(live.dht)
+            return isinstance(config, dict) and config.get("epoch") == 1
+
+        await live.wait(config_at_epoch_1, 60, "the run config to carry layout epoch 1", poll=0.5)
         live.swarm.start_volunteers()
         return await live.finish(steps)
 
     statuses, state = live.run(scenario)
     log = (tmp_path / "s0f0.log").read_text(errors="replace")
     assert "took over shard slot 3 at version 0" in log, log[-2000:]
+    # a worker refused as of a stale epoch fetches the layout and says so (at WARNING)
+    refreshed = [line for f in sorted(glob.glob(str(tmp_path / "v*.log")))
+                 for line in open(f, errors="replace") if ": layout epoch " in line]
+    assert glob.glob(str(tmp_path / "v*.log")) and refreshed == [], refreshed[:5]
     assert "s0b1" not in statuses
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
     assert no_children_left(live.args.run_id) == []
