@@ -48,6 +48,8 @@ from taskpool import TaskPool, TaskPoolError
 
 logger = logging.getLogger("hivepipe.server")
 
+STALL_REPORT_FACTOR, STALL_REPORT_MIN = 2.0, 3.0  # report_stall: a step this much longer than the median
+
 __all__ = ["RETAIN", "StageServer"]
 
 
@@ -129,6 +131,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.on_adopt: list[Callable[[dict], None]] = []  # slots taken over (before the epoch is logged)
         self.on_replica: list[Callable[[int], Awaitable[None] | None]] = []  # a newer replica of a slot arrived
         self.step_times: dict[int, float] = {}  # version -> wall time it was reached (note_step)
+        self._stall_reported: int | None = None  # the version whose stall report_stall logged
         self.missing_versions: set[tuple[int, int]] = set()  # (asked, current) refused and logged (get_params)
         self.seen_volunteers: set[str] = set()  # volunteers that ever registered here (announcement)
         self._init_verification(verify_rate, probation, run.seed, verify_device)
@@ -256,8 +259,39 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
             logger.info("%s: %d lease(s) ran out and went back to the pool: %s", self.device_id, len(expired),
                         " ".join(str(t.task_id) for t in expired[:8]))
         self.drop_stale_clients()
+        self.report_stall(time.time())
         if self.hold_steps_until is not None and not self.steps_held():
             self._maybe_step()  # a ban's hold ran out with every credit already here
+
+
+    def report_stall(self, now: float) -> str | None:
+        """Once per version, when the next batch has not been applied for STALL_REPORT_FACTOR x the
+        median of the last steps (at least STALL_REPORT_MIN s): log at INFO what it waits for (the
+        micro-batches whose gradients are missing here, and this server's tasks of that batch not
+        done yet, with their holders), so that a stall in a long run can be explained from -v logs."""
+        times = sorted(self.step_times.values())
+        if len(times) < 3 or self.version >= self.run.steps or self._stall_reported == self.version:
+            return None
+        gaps = sorted(b - a for a, b in zip(times, times[1:]))
+        limit = max(STALL_REPORT_MIN, STALL_REPORT_FACTOR * gaps[len(gaps) // 2])
+        waited = now - times[-1]
+        if waited < limit:
+            return None
+        self._stall_reported = self.version
+        missing = []
+        for slot, shard in sorted(self.hosted.items()):
+            bc = shard.batches.get(shard.version)
+            done = {} if bc is None else bc.rows_done
+            lacking = [f"{m}:{shard.rows_per_micro - done.get(m, 0)}" for m in range(shard.micro_batches)
+                       if done.get(m, 0) < shard.rows_per_micro]
+            missing.append(f"slot {slot} batch {shard.version} lacks rows of micro-batches {' '.join(lacking) or '-'}")
+        held = "; ".join(f"{tid} {'queued' if c is None else 'held by ' + c[-8:]} {age:.1f} s"
+                         for tid, c, age in self.pool.open_tasks(self.version)[:8]) or "none"
+        why = " (steps held)" if self.steps_held() else ""
+        line = (f"no step for {waited:.1f} s (median {gaps[len(gaps) // 2]:.2f} s){why}: {'; '.join(missing)}; "
+                f"its open tasks here: {held}")
+        logger.info("%s: %s", self.device_id, line)
+        return line
 
 
 def _make_rpc(name: str):

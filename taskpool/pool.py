@@ -399,6 +399,20 @@ class TaskPool:
         rec = self._clients.get(client)
         return [entry.lease for entry in rec.leases.values()] if rec is not None else []
 
+    def open_tasks(self, batch: int) -> list[tuple[str, str | None, float]]:
+        """The tasks of ``batch`` not done yet: (task id, holder or None when queued, seconds
+        since it was leased, or since it was added when queued), longest first.  O(tasks in the pool): for a report of
+        what a step waits for, not for a hot path."""
+        now = self._clock()
+        out = []
+        for entry in self._tasks.values():
+            if entry.task.batch != batch:
+                continue
+            held = entry.state == _LEASED
+            since = entry.leased_at if held else entry.added_at
+            out.append((entry.task.task_id, entry.lease.client if held else None, max(0.0, now - since)))
+        return sorted(out, key=lambda x: -x[2])
+
     def __len__(self) -> int:
         return len(self._tasks)
 

@@ -185,6 +185,30 @@ def test_a_lease_that_runs_out_its_deadline_is_requeued_counted_and_logged(caplo
     asyncio.run(scenario())
 
 
+def test_a_step_that_waits_far_longer_than_usual_says_once_at_info_what_it_waits_for(caplog):
+    """A long run's rare stall must be explainable from its -v logs: once the next batch has not
+    been applied for twice the median step (at least 3 s), the server logs one line naming the
+    micro-batches whose gradients it lacks and its tasks of that batch not done yet, with their
+    holders; once per version, not once per maintenance tick."""
+    fs, a, link, now = one_worker_on_a_clock()
+
+    async def scenario():
+        await a.register()
+        fs.maybe_start_batches()
+        held = fs.pool.take(link.sender)
+        fs.step_times = {-3: 1000.0, -2: 1001.0, -1: 1002.0}  # a median step of 1 s, last one at 1002
+        assert fs.report_stall(1004.5) is None  # 2.5 s: under the 3 s floor
+        with caplog.at_level(logging.INFO, logger="hivepipe.server"):
+            line = fs.report_stall(1009.0)
+            assert fs.report_stall(1010.0) is None
+        assert line is not None and "no step for 7.0 s (median 1.00 s)" in line
+        assert f"batch 0 lacks rows of micro-batches 0:{fs.shard.rows_per_micro}" in line
+        assert f"{held.task.task_id} held by {link.sender[-8:]}" in line
+        assert caplog.text.count("no step for") == 1
+
+    asyncio.run(scenario())
+
+
 def test_a_lease_whose_answer_was_lost_goes_back_to_the_pool_at_the_next_heartbeat():
     """The server leased a task but its answer never reached the worker (a `take` cut on the way
     back). The worker's heartbeat lists the tasks it holds, so the server re-queues the lease once it
