@@ -355,12 +355,20 @@ class StageWorker:
                 if got is not None:
                     self.ready.append(got)
 
+    def _pop_ready(self):
+        """The best task that already arrived, in the pools' own order (lower batch, then lower
+        micro-batch, then backward first): tasks that servers leased into this worker's waiting takes
+        while it was busy wait for it, and the one the oldest batch waits for goes first."""
+        i = min(range(len(self.ready)), key=lambda j: (self.ready[j][1].get("batch", 0), self.ready[j][1].get("micro", 0),
+                                                      self.ready[j][1].get("kind") != "backward"))
+        return self.ready.pop(i)
+
     async def take_one(self):
         """A task that already arrived, else one from the first server that has one (backward servers
         first, rotating the start; a server with a waiting take is not asked twice); None if none has."""
         self._harvest()
         if self.ready:
-            return self.ready.pop(0)
+            return self._pop_ready()
         for device in self._order():
             if device in self.waiting:
                 continue
@@ -386,7 +394,7 @@ class StageWorker:
         finally:
             stopped.cancel()
         self._harvest()
-        return self.ready.pop(0) if self.ready else None
+        return self._pop_ready() if self.ready else None
 
     # ------------------------------------------------------------------------------------------
     async def ensure_version(self, version: int, patience: float = 2.0) -> None:

@@ -209,6 +209,23 @@ def test_a_step_that_waits_far_longer_than_usual_says_once_at_info_what_it_waits
     asyncio.run(scenario())
 
 
+def test_tasks_that_arrived_while_the_worker_was_busy_are_taken_oldest_batch_first():
+    """Several servers can lease into a busy worker's waiting takes; it then works them in the
+    pools' order (lower batch, lower micro-batch, backward first), not in their order of arrival:
+    the step that waits for the oldest batch is not held behind a newer batch's task."""
+    fs, a, link, now = one_worker_on_a_clock()
+    arrived = [{"task": "F1.0.0.0-2", "batch": 1, "micro": 0, "kind": "forward"},
+               {"task": "F0.3.0.0-2", "batch": 0, "micro": 3, "kind": "forward"},
+               {"task": "B0.3.0.0-2", "batch": 0, "micro": 3, "kind": "backward"},
+               {"task": "B0.1.0.0-2", "batch": 0, "micro": 1, "kind": "backward"}]
+    a.ready = [(link, meta, []) for meta in arrived]
+
+    async def scenario():
+        return [(await a.take_one())[1]["task"] for _ in arrived]
+
+    assert asyncio.run(scenario()) == ["B0.1.0.0-2", "B0.3.0.0-2", "F0.3.0.0-2", "F1.0.0.0-2"]
+
+
 def test_a_lease_whose_answer_was_lost_goes_back_to_the_pool_at_the_next_heartbeat():
     """The server leased a task but its answer never reached the worker (a `take` cut on the way
     back). The worker's heartbeat lists the tasks it holds, so the server re-queues the lease once it

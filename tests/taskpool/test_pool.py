@@ -532,3 +532,21 @@ def test_adopt_leases_a_queued_task_to_the_client_that_holds_it(clock):
     assert pool.complete("t2", "c") is Completion.ACCEPTED
     assert pool.adopt("c", "t2") is None  # done
     assert pool.stats()["leased"] == 3
+
+
+def test_open_tasks_of_a_batch_name_holders_and_ages_longest_first_and_leave_done_ones_out(clock):
+    pool = make_pool(clock)
+    for tid, b in (("a", 0), ("b", 0), ("d", 1)):
+        pool.add(task(tid, batch=b))
+    clock.now = 1.0
+    pool.add(task("c", batch=0))
+    assert take_id(pool, "w1") == "a"  # leased at 1.0
+    clock.now = 2.0
+    assert take_id(pool, "w2") == "b"
+    pool.complete("b", "w2")
+    clock.now = 4.5
+    pool.add(task("e", batch=0))
+    assert pool.open_tasks(0)[-1] == ("e", None, 0.0)  # longest first
+    assert sorted(pool.open_tasks(0)) == [("a", "w1", 3.5), ("c", None, 3.5), ("e", None, 0.0)]
+    assert pool.open_tasks(1) == [("d", None, 4.5)]
+    assert pool.open_tasks(7) == []
