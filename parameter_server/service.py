@@ -269,11 +269,12 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         median of the last steps (at least STALL_REPORT_MIN s): log at INFO what it waits for (the
         micro-batches whose gradients are missing here, and this server's tasks of that batch not
         done yet, with their holders), so that a stall in a long run can be explained from -v logs."""
-        times = sorted(self.step_times.values())
-        if len(times) < 3 or self.version >= self.run.steps or self._stall_reported == self.version:
+        if len(self.step_times) < 3 or self.version >= self.run.steps or self._stall_reported == self.version:
             return None
+        times = sorted(self.step_times.values())
         gaps = sorted(b - a for a, b in zip(times, times[1:]))
-        limit = max(STALL_REPORT_MIN, STALL_REPORT_FACTOR * gaps[len(gaps) // 2])
+        median = gaps[len(gaps) // 2]
+        limit = max(STALL_REPORT_MIN, STALL_REPORT_FACTOR * median)
         waited = now - times[-1]
         if waited < limit:
             return None
@@ -288,7 +289,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         held = "; ".join(f"{tid} {'queued' if c is None else 'held by ' + c[-8:]} {age:.1f} s"
                          for tid, c, age in self.pool.open_tasks(self.version)[:8]) or "none"
         why = " (steps held)" if self.steps_held() else ""
-        line = (f"no step for {waited:.1f} s (median {gaps[len(gaps) // 2]:.2f} s){why}: {'; '.join(missing)}; "
+        line = (f"no step for {waited:.1f} s (median {median:.2f} s){why}: {'; '.join(missing)}; "
                 f"its open tasks here: {held}")
         logger.info("%s: %s", self.device_id, line)
         return line

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from heapq import heapify, heappop, heappush
 
 from .speed import SpeedBook
-from .types import BACKWARD, Completion, Lease, Task, TaskPoolError, check_positive
+from .types import Completion, Lease, Task, TaskPoolError, check_positive, priority
 
 _ACCEPTED = Completion.ACCEPTED
 _DUPLICATE = Completion.DUPLICATE
@@ -160,8 +160,8 @@ class TaskPool:
             raise TaskPoolError(f"add: this pool has taken 2**{_SEQ_BITS} tasks, make a new one")
         now = self._clock()
         self._seq = seq
-        key = (((task.batch << _MB_BITS | task.micro_batch) << 1
-                | (task.kind != BACKWARD)) << _SEQ_BITS) | seq
+        batch, micro, forward = priority(task.batch, task.micro_batch, task.kind)
+        key = (((batch << _MB_BITS | micro) << 1 | forward) << _SEQ_BITS) | seq
         entry = _Entry(task, key, self._default_timeout if task.timeout is None else task.timeout,
                        now, self._grace)
         self._tasks[tid] = entry

@@ -35,6 +35,13 @@ MICRO_BATCH_LIMIT = 1 << 32
 """micro_batch must be below this (the pool packs the priority into one int)."""
 
 
+def priority(batch: int, micro_batch: int, kind: str) -> tuple[int, int, bool]:
+    """The order in which the pools hand out tasks, smallest first: the oldest batch, then the
+    lowest micro-batch, then backward before forward (a backward task frees what its forward pass
+    kept). A worker orders the tasks that reached it while it was busy by the same key."""
+    return batch, micro_batch, kind != BACKWARD
+
+
 def _check_index(task_id: str, name: str, value: object, limit: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TaskPoolError(f"task {task_id!r}: {name} must be an int, got {value!r}")

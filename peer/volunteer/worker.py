@@ -25,6 +25,7 @@ from parameter_server.shard import assign_shards
 from parameter_server.clients import NOT_REGISTERED
 from parameter_server.verify import BANNED
 from scheduler.flush import batches_to_push
+from taskpool.types import priority
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
 from peer.model.transformer import StageSlice, build_slice, slice_from_state
 from peer.protocol.params import NotReady, fetch_slot
@@ -359,8 +360,10 @@ class StageWorker:
         """The best task that already arrived, in the pools' own order (lower batch, then lower
         micro-batch, then backward first): tasks that servers leased into this worker's waiting takes
         while it was busy wait for it, and the one the oldest batch waits for goes first."""
-        i = min(range(len(self.ready)), key=lambda j: (self.ready[j][1].get("batch", 0), self.ready[j][1].get("micro", 0),
-                                                      self.ready[j][1].get("kind") != "backward"))
+        def order(j):
+            meta = self.ready[j][1]
+            return priority(meta.get("batch", 0), meta.get("micro", 0), meta.get("kind"))
+        i = min(range(len(self.ready)), key=order)
         return self.ready.pop(i)
 
     async def take_one(self):

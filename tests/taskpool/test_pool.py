@@ -8,6 +8,7 @@ import random
 import pytest
 
 from taskpool import BACKWARD, FORWARD, Completion, Lease, Task, TaskPool, TaskPoolError
+from taskpool.types import priority
 
 
 class FakeClock:
@@ -54,6 +55,8 @@ def test_priority_older_batch_then_micro_batch_then_backward_then_insertion(cloc
         taken.append(tid)
         assert pool.complete(tid, "c") is Completion.ACCEPTED
     assert taken == sorted(order, key=order.__getitem__)
+    # the same order as taskpool.types.priority, by which a worker orders the tasks parked with it
+    assert taken == sorted(order, key=lambda tid: (*priority(*specs[order[tid][3]][:3]), order[tid][3]))
 
 
 def test_requeued_task_keeps_its_place(clock):
