@@ -15,7 +15,9 @@ from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 from peer.runtime import add_common_arguments, check_common, link_emulator, run_until_signalled, trim_heap
 
 logger = logging.getLogger("hivepipe.serve")
-CONNECTION_READ_PERIOD = 0.5  # seconds between two reads of the node's connections (departed clients)
+# seconds between two reads of the node's connections (departed clients): every pass of the 0.2 s
+# maintenance loop (parameter_server.clients.DISCONNECT_GRACE)
+CONNECTION_READ_PERIOD = 0.2
 HEAP_TRIM_PERIOD = 60.0  # seconds between two returns of the C heap's free pages (peer.runtime.trim_heap)
 PROBE_S = 5.0  # seconds a liveness probe of a server that seems lost may take, dial and retries included
 

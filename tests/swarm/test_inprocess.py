@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from parameter_server.clients import DISCONNECT_GRACE
 from parameter_server.updates import RETAIN
 from peer.protocol.tasks import TaskId
 from tests.swarm.harness import reference_state, rel_diff
@@ -382,9 +383,9 @@ def test_a_take_answer_cut_after_its_metadata_hands_the_task_back_at_once():
 
 
 def test_a_client_whose_connection_closed_is_dropped_and_its_leases_requeued():
-    """drop_disconnected_clients, time injected: a client missing from the node's connections for a
-    second (two reads) and silent meanwhile has left, and its lease goes back to the pool at once;
-    a client that is connected, or that called meanwhile, stays."""
+    """drop_disconnected_clients, time injected: a client missing from the node's connections for
+    DISCONNECT_GRACE (several reads) and silent meanwhile has left, and its lease goes back to the pool
+    at once; a client that is connected, or that called meanwhile, stays."""
     fs, (a, b) = one_stage(volunteers=2)
     pa, pb = (w.links[fs.device_id].sender for w in (a, b))
 
@@ -400,9 +401,9 @@ def test_a_client_whose_connection_closed_is_dropped_and_its_leases_requeued():
     fs.clock = fs.pool._clock = lambda: now[0]
     assert [lease.task.task_id for lease in fs.pool.leases_of(pa)] == [task]
     assert fs.drop_disconnected_clients({pb}) == []  # first read without a: not yet
-    now[0] += 0.6
+    now[0] += 0.6 * DISCONNECT_GRACE
     assert fs.drop_disconnected_clients({pb}) == []  # within the grace
-    now[0] += 0.5
+    now[0] += 0.5 * DISCONNECT_GRACE
     fs.clients[pb].last_seen = now[0] - 5.0  # b is silent, but connected: stays
     assert fs.drop_disconnected_clients({pb}) == [pa]
     assert pa not in fs.clients and pb in fs.clients
@@ -410,8 +411,8 @@ def test_a_client_whose_connection_closed_is_dropped_and_its_leases_requeued():
     assert fs.pool.take(pb).task.task_id == task  # back in the pool, for another client
     # a client that reappears among the connections starts over; one that called meanwhile stays
     assert fs.drop_disconnected_clients(set()) == []
-    fs.clients[pb].last_seen = now[0] + 1.5
-    now[0] += 1.5
+    fs.clients[pb].last_seen = now[0] + 1.5 * DISCONNECT_GRACE
+    now[0] += 1.5 * DISCONNECT_GRACE
     assert fs.drop_disconnected_clients(set()) == []
 
 
