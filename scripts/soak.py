@@ -26,9 +26,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import glob
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -256,11 +258,14 @@ async def main() -> dict:
                     share = args.churn * len(swarm.volunteers)
                     n = int(share) + (rng.random() < share - int(share))
                     for name in rng.sample(sorted(swarm.volunteers), min(n, len(swarm.volunteers))):
-                        arrivals.killed(name, now)
+                        # each kill's own time: the replacement forked for the one before takes a
+                        # while, and the servers' "left" lines are read against these times
+                        killed_at = time.time() - t0
+                        arrivals.killed(name, killed_at)
                         swarm.kill_volunteer(name)
-                        arrivals.started(name, now)
-                        started[name] = now
-                        events.append((now, f"kill {name}"))
+                        arrivals.started(name, killed_at)
+                        started[name] = killed_at
+                        events.append((killed_at, f"kill {name}"))
                 last_version = version
             if lost is None and now >= lose_at:
                 candidates = [d for st in monitor.layout.stages for d in st.backward[1:]]
@@ -321,8 +326,50 @@ async def main() -> dict:
     # minimum above (for the churn's pace) pauses and jumps whenever a DHT read misses a record
     steps = [(t - t0, v) for v, t in monitor.reached.completed().items() if 0 < v <= final]
     return {"rows": rows, "events": events, "versions": versions, "steps": steps, "final": final, "state": state,
-            "participation": participation,
+            "participation": participation, "t0": t0,
             "statuses": statuses, "layout": monitor.layout, "started": started, "cfg": cfg, "sargs": sargs}
+
+
+_REGISTERED = re.compile(r"client (\S+) \((v\d+)\) registered")
+_LEFT = re.compile(r"client (\S+) left \(its connection closed\); (\d+) tasks")
+
+
+def departures(work_dir: str, t0: float, events: list) -> dict | None:
+    """How long the servers took to drop a SIGKILLed volunteer: from each kill (events, seconds since
+    t0) to every server log's "client X left (its connection closed)" line for that volunteer's
+    peer (named by its "client X (vN) registered" lines). A drop that no kill of its volunteer
+    precedes by under 30 s is not counted; nor a volunteer killed before it registered."""
+    kills: dict[str, list[float]] = {}
+    for t, e in events:
+        if e.startswith("kill "):
+            kills.setdefault(e[5:], []).append(t0 + t)
+    names, drops = {}, []
+    for log in sorted(glob.glob(os.path.join(work_dir, "s*.log"))):
+        with open(log, errors="replace") as f:
+            for line in f:
+                if (m := _REGISTERED.search(line)) is not None:
+                    names[m.group(1)] = m.group(2)
+                elif (m := _LEFT.search(line)) is not None:
+                    try:
+                        at = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
+                    except ValueError:
+                        continue
+                    drops.append((at, names.get(m.group(1)), int(m.group(2))))
+    delays, with_tasks = [], []
+    for at, name, requeued in drops:
+        before = [k for k in kills.get(name, []) if k <= at]
+        if before and at - max(before) < 30:
+            delays.append(at - max(before))
+            if requeued:
+                with_tasks.append(at - max(before))
+    if not delays:
+        return None
+
+    def q(xs, p):
+        return round(sorted(xs)[min(len(xs) - 1, int(p * len(xs)))], 2)
+    return {"drops": len(delays), "median_s": q(delays, 0.5), "p90_s": q(delays, 0.9), "p99_s": q(delays, 0.99),
+            "max_s": round(max(delays), 2), "drops_that_requeued": len(with_tasks),
+            "requeued_median_s": q(with_tasks, 0.5) if with_tasks else None}
 
 
 def rel_diff(a: dict, b: dict) -> float:
@@ -492,6 +539,8 @@ def report(r: dict) -> dict:
         "events": [(round(t), e) for t, e in r["events"] if not e.startswith("kill")],
         "volunteer_kills": sum(1 for _, e in r["events"] if e.startswith("kill")),
         "volunteers": r["participation"],
+        # kill -> each server's drop of the killed volunteer (parameter_server.clients.DISCONNECT_GRACE)
+        "departures": departures(args.work_dir, r["t0"], r["events"]),
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -567,3 +616,8 @@ elif __name__ == "__main__":
           f"median {v['join_s_median']} s, 90th percentile {v['join_s_p90']} s), {v['replacements_killed_before_joining']} "
           f"killed before joining; {v['kills_of_joined_volunteers']} kills hit a joined volunteer; "
           f"{v['mean_volunteers_joined']} volunteers joined at a time on average")
+    d = s.get("departures")
+    if d:
+        print(f"departures: {d['drops']} drops of a killed volunteer by a server, kill to drop median {d['median_s']} s, "
+              f"90th percentile {d['p90_s']} s, 99th {d['p99_s']} s, longest {d['max_s']} s; "
+              f"{d['drops_that_requeued']} re-queued tasks (median {d['requeued_median_s']} s)")
