@@ -34,6 +34,7 @@ import re
 import statistics
 import sys
 import time
+from datetime import datetime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -350,18 +351,18 @@ def departures(work_dir: str, t0: float, events: list) -> dict | None:
                 if (m := _REGISTERED.search(line)) is not None:
                     names[m.group(1)] = m.group(2)
                 elif (m := _LEFT.search(line)) is not None:
-                    try:
-                        at = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
+                    try:  # the logs' stamp, as scripts/bench_fidelity.py reads it
+                        at = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
                     except ValueError:
                         continue
                     drops.append((at, names.get(m.group(1)), int(m.group(2))))
     delays, with_tasks = [], []
     for at, name, requeued in drops:
-        before = [k for k in kills.get(name, []) if k <= at]
-        if before and at - max(before) < 30:
-            delays.append(at - max(before))
+        killed = max((k for k in kills.get(name, []) if k <= at), default=None)
+        if killed is not None and at - killed < 30:
+            delays.append(at - killed)
             if requeued:
-                with_tasks.append(at - max(before))
+                with_tasks.append(at - killed)
     if not delays:
         return None
 
