@@ -134,16 +134,20 @@ def link_emulator(args, device: str | None):
     return LinkEmulator(load_cluster(args.link_profile), device, args.link_scale)
 
 
-def quiet_cancellations(loop: asyncio.AbstractEventLoop) -> None:
-    """Make `loop` log a cancellation that reaches its exception handler at debug level, not as an
-    ERROR with a traceback: hivemind cancels a stream handler (p2p_daemon._handle_stream) when its
-    peer's connection closes, and asyncio's stream callback then reports it as "Exception in
-    callback ... CancelledError" (seen in a server's log when a failed-over server that came back
-    was refused and left). A peer leaving is not an error; every other exception is reported as
-    before."""
+def quiet_peer_departures(loop: asyncio.AbstractEventLoop) -> None:
+    """Make `loop` log, at debug level and not as an ERROR with a traceback, the two reports that a
+    peer's connection closing leaves behind in hivemind's stream handler (p2p_daemon._handle_stream):
+    - a cancellation: hivemind cancels the handler when the connection closes, and asyncio's stream
+      callback reports it as "Exception in callback ... CancelledError" (seen in a server's log when a
+      failed-over server that came back was refused and left);
+    - an IncompleteReadError in "Task exception was never retrieved": when the handler's processing
+      task and its read of the next message finish in the same pass, hivemind cancels the finished
+      read, which leaves its exception (the connection closed mid-read) unretrieved, and asyncio
+      reports it when the task is collected (seen in a restarted server's log, CI at 99fb235).
+    A peer leaving is not an error; every other exception is reported as before."""
     def handler(loop, context):
-        if isinstance(context.get("exception"), asyncio.CancelledError):
-            logger.debug("cancelled: %s", context.get("message"))
+        if isinstance(context.get("exception"), (asyncio.CancelledError, asyncio.IncompleteReadError)):
+            logger.debug("a peer's connection closed: %s", context.get("message"))
             return
         loop.default_exception_handler(context)
 
@@ -155,7 +159,7 @@ def run_until_signalled(main_coro_factory) -> int:
     async def runner():
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        quiet_cancellations(loop)
+        quiet_peer_departures(loop)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         return await main_coro_factory(stop)
