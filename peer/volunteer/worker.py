@@ -158,7 +158,7 @@ class StageWorker:
                     # dropped it): a refused call changed nothing, so register there and try once more
                     # instead of dropping the task
                     registered = True
-                    await self._quiet(link.call("register", self._registration(link.device), timeout=10.0))
+                    await self._quiet(link.call, "register", self._registration(link.device), timeout=10.0)
                     continue
                 raise
             except ConnectionError:
@@ -204,7 +204,7 @@ class StageWorker:
         supervised server forked again) and goes back at once, however young."""
         devices = [d for d in self.st.servers if d in self.links]
         extra = {"first": True} if first else {}
-        await asyncio.gather(*(self._quiet(self.links[d].call("register", self._registration(d, **extra), timeout=10.0))
+        await asyncio.gather(*(self._quiet(self.links[d].call, "register", self._registration(d, **extra), timeout=10.0)
                                for d in devices))
 
     def _registration(self, device: str | None = None, **extra) -> dict:
@@ -214,9 +214,12 @@ class StageWorker:
             meta["holding"] = self.holding(device)
         return meta
 
-    async def _quiet(self, coro):
+    async def _quiet(self, call, *args, **kwargs):
+        """`call(*args, **kwargs)`, its failure logged at debug and answered None. The call is made
+        here, not handed in made: a gather of these cancelled before its tasks start would leave a
+        handed-in coroutine never awaited ("coroutine 'StageWorker.call' was never awaited")."""
         try:
-            return await coro
+            return await call(*args, **kwargs)
         except Exception as e:
             logger.debug("%s: %r", self.device_id, e)
             return None
@@ -245,7 +248,7 @@ class StageWorker:
             link = self.links.get(device)
             if link is None or device not in self.st.servers:
                 return
-            await self._quiet(link.call("register", self._registration(device), timeout=10.0))
+            await self._quiet(link.call, "register", self._registration(device), timeout=10.0)
             await self._pause(stop, self.heartbeat)
 
     @staticmethod
@@ -280,12 +283,12 @@ class StageWorker:
                                  self.stats["param_seconds"] - pulled)
                 except NotReady as e:
                     logger.info("%s: handing back %s: %s", self.device_id, meta["task"], e)
-                    await self._quiet(self.call(link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0)))
+                    await self._quiet(self.call, link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0))
                     await asyncio.sleep(self.poll)
                 except RemoteError as e:
                     self.stats["dropped"] += 1
                     logger.info("%s: task %s dropped: %s", self.device_id, meta["task"], e)
-                    await self._quiet(self.call(link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0)))
+                    await self._quiet(self.call, link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0))
                 except Exception as e:  # a transport failure: hand the task back so it is re-queued at once
                     self.stats["dropped"] += 1
                     # a server that cannot be reached is reported by its link's health (one line when
@@ -293,7 +296,7 @@ class StageWorker:
                     transport = isinstance(e, (ConnectionError, asyncio.TimeoutError))
                     logger.log(logging.INFO if transport else logging.WARNING, "%s: task %s interrupted: %r",
                                self.device_id, meta["task"], e)
-                    await self._quiet(self.call(link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0)))
+                    await self._quiet(self.call, link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0))
                 finally:
                     self.current = None
             await self.flush(sorted(self.pending))  # a clean stop hands in what it has
@@ -308,7 +311,7 @@ class StageWorker:
         await asyncio.gather(*self.waiting.values(), return_exceptions=True)
         self.waiting.clear()
         ready, self.ready = self.ready, []
-        await asyncio.gather(*(self._quiet(self.call(link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0)))
+        await asyncio.gather(*(self._quiet(self.call, link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0))
                                for link, meta, _ in ready))
 
     def _order(self) -> list[str]:
@@ -327,7 +330,7 @@ class StageWorker:
             meta, tensors = await self.call(link, "take", {"wait": wait} if wait else {}, timeout=10.0 + wait)
         except RemoteError as e:
             if "not registered" in str(e):
-                await self._quiet(link.call("register", self._registration()))
+                await self._quiet(link.call, "register", self._registration())
             if wait:
                 await asyncio.sleep(self.poll)  # the answer came at once: no tight loop of refused waits
             return None
@@ -336,12 +339,12 @@ class StageWorker:
             leased = e.meta.get("task") if isinstance(e, StreamCut) and isinstance(e.meta, dict) else None
             if isinstance(leased, str):  # the answer was cut after naming the task: the server leased it
                 # to us; hand it back now rather than leave it until a heartbeat reclaims it (>= 5 s)
-                await self._quiet(self.call(link, "fail", {"task": leased}, epoch=e.meta.get("epoch", self.epoch)))
+                await self._quiet(self.call, link, "fail", {"task": leased}, epoch=e.meta.get("epoch", self.epoch))
             elif isinstance(e, (ConnectionError, asyncio.TimeoutError)):
                 # no answer at all: the server may have leased a task whose answer was lost. This was the
                 # only take in flight there, so say so with what we hold: it re-queues the rest at once
                 # (else a heartbeat does once the lease is 5 s old, the time an answer may be on its way)
-                await self._quiet(link.call("register", self._registration(device, take_lost=True), timeout=10.0))
+                await self._quiet(link.call, "register", self._registration(device, take_lost=True), timeout=10.0)
             if wait:
                 await asyncio.sleep(self.poll)
             return None
@@ -512,8 +515,8 @@ class StageWorker:
             if tid in credited:
                 done.setdefault(link.device, (link, []))[1].append(tid)
         await asyncio.gather(
-            *(self._quiet(self.call(link, "complete", {"tasks": tids}, epoch=p.epoch)) for link, tids in done.values()),
-            *(self._quiet(self.call(link, "fail", {"task": tid}, epoch=p.epoch))
+            *(self._quiet(self.call, link, "complete", {"tasks": tids}, epoch=p.epoch) for link, tids in done.values()),
+            *(self._quiet(self.call, link, "fail", {"task": tid}, epoch=p.epoch)
               for link, tid, _, _ in p.tasks if tid not in credited))
         n = len(ids) - len(credited)
         if n:

@@ -693,3 +693,31 @@ def test_each_task_says_at_debug_where_its_time_went(caplog):
     for m in done:
         assert float(m.group(2)) >= float(m.group(3)) + float(m.group(4)) - 1e-3
     assert all(w.stats["param_seconds"] > 0 for w in swarm.workers)
+
+
+def test_hand_backs_cancelled_before_they_start_leave_no_call_unawaited():
+    """A worker stopped while it hands back the tasks that arrived but never started: the gather of
+    hand-backs is cancelled before its tasks run. No call coroutine is left made and never awaited
+    (the "coroutine 'StageWorker.call' was never awaited" warning once seen in a failover test)."""
+    import gc
+    import warnings
+
+    cfg, layout, run = make_run()
+    swarm = InProcessSwarm(cfg, layout, run)
+    worker = swarm.workers[0]
+    link = next(iter(worker.links.values()))
+
+    async def scenario():
+        worker.ready = [(link, {"task": f"t{i}", "epoch": 0}, ()) for i in range(3)]
+        stopping = asyncio.ensure_future(worker._stop_waiting())
+        await asyncio.sleep(0)  # it reached the gather of hand-backs, whose tasks have not started
+        stopping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopping
+        return worker.ready
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert asyncio.run(scenario()) == []
+        gc.collect()
+    assert [str(w.message) for w in seen if "never awaited" in str(w.message)] == []
