@@ -288,8 +288,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
             return 130
         wall = time.time() - (t_start or t_launch)
         await wait_for_failovers(monitor, swarm.lost, args.failover_after + 120.0, stop)
-        statuses = await monitor.statuses()
-        state = await monitor.assemble(args.steps)
+        statuses, state = await monitor.final(args.steps)
         summary = monitor.summary(args, cfg, statuses, swarm.killed, wall)
         summary["startup_seconds"] = (t_start or t_launch) - t_launch
         if args.checkpoint_out:

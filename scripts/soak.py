@@ -312,8 +312,7 @@ async def main() -> dict:
             await monitor.refresh()
             final = monitor.min_version()
             try:
-                state = await monitor.assemble(final)
-                statuses = await monitor.statuses()
+                statuses, state = await monitor.final(final)
                 break
             except Exception as e:
                 if attempt == 19:

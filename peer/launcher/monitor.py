@@ -115,6 +115,14 @@ class Monitor:
                 state.update(zip(meta["names"], tensors))
         return state
 
+    async def final(self, version: int) -> tuple[dict[str, dict], dict]:
+        """The servers' statuses and the full model at `version`, the model first: once every slot's
+        host holds the slot at `version`, every slot's counters are final. A slot adopted at a
+        failover can trail its host's own shard by a step or two, and statuses read before it caught
+        up counted its last batch as not applied (CI, stop 38: 52 of 56 micro-batches)."""
+        state = await self.assemble(version)
+        return await self.statuses(), state
+
     def summary(self, args, cfg, statuses: dict, killed: int, wall: float) -> dict:
         last = self.layout.stages[-1]
         loss_sums = statuses[last.servers[0]]["losses"]

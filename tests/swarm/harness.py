@@ -142,7 +142,7 @@ class LiveSwarm:
     async def finish(self, steps: int, timeout: float = 300.0):
         """Wait for the last step; the servers' statuses and the assembled model."""
         await self.wait_version(steps, timeout=timeout)
-        return await self.monitor.statuses(), await self.monitor.assemble(steps)
+        return await self.monitor.final(steps)
 
     def run(self, scenario):
         """Run an async scenario against this swarm, then stop every process of it."""
