@@ -57,10 +57,21 @@ def trim_heap() -> bool:
 _libc = None
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # asctime: "2026-11-27 14:09:05,069"
+
+
+def log_time(stamp: str) -> float:
+    """Wall seconds of a log line's stamp (its first 23 characters, as LOG_FORMAT writes them);
+    ValueError if it is not one. For the scripts that read the processes' logs."""
+    from datetime import datetime
+
+    return datetime.strptime(stamp[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
 def setup_logging(verbosity: int) -> None:
     """Quiet by default (warnings), -v info, -vv debug (hivemind too)."""
     level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
     logging.getLogger("hivepipe").setLevel(level)
     if verbosity < 2:  # hivemind is chatty at INFO
         for name in ("hivemind", "hivemind.dht", "hivemind.p2p"):

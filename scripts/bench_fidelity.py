@@ -48,7 +48,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,6 +55,7 @@ from _bench_common import REPO, Report, exactly_once, loadavg, md_table, model_f
 from bench_churn import PACE_DEVICE, SERVERS, case3_cluster, scaled, swarm_plan  # noqa: E402
 
 from peer.model.config import get_preset, planner_model_file  # noqa: E402
+from peer.runtime import log_time  # noqa: E402
 from scheduler import load_cluster, load_model, load_plan, plan_cost  # noqa: E402
 from scheduler.stepsim import Calibration, Workload, device_flops, simulate, steady_seconds_per_step  # noqa: E402
 
@@ -185,7 +185,7 @@ def version_times(run_dir: Path) -> list[float]:
         for line in log.read_text(errors="replace").splitlines():
             m = LINE.match(line)
             if m:
-                t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                t = log_time(m.group(1))
                 first.setdefault((m.group(2), int(m.group(3))), t)
     devices = {d for d, _ in first}
     top = min(max(v for d2, v in first if d2 == d) for d in devices)

@@ -34,7 +34,6 @@ import re
 import statistics
 import sys
 import time
-from datetime import datetime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -339,6 +338,8 @@ def departures(work_dir: str, t0: float, events: list) -> dict | None:
     t0) to every server log's "client X left (its connection closed)" line for that volunteer's
     peer (named by its "client X (vN) registered" lines). A drop that no kill of its volunteer
     precedes by under 30 s is not counted; nor a volunteer killed before it registered."""
+    from peer.runtime import log_time
+
     kills: dict[str, list[float]] = {}
     for t, e in events:
         if e.startswith("kill "):
@@ -350,8 +351,8 @@ def departures(work_dir: str, t0: float, events: list) -> dict | None:
                 if (m := _REGISTERED.search(line)) is not None:
                     names[m.group(1)] = m.group(2)
                 elif (m := _LEFT.search(line)) is not None:
-                    try:  # the logs' stamp, as scripts/bench_fidelity.py reads it
-                        at = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                    try:
+                        at = log_time(line)
                     except ValueError:
                         continue
                     drops.append((at, names.get(m.group(1)), int(m.group(2))))
