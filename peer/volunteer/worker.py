@@ -214,6 +214,10 @@ class StageWorker:
             meta["holding"] = self.holding(device)
         return meta
 
+    async def _hand_back(self, link, task: str, epoch: int) -> None:
+        """Give task `task` back to the server of `link` (`fail`: it is re-queued at once), quietly."""
+        await self._quiet(self.call, link, "fail", {"task": task}, epoch=epoch)
+
     async def _quiet(self, call, *args, **kwargs):
         """`call(*args, **kwargs)`, its failure logged at debug and answered None. The call is made
         here, not handed in made: a gather of these cancelled before its tasks start would leave a
@@ -283,12 +287,12 @@ class StageWorker:
                                  self.stats["param_seconds"] - pulled)
                 except NotReady as e:
                     logger.info("%s: handing back %s: %s", self.device_id, meta["task"], e)
-                    await self._quiet(self.call, link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0))
+                    await self._hand_back(link, meta["task"], meta.get("epoch", 0))
                     await asyncio.sleep(self.poll)
                 except RemoteError as e:
                     self.stats["dropped"] += 1
                     logger.info("%s: task %s dropped: %s", self.device_id, meta["task"], e)
-                    await self._quiet(self.call, link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0))
+                    await self._hand_back(link, meta["task"], meta.get("epoch", 0))
                 except Exception as e:  # a transport failure: hand the task back so it is re-queued at once
                     self.stats["dropped"] += 1
                     # a server that cannot be reached is reported by its link's health (one line when
@@ -296,7 +300,7 @@ class StageWorker:
                     transport = isinstance(e, (ConnectionError, asyncio.TimeoutError))
                     logger.log(logging.INFO if transport else logging.WARNING, "%s: task %s interrupted: %r",
                                self.device_id, meta["task"], e)
-                    await self._quiet(self.call, link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0))
+                    await self._hand_back(link, meta["task"], meta.get("epoch", 0))
                 finally:
                     self.current = None
             await self.flush(sorted(self.pending))  # a clean stop hands in what it has
@@ -311,7 +315,7 @@ class StageWorker:
         await asyncio.gather(*self.waiting.values(), return_exceptions=True)
         self.waiting.clear()
         ready, self.ready = self.ready, []
-        await asyncio.gather(*(self._quiet(self.call, link, "fail", {"task": meta["task"]}, epoch=meta.get("epoch", 0))
+        await asyncio.gather(*(self._hand_back(link, meta["task"], meta.get("epoch", 0))
                                for link, meta, _ in ready))
 
     def _order(self) -> list[str]:
@@ -339,7 +343,7 @@ class StageWorker:
             leased = e.meta.get("task") if isinstance(e, StreamCut) and isinstance(e.meta, dict) else None
             if isinstance(leased, str):  # the answer was cut after naming the task: the server leased it
                 # to us; hand it back now rather than leave it until a heartbeat reclaims it (>= 5 s)
-                await self._quiet(self.call, link, "fail", {"task": leased}, epoch=e.meta.get("epoch", self.epoch))
+                await self._hand_back(link, leased, e.meta.get("epoch", self.epoch))
             elif isinstance(e, (ConnectionError, asyncio.TimeoutError)):
                 # no answer at all: the server may have leased a task whose answer was lost. This was the
                 # only take in flight there, so say so with what we hold: it re-queues the rest at once
@@ -516,7 +520,7 @@ class StageWorker:
                 done.setdefault(link.device, (link, []))[1].append(tid)
         await asyncio.gather(
             *(self._quiet(self.call, link, "complete", {"tasks": tids}, epoch=p.epoch) for link, tids in done.values()),
-            *(self._quiet(self.call, link, "fail", {"task": tid}, epoch=p.epoch)
+            *(self._hand_back(link, tid, p.epoch)
               for link, tid, _, _ in p.tasks if tid not in credited))
         n = len(ids) - len(credited)
         if n:
