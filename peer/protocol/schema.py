@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import SchemaValidator
 
-from peer.protocol.trust import MAX_STAGES, Remembered
+from peer.protocol.trust import MAX_STAGES, Remembered, digest
 
 
 class Envelope(pydantic.BaseModel):
@@ -48,7 +48,7 @@ class CachedSchemaValidator(SchemaValidator):
         return merged
 
     def validate(self, record) -> bool:
-        key = (record.key, record.subkey, record.value)
+        key = digest(record.key, record.subkey, record.value)
         verdict = self._verdicts.get(key)
         if verdict is None:
             verdict = super().validate(record)

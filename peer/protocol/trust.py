@@ -174,9 +174,23 @@ def seal(name: str, subkey: str, body: dict, ttl: float, signer: SigningKey, run
             "run_sig": run_key.sign(payload) if run_key is not None else None}
 
 
+def digest(*parts: bytes) -> bytes:
+    """SHA-256 of `parts`, each length-prefixed (so that no two different tuples share the input):
+    the key under which a verdict about those bytes is remembered. A record is kilobytes; holding
+    the bytes themselves as keys made each full cache of 4,096 verdicts weigh megabytes per process,
+    filling in the soak's first minutes and counted as growth. A forged triple would need a SHA-256
+    collision with one that verified."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "big"))
+        h.update(part)
+    return h.digest()
+
+
 class Remembered:
     """A bounded map of verdicts, the least recently used forgotten first: what the record validators
-    remember per stored bytes (this module's signatures, schema.py's schema verdicts)."""
+    remember per stored bytes, keyed by their `digest` (this module's signatures, schema.py's schema
+    verdicts)."""
 
     def __init__(self, size: int = 4096):
         self.size = size
@@ -196,6 +210,9 @@ class Remembered:
         if len(self._items) > self.size:
             self._items.popitem(last=False)
 
+    def pop(self, key, default=None):
+        return self._items.pop(key, default)
+
     def clear(self) -> None:
         self._items.clear()
 
@@ -211,7 +228,7 @@ _VERIFIED = Remembered(VERIFIED_CACHE)
 def _verify(public_der: Any, payload: bytes, signature: Any, whose: str) -> None:
     if not isinstance(public_der, bytes) or not isinstance(signature, bytes):
         raise TrustError(f"{whose} key or signature missing")
-    triple = (public_der, signature, payload)
+    triple = digest(public_der, signature, payload)
     if _VERIFIED.get(triple):
         return
     _verify_uncached(public_der, payload, signature, whose)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgpack
 import pytest
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
@@ -194,3 +195,25 @@ def test_remembered_verdicts_never_pass_a_forgery_nor_an_expired_record():
                       NOW + 3)
     for _ in range(2):  # the second round is answered from the remembered verdicts
         assert schema.validate(ok) and not schema.validate(extra)
+
+
+
+def test_remembered_verdicts_hold_digests_not_the_records():
+    """A verdict is remembered under the SHA-256 of the bytes it is about, not the bytes: a full cache
+    of 4,096 server records (each kilobytes) held them all, megabytes per process, filling in a
+    swarm's first minutes (seen as RSS growth in the soak)."""
+    from peer.protocol import trust
+    from peer.protocol.schema import run_schema_validator
+
+    subkey, good = stage_record(SERVER, server_body(), RUN_KEY)
+    read_stage(subkey, good)
+    record_bytes = len(msgpack.packb(good))
+    assert record_bytes > 1000
+    assert trust._VERIFIED._items and all(isinstance(k, bytes) and len(k) == 32 for k in trust._VERIFIED._items)
+    schema = run_schema_validator("r")
+    key = DHTID.generate(source=stage_name("r", 0)).to_bytes()
+    record = DHTRecord(key, DHTProtocol.serializer.dumps(subkey), DHTProtocol.serializer.dumps(good), NOW + 3)
+    assert schema.validate(record) and schema.validate(record)
+    assert [len(k) for k in schema._verdicts._items] == [32]
+    # the digest binds every part and where each ends: moving a byte across a boundary changes it
+    assert trust.digest(b"ab", b"c") != trust.digest(b"a", b"bc")
