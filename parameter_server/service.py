@@ -36,13 +36,14 @@ from parameter_server.leases import Leases
 from parameter_server.outbox import Outbox
 from parameter_server.recovery import Recovery
 from parameter_server.shard import ShardState, assign_shards
-from parameter_server.status import Status
+from parameter_server.status import SEEN_VOLUNTEERS, Status
 from parameter_server.updates import RETAIN, Updates, snapshots_kept
 from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Verification
 from peer.protocol import methods
 from peer.protocol.links import LinkEmulator
 from peer.protocol.tasks import batch_of
 from peer.protocol.traffic import CALLS, TRAFFIC, VALUES
+from peer.protocol.trust import Remembered
 from peer.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, field as mfield, pack, unpack
 from taskpool import TaskPool, TaskPoolError
 
@@ -133,7 +134,10 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.step_times: dict[int, float] = {}  # version -> wall time it was reached (note_step)
         self._stall_reported: int | None = None  # the version whose stall report_stall logged
         self.missing_versions: set[tuple[int, int]] = set()  # (asked, current) refused and logged (get_params)
-        self.seen_volunteers: set[str] = set()  # volunteers that ever registered here (announcement)
+        # volunteers that registered here (announcement): the count, and the last SEEN_VOLUNTEERS of
+        # them to tell a new one from one seen before (one that returns after that many others counts again)
+        self.volunteers_joined = 0
+        self.seen_volunteers = Remembered(SEEN_VOLUNTEERS)
         self._init_verification(verify_rate, probation, run.seed, verify_device)
 
     def _new_shard(self, slot: int) -> ShardState:

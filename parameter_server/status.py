@@ -9,6 +9,9 @@ from peer.protocol.records import ServerRecord
 from peer.protocol.traffic import CALLS, TRAFFIC, VALUES
 from peer.protocol.wire import field as mfield
 
+# volunteers a server remembers by peer id to count each once in its announcement's "clients_joined"
+SEEN_VOLUNTEERS = 4096
+
 
 class Status:
     """StageServer's ping and status (a part of parameter_server.service.StageServer)."""
@@ -56,11 +59,16 @@ class Status:
         (peers that are not `servers`) ever registered here and left."""
         s = self.status()
         volunteers = set(self.clients) - servers
-        self.seen_volunteers.update(volunteers)
-        self.seen_volunteers.difference_update(servers)
+        for peer in volunteers:
+            if self.seen_volunteers.get(peer) is None:
+                self.volunteers_joined += 1
+                self.seen_volunteers.put(peer, True)
+        for peer in servers:  # registered before it was known as a server
+            if self.seen_volunteers.pop(peer) is not None:
+                self.volunteers_joined -= 1
         stats = {k: s[k] for k in ("microbatches_applied", "duplicates", "requeued")} | {
             "clients": len(self.clients), "payload_errors": s["counters"]["payload_errors"],
-            "clients_joined": len(self.seen_volunteers), "clients_left": len(self.seen_volunteers - volunteers),
+            "clients_joined": self.volunteers_joined, "clients_left": self.volunteers_joined - len(volunteers),
             "checked": self.verify_counts["checked"], "banned": len(self.banned)}
         return ServerRecord(device=self.device_id, role=self.role, stage=self.stage, state=state, version=self.version,
                             epoch=self.epoch, maddrs=list(maddrs), pool=s["pool"], layers=list(self.st.layers),

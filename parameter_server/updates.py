@@ -113,10 +113,12 @@ class Updates:
             self.release_waiting()
 
     def _forget_before(self, batch: int) -> None:
-        """Drop the rows and ledgers of batches < batch (applied by every server of the stage), and the
-        ids of their closed tasks (a run of days would else keep every task id it ever cut)."""
+        """Drop the rows and ledgers of batches < batch (applied by every server of the stage), the
+        ids of their closed tasks (a run of days would else keep every task id it ever cut) and what
+        is remembered of volunteers gone for good (Verification.forget_departed)."""
         for store in (self.buffers, self.grad_buffers, self.ledger, self.gin_senders):
             for key in [k for k in store if k[0] < batch]:
                 del store[key]
         self.issued.difference_update(self.pool.forget_closed(batch))
         self.forgotten_before = max(self.forgotten_before, batch)
+        self.forget_departed()

@@ -64,7 +64,8 @@ class Verification:
         self.verify_device = torch.device(device)  # where re-runs compute (the server's --device)
         self.verify_rng = random.Random(f"{seed}:{self.device_id}:verify")
         self.banned: dict[str, str] = {}  # peer id -> why (kept across layout epochs)
-        self.contributions: dict[str, int] = {}  # peer id -> contributions seen here
+        # per volunteer, forgotten once it has left and its batches are out of the kept window
+        # (Verification.forget_departed; a run of days sees tens of thousands of volunteers come and go)
         self.checks_passed: dict[str, int] = {}  # peer id -> its checks passed here (probation ends at `probation`)
         self.contributed: dict[str, set[int]] = {}  # peer id -> batches it sent work of (kept window)
         self.verify_counts = {"checked": 0, "passed": 0, "caught": 0, "skipped": 0, "tasks_rerun": 0,
@@ -97,15 +98,27 @@ class Verification:
         on average; on probation every server checks it."""
         if self.replaying or self._is_server(sender):
             return False
-        kept = self.version - self.shard.keep_versions
+        kept = self._kept_from()
         batches = self.contributed.setdefault(sender, set())
         batches.add(t)
-        for b in [b for b in batches if b < kept]:
-            batches.discard(b)
-        self.contributions[sender] = self.contributions.get(sender, 0) + 1
+        batches.difference_update([b for b in batches if b < kept])
         # on probation until `probation` checks passed (a check skipped for want of its rows does not count)
         return self.checks_passed.get(sender, 0) < self.probation or \
             self.verify_rng.random() < self.verify_rate / shared_by
+
+    def _kept_from(self) -> int:
+        return self.version - self.shard.keep_versions
+
+    def forget_departed(self) -> None:
+        """Forget what this server remembers of volunteers that have left (not registered here) and
+        whose contributions are all older than the kept versions, which no rollback can reach: their
+        batches for a ban, and their passed checks (one that comes back is on probation again)."""
+        kept = self._kept_from()
+        for peer in [p for p in self.contributed if p not in self.clients]:
+            if all(b < kept for b in self.contributed[peer]):
+                del self.contributed[peer]
+        for peer in [p for p in self.checks_passed if p not in self.clients and p not in self.contributed]:
+            del self.checks_passed[peer]
 
     def _check_later(self, check, *args) -> None:
         self._spawn(self._guarded(check(self.epoch, *args)))

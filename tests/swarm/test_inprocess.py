@@ -13,6 +13,7 @@ import torch
 
 from parameter_server.clients import DISCONNECT_GRACE
 from parameter_server.updates import RETAIN
+from peer.node import LocalLink
 from peer.protocol.tasks import TaskId
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import InProcessSwarm, make_run
@@ -721,3 +722,54 @@ def test_hand_backs_cancelled_before_they_start_leave_no_call_unawaited():
         assert asyncio.run(scenario()) == []
         gc.collect()
     assert [str(w.message) for w in seen if "never awaited" in str(w.message)] == []
+
+
+def test_a_server_forgets_volunteers_gone_for_good_and_counts_each_join_once():
+    """A run of days sees tens of thousands of volunteers come and go (the soak: 600 an hour); what a
+    server keeps per volunteer (its batches for a ban's rollback, its passed checks, whether it was
+    seen) must not grow with them. A volunteer that left is remembered while a rollback can still
+    reach its work, then forgotten; one still registered is kept; each volunteer counts once in the
+    announcement's joins, also when it registers again."""
+    cfg, layout, run = make_run(steps=20, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=0)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    servers = {f"peer-{d}" for d in swarm.servers}
+    now = [fs.clock()]
+    fs.clock = fs.pool._clock = lambda: now[0]
+    peers = [f"peer-v{i}" for i in range(30)]
+
+    async def register(peer):
+        await LocalLink(fs, peer).call("register", {"device": peer[5:], "compute": 1.0, "stage": 0})
+
+    def stats():
+        return fs.announcement("online", [], 1.0, servers).stats
+
+    async def step():  # every row of the next batch credited at every hosted slot: the real step path
+        for shard in fs.hosted.values():
+            t = shard.version
+            pieces = [(f"B{t}.{m}", m, (0, shard.rows_per_micro)) for m in range(shard.micro_batches)]
+            assert shard.credit(batch=t, pieces=pieces, loss_sum=1.0,
+                                grads=[torch.zeros_like(shard.params[n]) for n in shard.names])[0] == "credited"
+        fs._maybe_step()
+        await asyncio.sleep(0)
+
+    async def scenario():
+        for p in peers:
+            await register(p)
+            fs._note_contribution(p, fs.version)
+            fs._passed(p)
+        assert stats()["clients_joined"] == 30 and stats()["clients_left"] == 0
+        fs.drop_disconnected_clients({peers[0]})
+        now[0] += DISCONNECT_GRACE
+        assert len(fs.drop_disconnected_clients({peers[0]})) == 29
+        assert stats()["clients_joined"] == 30 and stats()["clients_left"] == 29
+        await step()
+        assert set(fs.contributed) == set(peers)  # a rollback may still reach their batch 0
+        for _ in range(fs.shard.keep_versions + RETAIN):
+            await step()
+        assert set(fs.contributed) == {peers[0]} and set(fs.checks_passed) == {peers[0]}
+        await register(peers[1])  # back: counted once, on probation again
+        assert stats()["clients_joined"] == 30 and stats()["clients_left"] == 28
+        assert fs.checks_passed.get(peers[1], 0) == 0
+
+    asyncio.run(scenario())
