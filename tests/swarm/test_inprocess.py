@@ -773,3 +773,37 @@ def test_a_server_forgets_volunteers_gone_for_good_and_counts_each_join_once():
         assert fs.checks_passed.get(peers[1], 0) == 0
 
     asyncio.run(scenario())
+
+
+def test_two_servers_of_one_role_lost_one_after_the_other_are_failed_over():
+    """Three backward servers in stage 1; one is lost for good and, right after its failover and
+    before any step of the new epoch, the server that took its slot over. That host re-replicated
+    the adopted slot at once on adopting the epoch (not at its next step), so the second failover
+    finds a copy of every slot; the result equals the reference, each micro-batch applied once."""
+    steps = 6
+    cfg, layout, run = make_run(steps=steps, stages=2, frontal=1, backward=3)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1)
+    records, seen = [], {}
+
+    async def lose_two():
+        records.append(await swarm.lose("s1b1"))
+        host = swarm.servers["s1b2"]
+        seen["hosted"], seen["version"] = sorted(host.hosted), host.version
+        others = [s for d, s in swarm.servers.items() if d != "s1b2" and d.startswith("s1")]
+        for _ in range(3000):  # the copies the adoption sent, delivered in this loop
+            if all(any(slot in s.replicas for s in others) for slot in host.hosted):
+                break
+            await asyncio.sleep(0.01)
+        seen["version_at_loss"] = host.version
+        records.append(await swarm.lose("s1b2"))
+
+    state = asyncio.run(swarm.train(timeout=240, at_version={2: lose_two}))
+    assert [(r["epoch"], r["lost"]) for r in records] == [(1, ["s1b1"]), (2, ["s1b2"])]
+    assert len(seen["hosted"]) == 2  # its own slot and the one it took over from s1b1
+    assert seen["version_at_loss"] == seen["version"]  # no step of epoch 1 in between
+    new = next(iter(swarm.servers.values())).layout.stages[1]
+    assert list(new.backward) == ["s1b0"] and len(new.hosts) == 4 and set(new.hosts) <= {"s1f0", "s1b0"}
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    for s in swarm.servers.values():
+        assert s.epoch == 2
+        assert {sh.microbatches_applied for sh in s.hosted.values()} == {steps * run.micro_batches}
