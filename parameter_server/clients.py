@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from parameter_server.leases import carried_completes
 from peer.protocol.wire import PayloadError, field as mfield
 
 logger = logging.getLogger("hivepipe.server")
@@ -61,11 +62,17 @@ class Clients:
         # the client's process just started (a supervised server's worker forked again keeps its
         # peer id, and its node keeps the connection open): what it held here was its predecessor's
         first = mfield(meta, "first", bool, optional=True)
+        # what the client finished here since its last call, in its layout epoch 'epoch' (a task id
+        # names the same rows in every epoch: one finished in an older epoch is not this one's)
+        carried = carried_completes(meta)
+        carried_epoch = mfield(meta, "epoch", int, optional=True) or 0
         new = sender not in self.clients
         info = self.clients.setdefault(sender, ClientInfo(device, compute, self.clock()))
         info.compute, info.device, info.last_seen = compute, device, self.clock()
         if take_lost:
             info.takes_lost += 1
+        if carried_epoch == self.epoch:  # (closed before the reclaim below looks at its leases)
+            self.complete_carried(carried, sender)
         if holding is not None and self.requeue:  # (--no-requeue, the SWARM-like baseline, waits them out)
             # leases the client does not know it holds (a lost `take` answer, a lost hand-back) go
             # back to the pool now, not after --task-timeout; young ones may still be in flight

@@ -8,6 +8,7 @@ import logging
 import time
 
 from peer.model.update_rule import version_for_batch
+from peer.protocol.tasks import batch_of
 from peer.protocol.wire import PayloadError, field as mfield
 from taskpool import Completion, Task
 
@@ -17,7 +18,7 @@ logger = logging.getLogger("hivepipe.server")
 # open call instead of a poll every few tens of milliseconds, and gets a new task the moment it is cut
 MAX_TAKE_WAIT = 5.0
 RECHECK = 0.05  # a waiting take looks again this often: preferences and leases run out with the clock
-MAX_COMPLETE = 1024  # task ids one `complete` may carry
+MAX_COMPLETE = 1024  # task ids one `complete` (or a take's or heartbeat's 'complete' field) may carry
 
 
 class Leases:
@@ -69,10 +70,14 @@ class Leases:
         wait = mfield(meta, "wait", float, optional=True) or 0.0
         if not 0.0 <= wait <= MAX_TAKE_WAIT:
             raise PayloadError(f"field 'wait' must be between 0 and {MAX_TAKE_WAIT:g} seconds, got {wait}")
+        self.complete_carried(carried_completes(meta), sender)
         epoch = self.epoch
         while True:
             lease = await self._wait_for_task(sender, wait, epoch)
             if lease is None:
+                if sender != self.peer_id:  # (what the network carried: a server's own worker calls in-process)
+                    key = "takes_waited_out" if wait > 0 else "takes_found_nothing"
+                    self.counters[key] = self.counters.get(key, 0) + 1
                 if wait > 0:
                     self._check_epoch(meta)  # a failover came while it waited: the client fetches the layout
                 return {"task": None, "version": self.version, "epoch": self.epoch}
@@ -118,22 +123,55 @@ class Leases:
         if "tasks" not in meta:
             task_ids = [self._known_task(meta)]
         else:
-            task_ids = mfield(meta, "tasks", list)
-            if not 1 <= len(task_ids) <= MAX_COMPLETE:
-                raise PayloadError(f"field 'tasks' must list 1 to {MAX_COMPLETE} task ids, got {len(task_ids)}")
-            task_ids = [self._known_task({"task": tid}) for tid in task_ids]
+            task_ids = [self._known_task({"task": tid}) for tid in _task_ids(meta, "tasks")]
+        results = self._complete(c, task_ids, sender)
+        if "tasks" in meta:
+            return {"results": results}
+        return {"result": results[task_ids[0]]}
+
+    def complete_carried(self, task_ids: list[str] | None, sender: str) -> None:
+        """Complete the tasks a `take` or a heartbeat carries in its 'complete' field (a worker hands
+        in what it finished with its next call to the server instead of a `complete` of its own: one
+        call a task fewer). An id this server does not know changes nothing (a late one may name a
+        task forgotten after every server applied its batch); the accepted ones are written to the
+        request log as a `complete`, which a restart replays. The caller checked the field with the
+        request's others (`carried_completes`) and its epoch: a refused call completes nothing."""
+        if not task_ids:
+            return
+        c = self._client(sender)
+        accepted = [t for t, r in self._complete(c, [t for t in task_ids if t in self.issued], sender).items()
+                    if r == Completion.ACCEPTED.value]
+        if accepted and self.log is not None and not self.replaying:
+            batch = min(batch_of(t) or 0 for t in accepted)
+            self.log.append({"method": "complete", "meta": {"tasks": accepted, "batch": batch, "epoch": self.epoch},
+                             "sender": sender, "batch": batch})
+
+    def _complete(self, c, task_ids: list[str], sender: str) -> dict[str, str]:
         results = {}
         for task_id in task_ids:
             result = self.pool.complete(task_id, sender)
             if result is Completion.ACCEPTED:
                 c.tasks_done += 1
             results[task_id] = result.value
-        if "tasks" in meta:
-            return {"results": results}
-        return {"result": results[task_ids[0]]}
+        return results
 
     async def on_fail(self, meta, tensors, sender):
         self._client(sender)
         task_id = self._known_task(meta)
         self.pool.fail(task_id, sender)
         return {"ok": True}
+
+
+def carried_completes(meta: dict) -> list[str] | None:
+    """The 'complete' field of a `take` or heartbeat (task ids the client finished), checked."""
+    return None if meta.get("complete") is None else _task_ids(meta, "complete")
+
+
+def _task_ids(meta: dict, name: str) -> list[str]:
+    """Field `name` of a request: a list of 1 to MAX_COMPLETE task ids."""
+    task_ids = mfield(meta, name, list)
+    if not 1 <= len(task_ids) <= MAX_COMPLETE:
+        raise PayloadError(f"field {name!r} must list 1 to {MAX_COMPLETE} task ids, got {len(task_ids)}")
+    if not all(isinstance(t, str) and len(t) <= 64 for t in task_ids):
+        raise PayloadError(f"field {name!r} must list task ids (strings of at most 64 characters)")
+    return task_ids

@@ -234,11 +234,14 @@ def rpc_text(swarms: list[dict]) -> str:
         empty = max(calls.get("take", 0) - tasks, 0)  # takes that found nothing (at most one per task found one)
         upkeep = sum(calls.get(m, 0) for m in UPKEEP)
         between = sum(v for m, v in calls.items() if m not in TASK_PATH + UPKEEP + ("status",))
-        rows.append([f"#{i + 1}", tasks, f"{path / tasks:.2f}", f"{(path - empty) / tasks:.2f}", f"{upkeep / tasks:.2f}",
-                     f"{between / tasks:.2f}", ", ".join(f"{m} {calls.get(m, 0) / tasks:.2f}" for m in TASK_PATH
+        found = sw.get("takes_empty", {})
+        split = (f"{found.get('takes_found_nothing', 0) / tasks:.2f} / {found.get('takes_waited_out', 0) / tasks:.2f}"
+                 if found else "-")
+        rows.append([f"#{i + 1}", tasks, f"{path / tasks:.2f}", f"{(path - empty) / tasks:.2f}", split,
+                     f"{upkeep / tasks:.2f}", f"{between / tasks:.2f}", ", ".join(f"{m} {calls.get(m, 0) / tasks:.2f}" for m in TASK_PATH
                                                          if calls.get(m))])
     return "\n" + md_table(["run", "tasks", "task-path calls per task", "without takes that found nothing",
-                             "heartbeats per task", "server-to-server calls per task", "by method, per task"], rows)
+                             "takes that found nothing per task: at once / after waiting", "heartbeats per task", "server-to-server calls per task", "by method, per task"], rows)
 
 
 def interpretation(cfg, s, swarms, ratio, hop_rows, measured, floor, exchange, grads_per_step) -> str:

@@ -149,6 +149,9 @@ class Monitor:
                        for k in ("checked", "passed", "caught", "skipped", "tasks_rerun")},
             # every task completed once at the server that leased it (re-runs of lost work included)
             "tasks_completed": sum(s.get("pool", {}).get("done", 0) for s in statuses.values()),
+            # takes over the network that leased nothing: answered at once, or after waiting their time out
+            "takes_empty": {k: sum(s.get("counters", {}).get(k, 0) for s in statuses.values())
+                            for k in ("takes_found_nothing", "takes_waited_out")},
             "max_honest_distance": max((s.get("checks", {}).get("max_honest_distance", 0.0) for s in statuses.values()),
                                        default=0.0),
             "banned": sorted({p for s in statuses.values() for p in s.get("banned", {})}),

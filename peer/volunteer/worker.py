@@ -23,6 +23,7 @@ import torch
 from parameter_server.layout import owners
 from parameter_server.shard import assign_shards
 from parameter_server.clients import NOT_REGISTERED
+from parameter_server.leases import MAX_COMPLETE
 from parameter_server.verify import BANNED
 from scheduler.flush import batches_to_push
 from taskpool.types import priority
@@ -114,6 +115,10 @@ class StageWorker:
                       "param_seconds": 0.0, "started": time.time(), "recomputed": 0, "recompute_avoided": 0}
         self.pending: dict[int, Pending] = {}  # batch -> gradients summed over tasks not pushed yet
         self.pushing: list[Pending] = []  # sums on their way to the servers (their tasks still held)
+        # server device -> ids of tasks leased there and finished (credited by every server, or a
+        # forward pass's outputs delivered), handed in with the next take or heartbeat to that server
+        # instead of a `complete` call each; held (and listed so) until an answer says it arrived
+        self.finished: dict[str, list[str]] = {}
         self.max_pending = 2 * run.micro_batches  # the servers lease a client 2 x micro-batches + 1 tasks
         self.current: tuple[str, str] | None = None  # (server device, task id) being worked on
         # an idle worker waits for a task at every server of its stage at once (long-polled `take`s, at
@@ -174,6 +179,7 @@ class StageWorker:
         self.epoch = record["epoch"]
         self._set_layout(RunLayout.from_dict(record["layout"], self.cfg.layers))
         self.pending.clear()  # the old epoch's leases are gone: its tasks are run again in this one
+        self.finished.clear()
         # a rollback (a cheater was caught) re-makes versions after its batch, and their inputs
         self.versions.clear()
         self.models.clear()
@@ -191,6 +197,7 @@ class StageWorker:
         """The task ids leased from server `device` that this worker works on or keeps in a sum."""
         sums = list(self.pending.values()) + list(self.pushing)
         held = [tid for p in sums for link, tid, _, _ in p.tasks if link.device == device]
+        held += self.finished.get(device, [])
         if self.current is not None and self.current[0] == device:
             held.append(self.current[1])
         self._harvest()
@@ -202,10 +209,15 @@ class StageWorker:
         worker holds: a lease it does not know of (an answer lost on the way) is re-queued at once.
         `first`: this worker just started, so any lease under its peer id is a predecessor's (a
         supervised server forked again) and goes back at once, however young."""
-        devices = [d for d in self.st.servers if d in self.links]
         extra = {"first": True} if first else {}
-        await asyncio.gather(*(self._quiet(self.links[d].call, "register", self._registration(d, **extra), timeout=10.0)
-                               for d in devices))
+        await asyncio.gather(*(self._heartbeat(d, **extra) for d in self.st.servers if d in self.links))
+
+    async def _heartbeat(self, device: str, **extra) -> None:
+        """One `register` at `device`, carrying the tasks finished there (quiet: a failure is logged at
+        debug, and the finished tasks go with the next call)."""
+        meta, done = self._handing_in(device, self._registration(device, **extra))
+        if await self._quiet(self.links[device].call, "register", meta, timeout=10.0) is not None:
+            self._handed_in(device, done)
 
     def _registration(self, device: str | None = None, **extra) -> dict:
         """A `register` request; with `device`, listing what this worker holds at that server."""
@@ -213,6 +225,30 @@ class StageWorker:
         if device is not None:
             meta["holding"] = self.holding(device)
         return meta
+
+    def _finish_later(self, device: str, task_ids: list[str]) -> None:
+        """Tasks leased from `device` are done: say so with the next take or heartbeat there."""
+        self.finished.setdefault(device, []).extend(task_ids)
+
+    def _handing_in(self, device: str, meta: dict) -> tuple[dict, list[str]]:
+        """`meta` carrying the tasks finished at `device` (and the epoch they belong to), and their ids."""
+        done = list(self.finished.get(device, []))[:MAX_COMPLETE]
+        return (dict(meta, complete=done, epoch=self.epoch) if done else meta), done
+
+    def _handed_in(self, device: str, done: list[str]) -> None:
+        """The server answered a call that carried `done`: it has them."""
+        if done and device in self.finished:
+            left = [t for t in self.finished[device] if t not in set(done)]
+            if left:
+                self.finished[device] = left
+            else:
+                del self.finished[device]
+
+    async def hand_in_finished(self) -> None:
+        """A `complete` for every finished task not handed in yet (a clean stop)."""
+        finished, self.finished = self.finished, {}
+        await asyncio.gather(*(self._quiet(self.call, self.links[d], "complete", {"tasks": ids[:MAX_COMPLETE]})
+                               for d, ids in finished.items() if d in self.links))
 
     async def _hand_back(self, link, task: str, epoch: int) -> None:
         """Give task `task` back to the server of `link` (`fail`: it is re-queued at once), quietly."""
@@ -252,7 +288,7 @@ class StageWorker:
             link = self.links.get(device)
             if link is None or device not in self.st.servers:
                 return
-            await self._quiet(link.call, "register", self._registration(device), timeout=10.0)
+            await self._heartbeat(device)
             await self._pause(stop, self.heartbeat)
 
     @staticmethod
@@ -304,6 +340,7 @@ class StageWorker:
                 finally:
                     self.current = None
             await self.flush(sorted(self.pending))  # a clean stop hands in what it has
+            await self.hand_in_finished()
         finally:
             beat.cancel()
             await self._stop_waiting()
@@ -330,8 +367,9 @@ class StageWorker:
         """(link, meta, tensors) of a task leased from `device`, or None; waits up to `wait` seconds
         there for one (a long poll) when asked to."""
         link = self.links[device]
+        request, done = self._handing_in(device, {"wait": wait} if wait else {})
         try:
-            meta, tensors = await self.call(link, "take", {"wait": wait} if wait else {}, timeout=10.0 + wait)
+            meta, tensors = await self.call(link, "take", request, timeout=10.0 + wait)
         except RemoteError as e:
             if "not registered" in str(e):
                 await self._quiet(link.call, "register", self._registration())
@@ -352,6 +390,7 @@ class StageWorker:
             if wait:
                 await asyncio.sleep(self.poll)
             return None
+        self._handed_in(device, done)
         return (link, meta, tensors) if meta.get("task") else None
 
     def _harvest(self) -> None:
@@ -512,16 +551,14 @@ class StageWorker:
                 # some tasks were credited there from another client's copy: the rest are re-run alone
                 credited &= set(answer[0].get("credited", []))
                 self.stats["conflicts"] += 1
-        # one `complete` per server for every task of the sum it leased; a task not credited everywhere
-        # is handed back on its own
-        done: dict[str, tuple] = {}
-        for link, tid, _, _ in p.tasks:
-            if tid in credited:
-                done.setdefault(link.device, (link, []))[1].append(tid)
-        await asyncio.gather(
-            *(self._quiet(self.call, link, "complete", {"tasks": tids}, epoch=p.epoch) for link, tids in done.values()),
-            *(self._hand_back(link, tid, p.epoch)
-              for link, tid, _, _ in p.tasks if tid not in credited))
+        # the tasks credited everywhere are handed in with the next take or heartbeat to the server
+        # that leased each (they stay listed as held until then); a task not credited everywhere is
+        # handed back on its own
+        if p.epoch == self.epoch:  # (an older epoch's leases are gone)
+            for link, tid, _, _ in p.tasks:
+                if tid in credited:
+                    self._finish_later(link.device, [tid])
+        await asyncio.gather(*(self._hand_back(link, tid, p.epoch) for link, tid, _, _ in p.tasks if tid not in credited))
         n = len(ids) - len(credited)
         if n:
             self.stats["dropped"] += n
@@ -597,7 +634,8 @@ class StageWorker:
             for (j, p, q), (out, _) in zip(pieces, outs)
         ))
         self._point("after_outputs")
-        await self.call(link, "complete", {"task": meta["task"]}, epoch=meta["epoch"])
+        if meta["epoch"] == self.epoch:
+            self._finish_later(link.device, [meta["task"]])
         self.stats["forward"] += 1
 
     def _backward_pass(self, version: int, x: torch.Tensor, out_grad=None, labels=None):
