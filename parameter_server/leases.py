@@ -80,16 +80,19 @@ class Leases:
                     self.counters[key] = self.counters.get(key, 0) + 1
                 if wait > 0:
                     self._check_epoch(meta)  # a failover came while it waited: the client fetches the layout
-                return {"task": None, "version": self.version, "epoch": self.epoch}
+                return {"task": None, "version": self.version, "epoch": self.epoch, "more": self.pool.queued() > 0}
             task = lease.task
             if task.batch < self.run_min_version():  # applied by every server: nothing left to do
                 self.pool.abandon(task.task_id)
                 continue
             break
         t, m, (a, b) = task.batch, task.micro_batch, task.rows
+        # "more": tasks are queued here after this one (a hint: a worker done with its task asks a
+        # server that had none only with a waiting take, when it has gone idle, not with a take that
+        # answers "nothing" at once: those were 0.73 of the 3.9 calls a task cost, issue #16)
         common = {"task": task.task_id, "kind": task.kind, "batch": t, "micro": m, "rows": [a, b],
                   "stage": self.stage, "version": version_for_batch(t), "deadline": lease.deadline - self.clock(),
-                  "attempt": lease.attempt, "epoch": self.epoch}
+                  "attempt": lease.attempt, "epoch": self.epoch, "more": self.pool.queued() > 0}
         if task.kind == "forward":
             x, y = self.buffers[(t, m)].slice(a, b)
             return dict(common, frontal=self.device_id), [x, y]

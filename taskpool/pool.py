@@ -416,6 +416,10 @@ class TaskPool:
     def __len__(self) -> int:
         return len(self._tasks)
 
+    def queued(self) -> int:
+        """Tasks waiting for a lease (open, or preferred for some client)."""
+        return len(self._tasks) - self._leased
+
     def stats(self) -> dict:
         """Counters and per-client figures, as a plain JSON-able dict.
 

@@ -124,6 +124,9 @@ class StageWorker:
         # an idle worker waits for a task at every server of its stage at once (long-polled `take`s, at
         # most one per server); a task that arrives while it works on another waits here, leased to it
         self.waiting: dict[str, asyncio.Future] = {}
+        # server device -> whether its last take answer said tasks were queued there ("more"): one
+        # that said none is asked again only by a waiting take, once this worker is idle
+        self.more: dict[str, bool] = {}
         self.ready: list[tuple] = []  # (link, meta, tensors)
         if die_at is not None and die_at not in KILL_POINTS:
             raise ValueError(f"unknown kill point {die_at!r}; choose from {', '.join(KILL_POINTS)}")
@@ -391,6 +394,7 @@ class StageWorker:
                 await asyncio.sleep(self.poll)
             return None
         self._handed_in(device, done)
+        self.more[device] = meta.get("more") is not False
         return (link, meta, tensors) if meta.get("task") else None
 
     def _harvest(self) -> None:
@@ -414,12 +418,13 @@ class StageWorker:
 
     async def take_one(self):
         """A task that already arrived, else one from the first server that has one (backward servers
-        first, rotating the start; a server with a waiting take is not asked twice); None if none has."""
+        first, rotating the start; a server with a waiting take is not asked twice, nor one whose last
+        answer said it had no more tasks queued); None if none has."""
         self._harvest()
         if self.ready:
             return self._pop_ready()
         for device in self._order():
-            if device in self.waiting:
+            if device in self.waiting or not self.more.get(device, True):
                 continue
             got = await self._take(device)
             if got is not None:
