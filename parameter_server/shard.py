@@ -80,6 +80,12 @@ class ShardState:
         self.losses: dict[int, float] = {}
         self.duplicates = 0
         self.microbatches_applied = 0
+        # the summed gradient that made each of the last two versions (version -> {name: grad}): a
+        # replica is kept by sending it the step (one tensor a parameter) instead of the state (three)
+        self.applied: dict[int, dict[str, torch.Tensor]] = {}
+        # on a replica: (version, the sender's token of that version) of the state it mirrors; a step is
+        # applied on that state only (a sender that rolled back re-makes versions with other contents)
+        self.mirror: tuple[int, str] | None = None
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.params.items()}
@@ -130,6 +136,8 @@ class ShardState:
         self.losses = {t: v for t, v in self.losses.items() if t < version}
         self.version = version
         self.batches = {}
+        self.applied = {}
+        self.mirror = None
         self.rollback_epoch = epoch
         return True
 
@@ -244,6 +252,8 @@ class ShardState:
         self._trim_losses()
         self.microbatches_applied += self.micro_batches
         self._keep(self.version)
+        self.applied = {v: g for v, g in self.applied.items() if v >= t}
+        self.applied[self.version] = bc.grads
         return self.version
 
     # replicas: the state after each step, copied to another server of the stage ------------------
@@ -262,15 +272,74 @@ class ShardState:
             steps.append(step)
             tensors += [value.clone(), torch.zeros_like(value) if avg is None else avg.clone(),
                         torch.zeros_like(value) if avg_sq is None else avg_sq.clone()]
-        meta = {"version": v, "names": self.names, "adam_steps": steps,
+        meta = {"version": v, "names": self.names, "adam_steps": steps, "token": self.tokens[v],
                 "losses": {str(k): x for k, x in self.losses.items() if k < v},
                 "microbatches_applied": self.microbatches_applied - (self.version - v) * self.micro_batches,
                 "duplicates": self.duplicates}
         return meta, tensors
 
+    def export_step(self, version: int) -> tuple[dict, list[torch.Tensor]] | None:
+        """(meta, tensors) of the step that made `version` from the version before it: the summed
+        gradient (one tensor a parameter, in `names` order) and the tokens of both versions, for a
+        replica that mirrors the version before (`absorb_step`); None when this shard no longer
+        holds that gradient or either version."""
+        if version not in self.applied or version - 1 not in self.tokens or version not in self.tokens:
+            return None
+        meta = {"form": "step", "version": version, "names": self.names, "base_token": self.tokens[version - 1],
+                "token": self.tokens[version], "loss": self.losses.get(version - 1),
+                "microbatches_applied": self.microbatches_applied - (self.version - version) * self.micro_batches,
+                "duplicates": self.duplicates}
+        return meta, [self.applied[version][n] for n in self.names]
+
+    def absorb_step(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+        """Take the step `export_step` sent: the same AdamW step on the same state gives the sender's
+        state, bit for bit on the same kind of device. PayloadError, changing nothing, when it does not
+        fit this shard or this replica does not mirror the sender's version before it (the sender
+        then sends the whole state)."""
+        version = meta.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= self.steps:
+            raise PayloadError(f"replica step version must be an int in 1..{self.steps}, got {version!r}")
+        if meta.get("names") != self.names:
+            raise PayloadError("replica step names another shard's parameters")
+        if self.mirror is None or self.mirror != (version - 1, meta.get("base_token")) or self.version != version - 1:
+            raise PayloadError(f"this replica does not mirror the sender's version {version - 1} (it is at version "
+                               f"{self.version}): send the whole state")
+        loss = meta.get("loss")
+        if not isinstance(meta.get("token"), str) or not (loss is None or isinstance(loss, (int, float))):
+            raise PayloadError("replica step needs a 'token' string and a numeric 'loss'")
+        self._check_tensors(tensors, 1)
+        with torch.no_grad():
+            for n, g in zip(self.names, tensors):
+                self.params[n].grad = g.clone()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version = version
+        if loss is not None:
+            self.losses[version - 1] = float(loss)
+            self._trim_losses()
+        self.microbatches_applied = int(meta.get("microbatches_applied", 0))
+        self.duplicates = int(meta.get("duplicates", 0))
+        self._keep(version)
+        self.batches = {}
+        self.mirror = (version, meta["token"])
+
+    def _check_tensors(self, tensors: list[torch.Tensor], per_name: int) -> None:
+        """`per_name` float32, finite tensors of each parameter's shape, in `names` order."""
+        if len(tensors) != per_name * len(self.names):
+            raise PayloadError(f"a replica carries {per_name * len(self.names)} tensors, got {len(tensors)}")
+        for i, n in enumerate(self.names):
+            for t in tensors[per_name * i : per_name * (i + 1)]:
+                if tuple(t.shape) != tuple(self.params[n].shape) or t.dtype != torch.float32:
+                    raise PayloadError(f"replica of {n}: expected float32 {tuple(self.params[n].shape)}, got "
+                                       f"{t.dtype} {tuple(t.shape)}")
+                if not bool(torch.isfinite(t).all()):
+                    raise PayloadError(f"replica of {n}: contains NaN or infinite values")
+
     def absorb(self, meta: dict, tensors: list[torch.Tensor]) -> bool:
-        """Become the exported state `meta, tensors` of the same shard if it is newer than this one
-        (False: older or the same, nothing changes). PayloadError, changing nothing, if it does not
+        """Become the exported state `meta, tensors` of the same shard if it is newer than this one,
+        or the same version from a lineage this replica does not mirror yet (a fresh replica's version
+        0 is its own init: it must mirror the sender's before it takes steps). False: older, or the
+        version it mirrors already; nothing changes. PayloadError, changing nothing, if it does not
         fit this shard."""
         version = meta.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= self.steps:
@@ -281,16 +350,9 @@ class ShardState:
         if not isinstance(steps, list) or len(steps) != len(self.names) or \
                 not all(isinstance(x, (int, float)) and 0 <= x <= self.steps for x in steps):
             raise PayloadError("replica 'adam_steps' must list one step count per parameter")
-        if len(tensors) != 3 * len(self.names):
-            raise PayloadError(f"a replica carries {3 * len(self.names)} tensors, got {len(tensors)}")
-        for i, n in enumerate(self.names):
-            for t in tensors[3 * i : 3 * i + 3]:
-                if tuple(t.shape) != tuple(self.params[n].shape) or t.dtype != torch.float32:
-                    raise PayloadError(f"replica of {n}: expected float32 {tuple(self.params[n].shape)}, got "
-                                       f"{t.dtype} {tuple(t.shape)}")
-                if not bool(torch.isfinite(t).all()):
-                    raise PayloadError(f"replica of {n}: contains NaN or infinite values")
-        if version <= self.version:
+        self._check_tensors(tensors, 3)
+        token = meta.get("token")
+        if version < self.version or (version == self.version and (self.mirror == (version, token) or token is None)):
             return False
         with torch.no_grad():
             for i, n in enumerate(self.names):
@@ -306,6 +368,7 @@ class ShardState:
         self.duplicates = int(meta.get("duplicates", 0))
         self._keep(version)
         self.batches = {}
+        self.mirror = (version, token) if isinstance(token, str) else None
         return True
 
     # checkpoints -------------------------------------------------------------------------------

@@ -931,3 +931,73 @@ def test_a_take_says_whether_more_tasks_wait_and_a_server_without_is_asked_only_
         await a._stop_waiting()
 
     asyncio.run(scenario())
+
+
+def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the_whole_state():
+    """After each step a server sends the stage's next server the step that made the new version
+    (the summed gradient: a third of the bytes of the state, issue #16) and the replica takes the
+    same AdamW step: its parameters and AdamW moments equal the shard's bit for bit at every
+    version. A replica that does not mirror the sender's version before (here: told another
+    lineage, as after a rollback or a restart) refuses the step, changing nothing, and the sender
+    sends the whole state instead; a step for a slot with no replica, or that does not fit, is
+    refused with its reason."""
+    from peer.protocol.wire import RemoteError
+
+    steps = 5
+    cfg, layout, run = make_run(steps=steps, stages=1, frontal=1, backward=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    fs, bs = (swarm.servers[d] for d in layout.stages[0].servers)
+    forms = []
+    handle = bs.handle
+
+    async def recorded(method, meta, *args, **kwargs):
+        answer = await handle(method, meta, *args, **kwargs)
+        if method == "push_replica" and meta.get("slot") == fs.slot:
+            forms.append((meta.get("form", "state"), meta["version"], "error" not in answer[0]))
+        return answer
+
+    bs.handle = recorded
+
+    def same(replica, shard) -> bool:
+        if replica.version != shard.version:
+            return False
+        for n in shard.names:
+            mine, theirs = replica.optimizer.state[replica.params[n]], shard.optimizer.state[shard.params[n]]
+            if not (torch.equal(replica.params[n], shard.params[n]) and torch.equal(mine["exp_avg"], theirs["exp_avg"])
+                    and torch.equal(mine["exp_avg_sq"], theirs["exp_avg_sq"]) and float(mine["step"]) == float(theirs["step"])):
+                return False
+        return True
+
+    async def other_lineage():
+        replica = bs.replicas[fs.slot]
+        replica.mirror = (replica.version, "another lineage")
+
+    async def scenario():
+        fs.replicate_hosted()  # what a server does when the run comes online
+        await swarm.train(timeout=120, at_version={3: other_lineage})
+        for _ in range(500):
+            if bs.replicas[fs.slot].version == steps:
+                break
+            await asyncio.sleep(0.01)
+        trained = list(forms)
+        link = LocalLink(bs, fs.peer_id)
+        meta, tensors = fs.hosted[fs.slot].export_step(steps)
+        bad = [(dict(meta, slot=fs.slot), tensors[:-1], "mirror"),  # already at that version: not its base
+               (dict(meta, slot=fs.slot, version=steps + 1), tensors, "must be an int"),
+               (dict(meta, slot=bs.slot), tensors, "not another server's slot")]
+        errors = []
+        for m, t, _ in bad:
+            with pytest.raises(RemoteError) as e:
+                await link.call("push_replica", m, t)
+            errors.append(str(e.value))
+        return trained, errors, [why for _, _, why in bad]
+
+    trained, errors, why = asyncio.run(scenario())
+    assert all(w in e for e, w in zip(errors, why)), errors
+    assert same(bs.replicas[fs.slot], fs.hosted[fs.slot])  # the refused steps changed nothing
+    sent = [(form, v) for form, v, ok in trained if ok]
+    refused = [(form, v) for form, v, ok in trained if not ok]
+    assert sent[0] == ("state", 0) and ("step", 1) in sent and ("step", steps) in sent
+    assert len(refused) == 1 and refused[0][0] == "step"  # the step after the lineage changed
+    assert ("state", refused[0][1]) in sent  # ... went as the whole state
+    assert [v for _, v in sent] == sorted(v for _, v in sent)
