@@ -26,14 +26,15 @@ What it plays, as the swarm does it:
   only the answer's way when it was idle and waiting at the server (the long-polled take);
 - before computing it holds the task's parameter version (t - 1) of every server of its stage,
   fetched one server after the other once they all have it;
-- a forward task pushes its outputs to the stage's backward server and completes; the backward
+- a forward task pushes its outputs to the stage's backward server (its completion rides on the
+  worker's next take or heartbeat: no call of its own); the backward
   server relays a whole micro-batch to the next stage's frontal server, which cuts its tasks; the
   last stage's forward+loss+backward task pushes its input gradient to its frontal server, which
   relays it to the previous stage's backward server, which offers the backward task to the worker
   that ran the forward pass (kept activations: a backward pass; another worker recomputes, after
   fetching the inputs);
 - a worker sums a batch's gradients and pushes them (one shard to each server of its stage, in
-  parallel, then `complete`) when it goes idle or before a task that needs them
+  parallel; the tasks' completion rides on later calls) when it goes idle or before a task that needs them
   (scheduler/flush.py, the worker's own rule); a server steps batch t when every micro-batch of t is credited and
   its version is t;
 - a server's own worker calls its own server in-process: no link, no call cost.
@@ -428,7 +429,6 @@ class StepSimulation:
             self._at(self.now + self._arrival(w.device, w.host, bs.device, nbytes), self._outputs_arrived, bs, task,
                      w.device)
             yield self.rpc(w.device, w.host, bs.device, nbytes, 64)
-            yield self.rpc(w.device, w.host, task.server, 64, 64)  # complete
             return
         if task.kind == "fb":
             yield self.compute(w, "fb", task.rows)
@@ -448,7 +448,7 @@ class StepSimulation:
 
     def _push(self, w: _Worker, b: int):
         """One shard of batch b's summed gradient to every server of the stage at once (each credits
-        it as it arrives), then `complete` at every server it leased from."""
+        it as it arrives); the tasks' completion rides on the worker's next take or heartbeat."""
         tasks = w.pending.pop(b)
         rows = sum(t.rows for t in tasks)
         times = []
@@ -457,7 +457,6 @@ class StepSimulation:
                      b, rows)
             times.append(self.rpc(w.device, w.host, s.device, self.shard_bytes(w.stage), 64))
         yield max(times)
-        yield max(self.rpc(w.device, w.host, d, 64, 64) for d in {t.server for t in tasks})
 
 
 def simulate(cluster: Cluster, plan: Plan, work: Workload, cal: Calibration, servers_compute: bool = True) -> StepTrace:
