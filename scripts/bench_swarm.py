@@ -260,7 +260,7 @@ def interpretation(cfg, s, swarms, ratio, hop_rows, measured, floor, exchange, g
   training processes, each with its own DHT process and p2p daemon, on those 2 cores, and does more work
   per token: every tensor crosses process boundaries 2 to 3 times (worker → server → worker), every
   version's parameters are pulled by every worker and every worker's gradient sum is pushed, each
-  server replicates and checkpoints its shard every step, and every task costs its own calls
+  server sends each step of its shard to a replica and checkpoints it, and every task costs its own calls
   (section "RPCs" above); a backward task taken by another worker than the forward's recomputes it. The
   swarm's `wall_seconds` starts once every server is online, so the {startup:.0f} s of
   startup is not in its tokens/s. The swarm's runs differ by {max(tps) / min(tps):.1f}x here, and runs
@@ -292,7 +292,7 @@ def interpretation(cfg, s, swarms, ratio, hop_rows, measured, floor, exchange, g
     (`push_input_grads`, the relay `push_output_grads`, `take`); a server's own worker saves one hop;
   - *inputs fetched again for recomputation*: a backward task taken by a client other than the one
     that ran the forward fetches its inputs from the FS (`get_inputs`);
-  - the rest is control traffic (`take`, `complete`, `register` heartbeats), small per call but many
+  - the rest is control traffic (`take`, `register` heartbeats, which carry the finished tasks), small per call but many
     calls.
   On a real network the activations' extra hops are the term to cut next: a worker could push its
   outputs straight to the next stage's FS, at the price of the BS's ledger seeing them second-hand.
