@@ -144,9 +144,13 @@ class Leases:
         c = self._client(sender)
         accepted = [t for t, r in self._complete(c, [t for t in task_ids if t in self.issued], sender).items()
                     if r == Completion.ACCEPTED.value]
-        if accepted and self.log is not None and not self.replaying:
-            batch = min(batch_of(t) or 0 for t in accepted)
-            self.log.append({"method": "complete", "meta": {"tasks": accepted, "batch": batch, "epoch": self.epoch},
+        if self.log is None or self.replaying:
+            return
+        by_batch: dict[int, list[str]] = {}  # one record a batch: the log is compacted by batch
+        for t in accepted:
+            by_batch.setdefault(batch_of(t) or 0, []).append(t)
+        for batch, ids in sorted(by_batch.items()):
+            self.log.append({"method": "complete", "meta": {"tasks": ids, "batch": batch, "epoch": self.epoch},
                              "sender": sender, "batch": batch})
 
     def _complete(self, c, task_ids: list[str], sender: str) -> dict[str, str]:

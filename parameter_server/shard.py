@@ -304,9 +304,11 @@ class ShardState:
         if self.mirror is None or self.mirror != (version - 1, meta.get("base_token")) or self.version != version - 1:
             raise PayloadError(f"this replica does not mirror the sender's version {version - 1} (it is at version "
                                f"{self.version}): send the whole state")
-        loss = meta.get("loss")
-        if not isinstance(meta.get("token"), str) or not (loss is None or isinstance(loss, (int, float))):
-            raise PayloadError("replica step needs a 'token' string and a numeric 'loss'")
+        loss, applied, duplicates = meta.get("loss"), meta.get("microbatches_applied"), meta.get("duplicates")
+        if not isinstance(meta.get("token"), str) or not (loss is None or isinstance(loss, (int, float))) or \
+                not isinstance(applied, int) or not isinstance(duplicates, int):
+            raise PayloadError("replica step needs a 'token' string, a numeric 'loss' and integer "
+                               "'microbatches_applied' and 'duplicates'")
         self._check_tensors(tensors, 1)
         with torch.no_grad():
             for n, g in zip(self.names, tensors):
@@ -317,8 +319,7 @@ class ShardState:
         if loss is not None:
             self.losses[version - 1] = float(loss)
             self._trim_losses()
-        self.microbatches_applied = int(meta.get("microbatches_applied", 0))
-        self.duplicates = int(meta.get("duplicates", 0))
+        self.microbatches_applied, self.duplicates = applied, duplicates
         self._keep(version)
         self.batches = {}
         self.mirror = (version, meta["token"])

@@ -248,10 +248,9 @@ class StageWorker:
                 del self.finished[device]
 
     async def hand_in_finished(self) -> None:
-        """A `complete` for every finished task not handed in yet (a clean stop)."""
-        finished, self.finished = self.finished, {}
-        await asyncio.gather(*(self._quiet(self.call, self.links[d], "complete", {"tasks": ids[:MAX_COMPLETE]})
-                               for d, ids in finished.items() if d in self.links))
+        """A heartbeat to every server that has finished tasks of this worker not handed in yet (a
+        clean stop)."""
+        await asyncio.gather(*(self._heartbeat(d) for d in list(self.finished) if d in self.links))
 
     async def _hand_back(self, link, task: str, epoch: int) -> None:
         """Give task `task` back to the server of `link` (`fail`: it is re-queued at once), quietly."""
