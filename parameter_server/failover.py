@@ -57,9 +57,9 @@ class Failover:
                 lock.sent = version
 
     async def _replica_step(self, buddy: str, slot: int, meta: dict, tensors: list) -> bool:
-        """Send one step of `slot` to its replica at `buddy`, once: False when it was not taken (the
-        replica does not mirror the version before, or the call failed), and the caller sends the
-        whole state, with retries."""
+        """Send one step of `slot` to its replica at `buddy` (the link repeats it after a lost answer;
+        the replica takes it once): False when it was not taken (the replica does not mirror the
+        version before, or the call failed), and the caller sends the whole state, with retries."""
         link = self.connector(buddy) if self.connector else None
         if link is None:
             return False
@@ -69,7 +69,7 @@ class Failover:
             logger.debug("%s: replica step %d of slot %d to %s not taken: %r", self.device_id, meta["version"], slot,
                          buddy, e)
             return False
-        return answer.get("result") == "accepted"
+        return answer.get("result") in ("accepted", "duplicate")  # (a duplicate: a repeat after a lost answer)
 
     def replicate_hosted(self) -> None:
         """Send every slot hosted here to the stage's next server now, whatever was sent before:
@@ -89,8 +89,7 @@ class Failover:
         if meta.get("form") == "step":  # the step that made the next version (a third of the bytes)
             if replica is None:
                 raise PayloadError(f"no replica of slot {slot} here to take a step: send the whole state")
-            replica.absorb_step(meta, tensors)
-            newer = True
+            newer = replica.absorb_step(meta, tensors)
         else:
             replica = replica or self._new_shard(slot)
             newer = replica.absorb(meta, tensors)

@@ -291,25 +291,28 @@ class ShardState:
                 "duplicates": self.duplicates}
         return meta, [self.applied[version][n] for n in self.names]
 
-    def absorb_step(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+    def absorb_step(self, meta: dict, tensors: list[torch.Tensor]) -> bool:
         """Take the step `export_step` sent: the same AdamW step on the same state gives the sender's
-        state, bit for bit on the same kind of device. PayloadError, changing nothing, when it does not
-        fit this shard or this replica does not mirror the sender's version before it (the sender
-        then sends the whole state)."""
+        state, bit for bit on the same kind of device. False when this replica mirrors that version
+        already (the same step again: a call repeated after its answer was lost). PayloadError,
+        changing nothing, when it does not fit this shard or this replica does not mirror the
+        sender's version before it (the sender then sends the whole state)."""
         version = meta.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= self.steps:
             raise PayloadError(f"replica step version must be an int in 1..{self.steps}, got {version!r}")
         if meta.get("names") != self.names:
             raise PayloadError("replica step names another shard's parameters")
-        if self.mirror is None or self.mirror != (version - 1, meta.get("base_token")) or self.version != version - 1:
-            raise PayloadError(f"this replica does not mirror the sender's version {version - 1} (it is at version "
-                               f"{self.version}): send the whole state")
         loss, applied, duplicates = meta.get("loss"), meta.get("microbatches_applied"), meta.get("duplicates")
         if not isinstance(meta.get("token"), str) or not (loss is None or isinstance(loss, (int, float))) or \
                 not isinstance(applied, int) or not isinstance(duplicates, int):
             raise PayloadError("replica step needs a 'token' string, a numeric 'loss' and integer "
                                "'microbatches_applied' and 'duplicates'")
         self._check_tensors(tensors, 1)
+        if self.mirror == (version, meta["token"]):
+            return False
+        if self.mirror is None or self.mirror != (version - 1, meta.get("base_token")) or self.version != version - 1:
+            raise PayloadError(f"this replica does not mirror the sender's version {version - 1} (it is at version "
+                               f"{self.version}): send the whole state")
         with torch.no_grad():
             for n, g in zip(self.names, tensors):
                 self.params[n].grad = g.clone()
@@ -323,6 +326,7 @@ class ShardState:
         self._keep(version)
         self.batches = {}
         self.mirror = (version, meta["token"])
+        return True
 
     def _check_tensors(self, tensors: list[torch.Tensor], per_name: int) -> None:
         """`per_name` float32, finite tensors of each parameter's shape, in `names` order."""

@@ -939,8 +939,8 @@ def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the
     same AdamW step: its parameters and AdamW moments equal the shard's bit for bit at every
     version. A replica that does not mirror the sender's version before (here: told another
     lineage, as after a rollback or a restart) refuses the step, changing nothing, and the sender
-    sends the whole state instead; a step for a slot with no replica, or that does not fit, is
-    refused with its reason."""
+    sends the whole state instead; the same step again (a call repeated after a lost answer) is a
+    duplicate, taken once; a step that does not fit is refused with its reason."""
     from peer.protocol.wire import RemoteError
 
     steps = 5
@@ -982,7 +982,10 @@ def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the
         trained = list(forms)
         link = LocalLink(bs, fs.peer_id)
         meta, tensors = fs.hosted[fs.slot].export_step(steps)
-        bad = [(dict(meta, slot=fs.slot), tensors[:-1], "mirror"),  # already at that version: not its base
+        again, _ = await link.call("push_replica", dict(meta, slot=fs.slot), tensors)  # a repeat: taken once
+        assert again["result"] == "duplicate"
+        bad = [(dict(meta, slot=fs.slot, token="t", base_token="t"), tensors, "mirror"),  # another lineage's step
+               (dict(meta, slot=fs.slot), tensors[:-1], "tensors"),
                (dict(meta, slot=fs.slot, version=steps + 1), tensors, "must be an int"),
                (dict(meta, slot=bs.slot), tensors, "not another server's slot")]
         errors = []
