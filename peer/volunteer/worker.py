@@ -66,8 +66,7 @@ class Pending:
 # their server is away for up to AWAY_GRACE_S (a crashed server restarted by its supervisor answers
 # again within about a second; a lost one is failed over in minutes, and its tasks are handed back
 # after this wait); each is safe to repeat (peer/protocol/methods.py)
-WAITS_FOR_RESTART = frozenset({"get_params", "get_inputs", "push_outputs", "push_input_grads", "push_grads",
-                               "complete"})
+WAITS_FOR_RESTART = frozenset({"get_params", "get_inputs", "push_outputs", "push_input_grads", "push_grads"})
 AWAY_GRACE_S = 5.0
 
 # how long an idle worker's take waits at a server for a task (the server caps it at MAX_TAKE_WAIT)
@@ -229,9 +228,9 @@ class StageWorker:
             meta["holding"] = self.holding(device)
         return meta
 
-    def _finish_later(self, device: str, task_ids: list[str]) -> None:
-        """Tasks leased from `device` are done: say so with the next take or heartbeat there."""
-        self.finished.setdefault(device, []).extend(task_ids)
+    def _finish_later(self, device: str, task_id: str) -> None:
+        """A task leased from `device` is done: say so with the next take or heartbeat there."""
+        self.finished.setdefault(device, []).append(task_id)
 
     def _handing_in(self, device: str, meta: dict) -> tuple[dict, list[str]]:
         """`meta` carrying the tasks finished at `device` (and the epoch they belong to), and their ids."""
@@ -241,7 +240,8 @@ class StageWorker:
     def _handed_in(self, device: str, done: list[str]) -> None:
         """The server answered a call that carried `done`: it has them."""
         if done and device in self.finished:
-            left = [t for t in self.finished[device] if t not in set(done)]
+            arrived = set(done)
+            left = [t for t in self.finished[device] if t not in arrived]
             if left:
                 self.finished[device] = left
             else:
@@ -561,7 +561,7 @@ class StageWorker:
         if p.epoch == self.epoch:  # (an older epoch's leases are gone)
             for link, tid, _, _ in p.tasks:
                 if tid in credited:
-                    self._finish_later(link.device, [tid])
+                    self._finish_later(link.device, tid)
         await asyncio.gather(*(self._hand_back(link, tid, p.epoch) for link, tid, _, _ in p.tasks if tid not in credited))
         n = len(ids) - len(credited)
         if n:
@@ -639,7 +639,7 @@ class StageWorker:
         ))
         self._point("after_outputs")
         if meta["epoch"] == self.epoch:
-            self._finish_later(link.device, [meta["task"]])
+            self._finish_later(link.device, meta["task"])
         self.stats["forward"] += 1
 
     def _backward_pass(self, version: int, x: torch.Tensor, out_grad=None, labels=None):

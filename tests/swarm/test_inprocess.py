@@ -557,7 +557,7 @@ def test_a_restarted_server_leases_back_what_its_clients_still_hold():
 @pytest.mark.parametrize("away_s,handed_back", [(1.0, False), (8.0, True)])
 def test_a_server_away_for_a_moment_gets_the_work_when_back_not_a_rerun(away_s, handed_back, monkeypatch):
     """A supervised server restarted after a crash answers again within about a second. A worker
-    whose requests handing work in (outputs, input gradients, gradient pushes, completes) cannot get
+    whose requests handing work in (outputs, input gradients, gradient pushes) cannot get
     through tries them again for up to AWAY_GRACE_S instead of handing its tasks back to be run
     again (seen in the stop-27 soak: restart stalls of 5.7-9.3 s against a median step of 1.9 s);
     a server away for longer gets them back as before. Training equals the reference either way."""
