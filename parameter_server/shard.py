@@ -310,7 +310,7 @@ class ShardState:
         self._check_tensors(tensors, 1)
         if self.mirror == (version, meta["token"]):
             return False
-        if self.mirror is None or self.mirror != (version - 1, meta.get("base_token")) or self.version != version - 1:
+        if self.mirror != (version - 1, meta.get("base_token")) or self.version != version - 1:
             raise PayloadError(f"this replica does not mirror the sender's version {version - 1} (it is at version "
                                f"{self.version}): send the whole state")
         with torch.no_grad():

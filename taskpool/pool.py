@@ -437,7 +437,7 @@ class TaskPool:
             heappop(oldest)
         decay = self._speed.decay
         return {
-            "queued": len(self._tasks) - self._leased,
+            "queued": self.queued(),
             "leased": self._leased,
             "done": self._ndone,
             "requeued": self._requeued,

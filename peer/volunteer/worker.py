@@ -228,13 +228,15 @@ class StageWorker:
             meta["holding"] = self.holding(device)
         return meta
 
-    def _finish_later(self, device: str, task_id: str) -> None:
-        """A task leased from `device` is done: say so with the next take or heartbeat there."""
-        self.finished.setdefault(device, []).append(task_id)
+    def _finish_later(self, device: str, task_id: str, epoch: int) -> None:
+        """A task leased from `device` in layout epoch `epoch` is done: say so with the next take or
+        heartbeat there (nothing to say of an older epoch's task: its lease is gone)."""
+        if epoch == self.epoch:
+            self.finished.setdefault(device, []).append(task_id)
 
     def _handing_in(self, device: str, meta: dict) -> tuple[dict, list[str]]:
         """`meta` carrying the tasks finished at `device` (and the epoch they belong to), and their ids."""
-        done = list(self.finished.get(device, []))[:MAX_COMPLETE]
+        done = self.finished.get(device, [])[:MAX_COMPLETE]
         return (dict(meta, complete=done, epoch=self.epoch) if done else meta), done
 
     def _handed_in(self, device: str, done: list[str]) -> None:
@@ -558,10 +560,9 @@ class StageWorker:
         # the tasks credited everywhere are handed in with the next take or heartbeat to the server
         # that leased each (they stay listed as held until then); a task not credited everywhere is
         # handed back on its own
-        if p.epoch == self.epoch:  # (an older epoch's leases are gone)
-            for link, tid, _, _ in p.tasks:
-                if tid in credited:
-                    self._finish_later(link.device, tid)
+        for link, tid, _, _ in p.tasks:
+            if tid in credited:
+                self._finish_later(link.device, tid, p.epoch)
         await asyncio.gather(*(self._hand_back(link, tid, p.epoch) for link, tid, _, _ in p.tasks if tid not in credited))
         n = len(ids) - len(credited)
         if n:
@@ -638,8 +639,7 @@ class StageWorker:
             for (j, p, q), (out, _) in zip(pieces, outs)
         ))
         self._point("after_outputs")
-        if meta["epoch"] == self.epoch:
-            self._finish_later(link.device, meta["task"])
+        self._finish_later(link.device, meta["task"], meta["epoch"])
         self.stats["forward"] += 1
 
     def _backward_pass(self, version: int, x: torch.Tensor, out_grad=None, labels=None):
