@@ -487,18 +487,23 @@ class StageWorker:
             oldest = next(iter(self.kept))
             total -= self.kept.pop(oldest).nbytes
 
+    def _pass_seconds(self, elapsed: float, busy: float) -> float:
+        """How long a pass that took `elapsed` seconds of wall time and `busy` of this thread's
+        processor time lasts on the emulated device. A slower device (slowdown > 1) lasts `slowdown`
+        times the processor time it used (torch runs on this one thread), however long other
+        processes kept it from a core; stretching the wall time would multiply their contention too
+        (on 2 cores shared by a dozen processes, x10 of a pass slowed 1.5x is a device 1.5x slower
+        than declared). On a GPU the wall time is what the kernels took."""
+        if self.slowdown <= 1:
+            return elapsed
+        return max(elapsed, self.slowdown * (busy if self.torch_device.type == "cpu" else elapsed))
+
     async def _compute(self, fn):
         def timed():
             t0, c0 = time.perf_counter(), time.thread_time()
             result = fn()
             elapsed = time.perf_counter() - t0
-            if self.slowdown > 1:
-                # emulate a slower device: the pass lasts `slowdown` times the processor time it used
-                # (torch runs on this one thread), however long other processes kept it from a core;
-                # stretching the wall time would multiply their contention too (on 2 cores shared by a
-                # dozen processes, x10 of a pass slowed 1.5x is a device 1.5x slower than declared)
-                busy = time.thread_time() - c0 if self.torch_device.type == "cpu" else elapsed
-                time.sleep(max(0.0, self.slowdown * busy - elapsed))
+            time.sleep(self._pass_seconds(elapsed, time.thread_time() - c0) - elapsed)
             self.stats["compute_seconds"] += time.perf_counter() - t0
             return result
 
@@ -703,7 +708,7 @@ class StageWorker:
 
     def measure_compute(self, rows: int = 1, repeats: int = 5) -> float:
         """Rows per second of forward+backward of this slice on this device (the compute power a
-        client registers), stretched by the emulated slowdown: the fastest of `repeats` timed passes
+        client registers), as long as passes last on the emulated device: the fastest of `repeats` timed passes
         after a warm-up, since one pass can be preempted by other processes (a volunteer measured at
         12.6 rows/s beside others' 300 on a loaded machine, and the pool never gave it a task)."""
         if self.model.is_first:
@@ -713,12 +718,14 @@ class StageWorker:
         x = x.to(self.torch_device)
         best = float("inf")
         for i in range(repeats + 1):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             out = self.model(x)
             out.float().sum().backward()
             self.model.zero_grad(set_to_none=True)
             if x.is_cuda:  # kernels run asynchronously: the pass ends when they do
                 torch.cuda.synchronize(x.device)
             if i > 0:  # the first is a warm-up
-                best = min(best, time.perf_counter() - t0)
-        return rows / (max(best, 1e-6) * self.slowdown)
+                # as long as the pass lasts on the emulated device (_pass_seconds), so that what it
+                # registers is what it will deliver, however loaded the machine is while it measures
+                best = min(best, self._pass_seconds(time.perf_counter() - t0, time.thread_time() - c0))
+        return rows / max(best, 1e-6)

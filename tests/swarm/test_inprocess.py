@@ -1004,3 +1004,21 @@ def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the
     assert len(refused) == 1 and refused[0][0] == "step"  # the step after the lineage changed
     assert ("state", refused[0][1]) in sent  # ... went as the whole state
     assert [v for _, v in sent] == sorted(v for _, v in sent)
+
+
+def test_an_emulated_device_registers_the_compute_it_will_deliver_however_loaded_the_machine():
+    """A device emulated `slowdown` times slower than this CPU stretches each pass to `slowdown` x
+    the processor time it used (not x its wall time, which counts the waits for a core), and it
+    measures the compute it registers the same way: what it registers is what it delivers, and a
+    start on a loaded machine does not make it look slower than it will be."""
+    cfg, layout, run = make_run(steps=1, stages=1)
+    (w,) = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False).workers
+    assert w._pass_seconds(elapsed=0.5, busy=0.1) == 0.5  # slowdown 1: as long as it took
+    w.slowdown = 10.0
+    assert w._pass_seconds(elapsed=0.5, busy=0.1) == pytest.approx(1.0)  # waited 0.4 s for a core: still 1.0
+    assert w._pass_seconds(elapsed=3.0, busy=0.1) == 3.0  # waited longer than the device would take
+    w.slowdown = 1.0
+    fast = w.measure_compute()
+    w.slowdown = 8.0
+    slow = w.measure_compute()
+    assert 4 < fast / slow < 16, (fast, slow)
