@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
+from peer.protocol.params import MAX_PARAMS_WAIT
 from peer.protocol.tasks import TaskId
 from peer.protocol.wire import PayloadError, field as mfield
 
@@ -34,7 +36,19 @@ class Updates:
 
     async def on_get_params(self, meta, tensors, sender):
         version = mfield(meta, "version", int)
+        wait = mfield(meta, "wait", float, optional=True) or 0.0
+        if not 0.0 <= wait <= MAX_PARAMS_WAIT:
+            raise PayloadError(f"field 'wait' must be between 0 and {MAX_PARAMS_WAIT:g} seconds, got {wait}")
         shard = self._hosted(meta)
+        # a version not reached yet is waited for up to `wait` seconds (woken by each step), so that a
+        # client asks once where it polled every few tens of milliseconds (issue #16)
+        deadline = time.monotonic() + wait
+        while version > shard.version and (left := deadline - time.monotonic()) > 0:
+            try:
+                await asyncio.wait_for(self.step_event.wait(), left)
+            except asyncio.TimeoutError:
+                break
+            shard = self._hosted(meta)  # a failover may have moved the slot meanwhile
         if version > shard.version:
             return {"retry": True, "version": shard.version}
         snap = shard.params_at(version)

@@ -25,7 +25,8 @@ What it plays, as the swarm does it:
   preferred for another worker is open to it after `preference_grace`), paying a round trip, or
   only the answer's way when it was idle and waiting at the server (the long-polled take);
 - before computing it holds the task's parameter version (t - 1) of every server of its stage,
-  fetched one server after the other once they all have it;
+  fetched from all of them at once once they all have it, or fetched ahead while it computed on
+  the version before (the worker's own rule, scheduler/prefetch.py);
 - a forward task pushes its outputs to the stage's backward server (its completion rides on the
   worker's next take or heartbeat: no call of its own); the backward
   server relays a whole micro-batch to the next stage's frontal server, which cuts its tasks; the
@@ -59,6 +60,7 @@ from dataclasses import dataclass, field
 
 from scheduler.files import Cluster, Plan
 from scheduler.flush import batches_to_push
+from scheduler.prefetch import version_to_fetch
 from scheduler.rows import cut_rows
 
 
@@ -151,6 +153,9 @@ class _Worker:
     flops: float
     host: str | None  # the server whose process runs this worker, if any
     versions: set = field(default_factory=set)
+    worked: set = field(default_factory=set)  # versions of its last tasks (scheduler/prefetch.py)
+    fetching: set = field(default_factory=set)  # versions it fetches ahead of need
+    built: set = field(default_factory=set)  # versions whose slice it has built
     pending: dict = field(default_factory=dict)  # batch -> [task]
     kept: set = field(default_factory=set)  # (batch, micro) whose forward pass it keeps
     idle: bool = False
@@ -409,15 +414,30 @@ class StepSimulation:
                                2 * self.work.micro_batches, w.stage == self.K - 1)
 
     def _ensure_version(self, w: _Worker, v: int):
-        if v in w.versions:
-            return
+        if v not in w.versions:
+            if v in w.fetching:  # fetched ahead: wait for it to arrive
+                yield lambda: v in w.versions
+            else:
+                yield from self._pull(w, v)
+        ahead, w.worked = version_to_fetch(w.worked, v, w.versions, w.fetching)
+        if ahead is not None:
+            w.fetching.add(ahead)
+            self._start(self._fetch_ahead(w, ahead))
+        if self.cal.slice_build and v not in w.built:  # the slice of a new version is built in its first pass
+            w.built = {x for x in w.built if x >= v - 1} | {v}
+            yield self.cal.slice_build[w.stage] * self.cal.ref_flops / w.flops * self.cal.compute_factor
+
+    def _pull(self, w: _Worker, v: int):
+        """Version v of every server of the stage, one call each, all at once, once they all have it."""
         servers = self._servers_of(w.stage)
         yield lambda: all(s.version >= v for s in servers)
-        for s in servers:
-            yield self.rpc(w.device, w.host, s.device, 64, self.shard_bytes(w.stage))
+        yield max(self.rpc(w.device, w.host, s.device, 64, self.shard_bytes(w.stage)) for s in servers)
         w.versions = {x for x in w.versions if x >= v - 1} | {v}
-        if self.cal.slice_build:  # the slice of the new version is built in the first pass on it
-            yield self.cal.slice_build[w.stage] * self.cal.ref_flops / w.flops * self.cal.compute_factor
+
+    def _fetch_ahead(self, w: _Worker, v: int):
+        yield from self._pull(w, v)
+        w.fetching.discard(v)
+        self._changed()
 
     def _process(self, w: _Worker, task: _Task):
         st = self.plan.stages[w.stage]

@@ -1,7 +1,8 @@
 """Fetching one shard slot's parameters at a version, from the server that hosts the slot. A host
 that has not reached the version yet (it applies batches in order; a slot adopted at a failover can
-trail its host's own shard by a step or two) answers `retry` with the version it holds: the fetch
-asks again every `poll` seconds until `patience` runs out, then raises NotReady naming the host.
+trail its host's own shard by a step or two) waits for it up to the request's `wait` seconds (at most
+MAX_PARAMS_WAIT: one open call instead of a poll every `poll` seconds), then answers `retry` with the
+version it holds: the fetch asks again until `patience` runs out, then raises NotReady naming the host.
 The volunteer (its task's parameters), the checking server (a re-run's parameters) and the
 launcher (the assembled model) all fetch this way."""
 from __future__ import annotations
@@ -11,6 +12,10 @@ import time
 from typing import Awaitable, Callable
 
 
+# the longest a `get_params` may wait on its server for the version it asks for (its `wait` field)
+MAX_PARAMS_WAIT = 5.0
+
+
 class NotReady(Exception):
     """A slot's host has not reached the version asked for within the patience given."""
 
@@ -18,10 +23,12 @@ class NotReady(Exception):
 async def fetch_slot(call: Callable[[str, dict], Awaitable[tuple[dict, list]]], host: str, slot: int,
                      version: int, patience: float, poll: float, clock=time.monotonic) -> tuple[dict, list]:
     """`call(method, meta)` is one request to `host` (whatever retries of the link it makes); the
-    answer of the first `get_params` that is not `retry`."""
+    answer of the first `get_params` that is not `retry`. Each asks the host to wait for the version
+    for what is left of `patience` (at most MAX_PARAMS_WAIT)."""
     deadline = clock() + patience
     while True:
-        meta, tensors = await call("get_params", {"version": version, "slot": slot})
+        wait = min(max(deadline - clock(), 0.0), MAX_PARAMS_WAIT)
+        meta, tensors = await call("get_params", {"version": version, "slot": slot, "wait": wait})
         if not meta.get("retry"):
             return meta, tensors
         if clock() >= deadline:

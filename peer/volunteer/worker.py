@@ -26,6 +26,7 @@ from parameter_server.clients import NOT_REGISTERED
 from parameter_server.leases import MAX_COMPLETE
 from parameter_server.verify import BANNED
 from scheduler.flush import batches_to_push
+from scheduler.prefetch import version_to_fetch
 from taskpool.types import priority
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
 from peer.model.transformer import StageSlice, build_slice, slice_from_state
@@ -71,6 +72,8 @@ AWAY_GRACE_S = 5.0
 
 # how long an idle worker's take waits at a server for a task (the server caps it at MAX_TAKE_WAIT)
 TAKE_WAIT = 3.0
+# how long a fetch of the next parameter version ahead of need waits for the stage's servers to make it
+PREFETCH_PATIENCE = 15.0
 
 
 def die_here() -> None:
@@ -103,6 +106,9 @@ class StageWorker:
         self.epoch = epoch  # of `layout`
         self._set_layout(layout)
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.prefetching: dict[int, asyncio.Future] = {}  # version -> its fetch ahead (prefetch_next)
+        self.worked: set[int] = set()  # the versions of the last tasks computed (prefetch_next)
+        self.fetched_ahead: set[int] = set()  # versions fetched ahead that no task has used yet
         self.models: dict[int, StageSlice] = {}  # version -> the slice holding it (kept forwards need theirs)
         # forward passes kept for the backward task of the same rows (the backward server prefers the
         # client of the forward pass), oldest dropped first beyond `activation_memory` bytes
@@ -111,7 +117,8 @@ class StageWorker:
         self.input_cache: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.stats = {"forward": 0, "backward": 0, "dropped": 0, "pushes": 0, "conflicts": 0, "compute_seconds": 0.0,
-                      "param_seconds": 0.0, "started": time.time(), "recomputed": 0, "recompute_avoided": 0}
+                      "param_seconds": 0.0, "started": time.time(), "recomputed": 0, "recompute_avoided": 0,
+                      "prefetched": 0}
         self.pending: dict[int, Pending] = {}  # batch -> gradients summed over tasks not pushed yet
         self.pushing: list[Pending] = []  # sums on their way to the servers (their tasks still held)
         # server device -> ids of tasks leased there and finished (credited by every server, or a
@@ -185,6 +192,7 @@ class StageWorker:
         # a rollback (a cheater was caught) re-makes versions after its batch, and their inputs
         self.versions.clear()
         self.models.clear()
+        self._drop_prefetches()
         self.kept.clear()
         self.input_cache.clear()
         logger.warning("%s: layout epoch %d (servers %s)", self.device_id, self.epoch, list(self.st.servers))
@@ -347,6 +355,7 @@ class StageWorker:
             await self.hand_in_finished()
         finally:
             beat.cancel()
+            self._drop_prefetches()
             await self._stop_waiting()
 
     async def _stop_waiting(self) -> None:
@@ -453,23 +462,78 @@ class StageWorker:
 
     # ------------------------------------------------------------------------------------------
     async def ensure_version(self, version: int, patience: float = 2.0) -> None:
-        """Fetch parameters `version` from every server of the stage. A server that has not reached
-        it within `patience` seconds raises NotReady: the caller hands its task back rather than
-        hold a lease it cannot work on."""
+        """Hold parameters `version` of every server of the stage: fetched ahead (prefetch_next), or
+        now, from every server at once. A server that has not reached it within `patience` seconds
+        raises NotReady: the caller hands its task back rather than hold a lease it cannot work on."""
         if version in self.versions:
+            if version in self.fetched_ahead:  # a task uses a version fetched ahead (counted once)
+                self.fetched_ahead.discard(version)
+                self.stats["prefetched"] += 1
             return
-        state: dict[str, torch.Tensor] = {}
-        for device, slot, names in self.shards:
+        ahead = self.prefetching.get(version)
+        if ahead is not None:
+            try:  # the fetch ahead goes on if this gives up: the task is handed back, the version comes
+                await asyncio.wait_for(asyncio.shield(ahead), patience)
+            except asyncio.TimeoutError:
+                raise NotReady(f"version {version} not reached by every server of stage {self.stage} within "
+                               f"{patience:.1f} s") from None
+            except asyncio.CancelledError:
+                if not ahead.cancelled():  # (this task itself is being cancelled, not the fetch ahead)
+                    raise
+            if version in self.versions:
+                return await self.ensure_version(version)
+        self._hold(version, await self._pull(version, patience))
+
+    async def _pull(self, version: int, patience: float) -> dict[str, torch.Tensor]:
+        """Every shard of `version`, one `get_params` a server, all at once (a server that has not
+        reached the version waits for it on its side, up to `patience` in all)."""
+        async def one(device, slot, names):
             meta, tensors = await fetch_slot(functools.partial(self.call, self.links[device], timeout=60.0),
                                              device, slot, version, patience, self.poll)
             self._point("pulling_params")
             if meta.get("names") != names:
                 raise RemoteError(f"{device} serves shard {meta.get('names')}, expected {names}")
-            state.update(zip(meta["names"], tensors))
+            return dict(zip(meta["names"], tensors))
+
+        state: dict[str, torch.Tensor] = {}
+        for part in await asyncio.gather(*(one(*shard) for shard in self.shards)):
+            state.update(part)
+        return state
+
+    def _hold(self, version: int, state: dict[str, torch.Tensor]) -> None:
         self.versions[version] = state
         for v in [v for v in self.versions if v < version - 1]:
             del self.versions[v]
             self.models.pop(v, None)
+
+    def prefetch_next(self, version: int) -> None:
+        """Fetch version + 1 in the background while this worker computes on `version`, when the rule
+        below the worker says so (scheduler/prefetch.py: it worked on version - 1 too, one fetch
+        ahead at a time); each server answers once it has made the version."""
+        nxt, self.worked = version_to_fetch(self.worked, version, self.versions, self.prefetching)
+        if nxt is None:
+            return
+        epoch = self.epoch
+
+        async def fetch():
+            try:
+                state = await self._pull(nxt, PREFETCH_PATIENCE)
+            except Exception as e:  # a task that needs the version fetches it itself
+                logger.debug("%s: fetching version %d ahead failed: %r", self.device_id, nxt, e)
+                return
+            finally:
+                if self.prefetching.get(nxt) is fut:
+                    del self.prefetching[nxt]
+            if self.epoch == epoch and nxt not in self.versions:  # (a new epoch cleared what it held)
+                self._hold(nxt, state)
+                self.fetched_ahead = {v for v in self.fetched_ahead if v in self.versions} | {nxt}
+
+        fut = self.prefetching[nxt] = asyncio.ensure_future(fetch())
+
+    def _drop_prefetches(self) -> None:
+        for fut in self.prefetching.values():
+            fut.cancel()
+        self.prefetching.clear()
 
     def _model(self, version: int) -> StageSlice:
         """The slice holding parameters `version` (one per kept version, so a kept forward pass stays
@@ -601,6 +665,7 @@ class StageWorker:
         pulling = time.monotonic()
         await self.ensure_version(meta["version"])
         self.stats["param_seconds"] += time.monotonic() - pulling
+        self.prefetch_next(meta["version"])
         for key in [k for k in self.input_cache if k[0] < t - 1]:
             del self.input_cache[key]
         if meta["kind"] == "forward" and not self.last:

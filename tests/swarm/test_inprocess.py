@@ -1006,6 +1006,51 @@ def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the
     assert [v for _, v in sent] == sorted(v for _, v in sent)
 
 
+def test_a_worker_fetches_the_next_version_ahead_and_a_server_waits_for_a_version_it_has_not_made():
+    """A worker that works every step fetches the next parameter version while it computes on this
+    one (scheduler/prefetch.py), its shards from every server at once; training still equals the
+    reference. A `get_params` for a version the server has not made waits for it on the server (one
+    call, not a poll): answered once the server steps to it, with that version's parameters; a wait
+    that runs out answers `retry`; a wait out of bounds is refused with its name."""
+    import math
+    import time
+
+    from peer.protocol.params import MAX_PARAMS_WAIT
+    from peer.protocol.wire import RemoteError
+
+    steps = 6
+    cfg, layout, run = make_run(steps=steps, stages=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    link = LocalLink(fs, "peer-reader")
+    answered = {}
+
+    async def ask(version):
+        meta, tensors = await link.call("get_params", {"version": version, "wait": MAX_PARAMS_WAIT})
+        answered[version] = (fs.version, meta, tensors)
+
+    async def scenario():
+        t0 = time.monotonic()
+        meta, _ = await link.call("get_params", {"version": 1, "wait": 0.2})
+        assert meta == {"retry": True, "version": 0} and time.monotonic() - t0 >= 0.15
+        for bad in (-1.0, MAX_PARAMS_WAIT + 1, "1", math.nan):
+            with pytest.raises(RemoteError, match="'wait'"):
+                await link.call("get_params", {"version": 1, "wait": bad})
+        asks = [asyncio.ensure_future(ask(v)) for v in (2, 4)]
+        state = await swarm.train(timeout=120)
+        await asyncio.gather(*asks)
+        return state
+
+    state = asyncio.run(scenario())
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    for v, (at, meta, tensors) in answered.items():
+        assert meta["version"] == v and at == v  # answered the moment the server made it, not later
+        snap = fs.shard.params_at(v)
+        assert all(torch.equal(t, snap[n]) for n, t in zip(meta["names"], tensors))
+    fetched = {w.device_id: w.stats["prefetched"] for w in swarm.workers}
+    assert all(n >= steps - 3 for n in fetched.values()), fetched
+
+
 def test_an_emulated_device_registers_the_compute_it_will_deliver_however_loaded_the_machine():
     """A device emulated `slowdown` times slower than this CPU stretches each pass to `slowdown` x
     the processor time it used (not x its wall time, which counts the waits for a core), and it
