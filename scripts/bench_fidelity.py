@@ -28,17 +28,7 @@ than this CPU (servers at 1/--pace of it, volunteers at half a server) and every
 its compute to its declared speed by sleeping `slowdown x processor time - wall time` after each pass
 (peer/volunteer/worker.py), so a pass that waited for a core is not stretched further; with 4
 servers and at most 4 volunteers the compute asks for under 0.6 of a core. The protocol's own work
-(serialization, p2p daemons) is real and shares the cores: its cost per call is calibrated against
-a run (below).
-
-Calibrated against a run, never fitted to the points: a call measured alone (an echo between two
-peers on an idle machine) costs less than a call of a swarm whose 8 training processes, their DHT
-processes and p2p daemons share 2 cores, and the work the model leaves out (checks' re-runs,
-heartbeats, replicas, checkpoints) takes the same cores. So the benchmark first runs the swarm at a
-point that is not one of the points (CALIBRATION_POINT: one site, 3 volunteers, links at 1/100 of
-their time), and takes as the cost of a call under load the one at which the model's prediction of
-that run meets its measured seconds per step (bisection; never below the cost measured alone). The
-points are predicted with it; the table also gives the prediction with the cost measured alone.
+(serialization, p2p daemons) is real and shares the cores: its cost per call is the calibration's.
 
 Clusters (delays and bandwidths x --link-scale... as the link emulation sleeps them):
 - case3: the design paper's case 3 scaled down (scripts/bench_churn.py): two sites 20 ms / 1 Gb/s
@@ -71,9 +61,6 @@ from scheduler.stepsim import Calibration, Workload, device_flops, simulate, ste
 
 BATCH, MICRO, STAGES = 16, 4, 2
 WARMUP = 3  # versions left out of the steady state, measured and simulated alike
-# the run that calibrates a call's cost under the swarm's own load: none of the points (3 volunteers,
-# one site, links at 1/100 of their time: almost free)
-CALIBRATION_POINT = ("one-site", 3, 0.01)
 
 
 def one_site_cluster(n_volunteers: int, server_tflops: float, volunteer_fraction: float, seed: int,
@@ -301,94 +288,45 @@ what is measured and how the two cores are kept from being the bottleneck.""")
 
     rows, results = [], []
     model_file = planner_model_file(cfg, BATCH, MICRO, bytes_per_value=4)
-
-    def setup(cname: str, n: int, scale: float):
-        """(the profile file the swarm runs with, the cluster as its links behave, the plan)."""
+    for cname, n, scale in points:
         make = CLUSTERS[cname]
         profile = work / f"{cname}-{n}v.json"
         profile.write_text(json.dumps(make(n, server_tflops, args.volunteer_fraction, args.seed, flops / 1e12)))
         planner = load_cluster(scaled(make(n, server_tflops, args.volunteer_fraction, args.seed), scale))
-        return profile, planner, load_plan(swarm_plan(cfg, n), planner)
-
-    def run_point(cname: str, n: int, scale: float, rep: int) -> dict:
-        """One run of the swarm at a point, measured, with what the model needs to predict it."""
-        profile, planner, plan = setup(cname, n, scale)
-        name = f"{cname}-n{n}-x{scale:g}-r{rep}"
-        print(f"[{time.strftime('%H:%M:%S')}] {name} (load {loadavg()})", flush=True)
-        argv = ["-v", "--model", args.model, "--steps", str(steps), "--stages", str(STAGES), "--servers-per-stage",
-                "2", "--volunteers", str(n), "--servers-compute", "yes", "--batch-size", str(BATCH),
-                "--micro-batches", str(MICRO), "--link-profile", str(profile), "--link-scale", str(scale),
-                "--seed", str(args.seed)]
-        load = loadavg()
-        summary = run_swarm(name, argv, work, timeout=args.run_timeout)
-        # the prediction takes from the run only what its devices measured of themselves at its
-        # start (the rows/s each registered), as a planner would read them from their records
-        registered = measured_compute(work / name)
-        factors = device_factors(registered, plan, planner, cal)
-        return {"measured": steady_seconds_per_step(version_times(work / name), WARMUP), "factors": factors,
-                "registered": registered, "load": load, "applied": exactly_once(summary),
-                "rpc_calls": sum(summary["rpc_calls"].values()) / steps, "planner": planner, "plan": plan}
-
-    def predict(run: dict, call_seconds: float):
-        return simulate(run["planner"], run["plan"], work_model, dataclasses.replace(
-            cal, call_seconds=call_seconds, compute_factor=statistics.median(run["factors"].values()),
-            weights=run["registered"]))
-
-    # The cost of a call under the run's own load: the swarm's 8 training processes, their DHT
-    # processes and p2p daemons share 2 cores, so a call costs more than the echo measured alone
-    # above, and the work the model leaves out (checks' re-runs, heartbeats, replicas, checkpoints)
-    # takes the same cores. One calibration point, not among the points below (CALIBRATION_POINT:
-    # 3 volunteers, links almost free), fixes the per-call cost at which the model meets it.
-    calibration = [run_point(*CALIBRATION_POINT, rep) for rep in range(args.repeats)]
-    target = statistics.mean(r["measured"] for r in calibration)
-
-    def calibration_gap(c: float) -> float:
-        return statistics.mean(predict(r, c).seconds_per_step(WARMUP) for r in calibration) - target
-
-    loaded_call_s = call_s
-    if calibration_gap(call_s) < 0:
-        lo, hi = call_s, call_s
-        while calibration_gap(hi) < 0 and hi < 1.0:
-            lo, hi = hi, hi * 2
-        for _ in range(30):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if calibration_gap(mid) < 0 else (lo, mid)
-        loaded_call_s = hi
-    print(f"calibration point {CALIBRATION_POINT}: measured {target:.2f} s/step; a call under load "
-          f"{loaded_call_s * 1e3:.2f} ms (alone {call_s * 1e3:.2f} ms)", flush=True)
-    report.section("Calibration against a run (not one of the points)", md_table(
-        ["point", "measured s/step, per run", "model with the call cost measured alone, per run",
-         "a call under the run's load (the model meets the mean)", "devices' own compute / calibration"],
-        [[f"{CALIBRATION_POINT[0]}, {CALIBRATION_POINT[1]} volunteers, link scale {CALIBRATION_POINT[2]:g}",
-          " / ".join(f"{r['measured']:.2f}" for r in calibration),
-          " / ".join(f"{predict(r, call_s).seconds_per_step(WARMUP):.2f}" for r in calibration),
-          f"{loaded_call_s * 1e3:.2f} ms (alone: {call_s * 1e3:.2f} ms)",
-          " / ".join(f"{statistics.median(r['factors'].values()):.2f}" for r in calibration)]]))
-
-    for cname, n, scale in points:
-        _, planner, plan = setup(cname, n, scale)
+        plan = load_plan(swarm_plan(cfg, n), planner)
         spec = plan_cost(planner, load_model(model_file), plan).total
         runs = []
         for rep in range(args.repeats):
-            run = run_point(cname, n, scale, rep)
-            trace = predict(run, loaded_call_s)
-            run.update(predicted=trace.seconds_per_step(WARMUP), calls_simulated=trace.calls / steps,
-                       predicted_alone=predict(run, call_s).seconds_per_step(WARMUP))
-            del run["planner"], run["plan"]
-            runs.append(run)
-            print(f"    measured {run['measured']:.2f} s/step, predicted {run['predicted']:.2f} (with the call cost "
-                  f"measured alone {run['predicted_alone']:.2f}), plan_cost {spec:.2f}", flush=True)
+            name = f"{cname}-n{n}-x{scale:g}-r{rep}"
+            print(f"[{time.strftime('%H:%M:%S')}] {name} (load {loadavg()})", flush=True)
+            argv = ["-v", "--model", args.model, "--steps", str(steps), "--stages", str(STAGES), "--servers-per-stage",
+                    "2", "--volunteers", str(n), "--servers-compute", "yes", "--batch-size", str(BATCH),
+                    "--micro-batches", str(MICRO), "--link-profile", str(profile), "--link-scale", str(scale),
+                    "--seed", str(args.seed)]
+            load = loadavg()
+            summary = run_swarm(name, argv, work, timeout=args.run_timeout)
+            measured = steady_seconds_per_step(version_times(work / name), WARMUP)
+            # the prediction takes from the run only what its devices measured of themselves at its
+            # start (the rows/s each registered), as a planner would read them from their records
+            registered = measured_compute(work / name)
+            factors = device_factors(registered, plan, planner, cal)
+            trace = simulate(planner, plan, work_model, dataclasses.replace(
+                cal, compute_factor=statistics.median(factors.values()), weights=registered))
+            predicted = trace.seconds_per_step(WARMUP)
+            runs.append({"measured": measured, "predicted": predicted, "factors": factors, "load": load,
+                         "calls_simulated": trace.calls / steps, "applied": exactly_once(summary),
+                         "rpc_calls": sum(summary["rpc_calls"].values()) / steps})
+            print(f"    measured {measured:.2f} s/step, predicted {predicted:.2f}, plan_cost {spec:.2f}", flush=True)
         measured = statistics.mean(r["measured"] for r in runs)
         predicted = statistics.mean(r["predicted"] for r in runs)
-        alone = statistics.mean(r["predicted_alone"] for r in runs)
         factors = [statistics.median(r["factors"].values()) for r in runs]
         everyone = [f for r in runs for f in r["factors"].values()]
         results.append({"cluster": cname, "volunteers": n, "scale": scale, "measured": measured,
-                        "predicted": predicted, "predicted_alone": alone, "plan_cost": spec, "runs": runs})
+                        "predicted": predicted, "plan_cost": spec, "runs": runs})
         rows.append([cname, n, f"{scale:g}", " / ".join(f"{f:.2f}" for f in factors) +
                      f" ({min(everyone):.2f}-{max(everyone):.2f})", f"{spec:.2f}",
                      " / ".join(f"{r['predicted']:.2f}" for r in runs), " / ".join(f"{r['measured']:.2f}" for r in runs),
-                     f"{measured / predicted:.2f}", f"{measured / alone:.2f}", f"{measured / spec:.2f}",
+                     f"{measured / predicted:.2f}", f"{measured / spec:.2f}",
                      f"{statistics.mean(r['calls_simulated'] for r in runs):.0f} / "
                      f"{statistics.mean(r['rpc_calls'] for r in runs):.0f}",
                      " ".join(r["applied"] for r in runs), " ".join(r["load"].split("/")[0] for r in runs)])
@@ -396,16 +334,12 @@ what is measured and how the two cores are kept from being the bottleneck.""")
     ratios = [r["measured"] / r["predicted"] for r in results]
     worst = max(ratios, key=lambda x: abs(x - 1))
     within = sum(0.75 <= x <= 1.25 for x in ratios)
-    alone = [r["measured"] / r["predicted_alone"] for r in results]
     report.section("Predicted and measured seconds per step", md_table(
         ["cluster", "volunteers", "link scale", "devices' own compute / calibration: median per run (range)",
-         "plan_cost", "step model, per run", "measured, per run", "measured / model (means)",
-         "measured / model with the call cost measured alone", "measured / plan_cost",
+         "plan_cost", "step model, per run", "measured, per run", "measured / model (means)", "measured / plan_cost",
          "RPCs per step (model / run)", "micro-batches applied", "load (1 min) at each start"], rows) +
         f"\n\nStep model: median measured / predicted {statistics.median(ratios):.2f}, worst {worst:.2f}; "
-        f"{within} of {len(ratios)} points within +-25%. With the call cost measured alone: median "
-        f"{statistics.median(alone):.2f}, worst {max(alone, key=lambda x: abs(x - 1)):.2f}, "
-        f"{sum(0.75 <= x <= 1.25 for x in alone)} within +-25%. plan_cost: median "
+        f"{within} of {len(ratios)} points within +-25%. plan_cost: median "
         f"{statistics.median(r['measured'] / r['plan_cost'] for r in results):.2f}, worst "
         f"{max((r['measured'] / r['plan_cost'] for r in results), key=lambda x: abs(x - 1)):.2f}.")
     report.section("P2P hop (the call calibration)", md_table(
