@@ -33,6 +33,7 @@ def main() -> int:
     p.add_argument("--incarnation", type=int, default=0, help="how many peers ran under this index before")
     p.add_argument("--out", required=True)
     p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--host", default="127.0.0.1", help="the address its DHT and p2p daemon listen on")
     p.add_argument("--model", default="small")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=16)
@@ -62,7 +63,7 @@ def main() -> int:
     cfg = get_preset(args.model)
     corpus = load_corpus(None, seq_len=cfg.seq_len)
     model = build_slice(cfg, 0, cfg.layers, seed=args.seed)
-    dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"], start=True)
     if args.index == 0:
         print("initial_peers=" + str(dht.get_visible_maddrs()[0]), flush=True)
     opt = hivemind.Optimizer(

@@ -35,8 +35,10 @@ SERVERS = [("0", "frontal", "s0f0"), ("0", "backward", "s0b0"), ("1", "frontal",
 VOLUNTEERS = [("vol0", "v0", 0), ("vol1", "v1", 1), ("vol2", "v2", 0), ("vol3", "v3", 1)]
 
 
-def step_times(ckpt: Path, steps: int, timeout: float, procs) -> dict[int, float]:
-    """Wall time at which every server's checkpoint first shows each version."""
+def step_times(ckpt: Path, steps: int, timeout: float, procs, on_version=None) -> dict[int, float]:
+    """Wall time at which every server's checkpoint first shows each version; `on_version(k)` is
+    called once for each version k as it is first seen. `procs` (a list, re-read each time) must
+    stay alive."""
     seen: dict[int, float] = {}
     deadline = time.time() + timeout
     while True:
@@ -48,7 +50,10 @@ def step_times(ckpt: Path, steps: int, timeout: float, procs) -> dict[int, float
                 versions.append(0)
         v = min(versions)
         for k in range(1, v + 1):
-            seen.setdefault(k, time.time())
+            if k not in seen:
+                seen[k] = time.time()
+                if on_version is not None and k < steps:
+                    on_version(k)
         if v >= steps:
             return seen
         dead = [p for p in procs if p.poll() is not None]
@@ -61,14 +66,30 @@ def seconds_per_step(seen: dict[int, float], steps: int) -> float:
     return (seen[steps] - seen[2]) / (steps - 2)
 
 
-def train_args(a) -> list[str]:
-    return ["--model", a.model, "--steps", str(a.steps), "--run-id", "bench"]
-
-
-def serve_args(a, stage, role, ckpt: Path, key: Path, host: str) -> list[str]:
-    return ["serve", "--reliable", "--stage", stage, "--role", role, "--stages", "2", *train_args(a), "--no-compute",
+def serve_args(model: str, steps: int, stage, role, ckpt: Path, key: Path, host: str, compute: bool) -> list[str]:
+    return ["serve", "--reliable", "--stage", stage, "--role", role, "--stages", "2", "--model", model,
+            "--steps", str(steps), "--run-id", "bench", *([] if compute else ["--no-compute"]),
             "--host-maddrs", f"/ip4/{host}/tcp/0", "--checkpoint-dir", str(ckpt), "--identity-path", str(key),
             "--run-key", str(ckpt.parent / "run.key")]
+
+
+def start_servers(run: netns.Processes, model: str, steps: int, work: Path, host: str, prefix=(), compute=False,
+                  extra=()) -> tuple[list[str], str]:
+    """The four servers (SERVERS), listening on `host` (under `prefix`: a testbed host), their
+    checkpoints in WORK/ckpt; returns (the first one's multiaddrs, the run id volunteers join)."""
+    ckpt = work / "ckpt"
+    first = run.start("s0f0", serve_args(model, steps, *SERVERS[0][:2], ckpt, work / "s0f0.key", host, compute) +
+                      list(extra), prefix, stdout=subprocess.PIPE)
+    initial = first.stdout.readline().strip().split("=", 1)[1].split()
+    run_id = first.stdout.readline().strip().split("=", 1)[1]  # bench@FINGERPRINT
+    for stage, role, dev in SERVERS[1:]:
+        run.start(dev, serve_args(model, steps, stage, role, ckpt, work / f"{dev}.key", host, compute) + list(extra) +
+                  ["--initial-peers", *initial], prefix)
+    return initial, run_id
+
+
+def join_args(name: str, stage: int, run_id: str, initial: list[str]) -> list[str]:
+    return ["join", "--stage", str(stage), "--device-id", name, "--run-id", run_id, "--initial-peers", *initial]
 
 
 def run_kernel(a, rate: float, work: Path) -> tuple[float, list[float]]:
@@ -77,19 +98,10 @@ def run_kernel(a, rate: float, work: Path) -> tuple[float, list[float]]:
     try:
         for host, _, _ in VOLUNTEERS:
             bed.shape(host, rate)
-        ip = bed.addrs["srv"]
-        ckpt = work / "ckpt"
-        first = run.start("s0f0", serve_args(a, *SERVERS[0][:2], ckpt, work / "s0f0.key", ip), bed.prefix("srv"),
-                          stdout=subprocess.PIPE)
-        initial = first.stdout.readline().strip().split("=", 1)[1].split()
-        run_id = first.stdout.readline().strip().split("=", 1)[1]  # bench@FINGERPRINT
-        for stage, role, dev in SERVERS[1:]:
-            run.start(dev, serve_args(a, stage, role, ckpt, work / f"{dev}.key", ip) + ["--initial-peers", *initial],
-                      bed.prefix("srv"))
+        initial, run_id = start_servers(run, a.model, a.steps, work, bed.addrs["srv"], bed.prefix("srv"))
         for host, name, stage in VOLUNTEERS:
-            run.start(name, ["join", "--stage", str(stage), "--device-id", name, "--run-id", run_id,
-                             "--initial-peers", *initial], bed.prefix(host))
-        seen = step_times(ckpt, a.steps, a.timeout, [p for _, p in run.procs])
+            run.start(name, join_args(name, stage, run_id, initial), bed.prefix(host))
+        seen = step_times(work / "ckpt", a.steps, a.timeout, [p for _, p in run.procs])
         return seconds_per_step(seen, a.steps), joined_compute(work)
     finally:
         run.close()
@@ -112,18 +124,10 @@ def run_emulated(a, rate: float, work: Path) -> tuple[float, list[float]]:
     profile.write_text(json.dumps(cluster_file(rate)))
     link = ["--link-profile", str(profile)]
     try:
-        ckpt = work / "ckpt"
-        first = run.start("s0f0", serve_args(a, *SERVERS[0][:2], ckpt, work / "s0f0.key", "127.0.0.1") + link,
-                          stdout=subprocess.PIPE)
-        initial = first.stdout.readline().strip().split("=", 1)[1].split()
-        run_id = first.stdout.readline().strip().split("=", 1)[1]  # bench@FINGERPRINT
-        for stage, role, dev in SERVERS[1:]:
-            run.start(dev, serve_args(a, stage, role, ckpt, work / f"{dev}.key", "127.0.0.1") + link +
-                      ["--initial-peers", *initial])
+        initial, run_id = start_servers(run, a.model, a.steps, work, "127.0.0.1", extra=link)
         for _, name, stage in VOLUNTEERS:
-            run.start(name, ["join", "--stage", str(stage), "--device-id", name, "--run-id", run_id,
-                             "--initial-peers", *initial] + link)
-        seen = step_times(ckpt, a.steps, a.timeout, [p for _, p in run.procs])
+            run.start(name, join_args(name, stage, run_id, initial) + link)
+        seen = step_times(work / "ckpt", a.steps, a.timeout, [p for _, p in run.procs])
         return seconds_per_step(seen, a.steps), joined_compute(work)
     finally:
         run.close()

@@ -16,6 +16,13 @@ the collaboration; its first peer, which measures, is never killed, as the swarm
 
     python scripts/bench_peers.py [--steps 20] [--volunteers 4] [--churn 0.25] [--model small]
                                   [--out docs/bench_peers.md] [--work DIR]
+                                  [--netns-rates 20 100 [--only-netns]]   (root)
+
+With --netns-rates, every system also runs across hosts on this machine: network namespaces on a
+bridge (tests/net/netns.py), each volunteer (and each hivemind peer) on a host of its own whose link
+`tc tbf` limits to RATE Mbit/s both ways, the swarm's four servers on one unshaped host (a data
+centre). The kernel adds no delay (netem is not available here): these rows measure bandwidth, not
+latency.
 
 Columns: tokens/s over the training (from the end of the first step/epoch for hivemind, whose peers
 start by matchmaking; from the moment every server is online for the swarm), and the mean token loss
@@ -42,6 +49,7 @@ from _bench_common import REPO, Report, exactly_once, loadavg, md_table, run_pee
 import torch  # noqa: E402
 
 from peer.model.config import get_preset  # noqa: E402
+from tests.net import netns  # noqa: E402
 
 EVAL_BATCHES = 4
 
@@ -110,9 +118,10 @@ def kill_peer(proc: subprocess.Popen) -> None:
 
 
 def run_hivemind(name: str, model: str, steps: int, volunteers: int, churn: float, work: Path,
-                 timeout: float = 1800) -> dict:
+                 timeout: float = 1800, place=lambda i: ([], "127.0.0.1")) -> dict:
     """`volunteers` peers of scripts/_hivemind_dp.py; with churn, that share of peers 1.. is SIGKILLed
-    and replaced each time peer 0 reports a new epoch."""
+    and replaced each time peer 0 reports a new epoch. `place(i)` is (argv prefix, listen address) of
+    peer i: this machine, or a testbed host (a network namespace behind a shaped link)."""
     out = work / name
     out.mkdir(parents=True, exist_ok=True)
     script = str(Path(__file__).resolve().parent / "_hivemind_dp.py")
@@ -128,9 +137,11 @@ def run_hivemind(name: str, model: str, steps: int, volunteers: int, churn: floa
         log = open(out / f"peer{i}.{incarnations[i]}.log", "wb")
         logs.append(log)
         together = ["--go-file", str(go)] if incarnations[i] == 0 else []  # replacements join at once
-        return subprocess.Popen([sys.executable, script, *common, "--index", str(i), "--incarnation", str(incarnations[i]),
-                                 *together, "--initial-peers", *initial], cwd=REPO, stdout=subprocess.PIPE if i == 0 else log,
-                                stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        prefix, host = place(i)
+        return subprocess.Popen([*prefix, sys.executable, script, *common, "--index", str(i), "--incarnation",
+                                 str(incarnations[i]), "--host", host, *together, "--initial-peers", *initial],
+                                cwd=REPO, stdout=subprocess.PIPE if i == 0 else log, stderr=log,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
 
     rng = random.Random(0)
     killed = 0
@@ -172,6 +183,82 @@ def run_hivemind(name: str, model: str, steps: int, volunteers: int, churn: floa
     return {"tokens_per_second": summary["tokens_per_second"], "final_loss": summary["losses"][-1],
             "eval_loss": eval_loss(model, state), "applied": f"{summary['epochs']} epochs", "killed": killed,
             "load": load, "sequences": hivemind_sequences(out)}
+
+
+def run_netns_swarm(name: str, model: str, steps: int, volunteers: int, churn: float, rate: float, extra: list[str],
+                    work: Path, timeout: float = 1800) -> dict:
+    """hivepipe across hosts: the 4 servers (which compute) on one unshaped host, as in a data centre,
+    each volunteer on a host of its own behind `rate` Mbit/s both ways (scripts/bench_netns.py's
+    testbed, no added delay: netem is not available here); with churn, that share of the volunteers
+    is SIGKILLed (with its DHT process and p2p daemon) and a new one started on the same host each
+    time the run reaches a new version. Tokens/s from the first version to the last, as hivemind's."""
+    from bench_netns import SERVERS, join_args, start_servers, step_times
+    from parameter_server.checkpoint import read_model
+
+    out = work / name
+    hosts = [f"v{i}" for i in range(volunteers)]
+    bed = netns.Testbed(["srv", *hosts], tag=f"bp{os.getpid() % 10000}")
+    run = netns.Processes(str(out))
+    rng = random.Random(0)
+    procs: dict[str, subprocess.Popen] = {}
+    incarnations = dict.fromkeys(hosts, 0)
+    killed = 0
+    load = loadavg()
+
+    def start(host: str) -> None:
+        device = f"{host}n{incarnations[host]}"
+        procs[host] = run.start(device, join_args(device, hosts.index(host) % 2, run_id, initial), bed.prefix(host))
+
+    def kill_some(_version: int) -> None:
+        nonlocal killed
+        for host in rng.sample(hosts, min(max(1, round(churn * volunteers)), volunteers)):
+            kill_peer(procs[host])
+            killed += 1
+            incarnations[host] += 1
+            start(host)
+
+    try:
+        for host in hosts:
+            bed.shape(host, rate)
+        initial, run_id = start_servers(run, model, steps, out, bed.addrs["srv"], bed.prefix("srv"), compute=True,
+                                        extra=["--task-timeout", "30", *extra])
+        servers = [p for _, p in run.procs]
+        for host in hosts:
+            start(host)
+        seen = step_times(out / "ckpt", steps, timeout, servers, on_version=kill_some if churn else None)
+        deadline = time.monotonic() + 60
+        while True:  # the last checkpoint of every shard (its summary file is written after it)
+            state, versions = read_model([out / "ckpt"])
+            if min(versions.values()) >= steps or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        applied = checkpoint_applied(out / "ckpt", [d for _, _, d in SERVERS])
+    finally:
+        run.close()
+        bed.close()
+    cfg = get_preset(model)
+    return {"tokens_per_second": (steps - 1) * 16 * cfg.seq_len / (seen[steps] - seen[1]), "final_loss": None,
+            "eval_loss": eval_loss(model, state), "applied": f"{applied}/{steps * 4 * 2}", "killed": killed,
+            "load": load}
+
+
+def checkpoint_applied(ckpt: Path, devices: list[str]) -> int:
+    """Micro-batches applied, summed over the stages, from the servers' last checkpoints (each
+    server's own slot; a stage's count is its smallest)."""
+    by_stage: dict[str, int] = {}
+    for dev in devices:
+        saved = torch.load(ckpt / f"{dev}.shard.pt", weights_only=False)
+        n = saved["slots"][saved["own_slot"]]["microbatches_applied"]
+        by_stage[dev[:2]] = min(by_stage.get(dev[:2], n), n)
+    return sum(by_stage.values())
+
+
+def netns_places(rate: float, volunteers: int, tag: str):
+    """A testbed of one host per hivemind peer, each behind `rate` Mbit/s; (testbed, place)."""
+    bed = netns.Testbed([f"h{i}" for i in range(volunteers)], tag=tag)
+    for i in range(volunteers):
+        bed.shape(f"h{i}", rate)
+    return bed, lambda i: (bed.prefix(f"h{i}"), bed.addrs[f"h{i}"])
 
 
 def hivemind_sequences(out: Path, local_rows: int = 4) -> int:
@@ -218,12 +305,22 @@ def main() -> int:
     p.add_argument("--model", default="small")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_peers.md"))
     p.add_argument("--work", default=None)
+    p.add_argument("--netns-rates", type=float, nargs="*", default=[],
+                   help="also run every system across hosts: network namespaces with each volunteer (and each hivemind "
+                        "peer) behind this many Mbit/s (root; tc tbf, no added delay)")
+    p.add_argument("--only-netns", action="store_true", help="skip the runs on this machine's loopback (the "
+                   "reference still runs: it is the yardstick)")
     args = p.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so every run's processes and namespaces are removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    why = netns.unavailable() if args.netns_rates else None
+    if why:
+        p.error(f"--netns-rates: cannot make network namespaces here: {why}")
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-peers-"))
     report = Report("hivepipe against hivemind's data parallelism and SWARM-like pipelines", __doc__.split("\n\n", 1)[1])
     rows: list[tuple[str, str, dict]] = []
     rows.append(("peer reference", "one process", run_reference(args.model, args.steps, work)))
-    for cond, churn in (("calm", 0.0), (f"churn {args.churn:g}", args.churn)):
+    for cond, churn in (() if args.only_netns else (("calm", 0.0), (f"churn {args.churn:g}", args.churn))):
         tag = "calm" if not churn else "churn"
         rows.append(("peer swarm", cond, run_peer_swarm(f"swarm-{tag}", args.model, args.steps, args.volunteers,
                                                         churn, [], work)))
@@ -231,9 +328,23 @@ def main() -> int:
                                                               args.volunteers, churn, work)))
         rows.append(("peer swarm --no-requeue", cond, run_peer_swarm(f"norequeue-{tag}", args.model, args.steps,
                                                                      args.volunteers, churn, ["--no-requeue"], work)))
+    for rate in args.netns_rates:
+        for cond, churn in (("calm", 0.0), (f"churn {args.churn:g}", args.churn)):
+            tag, cond = f"{'calm' if not churn else 'churn'}-{rate:g}", f"{cond}, hosts at {rate:g} Mbit/s"
+            rows.append(("peer swarm", cond, run_netns_swarm(f"swarm-{tag}", args.model, args.steps, args.volunteers,
+                                                             churn, rate, [], work)))
+            bed, place = netns_places(rate, args.volunteers, tag=f"bh{os.getpid() % 10000}")
+            try:
+                rows.append(("hivemind.Optimizer", cond, run_hivemind(f"hivemind-{tag}", args.model, args.steps,
+                                                                      args.volunteers, churn, work, place=place)))
+            finally:
+                bed.close()
+            rows.append(("peer swarm --no-requeue", cond, run_netns_swarm(
+                f"norequeue-{tag}", args.model, args.steps, args.volunteers, churn, rate, ["--no-requeue"], work)))
     table = md_table(["system", "volunteers", "tokens/s", "loss of the last step", "held-out loss (final params)",
                       "sequences trained on", "applied", "killed", "load"],
-                     [[s, c, r["tokens_per_second"], round(r["final_loss"], 3), round(r["eval_loss"], 3),
+                     [[s, c, r["tokens_per_second"], "-" if r["final_loss"] is None else round(r["final_loss"], 3),
+                       round(r["eval_loss"], 3),
                        r.get("sequences", args.steps * 16), r["applied"], r.get("killed", "-"), r.get("load", "-")]
                       for s, c, r in rows])
     report.section(f"{args.model}, {args.steps} steps of 16 sequences, {args.volunteers} volunteers "
