@@ -28,7 +28,7 @@ Columns: tokens/s over the training (from the end of the first step/epoch for hi
 start by matchmaking; from the moment every server is online for the swarm), and the mean token loss
 of the final parameters on 4 batches of the held-out split (the same batches for every row), with
 `peer reference` (one process, the swarm's exact update rule) as the yardstick. Writes the markdown
-table to --out and docs/peers.png beside it.
+table to --out and docs/peers.png beside it (docs/peers_netns.png with --only-netns).
 """
 from __future__ import annotations
 
@@ -351,7 +351,7 @@ def main() -> int:
                    f"(loadavg at start {loadavg()})", table)
     out = Path(args.out)
     report.write(out)
-    plot(rows, out.parent / "peers.png")
+    plot(rows, out.parent / ("peers_netns.png" if args.only_netns else "peers.png"))
     print(f"work dir: {work}")
     return 0
 
