@@ -71,6 +71,19 @@ class Clients:
         info.compute, info.device, info.last_seen = compute, device, self.clock()
         if take_lost:
             info.takes_lost += 1
+        if new:
+            logger.info("%s: client %s (%s) registered, compute %.3g", self.device_id, sender[-8:], device, compute)
+            self.pool.set_client_speed(sender, compute)
+            if holding and self.requeue:
+                # a client new here that holds tasks of ours: this server restarted (its leases are
+                # not in its log, so their tasks were queued again) or dropped it as silent. It goes
+                # on with them; leased back to it, nobody else does them a second time (seen in the
+                # stop-27 soak after a 1 s restart: a worker took such tasks again and summed them twice);
+                # before its carried completions, which this server takes only from a task's holder
+                adopted = [t for t in holding if self.pool.adopt(sender, t) is not None]
+                if adopted:
+                    self.counters["leases_adopted"] = self.counters.get("leases_adopted", 0) + len(adopted)
+                    logger.info("%s: %s holds %s: leased to it again", self.device_id, sender[-8:], ", ".join(adopted))
         if carried_epoch == self.epoch:  # (closed before the reclaim below looks at its leases)
             self.complete_carried(carried, sender)
         if holding is not None and self.requeue:  # (--no-requeue, the SWARM-like baseline, waits them out)
@@ -81,18 +94,6 @@ class Clients:
                 self.counters["leases_reclaimed"] = self.counters.get("leases_reclaimed", 0) + len(lost)
                 logger.info("%s: %s does not hold %s: re-queued", self.device_id, sender[-8:],
                             ", ".join(t.task_id for t in lost))
-        if new:
-            logger.info("%s: client %s (%s) registered, compute %.3g", self.device_id, sender[-8:], device, compute)
-            self.pool.set_client_speed(sender, compute)
-            if holding and self.requeue:
-                # a client new here that holds tasks of ours: this server restarted (its leases are
-                # not in its log, so their tasks were queued again) or dropped it as silent. It goes
-                # on with them; leased back to it, nobody else does them a second time (seen in the
-                # stop-27 soak after a 1 s restart: a worker took such tasks again and summed them twice)
-                adopted = [t for t in holding if self.pool.adopt(sender, t) is not None]
-                if adopted:
-                    self.counters["leases_adopted"] = self.counters.get("leases_adopted", 0) + len(adopted)
-                    logger.info("%s: %s holds %s: leased to it again", self.device_id, sender[-8:], ", ".join(adopted))
         return {"ok": True, "version": self.version, "epoch": self.epoch}
 
     def _is_server(self, peer: str) -> bool:

@@ -19,6 +19,7 @@ logger = logging.getLogger("hivepipe.server")
 MAX_TAKE_WAIT = 5.0
 RECHECK = 0.05  # a waiting take looks again this often: preferences and leases run out with the clock
 MAX_COMPLETE = 1024  # task ids one `complete` (or a take's or heartbeat's 'complete' field) may carry
+NOT_HELD = "not_held"  # a completion's result when its sender never held a lease of the task
 
 
 class Leases:
@@ -154,8 +155,17 @@ class Leases:
                              "sender": sender, "batch": batch})
 
     def _complete(self, c, task_ids: list[str], sender: str) -> dict[str, str]:
+        """Complete what `sender` may complete: an open task only if it held a lease of it (a
+        client that never did could close a task nobody computed, and if the holder then died the
+        task would never be re-queued and its batch never stepped); NOT_HELD for the others, which
+        change nothing. A restart's replay of the log completes what was accepted before."""
         results = {}
         for task_id in task_ids:
+            if not self.replaying and self.pool.ever_held(task_id, sender) is False:
+                results[task_id] = NOT_HELD
+                self.counters["completes_not_held"] = self.counters.get("completes_not_held", 0) + 1
+                logger.info("%s: %s completes %s, which it never held: ignored", self.device_id, sender[-8:], task_id)
+                continue
             result = self.pool.complete(task_id, sender)
             if result is Completion.ACCEPTED:
                 c.tasks_done += 1

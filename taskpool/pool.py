@@ -75,10 +75,12 @@ class _Entry:
     """The pool's mutable record of one queued or leased task.
 
     ``lease`` is the current Lease iff ``state == _LEASED``; ``attempts`` counts the
-    leases so far; ``open_at`` is when a preferred task becomes open to everyone.
+    leases so far; ``holders`` is every client that held one (None before the first);
+    ``open_at`` is when a preferred task becomes open to everyone.
     """
 
-    __slots__ = ("task", "key", "state", "lease", "attempts", "timeout", "added_at", "open_at", "leased_at")
+    __slots__ = ("task", "key", "state", "lease", "attempts", "holders", "timeout", "added_at", "open_at",
+                 "leased_at")
 
     def __init__(self, task: Task, key: int, timeout: float, now: float, grace: float) -> None:
         self.task = task
@@ -86,6 +88,7 @@ class _Entry:
         self.state = _CLOSED  # set by _enqueue
         self.lease: Lease | None = None
         self.attempts = 0
+        self.holders: set[str] | None = None
         self.timeout = timeout
         self.added_at = now
         self.open_at = now + grace if task.preferred_client is not None else now
@@ -231,6 +234,10 @@ class TaskPool:
         entry.leased_at = now
         self._leased += 1
         attempt = entry.attempts = entry.attempts + 1
+        if entry.holders is None:
+            entry.holders = {client}
+        else:
+            entry.holders.add(client)
         speed = self._speed
         if not speed.any_speed:
             deadline = now + entry.timeout
@@ -257,7 +264,8 @@ class TaskPool:
         """Report a result.  The first completion of a task wins, whoever sends it and
         whatever the task's state (queued again after an expiry, or leased to someone
         else, whose lease is then void): ACCEPTED.  Any later one, or one for an
-        abandoned task, is DUPLICATE and counted.  An id never added is misuse."""
+        abandoned task, is DUPLICATE and counted.  An id never added is misuse.  (A server
+        takes a completion only from a client that held the task: ``ever_held``.)"""
         entry = self._tasks.pop(task_id, None)
         if entry is None:
             if task_id in self._done or task_id in self._abandoned:
@@ -390,6 +398,15 @@ class TaskPool:
 
     def is_done(self, task_id: str) -> bool:
         return task_id in self._done
+
+    def ever_held(self, task_id: str, client: str) -> bool | None:
+        """Whether `client` holds or held a lease of the open task `task_id` (a lease that ran
+        out or was re-queued counts: its holder may still have done the work); None when the task
+        is not open (done, abandoned or unknown: `complete` says which)."""
+        entry = self._tasks.get(task_id)
+        if entry is None:
+            return None
+        return entry.holders is not None and client in entry.holders
 
     def lease_of(self, task_id: str) -> Lease | None:
         entry = self._tasks.get(task_id)

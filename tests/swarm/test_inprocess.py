@@ -1066,3 +1066,42 @@ def test_an_emulated_device_registers_the_compute_it_will_deliver_however_loaded
     w._pass_seconds = lambda elapsed, busy: passes.append((elapsed, busy)) or (0.5 if len(passes) == 2 else 1.0)
     assert w.measure_compute(rows=2, repeats=3) == pytest.approx(4.0)  # 2 rows / its shortest pass, 0.5 s
     assert len(passes) == 3 and all(e > 0 and b > 0 for e, b in passes)  # the warm-up is not timed
+
+
+def test_a_client_that_never_held_a_task_cannot_complete_it():
+    """A registered client completing a task it never held (with `complete`, a take's or a
+    heartbeat's carried list) changes nothing: the task stays leased to its holder, who completes it
+    (a stranger that closed it could leave it undone for good if the holder then died). A holder
+    whose lease ran out may still complete it."""
+    from parameter_server.leases import NOT_HELD
+
+    cfg, layout, run = make_run(steps=1, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    (a,) = swarm.workers
+    holder = a.links[fs.device_id]
+    stranger = LocalLink(fs, "peer-stranger")
+    hello = {"device": "x", "compute": 1.0, "stage": 0}
+
+    async def scenario():
+        await a.register()
+        await stranger.call("register", hello)
+        fs.maybe_start_batches()
+        meta, _ = await holder.call("take", {})
+        first = meta["task"]
+        meta, _ = await stranger.call("complete", {"tasks": [first]})
+        assert meta["results"] == {first: NOT_HELD}
+        await stranger.call("take", {"complete": [first]})
+        await stranger.call("register", dict(hello, complete=[first]))
+        assert fs.pool.lease_of(first).client == holder.sender and not fs.pool.is_done(first)
+        assert fs.counters["completes_not_held"] == 3
+        meta, _ = await holder.call("complete", {"task": first})
+        assert meta["result"] == "accepted" and fs.pool.is_done(first)
+        meta, _ = await holder.call("take", {})  # a holder whose lease ran out still completes it
+        second = meta["task"]
+        fs.pool.expire(fs.clock() + 3600)
+        assert fs.pool.lease_of(second) is None
+        await holder.call("take", {"complete": [second]})
+        assert fs.pool.is_done(second)
+
+    asyncio.run(scenario())

@@ -317,6 +317,22 @@ def test_late_completion_while_requeued_leaves_the_queue(clock):
     assert len(pool) == 0
 
 
+def test_ever_held_names_every_client_that_held_a_lease_of_an_open_task(clock):
+    """What a server asks before it takes a completion: a stranger never held the task; a holder
+    whose lease ran out (or was re-queued) still did; a closed task is not open (None)."""
+    pool = make_pool(clock, default_timeout=1.0)
+    pool.add(task("t"))
+    assert pool.ever_held("t", "slow") is False  # queued, never leased
+    pool.take("slow")
+    assert pool.ever_held("t", "slow") is True and pool.ever_held("t", "stranger") is False
+    pool.expire(5.0)  # re-queued: its first holder may still hand the work in
+    assert pool.ever_held("t", "slow") is True
+    pool.take("fast")
+    assert pool.ever_held("t", "fast") is True and pool.ever_held("t", "stranger") is False
+    assert pool.complete("t", "slow") is Completion.ACCEPTED
+    assert pool.ever_held("t", "slow") is None and pool.ever_held("nope", "slow") is None
+
+
 def test_abandon_drops_the_task_and_late_results(clock):
     pool = make_pool(clock)
     pool.add(task("q"))
