@@ -37,7 +37,7 @@ VOLUNTEERS = [("vol0", "v0", 0), ("vol1", "v1", 1), ("vol2", "v2", 0), ("vol3", 
 
 def step_times(ckpt: Path, steps: int, timeout: float, procs, on_version=None) -> dict[int, float]:
     """Wall time at which every server's checkpoint first shows each version; `on_version(k)` is
-    called once for each version k as it is first seen. `procs` (a list, re-read each time) must
+    called once for each version k < steps as it is first seen. Every process in `procs` must
     stay alive."""
     seen: dict[int, float] = {}
     deadline = time.time() + timeout

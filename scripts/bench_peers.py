@@ -52,6 +52,7 @@ from peer.model.config import get_preset  # noqa: E402
 from tests.net import netns  # noqa: E402
 
 EVAL_BATCHES = 4
+BATCH, MICRO_BATCHES = 16, 4  # the run's defaults, which every system here trains with
 
 
 def eval_loss(model: str, state: dict) -> float:
@@ -237,9 +238,10 @@ def run_netns_swarm(name: str, model: str, steps: int, volunteers: int, churn: f
         run.close()
         bed.close()
     cfg = get_preset(model)
-    return {"tokens_per_second": (steps - 1) * 16 * cfg.seq_len / (seen[steps] - seen[1]), "final_loss": None,
-            "eval_loss": eval_loss(model, state), "applied": f"{applied}/{steps * 4 * 2}", "killed": killed,
-            "load": load}
+    stages = len({dev[:2] for _, _, dev in SERVERS})
+    return {"tokens_per_second": (steps - 1) * BATCH * cfg.seq_len / (seen[steps] - seen[1]), "final_loss": None,
+            "eval_loss": eval_loss(model, state), "applied": f"{applied}/{steps * MICRO_BATCHES * stages}",
+            "killed": killed, "load": load}
 
 
 def checkpoint_applied(ckpt: Path, devices: list[str]) -> int:
