@@ -465,24 +465,23 @@ class StageWorker:
         """Hold parameters `version` of every server of the stage: fetched ahead (prefetch_next), or
         now, from every server at once. A server that has not reached it within `patience` seconds
         raises NotReady: the caller hands its task back rather than hold a lease it cannot work on."""
-        if version in self.versions:
-            if version in self.fetched_ahead:  # a task uses a version fetched ahead (counted once)
-                self.fetched_ahead.discard(version)
-                self.stats["prefetched"] += 1
-            return
-        ahead = self.prefetching.get(version)
-        if ahead is not None:
-            try:  # the fetch ahead goes on if this gives up: the task is handed back, the version comes
-                await asyncio.wait_for(asyncio.shield(ahead), patience)
-            except asyncio.TimeoutError:
-                raise NotReady(f"version {version} not reached by every server of stage {self.stage} within "
-                               f"{patience:.1f} s") from None
-            except asyncio.CancelledError:
-                if not ahead.cancelled():  # (this task itself is being cancelled, not the fetch ahead)
-                    raise
-            if version in self.versions:
-                return await self.ensure_version(version)
-        self._hold(version, await self._pull(version, patience))
+        if version not in self.versions:
+            ahead = self.prefetching.get(version)
+            if ahead is not None:
+                try:  # the fetch ahead goes on if this gives up: the task is handed back, the version comes
+                    await asyncio.wait_for(asyncio.shield(ahead), patience)
+                except asyncio.TimeoutError:
+                    raise NotReady(f"version {version} not reached by every server of stage {self.stage} "
+                                   f"within {patience:.1f} s") from None
+                except asyncio.CancelledError:
+                    if not ahead.cancelled():  # (this task itself is being cancelled, not the fetch ahead)
+                        raise
+            if version not in self.versions:  # none ahead, or it failed: fetch it now
+                self._hold(version, await self._pull(version, patience))
+                return
+        if version in self.fetched_ahead:  # a task uses a version fetched ahead (counted once)
+            self.fetched_ahead.discard(version)
+            self.stats["prefetched"] += 1
 
     async def _pull(self, version: int, patience: float) -> dict[str, torch.Tensor]:
         """Every shard of `version`, one `get_params` a server, all at once (a server that has not
