@@ -163,13 +163,16 @@ class Leases:
         for task_id in task_ids:
             if not self.replaying and self.pool.ever_held(task_id, sender) is False:
                 results[task_id] = NOT_HELD
-                self.counters["completes_not_held"] = self.counters.get("completes_not_held", 0) + 1
-                logger.info("%s: %s completes %s, which it never held: ignored", self.device_id, sender[-8:], task_id)
                 continue
             result = self.pool.complete(task_id, sender)
             if result is Completion.ACCEPTED:
                 c.tasks_done += 1
             results[task_id] = result.value
+        refused = [t for t, r in results.items() if r == NOT_HELD]
+        if refused:  # (one line a call: a list may name up to MAX_COMPLETE ids)
+            self.counters["completes_not_held"] = self.counters.get("completes_not_held", 0) + len(refused)
+            logger.info("%s: %s completes %d task(s) it never held (%s): ignored", self.device_id, sender[-8:],
+                        len(refused), refused[0])
         return results
 
     async def on_fail(self, meta, tensors, sender):
