@@ -9,7 +9,7 @@ import time
 
 from peer.model.update_rule import version_for_batch
 from peer.protocol.tasks import batch_of
-from peer.protocol.wire import PayloadError, field as mfield
+from peer.protocol.wire import PayloadError, field as mfield, wait_field
 from taskpool import Completion, Task
 
 logger = logging.getLogger("hivepipe.server")
@@ -68,9 +68,7 @@ class Leases:
 
     async def on_take(self, meta, tensors, sender):
         self._client(sender)
-        wait = mfield(meta, "wait", float, optional=True) or 0.0
-        if not 0.0 <= wait <= MAX_TAKE_WAIT:
-            raise PayloadError(f"field 'wait' must be between 0 and {MAX_TAKE_WAIT:g} seconds, got {wait}")
+        wait = wait_field(meta, MAX_TAKE_WAIT)
         self.complete_carried(carried_completes(meta), sender)
         epoch = self.epoch
         while True:
@@ -159,16 +157,16 @@ class Leases:
         client that never did could close a task nobody computed, and if the holder then died the
         task would never be re-queued and its batch never stepped); NOT_HELD for the others, which
         change nothing. A restart's replay of the log completes what was accepted before."""
-        results = {}
+        results, refused = {}, []
         for task_id in task_ids:
             if not self.replaying and self.pool.ever_held(task_id, sender) is False:
                 results[task_id] = NOT_HELD
+                refused.append(task_id)
                 continue
             result = self.pool.complete(task_id, sender)
             if result is Completion.ACCEPTED:
                 c.tasks_done += 1
             results[task_id] = result.value
-        refused = [t for t, r in results.items() if r == NOT_HELD]
         if refused:  # (one line a call: a list may name up to MAX_COMPLETE ids)
             self.counters["completes_not_held"] = self.counters.get("completes_not_held", 0) + len(refused)
             logger.info("%s: %s completes %d task(s) it never held (%s): ignored", self.device_id, sender[-8:],

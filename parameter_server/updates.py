@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from peer.protocol.params import MAX_PARAMS_WAIT
 from peer.protocol.tasks import TaskId
-from peer.protocol.wire import PayloadError, field as mfield
+from peer.protocol.wire import PayloadError, field as mfield, wait_field
 
 if TYPE_CHECKING:
     from parameter_server.shard import ShardState
@@ -36,9 +36,7 @@ class Updates:
 
     async def on_get_params(self, meta, tensors, sender):
         version = mfield(meta, "version", int)
-        wait = mfield(meta, "wait", float, optional=True) or 0.0
-        if not 0.0 <= wait <= MAX_PARAMS_WAIT:
-            raise PayloadError(f"field 'wait' must be between 0 and {MAX_PARAMS_WAIT:g} seconds, got {wait}")
+        wait = wait_field(meta, MAX_PARAMS_WAIT)
         shard = self._hosted(meta)
         # a version not reached yet is waited for up to `wait` seconds (woken by each step), so that a
         # client asks once where it polled every few tens of milliseconds (issue #16)

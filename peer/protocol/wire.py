@@ -251,6 +251,15 @@ def field(meta: dict, key: str, kind, *, optional: bool = False):
     return value
 
 
+def wait_field(meta: dict, limit: float) -> float:
+    """The optional 'wait' of a long-polled request (`take`, `get_params`): seconds from 0 to
+    `limit`, 0 when absent."""
+    wait = field(meta, "wait", float, optional=True) or 0.0
+    if not 0.0 <= wait <= limit:
+        raise PayloadError(f"field 'wait' must be between 0 and {limit:g} seconds, got {wait}")
+    return wait
+
+
 def rows_field(meta: dict, key: str, limit: int) -> tuple[int, int]:
     value = field(meta, key, list)
     if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
