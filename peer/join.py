@@ -8,7 +8,7 @@ import logging
 import time
 
 from peer.errors import UsageError
-from peer.runtime import add_common_arguments, check_common, link_emulator, run_until_signalled
+from peer.runtime import add_common_arguments, check_common, freeze_startup_objects, link_emulator, run_until_signalled
 
 logger = logging.getLogger("hivepipe.join")
 
@@ -288,6 +288,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
             helpers = [asyncio.ensure_future(relay_stop()), asyncio.ensure_future(announce())]
             if picker is not None and args.rebalance_period > 0:
                 helpers.append(asyncio.ensure_future(rebalance()))
+            freeze_startup_objects()
             await worker.run_loop(leave)  # returns once what it holds is finished and its gradients pushed
             for h in helpers:
                 h.cancel()

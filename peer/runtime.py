@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -163,6 +164,15 @@ def quiet_peer_departures(loop: asyncio.AbstractEventLoop) -> None:
         loop.default_exception_handler(context)
 
     loop.set_exception_handler(handler)
+
+
+def freeze_startup_objects() -> None:
+    """Move what start-up built (modules, the model, the DHT's and P2P's state, ~200,000 objects) out
+    of the garbage collector's sight (gc.freeze): it lives as long as the process, and every full
+    collection walked it, 0.1-0.2 s of processor time in whichever thread tripped it, a stall of the
+    server's loop or in the middle of a pass. Collections then walk only what the run made since."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_until_signalled(main_coro_factory) -> int:

@@ -12,7 +12,8 @@ import time
 from parameter_server.layout import DEFAULT_TASK_TOKENS
 from peer.errors import NetworkError, UsageError
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
-from peer.runtime import add_common_arguments, check_common, link_emulator, run_until_signalled, trim_heap
+from peer.runtime import (add_common_arguments, check_common, freeze_startup_objects, link_emulator, run_until_signalled,
+                          trim_heap)
 
 logger = logging.getLogger("hivepipe.serve")
 # seconds between two reads of the node's connections (departed clients): every pass of the 0.2 s
@@ -624,6 +625,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         tasks.append(asyncio.ensure_future(worker.run_loop(stop)))
     for t in tasks:
         t.add_done_callback(report_crash)
+    freeze_startup_objects()
     stretched = f", compute stretched x{slowdown:g} by the link profile" if slowdown > 1 and not args.no_compute else ""
     print(f"serving {device} (stage {stage} {role}, layers {st.layers[0]}-{st.layers[1]}{stretched}) as {peer_id}",
           flush=True)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import gc
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +42,29 @@ logger = logging.getLogger("hivepipe.worker")
 KILL_POINTS = ("before_forward", "during_forward", "after_outputs", "during_backward", "after_input_grads",
                "mid_grad_push", "after_grad_push", "pulling_params")
 
+
+
+_gc_clock = threading.local()
+
+
+def _time_collections(phase: str, _info: dict) -> None:
+    if phase == "start":
+        _gc_clock.began = time.thread_time()
+    elif getattr(_gc_clock, "began", None) is not None:
+        _gc_clock.spent = getattr(_gc_clock, "spent", 0.0) + time.thread_time() - _gc_clock.began
+        _gc_clock.began = None
+
+
+gc.callbacks.append(_time_collections)
+
+
+def pass_clock() -> float:
+    """This thread's processor seconds, less what it spent collecting garbage (gc.callbacks time the
+    collections in the thread that runs them). An emulated device stretches a pass by the processor
+    time its arithmetic used: a full collection that happens to fall in a pass (0.1-0.2 s with the
+    objects torch and hivemind hold) is the interpreter's, not the device's, and stretched x10 it
+    stalled a step by 2 s (stop 42, bench_fidelity's runs)."""
+    return time.thread_time() - getattr(_gc_clock, "spent", 0.0)
 
 @dataclass
 class Pending:
@@ -563,10 +588,10 @@ class StageWorker:
 
     async def _compute(self, fn):
         def timed():
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0, c0 = time.perf_counter(), pass_clock()
             result = fn()
             elapsed = time.perf_counter() - t0
-            time.sleep(self._pass_seconds(elapsed, time.thread_time() - c0) - elapsed)
+            time.sleep(self._pass_seconds(elapsed, pass_clock() - c0) - elapsed)
             self.stats["compute_seconds"] += time.perf_counter() - t0
             return result
 
@@ -782,7 +807,7 @@ class StageWorker:
         x = x.to(self.torch_device)
         best = float("inf")
         for i in range(repeats + 1):
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0, c0 = time.perf_counter(), pass_clock()
             out = self.model(x)
             out.float().sum().backward()
             self.model.zero_grad(set_to_none=True)
@@ -791,5 +816,5 @@ class StageWorker:
             if i > 0:  # the first is a warm-up
                 # as long as the pass lasts on the emulated device (_pass_seconds), so that what it
                 # registers is what it will deliver, however loaded the machine is while it measures
-                best = min(best, self._pass_seconds(time.perf_counter() - t0, time.thread_time() - c0))
+                best = min(best, self._pass_seconds(time.perf_counter() - t0, pass_clock() - c0))
         return rows / max(best, 1e-6)
