@@ -123,6 +123,15 @@ def check_shows_the_swarm(snap: dict, running: Running, volunteers: dict[int, di
     assert snap["health"]["ok"] and snap["health"]["status"] == "ok", snap["health"]
 
 
+def test_a_dht_that_cannot_be_joined_is_a_clear_error():
+    # (first in the module: it needs no swarm, and runs before the module's swarm loads the machine)
+    dead = "/ip4/127.0.0.1/tcp/1/p2p/QmXfz1KyWEtpjDp1ah1cDZnRnTVfM7p5ZK6LCG1ruN4Pqk"  # nothing listens on port 1
+    out = subprocess.run([sys.executable, SCRIPT, "--initial-peers", dead, "--json"], capture_output=True, text=True,
+                         timeout=90, cwd=REPO)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith(f"dashboard: error: cannot join the DHT through {dead}: "), out.stderr[-2000:]
+
+
 def test_json_snapshot_shows_every_stage_server_and_volunteer(swarm):
     # what this test reads is membership, not staleness (tests/dashboard/test_snapshot.py): on a loaded
     # machine a server's announcement can come 3 periods (1.5 s here) late, and one snapshot then
@@ -144,14 +153,6 @@ def test_a_run_that_is_not_there_exits_2(swarm):
     assert out.returncode == 2, (out.stdout[-1000:], out.stderr[-2000:])
     assert "no run 'no-such-run' found in the DHT after 2 s" in out.stderr and "--run-id" in out.stderr
     assert out.stdout == ""
-
-
-def test_a_dht_that_cannot_be_joined_is_a_clear_error():
-    dead = "/ip4/127.0.0.1/tcp/1/p2p/QmXfz1KyWEtpjDp1ah1cDZnRnTVfM7p5ZK6LCG1ruN4Pqk"  # nothing listens on port 1
-    out = subprocess.run([sys.executable, SCRIPT, "--initial-peers", dead, "--json"], capture_output=True, text=True,
-                         timeout=90, cwd=REPO)
-    assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.startswith(f"dashboard: error: cannot join the DHT through {dead}: "), out.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
