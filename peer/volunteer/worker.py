@@ -42,8 +42,6 @@ logger = logging.getLogger("hivepipe.worker")
 KILL_POINTS = ("before_forward", "during_forward", "after_outputs", "during_backward", "after_input_grads",
                "mid_grad_push", "after_grad_push", "pulling_params")
 
-
-
 _gc_clock = threading.local()
 
 
@@ -65,6 +63,7 @@ def pass_clock() -> float:
     objects torch and hivemind hold) is the interpreter's, not the device's, and stretched x10 it
     stalled a step by 2 s (stop 42, bench_fidelity's runs)."""
     return time.thread_time() - getattr(_gc_clock, "spent", 0.0)
+
 
 @dataclass
 class Pending:
@@ -577,9 +576,10 @@ class StageWorker:
 
     def _pass_seconds(self, elapsed: float, busy: float) -> float:
         """How long a pass that took `elapsed` seconds of wall time and `busy` of this thread's
-        processor time lasts on the emulated device. A slower device (slowdown > 1) lasts `slowdown`
-        times the processor time it used (torch runs on this one thread), however long other
-        processes kept it from a core; stretching the wall time would multiply their contention too
+        processor time (`pass_clock`: less its garbage collections) lasts on the emulated device. A
+        slower device (slowdown > 1) lasts `slowdown` times the processor time it used (torch runs on
+        this one thread), however long other processes kept it from a core; stretching the wall time
+        would multiply their contention too
         (on 2 cores shared by a dozen processes, x10 of a pass slowed 1.5x is a device 1.5x slower
         than declared). On a GPU the wall time is what the kernels took."""
         if self.slowdown <= 1:
