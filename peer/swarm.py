@@ -291,6 +291,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
         statuses, state = await monitor.final(args.steps)
         summary = monitor.summary(args, cfg, statuses, swarm.killed, wall)
         summary["startup_seconds"] = (t_start or t_launch) - t_launch
+        summary["training_started_at"] = t_start or t_launch  # (unix time: what a benchmark lines up with)
         if args.checkpoint_out:
             from peer.hf.init import model_record
             from peer.reference import save_checkpoint

@@ -69,23 +69,107 @@ def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
         proc.wait()
 
 
-def run_peer(argv: list[str], log_path: Path, timeout: float) -> None:
+class CpuSampler:
+    """The processor seconds of a process tree, sampled every `period` seconds in a thread of its
+    own (psutil): `samples` [(unix time, {pid: (kind, cpu seconds)})]. Kinds: the training processes
+    ('server', 'volunteer', from their command lines), their hivemind DHT processes ('DHT process': a
+    training process's child that is neither a p2p daemon nor torch's shared-memory manager), 'p2p
+    daemon', and the rest ('launcher': `peer swarm`, its zygote and DHT node, torch's managers)."""
+
+    def __init__(self, pid: int, period: float = 0.25):
+        import threading
+
+        self.pid, self.period = pid, period
+        self.samples: list[tuple[float, dict]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _kind(proc, training: dict) -> str:
+        name = proc.name()
+        if name == "p2pd":
+            return "p2p daemon"
+        if name.startswith("torch_shm"):
+            return "launcher"
+        cmd = " ".join(proc.cmdline())
+        if proc.ppid() in training:
+            return "DHT process"
+        if "peer.cli serve" in cmd:
+            return "server"
+        if "peer.cli join" in cmd:
+            return "volunteer"
+        return "launcher"
+
+    def _run(self) -> None:
+        import psutil
+
+        kinds: dict[int, str] = {}
+        while not self._stop.is_set():
+            try:
+                tree = [psutil.Process(self.pid)] + psutil.Process(self.pid).children(recursive=True)
+            except psutil.Error:
+                return
+            now, sample = time.time(), {}
+            for proc in tree:
+                try:
+                    with proc.oneshot():
+                        # a child forked from the zygote may be seen before it takes its command line:
+                        # what looked like the launcher's is looked at again
+                        if kinds.get(proc.pid, "launcher") == "launcher":
+                            training = {p: k for p, k in kinds.items() if k in ("server", "volunteer")}
+                            kinds[proc.pid] = self._kind(proc, training)
+                        t = proc.cpu_times()
+                        sample[proc.pid] = (kinds[proc.pid], t.user + t.system)
+                except psutil.Error:
+                    pass
+            self.samples.append((now, sample))
+            self._stop.wait(self.period)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def seconds_by_kind(self, begin: float, finish: float) -> dict[str, float]:
+        """Processor seconds each kind used between unix times `begin` and `finish` (a process's last
+        sample at or before each end of the window; one born inside it counts from 0)."""
+        before: dict[int, float] = {}
+        last: dict[int, tuple[str, float]] = {}
+        for t, sample in self.samples:
+            if t <= begin:
+                before.update({pid: cpu for pid, (_, cpu) in sample.items()})
+            if t <= finish:
+                last.update(sample)
+        out: dict[str, float] = {}
+        for pid, (kind, cpu) in last.items():
+            out[kind] = out.get(kind, 0.0) + max(cpu - before.get(pid, 0.0), 0.0)
+        return out
+
+
+def run_peer(argv: list[str], log_path: Path, timeout: float, sample_cpu: bool = False) -> CpuSampler | None:
     """`python -m peer.cli ARGV` in the repository, output to `log_path`; RuntimeError with the log's
-    tail if it fails or runs past `timeout` seconds (it is stopped either way)."""
+    tail if it fails or runs past `timeout` seconds (it is stopped either way). With `sample_cpu`, the
+    CpuSampler of its process tree."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    sampler = None
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "peer.cli", *argv], cwd=REPO, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        if sample_cpu:
+            sampler = CpuSampler(proc.pid)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = None
         finally:
             _stop(proc)
+            if sampler is not None:
+                sampler.stop()
     if rc != 0:
         tail = log_path.read_bytes()[-2000:].decode(errors="replace")
         why = f"ran past {timeout:.0f} s" if rc is None else f"exited with {rc}"
         raise RuntimeError(f"peer {' '.join(argv[:1])} {why}; see {log_path}:\n{tail}")
+    return sampler
 
 
 def run_reference(model: str, steps: int, work: Path, timeout: float = 900) -> dict:
@@ -98,22 +182,27 @@ def run_reference(model: str, steps: int, work: Path, timeout: float = 900) -> d
     return summary
 
 
-def run_swarm(name: str, args: list[str], work: Path, timeout: float = 900) -> dict:
+def run_swarm(name: str, args: list[str], work: Path, timeout: float = 900, sample_cpu: bool = False) -> dict:
     """One `peer swarm` with ARGS; its summary dict plus `load` (at its start) and `run_seconds` (the
-    whole command: startup, training, assembling the model, teardown). The servers' checkpoints are
-    deleted afterwards; the logs stay under WORK/NAME."""
+    whole command: startup, training, assembling the model, teardown); with `sample_cpu`, `cpu`: the
+    processor seconds of each kind of process during the training (CpuSampler; from the summary's
+    training_started_at for wall_seconds). The servers' checkpoints are deleted afterwards; the
+    logs stay under WORK/NAME."""
     run_dir = work / name
     summary_path = work / f"{name}.json"
     load_before = loadavg()
     t0 = time.perf_counter()
     try:
-        run_peer(["swarm", *args, "--summary-json", str(summary_path), "--work-dir", str(run_dir), "--no-progress"],
-                 work / f"{name}.log", timeout)
+        sampler = run_peer(["swarm", *args, "--summary-json", str(summary_path), "--work-dir", str(run_dir),
+                            "--no-progress"], work / f"{name}.log", timeout, sample_cpu=sample_cpu)
     finally:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     summary = json.loads(summary_path.read_text())
     summary["load"] = load_before
     summary["run_seconds"] = time.perf_counter() - t0
+    if sampler is not None:
+        start = summary["training_started_at"]
+        summary["cpu"] = sampler.seconds_by_kind(start, start + summary["wall_seconds"])
     return summary
 
 

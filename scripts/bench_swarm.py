@@ -6,7 +6,9 @@
 Parts (markdown tables on standard output and in --out, each with the load average):
 
 1. throughput: `peer reference` and `peer swarm` (2 stages x 2 servers, 4 volunteers, servers
-   compute too) on the same model, steps and machine: tokens/s, their ratio, wall and startup seconds.
+   compute too) on the same model, steps and machine: tokens/s, their ratio, wall and startup seconds;
+   and where the swarm's processor time goes while it trains (servers, volunteers, their DHT
+   processes, the p2p daemons, the launcher), per step, against a step of the single process.
 2. one hop: for activation tensors of one micro-batch share of the model (rows x seq_len x hidden,
    fp32) and of 4 MiB and 32 MiB, the serialization (`peer.protocol.wire.pack`), deserialization
    (`unpack`), and transport: a real P2P round trip between two hivemind peers on 127.0.0.1 (two DHT
@@ -40,6 +42,27 @@ from peer.protocol.wire import encode_meta, pack, unpack  # noqa: E402
 
 MIB = 1 << 20
 SWARM = dict(stages=2, servers_per_stage=2, volunteers=4, batch_size=16, micro_batches=4)
+
+
+CPU_KINDS = ("server", "volunteer", "DHT process", "p2p daemon", "launcher")
+
+
+def cpu_table(swarms: list[dict], refs: list[dict]) -> str:
+    """Processor seconds per step of each kind of process in each swarm run (scripts/_bench_common.py
+    CpuSampler, from the first step to the last), against one step of `peer reference`."""
+    rows = []
+    for kind in CPU_KINDS:
+        rows.append([kind] + [f"{sw['cpu'].get(kind, 0.0) / sw['steps']:.3f} "
+                              f"({sw['cpu'].get(kind, 0.0) / max(sum(sw['cpu'].values()), 1e-9):.0%})" for sw in swarms])
+    rows.append(["all"] + [f"{sum(sw['cpu'].values()) / sw['steps']:.3f} "
+                           f"({sum(sw['cpu'].values()) / sw['wall_seconds']:.2f} cores)" for sw in swarms])
+    rows.append(["`peer reference`: wall seconds a step (one process, one thread: the arithmetic)"] +
+                [f"{r['wall_seconds'] / r['steps']:.3f}" for r in refs])
+    return (md_table(["processes", *(f"swarm #{i + 1}: CPU-s a step (share)" for i in range(len(swarms)))], rows) +
+            "\n\nServers and volunteers are the training processes (a server computes too); each has its "
+            "hivemind DHT process and p2p daemon (which carries its RPCs and its DHT's); the launcher is "
+            "`peer swarm` itself, the zygote that forks the others, and their DHT node. Sampled with psutil "
+            "every 0.25 s.")
 
 
 class Echo(ServicerBase):
@@ -159,7 +182,7 @@ process with one torch thread. Logs and summaries of this run: `{work}`.""")
         refs.append(run_reference(args.model, args.steps, work / f"reference-{i}"))
         swarms.append(run_swarm(f"swarm-{i}", ["--model", args.model, "--steps", str(args.steps),
                                                "--stages", str(s["stages"]), "--servers-per-stage", str(s["servers_per_stage"]),
-                                               "--volunteers", str(s["volunteers"])], work))
+                                               "--volunteers", str(s["volunteers"])], work, sample_cpu=True))
     ref_tps = statistics.median(r["tokens_per_second"] for r in refs)
     ratio = statistics.median(r["tokens_per_second"] for r in swarms) / ref_tps
     table = []
@@ -177,6 +200,7 @@ process with one torch thread. Logs and summaries of this run: `{work}`.""")
         f"\n\nMedian swarm / median reference: **{ratio:.3f}**. Duplicate contributions dropped: "
         f"{', '.join(str(sw['duplicates_dropped']) for sw in swarms)}; leases re-queued: "
         f"{', '.join(str(sw['requeued']) for sw in swarms)}.")
+    report.section("Where the processor time goes (training only)", cpu_table(swarms, refs))
     swarm, ref = swarms[0], refs[0]
 
     # 2. one hop ---------------------------------------------------------------------------------
