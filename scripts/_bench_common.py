@@ -105,9 +105,13 @@ class CpuSampler:
         import psutil
 
         kinds: dict[int, str] = {}
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.Error:
+            return
         while not self._stop.is_set():
             try:
-                tree = [psutil.Process(self.pid)] + psutil.Process(self.pid).children(recursive=True)
+                tree = [root] + root.children(recursive=True)
             except psutil.Error:
                 return
             now, sample = time.time(), {}

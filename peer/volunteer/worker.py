@@ -579,9 +579,9 @@ class StageWorker:
         processor time (`pass_clock`: less its garbage collections) lasts on the emulated device. A
         slower device (slowdown > 1) lasts `slowdown` times the processor time it used (torch runs on
         this one thread), however long other processes kept it from a core; stretching the wall time
-        would multiply their contention too
-        (on 2 cores shared by a dozen processes, x10 of a pass slowed 1.5x is a device 1.5x slower
-        than declared). On a GPU the wall time is what the kernels took."""
+        would multiply their contention too (on 2 cores shared by a dozen processes, x10 of a pass
+        slowed 1.5x is a device 1.5x slower than declared). On a GPU the wall time is what the
+        kernels took."""
         if self.slowdown <= 1:
             return elapsed
         return max(elapsed, self.slowdown * (busy if self.torch_device.type == "cpu" else elapsed))
