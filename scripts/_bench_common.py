@@ -69,6 +69,17 @@ def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
         proc.wait()
 
 
+def process_tree(pid: int) -> list:
+    """The psutil process `pid` and all its descendants; [] once it is gone."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return [proc] + proc.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
 class CpuSampler:
     """The processor seconds of a process tree, sampled every `period` seconds in a thread of its
     own (psutil): `samples` [(unix time, {pid: (kind, cpu seconds)})]. Kinds: the training processes
@@ -105,14 +116,9 @@ class CpuSampler:
         import psutil
 
         kinds: dict[int, str] = {}
-        try:
-            root = psutil.Process(self.pid)
-        except psutil.Error:
-            return
         while not self._stop.is_set():
-            try:
-                tree = [root] + root.children(recursive=True)
-            except psutil.Error:
+            tree = process_tree(self.pid)
+            if not tree:
                 return
             now, sample = time.time(), {}
             for proc in tree:

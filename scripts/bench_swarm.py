@@ -50,12 +50,13 @@ CPU_KINDS = ("server", "volunteer", "DHT process", "p2p daemon", "launcher")
 def cpu_table(swarms: list[dict], refs: list[dict]) -> str:
     """Processor seconds per step of each kind of process in each swarm run (scripts/_bench_common.py
     CpuSampler, from the first step to the last), against one step of `peer reference`."""
+    totals = [sum(sw["cpu"].values()) for sw in swarms]
     rows = []
     for kind in CPU_KINDS:
         rows.append([kind] + [f"{sw['cpu'].get(kind, 0.0) / sw['steps']:.3f} "
-                              f"({sw['cpu'].get(kind, 0.0) / max(sum(sw['cpu'].values()), 1e-9):.0%})" for sw in swarms])
-    rows.append(["all"] + [f"{sum(sw['cpu'].values()) / sw['steps']:.3f} "
-                           f"({sum(sw['cpu'].values()) / sw['wall_seconds']:.2f} cores)" for sw in swarms])
+                              f"({sw['cpu'].get(kind, 0.0) / max(total, 1e-9):.0%})" for sw, total in zip(swarms, totals)])
+    rows.append(["all"] + [f"{total / sw['steps']:.3f} ({total / sw['wall_seconds']:.2f} cores)"
+                           for sw, total in zip(swarms, totals)])
     rows.append(["`peer reference`: wall seconds a step (one process, one thread: the arithmetic)"] +
                 [f"{r['wall_seconds'] / r['steps']:.3f}" for r in refs])
     return (md_table(["processes", *(f"swarm #{i + 1}: CPU-s a step (share)" for i in range(len(swarms)))], rows) +

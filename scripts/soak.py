@@ -37,6 +37,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from _bench_common import process_tree  # noqa: E402  (scripts/, beside this file)
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--minutes", type=float, default=30.0)
@@ -73,16 +74,6 @@ p.add_argument("--replot", default=None, metavar="DIR",
                     "summary's events), and print the memory table from them")
 p.add_argument("-v", "--verbose", action="count", default=0, help="the swarm's processes log at INFO (their logs: --work-dir)")
 args = p.parse_args()
-
-
-def tree(pid: int):
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        return [proc] + proc.children(recursive=True)
-    except psutil.Error:
-        return []
 
 
 class Arrivals:
@@ -136,7 +127,7 @@ class Arrivals:
             if joined:
                 del self.starting[name]
                 self.current[name][1] = now
-                for proc in tree(pid) if self.nice > 0 else []:
+                for proc in process_tree(pid) if self.nice > 0 else []:
                     try:
                         proc.nice(0)
                     except psutil.Error:
@@ -283,17 +274,17 @@ async def main() -> dict:
                 groups = {"launcher": launcher_tree()}
                 for name, proc in list(swarm.servers.items()):
                     if args.restarts == "supervised":  # the server process (a new pid after each restart),
-                        everything = tree(proc.pid)  # its supervisor on its own, and the supervisor's DHT
+                        everything = process_tree(proc.pid)  # its supervisor on its own, and the supervisor's DHT
                         groups[f"{name} supervisor"] = everything[:1]  # node (DHT process and p2p daemon)
                         workers = child_groups(proc.pid)
-                        server = tree(workers[0]) if workers else []  # (none while it forks again)
+                        server = process_tree(workers[0]) if workers else []  # (none while it forks again)
                         if server:
                             groups[name] = server
                         groups[f"{name} node"] = [q for q in everything[1:] if q.pid not in {w.pid for w in server}]
                     else:
-                        groups[name] = tree(proc.pid)
+                        groups[name] = process_tree(proc.pid)
                 for name, (proc, _) in list(swarm.volunteers.items()):
-                    groups[name] = tree(proc.pid)
+                    groups[name] = process_tree(proc.pid)
                 for name, procs in groups.items():
                     if not procs:
                         continue
