@@ -157,6 +157,7 @@ class StageWorker:
         # server device -> whether its last take answer said tasks were queued there ("more"): one
         # that said none is asked again only by a waiting take, once this worker is idle
         self.more: dict[str, bool] = {}
+        self.unready: str | None = None  # the server whose last task went back undone (_could_not_work)
         self.ready: list[tuple] = []  # (link, meta, tensors)
         if die_at is not None and die_at not in KILL_POINTS:
             raise ValueError(f"unknown kill point {die_at!r}; choose from {', '.join(KILL_POINTS)}")
@@ -360,11 +361,13 @@ class StageWorker:
                 except NotReady as e:
                     logger.info("%s: handing back %s: %s", self.device_id, meta["task"], e)
                     await self._hand_back(link, meta["task"], meta.get("epoch", 0))
+                    self._could_not_work(link.device)
                     await asyncio.sleep(self.poll)
                 except RemoteError as e:
                     self.stats["dropped"] += 1
                     logger.info("%s: task %s dropped: %s", self.device_id, meta["task"], e)
                     await self._hand_back(link, meta["task"], meta.get("epoch", 0))
+                    self._could_not_work(link.device)
                 except Exception as e:  # a transport failure: hand the task back so it is re-queued at once
                     self.stats["dropped"] += 1
                     # a server that cannot be reached is reported by its link's health (one line when
@@ -373,6 +376,9 @@ class StageWorker:
                     logger.log(logging.INFO if transport else logging.WARNING, "%s: task %s interrupted: %r",
                                self.device_id, meta["task"], e)
                     await self._hand_back(link, meta["task"], meta.get("epoch", 0))
+                    self._could_not_work(link.device)
+                else:
+                    self.unready = None
                 finally:
                     self.current = None
             await self.flush(sorted(self.pending))  # a clean stop hands in what it has
@@ -392,13 +398,25 @@ class StageWorker:
         await asyncio.gather(*(self._hand_back(link, meta["task"], meta.get("epoch", 0))
                                for link, meta, _ in ready))
 
+    def _could_not_work(self, device: str) -> None:
+        """The task `device` leased went back undone (a version the stage has not reached, a refusal,
+        a failure): what the stage waits for may be queued at a server whose last answer said it had
+        none, which a worker kept busy by such tasks would never ask again (a slot taken over at an
+        older version waits for backward tasks of the batch it lacks while the frontal servers hand
+        out tasks of later batches: every worker took, handed back and took those for minutes).
+        Every server is asked again, `device` last, until a task is done."""
+        self.more.clear()
+        self.unready = device
+
     def _order(self) -> list[str]:
-        """The stage's servers to ask for a task: backward servers first, rotating the start."""
+        """The stage's servers to ask for a task: backward servers first, rotating the start; the
+        server whose last task could not be worked on goes last."""
         order = [d for d in list(self.st.backward) + list(self.st.frontal) if d in self.links]
         if not order:
             return order
         self._turn = (self._turn + 1) % len(order)
-        return order[self._turn:] + order[: self._turn]
+        order = order[self._turn:] + order[: self._turn]
+        return sorted(order, key=lambda d: d == self.unready)
 
     async def _take(self, device: str, wait: float = 0.0):
         """(link, meta, tensors) of a task leased from `device`, or None; waits up to `wait` seconds

@@ -1133,3 +1133,61 @@ def test_a_client_that_never_held_a_task_cannot_complete_it():
         assert fs.pool.is_done(second)
 
     asyncio.run(scenario())
+
+
+def test_a_worker_handed_a_task_it_cannot_work_on_asks_every_server_again():
+    """Found in CI: after a failover a slot taken over at an older version waits for the backward
+    tasks of the batch it lacks, queued at a server whose last take answer said it had none, while
+    the frontal servers hand out tasks of later batches, which need a version that slot has not made.
+    Every worker took such a task, found the version missing, handed it back and took the next; none
+    went idle, so none asked the server with the tasks again (a server that said "no more" is asked
+    only by a waiting take): the run stood still for the test's 300 s. Here frontal server f0 is ahead
+    of the stage (its own worker's push of batch 0 reached it alone) and hands out tasks of batch 2,
+    which need version 1 of every slot; f1's tasks were handed back after its last answer said none
+    were left. The worker hands f0's task back and takes f1's next, which the stage waits for."""
+    cfg, layout, run = make_run(steps=4, stages=1, frontal=2, backward=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    f0, f1 = (swarm.servers[d] for d in layout.stages[0].frontal)
+    (a,) = swarm.workers
+    other = LocalLink(f0, "peer-other")  # another volunteer, which holds f0's tasks of batches 0 and 1
+    took_at_f1 = []
+    handle = f1.handle
+
+    async def counted(method, meta, tensors, sender):
+        answer = await handle(method, meta, tensors, sender)
+        if method == "take" and answer[0].get("task"):
+            took_at_f1.append(answer[0]["task"])
+        return answer
+
+    async def scenario():
+        await other.call("register", {"device": "other", "compute": 1.0, "stage": 0})
+        f0.maybe_start_batches()  # cut for `other` alone
+        while (await other.call("take", {}))[0].get("task"):
+            pass
+        await a.register()
+        f1.maybe_start_batches()
+        held = []
+        while (got := await a._take(f1.device_id)) is not None:
+            held.append(got[1]["task"])
+        assert held and a.more[f1.device_id] is False
+        for tid in held:
+            await a.links[f1.device_id].call("fail", {"task": tid})
+        f1.handle = counted
+        batch0 = sorted(t for s in (f0, f1) for t in s.issued if TaskId.parse(t).batch == 0)
+        zeros = [torch.zeros_like(f0.shard.params[n]) for n in f0.shard.names]
+        await LocalLink(f0, f0.peer_id).call("push_grads", {"tasks": batch0, "batch": 0, "slot": f0.slot,
+                                                           "loss_sum": 0.0}, zeros)
+        assert (f0.version, f1.version) == (1, 0) and f0.pool.open_tasks(2)  # f0 cut batch 2
+        assert {h for b in (0, 1) for _, h, _ in f0.pool.open_tasks(b)} == {"peer-other"}  # all held
+        stop = asyncio.Event()
+        loop = asyncio.ensure_future(a.run_loop(stop))
+        deadline = time.monotonic() + 15.0
+        while not took_at_f1 and time.monotonic() < deadline and not loop.done():
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(loop, 30.0)
+        return f0.pool.stats()["requeued"]
+
+    requeued = asyncio.run(scenario())
+    assert requeued >= 1  # f0's task of batch 2 went back undone
+    assert took_at_f1 and TaskId.parse(took_at_f1[0]).batch == 0, took_at_f1
