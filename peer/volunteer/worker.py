@@ -155,9 +155,10 @@ class StageWorker:
         # most one per server); a task that arrives while it works on another waits here, leased to it
         self.waiting: dict[str, asyncio.Future] = {}
         # server device -> whether its last take answer said tasks were queued there ("more"): one
-        # that said none is asked again only by a waiting take, once this worker is idle
+        # that said none is asked again only by a waiting take, once this worker is idle, or after a
+        # task went back undone (_undone)
         self.more: dict[str, bool] = {}
-        self.unready: str | None = None  # the server whose last task went back undone (_could_not_work)
+        self.unready: str | None = None  # the server whose last task went back undone (_undone)
         self.ready: list[tuple] = []  # (link, meta, tensors)
         if die_at is not None and die_at not in KILL_POINTS:
             raise ValueError(f"unknown kill point {die_at!r}; choose from {', '.join(KILL_POINTS)}")
@@ -360,14 +361,12 @@ class StageWorker:
                                  self.stats["param_seconds"] - pulled)
                 except NotReady as e:
                     logger.info("%s: handing back %s: %s", self.device_id, meta["task"], e)
-                    await self._hand_back(link, meta["task"], meta.get("epoch", 0))
-                    self._could_not_work(link.device)
+                    await self._undone(link, meta)
                     await asyncio.sleep(self.poll)
                 except RemoteError as e:
                     self.stats["dropped"] += 1
                     logger.info("%s: task %s dropped: %s", self.device_id, meta["task"], e)
-                    await self._hand_back(link, meta["task"], meta.get("epoch", 0))
-                    self._could_not_work(link.device)
+                    await self._undone(link, meta)
                 except Exception as e:  # a transport failure: hand the task back so it is re-queued at once
                     self.stats["dropped"] += 1
                     # a server that cannot be reached is reported by its link's health (one line when
@@ -375,8 +374,7 @@ class StageWorker:
                     transport = isinstance(e, (ConnectionError, asyncio.TimeoutError))
                     logger.log(logging.INFO if transport else logging.WARNING, "%s: task %s interrupted: %r",
                                self.device_id, meta["task"], e)
-                    await self._hand_back(link, meta["task"], meta.get("epoch", 0))
-                    self._could_not_work(link.device)
+                    await self._undone(link, meta)
                 else:
                     self.unready = None
                 finally:
@@ -398,15 +396,16 @@ class StageWorker:
         await asyncio.gather(*(self._hand_back(link, meta["task"], meta.get("epoch", 0))
                                for link, meta, _ in ready))
 
-    def _could_not_work(self, device: str) -> None:
-        """The task `device` leased went back undone (a version the stage has not reached, a refusal,
-        a failure): what the stage waits for may be queued at a server whose last answer said it had
-        none, which a worker kept busy by such tasks would never ask again (a slot taken over at an
-        older version waits for backward tasks of the batch it lacks while the frontal servers hand
-        out tasks of later batches: every worker took, handed back and took those for minutes).
-        Every server is asked again, `device` last, until a task is done."""
+    async def _undone(self, link, meta: dict) -> None:
+        """Hand back a task this worker could not work on (a version the stage has not reached, a
+        refusal, a failure). What the stage waits for may then be queued at a server whose last
+        answer said it had none, which a worker kept busy by such tasks would never ask again (a slot
+        taken over at an older version waits for backward tasks of the batch it lacks while the
+        frontal servers hand out tasks of later batches: every worker took, handed back and took
+        those for minutes): every server is asked again, this task's server last, until a task is done."""
+        await self._hand_back(link, meta["task"], meta.get("epoch", 0))
         self.more.clear()
-        self.unready = device
+        self.unready = link.device
 
     def _order(self) -> list[str]:
         """The stage's servers to ask for a task: backward servers first, rotating the start; the
