@@ -135,15 +135,15 @@ def test_a_dht_that_cannot_be_joined_is_a_clear_error():
 def test_a_run_that_is_not_there_exits_2():
     # (before the module's swarm: a DHT without that run is all it needs, and a dashboard process
     # started beside the swarm's 8 busy processes took 15-26 s of the suite, against 8 s here)
-    from hivemind.dht import DHT
+    from peer.node import start_dht, stop_dht, visible_maddrs
 
-    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = start_dht([], run_id=f"another-run-{os.getpid()}", run_fp=None)  # a node as every peer starts one
     try:
-        maddrs = [str(a) for a in dht.get_visible_maddrs()]
-        out = subprocess.run([sys.executable, SCRIPT, "--initial-peers", *maddrs, "--run-id", "no-such-run",
-                              "--json", "--timeout", "2"], capture_output=True, text=True, timeout=90, cwd=REPO)
+        out = subprocess.run([sys.executable, SCRIPT, "--initial-peers", *visible_maddrs(dht), "--run-id",
+                              "no-such-run", "--json", "--timeout", "2"], capture_output=True, text=True, timeout=90,
+                             cwd=REPO)
     finally:
-        dht.shutdown()
+        stop_dht(dht)
     assert out.returncode == 2, (out.stdout[-1000:], out.stderr[-2000:])
     assert "no run 'no-such-run' found in the DHT after 2 s" in out.stderr and "--run-id" in out.stderr
     assert out.stdout == ""
