@@ -11,6 +11,7 @@ import time
 
 from parameter_server.layout import DEFAULT_TASK_TOKENS
 from peer.errors import NetworkError, UsageError
+from peer.protocol.records import DEFAULT_ANNOUNCE_PERIOD, JOINING_PERIOD
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 from peer.runtime import (add_common_arguments, check_common, freeze_startup_objects, link_emulator, run_until_signalled,
                           trim_heap)
@@ -67,7 +68,9 @@ def add_arguments(p) -> None:
                           "same identity, when it crashes (killed by a signal or an error exit): torch and hivemind "
                           "stay imported, so a restart takes seconds (needs --checkpoint-dir; the identity defaults "
                           "to CHECKPOINT_DIR/DEVICE.identity.key; at most 5 restarts in 10 minutes)")
-    net.add_argument("--announce-period", type=float, default=1.0, help="seconds between DHT announcements")
+    net.add_argument("--announce-period", type=float, default=DEFAULT_ANNOUNCE_PERIOD,
+                     help="seconds between DHT announcements (every 1 s until the run is online); a server silent for "
+                          "3 periods counts as gone, and is failed over --failover-after seconds later")
     net.add_argument("--task-timeout", type=float, default=60.0, help="seconds before an unanswered task is re-queued")
     net.add_argument("--client-timeout", type=float, default=5.0, help="seconds of silence before a client is dropped")
     net.add_argument("--failover-after", type=float, default=30.0,
@@ -528,10 +531,11 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                     state = "online"
                     online.set()
                     server.replicate_hosted()  # a server lost before the first step can be failed over
+                    await announce(state)  # at once, not a period later: readers date the start by it
             except Exception as e:
                 logger.debug("announce failed: %r", e)
-            try:
-                await asyncio.wait_for(stop.wait(), period)
+            try:  # until it has seen every server, quickly: the run starts once all have
+                await asyncio.wait_for(stop.wait(), period if online.is_set() else min(period, JOINING_PERIOD))
             except asyncio.TimeoutError:
                 pass
 

@@ -17,6 +17,7 @@ from peer.errors import UsageError
 from peer.launcher.churn import Churn
 from peer.launcher.monitor import Monitor
 from peer.launcher.processes import Swarm
+from peer.protocol.records import DEFAULT_ANNOUNCE_PERIOD, JOINING_PERIOD
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 
 logger = logging.getLogger("hivepipe.swarm")
@@ -51,7 +52,8 @@ def add_arguments(p) -> None:
                    help="Linux: fork each server and volunteer from one process that imported torch and hivemind "
                         "once, which starts them seconds sooner (the default; elsewhere, or with "
                         "--no-fork-processes, each is a new interpreter)")
-    p.add_argument("--announce-period", type=float, default=1.0)
+    p.add_argument("--announce-period", type=float, default=DEFAULT_ANNOUNCE_PERIOD,
+                   help="seconds between the peers' DHT announcements (as `peer serve`)")
     p.add_argument("--task-timeout", type=float, default=30.0)
     p.add_argument("--client-timeout", type=float, default=4.0)
     p.add_argument("--failover-after", type=float, default=10.0,
@@ -242,7 +244,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
             halt.update(monitor.halted(), monitor.min_version())
             version = monitor.min_version()
             if t_start is None and monitor.all_online():
-                t_start = time.time()
+                t_start = monitor.online_at()
                 last_change = t_start
                 if version < args.steps:  # the first step's kills: its length is not known yet
                     churn.steps_began(1, within=args.announce_period)
@@ -279,14 +281,17 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
                 if time.time() - ended_at > args.failover_after + 120.0:
                     raise RuntimeError(f"the losses {args.losses} could not all happen: the failover of "
                                        f"{swarm.lost} did not come")
-            # the servers' records change once per announce period: reading the DHT more often only
-            # loads every DHT node of the run (at 0.2 s it was a fifth of the DHT processes' work)
-            await asyncio.sleep(max(0.2, args.announce_period / 2))
+            # the servers' records change once per announce period (every JOINING_PERIOD until the run
+            # is online): reading the DHT more often only loads every DHT node of the run (at 0.2 s it
+            # was a fifth of the DHT processes' work)
+            await asyncio.sleep(max(0.2, (args.announce_period if t_start else min(args.announce_period, JOINING_PERIOD)) / 2))
         bar.close()
         if stop.is_set() and last_version < args.steps:
             print("interrupted: stopping the swarm", file=sys.stderr)
             return 130
-        wall = time.time() - (t_start or t_launch)
+        # from the servers' own clocks at both ends (the records that showed them are up to an
+        # announce period old)
+        wall = min(time.time(), monitor.reached.completed().get(args.steps, time.time())) - (t_start or t_launch)
         await wait_for_failovers(monitor, swarm.lost, args.failover_after + 120.0, stop)
         statuses, state = await monitor.final(args.steps)
         summary = monitor.summary(args, cfg, statuses, swarm.killed, wall)

@@ -24,6 +24,7 @@ class Monitor:
         self.servers: dict[str, tuple[str, dict]] = {}  # device -> (peer id, record)
         self.server_ids = set(self.all_devices())  # of every epoch (a failover only removes servers)
         self.reached = StepTimes()
+        self.online_since: dict[str, float] = {}  # device -> `time` of its first "online" record seen
 
     async def refresh(self) -> None:
         from parameter_server.layout import RunLayout
@@ -46,6 +47,8 @@ class Monitor:
                 if rec is not None and rec["kind"] == "server":
                     self.servers[rec["device"]] = (peer, rec)
                     self.reached.note(rec["device"], rec.get("step_times"))
+                    if rec["state"] == "online":
+                        self.online_since.setdefault(rec["device"], float(rec["time"]))
 
     def halted(self) -> str | None:
         """Why the run is stopped, as a live server of it announces (None while it runs)."""
@@ -58,6 +61,13 @@ class Monitor:
 
     def all_online(self) -> bool:
         return all(d in self.servers and self.servers[d][1]["state"] == "online" for d in self.all_devices())
+
+    def online_at(self) -> float:
+        """When the last server of the layout went online, by its own clock (its first "online"
+        record: servers announce every JOINING_PERIOD until then, so one is rarely missed), not when
+        this reader saw it; now at the latest."""
+        return min(time.time(), max((self.online_since.get(d, time.time()) for d in self.all_devices()),
+                                    default=time.time()))
 
     def min_version(self) -> int:
         if not all(d in self.servers for d in self.all_devices()):

@@ -30,6 +30,9 @@ def test_peer_swarm_cli_matches_reference(tmp_path):
                 "requeued", "volunteers_killed", "wall_seconds", "tokens_per_second"):
         assert key in summary, key
     assert summary["microbatches_applied"] == summary["microbatches_expected"] == 3 * 4 * 2
+    # dated by the servers' own clocks at both ends: the last server's first "online" record (sent
+    # at once, not an announce period later) and the last server's final version
+    assert summary["wall_seconds"] > 0, summary
     assert abs(summary["first_loss"] - math.log(256)) < 0.1
     assert rel_diff(state, reference_state("tiny", 3)) < 1e-5
 
