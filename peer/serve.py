@@ -601,6 +601,15 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                     logger.debug("%s: get_layout from %s: %r", device, d, e)
             await asyncio.sleep(1.0)
 
+    async def announce_now() -> None:
+        try:
+            await announce("online")
+        except Exception as e:
+            logger.debug("announce failed: %r", e)
+
+    # the run's last version is announced at once, not up to a period later: `peer swarm` and the
+    # dashboard see the run end by it
+    server.on_step.append(lambda version: announce_now() if version == run_cfg.steps and online.is_set() else None)
     tasks = [asyncio.ensure_future(announcer()), asyncio.ensure_future(watcher()), asyncio.ensure_future(maintenance())]
     run_epoch = current.get("epoch", 0) if isinstance(current, dict) else 0
     if isinstance(run_epoch, int) and run_epoch > server.epoch:
