@@ -284,7 +284,8 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
             # the servers' records change once per announce period (every JOINING_PERIOD until the run
             # is online): reading the DHT more often only loads every DHT node of the run (at 0.2 s it
             # was a fifth of the DHT processes' work)
-            await asyncio.sleep(max(0.2, (args.announce_period if t_start else min(args.announce_period, JOINING_PERIOD)) / 2))
+            period = args.announce_period if t_start else min(args.announce_period, JOINING_PERIOD)
+            await asyncio.sleep(max(0.2, period / 2))
         bar.close()
         if stop.is_set() and last_version < args.steps:
             print("interrupted: stopping the swarm", file=sys.stderr)

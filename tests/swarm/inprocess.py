@@ -18,7 +18,7 @@ from peer.volunteer.worker import StageWorker
 def make_run(model="tiny", stages=2, frontal=1, backward=1, steps=3, seed=0, batch_size=16, micro_batches=4, lr=2e-3):
     cfg = get_preset(model)
     layout = RunLayout.even(stages, cfg.layers, frontal, backward)
-    run = RunConfig("test", model, seed, steps, batch_size, micro_batches, lr, layout.to_dict())
+    run = RunConfig("test", model, seed, steps, batch_size, micro_batches, lr, layout.to_dict(), announce_period=1.0)
     return cfg, layout, run
 
 
