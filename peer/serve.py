@@ -11,7 +11,7 @@ import time
 
 from parameter_server.layout import DEFAULT_TASK_TOKENS
 from peer.errors import NetworkError, UsageError
-from peer.protocol.records import DEFAULT_ANNOUNCE_PERIOD, JOINING_PERIOD
+from peer.protocol.records import DEFAULT_ANNOUNCE_PERIOD, JOINING_PERIOD, STALE_PERIODS
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 from peer.runtime import (add_common_arguments, check_common, freeze_startup_objects, link_emulator, run_until_signalled,
                           trim_heap)
@@ -69,8 +69,9 @@ def add_arguments(p) -> None:
                           "stay imported, so a restart takes seconds (needs --checkpoint-dir; the identity defaults "
                           "to CHECKPOINT_DIR/DEVICE.identity.key; at most 5 restarts in 10 minutes)")
     net.add_argument("--announce-period", type=float, default=DEFAULT_ANNOUNCE_PERIOD,
-                     help="seconds between DHT announcements (every 1 s until the run is online); a server silent for "
-                          "3 periods counts as gone, and is failed over --failover-after seconds later")
+                     help=f"seconds between DHT announcements (every {JOINING_PERIOD:g} s until the run is online); a "
+                          f"server silent for {STALE_PERIODS} periods counts as gone, and is failed over --failover-after "
+                          "seconds later")
     net.add_argument("--task-timeout", type=float, default=60.0, help="seconds before an unanswered task is re-queued")
     net.add_argument("--client-timeout", type=float, default=5.0, help="seconds of silence before a client is dropped")
     net.add_argument("--failover-after", type=float, default=30.0,
