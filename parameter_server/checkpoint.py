@@ -1,7 +1,8 @@
-"""A server's checkpoint: its parameter shard, AdamW state, version and counters in ONE file,
-replaced atomically after every step (a SIGKILL between two files would pair new parameters with an
-old version and optimizer state, and a replay would apply a step twice). The request log beside it
-(parameter_server/requestlog.py) carries what happened since."""
+"""A server's checkpoint: its version, counters and the names of its kept versions' files (each
+version's parameters and AdamW state, the current one's among them) in ONE file, replaced atomically
+after every step once the new version's file is on disk (a SIGKILL between two files would pair new
+parameters with an old version and optimizer state, and a replay would apply a step twice). The
+request log beside it (parameter_server/requestlog.py) carries what happened since."""
 from __future__ import annotations
 
 import json
@@ -64,6 +65,12 @@ def _history_in(directory: str, shard: dict) -> dict:
     return shard
 
 
+def _current_params(shard: dict) -> dict:
+    """The parameters of the version a saved shard state (its history read in) is at: that version's
+    kept snapshot, or inline beside the history in a state written before ShardState took them from it."""
+    return shard["params"] if "params" in shard else shard["snapshots"].get(shard["version"], {})
+
+
 def _forget_history(directory: str, prefix: str, keep: set[str]) -> None:
     """Delete the version files under `prefix` that the file just written no longer names."""
     for name in os.listdir(directory):
@@ -104,9 +111,10 @@ def write_replica(directory: str, device: str, slot: int, state: dict) -> None:
 
 class CheckpointWriter:
     """A server's checkpoint and replica files, written by one thread of their own, in the order
-    they were asked for. The state is copied on the event loop (a few MB) and pickled and written
-    beside it: a step's checkpoint is ~24 copies of the shard (the kept versions with their AdamW
-    moments), and writing it on the loop held every call to the server while it ran.
+    they were asked for. The state's maps are copied on the event loop (the kept versions' tensors
+    never change) and pickled and written beside it: a step writes its new version's file (3 copies of
+    the shard: parameters and AdamW moments) and the small file naming the kept ones, and writing on
+    the loop held every call to the server while it ran.
 
     - `after_step(then)`: the checkpoint of the state now; `then()` runs on the loop once it is on
       disk (the request log may forget what the checkpoint holds only then). A crash before that
@@ -173,13 +181,14 @@ def load_checkpoint(server, directory: str) -> bool:
         raise ValueError(f"checkpoint {path} holds shard slots {sorted(state['slots'])} of a server whose own slot "
                          f"is {state.get('own_slot')}, not {server.slot}: not this server's checkpoint")
     shards = {slot: server.shard if slot == server.slot else server._new_shard(slot) for slot in state["slots"]}
+    saved = {slot: _history_in(directory, state["slots"][slot]) for slot in shards}
     for slot, shard in shards.items():  # every slot checked before anything is loaded
-        missing = set(shard.names) - set(state["slots"][slot]["params"])
+        missing = set(shard.names) - set(_current_params(saved[slot]))
         if missing:
             raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:3]} of shard slot {slot}: not this "
                              "server's shard")
     for slot, shard in shards.items():
-        shard.load_state_dict(_history_in(directory, state["slots"][slot]))
+        shard.load_state_dict(saved[slot])
         if slot != server.slot:
             server.replicas[slot] = shard
     _load_replicas(server, directory)
@@ -223,7 +232,7 @@ def read_model(directories) -> tuple[dict, dict]:
                 raise ValueError(f"{path}: not a server checkpoint ({e})") from None
             slots = saved["slots"] if "slots" in saved else {0: saved}
             for shard in slots.values():
-                for n, p in shard["params"].items():
+                for n, p in _current_params(_history_in(directory, shard)).items():
                     if versions.get(n, -1) < shard["version"]:
                         state[n], versions[n] = p, shard["version"]
     return state, versions

@@ -15,7 +15,6 @@ batches 0..t-2), and update t is applied when version == t, producing version t 
 """
 from __future__ import annotations
 
-import copy
 import uuid
 
 from dataclasses import dataclass, field
@@ -108,6 +107,19 @@ class ShardState:
             for v in [v for v in store if v <= version - self.keep_versions]:
                 del store[v]
 
+    def _restore(self, version: int) -> None:
+        """Parameters and AdamW state as they were right after `version` was made: its kept snapshot
+        and moments, copied (the kept ones never change)."""
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.snapshots[version][n])
+                step, avg, avg_sq = self.moments[version][n]
+                if avg is None:
+                    self.optimizer.state.pop(p, None)
+                else:
+                    self.optimizer.state[p] = {"step": torch.tensor(step), "exp_avg": avg.clone(),
+                                               "exp_avg_sq": avg_sq.clone()}
+
     def rollback(self, version: int, epoch: int) -> bool:
         """Go back to the state right after version `version` was reached (parameters and AdamW state
         from the kept history), forgetting every later version, credit and loss: the update of a batch
@@ -120,15 +132,7 @@ class ShardState:
             return False
         if version not in self.snapshots or version not in self.moments:
             raise PayloadError(f"version {version} is no longer kept (kept: {sorted(self.snapshots)})")
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(self.snapshots[version][n])
-                step, avg, avg_sq = self.moments[version][n]
-                if avg is None:
-                    self.optimizer.state.pop(p, None)
-                else:
-                    self.optimizer.state[p] = {"step": torch.tensor(step), "exp_avg": avg.clone(),
-                                               "exp_avg_sq": avg_sq.clone()}
+        self._restore(version)
         for store in (self.snapshots, self.moments, self.tokens):
             for v in [v for v in store if v > version]:
                 del store[v]
@@ -378,12 +382,12 @@ class ShardState:
 
     # checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """What a checkpoint or replica file holds. The current parameters and AdamW state are not in
+        it apart: they are the current version's kept snapshot and moments (every version made is kept
+        at once), which it holds already; the kept versions' tensors are never changed in place, so the
+        maps are copied, not the tensors (a thread may write this while the next step runs)."""
         return {
             "version": self.version,
-            "params": {n: p.detach().clone() for n, p in self.params.items()},
-            # copies of what the next step changes in place (a thread may write this while it runs);
-            # the kept versions' tensors are never changed, so the maps are copied, not the tensors
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "snapshots": dict(self.snapshots),
             "moments": dict(self.moments),
             "tokens": dict(self.tokens),
@@ -394,14 +398,21 @@ class ShardState:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(state["params"][n])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.version = int(state["version"])
-        self.snapshots = {int(v): s for v, s in state["snapshots"].items()}
-        # (a checkpoint written before rollbacks existed has no AdamW history: it cannot roll back)
-        self.moments = {int(v): m for v, m in state.get("moments", {}).items()}
+        version = int(state["version"])
+        snapshots = {int(v): s for v, s in state["snapshots"].items()}
+        # (a state written before rollbacks existed has no AdamW history: it cannot roll back)
+        moments = {int(v): m for v, m in state.get("moments", {}).items()}
+        if "params" not in state and (version not in snapshots or version not in moments):
+            raise ValueError(f"shard state at version {version} lacks that version's parameters or AdamW state "
+                             f"(kept: {sorted(snapshots)})")
+        self.version, self.snapshots, self.moments = version, snapshots, moments
+        if "params" in state:  # written before the current state was taken from the kept history
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(state["params"][n])
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            self._restore(version)
         tokens = state.get("tokens", {})
         self.tokens = {v: str(tokens[v]) if v in tokens else _token() for v in self.snapshots}
         self.rollback_epoch = int(state.get("rollback_epoch", 0))

@@ -117,6 +117,54 @@ def test_peer_join_refuses_a_bad_cheat_before_it_joins():
         run(args)
 
 
+def test_a_checkpoint_holds_the_current_state_once_and_a_shard_loaded_from_it_steps_on_identically(tmp_path):
+    """The current parameters and AdamW state are the current version's kept snapshot and moments:
+    the checkpoint file naming the versions carries no tensor, the version's own file carries them,
+    and a shard loaded from it takes the next steps bit for bit like the one that wrote it. A state
+    written before (parameters and optimizer inline) still loads; one lacking its version refuses."""
+    import copy
+    from types import SimpleNamespace
+
+    from parameter_server.checkpoint import _history_in, checkpoint_state, write_checkpoint
+
+    shard = _shard(keep=3)
+    _run(shard, range(3))
+    server = SimpleNamespace(slot=0, hosted={0: shard}, version=shard.version, device_id="s0f0", stage=0, epoch=0)
+    write_checkpoint(str(tmp_path), "s0f0", *checkpoint_state(server))
+    saved = torch.load(tmp_path / "s0f0.shard.pt", weights_only=False)["slots"][0]
+    assert not any(isinstance(t, torch.Tensor) for t in _leaves(saved))
+    older = copy.deepcopy(shard.state_dict()) | {"params": {n: p.detach().clone() for n, p in shard.params.items()},
+                                                 "optimizer": copy.deepcopy(shard.optimizer.state_dict())}
+    loaded, inline = _shard(keep=3), _shard(keep=3)
+    loaded.load_state_dict(_history_in(str(tmp_path), saved))
+    inline.load_state_dict(older)
+    _run(shard, range(3, 6))
+    for copy_ in (loaded, inline):
+        _run(copy_, range(3, 6))
+        for n in shard.names:
+            assert torch.equal(copy_.params[n], shard.params[n]), n
+            a, b = copy_.optimizer.state[copy_.params[n]], shard.optimizer.state[shard.params[n]]
+            assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+            assert float(a["step"]) == float(b["step"]) == 6.0
+    broken = shard.state_dict()
+    del broken["snapshots"][shard.version]
+    fresh = _shard(keep=3)
+    with pytest.raises(ValueError, match="lacks that version"):
+        fresh.load_state_dict(broken)
+    assert fresh.version == 0 and torch.equal(fresh.params["w"], torch.zeros(3))
+
+
+def _leaves(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _leaves(v)
+    else:
+        yield obj
+
+
 def test_a_checkpoint_writes_each_kept_version_once_and_reads_back_the_whole_history(tmp_path):
     """The kept versions (what rollbacks and replicas need) live in files of their own, written once
     each: a step adds one file and the oldest goes; a rollback's re-made versions get new files; the
