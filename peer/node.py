@@ -17,7 +17,8 @@ from hivemind.proto.runtime_pb2 import ExpertRequest
 
 from peer.protocol import methods, records
 from peer.protocol.links import LinkEmulator
-from peer.protocol.wire import STALL_SECONDS, PayloadError, RemoteError, StreamCut, pack, unpack
+from peer.protocol.wire import (STALL_SECONDS, PayloadError, RemoteError, StreamCut, merged, pack, payload_bytes,
+                                stream_of, unpack)
 
 logger = logging.getLogger("hivepipe.node")
 
@@ -511,16 +512,16 @@ class P2PLink:
     async def _call_once(self, method: str, meta: dict, tensors, timeout: float):
         messages = pack(meta, list(tensors), ExpertRequest,
                         compress=self.compress if method in methods.COMPRESSED_REQUESTS else "none")
-        await self.links.send(self.device, sum(m.ByteSize() for m in messages))
-
-        async def stream():
-            for m in messages:
-                yield m
-
+        size = payload_bytes(messages)
+        await self.links.send(self.device, size)
         started = time.monotonic()
 
         async def roundtrip():
-            responses = await getattr(self._stub, f"rpc_{method}")(stream())
+            if method in methods.UNARY and size <= methods.UNARY_BYTES:
+                answer = await getattr(self._stub, f"rpc_{method}_unary")(merged(messages, ExpertRequest))
+                responses = stream_of([answer])
+            else:
+                responses = await getattr(self._stub, f"rpc_{method}")(stream_of(messages))
             try:
                 # the answer's messages follow each other at once: one that stalls cuts the call
                 return await unpack(responses, stall=STALL_SECONDS, accept=self.compress)

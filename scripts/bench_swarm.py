@@ -38,7 +38,8 @@ from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse  # noqa: E4
 
 from peer.model.config import get_preset  # noqa: E402
 from peer.node import start_dht, visible_maddrs  # noqa: E402
-from peer.protocol.wire import encode_meta, pack, unpack  # noqa: E402
+from peer.protocol.methods import UNARY_BYTES  # noqa: E402
+from peer.protocol.wire import encode_meta, merged, pack, payload_bytes, stream_of, unpack  # noqa: E402
 
 MIB = 1 << 20
 SWARM = dict(stages=2, servers_per_stage=2, volunteers=4, batch_size=16, micro_batches=4)
@@ -75,14 +76,18 @@ class Echo(ServicerBase):
             n += len(message.metadata) + sum(len(part.buffer) for part in message.tensors)
         yield ExpertResponse(metadata=encode_meta({"bytes": n}))
 
+    async def rpc_echo_unary(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
+        """The same as one unary message (as a small call whose answer is metadata goes: methods.UNARY)."""
+        return ExpertResponse(metadata=encode_meta({"bytes": len(request.metadata) + sum(len(p.buffer) for p in request.tensors)}))
 
-async def _stream(messages):
-    for m in messages:
-        yield m
+
+STREAM, UNARY = "", " (as one unary message)"
 
 
 async def hop_costs(payloads: list[tuple[str, tuple[int, ...]]], repeats: int) -> list[list]:
-    """Rows of the per-hop table: serialize, deserialize and transport medians for each payload."""
+    """Rows of the per-hop table: serialize, deserialize and transport medians for each payload, the
+    transport as a stream call and, for a payload of at most UNARY_BYTES, as a unary one too (a row
+    of its own, its label ending in UNARY)."""
     server = start_dht([], run_id="bench-hop", run_fp=None)
     client = start_dht(visible_maddrs(server), run_id="bench-hop", run_fp=None)
     try:
@@ -94,25 +99,31 @@ async def hop_costs(payloads: list[tuple[str, tuple[int, ...]]], repeats: int) -
         for label, shape in payloads:
             tensors = [torch.randn(shape)] if shape else []
             n = max(3, repeats if not shape or torch.Size(shape).numel() * 4 < 8 * MIB else repeats // 4)
-            ser, de, rtt = [], [], []
+            ser, de, rtt, rtt_unary = [], [], [], []
             for i in range(n + 1):  # the first round warms up
                 t0 = time.perf_counter()
                 messages = pack({"task": "F0.0.0.0-4", "rows": [0, 4]}, tensors, ExpertRequest)
                 t1 = time.perf_counter()
-                await unpack(_stream(messages))
+                await unpack(stream_of(messages))
                 t2 = time.perf_counter()
-                responses = await stub.rpc_echo(_stream(messages))
+                responses = await stub.rpc_echo(stream_of(messages))
                 async for _ in responses:
                     pass
                 t3 = time.perf_counter()
+                unary = payload_bytes(messages) <= UNARY_BYTES
+                if unary:
+                    await stub.rpc_echo_unary(merged(messages, ExpertRequest))
+                t4 = time.perf_counter()
                 if i:
                     ser.append(t1 - t0)
                     de.append(t2 - t1)
                     rtt.append(t3 - t2)
-            nbytes = sum(m.ByteSize() for m in messages)
+                    rtt_unary.append(t4 - t3)
+            nbytes = payload_bytes(messages)
             s, d, r = (statistics.median(x) * 1e3 for x in (ser, de, rtt))
-            rows.append([label, f"{nbytes:,}", n, f"{s:.2f}", f"{d:.2f}", f"{r:.2f}", f"{s + d + r:.2f}",
-                         f"{nbytes / 1e6 / (r / 1e3):.0f}" if shape else "-", loadavg()])
+            for how, ms in ((STREAM, r), (UNARY, statistics.median(rtt_unary) * 1e3)) if unary else ((STREAM, r),):
+                rows.append([label + how, f"{nbytes:,}", n, f"{s:.2f}", f"{d:.2f}", f"{ms:.2f}", f"{s + d + ms:.2f}",
+                             f"{nbytes / 1e6 / (ms / 1e3):.0f}" if shape else "-", loadavg()])
         return rows
     finally:
         client.shutdown()
@@ -205,20 +216,24 @@ process with one torch thread. Logs and summaries of this run: `{work}`.""")
     swarm, ref = swarms[0], refs[0]
 
     # 2. one hop ---------------------------------------------------------------------------------
-    payloads = [("metadata only (take, complete)", ()),
+    payloads = [("metadata only (take, register)", ()),
                 (f"1 row x {cfg.seq_len} x {cfg.hidden} fp32 (a share)", (1, cfg.seq_len, cfg.hidden)),
                 (f"{rows_share} rows x {cfg.seq_len} x {cfg.hidden} fp32 (a micro-batch)", (rows_share, cfg.seq_len, cfg.hidden)),
                 ("4 MiB fp32", (1, MIB)),
                 ("32 MiB fp32", (8, MIB))]
-    hop_rows = asyncio.run(hop_costs(payloads, args.repeats))
-    report.section("One hop: serialization and transport", """
+    all_hop_rows = asyncio.run(hop_costs(payloads, args.repeats))
+    hop_rows = [r for r in all_hop_rows if not r[0].endswith(UNARY)]
+    report.section("One hop: serialization and transport", f"""
 Serialize = `wire.pack` (hivemind tensor serialization, 1 MiB chunks, protobuf messages); deserialize =
 `wire.unpack`; transport = a P2P round trip between two hivemind peers on 127.0.0.1 (each its own DHT
 and p2p daemon) carrying the packed request one way and a tiny answer back, without touching the
-tensors. One hop as the swarm makes it = serialize + transport + deserialize. Medians; the first
-round is a warm-up and not counted.
+tensors: as a stream call of its own (a new connection to the daemon and a new libp2p stream), and for
+payloads of at most {UNARY_BYTES // 1024} KiB also as one unary message over the daemon's persistent
+connection, as the swarm sends such a request when its answer is metadata only (`methods.UNARY`:
+heartbeats, pushes, hand-ins). One hop as the swarm makes it = serialize + transport + deserialize.
+Medians; the first round is a warm-up and not counted.
 """ + "\n" + md_table(["payload", "bytes on the wire", "repeats", "serialize ms", "deserialize ms",
-                        "transport ms (round trip)", "hop ms", "transport MB/s", "load"], hop_rows))
+                        "transport ms (round trip)", "hop ms", "transport MB/s", "load"], all_hop_rows))
 
     # 3. bytes on the wire -----------------------------------------------------------------------
     steps = swarm["steps"]
@@ -238,7 +253,8 @@ round is a warm-up and not counted.
         md_table(["method", "request MB", "response MB", "total MB", "share"], method_rows(swarm, steps)))
     report.section("RPCs per micro-batch share (each swarm run)", rpc_text(swarms))
     grads_per_step = swarm["traffic"].get("push_grads.request", 0) / steps
-    report.section("Reading the numbers", interpretation(cfg, s, swarms, ratio, hop_rows, measured, floor,
+    meta_unary = float(next(r for r in all_hop_rows if r[0].endswith(UNARY))[6])
+    report.section("Reading the numbers", interpretation(cfg, s, swarms, ratio, hop_rows, meta_unary, measured, floor,
                                                          exchange, grads_per_step))
     report.write(args.out)
     return 0
@@ -262,14 +278,17 @@ def rpc_text(swarms: list[dict]) -> str:
         found = sw.get("takes_empty", {})
         split = (f"{found.get('takes_found_nothing', 0) / tasks:.2f} / {found.get('takes_waited_out', 0) / tasks:.2f}"
                  if found else "-")
+        unary = sum(sw.get("rpc_unary_calls", {}).values())
         rows.append([f"#{i + 1}", tasks, f"{path / tasks:.2f}", f"{(path - empty) / tasks:.2f}", split,
-                     f"{upkeep / tasks:.2f}", f"{between / tasks:.2f}", ", ".join(f"{m} {calls.get(m, 0) / tasks:.2f}" for m in TASK_PATH
-                                                         if calls.get(m))])
+                     f"{upkeep / tasks:.2f}", f"{between / tasks:.2f}",
+                     f"{unary / max(sum(v for m, v in calls.items() if m != 'status'), 1):.0%}",
+                     ", ".join(f"{m} {calls.get(m, 0) / tasks:.2f}" for m in TASK_PATH if calls.get(m))])
     return "\n" + md_table(["run", "tasks", "task-path calls per task", "without takes that found nothing",
-                             "takes that found nothing per task: at once / after waiting", "heartbeats per task", "server-to-server calls per task", "by method, per task"], rows)
+                             "takes that found nothing per task: at once / after waiting", "heartbeats per task",
+                             "server-to-server calls per task", "of all calls, unary", "by method, per task"], rows)
 
 
-def interpretation(cfg, s, swarms, ratio, hop_rows, measured, floor, exchange, grads_per_step) -> str:
+def interpretation(cfg, s, swarms, ratio, hop_rows, meta_unary, measured, floor, exchange, grads_per_step) -> str:
     tps = [sw["tokens_per_second"] for sw in swarms]
     startup = statistics.median(sw["startup_seconds"] for sw in swarms)
     stage_bytes = cfg.param_count() * 4 / s["stages"]  # about one stage's gradient
@@ -295,6 +314,8 @@ def interpretation(cfg, s, swarms, ratio, hop_rows, measured, floor, exchange, g
 - **One hop.** A metadata-only call costs {meta_hop:.2f} ms and a micro-batch of activations
   {share_hop:.2f} ms: on loopback a hop's cost is mostly the fixed price of a P2P stream (two
   daemons, protobuf framing), not bandwidth, and (de)serialization is {100 * share_codec:.0f}% of it.
+  As one unary message a metadata-only call costs {meta_unary:.2f} ms: no new connection to the daemon
+  and no new libp2p stream, which is why the swarm sends its small calls that way.
   For {big[0]} it is {100 * big_codec:.0f}%: hivemind's serialization copies the tensor into
   protobuf chunks and back, at a speed of the same order as loopback transport, which itself stays
   far below memory bandwidth (every byte goes Python → p2p daemon → TCP → p2p daemon → Python).

@@ -1,6 +1,6 @@
 """Hostile bytes (issue "Hours, not minutes", item 5): every `rpc_*` method of a live server (a
-StageServer on a real hivemind P2P daemon), called from an outsider peer (its own daemon) with
-random metadata (not msgpack, wrong types, missing and extra fields) and random tensor parts (odd
+StageServer on a real hivemind P2P daemon; the unary twins of methods.UNARY too), called from an
+outsider peer (its own daemon) with random metadata (not msgpack, wrong types, missing and extra fields) and random tensor parts (odd
 dtypes, shapes, NaN/inf, declared sizes far beyond what arrives, compression codes). The server
 answers each with an error or drops it, stays up, and its parameters, version and task pool are
 unchanged; a request over --max-request-bytes is refused while it arrives."""
@@ -20,7 +20,7 @@ from hivemind.proto.runtime_pb2 import ExpertRequest
 
 from parameter_server.service import StageServer
 from peer.protocol import methods
-from peer.protocol.wire import unpack
+from peer.protocol.wire import merged, stream_of, unpack
 from tests.swarm.inprocess import make_run
 
 FIELDS = ["task", "batch", "micro", "rows", "epoch", "slot", "version", "device", "compute", "tasks", "loss_sum",
@@ -97,12 +97,15 @@ class LiveServer:
         return s.version, params, pool["queued"] + pool["leased"], pool["done"], sorted(s.issued), s.epoch
 
     async def call(self, method: str, messages: list) -> str:
-        async def stream():
-            for m in messages:
-                yield m
+        """`method` (a name of methods.NAMES, or `<name>_unary`: its unary twin, sent `messages` as one)."""
+        async def roundtrip():
+            if method.endswith("_unary"):
+                answer = await getattr(self.stub, f"rpc_{method}")(merged(messages, ExpertRequest))
+                return await unpack(stream_of([answer]))
+            return await unpack(await getattr(self.stub, f"rpc_{method}")(stream_of(messages)))
 
         try:
-            meta, _ = await asyncio.wait_for(unpack(await getattr(self.stub, f"rpc_{method}")(stream())), 20)
+            meta, _ = await asyncio.wait_for(roundtrip(), 20)
         except asyncio.TimeoutError:
             return "hung"
         except Exception as e:  # the stream dropped: allowed
@@ -131,7 +134,7 @@ def _messages(meta: bytes, parts: list, split: bool) -> list:
     return [ExpertRequest(metadata=meta, tensors=parts)]
 
 
-@pytest.mark.parametrize("method", methods.NAMES)
+@pytest.mark.parametrize("method", methods.NAMES + tuple(f"{m}_unary" for m in sorted(methods.UNARY)))
 def test_random_requests_are_refused_and_change_nothing(live, method):
     before = live.state()
     outcomes = []
@@ -146,7 +149,8 @@ def test_random_requests_are_refused_and_change_nothing(live, method):
     one()
     assert "hung" not in outcomes
     # what may answer without an error: read-only methods, and register (which adds a client, not work)
-    if methods.METHODS[method].logged or method in ("take", "adopt_epoch", "push_replica"):
+    name = method.removesuffix("_unary")
+    if methods.METHODS[name].logged or name in ("take", "adopt_epoch", "push_replica"):
         assert not [o for o in outcomes if o.startswith("answered")], outcomes
     assert live.state() == before, method
     assert live.run(live.call("ping", _messages(msgpack.packb({}), [], False))).startswith("answered")
@@ -160,8 +164,9 @@ def test_a_request_over_max_request_bytes_is_refused_while_it_arrives():
 
         before = server.state()
         messages = pack({"batch": 0, "tasks": []}, [big], ExpertRequest)
-        result = server.run(server.call("push_grads", messages))
-        assert result == "error" or result.startswith("dropped"), result
+        for method in ("push_grads", "push_grads_unary"):  # (a client sends it as a stream: over UNARY_BYTES)
+            result = server.run(server.call(method, messages))
+            assert result == "error" or result.startswith("dropped"), (method, result)
         assert server.server.counters["payload_errors"] == 0  # refused before the handler saw it
         assert server.state() == before
         small = pack({}, [], ExpertRequest)
