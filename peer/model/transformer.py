@@ -34,10 +34,27 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
+class _Linear(nn.Linear):
+    """nn.Linear without its own initialization: a slice's values come from init_state or a
+    checkpoint. Run on the meta device, nn.Linear's reset still went through torch's Python
+    decompositions, ~0.13 ms a layer: 5 of the 6.8 ms a worker spent building the slice of each
+    version it computes on (model `small`, two layers)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class _Embedding(nn.Embedding):
+    """nn.Embedding without its own initialization (as _Linear; ~1.7 ms on the meta device)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 def _linear(n_in: int, n_out: int, device) -> nn.Linear:
     # created on the meta device and materialized uninitialized by StageSlice: the values come from
-    # init_state or a checkpoint, so nn.Linear's own (slow, unused) initialization is skipped
-    return nn.Linear(n_in, n_out, bias=False, device=device)
+    # init_state or a checkpoint
+    return _Linear(n_in, n_out, bias=False, device=device)
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +134,7 @@ class StageSlice(nn.Module):
         self.cfg, self.lo, self.hi = cfg, lo, hi
         meta = torch.device("meta")
         if self.is_first:
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, device=meta)
+            self.embed = _Embedding(cfg.vocab_size, cfg.hidden, device=meta)
         self.layers = nn.ModuleDict({str(i): Block(cfg, meta) for i in range(lo, hi)})
         if self.is_last:
             self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, meta)

@@ -126,6 +126,23 @@ def test_init_does_not_depend_on_the_cut():
     assert torch.equal(full["layers.0.attn_norm.weight"], torch.ones(cfg.hidden))
 
 
+def test_a_slice_built_from_a_state_runs_no_initializer_of_its_own(monkeypatch):
+    """A worker builds the slice of every version it computes on: the values come from the state,
+    so torch's initializers (which nn.Linear and nn.Embedding run even on the meta device, slowly)
+    are never called, and the slice holds exactly the state."""
+    from peer.model.transformer import slice_from_state
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("an initializer ran while building a slice from a state")
+
+    cfg = get_preset("tiny")
+    state = init_state(cfg, 0, cfg.layers, seed=3)
+    for fn in ("kaiming_uniform_", "uniform_", "normal_", "trunc_normal_", "xavier_uniform_"):
+        monkeypatch.setattr(torch.nn.init, fn, forbidden)
+    model = slice_from_state(cfg, 0, cfg.layers, state)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
 def test_initial_loss_is_near_uniform():
     cfg = get_preset("tiny")
     model = build_slice(cfg, 0, cfg.layers, seed=0)
