@@ -123,6 +123,33 @@ def test_request_log_survives_a_torn_tail_and_compacts(tmp_path):
     assert torch.equal(entries[1][1][0], torch.full((2,), 3.0))
 
 
+def test_request_log_records_come_back_bit_for_bit_and_a_log_written_before_still_reads(tmp_path):
+    """Every dtype a request may carry (fp32, and what a compressed run's activations arrive as),
+    scalars and empty tensors come back with their dtype, shape and bits; a log of torch.save blobs
+    (the format before) is read as it is, and appending to it keeps both readable."""
+    import io
+    import struct
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen).to(torch.bfloat16),
+               torch.randn(2, 2, generator=gen).half(), torch.arange(6).reshape(2, 3), torch.tensor([True, False]),
+               torch.tensor(2.5), torch.empty(0, 7), torch.randn(4, 4, generator=gen).t()]
+    record = {"method": "push_outputs", "meta": {"task": "F1.0.0.0-1", "rows": [0, 1], "x": b"\x00\xff"},
+              "sender": "Qm" * 20, "batch": 1}
+    path = tmp_path / "s.log"
+    old = io.BytesIO()
+    torch.save({"record": {"method": "complete", "batch": 0}, "tensors": [torch.ones(2)]}, old)
+    path.write_bytes(struct.pack("<Q", len(old.getvalue())) + old.getvalue())
+    log = RequestLog(str(path))
+    log.append(record, tensors)
+    entries = read_log(str(path))
+    assert [r["method"] for r, _ in entries] == ["complete", "push_outputs"]
+    assert torch.equal(entries[0][1][0], torch.ones(2))
+    assert entries[1][0] == record
+    for got, want in zip(entries[1][1], tensors, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), want.dtype
+
+
 def test_a_malformed_push_for_an_applied_batch_is_still_an_error():
     """A late gradient for a batch already applied is a counted duplicate, but only if it is well
     formed: a wrong shape, dtype or NaN is refused with the reason, whatever the batch."""
