@@ -9,7 +9,7 @@ import json
 import logging
 import os
 
-import torch
+from parameter_server import blob
 
 logger = logging.getLogger("hivepipe.server")
 
@@ -28,12 +28,6 @@ def checkpoint_state(server) -> tuple[dict, dict]:
     return state, summary
 
 
-def _save_atomic(obj, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def _history_out(directory: str, prefix: str, shard: dict) -> dict:
     """A shard's state with its kept versions (parameter snapshot and AdamW moments of each) moved to
     files of their own, `{prefix}.{token}.pt`, each written once: a version never changes under its
@@ -45,7 +39,7 @@ def _history_out(directory: str, prefix: str, shard: dict) -> dict:
     for v, snap in snapshots.items():
         name = f"{prefix}.{tokens[v]}.pt"
         if not os.path.exists(os.path.join(directory, name)):
-            _save_atomic({"snapshot": snap, "moments": moments.get(v)}, os.path.join(directory, name))
+            blob.save({"snapshot": snap, "moments": moments.get(v)}, os.path.join(directory, name))
         history[v] = name
     shard["history"], shard["tokens"] = history, tokens
     return shard
@@ -58,7 +52,7 @@ def _history_in(directory: str, shard: dict) -> dict:
     shard = dict(shard)
     shard["snapshots"], shard["moments"] = {}, {}
     for v, name in shard.pop("history").items():
-        saved = torch.load(os.path.join(directory, name), weights_only=False)
+        saved = blob.load(os.path.join(directory, name))
         shard["snapshots"][v] = saved["snapshot"]
         if saved["moments"] is not None:
             shard["moments"][v] = saved["moments"]
@@ -85,7 +79,7 @@ def write_checkpoint(directory: str, device: str, state: dict, summary: dict) ->
     prefix = f"{device}.history"
     state = dict(state, slots={slot: _history_out(directory, f"{prefix}.s{slot}", sh)
                                for slot, sh in state["slots"].items()})
-    _save_atomic(state, _path(directory, device))
+    blob.save(state, _path(directory, device))
     _forget_history(directory, prefix, {name for sh in state["slots"].values() for name in sh["history"].values()})
     with open(os.path.join(directory, f"{device}.json"), "w") as f:
         json.dump(summary, f)
@@ -105,7 +99,7 @@ def write_replica(directory: str, device: str, slot: int, state: dict) -> None:
     there, lost the slot when replicas lived only in memory)."""
     prefix = f"{device}.replica{slot}.history"
     state = _history_out(directory, prefix, state)
-    _save_atomic(state, _replica_path(directory, device, slot))
+    blob.save(state, _replica_path(directory, device, slot))
     _forget_history(directory, prefix, set(state["history"].values()))
 
 
@@ -173,7 +167,7 @@ def load_checkpoint(server, directory: str) -> bool:
     path = _path(directory, server.device_id)
     if not os.path.exists(path):
         return False
-    state = torch.load(path, weights_only=False)
+    state = blob.load(path)
     if "slots" not in state:  # a checkpoint of one shard, as written before failover existed
         state = {"own_slot": server.slot, "slots": {server.slot: state}}
     if state.get("own_slot") != server.slot or server.slot not in state["slots"] or \
@@ -203,7 +197,7 @@ def _load_replicas(server, directory: str) -> None:
         if slot == server.slot or not os.path.exists(path):
             continue
         try:
-            saved = torch.load(path, weights_only=False)
+            saved = blob.load(path)
         except Exception as e:  # a torn file cannot be: it is written aside and renamed
             raise ValueError(f"replica {path} does not load: {e}") from None
         current = server.replicas.get(slot)
@@ -227,7 +221,7 @@ def read_model(directories) -> tuple[dict, dict]:
         for name in files:
             path = os.path.join(directory, name)
             try:
-                saved = torch.load(path, weights_only=False)
+                saved = blob.load(path)
             except Exception as e:
                 raise ValueError(f"{path}: not a server checkpoint ({e})") from None
             slots = saved["slots"] if "slots" in saved else {0: saved}

@@ -48,6 +48,7 @@ from _bench_common import REPO, Report, exactly_once, loadavg, md_table, run_pee
 
 import torch  # noqa: E402
 
+from parameter_server import blob  # noqa: E402
 from peer.model.config import get_preset  # noqa: E402
 from tests.net import netns  # noqa: E402
 
@@ -249,7 +250,7 @@ def checkpoint_applied(ckpt: Path, devices: list[str]) -> int:
     server's own slot; a stage's count is its smallest)."""
     by_stage: dict[str, int] = {}
     for dev in devices:
-        saved = torch.load(ckpt / f"{dev}.shard.pt", weights_only=False)
+        saved = blob.load(str(ckpt / f"{dev}.shard.pt"))
         n = saved["slots"][saved["own_slot"]]["microbatches_applied"]
         by_stage[dev[:2]] = min(by_stage.get(dev[:2], n), n)
     return sum(by_stage.values())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parameter_server import blob
 from peer.protocol.wire import PayloadError
 
 
@@ -131,7 +132,7 @@ def test_a_checkpoint_holds_the_current_state_once_and_a_shard_loaded_from_it_st
     _run(shard, range(3))
     server = SimpleNamespace(slot=0, hosted={0: shard}, version=shard.version, device_id="s0f0", stage=0, epoch=0)
     write_checkpoint(str(tmp_path), "s0f0", *checkpoint_state(server))
-    saved = torch.load(tmp_path / "s0f0.shard.pt", weights_only=False)["slots"][0]
+    saved = blob.load(str(tmp_path / "s0f0.shard.pt"))["slots"][0]
     assert not any(isinstance(t, torch.Tensor) for t in _leaves(saved))
     older = copy.deepcopy(shard.state_dict()) | {"params": {n: p.detach().clone() for n, p in shard.params.items()},
                                                  "optimizer": copy.deepcopy(shard.optimizer.state_dict())}
@@ -193,7 +194,7 @@ def test_a_checkpoint_writes_each_kept_version_once_and_reads_back_the_whole_his
     _run(shard, [2, 3])
     redone = write()
     assert len(redone) == 3 and len(set(redone) - set(again)) == 2  # versions 3 and 4 were made anew
-    saved = torch.load(tmp_path / "s0f0.shard.pt", weights_only=False)["slots"][0]
+    saved = blob.load(str(tmp_path / "s0f0.shard.pt"))["slots"][0]
     assert "snapshots" not in saved
     copy = _shard(keep=3)
     copy.load_state_dict(_history_in(str(tmp_path), saved))
