@@ -59,10 +59,16 @@ def _history_in(directory: str, shard: dict) -> dict:
     return shard
 
 
-def _current_params(shard: dict) -> dict:
-    """The parameters of the version a saved shard state (its history read in) is at: that version's
-    kept snapshot, or inline beside the history in a state written before ShardState took them from it."""
-    return shard["params"] if "params" in shard else shard["snapshots"].get(shard["version"], {})
+def _current_params(directory: str, shard: dict) -> dict:
+    """The parameters of the version a saved shard state is at: that version's kept snapshot (read
+    from its own file if the history is not read in yet), or inline beside the history in a state
+    written before ShardState took them from it."""
+    if "params" in shard:
+        return shard["params"]
+    if "history" in shard:
+        name = shard["history"].get(shard["version"])
+        return {} if name is None else blob.load(os.path.join(directory, name))["snapshot"]
+    return shard["snapshots"].get(shard["version"], {})
 
 
 def _forget_history(directory: str, prefix: str, keep: set[str]) -> None:
@@ -177,7 +183,7 @@ def load_checkpoint(server, directory: str) -> bool:
     shards = {slot: server.shard if slot == server.slot else server._new_shard(slot) for slot in state["slots"]}
     saved = {slot: _history_in(directory, state["slots"][slot]) for slot in shards}
     for slot, shard in shards.items():  # every slot checked before anything is loaded
-        missing = set(shard.names) - set(_current_params(saved[slot]))
+        missing = set(shard.names) - set(_current_params(directory, saved[slot]))
         if missing:
             raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:3]} of shard slot {slot}: not this "
                              "server's shard")
@@ -226,7 +232,7 @@ def read_model(directories) -> tuple[dict, dict]:
                 raise ValueError(f"{path}: not a server checkpoint ({e})") from None
             slots = saved["slots"] if "slots" in saved else {0: saved}
             for shard in slots.values():
-                for n, p in _current_params(_history_in(directory, shard)).items():
+                for n, p in _current_params(directory, shard).items():
                     if versions.get(n, -1) < shard["version"]:
                         state[n], versions[n] = p, shard["version"]
     return state, versions

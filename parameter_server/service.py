@@ -42,7 +42,7 @@ from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Veri
 from peer.protocol import methods
 from peer.protocol.links import LinkEmulator
 from peer.protocol.tasks import batch_of
-from peer.protocol.traffic import CALLS, TRAFFIC, UNARY, VALUES
+from peer.protocol.traffic import CALLS, TRAFFIC, UNARY_CALLS, VALUES
 from peer.protocol.trust import Remembered
 from peer.protocol.wire import (STALL_SECONDS, PayloadError, StreamCut, encode_meta, field as mfield, pack, stream_of,
                                 unpack)
@@ -314,7 +314,7 @@ def _make_unary_rpc(name: str):
     """The unary twin of a method whose answers are metadata only (methods.UNARY): one message in, one out."""
 
     async def rpc(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
-        UNARY[name] += 1
+        UNARY_CALLS[name] += 1
         out = [message async for message in self._serve(name, stream_of([request]), context)]
         if len(out) != 1:  # a handler of such a method answered tensors: a bug, said as an answer
             error = f"internal error: {name}'s answer is not one message"

@@ -17,7 +17,7 @@ class Method:
     caller: str  # "client" (a registered worker), "server" (of the run), or "anyone"
     # answers with metadata only: a request of at most UNARY_BYTES goes as one unary message over the
     # p2p daemon's persistent connection instead of a stream of its own (no new socket or libp2p
-    # stream a call: ~3x less processor time on loopback; docs/bench_swarm.md)
+    # stream a call: ~3x less processor time on loopback; README, "Small calls as unary messages")
     unary: bool = False
 
 
@@ -49,7 +49,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 NAMES = tuple(METHODS)
 UNARY = frozenset(n for n, m in METHODS.items() if m.unary)
 # the largest request sent unary: the daemon's unary path costs more per byte than a stream, which
-# costs more per call; on loopback they cross between 128 and 256 KiB (docs/bench_swarm.md, one hop)
+# costs more per call; on loopback they crossed between 128 and 256 KiB (processor time of both ends)
 UNARY_BYTES = 128 * 1024
 EPOCHED = frozenset(n for n, m in METHODS.items() if m.epoched)
 LOGGED = frozenset(n for n, m in METHODS.items() if m.logged)

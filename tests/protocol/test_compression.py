@@ -8,15 +8,11 @@ import pytest
 import torch
 from hivemind.proto.runtime_pb2 import ExpertRequest
 
-from peer.protocol.wire import COMPRESSION, MIN_COMPRESSED, PayloadError, pack, roundtrip, unpack
+from peer.protocol.wire import COMPRESSION, MIN_COMPRESSED, PayloadError, pack, roundtrip, stream_of, unpack
 
 
 def _unpack(messages, accept):
-    async def stream():
-        for m in messages:
-            yield m
-
-    return asyncio.run(unpack(stream(), accept=accept))
+    return asyncio.run(unpack(stream_of(messages), accept=accept))
 
 
 @pytest.mark.parametrize("mode,ratio,error", [("none", 1.0, 0.0), ("fp16", 0.5, 1e-3), ("bf16", 0.5, 1e-2),
