@@ -169,10 +169,10 @@ def calibrate_calls(repeats: int) -> tuple[float, float, list]:
     hivemind P2P echo on loopback, packed and unpacked as the swarm packs them. The model counts
     every call at a stream call's price, also the small ones the swarm sends as one unary message
     (methods.UNARY; the table shows that price beside it)."""
-    from bench_swarm import UNARY, hop_costs
+    from bench_swarm import UNARY_ROW, hop_costs
 
     rows = asyncio.run(hop_costs([("metadata only", ()), ("4 MiB", (1 << 20,))], repeats))
-    streams = [r for r in rows if not r[0].endswith(UNARY)]
+    streams = [r for r in rows if not r[0].endswith(UNARY_ROW)]
     total = [float(r[6]) / 1e3 for r in streams]
     nbytes = [int(str(r[1]).replace(",", "")) for r in streams]
     per_byte = (total[1] - total[0]) / (nbytes[1] - nbytes[0])

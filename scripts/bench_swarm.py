@@ -78,16 +78,17 @@ class Echo(ServicerBase):
 
     async def rpc_echo_unary(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
         """The same as one unary message (as a small call whose answer is metadata goes: methods.UNARY)."""
-        return ExpertResponse(metadata=encode_meta({"bytes": len(request.metadata) + sum(len(p.buffer) for p in request.tensors)}))
+        n = len(request.metadata) + sum(len(part.buffer) for part in request.tensors)
+        return ExpertResponse(metadata=encode_meta({"bytes": n}))
 
 
-STREAM, UNARY = "", " (as one unary message)"
+STREAM_ROW, UNARY_ROW = "", " (as one unary message)"
 
 
 async def hop_costs(payloads: list[tuple[str, tuple[int, ...]]], repeats: int) -> list[list]:
     """Rows of the per-hop table: serialize, deserialize and transport medians for each payload, the
     transport as a stream call and, for a payload of at most UNARY_BYTES, as a unary one too (a row
-    of its own, its label ending in UNARY)."""
+    of its own, its label ending in UNARY_ROW)."""
     server = start_dht([], run_id="bench-hop", run_fp=None)
     client = start_dht(visible_maddrs(server), run_id="bench-hop", run_fp=None)
     try:
@@ -121,7 +122,7 @@ async def hop_costs(payloads: list[tuple[str, tuple[int, ...]]], repeats: int) -
                     rtt_unary.append(t4 - t3)
             nbytes = payload_bytes(messages)
             s, d, r = (statistics.median(x) * 1e3 for x in (ser, de, rtt))
-            for how, ms in ((STREAM, r), (UNARY, statistics.median(rtt_unary) * 1e3)) if unary else ((STREAM, r),):
+            for how, ms in ((STREAM_ROW, r), (UNARY_ROW, statistics.median(rtt_unary) * 1e3)) if unary else ((STREAM_ROW, r),):
                 rows.append([label + how, f"{nbytes:,}", n, f"{s:.2f}", f"{d:.2f}", f"{ms:.2f}", f"{s + d + ms:.2f}",
                              f"{nbytes / 1e6 / (ms / 1e3):.0f}" if shape else "-", loadavg()])
         return rows
@@ -216,13 +217,13 @@ process with one torch thread. Logs and summaries of this run: `{work}`.""")
     swarm, ref = swarms[0], refs[0]
 
     # 2. one hop ---------------------------------------------------------------------------------
-    payloads = [("metadata only (take, register)", ()),
+    payloads = [("metadata only", ()),
                 (f"1 row x {cfg.seq_len} x {cfg.hidden} fp32 (a share)", (1, cfg.seq_len, cfg.hidden)),
                 (f"{rows_share} rows x {cfg.seq_len} x {cfg.hidden} fp32 (a micro-batch)", (rows_share, cfg.seq_len, cfg.hidden)),
                 ("4 MiB fp32", (1, MIB)),
                 ("32 MiB fp32", (8, MIB))]
     all_hop_rows = asyncio.run(hop_costs(payloads, args.repeats))
-    hop_rows = [r for r in all_hop_rows if not r[0].endswith(UNARY)]
+    hop_rows = [r for r in all_hop_rows if not r[0].endswith(UNARY_ROW)]
     report.section("One hop: serialization and transport", f"""
 Serialize = `wire.pack` (hivemind tensor serialization, 1 MiB chunks, protobuf messages); deserialize =
 `wire.unpack`; transport = a P2P round trip between two hivemind peers on 127.0.0.1 (each its own DHT
@@ -253,7 +254,7 @@ Medians; the first round is a warm-up and not counted.
         md_table(["method", "request MB", "response MB", "total MB", "share"], method_rows(swarm, steps)))
     report.section("RPCs per micro-batch share (each swarm run)", rpc_text(swarms))
     grads_per_step = swarm["traffic"].get("push_grads.request", 0) / steps
-    meta_unary = float(next(r for r in all_hop_rows if r[0].endswith(UNARY))[6])
+    meta_unary = float(next(r for r in all_hop_rows if r[0].endswith(UNARY_ROW))[6])
     report.section("Reading the numbers", interpretation(cfg, s, swarms, ratio, hop_rows, meta_unary, measured, floor,
                                                          exchange, grads_per_step))
     report.write(args.out)
