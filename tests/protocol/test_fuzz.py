@@ -2,9 +2,9 @@
 StageServer on a real hivemind P2P daemon; the unary twins of methods.UNARY too), called from an
 outsider peer (its own daemon) with random metadata (not msgpack, wrong types, missing and extra
 fields) and random tensor parts (odd dtypes, shapes, NaN/inf, declared sizes far beyond what
-arrives, compression codes). The server
-answers each with an error or drops it, stays up, and its parameters, version and task pool are
-unchanged; a request over --max-request-bytes is refused while it arrives."""
+arrives, compression codes). The server answers each with an error or drops it, stays up, and its
+parameters, version and task pool are unchanged; a request over --max-request-bytes is refused
+while it arrives."""
 from __future__ import annotations
 
 import asyncio
