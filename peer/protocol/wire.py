@@ -95,9 +95,19 @@ def roundtrip(t: torch.Tensor, compress: str) -> torch.Tensor:
     return out.float() if compress == "bf16" else out
 
 
+# Uncompressed fp32 tensors of one message travel as one: hivemind's (de)serialization costs per
+# tensor (a 14-tensor shard of 1 MB: 1.25 ms packed and 4.4 ms unpacked one by one, 0.6 and 0.4 ms
+# as one, the copy into it 0.08 ms). Their shapes go in the metadata under FLAT; unpack splits them.
+FLAT = "flat"
+MAX_FLAT = 4096  # shapes one message may carry so
+
+
 def pack(meta: dict, tensors: Sequence[torch.Tensor], message_type, compress: str = "none") -> list:
     """Metadata and tensors as a list of `message_type` (ExpertRequest or ExpertResponse) messages,
-    fp32 tensors compressed with `compress` (COMPRESSION)."""
+    fp32 tensors compressed with `compress` (COMPRESSION), or, uncompressed, sent as one (FLAT)."""
+    if compress == "none" and 1 < len(tensors) <= MAX_FLAT and all(t.dtype == torch.float32 for t in tensors):
+        meta = dict(meta, **{FLAT: [list(t.shape) for t in tensors]})
+        tensors = [torch.cat([t.detach().cpu().reshape(-1) for t in tensors])]
     parts: list = []
     for t in tensors:
         parts.extend(split_for_streaming(_serialize(t, compress), CHUNK_BYTES))
@@ -174,7 +184,8 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
                 else:
                     raise PayloadError("tensor chunk without a header")
     except StreamCut as e:
-        raise StreamCut(str(e), meta=None if meta is None else {k: v for k, v in meta.items() if k != "n_tensors"}) from None
+        raise StreamCut(str(e), meta=None if meta is None else
+                        {k: v for k, v in meta.items() if k not in ("n_tensors", FLAT)}) from None
     if meta is None:
         raise PayloadError("empty request")
     declared = meta.pop("n_tensors", len(groups))
@@ -182,7 +193,7 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
         raise PayloadError(f"field 'n_tensors' must be a count, got {declared!r}")
     if len(groups) < declared:
         raise StreamCut(f"the stream ended after {len(groups)} of the {declared} tensors its metadata declares",
-                        meta=meta)
+                        meta={k: v for k, v in meta.items() if k != FLAT})
     if len(groups) > declared:
         raise PayloadError(f"metadata declares {declared} tensors, {len(groups)} arrived")
     for i, group in enumerate(groups):
@@ -193,7 +204,24 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
         raise PayloadError(f"tensor does not deserialize: {e}") from None
     if accept == "bf16":  # a bf16 run's activations and gradients travel as bfloat16: fp32 again here
         tensors = [t.float() if t.dtype == torch.bfloat16 else t for t in tensors]
+    if FLAT in meta:
+        tensors = _unflatten(meta.pop(FLAT), tensors)
     return meta, tensors
+
+
+def _unflatten(shapes, tensors: list) -> list:
+    """The fp32 tensors `pack` sent as one: views of it, one a shape; PayloadError unless the shapes
+    are a list of tensor shapes that together hold exactly the one fp32 vector that arrived."""
+    if not isinstance(shapes, list) or not 1 <= len(shapes) <= MAX_FLAT or \
+            not all(isinstance(sh, list) and len(sh) <= MAX_DIMS and
+                    all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in sh) for sh in shapes):
+        raise PayloadError(f"field {FLAT!r} must list at most {MAX_FLAT} tensor shapes")
+    if len(tensors) != 1 or tensors[0].dtype != torch.float32 or tensors[0].dim() != 1:
+        raise PayloadError(f"field {FLAT!r} goes with one float32 vector, got {len(tensors)} tensors")
+    sizes = [math.prod(sh) for sh in shapes]
+    if sum(sizes) != tensors[0].numel():
+        raise PayloadError(f"field {FLAT!r}: the shapes hold {sum(sizes)} values, {tensors[0].numel()} arrived")
+    return [part.view(sh) for part, sh in zip(torch.split(tensors[0], sizes), shapes)]
 
 
 # what a peer of this project sends (hivemind's NONE codec; bfloat16 as 2 bytes, or 4 in hivemind's

@@ -63,3 +63,43 @@ def test_the_run_config_names_a_known_mode():
     with pytest.raises(ValueError, match="'compress' must be one of"):
         RunConfig.from_dict(dict(base, compress="zip"))
     assert set(COMPRESSION) == {"none", "fp16", "bf16", "8bit"}
+
+
+def test_uncompressed_fp32_tensors_travel_as_one_and_arrive_as_they_left():
+    """A shard's parameters or gradient (many fp32 tensors) go as one vector with their shapes in the
+    metadata, and arrive split back, bit for bit; other dtypes beside them, or a codec, keep one
+    tensor each on the wire."""
+    from peer.protocol.wire import FLAT, decode_meta
+
+    gen = torch.Generator().manual_seed(0)
+    shard = [torch.randn(4, 3, generator=gen), torch.randn(7, generator=gen), torch.empty(0, 2), torch.tensor(1.5),
+             torch.randn(6, 5, generator=gen).t()]
+    messages = pack({"names": list("abcde")}, shard, ExpertRequest)
+    assert decode_meta(messages[0].metadata)["n_tensors"] == 1
+    meta, back = _unpack(messages, "none")
+    assert meta == {"names": list("abcde")} and FLAT not in meta
+    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(shard, back, strict=True))
+    mixed = [torch.randn(2, 2, generator=gen), torch.arange(3)]
+    assert decode_meta(pack({}, mixed, ExpertRequest)[0].metadata)["n_tensors"] == 2
+    big = [torch.randn(MIN_COMPRESSED, generator=gen), torch.randn(MIN_COMPRESSED, generator=gen)]
+    assert decode_meta(pack({}, big, ExpertRequest, compress="fp16")[0].metadata)["n_tensors"] == 2
+
+
+@pytest.mark.parametrize("shapes,tensors,error", [
+    ([[2, 2]], [torch.zeros(5)], "hold 4 values, 5 arrived"),
+    ([[2, 2], [1]], [torch.zeros(5), torch.zeros(1)], "one float32 vector"),
+    ([[5]], [torch.zeros(5, dtype=torch.float64)], "one float32 vector"),
+    ([[5]], [torch.zeros(1, 5)], "one float32 vector"),
+    ([[-1, -4]], [torch.zeros(4)], "tensor shapes"),
+    ([[True]], [torch.zeros(1)], "tensor shapes"),
+    ("4", [torch.zeros(4)], "tensor shapes"),
+    ([], [torch.zeros(0)], "tensor shapes"),
+    ([[1]] * 5000, [torch.zeros(5000)], "tensor shapes"),
+])
+def test_a_flat_field_that_does_not_fit_what_arrived_is_refused(shapes, tensors, error):
+    from peer.protocol.wire import FLAT
+
+    messages = pack({FLAT: shapes}, tensors, ExpertRequest) if len(tensors) == 1 else \
+        pack({FLAT: shapes}, tensors, ExpertRequest, compress="fp16")
+    with pytest.raises(PayloadError, match=error):
+        _unpack(messages, "fp16")

@@ -45,7 +45,8 @@ def test_unpack_refuses_malformed_requests(messages, problem):
 def test_a_stream_that_ends_or_stalls_before_its_last_tensor_is_a_cut_connection():
     """What the caller of a call whose answer was cut short sees: StreamCut, a ConnectionError (so
     P2PLink tries again), never a payload error that would blame the request."""
-    messages = pack({"x": 1}, [torch.zeros(3), torch.ones(2)], ExpertRequest)
+    # (two dtypes: uncompressed fp32 tensors alone would travel as one, wire.FLAT)
+    messages = pack({"x": 1}, [torch.zeros(3), torch.arange(2)], ExpertRequest)
     assert len(messages) == 2  # the metadata, then both tensors in one message
     with pytest.raises(StreamCut, match="ended after 0 of the 2 tensors") as cut:
         asyncio.run(unpack(_aiter(messages[:1])))
@@ -60,6 +61,10 @@ def test_a_stream_that_ends_or_stalls_before_its_last_tensor_is_a_cut_connection
         asyncio.run(unpack(stalls(), stall=0.2))
     assert cut.value.meta == {"x": 1}
     assert issubclass(StreamCut, ConnectionError)
+    flat = pack({"x": 1}, [torch.zeros(3), torch.ones(2)], ExpertRequest)
+    with pytest.raises(StreamCut, match="ended after 0 of the 1 tensors") as cut:
+        asyncio.run(unpack(_aiter(flat[:1])))
+    assert cut.value.meta == {"x": 1}  # the shapes the tensors would have had are not the caller's
 
 
 def test_unpack_refuses_oversized_payloads():
