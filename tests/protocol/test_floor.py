@@ -121,11 +121,46 @@ def test_request_log_survives_a_torn_tail_and_compacts(tmp_path):
     for t in range(4):
         log.append({"method": "push_grads", "batch": t}, [torch.full((2,), float(t))])
     log.compact(2)
-    with open(path, "ab") as f:
+    log.append({"method": "push_grads", "batch": 4}, [torch.ones(2)])
+    log.compact(3)
+    with open(log.segment, "ab") as f:
         f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00partial")  # a crash mid-write
     entries = read_log(path)
-    assert [r["batch"] for r, _ in entries] == [2, 3]
-    assert torch.equal(entries[1][1][0], torch.full((2,), 3.0))
+    assert [r["batch"] for r, _ in entries] == [3, 4]
+    assert torch.equal(entries[0][1][0], torch.full((2,), 3.0))
+    restarted = RequestLog(path)  # a restart appends after the torn record, which stays ignored
+    restarted.append({"method": "push_grads", "batch": 5})
+    assert [r["batch"] for r, _ in read_log(path)] == [3, 4, 5]
+
+
+def test_the_request_log_forgets_without_rewriting_what_it_keeps(tmp_path):
+    """Compacting at every step deletes whole old segments and writes no kept record again: the
+    bytes on disk stay those of the live records (plus the markers), however long the run."""
+    import os
+
+    from parameter_server.requestlog import segments
+
+    path = str(tmp_path / "s.log")
+    log = RequestLog(path)
+    written = 0
+    for step in range(30):
+        for _ in range(3):  # a step's pushes concern its batch and the one before (delayed updates)
+            for batch in (step, step + 1):
+                log.append({"method": "push_grads", "batch": batch}, [torch.full((256,), float(step))])
+        log.compact(step - 1)
+        written = sum(os.path.getsize(p) for p in segments(path))
+        files = segments(path)
+        assert len(files) <= 4, files
+    kept = read_log(path)
+    assert sorted({r["batch"] for r, _ in kept}) == [28, 29, 30]
+    assert written < 3 * len(kept) * 1200, written  # a record is ~1.1 kB: nothing held twice, no old batch
+    before = {p: (os.stat(p).st_ino, os.path.getsize(p)) for p in segments(path)}
+    log.compact(29)  # batch 28 goes: its oldest segment is deleted, the others stay as they were
+    after = segments(path)
+    assert len(after) == len(before) and after[-1] not in before and list(before)[0] not in after
+    for p in after[:-2]:
+        assert (os.stat(p).st_ino, os.path.getsize(p)) == before[p], p
+    assert [r["batch"] for r, _ in read_log(path)][:1] == [29]
 
 
 def test_request_log_records_come_back_bit_for_bit_and_a_log_written_before_still_reads(tmp_path):
