@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.model.optim import make_optimizer
-from peer.protocol.wire import PayloadError
+from peer.protocol.wire import PayloadError, all_finite
 
 
 def assign_shards(sizes: dict[str, int], n_servers: int) -> list[list[str]]:
@@ -187,7 +187,7 @@ class ShardState:
                 raise PayloadError(f"gradient {name}: expected shape {tuple(p.shape)}, got {tuple(g.shape)}")
             if g.dtype != torch.float32:
                 raise PayloadError(f"gradient {name}: expected dtype torch.float32, got {g.dtype}")
-            if not bool(torch.isfinite(g).all()):
+            if not all_finite(g):
                 raise PayloadError(f"gradient {name}: contains NaN or infinite values")
         if loss_sum is not None and not (loss_sum == loss_sum and abs(loss_sum) != float("inf")):
             raise PayloadError("loss_sum must be finite")
@@ -341,7 +341,7 @@ class ShardState:
                 if tuple(t.shape) != tuple(self.params[n].shape) or t.dtype != torch.float32:
                     raise PayloadError(f"replica of {n}: expected float32 {tuple(self.params[n].shape)}, got "
                                        f"{t.dtype} {tuple(t.shape)}")
-                if not bool(torch.isfinite(t).all()):
+                if not all_finite(t):
                     raise PayloadError(f"replica of {n}: contains NaN or infinite values")
 
     def absorb(self, meta: dict, tensors: list[torch.Tensor]) -> bool:

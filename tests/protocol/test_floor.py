@@ -82,6 +82,29 @@ def test_check_tensor_names_the_problem():
         check_tensor(torch.tensor([1.0, float("nan")]), "x", (2,), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_agrees_with_isfinite_everywhere(dtype):
+    """The finiteness check of every payload reads a tensor's extremes: a NaN or an infinity of either
+    sign anywhere (first, last, inside a transposed view, in a 0-dim tensor) is found, an empty tensor
+    and large finite values pass."""
+    from peer.protocol.wire import all_finite
+
+    gen = torch.Generator().manual_seed(0)
+    assert all_finite(torch.empty(0, 3, dtype=dtype))
+    big = torch.finfo(dtype).max
+    assert all_finite(torch.tensor([big, -big], dtype=dtype))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for shape in ((), (7,), (5, 6)):
+            for at in (0, -1):
+                t = torch.randn(shape, generator=gen).to(dtype)
+                assert all_finite(t)
+                t.view(-1)[at] = bad
+                assert not all_finite(t) and not bool(torch.isfinite(t).all()), (bad, shape, at)
+        view = torch.randn(6, 9, generator=gen).to(dtype).t()
+        view[4, 2] = bad
+        assert not view.is_contiguous() and not all_finite(view)
+
+
 def test_records_that_do_not_fit_the_schema_are_named():
     good = {"kind": "client", "device": "v0", "stage": 0, "state": "online", "compute": 3.0, "time": 1.0}
     assert validate_record(good) is good
