@@ -39,13 +39,12 @@ from parameter_server.shard import ShardState, assign_shards
 from parameter_server.status import SEEN_VOLUNTEERS, Status
 from parameter_server.updates import RETAIN, Updates, snapshots_kept
 from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Verification
-from peer.protocol import methods
+from peer.protocol import methods, session
 from peer.protocol.links import LinkEmulator
 from peer.protocol.tasks import batch_of
-from peer.protocol.traffic import CALLS, TRAFFIC, UNARY_CALLS, VALUES
+from peer.protocol.traffic import CALLS, SESSION_CALLS, TRAFFIC, VALUES
 from peer.protocol.trust import Remembered
-from peer.protocol.wire import (STALL_SECONDS, PayloadError, StreamCut, encode_meta, field as mfield, pack, stream_of,
-                                unpack)
+from peer.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, field as mfield, pack, unpack
 from taskpool import TaskPool, TaskPoolError
 
 logger = logging.getLogger("hivepipe.server")
@@ -173,7 +172,19 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         """The parameters version every shard hosted here has reached."""
         return min(sh.version for sh in self.hosted.values())
 
-    async def _serve(self, method: str, requests: AsyncIterator[ExpertRequest], context: P2PContext):
+    async def rpc_session(self, requests: AsyncIterator[ExpertRequest],
+                          context: P2PContext) -> AsyncIterator[ExpertRequest]:
+        """Calls multiplexed over one stream (peer/protocol/session.py), each served as `rpc_<method>`
+        serves a stream call of its own."""
+        def run_call(method: str, messages: AsyncIterator[ExpertRequest]):
+            SESSION_CALLS[method] += 1
+            return self._serve(method, messages, context, answer_type=ExpertRequest)
+
+        async for message in session.serve(requests, run_call, self.max_request_bytes):
+            yield message
+
+    async def _serve(self, method: str, requests: AsyncIterator[ExpertRequest], context: P2PContext,
+                     answer_type=ExpertResponse):
         async def counted():
             async for message in requests:
                 TRAFFIC[f"{method}.request"] += message.ByteSize()
@@ -190,7 +201,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         else:
             VALUES[method] += sum(t.numel() for t in tensors)
             rmeta, rtensors = await self.handle(method, meta, tensors, str(context.remote_id))
-        out = pack(rmeta, rtensors, ExpertResponse,
+        out = pack(rmeta, rtensors, answer_type,
                    compress=self.compress if method in methods.COMPRESSED_ANSWERS else "none")
         nbytes = sum(m.ByteSize() for m in out)
         TRAFFIC[f"{method}.response"] += nbytes
@@ -310,22 +321,5 @@ def _make_rpc(name: str):
     return rpc
 
 
-def _make_unary_rpc(name: str):
-    """The unary twin of a method whose answers are metadata only (methods.UNARY): one message in, one out."""
-
-    async def rpc(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
-        UNARY_CALLS[name] += 1
-        out = [message async for message in self._serve(name, stream_of([request]), context)]
-        if len(out) != 1:  # a handler of such a method answered tensors: a bug, said as an answer
-            error = f"internal error: {name}'s answer is not one message"
-            return ExpertResponse(metadata=encode_meta({"error": error}))
-        return out[0]
-
-    rpc.__name__ = rpc.__qualname__ = f"rpc_{name}_unary"
-    return rpc
-
-
 for _name in methods.NAMES:
     setattr(StageServer, f"rpc_{_name}", _make_rpc(_name))
-for _name in methods.UNARY:
-    setattr(StageServer, f"rpc_{_name}_unary", _make_unary_rpc(_name))

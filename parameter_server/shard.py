@@ -238,7 +238,7 @@ class ShardState:
     def _trim_losses(self) -> None:
         """Keep the last LOSS_HISTORY batches' losses: the history travels in every replica export
         and checkpoint, so kept whole it would grow each of them by a line per step for as long as a run
-        lasts (past the 4 MiB of a unary message within days)."""
+        lasts (megabytes of metadata within days)."""
         if len(self.losses) > LOSS_HISTORY:
             for t in sorted(self.losses)[: len(self.losses) - LOSS_HISTORY]:
                 del self.losses[t]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from peer.protocol.records import ServerRecord
-from peer.protocol.traffic import CALLS, TRAFFIC, UNARY_CALLS, VALUES
+from peer.protocol.traffic import CALLS, SESSION_CALLS, TRAFFIC, VALUES
 from peer.protocol.wire import field as mfield
 
 # volunteers a server remembers by peer id to count each once in its announcement's "clients_joined"
@@ -43,7 +43,7 @@ class Status:
             "requeued": pool.get("requeued", 0), "pool": pool, "counters": dict(self.counters),
             "clients": {p: {"device": c.device, "compute": c.compute, "tasks_done": c.tasks_done}
                         for p, c in self.clients.items()},
-            "traffic": dict(TRAFFIC), "traffic_values": dict(VALUES), "calls": dict(CALLS), "unary_calls": dict(UNARY_CALLS),
+            "traffic": dict(TRAFFIC), "traffic_values": dict(VALUES), "calls": dict(CALLS), "session_calls": dict(SESSION_CALLS),
             "checks": dict(self.verify_counts), "banned": dict(self.banned),
         }
 

@@ -17,8 +17,8 @@ from hivemind.proto.runtime_pb2 import ExpertRequest
 
 from peer.protocol import methods, records
 from peer.protocol.links import LinkEmulator
-from peer.protocol.wire import (STALL_SECONDS, PayloadError, RemoteError, StreamCut, merged, pack, payload_bytes,
-                                stream_of, unpack)
+from peer.protocol.session import Sessions, handle_name as session_handler
+from peer.protocol.wire import STALL_SECONDS, PayloadError, RemoteError, StreamCut, pack, payload_bytes, unpack
 
 logger = logging.getLogger("hivepipe.node")
 
@@ -451,7 +451,7 @@ class P2PLink:
         self.compress = compress  # the run's --compress (peer/protocol/wire.py)
         self.peer_id = peer_id
         self.device = device
-        self._stub = servicer_cls.get_stub(p2p, PeerID.from_base58(peer_id))
+        self._session_handler = session_handler(servicer_cls)
         self.links = links or LinkEmulator()
         self.addresses = addresses
         self.health = health_of(peer_id, device)
@@ -517,19 +517,18 @@ class P2PLink:
         started = time.monotonic()
 
         async def roundtrip():
-            if method in methods.UNARY and size <= methods.UNARY_BYTES:
-                answer = await getattr(self._stub, f"rpc_{method}_unary")(merged(messages, ExpertRequest))
-                responses = stream_of([answer])
-            else:
-                responses = await getattr(self._stub, f"rpc_{method}")(stream_of(messages))
+            sessions = Sessions.of(self.p2p)
+            session = await sessions.get(self.p2p, self.peer_id, self._session_handler)
             try:
                 # the answer's messages follow each other at once: one that stalls cuts the call
-                return await unpack(responses, stall=STALL_SECONDS, accept=self.compress)
+                return await unpack(session.call(method, messages), stall=STALL_SECONDS, accept=self.compress)
             except StreamCut as e:
+                sessions.drop(self.peer_id, session)  # (a stalled answer stalls the session's others too)
                 logger.debug("%s.%s: answer cut after %.1f s: %s", self.device, method, time.monotonic() - started, e)
                 raise StreamCut(f"{self.device}.{method}: {e}", meta=e.meta) from None
             except PayloadError as e:
                 if str(e) == "empty request":
+                    sessions.drop(self.peer_id, session)
                     raise ConnectionError(f"{self.device}.{method}: the connection closed before an answer") from None
                 raise
 

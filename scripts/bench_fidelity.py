@@ -166,15 +166,14 @@ def calibrate_apply(cfg, repeats: int) -> float:
 
 def calibrate_calls(repeats: int) -> tuple[float, float, list]:
     """(seconds of a metadata-only call, seconds per payload byte, the hop table's rows): a real
-    hivemind P2P echo on loopback, packed and unpacked as the swarm packs them. The model counts
-    every call at a stream call's price, also the small ones the swarm sends as one unary message
-    (methods.UNARY; the table shows that price beside it)."""
-    from bench_swarm import UNARY_ROW, hop_costs
+    hivemind P2P echo on loopback, packed and unpacked as the swarm packs them, over an open session as
+    the swarm calls (the table shows a stream call of its own beside it)."""
+    from bench_swarm import SESSION_ROW, hop_costs
 
     rows = asyncio.run(hop_costs([("metadata only", ()), ("4 MiB", (1 << 20,))], repeats))
-    streams = [r for r in rows if not r[0].endswith(UNARY_ROW)]
-    total = [float(r[6]) / 1e3 for r in streams]
-    nbytes = [int(str(r[1]).replace(",", "")) for r in streams]
+    calls = [r for r in rows if r[0].endswith(SESSION_ROW)]
+    total = [float(r[6]) / 1e3 for r in calls]
+    nbytes = [int(str(r[1]).replace(",", "")) for r in calls]
     per_byte = (total[1] - total[0]) / (nbytes[1] - nbytes[0])
     return total[0], per_byte, rows
 
@@ -348,8 +347,8 @@ what is measured and how the two cores are kept from being the bottleneck.""")
         f"{statistics.median(r['measured'] / r['plan_cost'] for r in results):.2f}, worst "
         f"{max((r['measured'] / r['plan_cost'] for r in results), key=lambda x: abs(x - 1)):.2f}.")
     report.section("P2P hop (the call calibration)", md_table(
-        ["payload", "bytes", "calls", "serialize ms", "deserialize ms", "round trip ms", "total ms", "MB/s", "load"],
-        hop_rows))
+        ["payload", "bytes", "calls", "serialize ms", "deserialize ms", "round trip ms", "total ms",
+         "transport processor ms", "MB/s", "load"], hop_rows))
     plot(results, args.out / "fidelity_step_model.png")
     report.add(f"\nWhole benchmark: {(time.perf_counter() - t_start) / 60:.1f} min; load at the end {loadavg()}.")
     report.write(args.out / "bench_fidelity.md")

@@ -32,14 +32,16 @@ from typing import AsyncIterator
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import REPO, Report, exactly_once, loadavg, md_table, run_reference, run_swarm  # noqa: E402
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 from hivemind.p2p import P2PContext, ServicerBase  # noqa: E402
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse  # noqa: E402
 
 from peer.model.config import get_preset  # noqa: E402
 from peer.node import start_dht, visible_maddrs  # noqa: E402
-from peer.protocol.methods import UNARY_BYTES  # noqa: E402
-from peer.protocol.wire import encode_meta, merged, pack, payload_bytes, stream_of, unpack  # noqa: E402
+from peer.protocol import session  # noqa: E402
+from peer.protocol.session import Session  # noqa: E402
+from peer.protocol.wire import encode_meta, pack, payload_bytes, stream_of, unpack  # noqa: E402
 
 MIB = 1 << 20
 SWARM = dict(stages=2, servers_per_stage=2, volunteers=4, batch_size=16, micro_batches=4)
@@ -68,7 +70,7 @@ def cpu_table(swarms: list[dict], refs: list[dict]) -> str:
 
 
 class Echo(ServicerBase):
-    """Reads a request stream to its end without deserializing it, answers with its size."""
+    """Reads a request to its end without deserializing it, answers with its size."""
 
     async def rpc_echo(self, requests: AsyncIterator[ExpertRequest], context: P2PContext) -> AsyncIterator[ExpertResponse]:
         n = 0
@@ -76,19 +78,37 @@ class Echo(ServicerBase):
             n += len(message.metadata) + sum(len(part.buffer) for part in message.tensors)
         yield ExpertResponse(metadata=encode_meta({"bytes": n}))
 
-    async def rpc_echo_unary(self, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
-        """The same as one unary message (as a small call whose answer is metadata goes: methods.UNARY)."""
-        n = len(request.metadata) + sum(len(part.buffer) for part in request.tensors)
-        return ExpertResponse(metadata=encode_meta({"bytes": n}))
+    async def rpc_session(self, requests: AsyncIterator[ExpertRequest], context: P2PContext) -> AsyncIterator[ExpertRequest]:
+        """The same over a session (peer/protocol/session.py), as the swarm sends every call."""
+        async def echo(method, messages):
+            n = 0
+            async for message in messages:
+                n += len(message.metadata) + sum(len(part.buffer) for part in message.tensors)
+            yield ExpertRequest(metadata=encode_meta({"bytes": n}))
+
+        async for message in session.serve(requests, echo, 1 << 30):
+            yield message
 
 
-STREAM_ROW, UNARY_ROW = "", " (as one unary message)"
+STREAM_ROW, SESSION_ROW = " (a stream call of its own)", " (over an open session)"
+
+
+def _tree_cpu() -> float:
+    """Processor seconds of this process and its children (the two DHT processes and their daemons)."""
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            total += sum(p.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return total
 
 
 async def hop_costs(payloads: list[tuple[str, tuple[int, ...]]], repeats: int) -> list[list]:
     """Rows of the per-hop table: serialize, deserialize and transport medians for each payload, the
-    transport as a stream call and, for a payload of at most UNARY_BYTES, as a unary one too (a row
-    of its own, its label ending in UNARY_ROW)."""
+    transport as a stream call of its own (a row whose label ends in STREAM_ROW) and over an open
+    session (SESSION_ROW), each with the processor time a call costs both ends and both daemons."""
     server = start_dht([], run_id="bench-hop", run_fp=None)
     client = start_dht(visible_maddrs(server), run_id="bench-hop", run_fp=None)
     try:
@@ -96,36 +116,46 @@ async def hop_costs(payloads: list[tuple[str, tuple[int, ...]]], repeats: int) -
         p2p_client = await client.replicate_p2p()
         await Echo().add_p2p_handlers(p2p_server)
         stub = Echo.get_stub(p2p_client, p2p_server.peer_id)
+        open_session = await Session().open(p2p_client, str(p2p_server.peer_id), session.handle_name(Echo))
         rows = []
         for label, shape in payloads:
             tensors = [torch.randn(shape)] if shape else []
             n = max(3, repeats if not shape or torch.Size(shape).numel() * 4 < 8 * MIB else repeats // 4)
             meta = {"task": "F0.0.0.0-4", "rows": [0, 4]}
             nbytes = payload_bytes(pack(meta, tensors, ExpertRequest))
-            unary = nbytes <= UNARY_BYTES  # (sized once, outside the timed rounds)
-            ser, de, rtt, rtt_unary = [], [], [], []
+            ser, de = [], []
             for i in range(n + 1):  # the first round warms up
                 t0 = time.perf_counter()
                 messages = pack(meta, tensors, ExpertRequest)
                 t1 = time.perf_counter()
                 await unpack(stream_of(messages))
-                t2 = time.perf_counter()
-                responses = await stub.rpc_echo(stream_of(messages))
-                async for _ in responses:
-                    pass
-                t3 = time.perf_counter()
-                if unary:
-                    await stub.rpc_echo_unary(merged(messages, ExpertRequest))
-                t4 = time.perf_counter()
                 if i:
                     ser.append(t1 - t0)
-                    de.append(t2 - t1)
-                    rtt.append(t3 - t2)
-                    rtt_unary.append(t4 - t3)
-            s, d, r = (statistics.median(x) * 1e3 for x in (ser, de, rtt))
-            for how, ms in ((STREAM_ROW, r), (UNARY_ROW, statistics.median(rtt_unary) * 1e3)) if unary else ((STREAM_ROW, r),):
+                    de.append(time.perf_counter() - t1)
+            s, d = (statistics.median(x) * 1e3 for x in (ser, de))
+
+            async def by_stream():
+                async for _ in await stub.rpc_echo(stream_of(messages)):
+                    pass
+
+            async def by_session():
+                async for _ in open_session.call("ping", messages):
+                    pass
+
+            for how, call in ((STREAM_ROW, by_stream), (SESSION_ROW, by_session)):
+                await call()  # warm-up
+                rtt = []
+                cpu0 = _tree_cpu()
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    await call()
+                    rtt.append(time.perf_counter() - t0)
+                cpu = (_tree_cpu() - cpu0) / n * 1e3
+                ms = statistics.median(rtt) * 1e3
                 rows.append([label + how, f"{nbytes:,}", n, f"{s:.2f}", f"{d:.2f}", f"{ms:.2f}", f"{s + d + ms:.2f}",
-                             f"{nbytes / 1e6 / (ms / 1e3):.0f}" if shape else "-", loadavg()])
+                             f"{cpu:.1f}", f"{nbytes / 1e6 / (ms / 1e3):.0f}" if shape else "-", loadavg()])
+        open_session.close()
+        await asyncio.wait_for(open_session.reader, 10.0)  # (the server ends the stream once ours is closed)
         return rows
     finally:
         client.shutdown()
@@ -224,18 +254,21 @@ process with one torch thread. Logs and summaries of this run: `{work}`.""")
                 ("4 MiB fp32", (1, MIB)),
                 ("32 MiB fp32", (8, MIB))]
     all_hop_rows = asyncio.run(hop_costs(payloads, args.repeats))
-    hop_rows = [r for r in all_hop_rows if not r[0].endswith(UNARY_ROW)]
-    report.section("One hop: serialization and transport", f"""
+    hop_rows = [r for r in all_hop_rows if r[0].endswith(SESSION_ROW)]  # how the swarm calls
+    stream_rows = [r for r in all_hop_rows if r[0].endswith(STREAM_ROW)]
+    report.section("One hop: serialization and transport", """
 Serialize = `wire.pack` (hivemind tensor serialization, 1 MiB chunks, protobuf messages); deserialize =
 `wire.unpack`; transport = a P2P round trip between two hivemind peers on 127.0.0.1 (each its own DHT
 and p2p daemon) carrying the packed request one way and a tiny answer back, without touching the
-tensors: as a stream call of its own (a new connection to the daemon and a new libp2p stream), and for
-payloads of at most {UNARY_BYTES // 1024} KiB also as one unary message over the daemon's persistent
-connection, as the swarm sends such a request when its answer is metadata only (`methods.UNARY`:
-heartbeats, pushes, hand-ins). One hop as the swarm makes it = serialize + transport + deserialize.
-Medians; the first round is a warm-up and not counted.
+tensors: as a stream call of its own (a new connection to the daemon, a new libp2p stream and its
+protocol negotiation), and over an open session (peer/protocol/session.py: the calls to one server
+multiplexed over one long-lived stream), as the swarm sends every call. One hop as the swarm makes it =
+serialize + transport + deserialize. Medians; the first round is a warm-up and not counted. Processor
+time = of both ends and both p2p daemons, a call's transport only (psutil over the rounds: 10 ms
+ticks, so +-10 ms / repeats).
 """ + "\n" + md_table(["payload", "bytes on the wire", "repeats", "serialize ms", "deserialize ms",
-                        "transport ms (round trip)", "hop ms", "transport MB/s", "load"], all_hop_rows))
+                        "transport ms (round trip)", "hop ms", "transport processor ms (all four processes)",
+                        "transport MB/s", "load"], all_hop_rows))
 
     # 3. bytes on the wire -----------------------------------------------------------------------
     steps = swarm["steps"]
@@ -255,8 +288,7 @@ Medians; the first round is a warm-up and not counted.
         md_table(["method", "request MB", "response MB", "total MB", "share"], method_rows(swarm, steps)))
     report.section("RPCs per micro-batch share (each swarm run)", rpc_text(swarms))
     grads_per_step = swarm["traffic"].get("push_grads.request", 0) / steps
-    meta_unary = float(next(r for r in all_hop_rows if r[0].endswith(UNARY_ROW))[6])
-    report.section("Reading the numbers", interpretation(cfg, s, swarms, ratio, hop_rows, meta_unary, measured, floor,
+    report.section("Reading the numbers", interpretation(cfg, s, swarms, ratio, hop_rows, stream_rows, measured, floor,
                                                          exchange, grads_per_step))
     report.write(args.out)
     return 0
@@ -280,17 +312,17 @@ def rpc_text(swarms: list[dict]) -> str:
         found = sw.get("takes_empty", {})
         split = (f"{found.get('takes_found_nothing', 0) / tasks:.2f} / {found.get('takes_waited_out', 0) / tasks:.2f}"
                  if found else "-")
-        unary = sum(sw.get("rpc_unary_calls", {}).values())
+        over_session = sum(sw.get("rpc_session_calls", {}).values())
         rows.append([f"#{i + 1}", tasks, f"{path / tasks:.2f}", f"{(path - empty) / tasks:.2f}", split,
                      f"{upkeep / tasks:.2f}", f"{between / tasks:.2f}",
-                     f"{unary / max(sum(v for m, v in calls.items() if m != 'status'), 1):.0%}",
+                     f"{over_session / max(sum(calls.values()), 1):.0%}",
                      ", ".join(f"{m} {calls.get(m, 0) / tasks:.2f}" for m in TASK_PATH if calls.get(m))])
     return "\n" + md_table(["run", "tasks", "task-path calls per task", "without takes that found nothing",
                              "takes that found nothing per task: at once / after waiting", "heartbeats per task",
-                             "server-to-server calls per task", "of all calls, unary", "by method, per task"], rows)
+                             "server-to-server calls per task", "of all calls, over a session", "by method, per task"], rows)
 
 
-def interpretation(cfg, s, swarms, ratio, hop_rows, meta_unary, measured, floor, exchange, grads_per_step) -> str:
+def interpretation(cfg, s, swarms, ratio, hop_rows, stream_rows, measured, floor, exchange, grads_per_step) -> str:
     tps = [sw["tokens_per_second"] for sw in swarms]
     startup = statistics.median(sw["startup_seconds"] for sw in swarms)
     stage_bytes = cfg.param_count() * 4 / s["stages"]  # about one stage's gradient
@@ -313,11 +345,12 @@ def interpretation(cfg, s, swarms, ratio, hop_rows, meta_unary, measured, floor,
   of the same command during this work differed by up to 3x, with the other jobs' load: every process
   of the swarm is runnable at once, so it suffers more from a busy machine than one process does. The swarm exists to use machines that one process cannot; on one
   machine it can only lose.
-- **One hop.** A metadata-only call costs {meta_hop:.2f} ms and a micro-batch of activations
-  {share_hop:.2f} ms: on loopback a hop's cost is mostly the fixed price of a P2P stream (two
-  daemons, protobuf framing), not bandwidth, and (de)serialization is {100 * share_codec:.0f}% of it.
-  As one unary message a metadata-only call costs {meta_unary:.2f} ms: no new connection to the daemon
-  and no new libp2p stream, which is why the swarm sends its small calls that way.
+- **One hop.** Over an open session a metadata-only call costs {meta_hop:.2f} ms and a micro-batch of
+  activations {share_hop:.2f} ms, (de)serialization {100 * share_codec:.0f}% of it; as a stream call of its
+  own they cost {float(stream_rows[0][6]):.2f} and {float(stream_rows[2][6]):.2f} ms, and {float(stream_rows[0][7]):.1f} against
+  {float(hop_rows[0][7]):.1f} ms of processor time for the empty call: opening a stream (a connection to the
+  local daemon, a libp2p stream and its protocol negotiation, a connection from the remote daemon to the
+  handler) costs more than the call, which is why the swarm keeps one session a server.
   For {big[0]} it is {100 * big_codec:.0f}%: hivemind's serialization copies the tensor into
   protobuf chunks and back, at a speed of the same order as loopback transport, which itself stays
   far below memory bandwidth (every byte goes Python → p2p daemon → TCP → p2p daemon → Python).

@@ -176,9 +176,9 @@ class Monitor:
             # own server in-process: no RPC)
             "rpc_calls": dict(sum((collections.Counter(s.get("calls", {})) for s in statuses.values()),
                                   collections.Counter())),
-            # of them, those that came as one unary message (peer/protocol/methods.py)
-            "rpc_unary_calls": dict(sum((collections.Counter(s.get("unary_calls", {})) for s in statuses.values()),
-                                        collections.Counter())),
+            # of them, those that came over a session (peer/protocol/session.py)
+            "rpc_session_calls": dict(sum((collections.Counter(s.get("session_calls", {})) for s in statuses.values()),
+                                          collections.Counter())),
         }
 
 

@@ -15,42 +15,34 @@ class Method:
     retry: bool  # safe to repeat when the answer was lost (credits, relays, ledger entries de-duplicate)
     logged: bool  # changes the server's state: written to its request log, replayed after a restart
     caller: str  # "client" (a registered worker), "server" (of the run), or "anyone"
-    # answers with metadata only: a request of at most UNARY_BYTES goes as one unary message over the
-    # p2p daemon's persistent connection instead of a stream of its own (no new socket or libp2p
-    # stream a call: ~3x less processor time on loopback; README, "Small calls as unary messages")
-    unary: bool = False
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("register", epoched=False, retry=True, logged=False, caller="anyone", unary=True),
+    Method("register", epoched=False, retry=True, logged=False, caller="anyone"),
     # a lost `take` answer is a lease that will expire: not repeated
     Method("take", epoched=True, retry=False, logged=False, caller="client"),
-    Method("complete", epoched=True, retry=True, logged=True, caller="client", unary=True),
-    Method("fail", epoched=True, retry=True, logged=False, caller="client", unary=True),
+    Method("complete", epoched=True, retry=True, logged=True, caller="client"),
+    Method("fail", epoched=True, retry=True, logged=False, caller="client"),
     Method("get_params", epoched=False, retry=True, logged=False, caller="anyone"),
-    Method("push_grads", epoched=True, retry=True, logged=True, caller="client", unary=True),
-    Method("push_inputs", epoched=True, retry=True, logged=True, caller="server", unary=True),
+    Method("push_grads", epoched=True, retry=True, logged=True, caller="client"),
+    Method("push_inputs", epoched=True, retry=True, logged=True, caller="server"),
     Method("get_inputs", epoched=True, retry=True, logged=False, caller="client"),
-    Method("push_input_grads", epoched=True, retry=True, logged=True, caller="client", unary=True),
-    Method("push_outputs", epoched=True, retry=True, logged=True, caller="client", unary=True),
-    Method("push_output_grads", epoched=True, retry=True, logged=True, caller="server", unary=True),
+    Method("push_input_grads", epoched=True, retry=True, logged=True, caller="client"),
+    Method("push_outputs", epoched=True, retry=True, logged=True, caller="client"),
+    Method("push_output_grads", epoched=True, retry=True, logged=True, caller="server"),
     Method("ping", epoched=False, retry=True, logged=False, caller="anyone"),
     Method("status", epoched=False, retry=True, logged=False, caller="anyone"),
-    Method("push_replica", epoched=False, retry=True, logged=False, caller="server", unary=True),
-    Method("adopt_epoch", epoched=False, retry=True, logged=False, caller="server", unary=True),
+    Method("push_replica", epoched=False, retry=True, logged=False, caller="server"),
+    Method("adopt_epoch", epoched=False, retry=True, logged=False, caller="server"),
     Method("get_layout", epoched=False, retry=True, logged=False, caller="anyone"),
     # checked work (parameter_server/verify.py): the rows a re-run needs, a caught cheater reported to
     # the run's coordinator, and its ban on every server (the rollback travels as adopt_epoch)
     Method("get_held", epoched=False, retry=True, logged=False, caller="server"),
-    Method("report_cheat", epoched=False, retry=True, logged=False, caller="server", unary=True),
-    Method("ban", epoched=False, retry=True, logged=False, caller="server", unary=True),
+    Method("report_cheat", epoched=False, retry=True, logged=False, caller="server"),
+    Method("ban", epoched=False, retry=True, logged=False, caller="server"),
 )}
 
 NAMES = tuple(METHODS)
-UNARY = frozenset(n for n, m in METHODS.items() if m.unary)
-# the largest request sent unary: the daemon's unary path costs more per byte than a stream, which
-# costs more per call; on loopback they crossed between 128 and 256 KiB (processor time of both ends)
-UNARY_BYTES = 128 * 1024
 EPOCHED = frozenset(n for n, m in METHODS.items() if m.epoched)
 LOGGED = frozenset(n for n, m in METHODS.items() if m.logged)
 NOT_RETRIED = frozenset(n for n, m in METHODS.items() if not m.retry)

@@ -130,11 +130,6 @@ def payload_bytes(messages: Iterable) -> int:
     return sum(m.ByteSize() for m in messages)
 
 
-def merged(messages: Sequence, message_type):
-    """`pack`'s messages as one (a unary call's): the metadata and every tensor part, in order."""
-    return message_type(metadata=messages[0].metadata, tensors=[part for m in messages for part in m.tensors])
-
-
 async def stream_of(messages: Iterable):
     """The messages as the async stream a P2P stream call sends and `unpack` reads."""
     for m in messages:

@@ -1,5 +1,5 @@
 """Hostile bytes (issue "Hours, not minutes", item 5): every `rpc_*` method of a live server (a
-StageServer on a real hivemind P2P daemon; the unary twins of methods.UNARY too), called from an
+StageServer on a real hivemind P2P daemon; each also as a call over a session), called from an
 outsider peer (its own daemon) with random metadata (not msgpack, wrong types, missing and extra
 fields) and random tensor parts (odd dtypes, shapes, NaN/inf, declared sizes far beyond what
 arrives, compression codes). The server answers each with an error or drops it, stays up, and its
@@ -21,7 +21,8 @@ from hivemind.proto.runtime_pb2 import ExpertRequest
 
 from parameter_server.service import StageServer
 from peer.protocol import methods
-from peer.protocol.wire import merged, stream_of, unpack
+from peer.protocol.session import MAX_OPEN_CALLS, Session, handle_name
+from peer.protocol.wire import stream_of, unpack
 from tests.swarm.inprocess import make_run
 
 FIELDS = ["task", "batch", "micro", "rows", "epoch", "slot", "version", "device", "compute", "tasks", "loss_sum",
@@ -85,6 +86,7 @@ class LiveServer:
             maddrs = [str(m) for m in await self.p2p.get_visible_maddrs()]
             self.outsider = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
             self.stub = StageServer.get_stub(self.outsider, PeerID.from_base58(str(self.p2p.peer_id)))
+            self.session = None
 
         self.run(start())
 
@@ -98,11 +100,13 @@ class LiveServer:
         return s.version, params, pool["queued"] + pool["leased"], pool["done"], sorted(s.issued), s.epoch
 
     async def call(self, method: str, messages: list) -> str:
-        """`method` (a name of methods.NAMES, or `<name>_unary`: its unary twin, sent `messages` as one)."""
+        """`method` (a name of methods.NAMES: a stream call of its own, or `<name>@session`: a call over
+        this outsider's session, opened again when one ends)."""
         async def roundtrip():
-            if method.endswith("_unary"):
-                answer = await getattr(self.stub, f"rpc_{method}")(merged(messages, ExpertRequest))
-                return await unpack(stream_of([answer]))
+            if method.endswith(SESSION):
+                if self.session is None or self.session.closed:
+                    self.session = await Session().open(self.outsider, str(self.p2p.peer_id), handle_name(StageServer))
+                return await unpack(self.session.call(method.removesuffix(SESSION), messages))
             return await unpack(await getattr(self.stub, f"rpc_{method}")(stream_of(messages)))
 
         try:
@@ -115,6 +119,9 @@ class LiveServer:
 
     def close(self):
         async def stop():
+            if self.session is not None:
+                self.session.close()
+                await asyncio.wait_for(self.session.reader, 10)
             await self.outsider.shutdown()
             await self.p2p.shutdown()
 
@@ -135,7 +142,10 @@ def _messages(meta: bytes, parts: list, split: bool) -> list:
     return [ExpertRequest(metadata=meta, tensors=parts)]
 
 
-@pytest.mark.parametrize("method", methods.NAMES + tuple(f"{m}_unary" for m in sorted(methods.UNARY)))
+SESSION = "@session"
+
+
+@pytest.mark.parametrize("method", methods.NAMES + tuple(f"{m}{SESSION}" for m in methods.NAMES))
 def test_random_requests_are_refused_and_change_nothing(live, method):
     before = live.state()
     outcomes = []
@@ -150,7 +160,7 @@ def test_random_requests_are_refused_and_change_nothing(live, method):
     one()
     assert "hung" not in outcomes
     # what may answer without an error: read-only methods, and register (which adds a client, not work)
-    name = method.removesuffix("_unary")
+    name = method.removesuffix(SESSION)
     if methods.METHODS[name].logged or name in ("take", "adopt_epoch", "push_replica"):
         assert not [o for o in outcomes if o.startswith("answered")], outcomes
     assert live.state() == before, method
@@ -164,9 +174,8 @@ def test_a_request_over_max_request_bytes_is_refused_while_it_arrives():
         from peer.protocol.wire import pack
 
         before = server.state()
-        messages = pack({"batch": 0, "tasks": []}, [big], ExpertRequest)
-        for method in ("push_grads", "push_grads_unary"):  # (a client sends it as a stream: over UNARY_BYTES)
-            result = server.run(server.call(method, messages))
+        for method in ("push_grads", f"push_grads{SESSION}"):
+            result = server.run(server.call(method, pack({"batch": 0, "tasks": []}, [big], ExpertRequest)))
             assert result == "error" or result.startswith("dropped"), (method, result)
         assert server.server.counters["payload_errors"] == 0  # refused before the handler saw it
         assert server.state() == before
@@ -174,3 +183,43 @@ def test_a_request_over_max_request_bytes_is_refused_while_it_arrives():
         assert server.run(server.call("ping", small)).startswith("answered")
     finally:
         server.close()
+
+
+def _framed(uid: str, meta: dict | None = None) -> ExpertRequest:
+    return ExpertRequest(uid=uid, metadata=msgpack.packb({} if meta is None else meta))
+
+
+@pytest.mark.parametrize("uids, problem", [
+    (["ping end"], "is not '<call> <method>"),
+    (["x ping end"], "is not '<call> <method>"),
+    (["1 ping finish"], "is not '<call> <method>"),
+    (["1 " + "p" * 80 + " end"], "is not '<call> <method>"),
+    (["1 no_such_method end"], "unknown method 'no_such_method'"),
+    (["1 ping", "1 status end"], "is a ping call, a message of it says status"),
+    ([f"{i} ping" for i in range(MAX_OPEN_CALLS + 1)], f"more than {MAX_OPEN_CALLS} calls of one session are open"),
+])
+def test_a_session_with_malformed_framing_ends_with_the_reason_and_changes_nothing(live, uids, problem):
+    """A session whose messages do not frame calls ends with an error naming what is wrong; calls cut
+    by a caller that closes its session (the open ones of the last case) are answered with errors;
+    the server keeps serving, its state unchanged."""
+    before = live.state()
+
+    async def session(messages):
+        answers = await live.stub.rpc_session(stream_of(messages))
+        got = []
+        try:
+            async for message in answers:
+                got.append(message)
+        except Exception as e:
+            return got, str(e)
+        return got, None
+
+    got, error = live.run(session([_framed(u) for u in uids]))
+    assert error is not None and problem in error, (error, got)
+    assert live.state() == before
+    # a well-framed session goes on being served, and calls its caller leaves open are cut, not run
+    got, error = live.run(session([_framed("0 ping end"), _framed("1 register"), _framed("2 status end")]))
+    assert error is None and sorted(m.uid for m in got) == ["0 ping end", "1 register end", "2 status end"], got
+    answers = {m.uid.split()[0]: msgpack.unpackb(m.metadata) for m in got}
+    assert "error" not in answers["0"] and "error" not in answers["2"] and "error" in answers["1"], answers
+    assert live.state() == before

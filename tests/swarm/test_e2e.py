@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from peer.launcher.processes import kill_group
-from peer.protocol import methods
 from peer.protocol.wire import RemoteError
 from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, rel_diff, swarm_cli
 
@@ -34,10 +33,10 @@ def test_peer_swarm_cli_matches_reference(tmp_path):
     # dated by the servers' own clocks at both ends: the last server's first "online" record (sent
     # at once, not an announce period later) and the last server's final version
     assert summary["wall_seconds"] > 0, summary
-    # small calls whose answers are metadata only (heartbeats among them) went as unary messages, the
-    # others as streams: the parameters below match the reference through both
-    unary, calls = summary["rpc_unary_calls"], summary["rpc_calls"]
-    assert 0 < unary.get("register", 0) <= calls["register"] and set(unary) <= methods.UNARY, (unary, calls)
+    # every call of the run went over a session (one stream per caller and server, the calls
+    # multiplexed on it: peer/protocol/session.py): the parameters below match the reference through them
+    over_session, calls = summary["rpc_session_calls"], summary["rpc_calls"]
+    assert over_session == calls and {"take", "get_params", "push_grads", "register"} <= set(calls), (over_session, calls)
     assert abs(summary["first_loss"] - math.log(256)) < 0.1
     assert rel_diff(state, reference_state("tiny", 3)) < 1e-5
 

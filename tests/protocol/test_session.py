@@ -1,0 +1,108 @@
+"""Sessions (peer/protocol/session.py) between two real hivemind P2P daemons on 127.0.0.1: calls on one
+session run at once and are answered as each finishes; a session that breaks ends its open calls as
+streams that ended early, and the next call opens a new one."""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import msgpack
+import pytest
+from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.proto.runtime_pb2 import ExpertRequest
+
+from peer.protocol import session
+from peer.protocol.session import Sessions, handle_name
+from peer.protocol.wire import PayloadError, StreamCut, decode_meta, encode_meta, unpack
+
+
+class Sleeper(ServicerBase):
+    """Answers each call after the seconds its metadata asks for, with its own metadata back."""
+
+    async def rpc_session(self, requests: AsyncIterator[ExpertRequest], context: P2PContext) -> AsyncIterator[ExpertRequest]:
+        async def run_call(method, messages):
+            meta = {}
+            async for message in messages:
+                meta = meta or decode_meta(message.metadata)
+            await asyncio.sleep(meta.get("sleep", 0.0))
+            yield ExpertRequest(metadata=encode_meta(dict(meta, method=method, n_tensors=0)))
+
+        async for message in session.serve(requests, run_call, 1 << 20):
+            yield message
+
+
+NAME = handle_name(Sleeper)
+
+
+async def _pair():
+    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    await Sleeper().add_p2p_handlers(server)
+    client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                              initial_peers=[str(m) for m in await server.get_visible_maddrs()])
+    return server, client
+
+
+def _request(**meta) -> list:
+    return [ExpertRequest(metadata=msgpack.packb(dict(meta, n_tensors=0)))]
+
+
+def test_calls_on_one_session_run_at_once_and_are_answered_as_each_finishes():
+    async def main():
+        server, client = await _pair()
+        try:
+            sessions = Sessions.of(client)
+            s = await sessions.get(client, str(server.peer_id), NAME)
+            assert await sessions.get(client, str(server.peer_id), NAME) is s  # one session a server
+            finished = []
+
+            async def call(name, sleep):
+                meta, _ = await unpack(s.call("ping", _request(name=name, sleep=sleep)))
+                finished.append(meta["name"])
+                return meta
+
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            answers = await asyncio.gather(call("slow", 1.0), call("fast", 0.0), call("middle", 0.5))
+            elapsed = loop.time() - t0
+            assert finished == ["fast", "middle", "slow"], finished
+            assert [a["method"] for a in answers] == ["ping"] * 3
+            assert elapsed < 1.9, elapsed  # at once (not 1.5 s in a row), with room for a loaded machine
+            s.close()
+            await asyncio.wait_for(s.reader, 10)
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_broken_session_ends_its_open_calls_and_the_next_call_opens_a_new_one():
+    async def main():
+        server, client = await _pair()
+        try:
+            sessions = Sessions.of(client)
+            s = await sessions.get(client, str(server.peer_id), NAME)
+            pending = asyncio.ensure_future(unpack(s.call("ping", _request(sleep=30.0))))
+            await asyncio.sleep(0.3)
+            await server.shutdown()  # the server's daemon goes: the stream breaks under the open call
+            with pytest.raises((StreamCut, PayloadError)):  # (an empty answer: the caller's ConnectionError)
+                await asyncio.wait_for(pending, 20)
+            await asyncio.wait_for(s.reader, 10)
+            assert s.closed
+            with pytest.raises(ConnectionError):
+                s.call("ping", _request())
+            # a server back (a new daemon, a new peer id here): a new session to it
+            server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                      initial_peers=[str(m) for m in await client.get_visible_maddrs()])
+            await Sleeper().add_p2p_handlers(server)
+            fresh = await sessions.get(client, str(server.peer_id), NAME)
+            assert fresh is not s and not fresh.closed
+            meta, _ = await unpack(fresh.call("status", _request(name="again")))
+            assert meta["name"] == "again" and meta["method"] == "status"
+            sessions.drop(str(server.peer_id), fresh)
+            assert fresh.closed and await sessions.get(client, str(server.peer_id), NAME) is not fresh
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    asyncio.run(main())
