@@ -518,7 +518,7 @@ class P2PLink:
 
         async def roundtrip():
             sessions = Sessions.of(self.p2p)
-            session = await sessions.get(self.p2p, self.peer_id, self._session_handler)
+            session = await sessions.get(self.peer_id, self._session_handler)
             try:
                 # the answer's messages follow each other at once: one that stalls cuts the call
                 return await unpack(session.call(method, messages), stall=STALL_SECONDS, accept=self.compress)

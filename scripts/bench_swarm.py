@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -30,7 +31,8 @@ from pathlib import Path
 from typing import AsyncIterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import REPO, Report, exactly_once, loadavg, md_table, run_reference, run_swarm  # noqa: E402
+from _bench_common import (REPO, Report, exactly_once, loadavg, md_table, process_tree, run_reference,  # noqa: E402
+                           run_swarm)
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
@@ -40,7 +42,6 @@ from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse  # noqa: E4
 from peer.model.config import get_preset  # noqa: E402
 from peer.node import start_dht, visible_maddrs  # noqa: E402
 from peer.protocol import session  # noqa: E402
-from peer.protocol.session import Session  # noqa: E402
 from peer.protocol.wire import encode_meta, pack, payload_bytes, stream_of, unpack  # noqa: E402
 
 MIB = 1 << 20
@@ -95,9 +96,8 @@ STREAM_ROW, SESSION_ROW = " (a stream call of its own)", " (over an open session
 
 def _tree_cpu() -> float:
     """Processor seconds of this process and its children (the two DHT processes and their daemons)."""
-    me = psutil.Process()
     total = 0.0
-    for p in [me, *me.children(recursive=True)]:
+    for p in process_tree(os.getpid()):
         try:
             total += sum(p.cpu_times()[:2])
         except psutil.Error:
@@ -116,7 +116,7 @@ async def hop_costs(payloads: list[tuple[str, tuple[int, ...]]], repeats: int) -
         p2p_client = await client.replicate_p2p()
         await Echo().add_p2p_handlers(p2p_server)
         stub = Echo.get_stub(p2p_client, p2p_server.peer_id)
-        open_session = await Session().open(p2p_client, str(p2p_server.peer_id), session.handle_name(Echo))
+        open_session = await session.Session().open(p2p_client, str(p2p_server.peer_id), session.handle_name(Echo))
         rows = []
         for label, shape in payloads:
             tensors = [torch.randn(shape)] if shape else []

@@ -151,24 +151,25 @@ class Sessions:
 
     _of: "weakref.WeakKeyDictionary[object, Sessions]" = weakref.WeakKeyDictionary()
 
-    def __init__(self):
+    def __init__(self, p2p):
+        self.p2p = weakref.ref(p2p)  # (weakly: the registry holds this per P2P instance, which it must not keep)
         self.sessions: dict[str, Session] = {}
         self.locks: dict[str, asyncio.Lock] = {}
 
     @classmethod
     def of(cls, p2p) -> "Sessions":
         if p2p not in cls._of:
-            cls._of[p2p] = cls()
+            cls._of[p2p] = cls(p2p)
         return cls._of[p2p]
 
-    async def get(self, p2p, peer_id: str, handle_name: str) -> Session:
+    async def get(self, peer_id: str, handle_name: str) -> Session:
         session = self.sessions.get(peer_id)
         if session is not None and not session.closed:
             return session
         async with self.locks.setdefault(peer_id, asyncio.Lock()):
             session = self.sessions.get(peer_id)
             if session is None or session.closed:
-                session = self.sessions[peer_id] = await Session().open(p2p, peer_id, handle_name)
+                session = self.sessions[peer_id] = await Session().open(self.p2p(), peer_id, handle_name)
             return session
 
     def drop(self, peer_id: str, session: Session) -> None:

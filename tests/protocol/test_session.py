@@ -51,8 +51,8 @@ def test_calls_on_one_session_run_at_once_and_are_answered_as_each_finishes():
         server, client = await _pair()
         try:
             sessions = Sessions.of(client)
-            s = await sessions.get(client, str(server.peer_id), NAME)
-            assert await sessions.get(client, str(server.peer_id), NAME) is s  # one session a server
+            s = await sessions.get(str(server.peer_id), NAME)
+            assert await sessions.get(str(server.peer_id), NAME) is s  # one session a server
             finished = []
 
             async def call(name, sleep):
@@ -81,7 +81,7 @@ def test_a_broken_session_ends_its_open_calls_and_the_next_call_opens_a_new_one(
         server, client = await _pair()
         try:
             sessions = Sessions.of(client)
-            s = await sessions.get(client, str(server.peer_id), NAME)
+            s = await sessions.get(str(server.peer_id), NAME)
             pending = asyncio.ensure_future(unpack(s.call("ping", _request(sleep=30.0))))
             await asyncio.sleep(0.3)
             await server.shutdown()  # the server's daemon goes: the stream breaks under the open call
@@ -95,12 +95,12 @@ def test_a_broken_session_ends_its_open_calls_and_the_next_call_opens_a_new_one(
             server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                       initial_peers=[str(m) for m in await client.get_visible_maddrs()])
             await Sleeper().add_p2p_handlers(server)
-            fresh = await sessions.get(client, str(server.peer_id), NAME)
+            fresh = await sessions.get(str(server.peer_id), NAME)
             assert fresh is not s and not fresh.closed
             meta, _ = await unpack(fresh.call("status", _request(name="again")))
             assert meta["name"] == "again" and meta["method"] == "status"
             sessions.drop(str(server.peer_id), fresh)
-            assert fresh.closed and await sessions.get(client, str(server.peer_id), NAME) is not fresh
+            assert fresh.closed and await sessions.get(str(server.peer_id), NAME) is not fresh
         finally:
             await client.shutdown()
             await server.shutdown()
