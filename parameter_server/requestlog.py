@@ -78,13 +78,20 @@ def read_log(path: str) -> list[tuple[dict, list]]:
 
 
 class RequestLog:
-    def __init__(self, path: str):
+    def __init__(self, path: str, live: list[tuple[str, dict, list]] | None = None):
         self.path = path
         # (segment, batch) of every live record, in order: what decides when a segment can go
-        self._live = [(segment, _batch(record)) for segment, record, _ in _live(path)]
+        self._live = [(segment, _batch(record)) for segment, record, _ in (_live(path) if live is None else live)]
         self._files = segments(path)
         self._next = int(self._files[-1].rsplit(".", 1)[1]) + 1 if self._files and self._files[-1] != path else 0
         self._open_next()
+
+    @classmethod
+    def resume(cls, path: str) -> tuple["RequestLog", list[tuple[dict, list]]]:
+        """The log at `path` opened to append to, and its live records (what a restart replays), the
+        files read once."""
+        live = _live(path)
+        return cls(path, live), [(record, tensors) for _, record, tensors in live]
 
     @property
     def segment(self) -> str:

@@ -383,19 +383,19 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     logger.info("%s: its stage server built in %.1f s", device, time.perf_counter() - t0)
     writer = None
     if args.checkpoint_dir:
-        from parameter_server.requestlog import RequestLog, read_log
+        from parameter_server.requestlog import RequestLog
         from parameter_server.service import RETAIN
 
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         write_model_json(args.checkpoint_dir, cfg, args.hf_model)  # what `peer export --checkpoint-dirs` reads
         t0 = time.perf_counter()
         resumed = load_checkpoint(server, args.checkpoint_dir)
-        log_path = os.path.join(args.checkpoint_dir, f"{device}.requests.log")
-        replayed = await server.recover(read_log(log_path))
+        request_log, logged = RequestLog.resume(os.path.join(args.checkpoint_dir, f"{device}.requests.log"))
+        replayed = await server.recover(logged)
+        del logged
         if resumed or replayed:
             logger.warning("%s resumed from %s at version %d, replayed %d logged requests in %.1f s", device,
                            args.checkpoint_dir, server.version, replayed, time.perf_counter() - t0)
-        request_log = RequestLog(log_path)
         server.log = request_log
 
         writer = CheckpointWriter(server, args.checkpoint_dir)

@@ -151,7 +151,8 @@ def test_request_log_survives_a_torn_tail_and_compacts(tmp_path):
     entries = read_log(path)
     assert [r["batch"] for r, _ in entries] == [3, 4]
     assert torch.equal(entries[0][1][0], torch.full((2,), 3.0))
-    restarted = RequestLog(path)  # a restart appends after the torn record, which stays ignored
+    restarted, replayed = RequestLog.resume(path)  # a restart replays what lives, appends after the torn record
+    assert [r["batch"] for r, _ in replayed] == [3, 4]
     restarted.append({"method": "push_grads", "batch": 5})
     assert [r["batch"] for r, _ in read_log(path)] == [3, 4, 5]
 
