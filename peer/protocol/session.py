@@ -21,7 +21,7 @@ import weakref
 from typing import AsyncIterator, Callable
 
 from peer.protocol import methods
-from peer.protocol.wire import PayloadError
+from peer.protocol.wire import PayloadError, StreamCut
 
 logger = logging.getLogger("hivepipe.session")
 
@@ -184,16 +184,19 @@ async def serve(requests: AsyncIterator, run_call: Callable[[str, AsyncIterator]
     """The server's end of a session: each call's request messages go to `run_call(method,
     messages)` (the stream call's handler) as they arrive, its answer's messages come back tagged, in
     the order calls finish. A call whose request passes `max_call_bytes` gets what arrived up to then
-    and the rest is dropped (its handler refuses it); more than MAX_OPEN_CALLS unfinished requests, or
-    a uid that is not a call's, ends the session with the error."""
+    and the rest is dropped (its handler refuses it); one whose last message never comes (the session
+    ended first) is answered as a cut stream, not run; more than MAX_OPEN_CALLS unfinished requests,
+    or a uid that is not a call's, ends the session with the error."""
     out: asyncio.Queue = asyncio.Queue()
     inboxes: dict[int, tuple[str, asyncio.Queue, list]] = {}  # open requests: method, messages, [bytes]
     running: set[asyncio.Task] = set()
-    done = object()
+    done, cut_short = object(), object()
 
     async def one(call: int, method: str, inbox: asyncio.Queue) -> None:
         async def messages():
             while (message := await inbox.get()) is not None:
+                if message is cut_short:  # (the handler answers it as a cut stream: it does not run)
+                    raise StreamCut(f"the session ended before call {call}'s last message")
                 yield message
 
         try:
@@ -235,9 +238,10 @@ async def serve(requests: AsyncIterator, run_call: Callable[[str, AsyncIterator]
             cut()
 
     def cut() -> None:
-        """The session ended (closed by its caller, broken, or refused): its open calls are cut."""
+        """The session ended (closed by its caller, broken, or refused): its open calls are cut, and a
+        request without its last message is not run."""
         for _, inbox, _ in inboxes.values():
-            inbox.put_nowait(None)
+            inbox.put_nowait(cut_short)
         inboxes.clear()
 
     feeder = asyncio.ensure_future(feed())
