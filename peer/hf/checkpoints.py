@@ -45,6 +45,8 @@ def check_state(state: dict, cfg: ModelConfig, where: str) -> dict:
     """`state` as fp32 CPU tensors if it is exactly `cfg`'s parameters (names, shapes, finite)."""
     import torch
 
+    from peer.protocol.wire import all_finite
+
     shapes = param_shapes(cfg, 0, cfg.layers)
     missing = [n for n in shapes if n not in state]
     if missing:
@@ -57,7 +59,7 @@ def check_state(state: dict, cfg: ModelConfig, where: str) -> dict:
         t = state[n]
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{where}: tensor {n} has shape {list(t.shape)}, model {cfg.name!r} has {list(shape)}")
-        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+        if not t.is_floating_point() or not all_finite(t):
             raise CheckpointError(f"{where}: tensor {n} is not finite floating point")
         out[n] = t.to(torch.float32).contiguous()
     return out

@@ -187,6 +187,8 @@ class HFModelDir:
         import torch
         from safetensors import safe_open
 
+        from peer.protocol.wire import all_finite
+
         names = param_shapes(self.cfg, lo, hi)
         source = {n: ("model.embed_tokens.weight" if n == "lm_head.weight" and self.tied else to_hf_name(n))
                   for n in names}
@@ -198,7 +200,7 @@ class HFModelDir:
             with safe_open(file, framework="pt") as f:
                 for n in ours:
                     t = f.get_tensor(source[n]).to(torch.float32)
-                    if not bool(torch.isfinite(t).all()):
+                    if not all_finite(t):
                         raise HFModelError(f"{file}: tensor {source[n]} holds NaN or infinite values")
                     # a tied head is a copy of the embedding: trained apart from it (see above)
                     state[n] = t.clone() if n == "lm_head.weight" and self.tied else t.contiguous()

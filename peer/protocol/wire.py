@@ -179,8 +179,7 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
                 else:
                     raise PayloadError("tensor chunk without a header")
     except StreamCut as e:
-        raise StreamCut(str(e), meta=None if meta is None else
-                        {k: v for k, v in meta.items() if k not in ("n_tensors", FLAT)}) from None
+        raise StreamCut(str(e), meta=None if meta is None else _cut_meta(meta)) from None
     if meta is None:
         raise PayloadError("empty request")
     declared = meta.pop("n_tensors", len(groups))
@@ -188,7 +187,7 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
         raise PayloadError(f"field 'n_tensors' must be a count, got {declared!r}")
     if len(groups) < declared:
         raise StreamCut(f"the stream ended after {len(groups)} of the {declared} tensors its metadata declares",
-                        meta={k: v for k, v in meta.items() if k != FLAT})
+                        meta=_cut_meta(meta))
     if len(groups) > declared:
         raise PayloadError(f"metadata declares {declared} tensors, {len(groups)} arrived")
     for i, group in enumerate(groups):
@@ -202,6 +201,11 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
     if FLAT in meta:
         tensors = _unflatten(meta.pop(FLAT), tensors)
     return meta, tensors
+
+
+def _cut_meta(meta: dict) -> dict:
+    """The metadata a cut stream reports: the sender's own fields, not `pack`'s framing."""
+    return {k: v for k, v in meta.items() if k not in ("n_tensors", FLAT)}
 
 
 def _unflatten(shapes, tensors: list) -> list:
