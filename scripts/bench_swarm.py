@@ -74,21 +74,23 @@ class Echo(ServicerBase):
     """Reads a request to its end without deserializing it, answers with its size."""
 
     async def rpc_echo(self, requests: AsyncIterator[ExpertRequest], context: P2PContext) -> AsyncIterator[ExpertResponse]:
-        n = 0
-        async for message in requests:
-            n += len(message.metadata) + sum(len(part.buffer) for part in message.tensors)
-        yield ExpertResponse(metadata=encode_meta({"bytes": n}))
+        yield ExpertResponse(metadata=await _size_of(requests))
 
     async def rpc_session(self, requests: AsyncIterator[ExpertRequest], context: P2PContext) -> AsyncIterator[ExpertRequest]:
         """The same over a session (peer/protocol/session.py), as the swarm sends every call."""
         async def echo(method, messages):
-            n = 0
-            async for message in messages:
-                n += len(message.metadata) + sum(len(part.buffer) for part in message.tensors)
-            yield ExpertRequest(metadata=encode_meta({"bytes": n}))
+            yield ExpertRequest(metadata=await _size_of(messages))
 
         async for message in session.serve(requests, echo, 1 << 30):
             yield message
+
+
+async def _size_of(messages: AsyncIterator[ExpertRequest]) -> bytes:
+    """The answer's metadata: the bytes the request's messages carried (read, not deserialized)."""
+    n = 0
+    async for message in messages:
+        n += len(message.metadata) + sum(len(part.buffer) for part in message.tensors)
+    return encode_meta({"bytes": n})
 
 
 STREAM_ROW, SESSION_ROW = " (a stream call of its own)", " (over an open session)"
