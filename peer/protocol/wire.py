@@ -18,7 +18,7 @@ import msgpack
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
-from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+from hivemind.utils.streaming import split_for_streaming
 
 CHUNK_BYTES = 1 << 20  # tensor parts of 1 MiB: far under the 4 MiB unary cap
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
@@ -74,9 +74,14 @@ _CODEC = {"none": runtime_pb2.CompressionType.NONE, "fp16": runtime_pb2.Compress
 _UNIFORM_8BIT_OVERHEAD = 1032  # bytes beside one per element: the codebook and its header
 
 
+def compressed(t: torch.Tensor, compress: str) -> bool:
+    """Whether `t` travels compressed under the run's `compress`."""
+    return compress != "none" and t.dtype == torch.float32 and t.numel() >= MIN_COMPRESSED
+
+
 def _serialize(t: torch.Tensor, compress: str):
     t = t.detach().cpu().contiguous()
-    if compress == "none" or t.dtype != torch.float32 or t.numel() < MIN_COMPRESSED:
+    if not compressed(t, compress):
         return serialize_torch_tensor(t)
     if compress == "bf16":
         # hivemind's NONE codec in its 2-byte bfloat16 form (its serializer widens bfloat16 to 4 bytes
@@ -89,7 +94,7 @@ def _serialize(t: torch.Tensor, compress: str):
 def roundtrip(t: torch.Tensor, compress: str) -> torch.Tensor:
     """`t` as a peer receives it under `compress` (the identity for "none" and for tensors that are
     not compressed): what a server's check re-runs on, so that it compares like with like."""
-    if compress == "none" or t.dtype != torch.float32 or t.numel() < MIN_COMPRESSED:
+    if not compressed(t, compress):
         return t
     out = deserialize_torch_tensor(_serialize(t, compress))
     return out.float() if compress == "bf16" else out
@@ -104,26 +109,47 @@ MAX_FLAT = 4096  # shapes one message may carry so
 
 def pack(meta: dict, tensors: Sequence[torch.Tensor], message_type, compress: str = "none") -> list:
     """Metadata and tensors as a list of `message_type` (ExpertRequest or ExpertResponse) messages,
-    fp32 tensors compressed with `compress` (COMPRESSION), or, uncompressed, sent as one (FLAT)."""
+    fp32 tensors compressed with `compress` (COMPRESSION), or, uncompressed, sent as one (FLAT).
+    The tensors travel as hivemind `Tensor` parts of CHUNK_BYTES, several to a message up to
+    CHUNK_BYTES."""
     if compress == "none" and 1 < len(tensors) <= MAX_FLAT and all(t.dtype == torch.float32 for t in tensors):
         meta = dict(meta, **{FLAT: [list(t.shape) for t in tensors]})
         tensors = [torch.cat([t.detach().cpu().reshape(-1) for t in tensors])]
-    parts: list = []
+    messages = [message_type(metadata=encode_meta(dict(meta, n_tensors=len(tensors))))]
+    size = CHUNK_BYTES  # the metadata's message takes no parts
     for t in tensors:
-        parts.extend(split_for_streaming(_serialize(t, compress), CHUNK_BYTES))
-    meta = dict(meta, n_tensors=len(tensors))
-    messages = [message_type(metadata=encode_meta(meta))]
-    batch: list = []
-    size = 0
-    for part in parts:
-        batch.append(part)
-        size += len(part.buffer)
-        if size >= CHUNK_BYTES:
-            messages.append(message_type(tensors=batch))
-            batch, size = [], 0
-    if batch:
-        messages.append(message_type(tensors=batch))
+        for part in _parts(t, compress):
+            if size >= CHUNK_BYTES:
+                messages.append(message_type())
+                size = 0
+            messages[-1].tensors.add(**part)
+            size += len(part["buffer"])
     return messages
+
+
+def _parts(t: torch.Tensor, compress: str):
+    """The fields of the hivemind `Tensor` parts one tensor travels as (what split_for_streaming
+    makes of serialize_torch_tensor's message). An uncompressed tensor of a dtype numpy knows is cut
+    straight from its memory: hivemind's path copies every byte four more times (into one bytes
+    object, into a protobuf message, into the parts, into the messages holding them)."""
+    t = t.detach().cpu().contiguous()
+    if compressed(t, compress) or t.dtype == torch.bfloat16:
+        whole = _serialize(t, compress)
+        for i, part in enumerate(split_for_streaming(whole, CHUNK_BYTES)):
+            fields = {"buffer": part.buffer}
+            if i == 0:
+                fields.update(compression=part.compression, chunks=part.chunks, size=list(part.size),
+                              dtype=part.dtype)
+            yield fields
+        return
+    raw = memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")
+    chunks = max(1, math.ceil(len(raw) / CHUNK_BYTES))
+    for i in range(chunks):
+        fields = {"buffer": bytes(raw[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])}
+        if i == 0:
+            fields.update(compression=runtime_pb2.CompressionType.NONE, chunks=chunks, size=list(t.shape),
+                          dtype=str(t.dtype).replace("torch.", ""))
+        yield fields
 
 
 def payload_bytes(messages: Iterable) -> int:
@@ -162,7 +188,7 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
     metadata declares, or (with `stall`) waits longer than `stall` seconds for its next message,
     raises StreamCut."""
     meta = None
-    groups: list[list] = []
+    groups: list[tuple] = []  # per tensor: its first part (the header) and every part's bytes
     total = 0
     try:
         async for message in _messages(stream, stall):
@@ -173,9 +199,9 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
                 meta = decode_meta(message.metadata)
             for part in message.tensors:
                 if part.dtype:  # first chunk of a new tensor
-                    groups.append([part])
+                    groups.append((part, [part.buffer]))
                 elif groups:
-                    groups[-1].append(part)
+                    groups[-1][1].append(part.buffer)
                 else:
                     raise PayloadError("tensor chunk without a header")
     except StreamCut as e:
@@ -190,10 +216,10 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
                         meta=_cut_meta(meta))
     if len(groups) > declared:
         raise PayloadError(f"metadata declares {declared} tensors, {len(groups)} arrived")
-    for i, group in enumerate(groups):
-        _check_header(i, group, accept)
+    for i, (head, buffers) in enumerate(groups):
+        _check_header(i, head, sum(map(len, buffers)), accept)
     try:
-        tensors = [deserialize_torch_tensor(combine_from_streaming(g)) for g in groups]
+        tensors = [_tensor(head, buffers) for head, buffers in groups]
     except Exception as e:
         raise PayloadError(f"tensor does not deserialize: {e}") from None
     if accept == "bf16":  # a bf16 run's activations and gradients travel as bfloat16: fp32 again here
@@ -201,6 +227,24 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
     if FLAT in meta:
         tensors = _unflatten(meta.pop(FLAT), tensors)
     return meta, tensors
+
+
+def _tensor(head, buffers: list[bytes]) -> torch.Tensor:
+    """One tensor from its checked parts: an uncompressed one (but bfloat16, which hivemind sends
+    in two forms) copied once from the parts into its own memory, any other through hivemind's
+    deserialization of the parts joined."""
+    if head.compression == runtime_pb2.CompressionType.NONE and head.dtype != "bfloat16":
+        out = torch.empty(list(head.size), dtype=getattr(torch, head.dtype))
+        if out.numel():
+            raw, offset = memoryview(out.reshape(-1).numpy()).cast("B"), 0
+            for b in buffers:
+                raw[offset:offset + len(b)] = b
+                offset += len(b)
+        return out
+    whole = runtime_pb2.Tensor()
+    whole.CopyFrom(head)
+    whole.buffer = b"".join(buffers)
+    return deserialize_torch_tensor(whole)
 
 
 def _cut_meta(meta: dict) -> dict:
@@ -230,11 +274,10 @@ _ITEM_BYTES = {"float32": (4,), "float16": (2,), "bfloat16": (2, 4), "float64": 
 MAX_DIMS = 8
 
 
-def _check_header(i: int, group: list, accept: str = "none") -> None:
-    """PayloadError unless tensor `i`'s parts are a tensor of a known dtype, uncompressed or in the
-    run's codec, whose declared shape holds exactly the bytes that arrived (checked before anything
-    is allocated)."""
-    head = group[0]
+def _check_header(i: int, head, arrived: int, accept: str = "none") -> None:
+    """PayloadError unless tensor `i`, whose first part is `head` and whose parts hold `arrived`
+    bytes, is a tensor of a known dtype, uncompressed or in the run's codec, whose declared shape
+    holds exactly those bytes (checked before anything is allocated)."""
     if head.compression not in (runtime_pb2.CompressionType.NONE, _CODEC.get(accept)):
         raise PayloadError(f"tensor {i}: compression {head.compression} is not accepted (this run's --compress is "
                            f"{accept})")
@@ -244,7 +287,6 @@ def _check_header(i: int, group: list, accept: str = "none") -> None:
             raise PayloadError(f"tensor {i}: a compressed tensor must be float32 of at most {MAX_DIMS} dims")
         numel = math.prod(shape)
         need = 2 * numel if head.compression == runtime_pb2.CompressionType.FLOAT16 else numel + _UNIFORM_8BIT_OVERHEAD
-        arrived = sum(len(part.buffer) for part in group)
         if arrived != need:
             raise PayloadError(f"tensor {i}: shape {shape} under codec {head.compression} needs {need} bytes, "
                                f"{arrived} arrived")
@@ -255,7 +297,6 @@ def _check_header(i: int, group: list, accept: str = "none") -> None:
     if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
         raise PayloadError(f"tensor {i}: shape {shape[:MAX_DIMS + 1]} is not a tensor shape")
     numel = math.prod(shape)
-    arrived = sum(len(part.buffer) for part in group)
     if not any(numel * size == arrived for size in _ITEM_BYTES[head.dtype]):
         raise PayloadError(f"tensor {i}: shape {shape} of {head.dtype} needs {numel * _ITEM_BYTES[head.dtype][0]} "
                            f"bytes, {arrived} arrived")

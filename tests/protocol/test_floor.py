@@ -29,6 +29,54 @@ def test_pack_unpack_roundtrip_streams_tensors_above_the_unary_cap():
     assert torch.equal(tensors[0], big) and torch.equal(tensors[1], ids)
 
 
+def _tensors_of(messages) -> list:
+    """The tensors of `pack`'s messages as hivemind itself reads them back (its chunk joining and
+    deserialization), not through `unpack`."""
+    from hivemind.compression import deserialize_torch_tensor
+    from hivemind.utils.streaming import combine_from_streaming
+
+    groups = []
+    for m in messages:
+        for part in m.tensors:
+            groups.append([part]) if part.dtype else groups[-1].append(part)
+    return [deserialize_torch_tensor(combine_from_streaming(g)) for g in groups]
+
+
+def _as_hivemind_packs(meta: dict, tensors: list) -> list:
+    """What `pack` sent before it cut parts from the tensors' memory: hivemind's serialization, split
+    with hivemind's split_for_streaming, one part to a message."""
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.utils.streaming import split_for_streaming
+
+    messages = [ExpertRequest(metadata=msgpack.packb(dict(meta, n_tensors=len(tensors))))]
+    for t in tensors:
+        messages += [ExpertRequest(tensors=[part]) for part in split_for_streaming(serialize_torch_tensor(t), 1 << 20)]
+    return messages
+
+
+WIRE_CASES = [torch.randn(3, 600, 700), torch.arange(10), torch.tensor(2.5), torch.zeros(0, 4),
+              torch.randn(5).half(), torch.tensor([True, False]), torch.randint(-9, 9, (4, 3), dtype=torch.int8),
+              torch.randn(7).to(torch.bfloat16), torch.randn(4, 4).t(), torch.randn(300_000, dtype=torch.float64)]
+
+
+@pytest.mark.parametrize("t", WIRE_CASES, ids=lambda t: f"{str(t.dtype)[6:]}{list(t.shape)}")
+def test_the_wire_is_hivemind_serialization_both_ways(t):
+    """`pack` cuts an uncompressed tensor's parts straight from its memory and `unpack` copies them
+    straight into the tensor it returns; the bytes are still hivemind's: hivemind reads what `pack`
+    sends, and `unpack` reads what hivemind's own serialization and streaming split send."""
+    messages = pack({"k": 1}, [t], ExpertRequest)
+    assert all(m.ByteSize() <= (1 << 20) + 1024 for m in messages)
+    (back,) = _tensors_of(messages)
+    assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+    meta, (ours,) = asyncio.run(unpack(_aiter(messages)))
+    assert meta == {"k": 1} and ours.dtype == t.dtype and torch.equal(ours, t)
+    meta, (theirs,) = asyncio.run(unpack(_aiter(_as_hivemind_packs({"k": 1}, [t]))))
+    assert theirs.dtype == t.dtype and torch.equal(theirs, t)
+    if t.numel():
+        ours.view(-1)[0] = 0  # the tensor unpack returns owns its memory: writable, not a view of a message
+        assert torch.equal(_tensors_of(messages)[0], t)
+
+
 @pytest.mark.parametrize("messages,problem", [
     ([], "empty request"),
     ([ExpertRequest(metadata=b"\xc1")], "not valid msgpack"),
