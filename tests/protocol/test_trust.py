@@ -151,6 +151,33 @@ def test_an_expired_record_passes_the_dht_a_replayed_one_is_counted_and_readers_
     assert records.open_stage(trust, 0, {subkey: value}) == []  # a reader skips it, listing nothing
 
 
+def test_the_validator_remembers_a_record_that_passed_until_its_envelope_expires(monkeypatch):
+    """A DHT node validates the same stored record on every read that reaches it: one that passed is
+    answered from memory while its envelope lives (the same bytes, stored with the same expiry), and
+    checked again once it has expired, or stored with another expiry (a replay's)."""
+    from peer.protocol import trust
+
+    v = RunValidator("r", RUN_KEY.fingerprint)
+    key = DHTID.generate(source=stage_name("r", 0)).to_bytes()
+    ser = DHTProtocol.serializer.dumps
+    t0 = time.time()
+    subkey, value = stage_record(SERVER, server_body(), RUN_KEY, now=t0)
+    record = DHTRecord(key, ser(subkey), ser(value), value["expires"])
+    assert v.validate(record)
+    opened = []
+
+    def refuse(*args, **kwargs):
+        opened.append(args)
+        raise TrustError("checked again")
+
+    monkeypatch.setattr(trust, "open_record", refuse)
+    assert v.validate(record) and opened == []  # from memory
+    assert not v.validate(DHTRecord(key, ser(subkey), ser(value), value["expires"] + 60)) and len(opened) == 1
+    monkeypatch.setattr(trust, "_now", lambda: value["expires"] + 0.5)
+    assert not v.validate(record) and len(opened) == 2  # expired: checked again
+    assert v.rejected_total == 2 and v.rejected[-1].reason == "checked again"
+
+
 @pytest.mark.parametrize("text,parsed", [("demo", ("demo", None)), ("demo@00112233AABBCCDD", ("demo", "00112233aabbccdd"))])
 def test_run_ids(text, parsed):
     assert split_run_id(text) == parsed
