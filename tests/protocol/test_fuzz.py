@@ -8,6 +8,7 @@ while it arrives."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 
@@ -204,17 +205,30 @@ def test_a_session_with_malformed_framing_ends_with_the_reason_and_changes_nothi
     message is answered as cut, not run (a complete `ping` like it is answered)."""
     before = live.state()
 
-    async def session(messages):
-        answers = await live.stub.rpc_session(stream_of(messages))
+    async def session(messages, hold_open=False):
+        read = asyncio.Event()
+
+        async def requests():
+            for m in messages:
+                yield m
+            if hold_open:  # open until the answers end, as a session's caller keeps it: the server's
+                # refusal is then the only thing that ends the stream (once, under load, a session whose
+                # requests had ended closed without the refusal's message)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(read.wait(), 10.0)
+
+        answers = await live.stub.rpc_session(requests())
         got = []
         try:
             async for message in answers:
                 got.append(message)
         except Exception as e:
             return got, str(e)
+        finally:
+            read.set()
         return got, None
 
-    got, error = live.run(session([_framed(u) for u in uids]))
+    got, error = live.run(session([_framed(u) for u in uids], hold_open=True))
     assert error is not None and problem in error, (error, got)
     assert live.state() == before
     got, error = live.run(session([_framed("0 ping end"), _framed("1 ping"), _framed("2 status end")]))
