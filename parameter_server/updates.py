@@ -125,12 +125,15 @@ class Updates:
             self.release_waiting()
 
     def _forget_before(self, batch: int) -> None:
-        """Drop the rows and ledgers of batches < batch (applied by every server of the stage), the
-        ids of their closed tasks (a run of days would else keep every task id it ever cut) and what
-        is remembered of volunteers gone for good (Verification.forget_departed)."""
+        """Drop the rows and ledgers of batches < batch (applied by every server of the stage), their
+        tasks still open (a re-queued copy of work done, which `take` would abandon when handed out,
+        and which would else stay open to the run's end), the ids of their closed tasks (a run of
+        days would else keep every task id it ever cut) and what is remembered of volunteers gone for
+        good (Verification.forget_departed)."""
         for store in (self.buffers, self.grad_buffers, self.ledger, self.gin_senders):
             for key in [k for k in store if k[0] < batch]:
                 del store[key]
+        self.pool.abandon_before(batch)
         self.issued.difference_update(self.pool.forget_closed(batch))
         self.forgotten_before = max(self.forgotten_before, batch)
         self.forget_departed()

@@ -329,6 +329,16 @@ class TaskPool:
         self._closed_by_batch.setdefault(entry.task.batch, []).append(task_id)
         self._nabandoned += 1
 
+    def abandon_before(self, before_batch: int) -> list[str]:
+        """Abandon every open (queued or leased) task of batches < ``before_batch``: for an owner
+        whose batches end, their work done by then (a re-queued copy of a finished task, one whose
+        result was credited under another id), so that no worker is handed one again. Returns the
+        ids abandoned. O(open tasks)."""
+        ids = [tid for tid, entry in self._tasks.items() if entry.task.batch < before_batch]
+        for tid in ids:
+            self.abandon(tid)
+        return ids
+
     def forget_closed(self, before_batch: int) -> list[str]:
         """Forget the ids of the done and abandoned tasks of batches < ``before_batch``: the
         counters stay, but a later result for one of them is then an unknown id (misuse) and the

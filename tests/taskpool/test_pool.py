@@ -366,6 +366,28 @@ def test_forget_closed_drops_the_ids_of_old_batches_only(clock):
     assert (s["done"], s["abandoned"], s["added"]) == (3, 3, 7)
 
 
+def test_abandon_before_closes_the_open_tasks_of_old_batches_only(clock):
+    """An owner whose batches end abandons their tasks still open (queued, leased, or re-queued after
+    a lost lease): none is handed out again, a late result for one is a duplicate, and the ids then
+    go with the batch's closed ones."""
+    pool = make_pool(clock, default_timeout=5.0)
+    pool.add(task("q0", batch=0))
+    pool.add(task("l0", batch=0, mb=1))
+    pool.add(task("r1", batch=1))
+    pool.add(task("d1", batch=1, mb=1))
+    pool.add(task("q2", batch=2))
+    assert take_id(pool, "a") == "q0" and take_id(pool, "b") == "l0"
+    pool.complete("d1", "b")
+    clock.now += 10.0
+    assert sorted(t.task_id for t in pool.expire()) == ["l0", "q0"]  # both leases lost: queued again
+    assert take_id(pool, "c") == "q0"  # and one of them leased again
+    assert sorted(pool.abandon_before(2)) == ["l0", "q0", "r1"]
+    assert pool.abandon_before(2) == []
+    assert pool.leases_of("c") == [] and take_id(pool, "a") == "q2" and take_id(pool, "b") is None
+    assert pool.complete("r1", "a") is Completion.DUPLICATE
+    assert sorted(pool.forget_closed(2)) == ["d1", "l0", "q0", "r1"]
+
+
 def test_a_long_run_that_forgets_its_batches_keeps_ids_of_recent_ones_only(clock):
     pool = make_pool(clock)
     for b in range(500):
