@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the swarm costs against one process: tokens/s, the price of one hop, and bytes on the wire.
 
-    python scripts/bench_swarm.py [--steps 20] [--model small] [--out docs/bench_swarm.md] [--work DIR]
+    python scripts/bench_swarm.py [--steps 60] [--model small] [--out docs/bench_swarm.md] [--work DIR]
 
 Parts (markdown tables on standard output and in --out, each with the load average):
 
@@ -202,7 +202,7 @@ def method_rows(summary: dict, steps: int) -> list[list]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=60, help="batches each run trains on (default 60, as `peer swarm` by default)")
     p.add_argument("--model", default="small")
     p.add_argument("--runs", type=int, default=2, help="runs of each of reference and swarm (wall times vary with the load)")
     p.add_argument("--repeats", type=int, default=20, help="repeats per payload of the hop timing (fewer for big ones)")
