@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 
 from parameter_server.layout import RunLayout
 from parameter_server.updates import snapshots_kept
@@ -96,11 +97,34 @@ class Failover:
         self.replicas[slot] = replica
         self.counters["replicas_received"] += int(newer)
         if newer:
+            self.replica_event.set()
+            self.replica_event = asyncio.Event()
             for cb in self.on_replica:  # made durable before it is acknowledged
                 r = cb(slot)
                 if inspect.isawaitable(r):
                     await r
         return {"result": "accepted" if newer else "duplicate", "version": replica.version}
+
+    async def replica_at(self, slot: int, version: int, timeout: float) -> tuple[str, dict] | None:
+        """(digest, parameters) of version `version` of the replica of `slot` kept here, waiting up to
+        `timeout` seconds for the replica step that makes it (sent by the slot's host right after its
+        own step); None when no replica of the slot is kept here or it does not hold the version in
+        time. For this server's own worker (StageWorker._from_own_replica), which reads a version
+        from here instead of pulling it when the host says its digest is the same."""
+        deadline = time.monotonic() + timeout
+        while True:
+            replica = self.replicas.get(slot)
+            if replica is None:
+                return None
+            if version in replica.snapshots:
+                return replica.digest(version), replica.snapshots[version]
+            left = deadline - time.monotonic()
+            if replica.version > version or left <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self.replica_event.wait(), left)
+            except asyncio.TimeoutError:
+                return None
 
     async def on_get_layout(self, meta, tensors, sender):
         """The current layout epoch: {"epoch", "layout", "from_batch"} (epoch 0 is the first layout)."""

@@ -127,6 +127,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.log = None  # RequestLog when the server has a checkpoint dir
         self.replaying = False
         self.step_event = asyncio.Event()
+        self.replica_event = asyncio.Event()  # set (and replaced) whenever a replica here takes a version
         self.on_step: list[Callable[[int], Awaitable[None] | None]] = []
         self.on_epoch: list[Callable[[dict], None]] = []
         self.on_adopt: list[Callable[[dict], None]] = []  # slots taken over (before the epoch is logged)

@@ -15,6 +15,7 @@ batches 0..t-2), and update t is applied when version == t, producing version t 
 """
 from __future__ import annotations
 
+import hashlib
 import uuid
 
 from dataclasses import dataclass, field
@@ -85,6 +86,27 @@ class ShardState:
         # on a replica: (version, the sender's token of that version) of the state it mirrors; a step is
         # applied on that state only (a sender that rolled back re-makes versions with other contents)
         self.mirror: tuple[int, str] | None = None
+        self._digests: dict[tuple[int, str], str] = {}  # (version, token) -> digest(version)
+
+    def digest(self, version: int) -> str | None:
+        """SHA-256 of kept version `version`'s parameters (each one's name, dtype, shape and bytes, in
+        `names` order), or None when it is not kept; computed once per version's contents (its token).
+        What a server's own worker compares with the slot's host before it reads a version from the
+        replica its server keeps: a replica steps on its own, and on another kind of device its bits
+        may differ."""
+        snap, token = self.snapshots.get(version), self.tokens.get(version)
+        if snap is None or token is None:
+            return None
+        if (version, token) not in self._digests:
+            h = hashlib.sha256()
+            for n in self.names:
+                t = snap[n].detach().cpu().contiguous()
+                h.update(f"{n}:{t.dtype}:{tuple(t.shape)};".encode())
+                if t.numel():
+                    h.update(memoryview(t.reshape(-1).numpy()).cast("B"))
+            self._digests = {k: d for k, d in self._digests.items() if self.tokens.get(k[0]) == k[1]}
+            self._digests[(version, token)] = h.hexdigest()
+        return self._digests[(version, token)]
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.params.items()}

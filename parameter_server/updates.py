@@ -58,6 +58,8 @@ class Updates:
                 logger.error("%s: version %d of a hosted slot is asked for and not held (held: %s): tasks "
                              "computed on it cannot run", self.device_id, version, sorted(shard.snapshots))
             raise PayloadError(f"version {version} is no longer held (current {shard.version})")
+        if mfield(meta, "digest_only", bool, optional=True):  # (a worker that holds a replica of the slot)
+            return {"names": shard.names, "version": version, "digest": shard.digest(version)}, []
         return {"names": shard.names, "version": version}, [snap[n] for n in shard.names]
 
     def _hosted(self, meta: dict) -> ShardState:

@@ -21,14 +21,17 @@ class NotReady(Exception):
 
 
 async def fetch_slot(call: Callable[[str, dict], Awaitable[tuple[dict, list]]], host: str, slot: int,
-                     version: int, patience: float, poll: float, clock=time.monotonic) -> tuple[dict, list]:
+                     version: int, patience: float, poll: float, clock=time.monotonic,
+                     digest_only: bool = False) -> tuple[dict, list]:
     """`call(method, meta)` is one request to `host` (whatever retries of the link it makes); the
     answer of the first `get_params` that is not `retry`. Each asks the host to wait for the version
-    for what is left of `patience` (at most MAX_PARAMS_WAIT)."""
+    for what is left of `patience` (at most MAX_PARAMS_WAIT). `digest_only`: the answer carries the
+    version's digest (ShardState.digest) instead of its parameters."""
     deadline = clock() + patience
     while True:
         wait = min(max(deadline - clock(), 0.0), MAX_PARAMS_WAIT)
-        meta, tensors = await call("get_params", {"version": version, "slot": slot, "wait": wait})
+        ask = {"version": version, "slot": slot, "wait": wait}
+        meta, tensors = await call("get_params", dict(ask, digest_only=True) if digest_only else ask)
         if not meta.get("retry"):
             return meta, tensors
         if clock() >= deadline:

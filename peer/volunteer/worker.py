@@ -98,6 +98,11 @@ AWAY_GRACE_S = 5.0
 TAKE_WAIT = 3.0
 # how long a fetch of the next parameter version ahead of need waits for the stage's servers to make it
 PREFETCH_PATIENCE = 15.0
+# how long a server's own worker waits for the replica its server keeps of another server's slot to
+# take a version its host has made (the host sends the step right after making it), and how many
+# versions of that slot it pulls from the host after the replica missed one
+REPLICA_WAIT = 2.0
+REPLICA_BACKOFF = 10
 
 
 def die_here() -> None:
@@ -142,7 +147,8 @@ class StageWorker:
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.stats = {"forward": 0, "backward": 0, "dropped": 0, "pushes": 0, "conflicts": 0, "compute_seconds": 0.0,
                       "param_seconds": 0.0, "started": time.time(), "recomputed": 0, "recompute_avoided": 0,
-                      "prefetched": 0}
+                      "prefetched": 0, "params_from_replica": 0, "replica_misses": 0}
+        self.replica_skip_until: dict[int, int] = {}  # slot -> the first version the replica is tried for again
         self.pending: dict[int, Pending] = {}  # batch -> gradients summed over tasks not pushed yet
         self.pushing: list[Pending] = []  # sums on their way to the servers (their tasks still held)
         # server device -> ids of tasks leased there and finished (credited by every server, or a
@@ -528,6 +534,9 @@ class StageWorker:
         """Every shard of `version`, one `get_params` a server, all at once (a server that has not
         reached the version waits for it on its side, up to `patience` in all)."""
         async def one(device, slot, names):
+            kept = await self._from_own_replica(device, slot, names, version, patience)
+            if kept is not None:
+                return kept
             meta, tensors = await fetch_slot(functools.partial(self.call, self.links[device], timeout=60.0),
                                              device, slot, version, patience, self.poll)
             self._point("pulling_params")
@@ -539,6 +548,32 @@ class StageWorker:
         for part in await asyncio.gather(*(one(*shard) for shard in self.shards)):
             state.update(part)
         return state
+
+    async def _from_own_replica(self, device: str, slot: int, names: list, version: int,
+                                patience: float) -> dict[str, torch.Tensor] | None:
+        """Version `version` of another server's slot read from the replica this worker's own server
+        keeps of it (a server's worker pulled it whole, 0.92 MB a step for the default swarm's
+        shards), once the slot's host says that version's digest (one small `get_params`) and the
+        replica's agree; None (the caller pulls it) when this worker runs in no server, its server
+        keeps no replica of the slot, or the replica does not hold that version within REPLICA_WAIT
+        or holds other bits (then the slot is pulled for REPLICA_BACKOFF versions)."""
+        server = getattr(self.links.get(self.device_id), "server", None)  # (a LocalLink: this worker's server)
+        if server is None or device == self.device_id or slot not in server.replicas or \
+                version < self.replica_skip_until.get(slot, 0):
+            return None
+        meta, _ = await fetch_slot(functools.partial(self.call, self.links[device], timeout=60.0), device, slot,
+                                   version, patience, self.poll, digest_only=True)
+        if meta.get("names") != names:
+            raise RemoteError(f"{device} serves shard {meta.get('names')}, expected {names}")
+        kept = await server.replica_at(slot, version, REPLICA_WAIT)
+        if kept is None or kept[0] != meta.get("digest"):
+            self.stats["replica_misses"] += 1
+            self.replica_skip_until[slot] = version + REPLICA_BACKOFF
+            logger.debug("%s: the replica of slot %d %s version %d: pulling it from %s", self.device_id, slot,
+                         "does not hold" if kept is None else "holds other bits of", version, device)
+            return None
+        self.stats["params_from_replica"] += 1
+        return {n: kept[1][n] for n in names}
 
     def _hold(self, version: int, state: dict[str, torch.Tensor]) -> None:
         self.versions[version] = state

@@ -404,6 +404,33 @@ def test_a_replica_can_be_sent_every_kept_version_in_order():
     assert torch.equal(replica.params["w"], owner.params["w"])
 
 
+def test_a_versions_digest_is_its_parameters_bits_and_follows_a_rollback():
+    """ShardState.digest: a replica kept by steps has its host's digest at every version it mirrors
+    (the same bits); another version, or the same version re-made after a rollback with other
+    contents, has another; a version not kept has none."""
+    from parameter_server.shard import ShardState
+
+    def shard():
+        return ShardState({"w": torch.zeros(3), "b": torch.ones(2)}, lr=1e-1, rows_per_micro=1, micro_batches=1,
+                          steps=6, keep_versions=4)
+
+    owner, replica = shard(), shard()
+    assert replica.absorb(*owner.export(0))
+    for t in range(3):
+        owner.credit(batch=t, pieces=[(f"B{t}.0.0.0-1", 0, (0, 1))],
+                     grads=[torch.tensor([1.0, -2.0]) * (t + 1), torch.tensor([0.5, 1.0, -1.0])])
+        owner.step()
+        assert replica.absorb_step(*owner.export_step(t + 1))
+    digests = [owner.digest(v) for v in range(4)]
+    assert [replica.digest(v) for v in range(4)] == digests and len(set(digests)) == 4
+    assert all(len(d) == 64 for d in digests) and owner.digest(7) is None
+    assert owner.rollback(1, epoch=1)
+    assert owner.digest(1) == digests[1] and owner.digest(2) is None
+    owner.credit(batch=1, pieces=[("B1.0.0.0-1", 0, (0, 1))], grads=[torch.ones(2), torch.ones(3)])  # other work
+    owner.step()
+    assert owner.version == 2 and owner.digest(2) not in (None, digests[2])
+
+
 def test_a_task_id_formats_and_parses_in_one_place():
     from peer.protocol.tasks import TaskId, batch_of, task_id
 

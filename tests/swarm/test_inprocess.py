@@ -1053,6 +1053,49 @@ def test_a_worker_fetches_the_next_version_ahead_and_a_server_waits_for_a_versio
     assert all(n >= steps - 3 for n in fetched.values()), fetched
 
 
+def test_a_servers_worker_reads_another_servers_slot_from_its_replica_only_when_the_digests_agree():
+    """A server's own worker, which pulled the stage's other slot whole at every version, reads it
+    from the replica its server keeps once the slot's host answers that version's digest (a
+    `get_params` with `digest_only`, no tensors) and the replica's agrees. Where they disagree (here:
+    one server's replica made to report other bits, as a replica on another kind of device may
+    hold) it pulls the version from the host and keeps pulling for a while; training equals the
+    reference either way. A digest answer carries no tensors, and a bad `digest_only` is refused."""
+    from peer.protocol.wire import RemoteError
+
+    steps = 8
+    cfg, layout, run = make_run(steps=steps, stages=2, frontal=1, backward=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=True)
+    f1 = swarm.servers[layout.stages[1].frontal[0]]
+    at = f1.replica_at
+
+    async def other_bits(slot, version, timeout):
+        kept = await at(slot, version, timeout)
+        return None if kept is None else ("0" * 64, kept[1])
+
+    f1.replica_at = other_bits
+    state = asyncio.run(swarm.train(timeout=120))
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    stats = {w.device_id: (w.stats["params_from_replica"], w.stats["replica_misses"]) for w in swarm.workers}
+    servers = set(swarm.servers)
+    assert all(stats[d] == (0, 0) for d in stats if d not in servers), stats  # volunteers keep no replica
+    hits = {d: stats[d][0] for d in servers if d != f1.device_id}
+    assert all(n >= steps - 2 for n in hits.values()), stats
+    # the replica that reports other bits: a miss, then REPLICA_BACKOFF versions pulled, then a miss again
+    assert stats[f1.device_id][0] == 0 and 1 <= stats[f1.device_id][1] <= 2, stats
+
+    b0 = swarm.servers[layout.stages[0].backward[0]]
+    link = LocalLink(b0, "peer-reader")
+
+    async def ask():
+        meta, tensors = await link.call("get_params", {"version": steps, "digest_only": True})
+        with pytest.raises(RemoteError, match="'digest_only'"):
+            await link.call("get_params", {"version": steps, "digest_only": "yes"})
+        return meta, tensors
+
+    meta, tensors = asyncio.run(ask())
+    assert tensors == [] and meta["digest"] == b0.shard.digest(steps) and len(meta["digest"]) == 64
+
+
 def test_an_emulated_device_registers_the_compute_it_will_deliver_however_loaded_the_machine():
     """A device emulated `slowdown` times slower than this CPU stretches each pass to `slowdown` x
     the processor time it used (not x its wall time, which counts the waits for a core), and it
