@@ -368,8 +368,9 @@ def interpretation(cfg, s, swarms, ratio, hop_rows, stream_rows, measured, floor
     its own shard local, and a sum is pushed early when its worker goes idle or a lease nears its
     deadline (the next task's gradient then starts a new sum);
   - *parameters re-pulled for every new version*: a worker pulls its stage's parameters (all shards
-    but its own) once per version it computes on, i.e. once per step, and the servers' own workers
-    pull the other servers' shards too (`get_params`);
+    but its own) once per version it computes on, i.e. once per step (`get_params`); a server's own
+    worker reads the other servers' shards from the replicas its server keeps when their hosts'
+    digests agree, a small `get_params` each;
   - *activations move 3 times per boundary, not once*: worker → BS (`push_outputs`), BS → next FS
     (`push_inputs`), FS → worker (in the `take` answer), and gradients the same way back
     (`push_input_grads`, the relay `push_output_grads`, `take`); a server's own worker saves one hop;

@@ -537,17 +537,24 @@ class StageWorker:
             kept = await self._from_own_replica(device, slot, names, version, patience)
             if kept is not None:
                 return kept
-            meta, tensors = await fetch_slot(functools.partial(self.call, self.links[device], timeout=60.0),
-                                             device, slot, version, patience, self.poll)
+            meta, tensors = await self._ask_host(device, slot, names, version, patience)
             self._point("pulling_params")
-            if meta.get("names") != names:
-                raise RemoteError(f"{device} serves shard {meta.get('names')}, expected {names}")
             return dict(zip(meta["names"], tensors))
 
         state: dict[str, torch.Tensor] = {}
         for part in await asyncio.gather(*(one(*shard) for shard in self.shards)):
             state.update(part)
         return state
+
+    async def _ask_host(self, device: str, slot: int, names: list, version: int, patience: float,
+                        digest_only: bool = False) -> tuple[dict, list]:
+        """`get_params` of `slot` at `version` from its host `device` (peer.protocol.params.fetch_slot),
+        RemoteError unless the host serves the shard of `names`."""
+        meta, tensors = await fetch_slot(functools.partial(self.call, self.links[device], timeout=60.0), device,
+                                         slot, version, patience, self.poll, digest_only=digest_only)
+        if meta.get("names") != names:
+            raise RemoteError(f"{device} serves shard {meta.get('names')}, expected {names}")
+        return meta, tensors
 
     async def _from_own_replica(self, device: str, slot: int, names: list, version: int,
                                 patience: float) -> dict[str, torch.Tensor] | None:
@@ -561,10 +568,7 @@ class StageWorker:
         if server is None or device == self.device_id or slot not in server.replicas or \
                 version < self.replica_skip_until.get(slot, 0):
             return None
-        meta, _ = await fetch_slot(functools.partial(self.call, self.links[device], timeout=60.0), device, slot,
-                                   version, patience, self.poll, digest_only=True)
-        if meta.get("names") != names:
-            raise RemoteError(f"{device} serves shard {meta.get('names')}, expected {names}")
+        meta, _ = await self._ask_host(device, slot, names, version, patience, digest_only=True)
         kept = await server.replica_at(slot, version, REPLICA_WAIT)
         if kept is None or kept[0] != meta.get("digest"):
             self.stats["replica_misses"] += 1
