@@ -38,7 +38,10 @@ def _tensors_of(messages) -> list:
     groups = []
     for m in messages:
         for part in m.tensors:
-            groups.append([part]) if part.dtype else groups[-1].append(part)
+            if part.dtype:  # a tensor's first part
+                groups.append([part])
+            else:
+                groups[-1].append(part)
     return [deserialize_torch_tensor(combine_from_streaming(g)) for g in groups]
 
 
