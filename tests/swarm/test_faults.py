@@ -73,8 +73,11 @@ def test_random_churn_equals_the_reference(tmp_path):
         tmp_path, f"churn-cli-{os.getpid()}", *CLI_ARGS, "--volunteers", "4", "--churn", "0.5", "--volunteer-slowdown", "10",
         # the volunteers do all the work, so a step lasts as long as they take and the kills, timed
         # within a step, land inside the run (with the servers computing too, steps 2-5 could pass
-        # between two polls of the launcher and the run end before any kill: 1 run in 20)
-        "--servers-compute", "no")
+        # between two polls of the launcher and the run end before any kill: 1 run in 20); and the
+        # launcher, which times the kills by the steps it sees in the servers' records, sees them
+        # every second: at the default 3 s the 6 steps passed in two or three reads, the kills
+        # scheduled at the last one cancelled by the run's end (2 runs in 6 killed only one)
+        "--servers-compute", "no", "--announce-period", "1")
     assert summary["volunteers_killed"] >= 2, summary
     assert summary["microbatches_applied"] == summary["microbatches_expected"], summary
     assert isinstance(summary["duplicates_dropped"], int) and isinstance(summary["requeued"], int), summary
