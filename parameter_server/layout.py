@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from scheduler.rows import cut_rows, split_by_weights  # noqa: F401 (the frontal servers' cut; the step model's too)
+from scheduler.rows import cut_rows, note_cut, owed_more, split_by_weights  # noqa: F401 (the frontal servers' cut; the step model's too)
 
 
 @dataclass(frozen=True)
@@ -202,3 +202,10 @@ def owners(n: int, parts: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
 # the fewest tokens a forward task carries when a micro-batch has more clients than such tasks
 # (`peer serve --task-tokens`): 4 rows of the small model, 16 of tiny, 1 row of a 2,048-token model
 DEFAULT_TASK_TOKENS = 512
+
+# the fewest tokens of a batch a client computes at a frontal server (`peer serve --client-batch-tokens`):
+# a client that computes any part of a batch pulls its stage's parameters of the batch's version and
+# pushes a gradient sum as large, 8 bytes a parameter in all, against 6 FLOPs a parameter and token of
+# compute: at 2,048 tokens 1 byte moves for every 1,500 FLOPs whatever the model's size. The default
+# swarm's whole batch (16 rows of 128 tokens) goes to one client a stage and the next batch to the next.
+DEFAULT_CLIENT_BATCH_TOKENS = 2048

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 
+from parameter_server.layout import owed_more
 from peer.model.update_rule import version_for_batch
 from peer.protocol.tasks import batch_of
 from peer.protocol.wire import PayloadError, field as mfield, wait_field
@@ -94,7 +95,10 @@ class Leases:
                   "attempt": lease.attempt, "epoch": self.epoch, "more": self.pool.queued() > 0}
         if task.kind == "forward":
             x, y = self.buffers[(t, m)].slice(a, b)
-            return dict(common, frontal=self.device_id), [x, y]
+            # owed: more of batch t's micro-batches are still to be cut here, and this client got a piece
+            # of every one cut so far (its worker holds its sum of the batch while idle, flush.py)
+            owed = owed_more(self.batch_cut, t, lease.client, self.run.micro_batches)
+            return dict(common, frontal=self.device_id, owed=owed), [x, y]
         entry = task.payload_ref  # a LedgerEntry
         g, _ = self.grad_buffers[(t, m)].slice(a, b)
         return dict(common, frontal=entry.frontal, forward_task=entry.forward_task), [g]

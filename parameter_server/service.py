@@ -30,7 +30,7 @@ from parameter_server.checks import Checks
 from parameter_server.clients import ClientInfo, Clients
 from parameter_server.failover import Failover
 from parameter_server.frontal import Frontal
-from parameter_server.layout import DEFAULT_TASK_TOKENS, RunLayout, segment
+from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, RunLayout, segment
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.leases import Leases
 from parameter_server.outbox import Outbox
@@ -79,7 +79,7 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
                  connector: Callable[[str], object] | None = None, requeue: bool = True,
                  max_request_bytes: int | None = None, volunteers_allow: frozenset[str] | None = None,
                  verify_rate: float = DEFAULT_VERIFY_RATE, probation: int = DEFAULT_PROBATION, verify_device: str = "cpu",
-                 task_tokens: int = DEFAULT_TASK_TOKENS):
+                 task_tokens: int = DEFAULT_TASK_TOKENS, client_batch_tokens: int = DEFAULT_CLIENT_BATCH_TOKENS):
         self.run = run
         self.layout = layout
         self.cfg = cfg
@@ -104,6 +104,9 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         # calls whatever its size, so a micro-batch goes to fewer clients rather than into slivers
         self.min_task_rows = max(1, -(-int(task_tokens) // cfg.seq_len))
         self.task_credit: dict[str, float] = {}  # client -> rows owed by its share of the compute
+        # the fewest rows of a batch a client computes here (parameter_server/frontal.py): each client
+        # that computes part of a batch pulls and pushes the whole stage's parameters for it
+        self.min_client_rows = max(1, -(-int(client_batch_tokens) // cfg.seq_len))
         # the stage's parameters are cut into one shard slot per server of the first layout; this
         # server hosts its own slot, and after a failover the slots of lost servers it held replicas of
         self.stage_params = stage_params
@@ -165,6 +168,9 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.grad_buffers: dict[tuple[int, int], "RowBuffer"] = {}  # BS: output grads; FS: relayed input grads
         self.ledger: dict[tuple[int, int], list["LedgerEntry"]] = {}
         self.gin_senders: dict[tuple, str] = {}  # FS: (t, m, a, b) -> who handed in that input gradient
+        self.batch_members: dict[int, list[str]] = {}  # FS: batch -> the clients its forward tasks are cut for
+        # FS: batch -> (how many of its micro-batches were cut into tasks, the clients that got a piece of each)
+        self.batch_cut: dict[int, tuple[int, set]] = {}
         self.next_batch = self.reflow_from or 0  # stage-0 FS: the next batch to build
 
     @property

@@ -135,6 +135,9 @@ class Updates:
         for store in (self.buffers, self.grad_buffers, self.ledger, self.gin_senders):
             for key in [k for k in store if k[0] < batch]:
                 del store[key]
+        for store in (self.batch_members, self.batch_cut):
+            for t in [t for t in store if t < batch]:
+                del store[t]
         self.pool.abandon_before(batch)
         self.issued.difference_update(self.pool.forget_closed(batch))
         self.forgotten_before = max(self.forgotten_before, batch)

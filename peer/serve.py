@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 
-from parameter_server.layout import DEFAULT_TASK_TOKENS
+from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS
 from peer.errors import NetworkError, UsageError
 from peer.protocol.records import DEFAULT_ANNOUNCE_PERIOD, JOINING_PERIOD, STALE_PERIODS
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
@@ -82,6 +82,10 @@ def add_arguments(p) -> None:
     net.add_argument("--task-tokens", type=int, default=DEFAULT_TASK_TOKENS, metavar="N",
                      help="the fewest tokens a forward task carries: a micro-batch with more clients than such "
                           "tasks goes to the clients owed the most rows (default %(default)s)")
+    net.add_argument("--client-batch-tokens", type=int, default=DEFAULT_CLIENT_BATCH_TOKENS, metavar="N",
+                     help="the fewest tokens of a batch a client computes here: a batch goes to as few clients as "
+                          "give each N (each pulls and pushes the stage's parameters for it), the next batch to the "
+                          "next ones; 1 spreads every micro-batch over every client (default %(default)s)")
     net.add_argument("--no-compute", action="store_true", help="do not run a local worker beside the services")
     net.add_argument("--no-requeue", action="store_true", help="drop a departed client's work (SWARM-like; benchmarks only)")
     net.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
@@ -116,6 +120,8 @@ def resolve(args):
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
     if args.task_tokens < 1:
         raise UsageError(f"--task-tokens must be >= 1, got {args.task_tokens}")
+    if args.client_batch_tokens < 1:
+        raise UsageError(f"--client-batch-tokens must be >= 1, got {args.client_batch_tokens}")
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
     if args.failover_after < 0:
@@ -379,7 +385,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                          task_timeout=args.task_timeout, client_timeout=args.client_timeout, connector=connector,
                          requeue=not args.no_requeue, max_request_bytes=args.max_request_bytes,
                          volunteers_allow=args.allowed, verify_rate=args.verify_rate, probation=args.probation,
-                         verify_device=args.device, task_tokens=args.task_tokens)
+                         verify_device=args.device, task_tokens=args.task_tokens,
+                         client_batch_tokens=args.client_batch_tokens)
     logger.info("%s: its stage server built in %.1f s", device, time.perf_counter() - t0)
     writer = None
     if args.checkpoint_dir:

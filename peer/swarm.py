@@ -71,6 +71,9 @@ def add_arguments(p) -> None:
                    help="TEST TOOL: add a volunteer started with `peer join --cheat KIND[@AFTER]` (repeatable)")
     p.add_argument("--task-tokens", type=int, default=None, metavar="N",
                    help="the fewest tokens a forward task carries (peer serve's default when not given)")
+    p.add_argument("--client-batch-tokens", type=int, default=None, metavar="N",
+                   help="the fewest tokens of a batch a client computes at a frontal server (peer serve's default "
+                        "when not given; 1: every client a share of every micro-batch)")
     p.add_argument("--summary-json", default=None)
     p.add_argument("--checkpoint-out", default=None, help="write model.safetensors here")
     p.add_argument("--work-dir", default=None, help="logs and server checkpoints (default: a temporary folder)")
@@ -98,8 +101,9 @@ def validate(args):
         raise UsageError("--servers-per-stage must be >= 2 (one frontal and one backward server)")
     if args.volunteers < 0 or args.steps < 1:
         raise UsageError("--volunteers must be >= 0 and --steps >= 1")
-    if args.task_tokens is not None and args.task_tokens < 1:
-        raise UsageError(f"--task-tokens must be >= 1, got {args.task_tokens}")
+    for flag in ("task_tokens", "client_batch_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     from peer.protocol.trust import split_run_id
 
     try:

@@ -29,17 +29,26 @@ def split_by_weights(lo: int, hi: int, weights: list[float]) -> list[tuple[int, 
 
 
 def cut_rows(lo: int, hi: int, clients: list[tuple[str, float]], credit: dict[str, float],
-             min_task_rows: int) -> list[tuple[str | None, int, int]]:
+             min_task_rows: int, members: list[str] | None = None,
+             per_batch: int = 0) -> list[tuple[str | None, int, int]]:
     """A micro-batch's rows [lo, hi) cut into forward tasks, as (preferred client, lo, hi).
     `clients` are (name, weight) in a fixed order. Every client gets a piece when the rows allow
     each one at least `min_task_rows`; else only the ones owed the most rows get one: each client
     accrues its weight's share of every micro-batch's rows in `credit` (updated in place; clients no
     longer listed are dropped from it) and pays for the rows it gets, so that over a batch every
     client still gets rows in proportion to its weight, in fewer, larger tasks (a 1-row task costs
-    as many calls as a 4-row one). No clients: one piece for anyone (None)."""
+    as many calls as a 4-row one). No clients: one piece for anyone (None).
+
+    `members` (the batch's list, filled in place at its first micro-batch) and `per_batch` > 0 hold
+    a batch's micro-batches to the `per_batch` clients owed the most rows when it began (any still
+    listed; new ones once none is): a client that computes part of a batch pulls the stage's
+    parameters of its version and pushes a gradient sum as large, whatever its share, so a batch
+    goes to fewer clients in larger shares and the others take the next batches (the credit keeps
+    their shares in proportion over batches)."""
     rows = hi - lo
     k = max(1, rows // min_task_rows)
-    if len(clients) <= k:
+    restrict = members is not None and 0 < per_batch < len(clients)
+    if len(clients) <= k and not restrict:
         weights = [w for _, w in clients] or [1.0]
         return [(clients[i][0] if clients else None, a, b) for i, a, b in split_by_weights(lo, hi, weights)]
     names = {p for p, _ in clients}
@@ -48,9 +57,31 @@ def cut_rows(lo: int, hi: int, clients: list[tuple[str, float]], credit: dict[st
     total = sum(max(w, 0.0) for _, w in clients) or float(len(clients))
     for p, w in clients:
         credit[p] = credit.get(p, 0.0) + rows * max(w, 0.0) / total
-    chosen = sorted(clients, key=lambda c: (-credit[c[0]], c[0]))[:k]
+
+    def most_owed(pool):
+        return sorted(pool, key=lambda c: (-credit[c[0]], c[0]))
+
+    if restrict:
+        if not names.intersection(members):
+            members[:] = [p for p, _ in most_owed(clients)[:per_batch]]
+        clients = [c for c in clients if c[0] in members]
+    chosen = most_owed(clients)[:k]
     pieces = []
     for i, a, b in split_by_weights(lo, hi, [w for _, w in chosen]):
         credit[chosen[i][0]] -= b - a
         pieces.append((chosen[i][0], a, b))
     return pieces
+
+
+def note_cut(cuts: dict[int, tuple[int, set]], batch: int, clients: set) -> None:
+    """Record that a micro-batch of `batch` was cut for `clients`: `cuts[batch]` is (micro-batches of
+    it cut, the clients that got a piece of every one)."""
+    cut, every = cuts.get(batch, (0, None))
+    cuts[batch] = (cut + 1, set(clients) if every is None else every & clients)
+
+
+def owed_more(cuts: dict[int, tuple[int, set]], batch: int, client: str, micro_batches: int) -> bool:
+    """Whether more of the batch's micro-batches are still to be cut and `client` got a piece of every
+    one cut so far (so it is likely to get the next ones: the batch's member)."""
+    cut, every = cuts.get(batch, (0, set()))
+    return cut < micro_batches and client in every

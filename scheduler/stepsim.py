@@ -20,7 +20,8 @@ costs besides the links (`Calibration`):
 What it plays, as the swarm does it:
 - stage 0's frontal server cuts batch t (one forward task per micro-batch and chosen worker) once
   its version is at least t - 1, at most two batches ahead; every forward task goes to the worker
-  owed the most rows by its registered compute (scheduler/rows.py `cut_rows`, the server's own);
+  owed the most rows by its registered compute among the batch's members (scheduler/rows.py
+  `cut_rows`, the server's own: a batch goes to as few workers as give each `min_client_rows`);
 - a worker takes the best task it may (lower batch, lower micro-batch, backward first; a task
   preferred for another worker is open to it after `preference_grace`), paying a round trip, or
   only the answer's way when it was idle and waiting at the server (the long-polled take);
@@ -35,7 +36,8 @@ What it plays, as the swarm does it:
   that ran the forward pass (kept activations: a backward pass; another worker recomputes, after
   fetching the inputs);
 - a worker sums a batch's gradients and pushes them (one shard to each server of its stage, in
-  parallel; the tasks' completion rides on later calls) when it goes idle or before a task that needs them
+  parallel; the tasks' completion rides on later calls) when it goes idle (holding for up to
+  IDLE_HOLD_S a batch whose backward tasks it is owed) or before a task that needs them
   (scheduler/flush.py, the worker's own rule); a server steps batch t when every micro-batch of t is credited and
   its version is t;
 - a server's own worker calls its own server in-process: no link, no call cost.
@@ -59,9 +61,9 @@ import statistics
 from dataclasses import dataclass, field
 
 from scheduler.files import Cluster, Plan
-from scheduler.flush import batches_to_push
+from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, owed_after
 from scheduler.prefetch import version_to_fetch
-from scheduler.rows import cut_rows
+from scheduler.rows import cut_rows, note_cut, owed_more
 
 
 @dataclass
@@ -93,6 +95,7 @@ class Workload:
     label_bytes: float  # bytes per row of labels (they travel with the activations)
     param_bytes: list  # per stage: bytes of all its parameters (split over its servers' slots)
     preference_grace: float = 0.5  # seconds a task waits for its preferred worker
+    min_client_rows: int = 1  # the fewest rows of a batch a worker computes (peer serve --client-batch-tokens / seq_len)
 
 
 def steady_seconds_per_step(version_times: list, warmup: int) -> float:
@@ -144,6 +147,8 @@ class _Server:
     credited: dict = field(default_factory=dict)  # batch -> rows credited (of every micro-batch)
     outputs: dict = field(default_factory=dict)  # (batch, micro) -> rows arrived (backward server)
     credit: dict = field(default_factory=dict)  # worker -> rows owed (frontal server)
+    members: dict = field(default_factory=dict)  # batch -> the workers its forward tasks are cut for (frontal server)
+    cut: dict = field(default_factory=dict)  # batch -> (micro-batches cut, the workers that got a piece of each)
 
 
 @dataclass
@@ -158,6 +163,8 @@ class _Worker:
     built: set = field(default_factory=set)  # versions whose slice it has built
     pending: dict = field(default_factory=dict)  # batch -> [task]
     kept: set = field(default_factory=set)  # (batch, micro) whose forward pass it keeps
+    awaiting: dict = field(default_factory=dict)  # batch held while idle (owed tasks of it) -> since when
+    owed_forward: set = field(default_factory=set)  # batches its frontal server cuts more tasks of for it
     idle: bool = False
 
 
@@ -278,7 +285,7 @@ class StepSimulation:
             self.next_batch += 1
         self._changed()
 
-    def _credit_split(self, fs: _Server) -> list:
+    def _credit_split(self, fs: _Server, t: int) -> list:
         """(worker, rows) of one micro-batch's forward tasks, cut as the frontal server cuts them
         (scheduler/rows.py `cut_rows`) by the weights the workers registered."""
         names = sorted(self.stage_workers[fs.stage])
@@ -286,12 +293,18 @@ class StepSimulation:
             weights = [float(self.cal.weights[d]) for d in names]
         else:
             weights = [self.workers[d].flops for d in names]
+        per_batch = max(1, self.work.micro_batches * self.work.rows // self.work.min_client_rows)
+        for store in (fs.members, fs.cut):
+            for old in [b for b in store if b < t - 2]:
+                del store[old]
         return [(d, b - a) for d, a, b in cut_rows(0, self.work.rows, list(zip(names, weights)), fs.credit,
-                                                   self.work.min_task_rows)]
+                                                   self.work.min_task_rows, fs.members.setdefault(t, []), per_batch)]
 
     def _make_forward_tasks(self, fs: _Server, t: int, m: int) -> None:
         kind = "fb" if fs.stage == self.K - 1 else "forward"
-        for d, rows in self._credit_split(fs):
+        pieces = self._credit_split(fs, t)
+        note_cut(fs.cut, t, {d for d, _ in pieces})
+        for d, rows in pieces:
             self._add(fs, _Task(kind, fs.stage, t, m, rows, fs.device, d, self.now + self.work.preference_grace,
                                 next(self._seq)))
 
@@ -373,8 +386,12 @@ class StepSimulation:
                     best = (key, task)
         return None if best is None else best[1]
 
-    def _lease(self, task: _Task) -> None:
-        self.servers[task.server].tasks.remove(task)
+    def _lease(self, w: _Worker, task: _Task) -> None:
+        server = self.servers[task.server]
+        server.tasks.remove(task)
+        if task.kind != "backward":  # the take's answer says whether the server cuts more of the batch for w
+            w.owed_forward = owed_after(w.owed_forward, task.batch,
+                                        owed_more(server.cut, task.batch, w.device, self.work.micro_batches))
 
     def _take_bytes(self, task: _Task) -> float:
         if task.kind == "backward":
@@ -388,12 +405,18 @@ class StepSimulation:
                 for b in self._flush_due(w, None):
                     yield from self._push(w, b)
                 if self._best(w) is None:
-                    yield lambda: self._best(w) is not None
+                    held = [since + IDLE_HOLD_S for b, since in w.awaiting.items() if b in w.pending]
+                    if held:  # a held sum falls due at the earliest of these
+                        due = min(held)
+                        self._at(due, self._changed)
+                        yield lambda: self._best(w) is not None or self.now >= due
+                    else:
+                        yield lambda: self._best(w) is not None
                     waited = True
                 task = self._best(w)
                 if task is None:
                     continue
-            self._lease(task)
+            self._lease(w, task)
             nbytes = self._take_bytes(task)
             if not waited:
                 yield self.rpc(w.device, w.host, task.server, 64, nbytes)
@@ -410,8 +433,11 @@ class StepSimulation:
         """The worker's own flush rule (scheduler/flush.py), with the worker's cap of held leases
         (2 x micro-batches); the model has no lease deadlines, so no lease is ever about to run out."""
         held = {b: [(float("inf"), 1.0)] * len(tasks) for b, tasks in w.pending.items()}
+        if task is None:
+            w.awaiting = awaiting_after(w.awaiting, ({b for b, _ in w.kept} | w.owed_forward).intersection(w.pending),
+                                        self.now)
         return batches_to_push(held, None if task is None else {"batch": task.batch, "kind": task.kind}, self.now,
-                               2 * self.work.micro_batches, w.stage == self.K - 1)
+                               2 * self.work.micro_batches, w.stage == self.K - 1, w.awaiting, IDLE_HOLD_S)
 
     def _ensure_version(self, w: _Worker, v: int):
         if v not in w.versions:

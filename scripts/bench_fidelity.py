@@ -227,7 +227,7 @@ def device_factors(measured: dict[str, float], plan, cluster, cal: Calibration) 
 
 def workload(cfg, steps: int) -> Workload:
     from peer.model.transformer import init_state
-    from parameter_server.layout import DEFAULT_TASK_TOKENS, segment
+    from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, segment
 
     params = []
     for k in range(STAGES):
@@ -237,6 +237,7 @@ def workload(cfg, steps: int) -> Workload:
     labels = cfg.seq_len * 8
     return Workload(steps=steps, micro_batches=MICRO, rows=BATCH // MICRO,
                     min_task_rows=max(1, -(-DEFAULT_TASK_TOKENS // cfg.seq_len)),
+                    min_client_rows=max(1, -(-DEFAULT_CLIENT_BATCH_TOKENS // cfg.seq_len)),
                     input_bytes=[2 * labels] + [act + labels] * (STAGES - 1), act_bytes=act, label_bytes=labels,
                     param_bytes=params)
 

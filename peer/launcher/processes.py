@@ -103,8 +103,9 @@ class Swarm:
                         argv += ["--verify-rate", str(a.verify_rate)]
                     if a.probation is not None:
                         argv += ["--probation", str(a.probation)]
-                    if getattr(a, "task_tokens", None) is not None:
-                        argv += ["--task-tokens", str(a.task_tokens)]
+                    for flag in ("task_tokens", "client_batch_tokens"):
+                        if getattr(a, flag, None) is not None:
+                            argv += ["--" + flag.replace("_", "-"), str(getattr(a, flag))]
                     self.server_argv[name] = argv
                     self.servers[name] = self._spawn(name, argv)
 

@@ -27,7 +27,7 @@ from parameter_server.shard import assign_shards
 from parameter_server.clients import NOT_REGISTERED
 from parameter_server.leases import MAX_COMPLETE
 from parameter_server.verify import BANNED
-from scheduler.flush import batches_to_push
+from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, owed_after
 from scheduler.prefetch import version_to_fetch
 from taskpool.types import priority
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
@@ -150,6 +150,8 @@ class StageWorker:
                       "prefetched": 0, "params_from_replica": 0, "replica_misses": 0}
         self.replica_skip_until: dict[int, int] = {}  # slot -> the first version the replica is tried for again
         self.pending: dict[int, Pending] = {}  # batch -> gradients summed over tasks not pushed yet
+        self.awaiting: dict[int, float] = {}  # batch held while idle (owed tasks of it) -> since when
+        self.owed_forward: set[int] = set()  # batches its frontal server said it cuts more tasks of for this worker
         self.pushing: list[Pending] = []  # sums on their way to the servers (their tasks still held)
         # server device -> ids of tasks leased there and finished (credited by every server, or a
         # forward pass's outputs delivered), handed in with the next take or heartbeat to that server
@@ -350,7 +352,7 @@ class StageWorker:
                 got = await self.take_one()
                 if got is None:  # idle: push what it holds, then wait for work at every server at once
                     await self.flush(self._flush_due(None))
-                    got = await self.wait_for_task(stop)
+                    got = await self.wait_for_task(stop, until=self._hold_left())
                 if got is not None:  # held from now on (the heartbeat says so), also while pushing below
                     self.current = (got[0].device, got[1]["task"])
                 await self.flush(self._flush_due(None if got is None else got[1]))
@@ -488,11 +490,13 @@ class StageWorker:
                 return got
         return None
 
-    async def wait_for_task(self, stop: asyncio.Event, wait: float = TAKE_WAIT):
+    async def wait_for_task(self, stop: asyncio.Event, wait: float = TAKE_WAIT, until: float | None = None):
         """Wait up to `wait` seconds for a task at every server of the stage at once (one long-polled
         take per server): an idle worker costs each server one open call per `wait` seconds rather
         than a poll every `poll` seconds, and gets a task the moment one is cut. The first task to
-        arrive is returned; one that another server hands out meanwhile waits in `ready`."""
+        arrive is returned; one that another server hands out meanwhile waits in `ready`. With
+        `until`, this returns None after that many seconds, the takes still waiting (a held gradient
+        sum falls due then)."""
         for device in self._order():
             if device not in self.waiting:
                 self.waiting[device] = asyncio.ensure_future(self._take(device, wait))
@@ -501,7 +505,7 @@ class StageWorker:
             return None
         stopped = asyncio.ensure_future(stop.wait())
         try:
-            await asyncio.wait([*self.waiting.values(), stopped], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([*self.waiting.values(), stopped], timeout=until, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopped.cancel()
         self._harvest()
@@ -655,9 +659,20 @@ class StageWorker:
 
     # gradient accumulation ---------------------------------------------------------------------
     def _flush_due(self, task: dict | None) -> list[int]:
-        """The pending batches to push now (scheduler/flush.py)."""
+        """The pending batches to push now (scheduler/flush.py); an idle worker holds a batch it is owed
+        tasks of for up to IDLE_HOLD_S: backward tasks of the forward passes it keeps, or forward tasks
+        of the micro-batches its frontal server has not cut yet (the batch's member, say its answers)."""
+        now = time.monotonic()
         leases = {b: [(deadline, length) for _, _, deadline, length in p.tasks] for b, p in self.pending.items()}
-        return batches_to_push(leases, task, time.monotonic(), self.max_pending, self.last)
+        if task is None:
+            owed = ({key[0] for key in self.kept} | self.owed_forward).intersection(self.pending)
+            self.awaiting = awaiting_after(self.awaiting, owed, now)
+        return batches_to_push(leases, task, now, self.max_pending, self.last, self.awaiting, IDLE_HOLD_S)
+
+    def _hold_left(self) -> float | None:
+        """Seconds until the first batch an idle worker holds is due (None: it holds none)."""
+        held = [since + IDLE_HOLD_S - time.monotonic() for b, since in self.awaiting.items() if b in self.pending]
+        return max(0.0, min(held)) if held else None
 
     async def flush(self, batches: list[int]) -> None:
         for b in batches:
@@ -748,6 +763,8 @@ class StageWorker:
         self.prefetch_next(meta["version"])
         for key in [k for k in self.input_cache if k[0] < t - 1]:
             del self.input_cache[key]
+        if meta["kind"] == "forward":  # whether its server will cut more of the batch for this worker
+            self.owed_forward = owed_after(self.owed_forward, t, bool(meta.get("owed")))
         if meta["kind"] == "forward" and not self.last:
             await self._forward(link, meta, tensors)
         elif meta["kind"] == "forward":

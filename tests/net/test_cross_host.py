@@ -59,7 +59,10 @@ def serve_argv(stage: str, role: str, host_ip: str, run_id: str, ckpt, key, *ext
     return ["serve", "--reliable", "--stage", stage, "--role", role, "--stages", "2", "--model", "tiny",
             "--steps", str(STEPS), "--run-id", run_id, "--no-compute", "--host-maddrs", f"/ip4/{host_ip}/tcp/0",
             "--checkpoint-dir", str(ckpt), "--identity-path", str(key), "--task-timeout", "20",
-            "--run-key", str(Path(ckpt).parent / "run.key"), *extra]
+            "--run-key", str(Path(ckpt).parent / "run.key"),
+            # every volunteer a share of every micro-batch (the default gives a whole batch to one client
+            # of a stage, and a 20 Mbit/s volunteer of a short run under CI's load got none once)
+            "--client-batch-tokens", "1", *extra]
 
 
 def test_servers_on_one_host_volunteers_on_two_others(tmp_path):

@@ -17,6 +17,8 @@ from peer.swarm import validate
     (["--servers-per-stage", "4", "--lose-server", "s0f0@2", "--lose-server", "s0f0@3"], "names a server twice"),
     (["--servers-per-stage", "4", "--lose-server", "s0f0@2", "--failover-after", "0"], "needs --failover-after"),
     (["--failover-after", "-1"], "--failover-after must be >= 0"),
+    (["--task-tokens", "0"], "--task-tokens must be >= 1, got 0"),
+    (["--client-batch-tokens", "-3"], "--client-batch-tokens must be >= 1, got -3"),
 ])
 def test_bad_failover_arguments_are_named(argv, words):
     args = build_parser().parse_args(["swarm", "--model", "tiny", "--steps", "6", *argv])

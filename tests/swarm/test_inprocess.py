@@ -310,6 +310,7 @@ def test_a_micro_batch_goes_whole_to_the_clients_owed_the_most_rows():
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=0, servers_compute=False)
     fs = swarm.servers[layout.stages[0].frontal[0]]
     assert fs.min_task_rows == 16  # 512 tokens of 32 (tiny): a whole micro-batch
+    fs.min_client_rows = 1  # --client-batch-tokens 1: no batch is held to fewer clients
     for name in ("c1", "c2", "c3", "c4"):
         fs.clients[f"peer-{name}"] = ClientInfo(name, 1.0, fs.clock())
     made = []
@@ -333,6 +334,44 @@ def test_a_micro_batch_goes_whole_to_the_clients_owed_the_most_rows():
     fs.min_task_rows = 1  # --task-tokens 1: every client gets a share of every micro-batch, as before
     rows = cut(1)
     assert len(made) == 4 and sum(rows.values()) == 4
+
+
+def test_a_batch_goes_whole_to_one_client_and_the_next_batch_to_the_next_by_default():
+    """--client-batch-tokens (2,048 by default: 64 rows of tiny, more than a 16-row batch) holds a
+    batch's micro-batches to one client of the four, the next batch to the next: each client pulls
+    and pushes the stage's parameters for one batch in four instead of every batch."""
+    from parameter_server.clients import ClientInfo
+
+    cfg, layout, run = make_run(steps=8, stages=1, batch_size=16, micro_batches=4)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=0, servers_compute=False)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    assert fs.min_client_rows == 64
+    for name in ("c1", "c2", "c3", "c4"):
+        fs.clients[f"peer-{name}"] = ClientInfo(name, 1.0, fs.clock())
+    made = []
+    fs._add_task = made.append
+    for t in range(8):
+        for m in range(run.micro_batches):
+            fs._make_forward_tasks(t, m)
+    by_batch = {t: {task.preferred_client for task in made if task.batch == t} for t in range(8)}
+    assert all(len(clients) == 1 for clients in by_batch.values())
+    assert [by_batch[t] | by_batch[t + 4] for t in range(4)] == [{f"peer-c{i}"} for i in range(1, 5)]
+    assert sorted(fs.batch_members) == list(range(8))
+    fs._forget_before(6)  # what is kept of a batch goes with its rows
+    assert sorted(fs.batch_members) == [6, 7]
+
+
+def test_an_idle_worker_pushes_each_batch_once_when_the_rest_of_it_is_owed_to_it():
+    """A worker holds a batch's sum while idle for the tasks of it owed to it: stage 0's backward
+    tasks of the forward passes it kept, the last stage's micro-batches its frontal server said it
+    cuts for it. One push a batch each (every push carries the whole stage's gradient), and the
+    result stays the reference's."""
+    steps = 6
+    cfg, layout, run = make_run(steps=steps, stages=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    state = asyncio.run(swarm.train(timeout=120))
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    assert sorted((w.stage, w.stats["pushes"]) for w in swarm.workers) == [(0, steps), (1, steps)]
 
 
 def test_one_complete_carries_every_task_of_a_push_and_a_bad_list_changes_nothing():
@@ -1065,6 +1104,8 @@ def test_a_servers_worker_reads_another_servers_slot_from_its_replica_only_when_
     steps = 8
     cfg, layout, run = make_run(steps=steps, stages=2, frontal=1, backward=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=True)
+    for server in swarm.servers.values():  # --client-batch-tokens 1: every worker computes on every version
+        server.min_client_rows = 1
     f1 = swarm.servers[layout.stages[1].frontal[0]]
     at = f1.replica_at
 
@@ -1149,6 +1190,7 @@ def test_a_client_that_never_held_a_task_cannot_complete_it():
     cfg, layout, run = make_run(steps=1, stages=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
     fs = swarm.servers[layout.stages[0].frontal[0]]
+    fs.min_client_rows = 1  # --client-batch-tokens 1: both clients get tasks of the batch
     (a,) = swarm.workers
     holder = a.links[fs.device_id]
     stranger = LocalLink(fs, "peer-stranger")
@@ -1191,6 +1233,7 @@ def test_a_worker_handed_a_task_it_cannot_work_on_asks_every_server_again():
     cfg, layout, run = make_run(steps=4, stages=1, frontal=2, backward=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
     f0, f1 = (swarm.servers[d] for d in layout.stages[0].frontal)
+    f0.min_client_rows = f1.min_client_rows = 1  # --client-batch-tokens 1: both clients get tasks of every batch
     (a,) = swarm.workers
     other = LocalLink(f0, "peer-other")  # another volunteer, which holds f0's tasks of batches 0 and 1
     took_at_f1 = []
