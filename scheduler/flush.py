@@ -47,7 +47,9 @@ def batches_to_push(pending: dict[int, list[tuple[float, float]]], task: dict | 
         if held >= max_pending:
             due.append(b)
         elif task is None:
-            if late or not awaiting or b not in awaiting or now - awaiting[b] >= hold:
+            # (since + hold, as a caller computes when the hold ends: an event at exactly that time
+            # must find it over, or a simulation waits for that instant forever)
+            if late or not awaiting or b not in awaiting or now >= awaiting[b] + hold:
                 due.append(b)
         elif b < task["batch"] - 1 or (b < task["batch"] and (last_stage or task["kind"] == "backward")):
             due.append(b)

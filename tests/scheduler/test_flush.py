@@ -43,6 +43,8 @@ def test_an_idle_worker_holds_a_batch_it_is_owed_backward_tasks_of_for_a_while()
     assert batches_to_push(pending, None, 85.0, 99, False, {5: 84.9}, hold=1.0) == [4, 5]  # its lease runs out
     assert batches_to_push(pending, None, 10.5, 2, False, awaiting, hold=1.0) == [4, 5]  # holds too many leases
     assert batches_to_push(pending, None, 10.5, 99, False, awaiting, hold=0.0) == [4, 5]  # no hold: as before
+    since = 7.232753387141089  # (since + 1.0) - since < 1.0 in floating point: the step model hung on it
+    assert batches_to_push(pending, None, since + 1.0, 99, False, {5: since}, hold=1.0) == [4, 5]
 
 
 def test_a_worker_is_owed_the_batches_its_server_said_it_cuts_more_of_two_behind_at_most():
