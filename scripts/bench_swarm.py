@@ -338,8 +338,8 @@ def interpretation(cfg, s, swarms, ratio, hop_rows, stream_rows, measured, floor
 - **Throughput.** The swarm reaches {ratio:.2f}x the single process's tokens/s on the same 2 cores. The
   reference is one process doing only arithmetic; the swarm runs {s['stages'] * s['servers_per_stage'] + s['volunteers']}
   training processes, each with its own DHT process and p2p daemon, on those 2 cores, and does more work
-  per token: every tensor crosses process boundaries 2 to 3 times (worker → server → worker), every
-  version's parameters are pulled by every worker and every worker's gradient sum is pushed, each
+  per token: every tensor crosses process boundaries 2 to 3 times (worker → server → worker), each
+  batch's parameters are pulled and its gradient sum pushed by every client it is cut for, each
   server sends each step of its shard to a replica and checkpoints it, and every task costs its own calls
   (section "RPCs" above); a backward task taken by another worker than the forward's recomputes it. The
   swarm's `wall_seconds` starts once every server is online, so the {startup:.0f} s of
@@ -356,21 +356,24 @@ def interpretation(cfg, s, swarms, ratio, hop_rows, stream_rows, measured, floor
   For {big[0]} it is {100 * big_codec:.0f}%: hivemind's serialization copies the tensor into
   protobuf chunks and back, at a speed of the same order as loopback transport, which itself stays
   far below memory bandwidth (every byte goes Python → p2p daemon → TCP → p2p daemon → Python).
-- **Bytes.** The swarm moved {measured / 1e6:.1f} MB per step, {measured / floor['total']:.0f}x the issue's
+- **Bytes.** The swarm moved {measured / 1e6:.1f} MB per step, {measured / floor['total']:.1f}x the issue's
   minimum ({floor['total'] / 1e6:.2f} MB) and {measured / exchange:.1f}x what the cost model's aggregation term
   counts for this layout (every worker pushes and pulls its stage once per step, {exchange / 1e6:.1f} MB).
   The gap is by design:
-  - *one gradient per worker and batch, not one per stage*: a worker sums the gradients of its tasks
+  - *one gradient per client and batch, not one per stage*: a worker sums the gradients of its tasks
     of a batch and pushes the sum, sharded, with the ids of the tasks it covers (each server credits
     it all or nothing). `push_grads` carried {grads_per_step / 1e6:.1f} MB per step, about {pushes:.1f}
-    whole-stage gradients per stage per step: every worker of a stage ({s['servers_per_stage']} servers'
-    own workers + {s['volunteers'] // s['stages']} volunteers) pushes its sum, a server's own worker keeping
-    its own shard local, and a sum is pushed early when its worker goes idle or a lease nears its
-    deadline (the next task's gradient then starts a new sum);
-  - *parameters re-pulled for every new version*: a worker pulls its stage's parameters (all shards
-    but its own) once per version it computes on, i.e. once per step (`get_params`); a server's own
-    worker reads the other servers' shards from the replicas its server keeps when their hosts'
-    digests agree, a small `get_params` each;
+    whole-stage gradients per stage per step: a batch goes to as few of a stage's {s['servers_per_stage']} servers'
+    own workers and {s['volunteers'] // s['stages']} volunteers as give each `--client-batch-tokens` (one by
+    default), the next batch to the next; a server's own worker keeps its own shard local, an idle worker
+    holds a batch's sum while tasks of it are owed to it, and a sum is pushed early when a lease nears
+    its deadline or a task of the batch went to another worker;
+  - *parameters re-pulled for every version a client computes on* (`get_params`): a volunteer pulls
+    its stage's parameters for each batch it is cut for; a server's own worker reads the other servers'
+    shards from the replicas its server keeps when their hosts' digests agree, a small `get_params` each;
+  - *replicas*: every server sends each step of its shard (the summed gradient) to the server keeping
+    its replica, so that a server lost for good is failed over without losing a step (`push_replica`,
+    one stage's parameters a stage and step);
   - *activations move 3 times per boundary, not once*: worker → BS (`push_outputs`), BS → next FS
     (`push_inputs`), FS → worker (in the `take` answer), and gradients the same way back
     (`push_input_grads`, the relay `push_output_grads`, `take`); a server's own worker saves one hop;
