@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from parameter_server.layout import cut_rows, note_cut, owners
+from parameter_server.layout import clients_per_batch, cut_rows, note_cut, owners
 from parameter_server.ledger import RowBuffer
 from peer.model.update_rule import version_for_batch
 from peer.protocol.tasks import task_id as make_task_id
@@ -61,9 +61,9 @@ class Frontal:
         are fewer than clients x min_task_rows, by the rows each is owed), among the batch's members
         when its rows here are fewer than clients x min_client_rows."""
         lo, hi = self.seg
-        per_batch = max(1, self.run.micro_batches * (hi - lo) // self.min_client_rows)
         members = self.batch_members.setdefault(t, [])
-        pieces = cut_rows(lo, hi, self.split_weights(), self.task_credit, self.min_task_rows, members, per_batch)
+        pieces = cut_rows(lo, hi, self.split_weights(), self.task_credit, self.min_task_rows, members,
+                          clients_per_batch(self.run.micro_batches, hi - lo, self.min_client_rows))
         note_cut(self.batch_cut, t, {client for client, _, _ in pieces})
         for client, a, b in pieces:
             self._add_task(Task(task_id=make_task_id("forward", t, m, self.stage, (a, b)), kind="forward", batch=t, micro_batch=m,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from scheduler.rows import cut_rows, note_cut, owed_more, split_by_weights  # noqa: F401 (the frontal servers' cut; the step model's too)
+from scheduler.rows import (  # noqa: F401 (the frontal servers' cut; the step model's too)
+    clients_per_batch, cut_rows, note_cut, owed_more, split_by_weights)
 
 
 @dataclass(frozen=True)

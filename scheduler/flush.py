@@ -5,9 +5,10 @@ the worker, so that the step model (scheduler/stepsim.py) plays the worker's own
 A worker sums the parameter gradients of the tasks of one batch and keeps their leases until every
 server has credited the sum. It pushes a batch's sum:
 - when it goes idle (no next task) or holds `max_pending` leases or more; but an idle worker holds
-  for up to `hold` seconds a batch it is owed backward tasks of (it ran forward passes of the batch
-  whose backward tasks are offered it first): the batch cannot step before those tasks' gradients
-  are in, and pushing the sum before them pushes the whole stage's gradient twice;
+  for up to `hold` seconds a batch it is owed tasks of (it ran forward passes of the batch whose
+  backward tasks are offered it first, or its frontal server said it cuts more of the batch's
+  micro-batches for it): the batch cannot step before those tasks' gradients are in, and pushing
+  the sum before them pushes the whole stage's gradient twice;
 - before a task that may wait on it: the task's parameters need every batch < its batch - 1
   applied; a task that carries gradients itself (a backward task, or any task of the last stage)
   pushes every older batch first;
@@ -16,9 +17,8 @@ server has credited the sum. It pushes a batch's sum:
 """
 from __future__ import annotations
 
-# how long an idle worker holds the gradient sum of a batch whose backward tasks it is owed (it ran
-# their forward passes, and their backward server offers them to it first for its preference grace,
-# 0.5 s by default) before pushing it without them
+# how long an idle worker holds the gradient sum of a batch whose tasks it is owed (offered to it
+# first for their server's preference grace, 0.5 s by default) before pushing it without them
 IDLE_HOLD_S = 1.0
 
 
@@ -39,7 +39,7 @@ def batches_to_push(pending: dict[int, list[tuple[float, float]]], task: dict | 
                     hold: float = 0.0) -> list[int]:
     """The batches to push now, in order. `pending` maps a batch to its held leases as (deadline,
     lease seconds); `task` is the next task's metadata ("batch", "kind") or None when idle;
-    `awaiting` maps a batch the worker is owed backward tasks of to when it went idle holding it."""
+    `awaiting` maps a batch the worker is owed tasks of to when it went idle holding it."""
     held = sum(len(leases) for leases in pending.values())
     due = []
     for b, leases in pending.items():

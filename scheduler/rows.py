@@ -28,6 +28,12 @@ def split_by_weights(lo: int, hi: int, weights: list[float]) -> list[tuple[int, 
     return pieces
 
 
+def clients_per_batch(micro_batches: int, rows: int, min_client_rows: int) -> int:
+    """How many clients a batch's `micro_batches` x `rows` rows at one frontal server are held to:
+    as many as give each at least `min_client_rows` (`peer serve --client-batch-tokens`), one at least."""
+    return max(1, micro_batches * rows // min_client_rows)
+
+
 def cut_rows(lo: int, hi: int, clients: list[tuple[str, float]], credit: dict[str, float],
              min_task_rows: int, members: list[str] | None = None,
              per_batch: int = 0) -> list[tuple[str | None, int, int]]:

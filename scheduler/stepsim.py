@@ -37,7 +37,7 @@ What it plays, as the swarm does it:
   fetching the inputs);
 - a worker sums a batch's gradients and pushes them (one shard to each server of its stage, in
   parallel; the tasks' completion rides on later calls) when it goes idle (holding for up to
-  IDLE_HOLD_S a batch whose backward tasks it is owed) or before a task that needs them
+  IDLE_HOLD_S a batch whose tasks it is owed) or before a task that needs them
   (scheduler/flush.py, the worker's own rule); a server steps batch t when every micro-batch of t is credited and
   its version is t;
 - a server's own worker calls its own server in-process: no link, no call cost.
@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from scheduler.files import Cluster, Plan
 from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, owed_after
 from scheduler.prefetch import version_to_fetch
-from scheduler.rows import cut_rows, note_cut, owed_more
+from scheduler.rows import clients_per_batch, cut_rows, note_cut, owed_more
 
 
 @dataclass
@@ -293,7 +293,7 @@ class StepSimulation:
             weights = [float(self.cal.weights[d]) for d in names]
         else:
             weights = [self.workers[d].flops for d in names]
-        per_batch = max(1, self.work.micro_batches * self.work.rows // self.work.min_client_rows)
+        per_batch = clients_per_batch(self.work.micro_batches, self.work.rows, self.work.min_client_rows)
         for store in (fs.members, fs.cut):
             for old in [b for b in store if b < t - 2]:
                 del store[old]
