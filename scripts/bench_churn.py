@@ -51,7 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import (REPO, Report, _stop, exactly_once, loadavg, md_table,  # noqa: E402
-                           model_flops_per_second, run_swarm)
+                           model_flops_per_second, out_folder, run_swarm)
 
 from parameter_server.layout import segment  # noqa: E402
 from peer.model.config import get_preset, planner_model_file  # noqa: E402
@@ -306,6 +306,7 @@ def main(argv=None) -> int:
     p.add_argument("--run-timeout", type=float, default=600.0, help="give up on one swarm run after this many seconds")
     p.add_argument("--resume", action="store_true", help="reuse the runs recorded in WORK/results.json (same settings)")
     args = p.parse_args(argv)
+    out_folder(p, args.out)
     args.steps = args.steps or (5 if args.quick else 12)
     rates = [0.0, 0.4] if args.quick else [0.0, 0.2, 0.4, 0.6]
     counts = [2, args.volunteers] if args.quick else [2, args.volunteers, 8]
@@ -330,7 +331,6 @@ def main(argv=None) -> int:
     if args.resume and (work / "results.json").exists():
         bench.results = json.loads((work / "results.json").read_text())
         print(f"resuming with {len(bench.results)} runs from {work / 'results.json'}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
     report = Report("Churn benchmark and cost-model fidelity", f"""
 `python scripts/bench_churn.py{' --quick' if args.quick else ''}` (model `{args.model}`, {args.steps} steps a
 run, link scale {args.link_scale:g}, pace {args.pace:g}, client timeout {args.client_timeout:g} s, task timeout

@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import REPO, Report, exactly_once, loadavg, md_table, model_flops_per_second, run_swarm  # noqa: E402
+from _bench_common import REPO, Report, exactly_once, loadavg, md_table, model_flops_per_second, out_folder, run_swarm  # noqa: E402
 from bench_churn import PACE_DEVICE, SERVERS, case3_cluster, scaled, swarm_plan  # noqa: E402
 
 from peer.model.config import get_preset, planner_model_file  # noqa: E402
@@ -255,6 +255,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=None, help="runs per point, their means compared (default 2, --quick 1)")
     p.add_argument("--run-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
+    out_folder(p, args.out)
     steps = args.steps or (8 if args.quick else 14)
     args.repeats = args.repeats or (1 if args.quick else 2)
     points = ([("case3", 2, 0.1), ("one-site", 4, 1.0)] if args.quick else

@@ -31,3 +31,19 @@ def test_good_failover_arguments_are_sorted_by_step():
                                       "--lose-server", "s1b1@4", "--lose-server", "s0f0@2"])
     validate(args)
     assert args.losses == [(2, "s0f0"), (4, "s1b1")]
+
+
+@pytest.mark.parametrize("script", ["bench_fidelity.py", "bench_churn.py"])
+def test_a_benchmark_whose_out_folder_is_a_file_is_refused_before_it_runs(script, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target = tmp_path / "bench.md"
+    target.write_text("kept\n")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "scripts" / script), "--out", str(target)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"--out {target} is a file" in out.stderr
+    assert target.read_text() == "kept\n"
