@@ -94,14 +94,16 @@ def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_r
     steps = 6
     cfg, layout, run = make_run(steps=steps, stages=2, frontal=2, backward=2)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1)
-    records = []
+    records, reached = [], []
 
-    async def lose():
+    async def lose():  # called once the slowest server is at `at` or past it (the harness polls every 20 ms)
+        reached.append(min(swarm.versions()))
         records.append(await swarm.lose(device))
 
     state = asyncio.run(swarm.train(timeout=180, at_version={at: lose}))
-    (record,) = records
-    assert record["epoch"] == 1 and record["lost"] == [device] and record["from_batch"] <= at
+    (record,), (version,) = records, reached
+    assert at <= version < steps
+    assert record["epoch"] == 1 and record["lost"] == [device] and record["from_batch"] <= version
     stage = int(device[1])
     new = swarm.servers[next(iter(swarm.servers))].layout.stages[stage]
     assert device not in new.servers and len(new.hosts) == 4 and device not in new.hosts
