@@ -34,6 +34,13 @@ def awaiting_after(awaiting: dict[int, float], owed: set[int], now: float) -> di
     return {b: awaiting.get(b, now) for b in owed}
 
 
+def hold_ends(awaiting: dict[int, float], pending, hold: float = IDLE_HOLD_S) -> float | None:
+    """When the first batch an idle worker still holds (in `pending`) falls due: `since + hold`, the
+    very sum batches_to_push compares the time with; None when it holds none."""
+    ends = [since + hold for b, since in awaiting.items() if b in pending]
+    return min(ends) if ends else None
+
+
 def batches_to_push(pending: dict[int, list[tuple[float, float]]], task: dict | None, now: float,
                     max_pending: int, last_stage: bool, awaiting: dict[int, float] | None = None,
                     hold: float = 0.0) -> list[int]:

@@ -61,7 +61,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from scheduler.files import Cluster, Plan
-from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, owed_after
+from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, hold_ends, owed_after
 from scheduler.prefetch import version_to_fetch
 from scheduler.rows import clients_per_batch, cut_rows, note_cut, owed_more
 
@@ -405,9 +405,8 @@ class StepSimulation:
                 for b in self._flush_due(w, None):
                     yield from self._push(w, b)
                 if self._best(w) is None:
-                    held = [since + IDLE_HOLD_S for b, since in w.awaiting.items() if b in w.pending]
-                    if held:  # a held sum falls due at the earliest of these
-                        due = min(held)
+                    due = hold_ends(w.awaiting, w.pending)
+                    if due is not None:  # a held sum falls due then
                         self._at(due, self._changed)
                         yield lambda: self._best(w) is not None or self.now >= due
                     else:

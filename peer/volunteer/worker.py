@@ -27,7 +27,7 @@ from parameter_server.shard import assign_shards
 from parameter_server.clients import NOT_REGISTERED
 from parameter_server.leases import MAX_COMPLETE
 from parameter_server.verify import BANNED
-from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, owed_after
+from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, hold_ends, owed_after
 from scheduler.prefetch import version_to_fetch
 from taskpool.types import priority
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
@@ -671,8 +671,8 @@ class StageWorker:
 
     def _hold_left(self) -> float | None:
         """Seconds until the first batch an idle worker holds is due (None: it holds none)."""
-        held = [since + IDLE_HOLD_S - time.monotonic() for b, since in self.awaiting.items() if b in self.pending]
-        return max(0.0, min(held)) if held else None
+        ends = hold_ends(self.awaiting, self.pending)
+        return None if ends is None else max(0.0, ends - time.monotonic())
 
     async def flush(self, batches: list[int]) -> None:
         for b in batches:

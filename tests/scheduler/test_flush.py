@@ -1,7 +1,7 @@
 """The worker's gradient-flush policy (scheduler/flush.py) driven as a pure function."""
 from __future__ import annotations
 
-from scheduler.flush import awaiting_after, batches_to_push, owed_after
+from scheduler.flush import awaiting_after, batches_to_push, hold_ends, owed_after
 
 LEASE = (100.0, 60.0)  # deadline 100 s, a 60 s lease: its last third starts at 80 s
 
@@ -55,3 +55,12 @@ def test_a_worker_is_owed_the_batches_its_server_said_it_cuts_more_of_two_behind
     assert owed_after(owed, 6, more=False) == {5}  # the last micro-batch of 6 came
     assert owed_after(owed, 8, more=False) == set()  # 5 and 6 are too old to wait for
     assert awaiting_after({5: 1.0, 4: 0.5}, {5, 6}, now=2.0) == {5: 1.0, 6: 2.0}
+
+
+def test_a_hold_ends_where_batches_to_push_finds_it_over():
+    pending = {5: [LEASE], 6: [LEASE]}
+    since = 7.232753387141089  # (since + 1.0) - since < 1.0 in floating point
+    assert hold_ends({}, pending) is None and hold_ends({4: 0.0}, pending) is None  # 4 is pushed already
+    end = hold_ends({5: since, 6: since + 0.5}, pending, hold=1.0)
+    assert end == since + 1.0
+    assert batches_to_push(pending, None, end, 99, False, {5: since, 6: since + 0.5}, hold=1.0) == [5]
