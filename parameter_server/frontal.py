@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from parameter_server.layout import clients_per_batch, cut_rows, note_cut, owners
+from parameter_server.layout import clients_per_batch, cut_rows, local_first, note_cut, owners
 from parameter_server.ledger import RowBuffer
 from peer.model.update_rule import version_for_batch
 from peer.protocol.tasks import task_id as make_task_id
@@ -62,12 +62,25 @@ class Frontal:
         when its rows here are fewer than clients x min_client_rows."""
         lo, hi = self.seg
         members = self.batch_members.setdefault(t, [])
-        pieces = cut_rows(lo, hi, self.split_weights(), self.task_credit, self.min_task_rows, members,
-                          clients_per_batch(self.run.micro_batches, hi - lo, self.min_client_rows))
+        weights = self.split_weights()
+        pieces = cut_rows(lo, hi, weights, self.task_credit, self.min_task_rows, members,
+                          clients_per_batch(self.run.micro_batches, hi - lo, self.min_client_rows),
+                          self._local_first(t, weights) if not members else frozenset())
         note_cut(self.batch_cut, t, {client for client, _, _ in pieces})
         for client, a, b in pieces:
             self._add_task(Task(task_id=make_task_id("forward", t, m, self.stage, (a, b)), kind="forward", batch=t, micro_batch=m,
                                stage=self.stage, rows=(a, b), preferred_client=client))
+
+    def _local_first(self, t: int, weights: list[tuple[str, float]]) -> set:
+        """The clients batch t's members are chosen from first (scheduler/rows.py `local_first`): the
+        workers of this stage's servers that are not members of an earlier batch this stage has not
+        applied yet; none with `--no-local-first`."""
+        if not self.local_first:
+            return set()
+        servers, reverse = set(self.st.servers), self.directory_reverse()
+        local = {p for p, _ in weights if p == self.peer_id or reverse.get(p) in servers}
+        busy = {p for b, ms in self.batch_members.items() if self.version <= b < t for p in ms}
+        return local_first(weights, local, busy)
 
     async def on_push_inputs(self, meta, tensors, sender):
         if self.role != "frontal" or self.stage == 0:

@@ -79,7 +79,8 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
                  connector: Callable[[str], object] | None = None, requeue: bool = True,
                  max_request_bytes: int | None = None, volunteers_allow: frozenset[str] | None = None,
                  verify_rate: float = DEFAULT_VERIFY_RATE, probation: int = DEFAULT_PROBATION, verify_device: str = "cpu",
-                 task_tokens: int = DEFAULT_TASK_TOKENS, client_batch_tokens: int = DEFAULT_CLIENT_BATCH_TOKENS):
+                 task_tokens: int = DEFAULT_TASK_TOKENS, client_batch_tokens: int = DEFAULT_CLIENT_BATCH_TOKENS,
+                 local_first: bool = True):
         self.run = run
         self.layout = layout
         self.cfg = cfg
@@ -107,6 +108,9 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         # the fewest rows of a batch a client computes here (parameter_server/frontal.py): each client
         # that computes part of a batch pulls and pushes the whole stage's parameters for it
         self.min_client_rows = max(1, -(-int(client_batch_tokens) // cfg.seq_len))
+        # a new batch goes first to a free worker of a stage server (parameter_server/frontal.py
+        # `_local_first`): it reads its parameters here and pushes half of them
+        self.local_first = bool(local_first)
         # the stage's parameters are cut into one shard slot per server of the first layout; this
         # server hosts its own slot, and after a failover the slots of lost servers it held replicas of
         self.stage_params = stage_params

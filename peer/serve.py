@@ -86,6 +86,9 @@ def add_arguments(p) -> None:
                      help="the fewest tokens of a batch a client computes here: a batch goes to as few clients as "
                           "give each N (each pulls and pushes the stage's parameters for it), the next batch to the "
                           "next ones; 1 spreads every micro-batch over every client (default %(default)s)")
+    net.add_argument("--no-local-first", action="store_true",
+                     help="choose a batch's clients by the rows each is owed only; by default a free worker of a "
+                          "stage server goes first (its parameters are local: it moves a quarter of the bytes)")
     net.add_argument("--no-compute", action="store_true", help="do not run a local worker beside the services")
     net.add_argument("--no-requeue", action="store_true", help="drop a departed client's work (SWARM-like; benchmarks only)")
     net.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
@@ -386,7 +389,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                          requeue=not args.no_requeue, max_request_bytes=args.max_request_bytes,
                          volunteers_allow=args.allowed, verify_rate=args.verify_rate, probation=args.probation,
                          verify_device=args.device, task_tokens=args.task_tokens,
-                         client_batch_tokens=args.client_batch_tokens)
+                         client_batch_tokens=args.client_batch_tokens, local_first=not args.no_local_first)
     logger.info("%s: its stage server built in %.1f s", device, time.perf_counter() - t0)
     writer = None
     if args.checkpoint_dir:

@@ -74,6 +74,9 @@ def add_arguments(p) -> None:
     p.add_argument("--client-batch-tokens", type=int, default=None, metavar="N",
                    help="the fewest tokens of a batch a client computes at a frontal server (peer serve's default "
                         "when not given; 1: every client a share of every micro-batch)")
+    p.add_argument("--no-local-first", action="store_true",
+                   help="peer serve --no-local-first on every server: a batch's clients chosen by the rows each "
+                        "is owed only, volunteers and servers' workers alike")
     p.add_argument("--summary-json", default=None)
     p.add_argument("--checkpoint-out", default=None, help="write model.safetensors here")
     p.add_argument("--work-dir", default=None, help="logs and server checkpoints (default: a temporary folder)")

@@ -34,9 +34,28 @@ def clients_per_batch(micro_batches: int, rows: int, min_client_rows: int) -> in
     return max(1, micro_batches * rows // min_client_rows)
 
 
+# how much faster than a stage server's own worker another client must be measured for a new batch
+# to go to it rather than to the free own worker: a volunteer pulls both the stage's shards and
+# pushes a gradient sum of both, where a server's worker reads its server's shard and replica and
+# pushes half; at 2,048 tokens a batch moves a byte per ~1,500 FLOPs, so on a home link its
+# transfers take about as long as its compute, and the volunteer has to be twice as fast to finish first
+LOCAL_EDGE = 2.0
+
+
+def local_first(clients: list[tuple[str, float]], local: set, busy: set) -> set:
+    """The clients a new batch's members are chosen from first: the stage servers' own workers
+    (`local`) that are not members of an earlier batch still in flight (`busy`), unless a free other
+    client is measured more than LOCAL_EDGE times as fast as one. Delay scheduling's locality rule
+    (Zaharia et al., 2010), in bytes: a batch that such a worker computes moves a quarter of the
+    stage's parameter bytes a volunteer's would (no pull, half the push)."""
+    free = [(p, w) for p, w in clients if p not in busy]
+    fastest_other = max((w for p, w in free if p not in local), default=0.0)
+    return {p for p, w in free if p in local and w * LOCAL_EDGE >= fastest_other}
+
+
 def cut_rows(lo: int, hi: int, clients: list[tuple[str, float]], credit: dict[str, float],
              min_task_rows: int, members: list[str] | None = None,
-             per_batch: int = 0) -> list[tuple[str | None, int, int]]:
+             per_batch: int = 0, first: set = frozenset()) -> list[tuple[str | None, int, int]]:
     """A micro-batch's rows [lo, hi) cut into forward tasks, as (preferred client, lo, hi).
     `clients` are (name, weight) in a fixed order. Every client gets a piece when the rows allow
     each one at least `min_task_rows`; else only the ones owed the most rows get one: each client
@@ -50,7 +69,8 @@ def cut_rows(lo: int, hi: int, clients: list[tuple[str, float]], credit: dict[st
     listed; new ones once none is): a client that computes part of a batch pulls the stage's
     parameters of its version and pushes a gradient sum as large, whatever its share, so a batch
     goes to fewer clients in larger shares and the others take the next batches (the credit keeps
-    their shares in proportion over batches)."""
+    their shares in proportion over batches). Members are chosen among the clients in `first`
+    (`local_first`) before the others, each group by the rows it is owed."""
     rows = hi - lo
     k = max(1, rows // min_task_rows)
     restrict = members is not None and 0 < per_batch < len(clients)
@@ -69,7 +89,9 @@ def cut_rows(lo: int, hi: int, clients: list[tuple[str, float]], credit: dict[st
 
     if restrict:
         if not names.intersection(members):
-            members[:] = [p for p, _ in most_owed(clients)[:per_batch]]
+            ranked = most_owed(clients)
+            ranked = [c for c in ranked if c[0] in first] + [c for c in ranked if c[0] not in first]
+            members[:] = [p for p, _ in ranked[:per_batch]]
         clients = [c for c in clients if c[0] in members]
     chosen = most_owed(clients)[:k]
     pieces = []

@@ -21,7 +21,8 @@ What it plays, as the swarm does it:
 - stage 0's frontal server cuts batch t (one forward task per micro-batch and chosen worker) once
   its version is at least t - 1, at most two batches ahead; every forward task goes to the worker
   owed the most rows by its registered compute among the batch's members (scheduler/rows.py
-  `cut_rows`, the server's own: a batch goes to as few workers as give each `min_client_rows`);
+  `cut_rows`, the server's own: a batch goes to as few workers as give each `min_client_rows`,
+  a free server's worker first, `local_first`);
 - a worker takes the best task it may (lower batch, lower micro-batch, backward first; a task
   preferred for another worker is open to it after `preference_grace`), paying a round trip, or
   only the answer's way when it was idle and waiting at the server (the long-polled take);
@@ -63,7 +64,7 @@ from dataclasses import dataclass, field
 from scheduler.files import Cluster, Plan
 from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, hold_ends, owed_after
 from scheduler.prefetch import version_to_fetch
-from scheduler.rows import clients_per_batch, cut_rows, note_cut, owed_more
+from scheduler.rows import clients_per_batch, cut_rows, local_first, note_cut, owed_more
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Workload:
     param_bytes: list  # per stage: bytes of all its parameters (split over its servers' slots)
     preference_grace: float = 0.5  # seconds a task waits for its preferred worker
     min_client_rows: int = 1  # the fewest rows of a batch a worker computes (peer serve --client-batch-tokens / seq_len)
+    local_first: bool = True  # a new batch goes first to a free worker of a stage server (peer serve --no-local-first)
 
 
 def steady_seconds_per_step(version_times: list, warmup: int) -> float:
@@ -297,8 +299,14 @@ class StepSimulation:
         for store in (fs.members, fs.cut):
             for old in [b for b in store if b < t - 2]:
                 del store[old]
-        return [(d, b - a) for d, a, b in cut_rows(0, self.work.rows, list(zip(names, weights)), fs.credit,
-                                                   self.work.min_task_rows, fs.members.setdefault(t, []), per_batch)]
+        clients, members = list(zip(names, weights)), fs.members.setdefault(t, [])
+        first = set()
+        if self.work.local_first and not members:
+            local = {d for d in names if self.workers[d].host is not None}
+            busy = {d for b, ms in fs.members.items() if fs.version <= b < t for d in ms}
+            first = local_first(clients, local, busy)
+        return [(d, b - a) for d, a, b in cut_rows(0, self.work.rows, clients, fs.credit,
+                                                   self.work.min_task_rows, members, per_batch, first)]
 
     def _make_forward_tasks(self, fs: _Server, t: int, m: int) -> None:
         kind = "fb" if fs.stage == self.K - 1 else "forward"

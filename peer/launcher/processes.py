@@ -95,6 +95,8 @@ class Swarm:
                         argv.append("--no-compute")
                     if a.no_requeue:
                         argv.append("--no-requeue")
+                    if getattr(a, "no_local_first", False):
+                        argv.append("--no-local-first")
                     if a.compress != "none":
                         argv += ["--compress", a.compress]
                     if getattr(a, "supervise_servers", False):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import collections
 
-from scheduler.rows import cut_rows, note_cut, owed_more
+from scheduler.rows import LOCAL_EDGE, cut_rows, local_first, note_cut, owed_more
 
 EQUAL = [("a", 1.0), ("b", 1.0), ("c", 1.0), ("d", 1.0)]
 
@@ -67,3 +67,31 @@ def test_a_client_is_owed_the_rest_of_a_batch_only_while_it_got_a_piece_of_every
     for _ in range(4):
         note_cut(cuts, 3, {"a"})
     assert not owed_more(cuts, 3, "a", 4)  # every micro-batch is cut: nothing more to come
+
+
+def test_a_free_server_worker_goes_first_unless_another_client_is_much_faster():
+    clients = [("srv-f", 1.0), ("srv-b", 1.0), ("vol-1", 1.0), ("vol-2", 1.0)]
+    local = {"srv-f", "srv-b"}
+    assert local_first(clients, local, busy=set()) == {"srv-f", "srv-b"}
+    assert local_first(clients, local, busy={"srv-f"}) == {"srv-b"}
+    assert local_first(clients, local, busy={"srv-f", "srv-b"}) == set()
+    assert local_first(clients, set(), busy=set()) == set()
+    fast = [("srv-f", 1.0), ("srv-b", 1.0), ("vol-1", LOCAL_EDGE * 1.01), ("vol-2", 1.0)]
+    assert local_first(fast, local, busy=set()) == set()  # the volunteer finishes first despite its transfers
+    assert local_first(fast, local, busy={"vol-1"}) == {"srv-f", "srv-b"}  # ... unless it is busy
+    edge = [("srv-f", 1.0), ("vol-1", LOCAL_EDGE)]
+    assert local_first(edge, {"srv-f"}, busy=set()) == {"srv-f"}
+
+
+def test_members_come_from_the_first_clients_by_the_rows_they_are_owed_then_from_the_rest():
+    credit = {"a": 0.0, "b": 5.0, "c": 9.0, "d": 1.0}
+    members = []
+    pieces = cut_rows(0, 4, EQUAL, credit, 4, members, 1, first={"a", "d"})
+    assert members == ["d"] and [c for c, _, _ in pieces] == ["d"]  # d is owed more than a; c is not first
+    members = []
+    cut_rows(0, 4, EQUAL, credit, 4, members, 3, first={"a"})
+    assert members == ["a", "c", "b"]  # the first one, then the rest by the rows they are owed
+    members = ["b"]  # a batch's members, once chosen, keep it
+    assert [c for c, _, _ in cut_rows(0, 4, EQUAL, credit, 4, members, 1, first={"a"})] == ["b"]
+    # with every client a member of every batch (the paper's split) there is nothing to choose
+    assert cut_rows(0, 4, EQUAL, {}, 1, [], 4, first={"a"}) == cut_rows(0, 4, EQUAL, {}, 1)

@@ -363,6 +363,38 @@ def test_a_batch_goes_whole_to_one_client_and_the_next_batch_to_the_next_by_defa
     assert sorted(fs.batch_members) == [6, 7]
 
 
+def test_a_batch_goes_first_to_a_free_worker_of_a_stage_server():
+    """A stage server's own worker reads its parameters from its server (its own shard, and the
+    other's replica) and pushes half the gradient: each new batch goes to one of the two servers'
+    workers not busy with the batch in flight, and the volunteers get none while one is free. With
+    `--no-local-first` (local_first False) the batches rotate over all four by the rows each is owed."""
+    from parameter_server.clients import ClientInfo
+
+    cfg, layout, run = make_run(steps=8, stages=1, batch_size=16, micro_batches=4)
+    st = layout.stages[0]
+
+    def members_by_batch(local_first: bool) -> list[str]:
+        swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=0, servers_compute=False)
+        fs = swarm.servers[st.frontal[0]]
+        fs.local_first = local_first
+        for name in (*st.servers, "v1", "v2"):
+            fs.clients[f"peer-{name}"] = ClientInfo(name, 1.0, fs.clock())
+        made = []
+        fs._add_task = made.append
+        for t in range(8):
+            fs.shard.version = max(t - 1, 0)  # batch t is cut once version t - 1 is made; t - 1 is in flight
+            for m in range(run.micro_batches):
+                fs._make_forward_tasks(t, m)
+        by_batch = [{task.preferred_client for task in made if task.batch == t} for t in range(8)]
+        assert all(len(clients) == 1 for clients in by_batch)
+        return [clients.pop().removeprefix("peer-") for clients in by_batch]
+
+    local = members_by_batch(True)
+    assert set(local) == set(st.servers) and all(a != b for a, b in zip(local, local[1:]))
+    spread = members_by_batch(False)
+    assert sorted(spread) == sorted([*st.servers, "v1", "v2"] * 2)
+
+
 def test_an_idle_worker_pushes_each_batch_once_when_the_rest_of_it_is_owed_to_it():
     """A worker holds a batch's sum while idle for the tasks of it owed to it: stage 0's backward
     tasks of the forward passes it kept, the last stage's micro-batches its frontal server said it
