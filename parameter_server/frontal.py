@@ -4,6 +4,8 @@ tasks by its clients' measured speed, serves inputs again for recomputation, and
 gradients to the previous stage. Must not step parameters."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from parameter_server.layout import clients_per_batch, cut_rows, local_first, note_cut, owners
@@ -12,6 +14,8 @@ from peer.model.update_rule import version_for_batch
 from peer.protocol.tasks import task_id as make_task_id
 from peer.protocol.wire import PayloadError, field as mfield, rows_field
 from taskpool import Task
+
+logger = logging.getLogger("hivepipe.server")
 
 
 class Frontal:
@@ -62,25 +66,31 @@ class Frontal:
         when its rows here are fewer than clients x min_client_rows."""
         lo, hi = self.seg
         members = self.batch_members.setdefault(t, [])
-        weights = self.split_weights()
-        pieces = cut_rows(lo, hi, weights, self.task_credit, self.min_task_rows, members,
-                          clients_per_batch(self.run.micro_batches, hi - lo, self.min_client_rows),
-                          self._local_first(t, weights) if not members else frozenset())
+        first = self._local_first(t) if not members else frozenset()
+        pieces = cut_rows(lo, hi, self.split_weights(), self.task_credit, self.min_task_rows, members,
+                          clients_per_batch(self.run.micro_batches, hi - lo, self.min_client_rows), first)
+        if m == 0:
+            logger.debug("%s: batch %d goes to %s (servers' workers free: %s)", self.device_id, t,
+                         [p[-8:] for p in members], sorted(p[-8:] for p in first))
         note_cut(self.batch_cut, t, {client for client, _, _ in pieces})
         for client, a, b in pieces:
             self._add_task(Task(task_id=make_task_id("forward", t, m, self.stage, (a, b)), kind="forward", batch=t, micro_batch=m,
                                stage=self.stage, rows=(a, b), preferred_client=client))
 
-    def _local_first(self, t: int, weights: list[tuple[str, float]]) -> set:
+    def _local_first(self, t: int) -> set:
         """The clients batch t's members are chosen from first (scheduler/rows.py `local_first`): the
         workers of this stage's servers that are not members of an earlier batch this stage has not
-        applied yet; none with `--no-local-first`."""
+        applied yet; none with `--no-local-first`. Speeds compared are the compute each client
+        registered (its device's measure of itself), not the throughput measured here: that counts
+        the work a client was given, so a volunteer given batches would look faster than the servers'
+        workers it took them from, and keep them."""
         if not self.local_first:
             return set()
         servers, reverse = set(self.st.servers), self.directory_reverse()
-        local = {p for p, _ in weights if p == self.peer_id or reverse.get(p) in servers}
+        speeds = [(p, c.compute) for p, c in sorted(self.clients.items())]
+        local = {p for p, _ in speeds if p == self.peer_id or reverse.get(p) in servers}
         busy = {p for b, ms in self.batch_members.items() if self.version <= b < t for p in ms}
-        return local_first(weights, local, busy)
+        return local_first(speeds, local, busy)
 
     async def on_push_inputs(self, meta, tensors, sender):
         if self.role != "frontal" or self.stage == 0:

@@ -45,7 +45,8 @@ LOCAL_EDGE = 2.0
 def local_first(clients: list[tuple[str, float]], local: set, busy: set) -> set:
     """The clients a new batch's members are chosen from first: the stage servers' own workers
     (`local`) that are not members of an earlier batch still in flight (`busy`), unless a free other
-    client is measured more than LOCAL_EDGE times as fast as one. Delay scheduling's locality rule
+    client is more than LOCAL_EDGE times as fast as one (`clients`: (name, speed), a device's
+    compute: not its measured throughput, which follows the work it was given). Delay scheduling's locality rule
     (Zaharia et al., 2010), in bytes: a batch that such a worker computes moves a quarter of the
     stage's parameter bytes a volunteer's would (no pull, half the push)."""
     free = [(p, w) for p, w in clients if p not in busy]

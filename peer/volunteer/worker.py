@@ -872,7 +872,11 @@ class StageWorker:
         """Rows per second of forward+backward of this slice on this device (the compute power a
         client registers), as long as passes last on the emulated device: the fastest of `repeats` timed passes
         after a warm-up, since one pass can be preempted by other processes (a volunteer measured at
-        12.6 rows/s beside others' 300 on a loaded machine, and the pool never gave it a task)."""
+        12.6 rows/s beside others' 300 on a loaded machine, and the pool never gave it a task). On a
+        CPU a pass counts no longer than the processor time this thread spent in it: the device's
+        speed, not how many other processes shared its cores at that moment (a swarm's processes all
+        measure while the others start: two servers' workers on one machine registered 11 and 101,
+        and a frontal server choosing a batch's clients by speed took the first for 9x slower)."""
         if self.model.is_first:
             x = torch.randint(0, self.cfg.vocab_size, (rows, self.cfg.seq_len))
         else:
@@ -889,5 +893,8 @@ class StageWorker:
             if i > 0:  # the first is a warm-up
                 # as long as the pass lasts on the emulated device (_pass_seconds), so that what it
                 # registers is what it will deliver, however loaded the machine is while it measures
-                best = min(best, self._pass_seconds(time.perf_counter() - t0, pass_clock() - c0))
+                elapsed, busy = time.perf_counter() - t0, pass_clock() - c0
+                if not x.is_cuda:
+                    elapsed = min(elapsed, busy)
+                best = min(best, self._pass_seconds(elapsed, busy))
         return rows / max(best, 1e-6)

@@ -1175,7 +1175,8 @@ def test_an_emulated_device_registers_the_compute_it_will_deliver_however_loaded
     """A device emulated `slowdown` times slower than this CPU stretches each pass to `slowdown` x
     the processor time it used (not x its wall time, which counts the waits for a core), and it
     measures the compute it registers the same way: what it registers is what it delivers, and a
-    start on a loaded machine does not make it look slower than it will be."""
+    start on a loaded machine does not make it look slower than it will be (nor, on a CPU, slower
+    than its processor time says: a swarm's processes measure while the others start)."""
     cfg, layout, run = make_run(steps=1, stages=1)
     (w,) = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False).workers
     assert w._pass_seconds(elapsed=0.5, busy=0.1) == 0.5  # slowdown 1: as long as it took
@@ -1186,6 +1187,8 @@ def test_an_emulated_device_registers_the_compute_it_will_deliver_however_loaded
     w._pass_seconds = lambda elapsed, busy: passes.append((elapsed, busy)) or (0.5 if len(passes) == 2 else 1.0)
     assert w.measure_compute(rows=2, repeats=3) == pytest.approx(4.0)  # 2 rows / its shortest pass, 0.5 s
     assert len(passes) == 3 and all(e > 0 and b > 0 for e, b in passes)  # the warm-up is not timed
+    # on a CPU a pass counts at most its processor time: the device's speed, not the machine's load then
+    assert all(e <= b for e, b in passes), passes
 
 
 def test_a_garbage_collection_inside_a_pass_is_not_stretched_as_the_devices_compute():
