@@ -121,6 +121,8 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.hosted: dict[int, ShardState] = {self.slot: self.shard}
         self.replicas: dict[int, ShardState] = {}  # slots of other servers of the stage copied here after each step
         self.replica_locks: dict[int, asyncio.Lock] = {}
+        # (slot, batch) -> the gradient sum this server's own worker pushed to the slot's host (failover.py)
+        self.own_pushes: dict[tuple[int, int], list | None] = {}
         self.run_versions: dict[str, int] = {}  # versions every server of the run announced
         self.epoch = 0  # the layout epoch: 0 is the first layout, each failover starts the next
         self.epoch_record: dict | None = None
@@ -129,7 +131,8 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.clients: dict[str, ClientInfo] = {}
         self.last_silence_check: float | None = None  # (Clients.drop_stale_clients)
         self._reset_datapath()
-        self.counters = {"payload_errors": 0, "relay_duplicates": 0, "output_duplicates": 0, "replicas_received": 0}
+        self.counters = {"payload_errors": 0, "relay_duplicates": 0, "output_duplicates": 0, "replicas_received": 0,
+                         "replica_steps_by_reference": 0}
         self.background: set[asyncio.Task] = set()
         self.log = None  # RequestLog when the server has a checkpoint dir
         self.replaying = False

@@ -47,6 +47,7 @@ class BatchCredit:
     rows_done: dict = field(default_factory=dict)  # micro -> int
     loss_sum: float = 0.0
     grads: dict | None = None
+    senders: list = field(default_factory=list)  # who pushed each credited sum, in the order summed
 
     def complete(self) -> bool:
         return len(self.rows_done) == self.micro_batches and all(
@@ -55,6 +56,17 @@ class BatchCredit:
 
 
 LOSS_HISTORY = 4096  # batches whose loss a shard keeps (status, dashboard, replicas, checkpoints)
+
+
+def tensors_digest(names: list[str], tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of `tensors` (each one's name, dtype, shape and bytes, in `names` order)."""
+    h = hashlib.sha256()
+    for n in names:
+        t = tensors[n].detach().cpu().contiguous()
+        h.update(f"{n}:{t.dtype}:{tuple(t.shape)};".encode())
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).numpy()).cast("B"))
+    return h.hexdigest()
 
 
 class ShardState:
@@ -83,6 +95,7 @@ class ShardState:
         # the summed gradient that made each of the last two versions (version -> {name: grad}): a
         # replica is kept by sending it the step (one tensor a parameter) instead of the state (three)
         self.applied: dict[int, dict[str, torch.Tensor]] = {}
+        self.applied_senders: dict[int, tuple] = {}  # version -> who pushed the sums that made it
         # on a replica: (version, the sender's token of that version) of the state it mirrors; a step is
         # applied on that state only (a sender that rolled back re-makes versions with other contents)
         self.mirror: tuple[int, str] | None = None
@@ -98,14 +111,8 @@ class ShardState:
         if snap is None or token is None:
             return None
         if (version, token) not in self._digests:
-            h = hashlib.sha256()
-            for n in self.names:
-                t = snap[n].detach().cpu().contiguous()
-                h.update(f"{n}:{t.dtype}:{tuple(t.shape)};".encode())
-                if t.numel():
-                    h.update(memoryview(t.reshape(-1).numpy()).cast("B"))
             self._digests = {k: d for k, d in self._digests.items() if self.tokens.get(k[0]) == k[1]}
-            self._digests[(version, token)] = h.hexdigest()
+            self._digests[(version, token)] = tensors_digest(self.names, snap)
         return self._digests[(version, token)]
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
@@ -162,7 +169,7 @@ class ShardState:
         self.losses = {t: v for t, v in self.losses.items() if t < version}
         self.version = version
         self.batches = {}
-        self.applied = {}
+        self.applied, self.applied_senders = {}, {}
         self.mirror = None
         self.rollback_epoch = epoch
         return True
@@ -174,7 +181,7 @@ class ShardState:
         return self.snapshots.get(version)
 
     def credit(self, *, batch: int, pieces: list[tuple[str, int, tuple[int, int]]], grads: list[torch.Tensor],
-               loss_sum: float | None = None) -> tuple[str, list[str]]:
+               loss_sum: float | None = None, sender: str | None = None) -> tuple[str, list[str]]:
         """Add one client's gradient shard accumulated over the tasks `pieces` = [(task id, micro,
         (lo, hi)), ...] of batch `batch`, all or nothing. Returns ("credited", []); ("duplicate", ids)
         when every task is already credited (a re-push); or ("conflict", ids) when only some are: the
@@ -251,6 +258,7 @@ class ShardState:
         else:
             for n, g in zip(self.names, grads):
                 bc.grads[n].add_(g)
+        bc.senders.append(sender)
         return "credited", []
 
     def ready_to_step(self) -> bool:
@@ -280,6 +288,8 @@ class ShardState:
         self._keep(self.version)
         self.applied = {v: g for v, g in self.applied.items() if v >= t}
         self.applied[self.version] = bc.grads
+        self.applied_senders = {v: s for v, s in self.applied_senders.items() if v >= t}
+        self.applied_senders[self.version] = tuple(bc.senders)
         return self.version
 
     # replicas: the state after each step, copied to another server of the stage ------------------

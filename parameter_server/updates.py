@@ -94,7 +94,7 @@ class Updates:
         if self.last and loss is None:
             raise PayloadError("the last stage's gradient pushes must carry 'loss_sum'")
         slot = mfield(meta, "slot", int, optional=True)
-        result, already = self._hosted(meta).credit(batch=t, pieces=pieces, grads=tensors, loss_sum=loss)
+        result, already = self._hosted(meta).credit(batch=t, pieces=pieces, grads=tensors, loss_sum=loss, sender=sender)
         if result == "credited":
             if self._note_contribution(sender, t, shared_by=len(self.st.hosts)):
                 self._check_later(self._check_push, sender, t, [p[0] for p in pieces],

@@ -705,6 +705,11 @@ class StageWorker:
             await self.call(self.links[device], "push_grads", dict(base, slot=slot), [p.grads[n] for n in names],
                             timeout=60.0, epoch=p.epoch)
             self._point("mid_grad_push")
+        server = getattr(self.links.get(self.device_id), "server", None)  # (a LocalLink: this worker's server)
+        if server is not None:  # its replica of each other slot may take the step from this push
+            for device, slot, names in items:
+                if device != self.device_id:
+                    server.note_own_push(slot, p.batch, [p.grads[n] for n in names])
         answers = await asyncio.gather(*(
             self.call(self.links[device], "push_grads", dict(base, slot=slot), [p.grads[n] for n in names],
                       timeout=60.0, epoch=p.epoch)

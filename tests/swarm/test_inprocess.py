@@ -1007,6 +1007,18 @@ def test_a_take_says_whether_more_tasks_wait_and_a_server_without_is_asked_only_
     asyncio.run(scenario())
 
 
+def same(replica, shard) -> bool:
+    """A replica's parameters, AdamW moments and step count equal its shard's, bit for bit."""
+    if replica.version != shard.version:
+        return False
+    for n in shard.names:
+        mine, theirs = replica.optimizer.state[replica.params[n]], shard.optimizer.state[shard.params[n]]
+        if not (torch.equal(replica.params[n], shard.params[n]) and torch.equal(mine["exp_avg"], theirs["exp_avg"])
+                and torch.equal(mine["exp_avg_sq"], theirs["exp_avg_sq"]) and float(mine["step"]) == float(theirs["step"])):
+            return False
+    return True
+
+
 def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the_whole_state():
     """After each step a server sends the stage's next server the step that made the new version
     (the summed gradient: a third of the bytes of the state, issue #16) and the replica takes the
@@ -1031,16 +1043,6 @@ def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the
         return answer
 
     bs.handle = recorded
-
-    def same(replica, shard) -> bool:
-        if replica.version != shard.version:
-            return False
-        for n in shard.names:
-            mine, theirs = replica.optimizer.state[replica.params[n]], shard.optimizer.state[shard.params[n]]
-            if not (torch.equal(replica.params[n], shard.params[n]) and torch.equal(mine["exp_avg"], theirs["exp_avg"])
-                    and torch.equal(mine["exp_avg_sq"], theirs["exp_avg_sq"]) and float(mine["step"]) == float(theirs["step"])):
-                return False
-        return True
 
     async def other_lineage():
         replica = bs.replicas[fs.slot]
@@ -1078,6 +1080,47 @@ def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the
     assert len(refused) == 1 and refused[0][0] == "step"  # the step after the lineage changed
     assert ("state", refused[0][1]) in sent  # ... went as the whole state
     assert [v for _, v in sent] == sorted(v for _, v in sent)
+
+
+def test_a_replica_takes_the_step_its_own_worker_pushed_by_reference_bit_for_bit():
+    """When a step's summed gradient is the one push of the replica's own server's worker, the host
+    sends its digest only and the replica steps with the sum that worker pushed (0.92 MB a step and
+    server in the default swarm): replicas still equal their shards bit for bit and training the
+    reference. A step by reference whose digest is not what the worker pushed (or of a batch it
+    pushed nothing of) is answered `need_tensors`, changing nothing; the host then sends the tensors."""
+    from parameter_server.shard import tensors_digest
+    from peer.node import LocalLink
+    from peer.protocol.wire import RemoteError
+
+    steps = 6
+    cfg, layout, run = make_run(steps=steps, stages=1, frontal=1, backward=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=0, servers_compute=True)
+    fs, bs = (swarm.servers[d] for d in layout.stages[0].servers)
+
+    async def scenario():
+        fs.replicate_hosted(), bs.replicate_hosted()
+        state = await swarm.train(timeout=120)
+        for _ in range(500):
+            if bs.replicas[fs.slot].version == fs.replicas[bs.slot].version == steps:
+                break
+            await asyncio.sleep(0.01)
+        meta, tensors = fs.hosted[fs.slot].export_step(steps)
+        link = LocalLink(bs, fs.peer_id)
+        wrong, _ = await link.call("push_replica", dict(meta, slot=fs.slot, grad_digest="0" * 64), [])
+        bs.own_pushes.pop((fs.slot, steps - 1), None)
+        digest = tensors_digest(meta["names"], dict(zip(meta["names"], tensors)))
+        none, _ = await link.call("push_replica", dict(meta, slot=fs.slot, grad_digest=digest), [])
+        with pytest.raises(RemoteError, match="grad_digest"):
+            await link.call("push_replica", dict(meta, slot=fs.slot, grad_digest=5), [])
+        return state, [wrong, none]
+
+    state, answers = asyncio.run(scenario())
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    assert same(bs.replicas[fs.slot], fs.hosted[fs.slot]) and same(fs.replicas[bs.slot], bs.hosted[bs.slot])
+    by_reference = fs.counters["replica_steps_by_reference"] + bs.counters["replica_steps_by_reference"]
+    assert by_reference >= steps - 2, (fs.counters, bs.counters)  # of 2 x 6 steps; the first go as the state
+    assert [a["result"] for a in answers] == ["need_tensors"] * 2
+    assert same(bs.replicas[fs.slot], fs.hosted[fs.slot])  # changing nothing
 
 
 def test_a_worker_fetches_the_next_version_ahead_and_a_server_waits_for_a_version_it_has_not_made():
