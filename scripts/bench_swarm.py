@@ -359,21 +359,23 @@ def interpretation(cfg, s, swarms, ratio, hop_rows, stream_rows, measured, floor
 - **Bytes.** The swarm moved {measured / 1e6:.1f} MB per step, {measured / floor['total']:.1f}x the issue's
   minimum ({floor['total'] / 1e6:.2f} MB) and {measured / exchange:.1f}x what the cost model's aggregation term
   counts for this layout (every worker pushes and pulls its stage once per step, {exchange / 1e6:.1f} MB).
-  The gap is by design:
+  What it is made of:
   - *one gradient per client and batch, not one per stage*: a worker sums the gradients of its tasks
     of a batch and pushes the sum, sharded, with the ids of the tasks it covers (each server credits
     it all or nothing). `push_grads` carried {grads_per_step / 1e6:.1f} MB per step, about {pushes:.1f}
     whole-stage gradients per stage per step: a batch goes to as few of a stage's {s['servers_per_stage']} servers'
     own workers and {s['volunteers'] // s['stages']} volunteers as give each `--client-batch-tokens` (one by
-    default), the next batch to the next; a server's own worker keeps its own shard local, an idle worker
-    holds a batch's sum while tasks of it are owed to it, and a sum is pushed early when a lease nears
-    its deadline or a task of the batch went to another worker;
+    default), a free server's worker first (`--no-local-first`: by the rows each is owed); a server's own
+    worker keeps its own shard local, an idle worker holds a batch's sum while tasks of it are owed to
+    it, and a sum is pushed early when a lease nears its deadline or a task of the batch went to another
+    worker;
   - *parameters re-pulled for every version a client computes on* (`get_params`): a volunteer pulls
     its stage's parameters for each batch it is cut for; a server's own worker reads the other servers'
     shards from the replicas its server keeps when their hosts' digests agree, a small `get_params` each;
   - *replicas*: every server sends each step of its shard (the summed gradient) to the server keeping
     its replica, so that a server lost for good is failed over without losing a step (`push_replica`,
-    one stage's parameters a stage and step);
+    up to one stage's parameters a stage and step), its digest only when the sum is the one push of
+    the replica's own server's worker, which that server holds already;
   - *activations move 3 times per boundary, not once*: worker → BS (`push_outputs`), BS → next FS
     (`push_inputs`), FS → worker (in the `take` answer), and gradients the same way back
     (`push_input_grads`, the relay `push_output_grads`, `take`); a server's own worker saves one hop;

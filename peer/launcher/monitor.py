@@ -162,6 +162,11 @@ class Monitor:
                        for k in ("checked", "passed", "caught", "skipped", "tasks_rerun")},
             # every task completed once at the server that leased it (re-runs of lost work included)
             "tasks_completed": sum(s.get("pool", {}).get("done", 0) for s in statuses.values()),
+            # of them, by each worker (a server's own worker under its server's name) still registered
+            # when the run ended: who computed the run (a batch goes first to a free server's worker)
+            "tasks_by_worker": dict(sorted(sum((collections.Counter({c["device"]: c.get("tasks_done", 0)})
+                                                for s in statuses.values() for c in s.get("clients", {}).values()),
+                                               collections.Counter()).items())),
             # takes over the network that leased nothing: answered at once, or after waiting their time out
             "takes_empty": {k: sum(s.get("counters", {}).get(k, 0) for s in statuses.values())
                             for k in ("takes_found_nothing", "takes_waited_out")},

@@ -47,3 +47,23 @@ def test_a_benchmark_whose_out_folder_is_a_file_is_refused_before_it_runs(script
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"--out {target} is a file" in out.stderr
     assert target.read_text() == "kept\n"
+
+
+@pytest.mark.parametrize("flag,expected", [((), False), (("--no-local-first",), True)])
+def test_no_local_first_reaches_every_server_the_swarm_starts(flag, expected, tmp_path):
+    """`peer swarm --no-local-first` starts every `peer serve` with it (each server's frontal cut then
+    chooses a batch's clients by the rows they are owed only: tests/swarm/test_inprocess.py)."""
+    from parameter_server.layout import RunLayout
+    from peer.launcher.processes import Swarm
+    from peer.model.config import get_preset
+
+    args = build_parser().parse_args(["swarm", "--model", "tiny", "--steps", "6", "--no-fork-processes", *flag])
+    validate(args)
+    layout = RunLayout.even(args.stages, get_preset("tiny").layers, 1, 1)
+    swarm = Swarm(args, layout, 1, 1, ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"], str(tmp_path))
+    swarm._spawn = lambda name, argv: argv
+    swarm.start_servers()
+    assert len(swarm.servers) == 2 * args.stages
+    for argv in swarm.servers.values():
+        served = build_parser().parse_args(argv)
+        assert served.no_local_first is expected, argv

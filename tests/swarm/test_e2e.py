@@ -30,6 +30,9 @@ def test_peer_swarm_cli_matches_reference(tmp_path):
                 "requeued", "volunteers_killed", "wall_seconds", "tokens_per_second"):
         assert key in summary, key
     assert summary["microbatches_applied"] == summary["microbatches_expected"] == 3 * 4 * 2
+    # who computed the run: every task completed, by the worker that handed it in (no one left)
+    assert set(summary["tasks_by_worker"]) <= {"s0f0", "s0b0", "s1f0", "s1b0", "v0", "v1"}, summary["tasks_by_worker"]
+    assert sum(summary["tasks_by_worker"].values()) == summary["tasks_completed"] > 0, summary
     # dated by the servers' own clocks at both ends: the last server's first "online" record (sent
     # at once, not an announce period later) and the last server's final version
     assert summary["wall_seconds"] > 0, summary
