@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from parameter_server.layout import clients_per_batch, cut_rows, local_first, note_cut, owners
+from parameter_server.layout import clients_per_batch, cut_rows, in_flight, local_first, note_cut, owners
 from parameter_server.ledger import RowBuffer
 from peer.model.update_rule import version_for_batch
 from peer.protocol.tasks import task_id as make_task_id
@@ -89,8 +89,7 @@ class Frontal:
         servers, reverse = set(self.st.servers), self.directory_reverse()
         speeds = [(p, c.compute) for p, c in sorted(self.clients.items())]
         local = {p for p, _ in speeds if p == self.peer_id or reverse.get(p) in servers}
-        busy = {p for b, ms in self.batch_members.items() if self.version <= b < t for p in ms}
-        return local_first(speeds, local, busy)
+        return local_first(speeds, local, in_flight(self.batch_members, self.version, t))
 
     async def on_push_inputs(self, meta, tensors, sender):
         if self.role != "frontal" or self.stage == 0:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from scheduler.rows import (  # noqa: F401 (the frontal servers' cut; the step model's too)
-    clients_per_batch, cut_rows, local_first, note_cut, owed_more, split_by_weights)
+    clients_per_batch, cut_rows, in_flight, local_first, note_cut, owed_more, split_by_weights)
 
 
 @dataclass(frozen=True)

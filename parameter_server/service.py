@@ -263,6 +263,10 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
     def directory_reverse(self) -> dict:
         return getattr(self, "_directory_reverse", {})
 
+    def peer_of(self, device: str) -> str | None:
+        """The peer id the run's records gave server `device`, if any has been read."""
+        return getattr(self, "_directory", {}).get(device)
+
     def set_directory(self, device_to_peer: dict[str, str], versions: dict[str, int] | None = None,
                       epochs: dict[str, int] | None = None) -> None:
         """Merge what one read of the DHT found: a server once seen stays known (a read can miss a

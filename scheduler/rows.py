@@ -42,9 +42,14 @@ def clients_per_batch(micro_batches: int, rows: int, min_client_rows: int) -> in
 LOCAL_EDGE = 2.0
 
 
+def in_flight(members: dict[int, list[str]], version: int, batch: int) -> set:
+    """The members of the batches before `batch` not applied yet at `version` (busy computing them)."""
+    return {p for b, ms in members.items() if version <= b < batch for p in ms}
+
+
 def local_first(clients: list[tuple[str, float]], local: set, busy: set) -> set:
     """The clients a new batch's members are chosen from first: the stage servers' own workers
-    (`local`) that are not members of an earlier batch still in flight (`busy`), unless a free other
+    (`local`) that are not members of an earlier batch still in flight (`busy`: `in_flight`), unless a free other
     client is more than LOCAL_EDGE times as fast as one (`clients`: (name, speed), a device's
     compute: not its measured throughput, which follows the work it was given). Delay scheduling's locality rule
     (Zaharia et al., 2010), in bytes: a batch that such a worker computes moves a quarter of the

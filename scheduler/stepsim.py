@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from scheduler.files import Cluster, Plan
 from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, hold_ends, owed_after
 from scheduler.prefetch import version_to_fetch
-from scheduler.rows import clients_per_batch, cut_rows, local_first, note_cut, owed_more
+from scheduler.rows import clients_per_batch, cut_rows, in_flight, local_first, note_cut, owed_more
 
 
 @dataclass
@@ -303,8 +303,7 @@ class StepSimulation:
         first = set()
         if self.work.local_first and not members:
             local = {d for d in names if self.workers[d].host is not None}
-            busy = {d for b, ms in fs.members.items() if fs.version <= b < t for d in ms}
-            first = local_first(clients, local, busy)
+            first = local_first(clients, local, in_flight(fs.members, fs.version, t))
         return [(d, b - a) for d, a, b in cut_rows(0, self.work.rows, clients, fs.credit,
                                                    self.work.min_task_rows, members, per_batch, first)]
 
