@@ -34,11 +34,14 @@ def clients_per_batch(micro_batches: int, rows: int, min_client_rows: int) -> in
     return max(1, micro_batches * rows // min_client_rows)
 
 
-# how much faster than a stage server's own worker another client must be measured for a new batch
-# to go to it rather than to the free own worker: a volunteer pulls both the stage's shards and
-# pushes a gradient sum of both, where a server's worker reads its server's shard and replica and
-# pushes half; at 2,048 tokens a batch moves a byte per ~1,500 FLOPs, so on a home link its
-# transfers take about as long as its compute, and the volunteer has to be twice as fast to finish first
+# how much faster (by the compute it registered) another free client must be for a new batch to go
+# to it rather than to a free worker of a stage server. A volunteer moves 4x the parameter bytes (it
+# pulls both of a two-server stage's shards and pushes both, where a server's worker reads its
+# server's shard and replica and pushes half), over a link the frontal server does not measure: at
+# 2,048 tokens a batch moves a byte per ~1,500 FLOPs, so on a 10-200 Mbit/s home link a device faster
+# than 2-40 GFLOP/s spends longer moving the stage's parameters than computing. 2 is a judgment, not
+# a fit: it keeps a much faster volunteer (a GPU beside CPU-only servers) computing, at the price of
+# its transfers, and leaves equal devices (this machine's) to the servers' workers.
 LOCAL_EDGE = 2.0
 
 
