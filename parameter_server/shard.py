@@ -92,10 +92,10 @@ class ShardState:
         self.losses: dict[int, float] = {}
         self.duplicates = 0
         self.microbatches_applied = 0
-        # the summed gradient that made each of the last two versions (version -> {name: grad}): a
-        # replica is kept by sending it the step (one tensor a parameter) instead of the state (three)
-        self.applied: dict[int, dict[str, torch.Tensor]] = {}
-        self.applied_senders: dict[int, tuple] = {}  # version -> who pushed the sums that made it
+        # the credit that made each of the last two versions (version -> its summed gradient and who
+        # pushed it): a replica is kept by sending it the step (one tensor a parameter) instead of the
+        # state (three), or only the step's digest when its own server's worker pushed the whole sum
+        self.applied: dict[int, BatchCredit] = {}
         # on a replica: (version, the sender's token of that version) of the state it mirrors; a step is
         # applied on that state only (a sender that rolled back re-makes versions with other contents)
         self.mirror: tuple[int, str] | None = None
@@ -169,7 +169,7 @@ class ShardState:
         self.losses = {t: v for t, v in self.losses.items() if t < version}
         self.version = version
         self.batches = {}
-        self.applied, self.applied_senders = {}, {}
+        self.applied = {}
         self.mirror = None
         self.rollback_epoch = epoch
         return True
@@ -286,11 +286,15 @@ class ShardState:
         self._trim_losses()
         self.microbatches_applied += self.micro_batches
         self._keep(self.version)
-        self.applied = {v: g for v, g in self.applied.items() if v >= t}
-        self.applied[self.version] = bc.grads
-        self.applied_senders = {v: s for v, s in self.applied_senders.items() if v >= t}
-        self.applied_senders[self.version] = tuple(bc.senders)
+        self.applied = {v: c for v, c in self.applied.items() if v >= t}
+        self.applied[self.version] = bc
         return self.version
+
+    def pushed_by(self, version: int) -> tuple:
+        """Who pushed the gradient sums that made kept version `version`, in the order summed (empty
+        when that step is not kept)."""
+        bc = self.applied.get(version)
+        return tuple(bc.senders) if bc is not None else ()
 
     # replicas: the state after each step, copied to another server of the stage ------------------
     def export(self, version: int | None = None) -> tuple[dict, list[torch.Tensor]]:
@@ -325,7 +329,7 @@ class ShardState:
                 "token": self.tokens[version], "loss": self.losses.get(version - 1),
                 "microbatches_applied": self.microbatches_applied - (self.version - version) * self.micro_batches,
                 "duplicates": self.duplicates}
-        return meta, [self.applied[version][n] for n in self.names]
+        return meta, [self.applied[version].grads[n] for n in self.names]
 
     def absorb_step(self, meta: dict, tensors: list[torch.Tensor]) -> bool:
         """Take the step `export_step` sent: the same AdamW step on the same state gives the sender's

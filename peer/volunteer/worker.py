@@ -560,6 +560,10 @@ class StageWorker:
             raise RemoteError(f"{device} serves shard {meta.get('names')}, expected {names}")
         return meta, tensors
 
+    def _own_server(self):
+        """The server this worker runs in (its link to itself is a LocalLink to it), or None."""
+        return getattr(self.links.get(self.device_id), "server", None)
+
     async def _from_own_replica(self, device: str, slot: int, names: list, version: int,
                                 patience: float) -> dict[str, torch.Tensor] | None:
         """Version `version` of another server's slot read from the replica this worker's own server
@@ -568,7 +572,7 @@ class StageWorker:
         replica's agree; None (the caller pulls it) when this worker runs in no server, its server
         keeps no replica of the slot, or the replica does not hold that version within REPLICA_WAIT
         or holds other bits (then the slot is pulled for REPLICA_BACKOFF versions)."""
-        server = getattr(self.links.get(self.device_id), "server", None)  # (a LocalLink: this worker's server)
+        server = self._own_server()
         if server is None or device == self.device_id or slot not in server.replicas or \
                 version < self.replica_skip_until.get(slot, 0):
             return None
@@ -705,7 +709,7 @@ class StageWorker:
             await self.call(self.links[device], "push_grads", dict(base, slot=slot), [p.grads[n] for n in names],
                             timeout=60.0, epoch=p.epoch)
             self._point("mid_grad_push")
-        server = getattr(self.links.get(self.device_id), "server", None)  # (a LocalLink: this worker's server)
+        server = self._own_server()
         if server is not None:  # its replica of each other slot may take the step from this push
             for device, slot, names in items:
                 if device != self.device_id:
