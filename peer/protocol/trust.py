@@ -48,6 +48,9 @@ MAX_STAGES = 64  # stage keys a validator knows
 MAX_SKEW = 60.0  # seconds a record's time may lie ahead of the reader's clock
 MAX_TTL = 3600.0  # the longest life a record may claim (a replayed old record has expired)
 FINGERPRINT_LEN = 16
+# how much later than its signed expiry a record may be stored to expire in the DHT: publish() stores it
+# with exactly that expiry, so this only absorbs float rounding through the DHT's serialization
+EXPIRY_SLACK = 1.0
 
 
 class TrustError(ValueError):
@@ -371,11 +374,17 @@ class RunValidator(RecordValidatorBase):
             # whole stage key a DHT node answered with (it refuses a map when one entry fails), a
             # record that expired between that node's answer and this check hiding every other
             if isinstance(value, dict) and isinstance(value.get("expires"), float) and \
-                    record.expiration_time > value["expires"] + 1.0:
+                    record.expiration_time > value["expires"] + EXPIRY_SLACK:
                 return f"replayed: {e}", None
             return None, None
         except TrustError as e:
             return str(e), None
+        if record.expiration_time > value["expires"] + EXPIRY_SLACK:
+            # a genuine record stored to live on past its signature: a node keeps, per subkey, the entry
+            # that expires last, so it would shadow the signer's fresh records, and once its signature
+            # ran out, hide the whole key from readers (a discovery blackout for as long as the replayer chose)
+            return (f"outlives its signature: stored to expire {record.expiration_time - value['expires']:.0f} s "
+                    "after its signed expiry"), None
         return None, value["expires"]
 
     def validate(self, record) -> bool:
@@ -394,8 +403,37 @@ class RunValidator(RecordValidatorBase):
         return False
 
 
+def _validate_each_entry(self, key_bytes: bytes, dictionary) -> bool:
+    """DHTProtocol._validate_dictionary as the run needs it: an entry that fails the validators is
+    dropped from the map and the others are kept. hivemind's own refuses the whole map when one entry
+    fails, so a single unusable record (one that just expired, or junk a rogue node answers with)
+    would hide every server of a stage from the reader. False only when no entry is left of a
+    map that had some."""
+    if self.record_validator is None:
+        return True
+    from hivemind.dht.validation import DHTRecord
+
+    bad = []
+    with dictionary.freeze():
+        for subkey, (value_bytes, expiration_time) in dictionary.items():
+            record = DHTRecord(key_bytes, self.serializer.dumps(subkey), value_bytes, expiration_time)
+            if not self.record_validator.validate(record):
+                bad.append(subkey)
+    for subkey in bad:
+        del dictionary[subkey]
+    return not bad or len(dictionary) > 0
+
+
+def keep_valid_entries() -> None:
+    """Make this process's DHT protocol (and its forks': a hivemind DHT runs in a forked process)
+    keep the valid entries of a map when some entry fails (`_validate_each_entry`)."""
+    DHTProtocol._validate_dictionary = _validate_each_entry
+
+
 def validators(run_id: str, run_fp: str | None) -> list:
-    """What every DHT node of the run is given: the envelope schema and the signature rules."""
+    """What every DHT node of the run is given: the envelope schema and the signature rules (and the
+    rule that one bad entry under a key does not hide the others: `keep_valid_entries`)."""
     from peer.protocol.schema import run_schema_validator
 
+    keep_valid_entries()
     return [RunValidator(run_id, run_fp), run_schema_validator(run_id)]

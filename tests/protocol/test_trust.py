@@ -119,8 +119,9 @@ def test_the_validator_drops_and_counts_what_breaks_the_rules():
     v = RunValidator("r", RUN_KEY.fingerprint)
     key = DHTID.generate(source=stage_name("r", 0)).to_bytes()
 
-    def record(subkey, value):
-        return DHTRecord(key, DHTProtocol.serializer.dumps(subkey), DHTProtocol.serializer.dumps(value), NOW + 3)
+    def record(subkey, value):  # stored as publish() stores it: to expire when its signature does
+        return DHTRecord(key, DHTProtocol.serializer.dumps(subkey), DHTProtocol.serializer.dumps(value),
+                         value["expires"])
 
     good = stage_record(SERVER, server_body(), RUN_KEY, now=time.time())
     assert v.validate(record(*good))
@@ -244,3 +245,42 @@ def test_remembered_verdicts_hold_digests_not_the_records():
     assert [len(k) for k in schema._verdicts._items] == [32]
     # the digest binds every part and where each ends: moving a byte across a boundary changes it
     assert trust.digest(b"ab", b"c") != trust.digest(b"a", b"bc")
+
+def test_a_genuine_record_stored_to_outlive_its_signature_is_refused_while_still_valid():
+    """A replayer copies a live server's record and stores it with a DHT expiry far past the signed one:
+    refused at once (a node keeps the entry that expires last per subkey, so it would shadow the
+    server's fresh announcements and, once its signature ran out, hide the stage)."""
+    v = RunValidator("r", RUN_KEY.fingerprint)
+    key = DHTID.generate(source=stage_name("r", 0)).to_bytes()
+    subkey, value = stage_record(SERVER, server_body(), RUN_KEY, now=time.time(), ttl=30.0)
+    ser = DHTProtocol.serializer.dumps
+    assert v.validate(DHTRecord(key, ser(subkey), ser(value), value["expires"]))
+    assert not v.validate(DHTRecord(key, ser(subkey), ser(value), value["expires"] + 900))
+    assert v.rejected[-1].reason.startswith("outlives its signature")
+
+
+def test_one_unusable_entry_under_a_key_does_not_hide_the_others():
+    """hivemind refuses a node's whole answer for a key when one entry of its map fails: the run's
+    nodes drop that entry and keep the others (trust.keep_valid_entries)."""
+    from hivemind.dht.storage import DictionaryDHTValue
+
+    from peer.protocol.trust import keep_valid_entries
+
+    keep_valid_entries()
+    protocol = DHTProtocol.__new__(DHTProtocol)  # (only its validator and serializer are used)
+    protocol.record_validator = RunValidator("r", RUN_KEY.fingerprint)
+    key = DHTID.generate(source=stage_name("r", 0)).to_bytes()
+    ser = DHTProtocol.serializer.dumps
+    now = time.time()
+    good_sub, good = stage_record(SERVER, server_body(), RUN_KEY, now=now, ttl=30.0)
+    stale_sub, stale = stage_record(VOLUNTEER, client_body(), now=now - 40, ttl=30.0)  # signed expiry passed
+    forged_sub, forged = stage_record(OUTSIDER, server_body("s0f9"), OUTSIDER, now=now, ttl=30.0)
+    answer = DictionaryDHTValue()
+    answer.store(good_sub, ser(good), good["expires"])
+    answer.store(stale_sub, ser(stale), now + 600)  # a replay stored to live on
+    answer.store(forged_sub, ser(forged), forged["expires"])
+    assert protocol._validate_dictionary(key, answer)
+    assert [k for k, _ in answer.items()] == [good_sub]
+    only_bad = DictionaryDHTValue()
+    only_bad.store(forged_sub, ser(forged), forged["expires"])
+    assert not protocol._validate_dictionary(key, only_bad)
