@@ -22,9 +22,12 @@ class Backward:
         frontal = mfield(meta, "frontal", str)
         if frontal not in self.st.frontal:
             raise PayloadError(f"{frontal!r} is not a frontal server of stage {self.stage}")
-        t, m, a, b = self._rows_payload(meta, tensors, "push_outputs", ("hidden", "labels"))
+        # the outputs only: the labels a loss is computed against come from the run's data at the
+        # frontal servers (frontal.py `_run_labels`), never through a volunteer
+        t, m, a, b = self._rows_payload(meta, tensors, "push_outputs", ("hidden",))
+        self._answers_lease(meta.get("lease"), task_id, sender, "forward", t, m, (a, b))
         buf = self.buffers.setdefault((t, m), RowBuffer(*self.seg))
-        if not buf.add(a, b, tensors[0], tensors[1]):
+        if not buf.add(a, b, tensors[0], None):
             self.counters["output_duplicates"] += 1
             return {"result": "duplicate"}
         self.ledger.setdefault((t, m), []).append(LedgerEntry(sender, (a, b), frontal, task_id))
@@ -42,8 +45,8 @@ class Backward:
         buf = self.buffers[(t, m)]
         nxt = self.layout.stages[self.stage + 1]
         for j, x, y in owners(self.rows, len(nxt.frontal), buf.lo, buf.hi):
-            d, lab = buf.slice(x, y)
-            self._spawn(self._deliver(nxt.frontal[j], "push_inputs", {"batch": t, "micro": m, "rows": [x, y]}, [d, lab]))
+            d, _ = buf.slice(x, y)
+            self._spawn(self._deliver(nxt.frontal[j], "push_inputs", {"batch": t, "micro": m, "rows": [x, y]}, [d]))
 
     async def on_push_output_grads(self, meta, tensors, sender):
         if self.role != "backward" or self.last:

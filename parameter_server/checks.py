@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from parameter_server.updates import RETAIN
+from peer.protocol.tasks import TaskId
 from peer.protocol.wire import PayloadError, check_tensor, field as mfield, rows_field
 
 
@@ -29,6 +30,25 @@ class Checks:
         if dev is None or dev not in allowed:
             raise PayloadError(f"sender {sender[-8:]} is not a {' or '.join(roles)} server of stage {stage}")
         return dev
+
+    def _answers_lease(self, ticket, task_id: str, sender: str, kind: str, t: int, m: int | None = None,
+                       rows: tuple[int, int] | None = None, exact: bool = False) -> None:
+        """A result for task `task_id` is accepted only from a holder of its lease (the `ticket` it got
+        with `take`, peer/protocol/leases.py), and only for what the task covers: a `kind` task of this
+        stage, batch `t` (and micro-batch `m`), whose rows hold `rows` (are them, with `exact`). A
+        restart's replay of its request log re-applies what was accepted before."""
+        if self.replaying:
+            return
+        tid = TaskId.parse(task_id)
+        if tid.kind != kind or tid.stage != self.stage or tid.batch != t or (m is not None and tid.micro != m):
+            where = f"batch {t}" + ("" if m is None else f" micro-batch {m}")
+            raise PayloadError(f"task {task_id} is not a {kind} task of {where} of stage {self.stage}")
+        if rows is not None:
+            (a, b), (lo, hi) = rows, tid.rows
+            if (a, b) != (lo, hi) if exact else not (lo <= a and b <= hi):
+                raise PayloadError(f"rows [{a}, {b}) are not {'the' if exact else 'within the'} rows [{lo}, {hi}) "
+                                   f"of task {task_id}")
+        self.lease_tickets.check(ticket, task_id, sender, self.epoch)
 
     def _batch_micro(self, meta: dict, check_applied: bool = True) -> tuple[int, int]:
         t = mfield(meta, "batch", int)

@@ -17,6 +17,8 @@ from taskpool import Task
 
 logger = logging.getLogger("hivepipe.server")
 
+BATCHES_CACHED = 4  # batches of data a frontal server keeps at hand: two in flight, and room for a re-run
+
 
 class Frontal:
     """StageServer's the frontal server's inputs, forward tasks and relay of input gradients (a part of parameter_server.service.StageServer)."""
@@ -34,10 +36,27 @@ class Frontal:
                 self._make_forward_tasks(t, m)
             self.next_batch += 1
 
-    def _build_inputs(self, t: int) -> None:
+    def _run_batch(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch t of the run's data (inputs, labels), as the reference reads it: a pure function of
+        (corpus, seed, t). Kept for the batches in flight (a later stage asks for every micro-batch)."""
         from peer.model.data import make_batch
 
-        inputs, labels = make_batch(self.corpus, self.run.seed, t, self.run.batch_size, self.seq)
+        cache = self.__dict__.setdefault("_batch_cache", {})
+        if t not in cache:
+            cache[t] = make_batch(self.corpus, self.run.seed, t, self.run.batch_size, self.seq)
+            for old in sorted(cache)[:-BATCHES_CACHED]:
+                del cache[old]
+        return cache[t]
+
+    def _run_labels(self, t: int, m: int, a: int, b: int) -> torch.Tensor:
+        """The labels of rows [a, b) of micro-batch m of batch t, from the run's data: what a loss is
+        computed against never passes through a volunteer (a stage-0 volunteer handing on labels of
+        its own could make the model learn anything, and every output check would pass)."""
+        base = m * self.rows
+        return self._run_batch(t)[1][base + a : base + b]
+
+    def _build_inputs(self, t: int) -> None:
+        inputs, labels = self._run_batch(t)
         lo, hi = self.seg
         for m in range(self.run.micro_batches):
             base = m * self.rows
@@ -95,9 +114,9 @@ class Frontal:
         if self.role != "frontal" or self.stage == 0:
             raise PayloadError("push_inputs goes to a frontal server of a stage > 0")
         self._server_sender(sender, self.stage - 1, "backward")
-        t, m, a, b = self._rows_payload(meta, tensors, "push_inputs", ("hidden", "labels"))
+        t, m, a, b = self._rows_payload(meta, tensors, "push_inputs", ("hidden",))
         buf = self.buffers.setdefault((t, m), RowBuffer(*self.seg))
-        if not buf.add(a, b, tensors[0], tensors[1]):
+        if not buf.add(a, b, tensors[0], self._run_labels(t, m, a, b) if self.last else None):
             self.counters["relay_duplicates"] += 1
             return {"result": "duplicate"}
         if buf.complete:
@@ -137,6 +156,8 @@ class Frontal:
             raise PayloadError("push_input_grads goes to a frontal server of a stage > 0")
         task_id = mfield(meta, "task", str)
         t, m, a, b = self._rows_payload(meta, tensors, "push_input_grads", ("input gradient",))
+        self._answers_lease(meta.get("lease"), task_id, sender, "forward" if self.last else "backward", t, m, (a, b),
+                            exact=True)
         buf = self.grad_buffers.setdefault((t, m), RowBuffer(*self.seg))
         fresh = buf.add(a, b, tensors[0], None)
         if fresh:

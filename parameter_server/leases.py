@@ -92,13 +92,16 @@ class Leases:
         # answers "nothing" at once: those were 0.73 of the 3.9 calls a task cost, issue #16)
         common = {"task": task.task_id, "kind": task.kind, "batch": t, "micro": m, "rows": [a, b],
                   "stage": self.stage, "version": version_for_batch(t), "deadline": lease.deadline - self.clock(),
-                  "attempt": lease.attempt, "epoch": self.epoch, "more": self.pool.queued() > 0}
+                  "attempt": lease.attempt, "epoch": self.epoch, "more": self.pool.queued() > 0,
+                  "lease": self.lease_tickets.issue(task.task_id, lease.client, lease.attempt, self.epoch)}
         if task.kind == "forward":
             x, y = self.buffers[(t, m)].slice(a, b)
+            if not self.last:  # only the last stage computes a loss: the labels stay here
+                y = None
             # owed: more of batch t's micro-batches are still to be cut here, and this client got a piece
             # of every one cut so far (its worker holds its sum of the batch while idle, flush.py)
             owed = owed_more(self.batch_cut, t, lease.client, self.run.micro_batches)
-            return dict(common, frontal=self.device_id, owed=owed), [x, y]
+            return dict(common, frontal=self.device_id, owed=owed), [x] if y is None else [x, y]
         entry = task.payload_ref  # a LedgerEntry
         g, _ = self.grad_buffers[(t, m)].slice(a, b)
         return dict(common, frontal=entry.frontal, forward_task=entry.forward_task), [g]

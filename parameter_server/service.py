@@ -40,6 +40,7 @@ from parameter_server.status import SEEN_VOLUNTEERS, Status
 from parameter_server.updates import RETAIN, Updates, snapshots_kept
 from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Verification
 from peer.protocol import methods, session
+from peer.protocol.leases import LeaseTickets
 from peer.protocol.links import LinkEmulator
 from peer.protocol.tasks import batch_of
 from peer.protocol.traffic import CALLS, SESSION_CALLS, TRAFFIC, VALUES
@@ -80,8 +81,10 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
                  max_request_bytes: int | None = None, volunteers_allow: frozenset[str] | None = None,
                  verify_rate: float = DEFAULT_VERIFY_RATE, probation: int = DEFAULT_PROBATION, verify_device: str = "cpu",
                  task_tokens: int = DEFAULT_TASK_TOKENS, client_batch_tokens: int = DEFAULT_CLIENT_BATCH_TOKENS,
-                 local_first: bool = True):
+                 local_first: bool = True, lease_tickets: LeaseTickets):
         self.run = run
+        # the tickets of this run's leases, which every server of the run can check (peer/protocol/leases.py)
+        self.lease_tickets = lease_tickets
         self.layout = layout
         self.cfg = cfg
         self.device_id = device_id

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import Callable
 
 from dataclasses import dataclass, field
 
@@ -181,13 +182,15 @@ class ShardState:
         return self.snapshots.get(version)
 
     def credit(self, *, batch: int, pieces: list[tuple[str, int, tuple[int, int]]], grads: list[torch.Tensor],
-               loss_sum: float | None = None, sender: str | None = None) -> tuple[str, list[str]]:
+               loss_sum: float | None = None, sender: str | None = None,
+               authorize: Callable[[], None] | None = None) -> tuple[str, list[str]]:
         """Add one client's gradient shard accumulated over the tasks `pieces` = [(task id, micro,
         (lo, hi)), ...] of batch `batch`, all or nothing. Returns ("credited", []); ("duplicate", ids)
         when every task is already credited (a re-push); or ("conflict", ids) when only some are: the
         sum cannot be split, so nothing is credited and `ids` names the tasks already credited here
         (the sender re-runs the others alone). Raises PayloadError, changing nothing, for anything
-        that does not fit."""
+        that does not fit; `authorize`, called once the payload is found well-formed, raises it too
+        (the sender holds no lease of a task)."""
         if not 0 <= batch < self.steps:
             raise PayloadError(f"batch {batch} outside the run's 0..{self.steps - 1}")
         if not pieces:
@@ -220,6 +223,8 @@ class ShardState:
                 raise PayloadError(f"gradient {name}: contains NaN or infinite values")
         if loss_sum is not None and not (loss_sum == loss_sum and abs(loss_sum) != float("inf")):
             raise PayloadError("loss_sum must be finite")
+        if authorize is not None:
+            authorize()
         ids = [task_id for task_id, _, _ in pieces]
         if batch < self.version:
             # its update is already applied: every row of it was credited

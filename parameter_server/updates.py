@@ -93,8 +93,19 @@ class Updates:
         loss = mfield(meta, "loss_sum", float, optional=True)
         if self.last and loss is None:
             raise PayloadError("the last stage's gradient pushes must carry 'loss_sum'")
+        tickets = mfield(meta, "leases", list, optional=True) or []
+        kind = "forward" if self.last else "backward"
+
+        def leased() -> None:  # after the payload's checks: a malformed push is named as such
+            if len(tickets) != len(ids) and not self.replaying:
+                raise PayloadError(f"field 'leases' must hold one lease ticket per task: {len(ids)} tasks, "
+                                   f"{len(tickets)} tickets")
+            for (task_id, _, _), ticket in zip(pieces, tickets):
+                self._answers_lease(ticket, task_id, sender, kind, t)
+
         slot = mfield(meta, "slot", int, optional=True)
-        result, already = self._hosted(meta).credit(batch=t, pieces=pieces, grads=tensors, loss_sum=loss, sender=sender)
+        result, already = self._hosted(meta).credit(batch=t, pieces=pieces, grads=tensors, loss_sum=loss, sender=sender,
+                                                    authorize=leased)
         if result == "credited":
             if self._note_contribution(sender, t, shared_by=len(self.st.hosts)):
                 self._check_later(self._check_push, sender, t, [p[0] for p in pieces],

@@ -225,7 +225,10 @@ def run(args) -> int:
     cfg, layout, device, run_cfg = resolve(args)
     stage, role, _ = layout.locate(device)
     corpus = None
-    if stage == 0 and role == "frontal":
+    # the run's data, read where a batch begins (stage 0's frontal servers: inputs) and where a loss is
+    # computed (the last stage's: labels), so that what a loss is computed against never passes
+    # through a volunteer
+    if role == "frontal" and stage in (0, layout.num_stages - 1):
         from peer.hf.init import load_training_corpus
 
         corpus = load_training_corpus(args.data, cfg, args.hf_model, progress=args.parent_pid is None)
@@ -328,6 +331,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     from peer.protocol import records
     from peer.reachability import DialBackService
     from peer.volunteer.worker import StageWorker
+    from peer.protocol.leases import LeaseTickets
 
     torch.set_num_threads(1)
     stage, role, _ = layout.locate(device)
@@ -389,7 +393,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
                          requeue=not args.no_requeue, max_request_bytes=args.max_request_bytes,
                          volunteers_allow=args.allowed, verify_rate=args.verify_rate, probation=args.probation,
                          verify_device=args.device, task_tokens=args.task_tokens,
-                         client_batch_tokens=args.client_batch_tokens, local_first=not args.no_local_first)
+                         client_batch_tokens=args.client_batch_tokens, local_first=not args.no_local_first,
+                         lease_tickets=LeaseTickets.of_run_key(args.run_key_obj))
     logger.info("%s: its stage server built in %.1f s", device, time.perf_counter() - t0)
     writer = None
     if args.checkpoint_dir:

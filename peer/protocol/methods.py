@@ -15,20 +15,24 @@ class Method:
     retry: bool  # safe to repeat when the answer was lost (credits, relays, ledger entries de-duplicate)
     logged: bool  # changes the server's state: written to its request log, replayed after a restart
     caller: str  # "client" (a registered worker), "server" (of the run), or "anyone"
+    # hands the server a task's result: accepted only from a holder of that task's lease, for the task's
+    # own rows and version (a client: the lease ticket that came with `take`, peer/protocol/leases.py;
+    # `complete`: the pool's own record of who held it); from anyone else refused, changing nothing
+    leased: bool = False
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("register", epoched=False, retry=True, logged=False, caller="anyone"),
     # a lost `take` answer is a lease that will expire: not repeated
     Method("take", epoched=True, retry=False, logged=False, caller="client"),
-    Method("complete", epoched=True, retry=True, logged=True, caller="client"),
+    Method("complete", epoched=True, retry=True, logged=True, caller="client", leased=True),
     Method("fail", epoched=True, retry=True, logged=False, caller="client"),
     Method("get_params", epoched=False, retry=True, logged=False, caller="anyone"),
-    Method("push_grads", epoched=True, retry=True, logged=True, caller="client"),
+    Method("push_grads", epoched=True, retry=True, logged=True, caller="client", leased=True),
     Method("push_inputs", epoched=True, retry=True, logged=True, caller="server"),
     Method("get_inputs", epoched=True, retry=True, logged=False, caller="client"),
-    Method("push_input_grads", epoched=True, retry=True, logged=True, caller="client"),
-    Method("push_outputs", epoched=True, retry=True, logged=True, caller="client"),
+    Method("push_input_grads", epoched=True, retry=True, logged=True, caller="client", leased=True),
+    Method("push_outputs", epoched=True, retry=True, logged=True, caller="client", leased=True),
     Method("push_output_grads", epoched=True, retry=True, logged=True, caller="server"),
     Method("ping", epoched=False, retry=True, logged=False, caller="anyone"),
     Method("status", epoched=False, retry=True, logged=False, caller="anyone"),
@@ -46,6 +50,7 @@ NAMES = tuple(METHODS)
 EPOCHED = frozenset(n for n, m in METHODS.items() if m.epoched)
 LOGGED = frozenset(n for n, m in METHODS.items() if m.logged)
 NOT_RETRIED = frozenset(n for n, m in METHODS.items() if not m.retry)
+LEASED = frozenset(n for n, m in METHODS.items() if m.leased)
 SERVER_ONLY = frozenset(n for n, m in METHODS.items() if m.caller == "server")
 # what travels compressed under a run's --compress (peer/protocol/wire.py): activations, their gradients
 # and gradient pushes; parameters, replicas and the rows a check reads stay exact

@@ -117,6 +117,13 @@ class SigningKey:
     def sign(self, payload: bytes) -> bytes:
         return self._key.sign(payload, padding.PKCS1v15(), hashes.SHA256())
 
+    def derive(self, label: bytes) -> bytes:
+        """A 32-byte secret bound to this private key and `label` (SHA-256 of both): what holders of
+        the run key share without sending it (the lease tickets' key, peer/protocol/leases.py)."""
+        der = self._key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption())
+        return hashlib.sha256(label + b"\0" + der).digest()
+
     @classmethod
     def generate(cls) -> "SigningKey":
         return cls(rsa.generate_private_key(public_exponent=65537, key_size=2048))

@@ -72,12 +72,14 @@ class Pending:
     batch: int
     epoch: int  # the layout epoch its tasks were taken in
     tasks: list = field(default_factory=list)  # (leasing server's link, task id, lease deadline, lease seconds)
+    tickets: dict = field(default_factory=dict)  # task id -> its lease's ticket (peer/protocol/leases.py)
     grads: dict | None = None
     loss_sum: float | None = None
 
     def add(self, link, meta: dict, grads: dict[str, torch.Tensor], loss: float | None) -> None:
         length = float(meta.get("deadline", 60.0))
         self.tasks.append((link, meta["task"], time.monotonic() + length, length))
+        self.tickets[meta["task"]] = meta.get("lease")
         if self.grads is None:
             self.grads = grads
         else:
@@ -700,7 +702,7 @@ class StageWorker:
 
     async def _push_pending(self, p: "Pending") -> None:
         ids = [tid for _, tid, _, _ in p.tasks]
-        base = {"tasks": ids, "batch": p.batch}
+        base = {"tasks": ids, "leases": [p.tickets[tid] for tid in ids], "batch": p.batch}
         if p.loss_sum is not None:
             base["loss_sum"] = float(p.loss_sum)
         items = self.shards
@@ -786,7 +788,7 @@ class StageWorker:
         segments, to those servers; each piece's pass is kept (within the memory budget) for the
         backward task of the same rows, which that server offers this worker first."""
         t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]
-        x, y = tensors
+        x = tensors[0]  # (no labels: only the last stage computes a loss, against the run's own)
         version = meta["version"]
         self._point("before_forward")
         nxt = self.st.backward
@@ -810,8 +812,8 @@ class StageWorker:
         self.input_cache.setdefault((t, m), []).append((a, b, x))
         await asyncio.gather(*(
             self.call(self.links[nxt[j]], "push_outputs", {"task": meta["task"], "batch": t, "micro": m, "rows": [p, q],
-                                                           "frontal": meta["frontal"]},
-                      [out, y[p - a : q - a]], timeout=60.0, epoch=meta["epoch"])
+                                                           "frontal": meta["frontal"], "lease": meta.get("lease")},
+                      [out], timeout=60.0, epoch=meta["epoch"])
             for (j, p, q), (out, _) in zip(pieces, outs)
         ))
         self._point("after_outputs")
@@ -840,7 +842,8 @@ class StageWorker:
         gin, grads, loss = self._corrupt(gin, grads, loss, meta["batch"])
         if gin is not None:
             await self.call(frontal, "push_input_grads", {"task": meta["task"], "batch": meta["batch"],
-                                                          "micro": meta["micro"], "rows": meta["rows"]}, [gin],
+                                                          "micro": meta["micro"], "rows": meta["rows"],
+                                                          "lease": meta.get("lease")}, [gin],
                             epoch=meta["epoch"])
             self._point("after_input_grads")
         if meta["epoch"] != self.epoch:  # a failover voided it: it is run again in the new epoch

@@ -24,7 +24,7 @@ from parameter_server.service import StageServer
 from peer.protocol import methods
 from peer.protocol.session import MAX_OPEN_CALLS, Session, handle_name
 from peer.protocol.wire import stream_of, unpack
-from tests.swarm.inprocess import make_run
+from tests.swarm.inprocess import TICKETS, make_run
 
 FIELDS = ["task", "batch", "micro", "rows", "epoch", "slot", "version", "device", "compute", "tasks", "loss_sum",
           "names", "n_tensors", "stage", "lost", "layout", "from_batch", "retry", "result"]
@@ -81,7 +81,8 @@ class LiveServer:
             self.p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
             self.server = StageServer(run=run, layout=layout, cfg=cfg, device_id=st0.frontal[0],
                                       peer_id=str(self.p2p.peer_id), stage_params=init_state(cfg, *st0.layers, 0),
-                                      corpus=load_corpus(None, seq_len=cfg.seq_len), max_request_bytes=max_request_bytes)
+                                      corpus=load_corpus(None, seq_len=cfg.seq_len), max_request_bytes=max_request_bytes,
+                                      lease_tickets=TICKETS)
             self.server.maybe_start_batches()
             await self.server.add_p2p_handlers(self.p2p)
             maddrs = [str(m) for m in await self.p2p.get_visible_maddrs()]

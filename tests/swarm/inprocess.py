@@ -11,8 +11,12 @@ from peer.model.config import get_preset
 from peer.model.data import load_corpus
 from peer.model.transformer import init_state
 from peer.node import LocalLink
+from peer.protocol.leases import LeaseTickets
 from peer.protocol.records import RunConfig
 from peer.volunteer.worker import StageWorker
+
+# the servers of one swarm share the key of its lease tickets, as a run's servers derive it from the run key
+TICKETS = LeaseTickets(b"in-process swarm lease key!")
 
 
 def make_run(model="tiny", stages=2, frontal=1, backward=1, steps=3, seed=0, batch_size=16, micro_batches=4, lr=2e-3):
@@ -44,7 +48,7 @@ class InProcessSwarm:
         st = self.layout.stages[self.layout.locate(dev)[0]]
         return StageServer(run=self.run, layout=self.layout, cfg=self.cfg, device_id=dev, peer_id=f"peer-{dev}",
                            stage_params=init_state(self.cfg, *st.layers, self.run.seed), corpus=self.corpus,
-                           connector=lambda d: LocalLink(self.servers[d], f"peer-{dev}"))
+                           connector=lambda d: LocalLink(self.servers[d], f"peer-{dev}"), lease_tickets=TICKETS)
 
     def versions(self) -> list[int]:
         return [s.version for s in self.servers.values()]

@@ -17,7 +17,7 @@ from parameter_server.updates import RETAIN
 from peer.node import LocalLink
 from peer.protocol.tasks import TaskId
 from tests.swarm.harness import reference_state, rel_diff
-from tests.swarm.inprocess import InProcessSwarm, make_run
+from tests.swarm.inprocess import TICKETS, InProcessSwarm, make_run
 
 
 @pytest.mark.parametrize("stages,frontal,backward,volunteers,servers_compute", [
@@ -1341,8 +1341,9 @@ def test_a_worker_handed_a_task_it_cannot_work_on_asks_every_server_again():
         f1.handle = counted
         batch0 = sorted(t for s in (f0, f1) for t in s.issued if TaskId.parse(t).batch == 0)
         zeros = [torch.zeros_like(f0.shard.params[n]) for n in f0.shard.names]
-        await LocalLink(f0, f0.peer_id).call("push_grads", {"tasks": batch0, "batch": 0, "slot": f0.slot,
-                                                           "loss_sum": 0.0}, zeros)
+        tickets = [TICKETS.issue(t, f0.peer_id, 1, 0) for t in batch0]  # (minted as a server of the run may)
+        await LocalLink(f0, f0.peer_id).call("push_grads", {"tasks": batch0, "leases": tickets, "batch": 0,
+                                                           "slot": f0.slot, "loss_sum": 0.0}, zeros)
         assert (f0.version, f1.version) == (1, 0) and f0.pool.open_tasks(2)  # f0 cut batch 2
         assert {h for b in (0, 1) for _, h, _ in f0.pool.open_tasks(b)} == {"peer-other"}  # all held
         stop = asyncio.Event()
