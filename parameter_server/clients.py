@@ -27,6 +27,7 @@ OWN_STALL = 1.0
 # the refusal of a call from a client this server does not know (never registered, dropped, or
 # registered before this server restarted): the client registers and tries again
 NOT_REGISTERED = "is not registered for stage"
+NOT_ALLOWED = "is not on this run's --volunteers-allow list"  # (a refusal a worker takes as final)
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Clients:
         if stage != self.stage:
             raise PayloadError(f"this server serves stage {self.stage}, not {stage}")
         if self.volunteers_allow is not None and sender not in self.volunteers_allow and not self._is_server(sender):
-            raise PayloadError(f"peer {sender} is not on this run's --volunteers-allow list")
+            raise PayloadError(f"peer {sender} {NOT_ALLOWED}")
         holding = mfield(meta, "holding", list, optional=True)
         if holding is not None and (len(holding) > 4 * self.run.micro_batches * self.rows + 8 or
                                     not all(isinstance(t, str) and len(t) <= 64 for t in holding)):

@@ -116,6 +116,7 @@ async def join_main(args, stop: asyncio.Event) -> int:
     from peer.protocol import records
     from peer.volunteer.stage_choice import StagePicker
     from peer.volunteer.worker import StageWorker
+    from parameter_server.verify import BANNED
 
     torch.set_num_threads(1)
     try:  # a volunteer dials out only (client mode): it works behind NAT without opening a port
@@ -313,8 +314,9 @@ async def join_main(args, stop: asyncio.Event) -> int:
             stage, verb = moving[0], "moved in run"
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
-        if banned is not None:
-            print(f"banned from run {run.run_id} as {device} ({peer_id}) after {done['forward']} forward and "
+        if banned is not None:  # a refusal that will not change: said once, exit 3
+            what = "banned from run" if BANNED in banned else "refused by run"
+            print(f"{what} {run.run_id} as {device} ({peer_id}) after {done['forward']} forward and "
                   f"{done['backward']} backward tasks: {banned}", flush=True)
             return 3
         if halt.reason is not None:  # the run may have gone on and ended between two looks

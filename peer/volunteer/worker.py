@@ -24,7 +24,7 @@ import torch
 
 from parameter_server.layout import owners
 from parameter_server.shard import assign_shards
-from parameter_server.clients import NOT_REGISTERED
+from parameter_server.clients import NOT_ALLOWED, NOT_REGISTERED
 from parameter_server.leases import MAX_COMPLETE
 from parameter_server.verify import BANNED
 from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, hold_ends, owed_after
@@ -88,6 +88,9 @@ class Pending:
         if loss is not None:
             self.loss_sum = (self.loss_sum or 0.0) + loss
 
+
+# refusals that will not change however often the worker asks: it says so once and stops (peer join exits 3)
+FINAL_REFUSALS = (BANNED, NOT_ALLOWED)
 
 # the requests a task in hand needs (its parameters and inputs, handing its results in), retried while
 # their server is away for up to AWAY_GRACE_S (a crashed server restarted by its supervisor answers
@@ -174,7 +177,9 @@ class StageWorker:
             raise ValueError(f"unknown kill point {die_at!r}; choose from {', '.join(KILL_POINTS)}")
         self.die_at = die_at
         self.cheat = cheat  # peer/volunteer/cheat.py: a lying volunteer, for tests of the servers' checks
-        self.banned: str | None = None  # why the run refuses this worker (its work failed a check)
+        # why the run refuses this worker for good (its work failed a check; it is not on a closed run's
+        # list): such a refusal will not change, so the worker stops rather than ask again
+        self.banned: str | None = None
         self._turn = 0
 
     def _set_layout(self, layout) -> None:
@@ -200,9 +205,8 @@ class StageWorker:
             except RemoteError as e:
                 if "stale epoch" in str(e):
                     await self.refresh_layout(link)
-                elif BANNED in str(e) and self.banned is None:
-                    self.banned = str(e)
-                    logger.error("%s: %s", self.device_id, e)
+                elif self._refused_for_good(e):
+                    pass
                 elif NOT_REGISTERED in str(e) and not registered:
                     # the server does not know this worker (it restarted and forgot its clients, or
                     # dropped it): a refused call changed nothing, so register there and try once more
@@ -309,8 +313,19 @@ class StageWorker:
         try:
             return await call(*args, **kwargs)
         except Exception as e:
-            logger.debug("%s: %r", self.device_id, e)
+            if not self._refused_for_good(e):
+                logger.debug("%s: %r", self.device_id, e)
             return None
+
+    def _refused_for_good(self, e: Exception) -> bool:
+        """Whether `e` is a refusal that will not change (FINAL_REFUSALS); the first one is kept as
+        `banned` and said once."""
+        if not isinstance(e, RemoteError) or not any(why in str(e) for why in FINAL_REFUSALS):
+            return False
+        if self.banned is None:
+            self.banned = str(e)
+            logger.error("%s: %s", self.device_id, e)
+        return True
 
     async def heartbeat_loop(self, stop: asyncio.Event) -> None:
         """A heartbeat to each server of the stage on its own beat: a server slow to answer (its

@@ -169,3 +169,30 @@ def test_a_bad_allow_list_is_named(tmp_path, lines, words, capsys):
                  str(tmp_path / "run.key"), "--volunteers-allow", str(allow)]) == 2
     assert words in capsys.readouterr().err
     assert not (tmp_path / "run.key").exists()
+
+
+def test_a_volunteer_refused_for_good_stops_asking():
+    """A volunteer not on a closed run's list is told so at its first call: it keeps the reason (peer
+    join prints it once and exits 3) and stops, instead of registering again and again."""
+    cfg, layout, run = make_run(steps=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    for server in swarm.servers.values():
+        server.volunteers_allow = frozenset({"peer-u00", "peer-u10"})
+    intruder = next(w for w in swarm.workers if w.device_id == "u01")
+    calls = []
+    for server in swarm.servers.values():
+        real = server.handle
+
+        async def counted(method, meta, tensors, sender, real=real):
+            if sender == "peer-u01":
+                calls.append(method)
+            return await real(method, meta, tensors, sender)
+
+        server.handle = counted
+
+    async def scenario():
+        await asyncio.wait_for(intruder.run_loop(asyncio.Event()), 10.0)
+
+    asyncio.run(scenario())
+    assert intruder.banned is not None and "--volunteers-allow" in intruder.banned
+    assert len(calls) <= 2 * len(layout.stages[0].servers), calls  # its first registration, and no loop
