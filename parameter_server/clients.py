@@ -28,6 +28,31 @@ OWN_STALL = 1.0
 # registered before this server restarted): the client registers and tries again
 NOT_REGISTERED = "is not registered for stage"
 NOT_ALLOWED = "is not on this run's --volunteers-allow list"  # (a refusal a worker takes as final)
+# a client whose leases run out unanswered this many times in a row is dropped (its leases go back)
+# and may register again only after STRUCK_OUT_S, doubled at each further drop (a hoarder's cost)
+STRIKES_TO_DROP = 3
+STRUCK_OUT_S = 10.0
+# new clients a server admits: REGISTER_RATE a second, in bursts of REGISTER_BURST (heartbeats of
+# known clients are not counted): identities are free to make, a server's pools and checks are not
+REGISTER_RATE, REGISTER_BURST = 5.0, 20
+TOO_MANY_NEW = "too many new clients at once"
+
+
+class TokenBucket:
+    """At most `rate` events a second on average, `burst` at once (times from the caller's clock)."""
+
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, burst
+        self.tokens, self.at = float(burst), None
+
+    def take(self, now: float) -> bool:
+        if self.at is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
 
 
 @dataclass
@@ -68,6 +93,8 @@ class Clients:
         carried = carried_completes(meta)
         carried_epoch = mfield(meta, "epoch", int, optional=True) or 0
         new = sender not in self.clients
+        if new and not self._is_server(sender):
+            self._admit(sender)
         info = self.clients.setdefault(sender, ClientInfo(device, compute, self.clock()))
         info.compute, info.device, info.last_seen = compute, device, self.clock()
         if take_lost:
@@ -75,6 +102,8 @@ class Clients:
         if new:
             logger.info("%s: client %s (%s) registered, compute %.3g", self.device_id, sender[-8:], device, compute)
             self.pool.set_client_speed(sender, compute)
+            if self._is_server(sender):  # a worker of the run's servers: trusted, it need not earn its leases
+                self.pool.trust(sender)
             if holding and self.requeue:
                 # a client new here that holds tasks of ours: this server restarted (its leases are
                 # not in its log, so their tasks were queued again) or dropped it as silent. It goes
@@ -96,6 +125,29 @@ class Clients:
                 logger.info("%s: %s does not hold %s: re-queued", self.device_id, sender[-8:],
                             ", ".join(t.task_id for t in lost))
         return {"ok": True, "version": self.version, "epoch": self.epoch}
+
+    def _admit(self, sender: str) -> None:
+        """A new client's registration, within the limits: a peer dropped for leases it let run out
+        waits out its time, and new clients come at most REGISTER_RATE a second overall."""
+        now = self.clock()
+        drops, until = self.struck_out.get(sender, (0, 0.0))
+        if now < until:
+            raise PayloadError(f"peer {sender[-8:]} was dropped after {STRIKES_TO_DROP} leases in a row ran out "
+                               f"unanswered ({drops} time(s)): it may register again in {until - now:.0f} s")
+        if not self.admissions.take(now):
+            self.counters["registrations_limited"] = self.counters.get("registrations_limited", 0) + 1
+            raise PayloadError(f"{TOO_MANY_NEW}: register again in a second")
+
+    def drop_struck_clients(self) -> list[str]:
+        """Drop the clients (not servers' workers) whose last STRIKES_TO_DROP leases here ran out
+        unanswered: their leases go back, and they may register again after a while."""
+        struck = [p for p in self.clients if self.pool.strikes(p) >= STRIKES_TO_DROP and not self._is_server(p)]
+        for p in struck:
+            drops = self.struck_out.get(p, (0, 0.0))[0] + 1
+            self.struck_out.put(p, (drops, self.clock() + STRUCK_OUT_S * 2 ** (drops - 1)))
+            self.counters["clients_struck_out"] = self.counters.get("clients_struck_out", 0) + 1
+            self._client_left(p, f"{STRIKES_TO_DROP} leases in a row ran out unanswered")
+        return struck
 
     def _is_server(self, peer: str) -> bool:
         """The peer is this server or a server of the run (whose workers compute too)."""
@@ -133,8 +185,9 @@ class Clients:
 
     def _client_left(self, peer: str, why: str) -> None:
         del self.clients[peer]
-        key = "clients_disconnected" if why == "its connection closed" else "clients_timed_out"
-        self.counters[key] = self.counters.get(key, 0) + 1
+        if why in ("its connection closed", "silent"):
+            key = "clients_disconnected" if why == "its connection closed" else "clients_timed_out"
+            self.counters[key] = self.counters.get(key, 0) + 1
         # with --no-requeue the departed client's leases are left to run out their full timeout
         # (as a SWARM trainer waits out a request to a dead peer); the work is then done again
         n = len(self.pool.client_left(peer)) if self.requeue else len(self.pool.leases_of(peer))

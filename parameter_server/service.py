@@ -27,7 +27,7 @@ from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 
 from parameter_server.backward import Backward
 from parameter_server.checks import Checks
-from parameter_server.clients import ClientInfo, Clients
+from parameter_server.clients import REGISTER_BURST, REGISTER_RATE, ClientInfo, Clients, TokenBucket
 from parameter_server.failover import Failover
 from parameter_server.frontal import Frontal
 from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, RunLayout, segment
@@ -51,6 +51,12 @@ from taskpool import TaskPool, TaskPoolError
 logger = logging.getLogger("hivepipe.server")
 
 STALL_REPORT_FACTOR, STALL_REPORT_MIN = 2.0, 3.0  # report_stall: a step this much longer than the median
+# what a client new to this server may hold (taskpool/standing.py): two leases to begin with (one to
+# compute, one to hold while its sum waits), and until it has delivered a task on time, leases that
+# last 4x the typical lease here (its own speed factor applied), never under 2 s: a stranger that takes
+# tasks and never answers holds little, briefly
+START_LEASES = 2
+PROBATION_FACTOR, PROBATION_FLOOR = 4.0, 2.0
 
 __all__ = ["RETAIN", "StageServer"]
 
@@ -132,6 +138,8 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.reflow_from: int | None = None  # since the last failover: the first batch run again
         self.halted: str | None = None  # why the run is stopped (a role lost its last server), announced
         self.clients: dict[str, ClientInfo] = {}
+        self.admissions = TokenBucket(REGISTER_RATE, REGISTER_BURST)  # new clients (Clients._admit)
+        self.struck_out = Remembered(SEEN_VOLUNTEERS)  # peer -> (drops, may register again at)
         self.last_silence_check: float | None = None  # (Clients.drop_stale_clients)
         self._reset_datapath()
         self.counters = {"payload_errors": 0, "relay_duplicates": 0, "output_duplicates": 0, "replicas_received": 0,
@@ -166,11 +174,15 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.seg = segment(self.rows, len(self.st.frontal if self.role == "frontal" else self.st.backward), self.index)
         # a client keeps the leases of the tasks whose gradients it is still accumulating (at most the
         # tasks of two batches, see StageWorker) and works on one more
+        # ... leases it earns by delivering (taskpool/standing.py): taking work without doing it costs the taker
         self.pool = TaskPool(clock=self.clock, default_timeout=self.task_timeout,
                              max_leases_per_client=2 * self.run.micro_batches + 1,
-                             preference_grace=self.preference_grace)
+                             preference_grace=self.preference_grace, start_leases=START_LEASES,
+                             probation_factor=PROBATION_FACTOR, probation_floor=PROBATION_FLOOR)
         for peer, c in self.clients.items():
             self.pool.set_client_speed(peer, c.compute)
+            if self._is_server(peer):
+                self.pool.trust(peer)
         self.issued: set[str] = set()  # every task id this server created, of batches >= forgotten_before
         self.forgotten_before = 0  # the closed tasks of earlier batches are forgotten (updates._forget_before)
         self.waiting_inputs: list[tuple[int, int]] = []  # FS k>0: complete inputs waiting for their version
@@ -289,12 +301,14 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         return min([self.version] + known)
 
     def maintenance(self) -> None:
-        """Periodic: re-queue expired leases, forget silent clients."""
+        """Periodic: re-queue expired leases, drop clients that keep letting theirs run out, forget
+        silent clients."""
         expired = self.pool.expire(self.clock())
         if expired:  # a lease that ran out its deadline: its client kept it without an answer
             self.counters["leases_expired"] = self.counters.get("leases_expired", 0) + len(expired)
             logger.info("%s: %d lease(s) ran out and went back to the pool: %s", self.device_id, len(expired),
                         " ".join(str(t.task_id) for t in expired[:8]))
+            self.drop_struck_clients()
         self.drop_stale_clients()
         self.report_stall(time.time())
         if self.hold_steps_until is not None and not self.steps_held():

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from heapq import heapify, heappop, heappush
 
 from .speed import SpeedBook
+from .standing import Standing
 from .types import Completion, Lease, Task, TaskPoolError, check_positive, priority
 
 _ACCEPTED = Completion.ACCEPTED
@@ -80,7 +81,7 @@ class _Entry:
     """
 
     __slots__ = ("task", "key", "state", "lease", "attempts", "holders", "timeout", "added_at", "open_at",
-                 "leased_at")
+                 "leased_at", "shun", "shun_until")
 
     def __init__(self, task: Task, key: int, timeout: float, now: float, grace: float) -> None:
         self.task = task
@@ -93,6 +94,8 @@ class _Entry:
         self.added_at = now
         self.open_at = now + grace if task.preferred_client is not None else now
         self.leased_at = now
+        self.shun: str | None = None  # the client whose lease of it ran out: others take it first
+        self.shun_until = 0.0
 
 
 class TaskPool:
@@ -104,14 +107,18 @@ class TaskPool:
     by that client for ``preference_grace`` seconds after it was added (or until that
     client leaves), then by anyone; the preferred client still gets the best task it may
     take, so priority order holds for it too.  A client holds at most
-    ``max_leases_per_client`` leases.  A lease's deadline is ``now + timeout * factor``,
+    ``max_leases_per_client`` leases, and fewer while it has not earned them (``start_leases``,
+    :mod:`taskpool.standing`); a task whose lease ran out goes to another client first (for
+    ``preference_grace``), and an unproven client's leases are cut short (``probation_factor``).
+    A lease's deadline is ``now + timeout * factor``,
     where the factor (in [0.5, 4], 1.0 when unknown) compares the client's speed with
     the median client's; see :mod:`taskpool.speed`.
     """
 
     def __init__(self, *, clock: Callable[[], float], default_timeout: float = 30.0,
                  max_leases_per_client: int = 1, preference_grace: float = 1.0,
-                 throughput_halflife: float = 30.0) -> None:
+                 throughput_halflife: float = 30.0, start_leases: int | None = None,
+                 probation_factor: float | None = None, probation_floor: float = 1.0) -> None:
         if not callable(clock):
             raise TaskPoolError(f"clock must be callable, got {clock!r}")
         self._default_timeout = check_positive("default_timeout", default_timeout)
@@ -123,6 +130,14 @@ class TaskPool:
             check_positive("preference_grace", preference_grace)
         self._clock = clock
         self._k = max_leases_per_client
+        if start_leases is not None and (isinstance(start_leases, bool) or not isinstance(start_leases, int)
+                                         or start_leases < 1):
+            raise TaskPoolError(f"start_leases must be an int >= 1, got {start_leases!r}")
+        if probation_factor is not None:
+            check_positive("probation_factor", probation_factor)
+        self._standing = Standing(start=start_leases, most=max_leases_per_client,
+                                  probation_factor=probation_factor,
+                                  probation_floor=check_positive("probation_floor", probation_floor))
         self._grace = float(preference_grace)
         self._speed = SpeedBook(check_positive("throughput_halflife", throughput_halflife))
         self._clients = self._speed.clients
@@ -203,8 +218,8 @@ class TaskPool:
                     break
                 heappop(pref)
                 self._pref_items -= 1
-        if entry is None:
-            return None
+        if entry is None or (entry.shun == client and now < entry.shun_until):
+            return None  # (a task whose lease this client let run out goes to others first)
         heappop(heap)
         return self._lease(entry, client, rec, now)
 
@@ -214,8 +229,8 @@ class TaskPool:
         holders still work on them; another client would take them and the work be done twice.
         None when the task is not queued (leased, done, unknown) or the client holds its maximum."""
         entry = self._tasks.get(task_id)
-        if entry is None or entry.state not in (_OPEN, _PREF):
-            return None
+        if entry is None or entry.state not in (_OPEN, _PREF) or entry.shun == client:
+            return None  # (not a task whose lease ran out on this very client)
         now = self._clock()
         rec = self._room_for(client, now)
         if rec is None:
@@ -223,11 +238,11 @@ class TaskPool:
         return self._lease(entry, client, rec, now)  # (its stale heap items are skipped by take)
 
     def _room_for(self, client: str, now: float):
-        """The client's record, or None when it holds ``max_leases_per_client`` leases already."""
+        """The client's record, or None when it holds as many leases as it may already."""
         rec = self._clients.get(client)
         if rec is None:
             return self._speed.get(client, now)
-        return None if len(rec.leases) >= self._k else rec
+        return None if len(rec.leases) >= self._standing.allowance(client) else rec
 
     def _lease(self, entry: _Entry, client: str, rec, now: float) -> Lease:
         entry.state = _LEASED
@@ -245,6 +260,9 @@ class TaskPool:
             deadline = now + entry.timeout * rec.factor  # cached; see SpeedBook.factor
         else:
             deadline = now + entry.timeout * speed.factor(rec, now)
+        cap = self._standing.probation_cap(client, (deadline - now) / entry.timeout)
+        if cap is not None and deadline > now + cap:
+            deadline = now + cap
         task = entry.task
         lease = entry.lease = _new_lease(Lease)
         _set_task(lease, task)
@@ -273,8 +291,12 @@ class TaskPool:
                 return _DUPLICATE
             raise TaskPoolError(f"complete: unknown task id {task_id!r}")
         # _close(entry), inlined: this is half of the hot path
+        now = self._clock()
         if entry.state == _LEASED:
-            del self._clients[entry.lease.client].leases[task_id]
+            lease = entry.lease
+            if lease.client == client and now <= lease.deadline:
+                self._standing.on_time(client, now - entry.leased_at)
+            del self._clients[lease.client].leases[task_id]
             self._leased -= 1
             entry.lease = None
         entry.state = _CLOSED
@@ -282,7 +304,6 @@ class TaskPool:
         self._done.add(task_id)
         self._closed_by_batch.setdefault(entry.task.batch, []).append(task_id)
         self._ndone += 1
-        now = self._clock()
         rec = self._clients.get(client)
         if rec is not None and rec.done:
             rec.record_completion(now, self._speed.decay)
@@ -367,6 +388,12 @@ class TaskPool:
             deadline, key = heappop(deadlines)
             entry = by_key.get(key)
             if entry is not None and entry.state == _LEASED and entry.lease.deadline == deadline:
+                holder = entry.lease.client
+                self._standing.expired(holder)
+                if self._standing.earning:
+                    entry.shun, entry.shun_until = holder, now + self._grace
+                    if entry.task.preferred_client == holder:
+                        entry.open_at = now  # no longer kept for it
                 self._requeue(entry, now)
                 out.append(entry.task)
         return out
@@ -381,6 +408,7 @@ class TaskPool:
         for entry in held:
             self._requeue(entry, now)
         self._speed.forget(client)
+        self._standing.forget(client)
         pref = self._pref.pop(client, None)
         if pref:
             self._pref_items -= len(pref)
@@ -417,6 +445,19 @@ class TaskPool:
         if entry is None:
             return None
         return entry.holders is not None and client in entry.holders
+
+    def strikes(self, client: str) -> int:
+        """Leases of `client` that ran out in a row, unanswered (:mod:`taskpool.standing`)."""
+        return self._standing.strikes(client)
+
+    def allowance(self, client: str) -> int:
+        """How many leases `client` may hold at once now."""
+        return self._standing.allowance(client)
+
+    def trust(self, client: str) -> None:
+        """`client` need not earn its leases (:mod:`taskpool.standing`): it may hold
+        ``max_leases_per_client`` at once, each for its full timeout, until it leaves."""
+        self._standing.trust(client)
 
     def lease_of(self, task_id: str) -> Lease | None:
         entry = self._tasks.get(task_id)
@@ -474,7 +515,7 @@ class TaskPool:
             "oldest_queued_age": max(0.0, now - oldest[0][0]) if oldest else 0.0,
             "clients": {
                 name: {"throughput": rec.rate(now, decay) or 0.0, "done": rec.done,
-                       "leases": len(rec.leases)}
+                       "leases": len(rec.leases), "allowance": self._standing.allowance(name)}
                 for name, rec in self._clients.items()
             },
         }

@@ -196,3 +196,51 @@ def test_a_volunteer_refused_for_good_stops_asking():
     asyncio.run(scenario())
     assert intruder.banned is not None and "--volunteers-allow" in intruder.banned
     assert len(calls) <= 2 * len(layout.stages[0].servers), calls  # its first registration, and no loop
+
+
+def test_hoarders_hold_little_briefly_are_dropped_and_the_run_ends_exact():
+    """Three identities that take tasks and never answer (heartbeating that they hold them), from the
+    first version on: each may hold two leases at a server, cut short to the probation deadline; three
+    leases in a row run out and it is dropped, and may not register again for a while; its tasks go to
+    the honest volunteers first. The run ends equal to the reference."""
+    steps = 14
+    cfg, layout, run = make_run(steps=steps, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    hoarders = [f"peer-hoard{i}" for i in range(3)]
+    held = {(h, d): [] for h in hoarders for d in swarm.servers}
+    refused, most_held = [], [0]
+    stop = asyncio.Event()
+
+    async def hoard():
+        while not stop.is_set():
+            for (h, d), tasks in held.items():
+                link = LocalLink(swarm.servers[d], h)
+                try:
+                    await link.call("register", {"device": h[5:], "compute": 100.0, "stage": 0, "holding": tasks})
+                    meta, _ = await link.call("take", {})
+                    if meta.get("task"):
+                        tasks.append(meta["task"])
+                except RemoteError as e:
+                    refused.append(str(e))
+                    tasks.clear()
+                most_held[0] = max(most_held[0], len(swarm.servers[d].pool.leases_of(h)))
+            await asyncio.sleep(0.05)
+
+    async def scenario():
+        started = []
+
+        async def begin():
+            started.append(asyncio.ensure_future(hoard()))
+
+        try:
+            return await swarm.train(timeout=240, at_version={1: begin})
+        finally:
+            stop.set()
+            await asyncio.gather(*started)
+
+    state = asyncio.run(scenario())
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    assert most_held[0] <= 2  # START_LEASES: never earned more
+    struck = sum(s.counters.get("clients_struck_out", 0) for s in swarm.servers.values())
+    assert struck >= len(hoarders), struck
+    assert any("may register again" in r for r in refused), refused[:3]

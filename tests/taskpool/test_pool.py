@@ -503,7 +503,7 @@ def test_stats_shape_and_json(clock):
                       "added", "oldest_queued_age", "clients"}
     assert (s["queued"], s["leased"], s["done"], s["added"]) == (2, 0, 1, 3)
     assert s["oldest_queued_age"] == 5.0  # b, added at 2.0
-    assert set(s["clients"]["x"]) == {"throughput", "done", "leases"}
+    assert set(s["clients"]["x"]) == {"throughput", "done", "leases", "allowance"}
     assert s["clients"]["x"]["done"] == 1 and s["clients"]["x"]["throughput"] > 0
     assert len(pool) == 2
 

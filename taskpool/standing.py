@@ -1,0 +1,87 @@
+"""What a client has earned at one pool: how many leases it may hold at once, and how long a lease of
+a client that has not yet delivered may run.
+
+Taking work without doing it must cost the taker, not the run (a stranger that registers many
+identities and answers nothing would else hold the run's tasks until their timeouts):
+
+* **allowance**: a client starts with ``start`` open leases; each task it completes on time (its own
+  lease, before the deadline) adds one, up to ``most``; each of its leases that runs out halves it
+  (at least one).  A hoarder is soon down to one lease; an honest client is at ``most`` after a few
+  tasks.
+* **strikes**: leases of the client that ran out in a row (an on-time completion clears them).  The
+  pool's owner drops a client with too many and makes it register again.
+* **probation deadline**: until a client has completed a task on time, its leases last at most
+  ``probation_factor`` x the typical lease (an exponential average of the leases completed on time
+  here, scaled by the client's own deadline factor), and never less than ``probation_floor``: an
+  unknown client cannot sit on a task for the full timeout.  None disables it.
+
+With ``start`` None a client may always hold ``most`` leases and a task whose lease ran out is
+anyone's again at once (the pool's plain behaviour); strikes are counted either way.
+
+Plain bookkeeping: no clock, no I/O; the pool calls it.
+"""
+
+from __future__ import annotations
+
+TYPICAL_WEIGHT = 0.2  # weight of the newest lease in the typical lease's average
+
+
+class Standing:
+    __slots__ = ("earning", "start", "most", "probation_factor", "probation_floor", "typical", "_allow",
+                 "_strikes", "_proven")
+
+    def __init__(self, *, start: int | None, most: int, probation_factor: float | None = None,
+                 probation_floor: float = 1.0) -> None:
+        self.earning = start is not None  # leases are earned (else every client may hold `most`)
+        self.start = most if start is None else max(1, min(start, most))
+        self.most = most
+        self.probation_factor = probation_factor
+        self.probation_floor = probation_floor
+        self.typical: float | None = None  # seconds from lease to on-time completion, averaged
+        self._allow: dict[str, int] = {}
+        self._strikes: dict[str, int] = {}
+        self._proven: set[str] = set()
+
+    def allowance(self, client: str) -> int:
+        return self._allow.get(client, self.start)
+
+    def strikes(self, client: str) -> int:
+        return self._strikes.get(client, 0)
+
+    def on_time(self, client: str, held_for: float) -> None:
+        """The client completed its own lease before the deadline, `held_for` seconds after it took it."""
+        allow = self._allow.get(client, self.start)
+        if allow < self.most:
+            self._allow[client] = allow + 1
+        if client in self._strikes:
+            del self._strikes[client]
+        self._proven.add(client)
+        held_for = max(0.0, held_for)
+        self.typical = held_for if self.typical is None else \
+            self.typical + TYPICAL_WEIGHT * (held_for - self.typical)
+
+    def expired(self, client: str) -> int:
+        """A lease of the client ran out unanswered; returns its strikes now."""
+        if self.earning:
+            self._allow[client] = max(1, self._allow.get(client, self.start) // 2)
+        self._proven.discard(client)
+        strikes = self._strikes[client] = self._strikes.get(client, 0) + 1
+        return strikes
+
+    def probation_cap(self, client: str, factor: float) -> float | None:
+        """The longest a new lease of `client` may last, or None (no cap: it has delivered, or nothing
+        is known yet of how long a lease takes here)."""
+        if self.probation_factor is None or self.typical is None or client in self._proven:
+            return None
+        return max(self.probation_floor, self.probation_factor * self.typical * factor)
+
+    def trust(self, client: str) -> None:
+        """The client is trusted (a worker of the run's own servers): it may hold `most` leases, and its
+        leases run their full time."""
+        self._allow[client] = self.most
+        self._proven.add(client)
+
+    def forget(self, client: str) -> None:
+        self._allow.pop(client, None)
+        self._strikes.pop(client, None)
+        self._proven.discard(client)

@@ -1,0 +1,118 @@
+"""Leases are earned (taskpool/standing.py): a client starts with few, gains one per task delivered on
+time, loses half at each lease it lets run out; a task whose lease ran out goes to another client first;
+an unproven client's leases are cut short. On a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from taskpool import TaskPool, TaskPoolError
+from tests.taskpool.test_pool import FakeClock, task
+
+
+def earning_pool(clock, **kw) -> TaskPool:
+    return TaskPool(clock=clock, default_timeout=10.0, max_leases_per_client=8, preference_grace=1.0,
+                    start_leases=2, **kw)
+
+
+def fill(pool: TaskPool, n: int, **kw) -> None:
+    for i in range(n):
+        pool.add(task(f"t{i}", mb=i, **kw))
+
+
+def test_a_new_client_holds_few_leases_and_earns_more_by_delivering():
+    clock = FakeClock()
+    pool = earning_pool(clock)
+    fill(pool, 20)
+    held = [pool.take("a"), pool.take("a")]
+    assert all(held) and pool.take("a") is None and pool.allowance("a") == 2
+    clock.now = 1.0
+    assert pool.complete(held[0].task.task_id, "a").value == "accepted"  # on time: one more
+    assert pool.allowance("a") == 3
+    assert pool.take("a") is not None and pool.take("a") is not None and pool.take("a") is None
+    for _ in range(10):  # up to the most, never past it
+        lease = pool.leases_of("a")[0]
+        pool.complete(lease.task.task_id, "a")
+        while pool.take("a") is not None:
+            pass
+    assert pool.allowance("a") == 8 and len(pool.leases_of("a")) == 8
+
+
+def test_leases_that_run_out_halve_the_allowance_and_count_as_strikes_until_one_is_delivered():
+    clock = FakeClock()
+    pool = earning_pool(clock)
+    fill(pool, 30)
+    for _ in range(6):  # earn: 2 -> 8
+        lease = pool.take("h")
+        pool.complete(lease.task.task_id, "h")
+    assert pool.allowance("h") == 8
+    for _ in range(8):
+        pool.take("h")
+    clock.now = 100.0
+    assert len(pool.expire()) == 8
+    assert pool.allowance("h") == 1 and pool.strikes("h") == 8  # each expiry halves: 8 -> 4 -> 2 -> 1 -> 1 ...
+    clock.now = 102.0  # past the shun
+    lease = pool.take("h")
+    pool.complete(lease.task.task_id, "h")
+    assert pool.strikes("h") == 0 and pool.allowance("h") == 2
+
+
+def test_a_task_whose_lease_ran_out_goes_to_another_client_first_and_is_no_longer_preferred():
+    clock = FakeClock()
+    pool = earning_pool(clock)
+    pool.add(task("t0", preferred_client="h"))
+    assert pool.take("h").task.task_id == "t0"
+    clock.now = 20.0
+    assert [t.task_id for t in pool.expire()] == ["t0"]
+    assert pool.take("h") is None  # its own expired task: others first, for the grace period
+    assert pool.adopt("h", "t0") is None  # nor handed back by saying it still holds it
+    assert pool.take("honest").task.task_id == "t0"
+    pool.complete("t0", "honest")
+    pool.add(task("t1", preferred_client="h"))
+    assert pool.take("h").task.task_id == "t1"
+    clock.now = 40.0
+    pool.expire()
+    clock.now = 41.5  # the grace is over and nobody took it: anyone, the same client too
+    assert pool.take("h").task.task_id == "t1"
+
+
+def test_an_unproven_clients_leases_are_cut_short_once_the_typical_lease_is_known():
+    clock = FakeClock()
+    pool = earning_pool(clock, probation_factor=4.0, probation_floor=2.0)
+    fill(pool, 10)
+    first = pool.take("new")  # nothing known yet of how long a lease takes here: the full timeout
+    assert first.deadline == pytest.approx(10.0)
+    lease = pool.take("honest")
+    clock.now = 0.5
+    pool.complete(lease.task.task_id, "honest")  # typical lease 0.5 s
+    assert pool.take("honest").deadline == pytest.approx(10.5)  # proven: full timeout
+    assert pool.take("stranger").deadline == pytest.approx(0.5 + 2.0)  # 4 x 0.5 s, floored at 2 s
+    assert pool.take("new").deadline == pytest.approx(0.5 + 2.0)
+    pool.trust("server-worker")
+    assert pool.take("server-worker").deadline == pytest.approx(10.5)
+    assert pool.allowance("server-worker") == 8
+
+
+def test_a_late_result_of_an_expired_lease_still_counts_but_earns_nothing():
+    clock = FakeClock()
+    pool = earning_pool(clock)
+    fill(pool, 2)
+    lease = pool.take("slow")
+    clock.now = 20.0
+    pool.expire()
+    assert pool.complete(lease.task.task_id, "slow").value == "accepted"
+    assert pool.strikes("slow") == 1 and pool.allowance("slow") == 1
+
+
+def test_the_plain_pool_is_unchanged_and_bad_settings_are_named():
+    clock = FakeClock()
+    pool = TaskPool(clock=clock, default_timeout=10.0, max_leases_per_client=3)
+    fill(pool, 5)
+    assert [pool.take("a") is not None for _ in range(4)] == [True, True, True, False]
+    clock.now = 20.0
+    pool.expire()
+    assert pool.take("a") is not None and pool.allowance("a") == 3  # no shun, nothing halved
+    with pytest.raises(TaskPoolError, match="start_leases"):
+        TaskPool(clock=clock, start_leases=0)
+    with pytest.raises(TaskPoolError, match="probation_factor"):
+        TaskPool(clock=clock, probation_factor=-1.0)
