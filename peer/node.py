@@ -92,6 +92,9 @@ def start_dht(initial_peers=(), *, run_id: str, run_fp: str | None, run_key=None
 
     from peer.protocol.records import Trust
     from peer.protocol.trust import SigningKey, validators
+    from peer.protocol.wire import bound_messages
+
+    bound_messages()  # no incoming message read whole past its bound, in this peer and its DHT process
 
     fresh, made = None, False
     if not identity_path:  # a fresh identity of our own, so that this process can sign as its peer id

@@ -332,6 +332,7 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     from peer.reachability import DialBackService
     from peer.volunteer.worker import StageWorker
     from peer.protocol.leases import LeaseTickets
+    from peer.protocol.wire import MAX_MESSAGE_BYTES, bound_messages
 
     torch.set_num_threads(1)
     stage, role, _ = layout.locate(device)
@@ -429,6 +430,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         server.set_directory(await directory.refresh(), directory.versions, directory.epochs)
     except Exception as e:
         logger.debug("%s: reading the run's servers before serving failed: %r", device, e)
+    # no single message is read past the request bound either (wire.py bound_messages)
+    bound_messages(min(MAX_MESSAGE_BYTES, server.max_request_bytes))
     await server.add_p2p_handlers(p2p)
     period = run_cfg.announce_period
 

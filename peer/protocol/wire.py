@@ -25,6 +25,30 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 # the messages of one stream follow each other at once (a sender packs the whole payload first): a
 # gap this long between two of them, after the first, is a stalled stream, cut and reported
 STALL_SECONDS = 20.0
+# the longest single message a peer reads: a message holds the metadata or CHUNK_BYTES of tensor parts
+# (a few of them), so this leaves room to spare; hivemind reads a whole message into memory before any
+# handler sees it (its length comes first), so a longer one is refused from its length alone
+MAX_MESSAGE_BYTES = 8 << 20
+MESSAGES_REFUSED = {"count": 0, "largest": 0}  # over the bound, in this process
+
+
+def bound_messages(limit: int = MAX_MESSAGE_BYTES) -> None:
+    """Read no incoming message of more than `limit` bytes in this process (and its forks): hivemind's
+    stream reader takes the message's length first and reads that many bytes whatever they are, so a
+    single 1 GB message was held whole before `unpack` could refuse it. A longer one ends its stream
+    at its length header, as a closed connection does, having read 9 bytes of it."""
+    from hivemind.p2p import P2P
+
+    async def receive_raw_data(reader: asyncio.StreamReader) -> bytes:
+        header = await reader.readexactly(P2P.HEADER_LEN)
+        length = int.from_bytes(header, P2P.BYTEORDER)
+        if length > limit:
+            MESSAGES_REFUSED["count"] += 1
+            MESSAGES_REFUSED["largest"] = max(MESSAGES_REFUSED["largest"], length)
+            raise asyncio.IncompleteReadError(b"", length)  # (hivemind closes the stream quietly)
+        return await reader.readexactly(length)
+
+    P2P.receive_raw_data = staticmethod(receive_raw_data)
 
 
 class PayloadError(ValueError):

@@ -238,3 +238,49 @@ def test_a_session_with_malformed_framing_ends_with_the_reason_and_changes_nothi
     assert "error" not in answers["0"] and "error" not in answers["2"], answers
     assert "ended before call 1's last message" in answers["1"].get("error", ""), answers
     assert live.state() == before
+
+
+def test_a_single_oversized_message_is_refused_from_its_length_alone():
+    """hivemind reads a message whole once its length header has come: a single 200 MB message was held
+    in full before the request bound refused it. Now the stream ends at the header, with 9 bytes read."""
+    from hivemind.p2p import P2P
+
+    from peer.protocol.wire import MESSAGES_REFUSED, bound_messages
+
+    bound_messages(1 << 20)
+
+    async def read(length: int, body: bytes):
+        reader = asyncio.StreamReader()
+        reader.feed_data(P2P.MESSAGE_MARKER + length.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body)
+        try:
+            return await asyncio.wait_for(P2P.receive_protobuf(ExpertRequest, reader), 5), len(reader._buffer)
+        except asyncio.IncompleteReadError:
+            return "refused", len(reader._buffer)
+
+    before = MESSAGES_REFUSED["count"]
+    body = b"\x00" * 4096
+    assert asyncio.run(read(200 << 20, body)) == ("refused", 4096)  # nothing of the body was read
+    assert MESSAGES_REFUSED["count"] == before + 1 and MESSAGES_REFUSED["largest"] >= 200 << 20
+    ok = ExpertRequest(uid="x").SerializeToString()
+    (message, _), left = asyncio.run(read(len(ok), ok))
+    assert message.uid == "x" and left == 0
+
+
+def test_a_live_server_drops_a_single_message_over_its_bound_and_keeps_serving():
+    server = LiveServer(max_request_bytes=1 << 16)
+    try:
+        from peer.protocol.wire import bound_messages
+
+        bound_messages(1 << 16)  # as peer serve sets it from --max-request-bytes
+        before = server.state()
+        huge = ExpertRequest(metadata=msgpack.packb({"batch": 0}), tensors=[
+            runtime_pb2.Tensor(buffer=b"\x00" * (4 << 20), size=[1 << 20], dtype="float32")])
+        result = server.run(server.call("push_grads", [huge]))
+        assert result.startswith("dropped"), result
+        assert server.state() == before
+        assert server.run(server.call("ping", [ExpertRequest(metadata=msgpack.packb({}))])).startswith("answered")
+    finally:
+        from peer.protocol.wire import MAX_MESSAGE_BYTES, bound_messages
+
+        bound_messages(MAX_MESSAGE_BYTES)
+        server.close()
