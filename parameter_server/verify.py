@@ -27,6 +27,7 @@ import random
 
 import torch
 
+from parameter_server.drift import DriftTest
 from parameter_server.layout import owners
 from peer.model.task_math import backward_rows, forward_rows
 from peer.model.update_rule import version_for_batch
@@ -70,6 +71,7 @@ class Verification:
         self.contributed: dict[str, set[int]] = {}  # peer id -> batches it sent work of (kept window)
         self.verify_counts = {"checked": 0, "passed": 0, "caught": 0, "skipped": 0, "tasks_rerun": 0,
                               "max_honest_distance": 0.0}
+        self.drift = DriftTest()  # consistent small lies, along directions secret to this server (drift.py)
         self._verify_model = None
         self._verify_params: dict[int, dict[str, torch.Tensor]] = {}
         self._verify_executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -102,8 +104,9 @@ class Verification:
         batches = self.contributed.setdefault(sender, set())
         batches.add(t)
         batches.difference_update([b for b in batches if b < kept])
-        # on probation until `probation` checks passed (a check skipped for want of its rows does not count)
-        return self.checks_passed.get(sender, 0) < self.probation or \
+        # on probation until `probation` checks passed (a check skipped for want of its rows does not count),
+        # and again while its differences drift one way (drift.py)
+        return self.checks_passed.get(sender, 0) < self.probation or self.drift.suspicious(sender) or \
             self.verify_rng.random() < self.verify_rate / shared_by
 
     def _kept_from(self) -> int:
@@ -119,6 +122,7 @@ class Verification:
                 del self.contributed[peer]
         for peer in [p for p in self.checks_passed if p not in self.clients and p not in self.contributed]:
             del self.checks_passed[peer]
+            self.drift.forget(peer)
 
     def _check_later(self, check, *args) -> None:
         self._spawn(self._guarded(check(self.epoch, *args)))
@@ -208,6 +212,22 @@ class Verification:
         self._caught(sender, f"{what} of batch {t} is {d:.3g} (relative L2) from this server's re-run", t)
         return False
 
+    async def _drifts(self, epoch: int, sender: str, kind: str, got: torch.Tensor, want: torch.Tensor, t: int) -> bool:
+        """True (and the volunteer caught) when its differences of `kind` from this server's re-runs keep
+        one direction, check after check, past what rounding does (drift.py); a check that outlived its
+        layout epoch judges nothing. The projections run in the checks' thread, beside the step."""
+        hit = await asyncio.get_running_loop().run_in_executor(self._verify_executor, self.drift.add, sender, kind,
+                                                               got, want)
+        if hit is None:
+            return False
+        if self.epoch != epoch:
+            raise PayloadError(f"the check began in layout epoch {epoch}, the run is at {self.epoch}")
+        n = self.drift.sums[(sender, kind)][1]
+        self.verify_counts["drift_caught"] = self.verify_counts.get("drift_caught", 0) + 1
+        self._caught(sender, f"its {kind} differ from this server's re-runs the same way check after check "
+                             f"(Q {hit[0]:.1f} > {hit[1]:.1f} after {n} checks)", t)
+        return True
+
     def _passed(self, sender: str) -> None:
         self.verify_counts["passed"] += 1
         self.checks_passed[sender] = self.checks_passed.get(sender, 0) + 1
@@ -218,7 +238,8 @@ class Verification:
                          self.compress)
         self.verify_counts["checked"] += 1
         self.verify_counts["tasks_rerun"] += 1
-        if self._judge(epoch, sender, f"the outputs of rows {a}-{b} of micro-batch {m}", distance(out, want), t):
+        if self._judge(epoch, sender, f"the outputs of rows {a}-{b} of micro-batch {m}", distance(out, want), t) \
+                and not await self._drifts(epoch, sender, "outputs", out, want, t):
             self._passed(sender)
 
     async def _check_push(self, epoch: int, sender: str, t: int, ids: list[str], slot: int, grads: list[torch.Tensor],
@@ -244,6 +265,8 @@ class Verification:
         want = torch.cat([roundtrip(total[n], self.compress).flatten() for n in names])
         if not self._judge(epoch, sender, f"its gradient of shard slot {slot} over {len(ids)} tasks", distance(got, want), t):
             return
+        if await self._drifts(epoch, sender, f"gradients of shard slot {slot}", got, want, t):
+            return
         if self.last and loss is not None and \
                 not self._judge(epoch, sender, "its loss sum", abs(loss - loss_sum) / max(abs(loss_sum), 1e-6), t):
             return
@@ -253,8 +276,10 @@ class Verification:
                 buf = self.grad_buffers.get((t, m))
                 if lo <= a and b <= hi and buf is not None and buf.has(a, b) and \
                         self.gin_senders.get((t, m, a, b)) == sender:
+                    mine, theirs = roundtrip(gin, self.compress), buf.slice(a, b)[0]
                     if not self._judge(epoch, sender, f"its input gradient of rows {a}-{b} of micro-batch {m}",
-                                       distance(buf.slice(a, b)[0], roundtrip(gin, self.compress)), t):
+                                       distance(theirs, mine), t) or \
+                            await self._drifts(epoch, sender, "input gradients", theirs, mine, t):
                         return
         self._passed(sender)
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("scale", "signflip", "noise", "zeros")
+KINDS = ("scale", "signflip", "noise", "zeros", "bias")
 SCALE = 1e4  # "multiplies its gradients by 1e4"
+BIAS = 3e-4  # "biases one coordinate by 3e-4 of its result's norm": under the checks' 1e-3 tolerance
 NOISE = 0.1  # Gaussian noise of 0.1 x the tensor's RMS: a relative L2 error of about 0.1
 
 
@@ -38,6 +39,10 @@ class Cheat:
             return -t
         if self.kind == "zeros":
             return torch.zeros_like(t)
+        if self.kind == "bias":
+            out = t.clone()
+            out.view(-1)[0] += BIAS * float(torch.linalg.vector_norm(t.float()))
+            return out
         gen = torch.Generator().manual_seed(self.seed)
         self.seed += 1
         rms = t.float().pow(2).mean().sqrt()
@@ -46,4 +51,4 @@ class Cheat:
     def loss(self, x: float | None) -> float | None:
         if x is None:
             return None
-        return {"scale": x * SCALE, "signflip": -x, "zeros": 0.0}.get(self.kind, x * (1 + NOISE))
+        return {"scale": x * SCALE, "signflip": -x, "zeros": 0.0, "bias": x}.get(self.kind, x * (1 + NOISE))

@@ -244,3 +244,24 @@ def test_hoarders_hold_little_briefly_are_dropped_and_the_run_ends_exact():
     struck = sum(s.counters.get("clients_struck_out", 0) for s in swarm.servers.values())
     assert struck >= len(hoarders), struck
     assert any("may register again" in r for r in refused), refused[:3]
+
+
+def test_a_volunteer_biased_under_the_tolerance_is_banned_and_its_work_rolled_back():
+    """A volunteer that biases one coordinate of every result by 3e-4 of its norm passes every L2 check
+    (tolerance 1e-3); its differences point the same way each time, and the drift test bans it within
+    a few checks. The run rolls back its work and ends equal to the reference."""
+    from peer.volunteer.cheat import Cheat
+
+    steps = 8
+    cfg, layout, run = make_run(steps=steps, stages=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    liar = next(w for w in swarm.workers if w.device_id == "u01")
+    liar.cheat = Cheat("bias")
+    state = asyncio.run(swarm.train(timeout=240))
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    bans = {p: why for s in swarm.servers.values() for p, why in s.banned.items()}
+    assert list(bans) == ["peer-u01"] and "the same way check after check" in bans["peer-u01"], bans
+    checks = sum(n for s in swarm.servers.values() for (p, _), (_, n) in s.drift.sums.items() if p == "peer-u01")
+    caught = sum(s.verify_counts.get("drift_caught", 0) for s in swarm.servers.values())
+    assert caught >= 1 and all(n <= 20 for s in swarm.servers.values()
+                               for (p, _), (_, n) in s.drift.sums.items() if p == "peer-u01"), checks

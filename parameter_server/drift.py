@@ -1,0 +1,116 @@
+"""Consistent small lies add up: a sequential test on the direction of a volunteer's differences.
+
+A check compares a volunteer's result with a re-run by relative L2 distance against a tolerance
+(verify.py) set wide enough for honest devices that sum in another order (another thread count, a GPU).
+A liar that stays under it on every task, biasing its results the same way each time, passes every
+such check and still moves the model (a bias of 3e-4 of the result's norm on one coordinate moved a
+60-step run 3.3e-3 from the reference). What gives it away is the direction: honest differences come
+from rounding and change sign from one input to the next, a bias points the same way every time.
+
+So each server keeps, per volunteer and kind of result, a running sum along K fixed random directions
+r_1..r_K (random signs, drawn from a secret of this server's own, so a volunteer cannot steer around
+them) of each check's difference d = got - want, normalised by its own size:
+
+    v_k = <d, r_k> / max(|d|, FLOOR |want|)          S_k = sum of v_k over the N checks so far
+
+For honest differences (zero-mean along any fixed direction, independent from check to check) each
+v_k has mean 0 and variance at most 1, so Q_N = sum_k S_k^2 / N is about chi-squared with K degrees of
+freedom. A liar whose difference is a fixed vector has |v_k| near 1 with the same sign every time, and
+Q_N near K N. The volunteer is banned when Q_N passes the chi-squared quantile at alpha_N =
+6 ALPHA / (pi^2 N^2): summed over every N, the chance an honest volunteer is ever banned by this test
+at one server, for one kind of result, is at most ALPHA (a union bound). Differences below FLOOR of
+the result's norm count for less than one (an honest re-run on the same device is within 1e-6), so a
+bias below about FLOOR is not caught; one at 3e-4 is caught in a handful of checks (about 10/K x 4).
+
+Pure arithmetic on tensors: no network, no state of the server's but its sums.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+
+import torch
+
+DIRECTIONS = 8
+FLOOR = 1e-5  # relative size under which a difference counts in proportion to FLOOR, not to itself
+ALPHA = 1e-6  # the most an honest volunteer's chance of a ban by this test, per server and kind of result
+CHUNK = 1 << 20  # elements of a direction drawn at once
+
+
+def chi2_survival(x: float, k: int) -> float:
+    """P(X > x) for X chi-squared with an even number k of degrees of freedom (closed form)."""
+    half = x / 2.0
+    term, total = 1.0, 1.0
+    for i in range(1, k // 2):
+        term *= half / i
+        total += term
+    return math.exp(-half) * total
+
+
+def chi2_quantile(p: float, k: int) -> float:
+    """The x with P(X > x) = p, for X chi-squared with even k (bisection)."""
+    lo, hi = 0.0, 10.0 * k + 200.0
+    while chi2_survival(hi, k) > p:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chi2_survival(mid, k) > p else (lo, mid)
+    return hi
+
+
+def bound(n: int, k: int = DIRECTIONS, alpha: float = ALPHA) -> float:
+    """Q_N's threshold after n checks."""
+    return chi2_quantile(6.0 * alpha / (math.pi ** 2 * n * n), k)
+
+
+class DriftTest:
+    """The running sums of one server: `add` one check, and it says whether the volunteer's
+    differences point the same way too often to be rounding."""
+
+    def __init__(self, secret: bytes | None = None, directions: int = DIRECTIONS, floor: float = FLOOR,
+                 alpha: float = ALPHA):
+        if directions < 2 or directions % 2:
+            raise ValueError("the drift test takes an even number of directions, at least 2")
+        self.secret = os.urandom(16) if secret is None else secret
+        self.k, self.floor, self.alpha = directions, floor, alpha
+        self.sums: dict[tuple[str, str], tuple[torch.Tensor, int]] = {}  # (peer, kind) -> (S_k, N)
+
+    def _seed(self, k: int, n: int) -> int:
+        digest = hashlib.sha256(self.secret + f":{k}:{n}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
+
+    def project(self, d: torch.Tensor) -> torch.Tensor:
+        """<d, r_k> for k = 1..K, the directions drawn in chunks (no K x n matrix is held)."""
+        d = d.detach().flatten().double().cpu()
+        n = d.numel()
+        out = torch.zeros(self.k, dtype=torch.float64)
+        for k in range(self.k):
+            gen = torch.Generator().manual_seed(self._seed(k, n))
+            for lo in range(0, n, CHUNK):
+                part = d[lo: lo + CHUNK]
+                signs = torch.randint(0, 2, (part.numel(),), generator=gen, dtype=torch.int8).double() * 2 - 1
+                out[k] += torch.dot(part, signs)
+        return out
+
+    def add(self, peer: str, kind: str, got: torch.Tensor, want: torch.Tensor) -> tuple[float, float] | None:
+        """Add one check of `peer`'s result of `kind`; (Q_N, its bound) when Q_N passes the bound
+        (ban), else None."""
+        d = got.detach().flatten().double().cpu() - want.detach().flatten().double().cpu()
+        scale = max(float(torch.linalg.vector_norm(d)),
+                    self.floor * float(torch.linalg.vector_norm(want.detach().flatten().double().cpu())), 1e-30)
+        v = self.project(d) / scale
+        s, n = self.sums.get((peer, kind), (torch.zeros(self.k, dtype=torch.float64), 0))
+        s, n = s + v, n + 1
+        self.sums[(peer, kind)] = (s, n)
+        q, b = float((s * s).sum()) / n, bound(n, self.k, self.alpha)
+        return (q, b) if q > b else None
+
+    def suspicious(self, peer: str) -> bool:
+        """Whether some sum of `peer`'s has drifted past twice its honest mean (Q_N > 2K): its work is
+        then checked every time, so that a bias is caught while a rollback can still undo it."""
+        return any(float((s * s).sum()) / n > 2 * self.k for (p, _), (s, n) in self.sums.items() if p == peer)
+
+    def forget(self, peer: str) -> None:
+        for key in [key for key in self.sums if key[0] == peer]:
+            del self.sums[key]

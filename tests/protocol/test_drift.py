@@ -1,0 +1,66 @@
+"""The drift test (parameter_server/drift.py): honest rounding differences, whatever their size, never
+add up to a ban; a liar that biases its results the same way under the L2 tolerance is banned within
+a few checks."""
+from __future__ import annotations
+
+import torch
+
+from parameter_server.drift import ALPHA, DIRECTIONS, DriftTest, bound, chi2_quantile, chi2_survival
+
+
+def _result(gen, n=4096):
+    return torch.randn(n, generator=gen)
+
+
+def test_the_chi_squared_tail_and_the_bound():
+    assert abs(chi2_survival(2 * 2.995732, 2) - 0.05) < 1e-6  # k=2: exp(-x/2)
+    assert abs(chi2_quantile(0.05, 2) - 5.991465) < 1e-4
+    assert abs(chi2_survival(15.507313, 8) - 0.05) < 1e-5
+    assert bound(1) < bound(10) < bound(100)  # the union bound widens it as checks add up
+
+
+def test_honest_differences_of_any_size_never_ban():
+    """200 volunteers x 60 checks each, relative differences from 0 to 1e-4 (one re-run is bit-exact,
+    another device rounds otherwise): no ban (the test allows ALPHA = 1e-6 per volunteer)."""
+    gen = torch.Generator().manual_seed(0)
+    test = DriftTest(secret=b"honest")
+    worst = 0.0
+    for v in range(200):
+        size = [0.0, 1e-7, 1e-5, 1e-4][v % 4]
+        for _ in range(60):
+            want = _result(gen)
+            got = want + size * float(want.norm()) / 64 * torch.randn(want.shape, generator=gen)
+            assert test.add(f"v{v}", "outputs", got, want) is None
+        s, n = test.sums[(f"v{v}", "outputs")]
+        worst = max(worst, float((s * s).sum()) / n / bound(n))
+    assert ALPHA <= 1e-6 and worst < 1.0
+
+
+def test_a_consistent_small_bias_is_banned_within_twenty_checks():
+    """The issue's liar: one coordinate biased by 3e-4 of the result's norm on every task (under the
+    1e-3 tolerance of each check), with honest rounding on top."""
+    from peer.volunteer.cheat import Cheat
+
+    gen = torch.Generator().manual_seed(1)
+    liar = Cheat("bias")
+    test = DriftTest(secret=b"server")
+    caught_at = None
+    for i in range(1, 21):
+        want = _result(gen)
+        got = liar.tensor(want + 1e-7 * torch.randn(want.shape, generator=gen))
+        assert float((got - want).norm() / want.norm()) < 1e-3  # every L2 check passes
+        if test.add("liar", "outputs", got, want) is not None:
+            caught_at = i
+            break
+    assert caught_at is not None and caught_at <= 20, caught_at
+    assert test.suspicious("liar")
+    test.forget("liar")
+    assert not test.sums
+
+
+def test_the_directions_are_the_servers_own():
+    a, b = DriftTest(secret=b"a"), DriftTest(secret=b"b")
+    d = torch.randn(1000)
+    assert not torch.allclose(a.project(d), b.project(d))
+    assert torch.allclose(a.project(d), DriftTest(secret=b"a").project(d))
+    assert DriftTest().secret != DriftTest().secret and DIRECTIONS % 2 == 0
