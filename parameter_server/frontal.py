@@ -42,11 +42,12 @@ class Frontal:
         from peer.model.data import make_batch
 
         cache = self.__dict__.setdefault("_batch_cache", {})
-        if t not in cache:
-            cache[t] = make_batch(self.corpus, self.run.seed, t, self.run.batch_size, self.seq)
-            for old in sorted(cache)[:-BATCHES_CACHED]:
-                del cache[old]
-        return cache[t]
+        batch = cache.get(t)
+        if batch is None:
+            batch = cache[t] = make_batch(self.corpus, self.run.seed, t, self.run.batch_size, self.seq)
+            while len(cache) > BATCHES_CACHED:  # the oldest other than t (a rollback asks for an older one)
+                del cache[min(k for k in cache if k != t)]
+        return batch
 
     def _run_labels(self, t: int, m: int, a: int, b: int) -> torch.Tensor:
         """The labels of rows [a, b) of micro-batch m of batch t, from the run's data: what a loss is
@@ -67,7 +68,10 @@ class Frontal:
     def split_weights(self) -> list[tuple[str, float]]:
         """Each registered client's share of new forward tasks (paper 3.2.1, "Dynamic Client
         Participation"): its measured throughput once it has completed tasks here, else the compute
-        power it registered, both relative to the clients' total so the two scales mix."""
+        power it registered, both relative to the clients' total so the two scales mix. Clients that
+        have not delivered a task on time here (taskpool/standing.py) share one seat: together they
+        weigh at most what the median client that has does, so that identities made by the dozen,
+        registering any compute they like, draw no more batches than one newcomer would."""
         clients = sorted(self.clients.items())
         measured = self.pool.stats().get("clients", {})
         thr = {p: measured.get(p, {}).get("throughput", 0.0) for p, _ in clients}
@@ -76,7 +80,13 @@ class Frontal:
             return [(p, c.compute) for p, c in clients]
         # clients without a measurement yet get the median measured share of their registered compute
         scale = sorted(thr[p] / self.clients[p].compute for p in have)[len(have) // 2]
-        return [(p, thr[p] if thr[p] > 0 else c.compute * scale) for p, c in clients]
+        weights = [(p, thr[p] if thr[p] > 0 else c.compute * scale) for p, c in clients]
+        proven = sorted(w for p, w in weights if self.pool.proven(p))
+        unproven = sum(w for p, w in weights if not self.pool.proven(p))
+        seat = proven[len(proven) // 2] if proven else 0.0
+        if not proven or unproven <= seat:
+            return weights
+        return [(p, w if self.pool.proven(p) else w * seat / unproven) for p, w in weights]
 
     def _make_forward_tasks(self, t: int, m: int) -> None:
         """One micro-batch's rows of this stage cut into forward tasks, each preferred for the client

@@ -149,3 +149,19 @@ def test_labels_come_from_the_runs_data_never_through_a_volunteer():
     for m in range(run.micro_batches):  # what the last stage computed its losses against (batch 1 is kept)
         held = fs1.buffers[(1, m)]
         assert torch.equal(held.labels, labels[m * rows + held.lo : m * rows + held.hi])
+
+
+def test_the_run_data_a_frontal_server_keeps_survives_a_rollback_to_an_older_batch():
+    """A rollback asks for a batch older than every one kept: it is read again (the cache once dropped
+    the very batch it had just read, and the server died on it)."""
+    from peer.model.data import make_batch
+
+    cfg, layout, run = make_run(stages=2, steps=12)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    fs1 = swarm.servers[layout.stages[1].frontal[0]]
+    rows = run.batch_size // run.micro_batches
+    for t in range(10):
+        fs1._run_labels(t, 0, 0, 1)
+    for t in (5, 0, 9):
+        _, labels = make_batch(swarm.corpus, run.seed, t, run.batch_size, cfg.seq_len)
+        assert torch.equal(fs1._run_labels(t, 1, 0, 2), labels[rows : rows + 2])
