@@ -207,6 +207,11 @@ class TaskPool:
             heappop(heap)
         else:
             entry = None
+        if entry is not None and ((entry.shun == client and now < entry.shun_until) or
+                                  (now < entry.open_at + self._grace and self._standing.waits(client))):
+            # a task whose lease this client let run out goes to others first; a newly open task goes to
+            # the clients that have delivered first (taskpool/standing.py); its own preferred tasks it may take
+            entry = None
         if self._pref:
             pref = self._pref.get(client)
             while pref:
@@ -218,8 +223,8 @@ class TaskPool:
                     break
                 heappop(pref)
                 self._pref_items -= 1
-        if entry is None or (entry.shun == client and now < entry.shun_until):
-            return None  # (a task whose lease this client let run out goes to others first)
+        if entry is None:
+            return None
         heappop(heap)
         return self._lease(entry, client, rec, now)
 
@@ -453,6 +458,11 @@ class TaskPool:
     def allowance(self, client: str) -> int:
         """How many leases `client` may hold at once now."""
         return self._standing.allowance(client)
+
+    def proven(self, client: str) -> bool:
+        """Whether `client` has delivered a task on time here since its last lease ran out (or is
+        trusted): :mod:`taskpool.standing`."""
+        return self._standing.proven(client)
 
     def trust(self, client: str) -> None:
         """`client` need not earn its leases (:mod:`taskpool.standing`): it may hold

@@ -81,6 +81,15 @@ class Standing:
         self._allow[client] = self.most
         self._proven.add(client)
 
+    def waits(self, client: str) -> bool:
+        """Whether `client` must let a newly open task wait for the clients that have delivered (it has
+        not, and some have): taking work nobody proven wanted is how a newcomer proves itself."""
+        return self.earning and client not in self._proven and bool(self._proven)
+
+    def proven(self, client: str) -> bool:
+        """Whether the client has completed a task on time here since its last lease ran out."""
+        return client in self._proven
+
     def forget(self, client: str) -> None:
         self._allow.pop(client, None)
         self._strikes.pop(client, None)

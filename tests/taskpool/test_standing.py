@@ -85,11 +85,12 @@ def test_an_unproven_clients_leases_are_cut_short_once_the_typical_lease_is_know
     lease = pool.take("honest")
     clock.now = 0.5
     pool.complete(lease.task.task_id, "honest")  # typical lease 0.5 s
-    assert pool.take("honest").deadline == pytest.approx(10.5)  # proven: full timeout
-    assert pool.take("stranger").deadline == pytest.approx(0.5 + 2.0)  # 4 x 0.5 s, floored at 2 s
-    assert pool.take("new").deadline == pytest.approx(0.5 + 2.0)
+    clock.now = 1.5  # (past the grace in which open tasks wait for proven clients)
+    assert pool.take("honest").deadline == pytest.approx(11.5)  # proven: full timeout
+    assert pool.take("stranger").deadline == pytest.approx(1.5 + 2.0)  # 4 x 0.5 s, floored at 2 s
+    assert pool.take("new").deadline == pytest.approx(1.5 + 2.0)
     pool.trust("server-worker")
-    assert pool.take("server-worker").deadline == pytest.approx(10.5)
+    assert pool.take("server-worker").deadline == pytest.approx(11.5)
     assert pool.allowance("server-worker") == 8
 
 
@@ -116,3 +117,17 @@ def test_the_plain_pool_is_unchanged_and_bad_settings_are_named():
         TaskPool(clock=clock, start_leases=0)
     with pytest.raises(TaskPoolError, match="probation_factor"):
         TaskPool(clock=clock, probation_factor=-1.0)
+
+
+def test_a_new_open_task_waits_for_the_clients_that_have_delivered_then_anyone_takes_it():
+    clock = FakeClock()
+    pool = earning_pool(clock)
+    pool.add(task("t0"))
+    assert pool.take("first").task.task_id == "t0"  # nobody has delivered yet: no wait
+    pool.complete("t0", "first")
+    pool.add(task("t1"))
+    pool.add(task("t2", mb=1, preferred_client="newcomer"))
+    assert pool.take("newcomer").task.task_id == "t2"  # its own preferred task: at once
+    assert pool.take("stranger") is None  # t1 is new: the proven first
+    clock.now = 1.0  # the grace is over
+    assert pool.take("stranger").task.task_id == "t1"
