@@ -165,23 +165,29 @@ class CpuSampler:
         return out
 
 
-def run_peer(argv: list[str], log_path: Path, timeout: float, sample_cpu: bool = False) -> CpuSampler | None:
+def run_peer(argv: list[str], log_path: Path, timeout: float, sample_cpu: bool = False,
+             alongside=None) -> CpuSampler | None:
     """`python -m peer.cli ARGV` in the repository, output to `log_path`; RuntimeError with the log's
     tail if it fails or runs past `timeout` seconds (it is stopped either way). With `sample_cpu`, the
-    CpuSampler of its process tree."""
+    CpuSampler of its process tree. `alongside(log_path)`, called once the command started, may start
+    a process of its own (an attacker) and return it: it is stopped when the command ends."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    sampler = None
+    sampler = side = None
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "peer.cli", *argv], cwd=REPO, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         if sample_cpu:
             sampler = CpuSampler(proc.pid)
         try:
+            if alongside is not None:
+                side = alongside(log_path)
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = None
         finally:
             _stop(proc)
+            if side is not None:
+                _stop(side)
             if sampler is not None:
                 sampler.stop()
     if rc != 0:
@@ -201,7 +207,8 @@ def run_reference(model: str, steps: int, work: Path, timeout: float = 900) -> d
     return summary
 
 
-def run_swarm(name: str, args: list[str], work: Path, timeout: float = 900, sample_cpu: bool = False) -> dict:
+def run_swarm(name: str, args: list[str], work: Path, timeout: float = 900, sample_cpu: bool = False,
+              alongside=None) -> dict:
     """One `peer swarm` with ARGS; its summary dict plus `load` (at its start) and `run_seconds` (the
     whole command: startup, training, assembling the model, teardown); with `sample_cpu`, `cpu`: the
     processor seconds of each kind of process during the training (CpuSampler; from the summary's
@@ -213,7 +220,8 @@ def run_swarm(name: str, args: list[str], work: Path, timeout: float = 900, samp
     t0 = time.perf_counter()
     try:
         sampler = run_peer(["swarm", *args, "--summary-json", str(summary_path), "--work-dir", str(run_dir),
-                            "--no-progress"], work / f"{name}.log", timeout, sample_cpu=sample_cpu)
+                            "--no-progress"], work / f"{name}.log", timeout, sample_cpu=sample_cpu,
+                           alongside=alongside)
     finally:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     summary = json.loads(summary_path.read_text())

@@ -4,7 +4,7 @@ checking costs an honest run, and how long a liar that passed its probation surv
 --verify-rate values.
 
     python scripts/bench_trust.py [--quick] [--out DIR] [--steps 20] [--rates 0,0.05,0.1,0.25,1]
-                                  [--after 8] [--work DIR]
+                                  [--after 8] [--work DIR] [--attacks] [--hoarders 20]
 
 Parts:
 1. tolerance: one task's parameter gradient and input gradient (model presets tiny and small, stage 1
@@ -19,7 +19,12 @@ Parts:
    its probation of 1 passed check per server): lies handed in and batches from its first lie until
    its ban, and the run's distance from `peer reference --delay 1` (the rollback undoing its work).
 
-Writes DIR/bench_trust.md and DIR/trust.png (DIR defaults to docs/).
+4. attacks (also alone, with --attacks): 20 hoarding identities (scripts/_hoarder.py) against the same
+   swarm's stage 0, the run's pace against an observer's calm figure; a liar biased under the
+   tolerance (`--cheater bias`); one stream message claiming 1 GiB sent to a server
+   (scripts/_big_message.py), the server's resident memory sampled.
+
+Writes DIR/bench_trust.md, DIR/trust.png and DIR/bench_trust_attacks.md (DIR defaults to docs/).
 """
 from __future__ import annotations
 
@@ -138,6 +143,148 @@ def plot(cost: list[dict], detect: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+ATTACK_SWARM = ["--model", "tiny", "--servers-compute", "no", "--volunteers", "4", "--announce-period", "0.5"]
+
+
+def _lines_of(log: Path, timeout: float = 180.0) -> tuple[str, str]:
+    """(initial_peers, run id) as `peer swarm` prints them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text() if log.exists() else ""
+        peers = re.search(r"^initial_peers=(\S+)", text, re.M)
+        run = re.search(r"^run=(\S+)", text, re.M)
+        if peers and run:
+            return peers.group(1), run.group(1)
+        time.sleep(0.5)
+    raise RuntimeError(f"no initial_peers= and run= lines in {log}")
+
+
+def _attacker(script: str, out: Path, *args: str):
+    """alongside() for run_swarm: start scripts/SCRIPT against the swarm once it printed its lines."""
+    import subprocess
+    import sys
+
+    def start(log: Path):
+        peers, run = _lines_of(log)
+        return subprocess.Popen([sys.executable, str(REPO / "scripts" / script), "--initial-peers", peers,
+                                 "--run-id", run, *args], cwd=REPO, stdout=open(out, "wb"),
+                                stderr=subprocess.DEVNULL)
+    return start
+
+
+def _pace(result: Path, steps: int) -> float:
+    """Versions a second while the hoarder (or the observer) ran, from the servers' announcements."""
+    seen = [(t, v) for t, v in json.loads(result.read_text().strip().splitlines()[-1])["versions"] if v is not None]
+    done = next(((t, v) for t, v in seen if v >= steps), seen[-1])
+    (t0, v0) = seen[0]
+    return (done[1] - v0) / max(done[0] - t0, 1e-9)
+
+
+def hoarding(a, work: Path, report: Report) -> dict:
+    rows, out = [], {}
+    for name, identities in (("observer", 0), ("hoarders", a.hoarders)):
+        paces = []
+        for i in range(a.repeat):
+            print(f"[{time.strftime('%H:%M:%S')}] hoarding: {name} #{i + 1} (load {loadavg()})", flush=True)
+            res = work / f"hoard-{name}-{i}-attacker.json"
+            s = run_swarm(f"hoard-{name}-{i}", ATTACK_SWARM + ["--steps", str(a.hoard_steps), "--run-id", f"bh-{name}-{i}"],
+                          work, timeout=a.run_timeout,
+                          alongside=_attacker("_hoarder.py", res, "--identities", str(identities), "--period",
+                                              str(a.hoard_period)))
+            got = json.loads(res.read_text().strip().splitlines()[-1])
+            paces.append(_pace(res, a.hoard_steps))
+            rows.append([name, identities, round(paces[-1], 2), got["taken"], sum(
+                n for why, n in got["refused"].items() if "dropped after" in why), sum(
+                n for why, n in got["refused"].items() if "too many new" in why), exactly_once(s), s["load"]])
+        out[name] = sorted(paces)[len(paces) // 2]
+    report.section("Hoarding: identities that take tasks and never answer", f"tiny, {a.hoard_steps} steps, "
+                   f"2 stages x 1+1 servers that do not compute, 4 honest volunteers; the attacker "
+                   f"(scripts/_hoarder.py) runs {a.hoarders} identities in one process against stage 0's servers "
+                   f"from version 2 on, each registering and taking every {a.hoard_period} s and never answering "
+                   "(heartbeating that it holds what it took). Pace: versions a second while the attacker ran, "
+                   "from the servers' announced versions; the observer is the same process with no identity (the "
+                   "calm figure). The attacker's process (20 p2p daemons, its calls) shares the machine's 2 "
+                   "cores with the swarm.")
+    report.add(md_table(["attacker", "identities", "versions/s", "tasks it took", "refused: dropped",
+                         "refused: admission", "micro-batches", "load"], rows))
+    ratio = out["hoarders"] / out["observer"]
+    report.add(f"\nMedian pace under attack / calm: **{ratio:.2f}** (goal >= 0.70).")
+    return {"calm": out["observer"], "hoarded": out["hoarders"], "ratio": ratio}
+
+
+def bounded_read(a, work: Path, report: Report) -> dict:
+    """One `peer swarm`; an outsider sends s0f0 a single message claiming 1 GiB; s0f0's RSS is sampled."""
+    import threading
+
+    import psutil
+
+    samples: list[float] = []
+    stop = threading.Event()
+
+    def sample(log: Path):
+        res = work / "bigmsg-attacker.json"
+        _lines_of(log)
+        time.sleep(3.0)
+        server = next(p for p in psutil.process_iter(["cmdline"])
+                      if "serve" in (p.info["cmdline"] or []) and "s0f0" in " ".join(p.info["cmdline"] or []))
+
+        def loop():
+            while not stop.is_set():
+                try:
+                    samples.append(server.memory_info().rss / 2**20)
+                except psutil.Error:
+                    return
+                time.sleep(0.1)
+
+        threading.Thread(target=loop, daemon=True).start()
+        return _attacker("_big_message.py", res, "--device", "s0f0")(log)
+
+    print(f"[{time.strftime('%H:%M:%S')}] bounded read (load {loadavg()})", flush=True)
+    s = run_swarm("bigmsg", ATTACK_SWARM + ["--steps", str(a.hoard_steps // 2), "--run-id", "bt-bigmsg"], work,
+                  timeout=a.run_timeout, alongside=sample)
+    stop.set()
+    got = json.loads((work / "bigmsg-attacker.json").read_text().strip().splitlines()[-1])
+    rise = max(samples) - samples[0] if samples else float("nan")
+    report.section("A single oversized message", "The same swarm; an outsider (scripts/_big_message.py) opens a "
+                   "stream to s0f0's push_grads and sends one message whose length header says 1 GiB, then its "
+                   "body in 1 MiB pieces. s0f0's resident memory sampled every 0.1 s from 3 s after start.")
+    report.add(md_table(["claimed", "body written before the cut", "stream cut", "s0f0 RSS at start (MiB)",
+                         "peak (MiB)", "rise (MiB)", "micro-batches"],
+                        [[f"{got['claimed'] >> 20} MiB", f"{got['written'] >> 20} MiB", got["cut"],
+                          samples[0] if samples else "-", max(samples) if samples else "-", rise, exactly_once(s)]]))
+    return {"rise_mib": rise, **got}
+
+
+def biased(a, work: Path, report: Report, refs: dict) -> dict:
+    print(f"[{time.strftime('%H:%M:%S')}] biased liar (load {loadavg()})", flush=True)
+    ckpt = work / "bias-ckpt"
+    s = run_swarm("bias", SWARM + ["--steps", str(a.steps), "--run-id", "bt-bias", "--cheater", "bias",
+                                   "--checkpoint-out", str(ckpt)], work, timeout=a.run_timeout)
+    text = "\n".join(p.read_text() for p in (work / "bias").glob("cheat*.log"))
+    line = re.search(r"^banned from run .*$", text, re.M)
+    checks = re.search(r"after (\d+) checks\)", line.group(0)) if line else None
+    d = {"banned": bool(line), "checks": int(checks.group(1)) if checks else None,
+         "distance": reference_distance(ckpt / "model.safetensors", a.steps, refs), "applied": exactly_once(s)}
+    report.section("A liar under the tolerance", f"The checked-work swarm ({a.steps} steps) plus `--cheater bias`: "
+                   "one coordinate of every result biased by 3e-4 of its norm (relative L2 3e-4, under the 1e-3 "
+                   "tolerance of each check). Banned by the drift test (parameter_server/drift.py) after the "
+                   "checks named in its ban; the final parameters' distance from `peer reference --delay 1`.")
+    report.add(md_table(["banned", "checks at the server that banned it", "distance from reference", "micro-batches"],
+                        [[d["banned"], d["checks"], d["distance"], d["applied"]]]))
+    return d
+
+
+def attacks(a, work: Path, out: Path, refs: dict) -> None:
+    report = Report("Attacks on an open run: hoarding, a liar under the tolerance, an oversized message "
+                    "(scripts/bench_trust.py --attacks)",
+                    f"Measured on this machine (2 cores, no GPU); load at start {loadavg()}. The rules measured are "
+                    "in docs/trust.md; each attack's tests are named there.")
+    results = {"hoarding": hoarding(a, work, report), "bias": biased(a, work, report, refs),
+               "bounded_read": bounded_read(a, work, report)}
+    (work / "attacks.json").write_text(json.dumps(results, indent=1))
+    report.write(out / "bench_trust_attacks.md")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(REPO / "docs"))
@@ -148,12 +295,19 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=2, help="runs of each honest configuration (the fastest is shown)")
     p.add_argument("--quick", action="store_true", help="8 steps, rates 0.25 and 1")
     p.add_argument("--run-timeout", type=float, default=900)
+    p.add_argument("--attacks", action="store_true", help="only the attacks (docs/bench_trust_attacks.md)")
+    p.add_argument("--hoarders", type=int, default=20)
+    p.add_argument("--hoard-steps", type=int, default=300)
+    p.add_argument("--hoard-period", type=float, default=0.5)
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.rates, a.repeat = 8, "0.25,1", 1
     rates = [float(r) for r in a.rates.split(",")]
     work, out = Path(a.work), Path(a.out)
     work.mkdir(parents=True, exist_ok=True)
+    if a.attacks:
+        attacks(a, work, out, {})
+        return 0
     report = Report("Checked work: tolerance, cost and detection (scripts/bench_trust.py)",
                     f"Measured {time.strftime('%Y-%m-%d')} on this machine (2 cores); load at start {loadavg()}.")
 
@@ -210,6 +364,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plot(cost, detect, out / "trust.png")
     report.write(out / "bench_trust.md")
+    attacks(a, work, out, refs)
     return 0
 
 
