@@ -358,7 +358,9 @@ class Verification:
                       "lost": list((self.epoch_record or {}).get("lost", []))}
             first = min(firsts) if firsts else None
             if first is not None and first < max(versions):
-                target = max(first, kept_from)
+                # batch t re-runs on version t - 1 (the delayed update): the oldest version kept can be
+                # the one a re-run starts from, not the one it rolls back to
+                target = max(first, kept_from + 1)
                 if target > first:
                     logger.error("%s: %s's work of batches %d..%d stays applied: versions before %d are no longer "
                                  "kept", self.device_id, peer[-8:], first, target - 1, target)

@@ -265,3 +265,26 @@ def test_a_volunteer_biased_under_the_tolerance_is_banned_and_its_work_rolled_ba
     caught = sum(s.verify_counts.get("drift_caught", 0) for s in swarm.servers.values())
     assert caught >= 1 and all(n <= 20 for s in swarm.servers.values()
                                for (p, _), (_, n) in s.drift.sums.items() if p == "peer-u01"), checks
+
+
+def test_a_ban_whose_liar_worked_before_the_kept_versions_rolls_back_as_far_as_a_rerun_can_start():
+    """The ban of a volunteer whose first work is older than every version kept rolls back to the oldest
+    version a re-run can start from: batch t re-runs on version t - 1, so the oldest version kept is the
+    re-run's start, not the rollback's target (rolled back onto it, the run waited for ever for the
+    version before it). The banned volunteer here was honest, so the run still ends equal to the reference."""
+    steps = 14
+    cfg, layout, run = make_run(steps=steps, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    records = []
+
+    async def ban():
+        coordinator = swarm.servers[layout.stages[0].frontal[0]]
+        for server in swarm.servers.values():
+            server.contributed.setdefault("peer-u01", set()).add(0)  # (as if its first work were batch 0)
+        records.append(await coordinator.ban_and_roll_back("peer-u01", "a test's ban"))
+
+    state = asyncio.run(swarm.train(timeout=240, at_version={9: ban}))
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    (record,) = records
+    shard = next(iter(swarm.servers.values())).shard
+    assert record["rollback_to"] > 0 and record["rollback_to"] >= 9 - shard.keep_versions + 2, record
