@@ -53,10 +53,10 @@ logger = logging.getLogger("hivepipe.server")
 STALL_REPORT_FACTOR, STALL_REPORT_MIN = 2.0, 3.0  # report_stall: a step this much longer than the median
 # what a client new to this server may hold (taskpool/standing.py): two leases to begin with (one to
 # compute, one to hold while its sum waits), and until it has delivered a task on time, leases that
-# last 4x the typical lease here (its own speed factor applied), never under 1 s: a stranger that takes
+# last 2x the typical lease here (its own speed factor applied), never under 0.25 s: a stranger that takes
 # tasks and never answers holds little, briefly
 START_LEASES = 2
-PROBATION_FACTOR, PROBATION_FLOOR = 4.0, 1.0
+PROBATION_FACTOR, PROBATION_FLOOR = 2.0, 0.25
 
 __all__ = ["RETAIN", "StageServer"]
 

@@ -61,7 +61,7 @@ async def hoard(a) -> dict:
             try:
                 await link.call("register", {"device": f"h{i}", "compute": 1e3, "stage": a.stage,
                                              "holding": held[(i, d)]}, timeout=10.0)
-                meta, _ = await link.call("take", {}, timeout=10.0)
+                meta, _ = await link.call("take", {}, timeout=10.0) if a.take else ({}, [])
                 if meta.get("task"):
                     held[(i, d)].append(meta["task"])
                     got["taken"] += 1
@@ -100,6 +100,8 @@ def main(argv=None) -> int:
     p.add_argument("--after-version", type=int, default=2, help="start once the servers announce this version")
     p.add_argument("--period", type=float, default=0.2, help="seconds between rounds of takes")
     p.add_argument("--seconds", type=float, default=3600.0)
+    p.add_argument("--no-take", dest="take", action="store_false",
+                   help="register and heartbeat only: the attack's load on the machine without its hoarding")
     a = p.parse_args(argv)
     print(json.dumps(asyncio.run(hoard(a))), flush=True)
     return 0
