@@ -74,7 +74,7 @@ class RunLayout:
 
     @classmethod
     def from_dict(cls, data: dict, num_layers: int) -> "RunLayout":
-        """From a plan file's dict (shared/spec/cost-model.md); checks the tiling of the layers."""
+        """From a plan file's dict (docs/cost-model.md); checks the tiling of the layers."""
         if not isinstance(data, dict) or not isinstance(data.get("stages"), list) or not data["stages"]:
             raise ValueError("plan.stages: expected a non-empty list")
         stages = []

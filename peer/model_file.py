@@ -1,4 +1,4 @@
-"""`peer model-file`: write the planner's model file (shared/spec/cost-model.md) for a model preset.
+"""`peer model-file`: write the planner's model file (docs/cost-model.md) for a model preset.
 
 The FLOPs per token per layer are those of this architecture (see
 peer.model.config.flops_per_token_per_layer): 6 x params_per_layer + 12 x seq_len x hidden.

@@ -1,4 +1,4 @@
-"""`peer plan`: lay a cluster out into pipeline stages (shared/spec/cost-model.md), or score a plan.
+"""`peer plan`: lay a cluster out into pipeline stages (docs/cost-model.md), or score a plan.
 
     peer plan CLUSTER.json MODEL.json -o PLAN.json [--algorithm refined|paper|exact|random|ga]
               [--seed N] [--time-limit S]

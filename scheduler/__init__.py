@@ -1,4 +1,4 @@
-"""The planner: cluster/model/plan files, the cost of a plan (shared/spec/cost-model.md), and
+"""The planner: cluster/model/plan files, the cost of a plan (docs/cost-model.md), and
 the algorithms that lay a cluster out into pipeline stages. Imports numpy and the standard library only (its graphs are dense delay/bandwidth matrices; networkx was not needed)."""
 from scheduler.cost import CostBreakdown, plan_cost
 from scheduler.files import Cluster, ModelSpec, Plan, PlanInputError, Stage, load_cluster, load_model, load_plan

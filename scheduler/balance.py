@@ -1,5 +1,5 @@
 """Where a volunteer should compute: the stage whose predicted step time (the cost model of
-shared/spec/cost-model.md, `plan_cost`) improves most when it joins, given the compute every stage
+docs/cost-model.md, `plan_cost`) improves most when it joins, given the compute every stage
 has now. Pure arithmetic on what a volunteer can know: the run's layout, the compute the DHT
 records announce for each server and volunteer, and its own measured compute and links.
 

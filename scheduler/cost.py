@@ -1,4 +1,4 @@
-"""The cost of a plan (shared/spec/cost-model.md, "Cost of a plan"), vectorized with numpy.
+"""The cost of a plan (docs/cost-model.md, "Cost of a plan"), vectorized with numpy.
 
 `plan_cost` is the one scoring function. The planners use the same pieces through `Engine`:
 per-stage terms (`stage_terms`), the link between two stages (`link`), and the exact layer split
@@ -260,7 +260,7 @@ def check_plan(cluster: Cluster, model: ModelSpec, plan: Plan):
 
 
 def plan_cost(cluster: Cluster, model: ModelSpec, plan: Plan) -> CostBreakdown:
-    """PT of a plan by shared/spec/cost-model.md (seconds per batch), with its parts; total is
+    """PT of a plan by docs/cost-model.md (seconds per batch), with its parts; total is
     inf and reason says why when the plan is invalid or does not fit in memory."""
     reason, parts = check_plan(cluster, model, plan)
     if reason is not None:

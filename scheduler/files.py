@@ -1,4 +1,4 @@
-"""Cluster, model and plan files of shared/spec/cost-model.md: parsing, validation, units.
+"""Cluster, model and plan files of docs/cost-model.md: parsing, validation, units.
 
 Every error names the field it is about, in the form `cluster.delay_ms.reliable[2]: ...`, and
 is a PlanInputError (a ValueError).  Matrices may be given as nested lists (JSON) or as numpy

@@ -1,5 +1,5 @@
 """The design paper's planner (section 3.3.3 of papers/hybrid-ps-pipeline.txt, as
-shared/spec/cost-model.md spells it out):
+docs/cost-model.md spells it out):
 
 1. communication graph of the reliable devices, edge weight a_ij + a_ji + t/b_ij + t/b_ji with
    t = m * a (one micro-batch's activations at a stage boundary);

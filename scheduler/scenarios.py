@@ -1,4 +1,4 @@
-"""Cluster generators (cluster-file dicts, shared/spec/cost-model.md) for the planner's
+"""Cluster generators (cluster-file dicts, docs/cost-model.md) for the planner's
 benchmarks and tests. Every generator takes a seed and is deterministic for it.
 
 The cases of section 4.1 of papers/hybrid-ps-pipeline.txt (hps_*) and cases 1-3 of section

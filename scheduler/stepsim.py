@@ -1,7 +1,7 @@
 """A calibrated model of a step: the swarm's own protocol, played out as a discrete-event simulation
 on a cluster's links (issue 16, item 4).
 
-`plan_cost` (shared/spec/cost-model.md) is the planner's contract: one activation transfer each way
+`plan_cost` (docs/cost-model.md) is the planner's contract: one activation transfer each way
 per client and stage, compute in proportion to FLOP/s, a pipeline of `d + K - 1` slots. It ranks
 layouts; it does not say how long the swarm takes. This module does: it runs the protocol of
 peer/volunteer/worker.py and parameter_server/ on simulated time, call by call, with three measured

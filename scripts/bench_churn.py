@@ -66,7 +66,7 @@ MODES = {"pool": "task pool (re-queue at once)", "no-requeue": "--no-requeue (SW
 
 def case3_cluster(n_volunteers: int, server_tflops: float, volunteer_fraction: float, seed: int,
                   pace_tflops: float | None = None) -> dict:
-    """The cluster file (shared/spec/cost-model.md) of the scaled-down case 3. Volunteer u's links
+    """The cluster file (docs/cost-model.md) of the scaled-down case 3. Volunteer u's links
     depend only on (seed, u), so v0..v3 are the same devices in the 4- and the 8-volunteer cluster.
     With `pace_tflops`, one more reliable device (PACE_DEVICE) at that speed sets the swarm's
     compute stretch; no process plays it."""

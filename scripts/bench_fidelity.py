@@ -12,7 +12,7 @@ with costs measured here first, never fitted to the points:
   pass a task runs (a forward pass kept for its backward, forward+loss+backward, a backward from
   the kept pass), with the real task functions (peer/model/task_math.py);
 - a server's step of its shard (Adam, peer/model/optim.py).
-Beside it, `plan_cost` of the same plan (the planner's contract, shared/spec/cost-model.md).
+Beside it, `plan_cost` of the same plan (the planner's contract, docs/cost-model.md).
 
 Measured: each server logs when it applies a batch (`-v`); a version is reached when the last server
 reaches it, and seconds per step are the mean gap from version 3 to the last (steady state: the

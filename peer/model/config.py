@@ -188,7 +188,7 @@ def check_micro_batches(batch_size: int, micro_batches: int) -> None:
 
 
 def planner_model_file(cfg: ModelConfig, batch_size: int, micro_batches: int, bytes_per_value: int = 2) -> dict:
-    """The planner's model file (shared/spec/cost-model.md) for training `cfg` on batches of
+    """The planner's model file (docs/cost-model.md) for training `cfg` on batches of
     `batch_size` sequences of cfg.seq_len tokens cut into `micro_batches` micro-batches."""
     check_micro_batches(batch_size, micro_batches)
     if bytes_per_value < 1:

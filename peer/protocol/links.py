@@ -1,5 +1,5 @@
 """Link and compute emulation (DESIGN.md, "Testing on one machine"): a link profile (a cluster
-file of shared/spec/cost-model.md) gives the one-way delay and bandwidth between two devices, and
+file of docs/cost-model.md) gives the one-way delay and bandwidth between two devices, and
 every send sleeps `delay + bytes / bandwidth` before it goes out, the way netem would delay it.
 The cluster is anything with `delay`, `bandwidth`, ids and flops (scheduler.Cluster); reading the
 file is the caller's (peer/runtime.py), so this floor does not import the planner."""

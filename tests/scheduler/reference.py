@@ -1,4 +1,4 @@
-"""A second, loop-by-loop reading of shared/spec/cost-model.md ("Cost of a plan"), written from
+"""A second, loop-by-loop reading of docs/cost-model.md ("Cost of a plan"), written from
 the spec text with the cluster's delay()/bandwidth() by id and no numpy, to check the
 vectorized plan_cost against."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""plan_cost against costs worked out by hand from shared/spec/cost-model.md, and against a
+"""plan_cost against costs worked out by hand from docs/cost-model.md, and against a
 loop-by-loop second reading of the spec (reference.py) on random plans."""
 import math
 
