@@ -20,7 +20,7 @@ Q_N near K N. The volunteer is banned when Q_N passes the chi-squared quantile a
 6 ALPHA / (pi^2 N^2): summed over every N, the chance an honest volunteer is ever banned by this test
 at one server, for one kind of result, is at most ALPHA (a union bound). Differences below FLOOR of
 the result's norm count for less than one (an honest re-run on the same device is within 1e-6), so a
-bias below about FLOOR is not caught; one at 3e-4 is caught in a handful of checks (about 10/K x 4).
+bias below about FLOOR is not caught; one at 3e-4 is caught at its 5th check with K = 16 (its Q_N is about K N).
 
 Pure arithmetic on tensors: no network, no state of the server's but its sums.
 """
@@ -32,7 +32,7 @@ import os
 
 import torch
 
-DIRECTIONS = 8
+DIRECTIONS = 16
 FLOOR = 1e-5  # relative size under which a difference counts in proportion to FLOOR, not to itself
 ALPHA = 1e-6  # the most an honest volunteer's chance of a ban by this test, per server and kind of result
 CHUNK = 1 << 20  # elements of a direction drawn at once
