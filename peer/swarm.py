@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import sys
+import shutil
 import tempfile
 import time
 
@@ -203,6 +204,15 @@ def run(args) -> int:
     return run_until_signalled(lambda stop: swarm_main(args, cfg, layout, frontal, backward, work_dir, stop))
 
 
+
+def summary_line(summary: dict) -> str:
+    """The summary in one plain line: steps, loss first -> last, tokens/s, micro-batches applied of
+    expected, and who computed the tasks."""
+    who = ", ".join(f"{w} {n}" for w, n in sorted(summary.get("tasks_by_worker", {}).items()))
+    return (f"{summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
+            f"{summary['tokens_per_second']:,.0f} tokens/s, micro-batches {summary['microbatches_applied']}/"
+            f"{summary['microbatches_expected']}, tasks computed: {who or 'none'}")
+
 async def wait_for_failovers(monitor, lost: list[str], timeout: float, stop: asyncio.Event) -> None:
     """Wait until no server the launcher lost for good is in the run's current layout (the servers
     fail a lost server over after --failover-after seconds, also once the last step is done), so
@@ -314,6 +324,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=2)
         print(json.dumps(summary), flush=True)
+        print(summary_line(summary), flush=True)
         if args.hold:
             print("holding the swarm up; Ctrl-C to stop", file=sys.stderr, flush=True)
             await stop.wait()
@@ -324,3 +335,5 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
             swarm.close()
         finally:
             stop_dht(dht)
+            if not args.work_dir:  # (a folder of our own: logs, keys and the servers' checkpoints)
+                shutil.rmtree(work_dir, ignore_errors=True)

@@ -183,6 +183,9 @@ def swarm_cli(tmp_path, run_id: str, *args: str, timeout: float = 600) -> tuple[
     assert out.returncode == 0, out.stderr[-3000:]
     assert no_children_left(run_id) == []
     summary = json.loads((tmp_path / "s.json").read_text())
+    from peer.swarm import summary_line
+
+    assert out.stdout.strip().splitlines()[-1] == summary_line(summary)  # the summary ends in one plain line
     return summary, load_file(str(tmp_path / "ckpt" / "model.safetensors")), out.stdout
 
 

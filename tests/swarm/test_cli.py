@@ -67,3 +67,27 @@ def test_no_local_first_reaches_every_server_the_swarm_starts(flag, expected, tm
     for argv in swarm.servers.values():
         served = build_parser().parse_args(argv)
         assert served.no_local_first is expected, argv
+
+
+def test_the_summary_line_says_steps_loss_speed_batches_and_who_computed():
+    from peer.swarm import summary_line
+
+    line = summary_line({"steps": 8, "first_loss": 5.5392, "last_loss": 4.3055, "tokens_per_second": 1656.7,
+                         "microbatches_applied": 64, "microbatches_expected": 64,
+                         "tasks_by_worker": {"v1": 62, "v0": 55}})
+    assert line == ("8 steps, loss 5.539 -> 4.306, 1,657 tokens/s, micro-batches 64/64, "
+                    "tasks computed: v0 55, v1 62")
+
+
+def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "peer.cli", "swarm", "--model", "tiny", "--steps", "2", "--stages", "1",
+                          "--volunteers", "0", "--no-progress", "--run-id", f"tmpdir-{os.getpid()}"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1].startswith("2 steps, loss ")
+    assert not list(tmp_path.glob("hivepipe-swarm-*")), list(tmp_path.iterdir())
