@@ -15,14 +15,14 @@ LEASE_IN_FLIGHT = 5.0
 # a client that this server's node has had no connection to for this long (in three reads of the
 # connections, peer.serve.CONNECTION_READ_PERIOD apart) and that has not called meanwhile has left:
 # a SIGKILLed volunteer's connection closes at once, so its leases go back without waiting out
-# --client-timeout of silence. Was 1.0 s over reads 0.5 s apart: in the stop-36 soak the servers
+# --client-timeout of silence. Was 1.0 s over reads 0.5 s apart: in a soak the servers
 # dropped a killed holder 2.1-2.4 s after the kill, and the one stall over the goal (7.6 s) was such
 # a holder's; no live client was dropped for a closed connection in that soak's 1,244 departures
 DISCONNECT_GRACE = 0.5
 # a gap this long between two of this server's silence checks (every 0.2 s) is the server's own
 # stall (its event loop busy, its process starved of CPU), not its clients' silence: their
 # heartbeats meanwhile wait unread, so the gap does not count against them (seen at the start of
-# the stop-27 soak: a server whose loop stalled for 3 s dropped three clients as "silent" at once)
+# a soak: a server whose loop stalled for 3 s dropped three clients as "silent" at once)
 OWN_STALL = 1.0
 # the refusal of a call from a client this server does not know (never registered, dropped, or
 # registered before this server restarted): the client registers and tries again
@@ -108,7 +108,7 @@ class Clients:
                 # a client new here that holds tasks of ours: this server restarted (its leases are
                 # not in its log, so their tasks were queued again) or dropped it as silent. It goes
                 # on with them; leased back to it, nobody else does them a second time (seen in the
-                # stop-27 soak after a 1 s restart: a worker took such tasks again and summed them twice);
+                # a soak after a 1 s restart: a worker took such tasks again and summed them twice);
                 # before its carried completions, which this server takes only from a task's holder
                 adopted = [t for t in holding if self.pool.adopt(sender, t) is not None]
                 if adopted:

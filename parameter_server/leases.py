@@ -53,7 +53,7 @@ class Leases:
             if self.clients[sender] is not info or info.takes_lost != lost:
                 # the client said this take's answer never reached it (register with 'take_lost')
                 # while it still waited here: a lease now would be answered into a closed stream
-                # and wait for a heartbeat to be re-queued (seen in the stop-29 soak: 5 s stalls)
+                # and wait for a heartbeat to be re-queued (seen in a soak: 5 s stalls)
                 self.counters["takes_dropped"] = self.counters.get("takes_dropped", 0) + 1
                 logger.info("%s: a take by %s that it gave up as lost was still waiting: dropped", self.device_id,
                             sender[-8:])
@@ -89,7 +89,7 @@ class Leases:
         t, m, (a, b) = task.batch, task.micro_batch, task.rows
         # "more": tasks are queued here after this one (a hint: a worker done with its task asks a
         # server that had none only with a waiting take, when it has gone idle, not with a take that
-        # answers "nothing" at once: those were 0.73 of the 3.9 calls a task cost, issue #16)
+        # answers "nothing" at once: those were 0.73 of the 3.9 calls a task cost)
         common = {"task": task.task_id, "kind": task.kind, "batch": t, "micro": m, "rows": [a, b],
                   "stage": self.stage, "version": version_for_batch(t), "deadline": lease.deadline - self.clock(),
                   "attempt": lease.attempt, "epoch": self.epoch, "more": self.pool.queued() > 0,

@@ -39,7 +39,7 @@ class Updates:
         wait = wait_field(meta, MAX_PARAMS_WAIT)
         shard = self._hosted(meta)
         # a version not reached yet is waited for up to `wait` seconds (woken by each step), so that a
-        # client asks once where it polled every few tens of milliseconds (issue #16)
+        # client asks once where it polled every few tens of milliseconds
         deadline = time.monotonic() + wait
         while version > shard.version and (left := deadline - time.monotonic()) > 0:
             try:

@@ -144,7 +144,7 @@ class RequestPipe:
     skips, instead of an EOFError, which ends the DHT process. Every request carries its future's
     pipe to the caller, handed over by the caller's multiprocessing resource sharer; a supervised
     server process SIGKILLed just after a call left the node of its supervisor with EOFError in that
-    hand-over and killed it (stop-28 soak, 20 minutes in). The pipe's own end of file still ends it."""
+    hand-over and killed it (a soak, 20 minutes in). The pipe's own end of file still ends it."""
 
     def __init__(self, conn):
         self._conn = conn

@@ -155,7 +155,7 @@ def quiet_peer_departures(loop: asyncio.AbstractEventLoop) -> None:
     - an IncompleteReadError in "Task exception was never retrieved": when the handler's processing
       task and its read of the next message finish in the same pass, hivemind cancels the finished
       read, which leaves its exception (the connection closed mid-read) unretrieved, and asyncio
-      reports it when the task is collected (seen in a restarted server's log, CI at 99fb235).
+      reports it when the task is collected (seen in a restarted server's log, in CI).
     A peer leaving is not an error; every other exception is reported as before."""
     def handler(loop, context):
         if isinstance(context.get("exception"), (asyncio.CancelledError, asyncio.IncompleteReadError)):

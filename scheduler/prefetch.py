@@ -3,7 +3,7 @@ it computed on, so tests can drive it without a network. Here, below the worker,
 model (scheduler/stepsim.py) plays the worker's own rule.
 
 A task of batch t computes on version t - 1, which exists once every server of the stage has applied
-batch t - 2. Pulling it when the task arrives put the pull (42-56% of a task's time in stop 36's
+batch t - 2. Pulling it when the task arrives put the pull (42-56% of a task's time in a
 soak) on the step's critical path. A worker that computed on versions v - 1 and v gets work every
 step, so it will need v + 1: it asks the stage's servers for it while it computes (each server
 answers when it has made it). A worker that works now and then (more workers than tasks a step)

@@ -383,7 +383,7 @@ def plot(rows: list[dict], events: list, versions: list, path: str) -> None:
     for row in rows:
         by_pid.setdefault((row["process"], int(row["pid"])), []).append(row)
     for name, pid in [k for k in by_pid if (f"{k[0]} supervisor", k[1]) in by_pid]:
-        del by_pid[(name, pid)]  # a supervisor sampled under its server's name (soaks before stop 26's fix)
+        del by_pid[(name, pid)]  # a supervisor sampled under its server's name (soaks before the supervisor kept its node)
     # steps per minute in 30 s bins (two versions can be reached a millisecond apart: a rate per
     # gap would spike to tens of thousands)
     bin_s = 30.0

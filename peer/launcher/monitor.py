@@ -132,7 +132,7 @@ class Monitor:
         """The servers' statuses and the full model at `version`, the model first: once every slot's
         host holds the slot at `version`, every slot's counters are final. A slot adopted at a
         failover can trail its host's own shard by a step or two, and statuses read before it caught
-        up counted its last batch as not applied (CI, stop 38: 52 of 56 micro-batches)."""
+        up counted its last batch as not applied (in CI: 52 of 56 micro-batches)."""
         state = await self.assemble(version)
         return await self.statuses(), state
 

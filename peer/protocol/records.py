@@ -23,8 +23,8 @@ STALE_PERIODS = 3
 MIN_RECORD_TTL = 15.0
 # Every peer stores its record once per announce period and a server reads the stage records as
 # often, each a DHT traversal through the p2p daemons: at 1 s the DHT processes alone were 12% of the
-# default swarm's processor time (5-6% at 3 s), and its steps took 17-30% longer than at 3 s (README,
-# Measured: issue #16's table, stop 44). A server still announces every JOINING_PERIOD until it has
+# default swarm's processor time (5-6% at 3 s), and its steps took 17-30% longer than at 3 s (measured
+# with scripts/bench_swarm.py). A server still announces every JOINING_PERIOD until it has
 # seen every server of the run, so that a run comes online as soon as at 1 s.
 DEFAULT_ANNOUNCE_PERIOD = 3.0
 JOINING_PERIOD = 1.0

@@ -3,7 +3,7 @@ call. Opening a stream costs both p2p daemons more than the call itself (a conne
 daemon, a new libp2p stream, its protocol negotiation, a connection from the remote daemon to the
 handler); over an open stream a call is its messages only. Measured on loopback (processor time of
 both ends and both daemons): an empty call 1.8 ms against 5.5 ms as a stream of its own (and 1.8 ms
-as one unary message over the daemon's control connection, which stop 45 used for small calls); 1 MiB
+as one unary message over the daemon's control connection, which was tried for small calls); 1 MiB
 8.7 ms against 12.9 (22.9 unary, which costs more per byte). docs/bench_swarm.md has the hop table.
 
 Framing: every message of a call, both ways, carries in its `uid` field the call's number, its

@@ -61,7 +61,7 @@ def pass_clock() -> float:
     collections in the thread that runs them). An emulated device stretches a pass by the processor
     time its arithmetic used: a full collection that happens to fall in a pass (0.1-0.2 s with the
     objects torch and hivemind hold) is the interpreter's, not the device's, and stretched x10 it
-    stalled a step by 2 s (stop 42, bench_fidelity's runs)."""
+    stalled a step by 2 s (bench_fidelity's runs)."""
     return time.thread_time() - getattr(_gc_clock, "spent", 0.0)
 
 
@@ -330,7 +330,7 @@ class StageWorker:
     async def heartbeat_loop(self, stop: asyncio.Event) -> None:
         """A heartbeat to each server of the stage on its own beat: a server slow to answer (its
         loop busy, or restarting) must not delay the others', which would count the delay as
-        silence (seen at the start of the stop-27 soak, when all were sent and awaited together).
+        silence (seen at the start of a soak, when all were sent and awaited together).
         The stage's servers are looked up every beat (a failover changes them)."""
         beats: dict[str, asyncio.Future] = {}
         try:

@@ -83,7 +83,7 @@ class DiesInFlight:
 def test_a_request_whose_sender_died_while_handing_it_over_does_not_end_the_dht_process():
     """Every DHT request carries its caller's pipe, which the DHT process fetches from the caller;
     a supervised server process SIGKILLed just after a call made that fetch fail with EOFError and
-    killed its supervisor's DHT node with it (stop-28 soak). hivemind's own DHT dies of it; ours
+    killed its supervisor's DHT node with it (a soak). hivemind's own DHT dies of it; ours
     skips that request and goes on answering."""
     from hivemind.dht import DHT
 

@@ -25,7 +25,7 @@ def test_an_8bit_run_moves_about_a_byte_per_activation_value_and_still_catches_a
     assert values >= STEPS * 16 * cfg.seq_len * cfg.hidden, values
     assert summary["traffic"]["push_outputs.request"] / values < 1.5, (summary["traffic"], values)
     # lossy, so not equal to the reference; but close after a few steps (training moves the parameters
-    # ~0.5 of their norm here). Measured: 0.028-0.029 before stop 48; since a batch goes whole to one
+    # ~0.5 of their norm here). Measured: 0.028-0.029 before a batch goes whole to one
     # client, 0.036 alone and 0.052 once under the full suite's load (when the liar is caught varies
     # with the timing, and with it which rows are re-run and rounded to 8 bits again)
     assert 1e-6 < rel_diff(state, reference_state("tiny", STEPS)) < 0.08

@@ -75,7 +75,7 @@ def churn_scenario(tmp_path_factory):
 
         async def v0_frozen_holding_a_lease():
             """A lease seen in a status answer may be completed before the kill lands (the answer
-            takes a while on a loaded machine: seen once in stop 37's suite runs, 'not re-queued'):
+            takes a while on a loaded machine: seen once in the suite's runs, 'not re-queued'):
             freeze v0 (SIGSTOP of its process group), give what it sent a moment to arrive, and
             look again; thawed and tried again if it holds nothing then."""
             if await v0_holds_lease() is None:
@@ -199,8 +199,8 @@ def test_volunteer_joining_mid_run_gets_work_within_two_steps(churn_scenario):
     """Stage 0's frontal server cuts a batch's forward tasks up to one batch ahead of its version
     (two batches in flight), each for the clients registered then: a volunteer that registers just
     after batch v+1 was cut gets its first task from batch v+2, two steps after the version it saw
-    when it joined. On a quiet machine it was given work in the step it joined (3 of 3 runs, stop 30);
-    under the suite's load, in stop 30's third full run, it took the second (joined at 5, first task
+    when it joined. On a quiet machine it was given work in the step it joined (3 of 3 runs);
+    under the suite's load, in a full run, it took the second (joined at 5, first task
     at 7)."""
     r = churn_scenario
     assert r["late_worked_by"] <= r["late_joined_at"] + 2, r

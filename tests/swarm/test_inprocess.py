@@ -445,7 +445,7 @@ def test_one_complete_carries_every_task_of_a_push_and_a_bad_list_changes_nothin
 
 def test_a_take_answer_cut_after_its_metadata_hands_the_task_back_at_once():
     """The server leased a task, and its answer was cut after the metadata (the stream ended before
-    the tensors: seen 4 times in the stop-26 soak). The worker knows the task id from what arrived
+    the tensors: seen 4 times in a soak). The worker knows the task id from what arrived
     and hands it back at once, instead of leaving the lease for a heartbeat to reclaim after 5 s."""
     from peer.protocol.wire import StreamCut
 
@@ -495,7 +495,7 @@ def test_a_client_whose_connection_closed_is_dropped_and_its_leases_requeued():
 
 
 def test_a_server_that_forgot_its_clients_is_registered_with_again_not_refused():
-    """A restarted server does not know the clients that registered before (seen in the stop-26
+    """A restarted server does not know the clients that registered before (seen in a
     soak: workers' pushes to a restarted server refused 'not registered', their tasks dropped and
     run again). The worker registers there and repeats the refused call, which changed nothing."""
     fs, (worker,) = one_stage(volunteers=1)
@@ -514,7 +514,7 @@ def test_a_server_that_forgot_its_clients_is_registered_with_again_not_refused()
 
 def test_a_take_answer_lost_whole_is_reclaimed_at_once():
     """The server leased a task and its whole answer was lost (the connection closed before an
-    answer: seen in the stop-26 soak). The worker, which has no other take in flight there, registers
+    answer: seen in a soak). The worker, which has no other take in flight there, registers
     with what it holds and 'take_lost': the lease goes back at once, not when it is 5 s old."""
     take_with_its_answer_lost(lambda device, answer: ConnectionError(
         f"{device}.take: the connection closed before an answer"))
@@ -522,7 +522,7 @@ def test_a_take_answer_lost_whole_is_reclaimed_at_once():
 
 class TakeCutWhileWaiting:
     """A link whose `take` reaches the server and waits there for a task, while the caller's side of
-    the stream closes at once (seen in the stop-29 soak: "the connection closed before an answer",
+    the stream closes at once (seen in a soak: "the connection closed before an answer",
     then a 5 s stall as the server leased a task into the closed stream): the server's handler goes
     on in `handlers`."""
 
@@ -584,7 +584,7 @@ def take_with_its_answer_lost(error, then=None):
 def test_a_worker_that_just_started_gets_its_predecessors_leases_requeued_at_once():
     """A supervised server's process is forked again under the same peer id, and its node keeps the
     connection open, so the servers of its stage see neither a closed connection nor silence: the
-    leases its dead worker held would wait until 5 s old (seen in the stop-27 soak: a restart's stall
+    leases its dead worker held would wait until 5 s old (seen in a soak: a restart's stall
     4 s longer). A worker's first register says it just started: they go back at once."""
     fs, (worker,) = one_stage(volunteers=1)
 
@@ -607,7 +607,7 @@ def test_a_restarted_server_leases_back_what_its_clients_still_hold():
     """A restarted server lost its leases (they are not in its request log) and queued their tasks
     again; a worker that still works on one registers there (new to it) listing it, and it is
     leased back to that worker instead of being taken and done twice by another (seen in the
-    stop-27 soak: 8 pushes refused 'names a task twice')."""
+    a soak: 8 pushes refused 'names a task twice')."""
     fs, (a, b) = one_stage(volunteers=2)
     pa = a.links[fs.device_id].sender
 
@@ -634,7 +634,7 @@ def test_a_server_away_for_a_moment_gets_the_work_when_back_not_a_rerun(away_s, 
     """A supervised server restarted after a crash answers again within about a second. A worker
     whose requests handing work in (outputs, input gradients, gradient pushes) cannot get
     through tries them again for up to AWAY_GRACE_S instead of handing its tasks back to be run
-    again (seen in the stop-27 soak: restart stalls of 5.7-9.3 s against a median step of 1.9 s);
+    again (seen in a soak: restart stalls of 5.7-9.3 s against a median step of 1.9 s);
     a server away for longer gets them back as before. Training equals the reference either way."""
     import peer.volunteer.worker as worker_mod
 
@@ -702,7 +702,7 @@ def one_stage(volunteers: int):
 def test_a_server_that_stalled_itself_does_not_drop_its_clients_as_silent():
     """drop_stale_clients, time injected: silence is counted only while the server itself runs its
     checks; a gap between two checks over OWN_STALL (its loop busy, its process starved) is not
-    the clients' (seen at the start of the stop-27 soak: three clients dropped at once)."""
+    the clients' (seen at the start of a soak: three clients dropped at once)."""
     from parameter_server.clients import OWN_STALL
 
     fs, (a,) = one_stage(volunteers=1)
@@ -890,7 +890,7 @@ def test_two_servers_of_one_role_lost_one_after_the_other_are_failed_over():
 
 def test_finished_tasks_go_with_the_next_take_or_heartbeat_not_a_complete_each(tmp_path):
     """A worker hands the tasks it finished in with its next `take` or heartbeat to the server that
-    leased them, not with a `complete` call of its own (issue #16: completes were 0.69 of the 4.6
+    leased them, not with a `complete` call of its own (completes were 0.69 of the 4.6
     calls a task cost). Until the server has them they are listed as held, so a heartbeat does not
     re-queue them. The server writes the carried ids to its request log as a `complete`, which a
     restart replays; a malformed list is refused and changes nothing, an id it does not know
@@ -967,7 +967,7 @@ def test_finished_tasks_go_with_the_next_take_or_heartbeat_not_a_complete_each(t
 def test_a_take_says_whether_more_tasks_wait_and_a_server_without_is_asked_only_by_a_waiting_take():
     """A take answer says whether tasks are still queued at the server ("more"). A worker done with
     its task asks a server whose last answer said none only with a waiting take, once it is idle,
-    not with a take that answers "nothing" at once (issue #16: those were 0.73 of the 3.9 calls a
+    not with a take that answers "nothing" at once (those were 0.73 of the 3.9 calls a
     task cost); the task that server gets meanwhile reaches the waiting take at once."""
     cfg, layout, run = make_run(steps=1, stages=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
@@ -1025,7 +1025,7 @@ def same(replica, shard) -> bool:
 
 def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the_whole_state():
     """After each step a server sends the stage's next server the step that made the new version
-    (the summed gradient: a third of the bytes of the state, issue #16) and the replica takes the
+    (the summed gradient: a third of the bytes of the state) and the replica takes the
     same AdamW step: its parameters and AdamW moments equal the shard's bit for bit at every
     version. A replica that does not mirror the sender's version before (here: told another
     lineage, as after a rollback or a restart) refuses the step, changing nothing, and the sender

@@ -72,7 +72,7 @@ def test_statuses_wait_out_a_server_in_its_dial_backoff_and_name_one_that_stays_
 def test_the_final_statuses_are_read_once_every_slot_has_the_last_version():
     """The summary counts each stage's applied micro-batches from the servers' statuses. A slot
     adopted at a failover can trail its host's own shard by a step or two; statuses read before the
-    model was assembled counted its last batch as not applied (CI, stop 38: 52 of 56). `final`,
+    model was assembled counted its last batch as not applied (in CI: 52 of 56). `final`,
     asked before the run has reached the last version at all (real servers, in one loop), answers
     once every slot has it: every micro-batch counted, the last version's model."""
     from peer.node import LocalLink
