@@ -1,1 +1,11 @@
 """hivepipe: the node (CLI, volunteer worker, swarm launcher) and the shared floor (model, protocol)."""
+
+
+def version() -> str:
+    """The installed package's version (pyproject.toml), as `peer --version` prints it."""
+    from importlib.metadata import PackageNotFoundError, version as installed
+
+    try:
+        return installed("hivepipe")
+    except PackageNotFoundError:
+        return "unknown (not installed)"

@@ -37,6 +37,9 @@ def _available_commands():
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="peer", description="hivepipe peer: train large models on volunteered machines")
+    from peer import version
+
+    parser.add_argument("--version", action="version", version=f"hivepipe {version()}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module, help_text in _available_commands():

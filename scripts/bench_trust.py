@@ -230,8 +230,9 @@ def bounded_read(a, work: Path, report: Report) -> dict:
         res = work / "bigmsg-attacker.json"
         _lines_of(log)
         time.sleep(3.0)
-        server = next(p for p in psutil.process_iter(["cmdline"])
-                      if "serve" in (p.info["cmdline"] or []) and "s0f0" in " ".join(p.info["cmdline"] or []))
+        server = next(p for p in psutil.process_iter(["cmdline"])  # s0f0, as peer swarm starts it
+                      if "serve" in (p.info["cmdline"] or [])
+                      and "--stage 0 --role frontal --index 0" in " ".join(p.info["cmdline"] or []))
 
         def loop():
             while not stop.is_set():
