@@ -4,6 +4,7 @@ records, call servers over P2P, kill volunteers and start new ones."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -29,6 +30,13 @@ def rel_diff(a: dict, b: dict) -> float:
 
 
 def reference_state(model: str, steps: int, seed: int = 0, batch_size: int = 16, micro_batches: int = 4, lr: float = 2e-3):
+    """`peer reference --delay 1`'s parameters after `steps`: computed once per test run and arguments,
+    each caller given its own copy."""
+    return {k: v.clone() for k, v in _reference_state(model, steps, seed, batch_size, micro_batches, lr).items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_state(model: str, steps: int, seed: int, batch_size: int, micro_batches: int, lr: float):
     from peer.model.config import get_preset
     from peer.model.data import load_corpus
     from peer.reference import train_reference
