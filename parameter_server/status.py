@@ -44,7 +44,7 @@ class Status:
             "clients": {p: {"device": c.device, "compute": c.compute, "tasks_done": c.tasks_done}
                         for p, c in self.clients.items()},
             "traffic": dict(TRAFFIC), "traffic_values": dict(VALUES), "calls": dict(CALLS), "session_calls": dict(SESSION_CALLS),
-            "checks": dict(self.verify_counts), "banned": dict(self.banned),
+            "checks": dict(self.verify_counts, max_honest_distance=self.honest_distance()), "banned": dict(self.banned),
         }
 
     def note_step(self, version: int) -> None:

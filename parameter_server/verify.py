@@ -69,8 +69,9 @@ class Verification:
         # (Verification.forget_departed; a run of days sees tens of thousands of volunteers come and go)
         self.checks_passed: dict[str, int] = {}  # peer id -> its checks passed here (probation ends at `probation`)
         self.contributed: dict[str, set[int]] = {}  # peer id -> batches it sent work of (kept window)
-        self.verify_counts = {"checked": 0, "passed": 0, "caught": 0, "skipped": 0, "tasks_rerun": 0,
-                              "max_honest_distance": 0.0}
+        self.verify_counts = {"checked": 0, "passed": 0, "caught": 0, "skipped": 0, "tasks_rerun": 0}
+        self.passed_distance: dict[str, float] = {}  # peer -> the largest distance of a check it passed
+        self.departed_distance = 0.0  # the same, of volunteers forgotten (forget_departed) and never banned
         self.drift = DriftTest()  # consistent small lies, along directions secret to this server (drift.py)
         self._verify_model = None
         self._verify_params: dict[int, dict[str, torch.Tensor]] = {}
@@ -89,6 +90,10 @@ class Verification:
         return False
 
     # what arrives ------------------------------------------------------------------------------
+    def honest_distance(self) -> float:
+        """The largest distance of a passed check of a volunteer not banned: how far honest re-runs go."""
+        return max([self.departed_distance] + [d for p, d in self.passed_distance.items() if p not in self.banned])
+
     def _banned_check(self, sender: str) -> None:
         if sender in self.banned:
             raise PayloadError(f"peer {sender[-8:]} is {BANNED}: {self.banned[sender]}")
@@ -123,6 +128,10 @@ class Verification:
         for peer in [p for p in self.checks_passed if p not in self.clients and p not in self.contributed]:
             del self.checks_passed[peer]
             self.drift.forget(peer)
+        for peer in [p for p in self.passed_distance if p not in self.clients and p not in self.contributed]:
+            if peer not in self.banned:  # (gone for good, never banned: its distances were honest)
+                self.departed_distance = max(self.departed_distance, self.passed_distance[peer])
+            del self.passed_distance[peer]
 
     def _check_later(self, check, *args) -> None:
         self._spawn(self._guarded(check(self.epoch, *args)))
@@ -200,14 +209,15 @@ class Verification:
 
         return await asyncio.get_running_loop().run_in_executor(self._verify_executor, work)
 
-    def _judge(self, epoch: int, sender: str, what: str, d: float, t: int) -> bool:
-        """True if the distance `d` is within tolerance (the check passed). A check that outlived its
-        layout epoch judges nothing: a rollback may have re-made the rows it read (an honest worker's
-        result on a liar's activations would then differ from a re-run on the clean ones)."""
+    def _judge(self, epoch: int, sender: str, what: str, d: float, t: int, seen: list) -> bool:
+        """True if the distance `d` is within tolerance (it joins `seen`, the check's distances, which
+        count as honest once the whole check has passed). A check that outlived its layout epoch judges
+        nothing: a rollback may have re-made the rows it read (an honest worker's result on a liar's
+        activations would then differ from a re-run on the clean ones)."""
         if self.epoch != epoch:
             raise PayloadError(f"the check began in layout epoch {epoch}, the run is at {self.epoch}")
         if d <= TOLERANCE:
-            self.verify_counts["max_honest_distance"] = max(self.verify_counts["max_honest_distance"], d)
+            seen.append(d)
             return True
         self._caught(sender, f"{what} of batch {t} is {d:.3g} (relative L2) from this server's re-run", t)
         return False
@@ -228,7 +238,11 @@ class Verification:
                              f"(Q {hit[0]:.1f} > {hit[1]:.1f} after {n} checks)", t)
         return True
 
-    def _passed(self, sender: str) -> None:
+    def _passed(self, sender: str, seen: list) -> None:
+        """A whole check passed (every distance within the tolerance, no drift yet). Its distances count
+        as an honest re-run's while the volunteer is not banned (a liar under the tolerance passes
+        checks until the drift test has seen enough of them): `honest_distance`."""
+        self.passed_distance[sender] = max([self.passed_distance.get(sender, 0.0), *seen])
         self.verify_counts["passed"] += 1
         self.checks_passed[sender] = self.checks_passed.get(sender, 0) + 1
 
@@ -238,9 +252,10 @@ class Verification:
                          self.compress)
         self.verify_counts["checked"] += 1
         self.verify_counts["tasks_rerun"] += 1
-        if self._judge(epoch, sender, f"the outputs of rows {a}-{b} of micro-batch {m}", distance(out, want), t) \
+        seen: list[float] = []
+        if self._judge(epoch, sender, f"the outputs of rows {a}-{b} of micro-batch {m}", distance(out, want), t, seen) \
                 and not await self._drifts(epoch, sender, "outputs", out, want, t):
-            self._passed(sender)
+            self._passed(sender, seen)
 
     async def _check_push(self, epoch: int, sender: str, t: int, ids: list[str], slot: int, grads: list[torch.Tensor],
                           loss: float | None) -> None:
@@ -263,12 +278,14 @@ class Verification:
         self.verify_counts["tasks_rerun"] += len(ids)
         got = torch.cat([g.flatten() for g in grads])
         want = torch.cat([roundtrip(total[n], self.compress).flatten() for n in names])
-        if not self._judge(epoch, sender, f"its gradient of shard slot {slot} over {len(ids)} tasks", distance(got, want), t):
+        seen: list[float] = []
+        if not self._judge(epoch, sender, f"its gradient of shard slot {slot} over {len(ids)} tasks", distance(got, want), t,
+                           seen):
             return
         if await self._drifts(epoch, sender, f"gradients of shard slot {slot}", got, want, t):
             return
         if self.last and loss is not None and \
-                not self._judge(epoch, sender, "its loss sum", abs(loss - loss_sum) / max(abs(loss_sum), 1e-6), t):
+                not self._judge(epoch, sender, "its loss sum", abs(loss - loss_sum) / max(abs(loss_sum), 1e-6), t, seen):
             return
         if self.role == "frontal" and self.stage > 0:
             lo, hi = self.seg
@@ -278,10 +295,10 @@ class Verification:
                         self.gin_senders.get((t, m, a, b)) == sender:
                     mine, theirs = roundtrip(gin, self.compress), buf.slice(a, b)[0]
                     if not self._judge(epoch, sender, f"its input gradient of rows {a}-{b} of micro-batch {m}",
-                                       distance(theirs, mine), t) or \
+                                       distance(theirs, mine), t, seen) or \
                             await self._drifts(epoch, sender, "input gradients", theirs, mine, t):
                         return
-        self._passed(sender)
+        self._passed(sender, seen)
 
     # bans --------------------------------------------------------------------------------------
     def _ban_here(self, peer: str, why: str) -> None:
