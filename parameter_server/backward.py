@@ -7,7 +7,8 @@ from __future__ import annotations
 from parameter_server.layout import owners
 from parameter_server.ledger import LedgerEntry, RowBuffer
 from peer.protocol.tasks import task_id as make_task_id
-from peer.protocol.wire import PayloadError, field as mfield
+from peer.protocol.wire import PayloadError
+from peer.protocol.wire import field as mfield
 from taskpool import Task
 
 

@@ -8,7 +8,8 @@ import torch
 
 from parameter_server.updates import RETAIN
 from peer.protocol.tasks import TaskId
-from peer.protocol.wire import PayloadError, check_tensor, field as mfield, rows_field
+from peer.protocol.wire import PayloadError, check_tensor, rows_field
+from peer.protocol.wire import field as mfield
 
 
 class Checks:

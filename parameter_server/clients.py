@@ -7,7 +7,8 @@ import logging
 from dataclasses import dataclass
 
 from parameter_server.leases import carried_completes
-from peer.protocol.wire import PayloadError, field as mfield
+from peer.protocol.wire import PayloadError
+from peer.protocol.wire import field as mfield
 
 logger = logging.getLogger("hivepipe.server")
 # a lease younger than this may still be on its way to its client (in the answer to its `take`)

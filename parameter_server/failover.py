@@ -12,7 +12,8 @@ import time
 from parameter_server.layout import RunLayout
 from parameter_server.shard import tensors_digest
 from parameter_server.updates import snapshots_kept
-from peer.protocol.wire import PayloadError, field as mfield
+from peer.protocol.wire import PayloadError
+from peer.protocol.wire import field as mfield
 
 logger = logging.getLogger("hivepipe.server")
 

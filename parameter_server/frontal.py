@@ -12,7 +12,8 @@ from parameter_server.layout import clients_per_batch, cut_rows, in_flight, loca
 from parameter_server.ledger import RowBuffer
 from peer.model.update_rule import version_for_batch
 from peer.protocol.tasks import task_id as make_task_id
-from peer.protocol.wire import PayloadError, field as mfield, rows_field
+from peer.protocol.wire import PayloadError, rows_field
+from peer.protocol.wire import field as mfield
 from taskpool import Task
 
 logger = logging.getLogger("hivepipe.server")

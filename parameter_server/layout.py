@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from scheduler.rows import (  # noqa: F401 (the frontal servers' cut; the step model's too)
-    clients_per_batch, cut_rows, in_flight, local_first, note_cut, owed_more, split_by_weights)
+from scheduler.rows import clients_per_batch, cut_rows, in_flight, local_first, note_cut, owed_more, split_by_weights  # noqa: F401 (the frontal servers' cut; the step model's too)
 
 
 @dataclass(frozen=True)

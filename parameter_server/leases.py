@@ -10,7 +10,8 @@ import time
 from parameter_server.layout import owed_more
 from peer.model.update_rule import version_for_batch
 from peer.protocol.tasks import batch_of
-from peer.protocol.wire import PayloadError, field as mfield, wait_field
+from peer.protocol.wire import PayloadError, wait_field
+from peer.protocol.wire import field as mfield
 from taskpool import Completion, Task
 
 logger = logging.getLogger("hivepipe.server")

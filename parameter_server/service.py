@@ -31,8 +31,8 @@ from parameter_server.clients import REGISTER_BURST, REGISTER_RATE, ClientInfo, 
 from parameter_server.failover import Failover
 from parameter_server.frontal import Frontal
 from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, RunLayout, segment
-from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.leases import Leases
+from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.outbox import Outbox
 from parameter_server.recovery import Recovery
 from parameter_server.shard import ShardState, assign_shards
@@ -45,7 +45,8 @@ from peer.protocol.links import LinkEmulator
 from peer.protocol.tasks import batch_of
 from peer.protocol.traffic import CALLS, SESSION_CALLS, TRAFFIC, VALUES
 from peer.protocol.trust import Remembered
-from peer.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, field as mfield, pack, unpack
+from peer.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, pack, unpack
+from peer.protocol.wire import field as mfield
 from taskpool import TaskPool, TaskPoolError
 
 logger = logging.getLogger("hivepipe.server")

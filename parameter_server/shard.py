@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Callable
-
 from dataclasses import dataclass, field
 
 import torch

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from peer.protocol.params import MAX_PARAMS_WAIT
 from peer.protocol.tasks import TaskId
-from peer.protocol.wire import PayloadError, field as mfield, wait_field
+from peer.protocol.wire import PayloadError, wait_field
+from peer.protocol.wire import field as mfield
 
 if TYPE_CHECKING:
     from parameter_server.shard import ShardState

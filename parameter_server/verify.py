@@ -33,7 +33,8 @@ from peer.model.task_math import backward_rows, forward_rows
 from peer.model.update_rule import version_for_batch
 from peer.protocol.params import NotReady, fetch_slot
 from peer.protocol.tasks import TaskId
-from peer.protocol.wire import PayloadError, RemoteError, field as mfield, roundtrip, rows_field
+from peer.protocol.wire import PayloadError, RemoteError, roundtrip, rows_field
+from peer.protocol.wire import field as mfield
 
 logger = logging.getLogger("hivepipe.server")
 

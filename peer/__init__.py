@@ -3,7 +3,8 @@
 
 def version() -> str:
     """The installed package's version (pyproject.toml), as `peer --version` prints it."""
-    from importlib.metadata import PackageNotFoundError, version as installed
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
 
     try:
         return installed("hivepipe")

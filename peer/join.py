@@ -110,13 +110,13 @@ async def join_main(args, stop: asyncio.Event) -> int:
 
     from parameter_server.layout import RunLayout
     from parameter_server.service import StageServer
+    from parameter_server.verify import BANNED
     from peer.errors import NetworkError
     from peer.model.config import run_model
     from peer.node import Directory, HaltNotice, NetworkStartError, start_dht, stop_dht
     from peer.protocol import records
     from peer.volunteer.stage_choice import StagePicker
     from peer.volunteer.worker import StageWorker
-    from parameter_server.verify import BANNED
 
     torch.set_num_threads(1)
     try:  # a volunteer dials out only (client mode): it works behind NAT without opening a port

@@ -17,7 +17,8 @@ from hivemind.proto.runtime_pb2 import ExpertRequest
 
 from peer.protocol import methods, records
 from peer.protocol.links import LinkEmulator
-from peer.protocol.session import Sessions, handle_name as session_handler
+from peer.protocol.session import Sessions
+from peer.protocol.session import handle_name as session_handler
 from peer.protocol.wire import STALL_SECONDS, PayloadError, RemoteError, StreamCut, pack, payload_bytes, unpack
 
 logger = logging.getLogger("hivepipe.node")

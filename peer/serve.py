@@ -13,8 +13,14 @@ from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TO
 from peer.errors import NetworkError, UsageError
 from peer.protocol.records import DEFAULT_ANNOUNCE_PERIOD, JOINING_PERIOD, STALE_PERIODS
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
-from peer.runtime import (add_common_arguments, check_common, freeze_startup_objects, link_emulator, run_until_signalled,
-                          trim_heap)
+from peer.runtime import (
+    add_common_arguments,
+    check_common,
+    freeze_startup_objects,
+    link_emulator,
+    run_until_signalled,
+    trim_heap,
+)
 
 logger = logging.getLogger("hivepipe.serve")
 # seconds between two reads of the node's connections (departed clients): every pass of the 0.2 s
@@ -324,15 +330,15 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     import torch
 
     from parameter_server.checkpoint import CheckpointWriter, load_checkpoint
+    from parameter_server.layout import halt_reason
     from parameter_server.service import StageServer
     from peer.hf.init import initial_state, write_model_json
-    from parameter_server.layout import halt_reason
     from peer.node import Directory, HaltNotice, LocalLink, announced_maddrs, stop_dht
     from peer.protocol import records
-    from peer.reachability import DialBackService
-    from peer.volunteer.worker import StageWorker
     from peer.protocol.leases import LeaseTickets
     from peer.protocol.wire import MAX_MESSAGE_BYTES, bound_messages
+    from peer.reachability import DialBackService
+    from peer.volunteer.worker import StageWorker
 
     torch.set_num_threads(1)
     stage, role, _ = layout.locate(device)

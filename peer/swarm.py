@@ -9,8 +9,8 @@ import json
 import logging
 import os
 import random
-import sys
 import shutil
+import sys
 import tempfile
 import time
 

@@ -21,7 +21,6 @@ ga, as adapted here:
 """
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np

@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from scheduler.files import Cluster, ModelSpec, Plan, Stage
+from scheduler.files import Cluster, ModelSpec, Plan
 
 
 @dataclass

@@ -21,10 +21,8 @@ import time
 import numpy as np
 
 from scheduler.cost import Engine
-from scheduler.paper import (assign_roles, assign_volunteers, diana_split, edge_weights, paper_plan,
-                             volunteer_scores)
-from scheduler.state import Layout, State, polish_link, ORDER_ENUM_LIMIT
-
+from scheduler.paper import assign_roles, assign_volunteers, diana_split, edge_weights, paper_plan, volunteer_scores
+from scheduler.state import ORDER_ENUM_LIMIT, Layout, State, polish_link
 
 # ---- moves: each returns the stage list for State.propose, or None where not valid ----
 

@@ -50,8 +50,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import (REPO, Report, _stop, exactly_once, loadavg, md_table,  # noqa: E402
-                           model_flops_per_second, out_folder, run_swarm)
+from _bench_common import (  # noqa: E402
+    REPO,
+    Report,
+    _stop,
+    exactly_once,
+    loadavg,
+    md_table,
+    model_flops_per_second,
+    out_folder,
+    run_swarm,
+)
 
 from parameter_server.layout import segment  # noqa: E402
 from peer.model.config import get_preset, planner_model_file  # noqa: E402

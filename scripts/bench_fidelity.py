@@ -94,9 +94,7 @@ def calibrate_compute(cfg, rows: int, repeats: int) -> dict:
 
     from parameter_server.layout import segment
     from peer.model.task_math import backward_kept, backward_rows, forward_keeping
-    from peer.model.transformer import build_slice
-
-    from peer.model.transformer import init_state, slice_from_state
+    from peer.model.transformer import build_slice, init_state, slice_from_state
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -226,8 +224,8 @@ def device_factors(measured: dict[str, float], plan, cluster, cal: Calibration) 
 
 
 def workload(cfg, steps: int) -> Workload:
-    from peer.model.transformer import init_state
     from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, segment
+    from peer.model.transformer import init_state
 
     params = []
     for k in range(STAGES):

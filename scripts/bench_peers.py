@@ -44,9 +44,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import REPO, Report, exactly_once, loadavg, md_table, run_peer, run_swarm  # noqa: E402
-
 import torch  # noqa: E402
+from _bench_common import REPO, Report, exactly_once, loadavg, md_table, run_peer, run_swarm  # noqa: E402
 
 from parameter_server import blob  # noqa: E402
 from peer.model.config import get_preset  # noqa: E402
@@ -195,6 +194,7 @@ def run_netns_swarm(name: str, model: str, steps: int, volunteers: int, churn: f
     is SIGKILLed (with its DHT process and p2p daemon) and a new one started on the same host each
     time the run reaches a new version. Tokens/s from the first version to the last, as hivemind's."""
     from bench_netns import SERVERS, join_args, start_servers, step_times
+
     from parameter_server.checkpoint import read_model
 
     out = work / name

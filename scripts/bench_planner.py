@@ -32,8 +32,13 @@ if __package__ in (None, ""):
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")  # one core: numpy's BLAS must not spread over more
 
-from scheduler import load_cluster, load_model, make_plan, plan_cost  # noqa: E402
-from scheduler import scenarios  # noqa: E402
+from scheduler import (  # noqa: E402
+    load_cluster,
+    load_model,
+    make_plan,
+    plan_cost,
+    scenarios,  # noqa: E402
+)
 
 SEARCHERS = ("refined", "paper", "random", "ga")
 

@@ -31,11 +31,9 @@ from pathlib import Path
 from typing import AsyncIterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import (REPO, Report, exactly_once, loadavg, md_table, process_tree, run_reference,  # noqa: E402
-                           run_swarm)
-
 import psutil  # noqa: E402
 import torch  # noqa: E402
+from _bench_common import REPO, Report, exactly_once, loadavg, md_table, process_tree, run_reference, run_swarm  # noqa: E402
 from hivemind.p2p import P2PContext, ServicerBase  # noqa: E402
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse  # noqa: E402
 

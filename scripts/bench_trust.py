@@ -43,11 +43,11 @@ SWARM = ["--model", "tiny", "--servers-compute", "no", "--volunteer-slowdown", "
 def tolerance_rows() -> list[list]:
     import torch
 
+    from parameter_server.verify import distance
     from peer.model.config import get_preset
     from peer.model.task_math import backward_rows
     from peer.model.transformer import build_slice
     from peer.volunteer.cheat import Cheat
-    from parameter_server.verify import distance
 
     rows = []
     for preset in ("tiny", "small"):

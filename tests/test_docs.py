@@ -35,6 +35,7 @@ def test_the_readme_is_a_short_front_door_without_history():
 def test_peer_version_is_the_packages_and_the_changelog_has_it():
     import subprocess
     import sys
+
     import tomllib
 
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]

@@ -36,7 +36,6 @@ import sys
 import time
 
 
-
 class ForkedProcess:
     """A process forked by the zygote, with what the launcher uses of subprocess.Popen: pid, poll(),
     wait(), returncode (negative: the signal that ended it), send_signal(), kill()."""

@@ -11,7 +11,8 @@ import sys
 import time
 
 from peer.launcher.forker import Forker
-from peer.supervisor import group_members as _group_members, proc_table as _proc_table
+from peer.supervisor import group_members as _group_members
+from peer.supervisor import proc_table as _proc_table
 
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"  # a local swarm never listens beyond this machine
 

@@ -11,7 +11,6 @@ import asyncio
 import time
 from typing import Awaitable, Callable
 
-
 # the longest a `get_params` may wait on its server for the version it asks for (its `wait` field)
 MAX_PARAMS_WAIT = 5.0
 

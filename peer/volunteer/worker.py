@@ -22,18 +22,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parameter_server.layout import owners
-from parameter_server.shard import assign_shards
 from parameter_server.clients import NOT_ALLOWED, NOT_REGISTERED
+from parameter_server.layout import owners
 from parameter_server.leases import MAX_COMPLETE
+from parameter_server.shard import assign_shards
 from parameter_server.verify import BANNED
-from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, hold_ends, owed_after
-from scheduler.prefetch import version_to_fetch
-from taskpool.types import priority
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
 from peer.model.transformer import StageSlice, build_slice, slice_from_state
 from peer.protocol.params import NotReady, fetch_slot
 from peer.protocol.wire import RemoteError, StreamCut, wait_to_redial
+from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, hold_ends, owed_after
+from scheduler.prefetch import version_to_fetch
+from taskpool.types import priority
 
 logger = logging.getLogger("hivepipe.worker")
 
@@ -782,7 +782,7 @@ class StageWorker:
 
     # ------------------------------------------------------------------------------------------
     async def process(self, link, meta: dict, tensors: list) -> None:
-        t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]
+        t = meta["batch"]
         pulling = time.monotonic()
         await self.ensure_version(meta["version"])
         self.stats["param_seconds"] += time.monotonic() - pulling

@@ -8,7 +8,8 @@ import math
 import re
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from parameter_server.layout import RunLayout
 from peer.dashboard import main
@@ -88,13 +89,13 @@ def test_snapshot_follows_the_json_contract():
     assert s["run_id"] == "r" and s["malformed"] == [] and s["errors"] == []
     assert [st["index"] for st in s["stages"]] == [0, 1]
     assert [st["layers"] for st in s["stages"]] == [[0, 2], [2, 4]]
-    for st in s["stages"]:
-        assert {"index", "layers", "frontal", "backward", "volunteers", "pools"} <= set(st)
-        assert set(st["pools"]) == {"queued", "leased", "done", "requeued", "duplicates", "oldest_task_age"}
-        for e in st["frontal"] + st["backward"]:
+    for stage in s["stages"]:
+        assert {"index", "layers", "frontal", "backward", "volunteers", "pools"} <= set(stage)
+        assert set(stage["pools"]) == {"queued", "leased", "done", "requeued", "duplicates", "oldest_task_age"}
+        for e in stage["frontal"] + stage["backward"]:
             assert {"device", "peer", "short", "state", "version", "pool", "last_seen"} <= set(e)
             assert set(e["pool"]) == {"queued", "leased", "done", "requeued", "duplicates", "oldest_task_age"}
-        for v in st["volunteers"]:
+        for v in stage["volunteers"]:
             assert {"device", "peer", "short", "state", "compute", "throughput", "last_seen"} <= set(v)
     assert {"step", "steps", "last_loss", "tokens_per_second", "seconds_per_step", "predicted_seconds_per_step",
             "microbatches_applied", "microbatches_expected", "volunteers_joined", "volunteers_lost"} <= set(s["progress"])

@@ -15,10 +15,11 @@ import threading
 import msgpack
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.proto.runtime_pb2 import ExpertRequest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from parameter_server.service import StageServer
 from peer.protocol import methods

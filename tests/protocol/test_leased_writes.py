@@ -43,7 +43,7 @@ def test_every_leased_method_refuses_all_but_the_holder_of_the_lease():
     st0, st1 = layout.stages
     fs0, bs0, fs1 = (swarm.servers[d] for d in (st0.frontal[0], st0.backward[0], st1.frontal[0]))
     holder, other = [w for w in swarm.workers if w.stage == 0]
-    rows, seq, hidden = run.batch_size // run.micro_batches, cfg.seq_len, cfg.hidden
+    seq, hidden = cfg.seq_len, cfg.hidden
     said: dict[str, list[str]] = {}
 
     async def scenario():

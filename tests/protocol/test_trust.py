@@ -12,8 +12,17 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
 from peer.protocol import records
-from peer.protocol.trust import (RunValidator, SigningKey, TrustError, config_name, open_record, peer_id_of, seal,
-                                 split_run_id, stage_name)
+from peer.protocol.trust import (
+    RunValidator,
+    SigningKey,
+    TrustError,
+    config_name,
+    open_record,
+    peer_id_of,
+    seal,
+    split_run_id,
+    stage_name,
+)
 
 NOW = 1_800_000_000.0
 RUN_KEY = SigningKey.generate()

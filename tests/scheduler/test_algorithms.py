@@ -4,11 +4,19 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from scheduler import (ALGORITHMS, PlanInputError, choose_stage_for_volunteer, load_cluster, load_model,
-                       make_plan, plan_cost)
-from scheduler import scenarios
+from scheduler import (
+    ALGORITHMS,
+    PlanInputError,
+    choose_stage_for_volunteer,
+    load_cluster,
+    load_model,
+    make_plan,
+    plan_cost,
+    scenarios,
+)
 from scheduler.cost import engine_for
 from scheduler.paper import assign_roles, diana_split, divisive_levels, edge_weights
 from scheduler.tsp import anneal_open_path, brute_force_open_path, path_cost

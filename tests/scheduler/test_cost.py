@@ -5,8 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from scheduler import load_cluster, load_model, load_plan, plan_cost
-from scheduler import scenarios
+from scheduler import load_cluster, load_model, load_plan, plan_cost, scenarios
 from scheduler.cost import segmentation
 from tests.scheduler.reference import reference_cost
 
@@ -164,7 +163,7 @@ def test_invalid_plans_cost_infinity_with_a_reason(plan, reason):
 
 
 def _random_plan(rng, cluster, L):
-    R, U = cluster.n_reliable, cluster.n_unreliable
+    R = cluster.n_reliable
     K = int(rng.integers(1, min(L, R // 2) + 1))
     perm = [cluster.reliable_ids[i] for i in rng.permutation(R)]
     stages = [{"frontal": [perm[2 * k]], "backward": [perm[2 * k + 1]], "clients": []} for k in range(K)]

@@ -4,8 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from scheduler import load_cluster, load_model, plan_cost
-from scheduler import scenarios
+from scheduler import load_cluster, load_model, plan_cost, scenarios
 from scheduler.cost import engine_for
 from scheduler.refine import move_reliable, move_volunteer, random_layout
 from scheduler.state import State, best_link

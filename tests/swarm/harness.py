@@ -15,10 +15,10 @@ import time
 from safetensors.torch import load_file
 
 from peer.cli import build_parser
-from peer.node import P2PLink, start_dht, stop_dht, visible_maddrs
-from peer.protocol import records
 from peer.launcher.monitor import Monitor
 from peer.launcher.processes import Swarm, kill_group
+from peer.node import P2PLink, start_dht, stop_dht, visible_maddrs
+from peer.protocol import records
 from peer.swarm import validate
 
 

@@ -138,7 +138,6 @@ async def _has(live, device):
 
 async def send_bad_payloads(live) -> dict:
     """A registered client of stage 0 sends malformed requests; each must be refused with a reason."""
-    from peer.model.transformer import init_state
 
     fs, bs = live.layout.stages[0].frontal[0], live.layout.stages[0].backward[0]
     answers = {}

@@ -549,7 +549,7 @@ def test_reclaim_requeues_the_leases_a_client_does_not_know_it_holds():
     # the client knows a and nothing else; c is only 5 s old, b 6 s
     lost = pool.reclaim("c", [a.task.task_id], min_age=5.5)
     assert [t.task_id for t in lost] == [b.task.task_id]
-    assert {l.task.task_id for l in pool.leases_of("c")} == {a.task.task_id, c.task.task_id}
+    assert {lease.task.task_id for lease in pool.leases_of("c")} == {a.task.task_id, c.task.task_id}
     assert pool.stats()["requeued"] == 1
     again = pool.take("other")
     assert again is not None and again.task.task_id == b.task.task_id and again.attempt == 2
