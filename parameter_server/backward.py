@@ -2,6 +2,7 @@
 sends each complete micro-batch to the next stage's frontal servers (evenly segmented), and turns
 output gradients into backward tasks that prefer the client of the forward pass. Must not step
 parameters."""
+
 from __future__ import annotations
 
 from parameter_server.layout import owners
@@ -68,5 +69,15 @@ class Backward:
             if entry.backward_task is None and buf.has(*entry.rows):
                 x, y = entry.rows
                 entry.backward_task = make_task_id("backward", t, m, self.stage, (x, y))
-                self._add_task(Task(task_id=entry.backward_task, kind="backward", batch=t, micro_batch=m,
-                                   stage=self.stage, rows=(x, y), preferred_client=entry.client, payload_ref=entry))
+                self._add_task(
+                    Task(
+                        task_id=entry.backward_task,
+                        kind="backward",
+                        batch=t,
+                        micro_batch=m,
+                        stage=self.stage,
+                        rows=(x, y),
+                        preferred_client=entry.client,
+                        payload_ref=entry,
+                    )
+                )

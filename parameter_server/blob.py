@@ -5,6 +5,7 @@ version of a 230k-parameter shard (its parameters and AdamW moments, 8 MB) 5.7-6
 time to write against 2.2-2.6 ms here, 3.2-5.8 ms to read against 2.2-3.4; a 0.9 MB gradient push
 1.4-3.2 ms against 0.26. A file written by torch.save before (it starts with b"PK", a zip archive)
 still loads."""
+
 from __future__ import annotations
 
 import io
@@ -47,8 +48,11 @@ def loads(blob: bytes):
             nonlocal at
             dtype, shape, nbytes = ref
             # (frombuffer refuses an empty buffer; the bytearray is the tensor's own memory)
-            raw = (torch.frombuffer(bytearray(view[at : at + nbytes]), dtype=torch.uint8) if nbytes
-                   else torch.empty(0, dtype=torch.uint8))
+            raw = (
+                torch.frombuffer(bytearray(view[at : at + nbytes]), dtype=torch.uint8)
+                if nbytes
+                else torch.empty(0, dtype=torch.uint8)
+            )
             at += nbytes
             return raw.view(getattr(torch, dtype)).reshape(shape)
 

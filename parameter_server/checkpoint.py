@@ -3,6 +3,7 @@ version's parameters and AdamW state, the current one's among them) in ONE file,
 after every step once the new version's file is on disk (a SIGKILL between two files would pair new
 parameters with an old version and optimizer state, and a replay would apply a step twice). The
 request log beside it (parameter_server/requestlog.py) carries what happened since."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,13 @@ def checkpoint_state(server) -> tuple[dict, dict]:
     place): every shard slot the server hosts (its own and, after a failover, the slots it took
     over), and the summary beside it for people and the dashboard."""
     state = {"own_slot": server.slot, "slots": {slot: sh.state_dict() for slot, sh in server.hosted.items()}}
-    summary = {"version": server.version, "device": server.device_id, "stage": server.stage,
-               "slots": sorted(server.hosted), "epoch": server.epoch}
+    summary = {
+        "version": server.version,
+        "device": server.device_id,
+        "stage": server.stage,
+        "slots": sorted(server.hosted),
+        "epoch": server.epoch,
+    }
     return state, summary
 
 
@@ -83,8 +89,9 @@ def _forget_history(directory: str, prefix: str, keep: set[str]) -> None:
 
 def write_checkpoint(directory: str, device: str, state: dict, summary: dict) -> None:
     prefix = f"{device}.history"
-    state = dict(state, slots={slot: _history_out(directory, f"{prefix}.s{slot}", sh)
-                               for slot, sh in state["slots"].items()})
+    state = dict(
+        state, slots={slot: _history_out(directory, f"{prefix}.s{slot}", sh) for slot, sh in state["slots"].items()}
+    )
     blob.save(state, _path(directory, device))
     _forget_history(directory, prefix, {name for sh in state["slots"].values() for name in sh["history"].values()})
     with open(os.path.join(directory, f"{device}.json"), "w") as f:
@@ -176,17 +183,23 @@ def load_checkpoint(server, directory: str) -> bool:
     state = blob.load(path)
     if "slots" not in state:  # a checkpoint of one shard, as written before failover existed
         state = {"own_slot": server.slot, "slots": {server.slot: state}}
-    if state.get("own_slot") != server.slot or server.slot not in state["slots"] or \
-            not all(isinstance(k, int) and 0 <= k < len(server.slot_names) for k in state["slots"]):
-        raise ValueError(f"checkpoint {path} holds shard slots {sorted(state['slots'])} of a server whose own slot "
-                         f"is {state.get('own_slot')}, not {server.slot}: not this server's checkpoint")
+    if (
+        state.get("own_slot") != server.slot
+        or server.slot not in state["slots"]
+        or not all(isinstance(k, int) and 0 <= k < len(server.slot_names) for k in state["slots"])
+    ):
+        raise ValueError(
+            f"checkpoint {path} holds shard slots {sorted(state['slots'])} of a server whose own slot "
+            f"is {state.get('own_slot')}, not {server.slot}: not this server's checkpoint"
+        )
     shards = {slot: server.shard if slot == server.slot else server._new_shard(slot) for slot in state["slots"]}
     saved = {slot: _history_in(directory, state["slots"][slot]) for slot in shards}
     for slot, shard in shards.items():  # every slot checked before anything is loaded
         missing = set(shard.names) - set(_current_params(directory, saved[slot]))
         if missing:
-            raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:3]} of shard slot {slot}: not this "
-                             "server's shard")
+            raise ValueError(
+                f"checkpoint {path} lacks {sorted(missing)[:3]} of shard slot {slot}: not this server's shard"
+            )
     for slot, shard in shards.items():
         shard.load_state_dict(saved[slot])
         if slot != server.slot:

@@ -2,6 +2,7 @@
 stage and role, batch and micro-batch indices are in range and not applied yet, and a payload's
 rows lie in this server's segment with tensors of the right shape, dtype and values. A check
 raises PayloadError and changes nothing."""
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,17 @@ class Checks:
             raise PayloadError(f"sender {sender[-8:]} is not a {' or '.join(roles)} server of stage {stage}")
         return dev
 
-    def _answers_lease(self, ticket, task_id: str, sender: str, kind: str, t: int, m: int | None = None,
-                       rows: tuple[int, int] | None = None, exact: bool = False) -> None:
+    def _answers_lease(
+        self,
+        ticket,
+        task_id: str,
+        sender: str,
+        kind: str,
+        t: int,
+        m: int | None = None,
+        rows: tuple[int, int] | None = None,
+        exact: bool = False,
+    ) -> None:
         """A result for task `task_id` is accepted only from a holder of its lease (the `ticket` it got
         with `take`, peer/protocol/leases.py), and only for what the task covers: a `kind` task of this
         stage, batch `t` (and micro-batch `m`), whose rows hold `rows` (are them, with `exact`). A
@@ -47,8 +57,9 @@ class Checks:
         if rows is not None:
             (a, b), (lo, hi) = rows, tid.rows
             if (a, b) != (lo, hi) if exact else not (lo <= a and b <= hi):
-                raise PayloadError(f"rows [{a}, {b}) are not {'the' if exact else 'within the'} rows [{lo}, {hi}) "
-                                   f"of task {task_id}")
+                raise PayloadError(
+                    f"rows [{a}, {b}) are not {'the' if exact else 'within the'} rows [{lo}, {hi}) of task {task_id}"
+                )
         self.lease_tickets.check(ticket, task_id, sender, self.epoch)
 
     def _batch_micro(self, meta: dict, check_applied: bool = True) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """Who computes for this server: the registry of clients (volunteers, and the servers' own
 workers), their registration and heartbeats, and dropping the silent ones, whose leases go back to
 the pool at once. Owns ClientInfo; must not touch rows, tasks' contents or parameters."""
+
 from __future__ import annotations
 
 import logging
@@ -80,8 +81,10 @@ class Clients:
         if self.volunteers_allow is not None and sender not in self.volunteers_allow and not self._is_server(sender):
             raise PayloadError(f"peer {sender} {NOT_ALLOWED}")
         holding = mfield(meta, "holding", list, optional=True)
-        if holding is not None and (len(holding) > 4 * self.run.micro_batches * self.rows + 8 or
-                                    not all(isinstance(t, str) and len(t) <= 64 for t in holding)):
+        if holding is not None and (
+            len(holding) > 4 * self.run.micro_batches * self.rows + 8
+            or not all(isinstance(t, str) and len(t) <= 64 for t in holding)
+        ):
             raise PayloadError("field 'holding' must list the task ids the client holds")
         # the client's last take here failed without an answer (it has one take in flight per server
         # at most): no lease of it here is on its way, so those it does not hold are lost now
@@ -123,8 +126,12 @@ class Clients:
             lost = self.pool.reclaim(sender, holding, min_age=0.0 if take_lost or first else LEASE_IN_FLIGHT)
             if lost:
                 self.counters["leases_reclaimed"] = self.counters.get("leases_reclaimed", 0) + len(lost)
-                logger.info("%s: %s does not hold %s: re-queued", self.device_id, sender[-8:],
-                            ", ".join(t.task_id for t in lost))
+                logger.info(
+                    "%s: %s does not hold %s: re-queued",
+                    self.device_id,
+                    sender[-8:],
+                    ", ".join(t.task_id for t in lost),
+                )
         return {"ok": True, "version": self.version, "epoch": self.epoch}
 
     def _admit(self, sender: str) -> None:
@@ -133,8 +140,10 @@ class Clients:
         now = self.clock()
         drops, until = self.struck_out.get(sender, (0, 0.0))
         if now < until:
-            raise PayloadError(f"peer {sender[-8:]} was dropped after {STRIKES_TO_DROP} leases in a row ran out "
-                               f"unanswered ({drops} time(s)): it may register again in {until - now:.0f} s")
+            raise PayloadError(
+                f"peer {sender[-8:]} was dropped after {STRIKES_TO_DROP} leases in a row ran out "
+                f"unanswered ({drops} time(s)): it may register again in {until - now:.0f} s"
+            )
         if not self.admissions.take(now):
             self.counters["registrations_limited"] = self.counters.get("registrations_limited", 0) + 1
             raise PayloadError(f"{TOO_MANY_NEW}: register again in a second")
@@ -192,8 +201,14 @@ class Clients:
         # with --no-requeue the departed client's leases are left to run out their full timeout
         # (as a SWARM trainer waits out a request to a dead peer); the work is then done again
         n = len(self.pool.client_left(peer)) if self.requeue else len(self.pool.leases_of(peer))
-        logger.info("%s: client %s left (%s); %d tasks %s", self.device_id, peer[-8:], why, n,
-                    "re-queued" if self.requeue else "left to time out")
+        logger.info(
+            "%s: client %s left (%s); %d tasks %s",
+            self.device_id,
+            peer[-8:],
+            why,
+            n,
+            "re-queued" if self.requeue else "left to time out",
+        )
 
     def _client(self, sender: str) -> ClientInfo:
         if self.replaying:  # the request was checked when it first arrived

@@ -24,6 +24,7 @@ bias below about FLOOR is not caught; one at 3e-4 is caught at its 5th check wit
 
 Pure arithmetic on tensors: no network, no state of the server's but its sums.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,15 +62,16 @@ def chi2_quantile(p: float, k: int) -> float:
 
 def bound(n: int, k: int = DIRECTIONS, alpha: float = ALPHA) -> float:
     """Q_N's threshold after n checks."""
-    return chi2_quantile(6.0 * alpha / (math.pi ** 2 * n * n), k)
+    return chi2_quantile(6.0 * alpha / (math.pi**2 * n * n), k)
 
 
 class DriftTest:
     """The running sums of one server: `add` one check, and it says whether the volunteer's
     differences point the same way too often to be rounding."""
 
-    def __init__(self, secret: bytes | None = None, directions: int = DIRECTIONS, floor: float = FLOOR,
-                 alpha: float = ALPHA):
+    def __init__(
+        self, secret: bytes | None = None, directions: int = DIRECTIONS, floor: float = FLOOR, alpha: float = ALPHA
+    ):
         if directions < 2 or directions % 2:
             raise ValueError("the drift test takes an even number of directions, at least 2")
         self.secret = os.urandom(16) if secret is None else secret
@@ -88,7 +90,7 @@ class DriftTest:
         for k in range(self.k):
             gen = torch.Generator().manual_seed(self._seed(k, n))
             for lo in range(0, n, CHUNK):
-                part = d[lo: lo + CHUNK]
+                part = d[lo : lo + CHUNK]
                 signs = torch.randint(0, 2, (part.numel(),), generator=gen, dtype=torch.int8).double() * 2 - 1
                 out[k] += torch.dot(part, signs)
         return out
@@ -97,8 +99,11 @@ class DriftTest:
         """Add one check of `peer`'s result of `kind`; (Q_N, its bound) when Q_N passes the bound
         (ban), else None."""
         d = got.detach().flatten().double().cpu() - want.detach().flatten().double().cpu()
-        scale = max(float(torch.linalg.vector_norm(d)),
-                    self.floor * float(torch.linalg.vector_norm(want.detach().flatten().double().cpu())), 1e-30)
+        scale = max(
+            float(torch.linalg.vector_norm(d)),
+            self.floor * float(torch.linalg.vector_norm(want.detach().flatten().double().cpu())),
+            1e-30,
+        )
         v = self.project(d) / scale
         s, n = self.sums.get((peer, kind), (torch.zeros(self.k, dtype=torch.float64), 0))
         s, n = s + v, n + 1

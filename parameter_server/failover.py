@@ -2,6 +2,7 @@
 the layout epochs (a record checked, adopted, or coordinated by the first remaining server when a
 server is lost for good), and `get_layout` for workers that meet a newer epoch. Must not touch the
 data path except to reset it when an epoch begins."""
+
 from __future__ import annotations
 
 import asyncio
@@ -54,8 +55,9 @@ class Failover:
                 if version not in shard.snapshots:  # forgotten meanwhile (the shard stepped on)
                     continue
                 step = shard.export_step(version) if version - 1 == getattr(lock, "sent", -1) else None
-                if step is None or not await self._replica_step(buddy, slot, *step,
-                                                                by_reference=self._buddy_made(shard, version, buddy)):
+                if step is None or not await self._replica_step(
+                    buddy, slot, *step, by_reference=self._buddy_made(shard, version, buddy)
+                ):
                     meta, tensors = shard.export(version)
                     await self._deliver(buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60)
                 lock.sent = version
@@ -85,8 +87,9 @@ class Failover:
                     return True
             answer, _ = await link.call("push_replica", dict(meta, slot=slot), tensors, timeout=30.0)
         except Exception as e:
-            logger.debug("%s: replica step %d of slot %d to %s not taken: %r", self.device_id, meta["version"], slot,
-                         buddy, e)
+            logger.debug(
+                "%s: replica step %d of slot %d to %s not taken: %r", self.device_id, meta["version"], slot, buddy, e
+            )
             return False
         return answer.get("result") in ("accepted", "duplicate")  # (a duplicate: a repeat after a lost answer)
 
@@ -142,11 +145,15 @@ class Failover:
         batch twice, or other bits."""
         version, names = meta.get("version"), meta.get("names")
         if not isinstance(version, int) or not isinstance(names, list) or not isinstance(meta["grad_digest"], str):
-            raise PayloadError("a replica step by reference needs an int 'version', a 'names' list and a "
-                               "'grad_digest' string")
+            raise PayloadError(
+                "a replica step by reference needs an int 'version', a 'names' list and a 'grad_digest' string"
+            )
         pushed = self.own_pushes.get((slot, version - 1))
-        if pushed is None or len(pushed) != len(names) or \
-                tensors_digest(names, dict(zip(names, pushed))) != meta["grad_digest"]:
+        if (
+            pushed is None
+            or len(pushed) != len(names)
+            or tensors_digest(names, dict(zip(names, pushed))) != meta["grad_digest"]
+        ):
             return None
         return pushed
 
@@ -192,7 +199,8 @@ class Failover:
         except ValueError as e:
             raise PayloadError(f"epoch layout: {e}") from None
         if layout.num_stages != self.layout.num_stages or any(
-                a.layers != b.layers or len(a.hosts) != len(b.hosts) for a, b in zip(layout.stages, self.layout.stages)):
+            a.layers != b.layers or len(a.hosts) != len(b.hosts) for a, b in zip(layout.stages, self.layout.stages)
+        ):
             raise PayloadError("an epoch layout must keep the stages, their layers and their shard slots")
         if not 0 <= from_batch < self.run.steps:
             raise PayloadError(f"from_batch {from_batch} outside 0..{self.run.steps - 1}")
@@ -221,12 +229,14 @@ class Failover:
         take_over = [i for i in st.slots_of(self.device_id) if i not in self.hosted]
         missing = [i for i in take_over if i not in self.replicas]
         if stage != self.stage or role != self.role or missing:
-            raise PayloadError(f"epoch {epoch} moves {self.device_id} or gives it slots {missing} it holds no "
-                               "replica of")
+            raise PayloadError(
+                f"epoch {epoch} moves {self.device_id} or gives it slots {missing} it holds no replica of"
+            )
         for i in take_over:  # all checked before anything changes
             if self.replicas[i].version < from_batch:
-                raise PayloadError(f"the replica of slot {i} is at version {self.replicas[i].version}, below "
-                                   f"from_batch {from_batch}")
+                raise PayloadError(
+                    f"the replica of slot {i} is at version {self.replicas[i].version}, below from_batch {from_batch}"
+                )
         rollback_to = record.get("rollback_to")
         if rollback_to is not None:  # a caught cheater's applied work is undone (parameter_server/verify.py)
             for slot, shard in self.hosted.items():
@@ -263,15 +273,24 @@ class Failover:
         if self.log is not None and not self.replaying:
             if rolled:  # what was logged of the undone batches must not be replayed after a restart
                 self.log.drop_batches(rollback_to, self.run.steps)
-            self.log.append({"method": "adopt_epoch", "meta": dict(record), "sender": self.peer_id,
-                             "batch": self.run.steps}, [])
+            self.log.append(
+                {"method": "adopt_epoch", "meta": dict(record), "sender": self.peer_id, "batch": self.run.steps}, []
+            )
         if (take_over or rolled) and not self.replaying:
             for cb in self.on_adopt:  # adopted slots and rollbacks reach the checkpoint before they are served
                 cb(dict(record))
         for cb in self.on_epoch:
             cb(dict(record))
-        logger.warning("%s: layout epoch %d from batch %d (stage %d: frontal %s, backward %s, slots %s)",
-                       self.device_id, epoch, from_batch, stage, list(st.frontal), list(st.backward), list(st.hosts))
+        logger.warning(
+            "%s: layout epoch %d from batch %d (stage %d: frontal %s, backward %s, slots %s)",
+            self.device_id,
+            epoch,
+            from_batch,
+            stage,
+            list(st.frontal),
+            list(st.backward),
+            list(st.hosts),
+        )
         self.maybe_start_batches()
         return True
 
@@ -303,14 +322,20 @@ class Failover:
             raise PayloadError(f"{lost} host no shard slots")
         from_batch = min(versions)
         if max(versions) - from_batch >= snapshots_kept(self.layout.num_stages) - 1:
-            raise PayloadError(f"shards are at versions {min(versions)}..{max(versions)}: too far apart to run "
-                               "again from the lowest")
+            raise PayloadError(
+                f"shards are at versions {min(versions)}..{max(versions)}: too far apart to run again from the lowest"
+            )
         try:
             layout = self.layout.without(moves)
         except ValueError as e:
             raise PayloadError(str(e)) from None
-        record = {"epoch": self.epoch + 1, "layout": layout.to_dict(), "from_batch": min(from_batch, self.run.steps - 1),
-                  "lost": sorted(lost), "banned": sorted(self.banned)}
+        record = {
+            "epoch": self.epoch + 1,
+            "layout": layout.to_dict(),
+            "from_batch": min(from_batch, self.run.steps - 1),
+            "lost": sorted(lost),
+            "banned": sorted(self.banned),
+        }
         await self.send_epoch(record, alive)
         self.adopt(record)
         return record

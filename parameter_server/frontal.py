@@ -2,6 +2,7 @@
 inputs from the previous stage's backward servers. It cuts its rows of each micro-batch into forward
 tasks by its clients' measured speed, serves inputs again for recomputation, and relays input
 gradients to the previous stage. Must not step parameters."""
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,11 @@ class Frontal:
         bounds the micro-batches in flight to two batches."""
         if self.role != "frontal" or self.stage != 0 or self.replaying:
             return
-        while self.next_batch < self.run.steps and self.version >= version_for_batch(self.next_batch) \
-                and self.next_batch <= self.version + 1:
+        while (
+            self.next_batch < self.run.steps
+            and self.version >= version_for_batch(self.next_batch)
+            and self.next_batch <= self.version + 1
+        ):
             t = self.next_batch
             self._build_inputs(t)
             for m in range(self.run.micro_batches):
@@ -97,15 +101,37 @@ class Frontal:
         lo, hi = self.seg
         members = self.batch_members.setdefault(t, [])
         first = self._local_first(t) if not members else frozenset()
-        pieces = cut_rows(lo, hi, self.split_weights(), self.task_credit, self.min_task_rows, members,
-                          clients_per_batch(self.run.micro_batches, hi - lo, self.min_client_rows), first)
+        pieces = cut_rows(
+            lo,
+            hi,
+            self.split_weights(),
+            self.task_credit,
+            self.min_task_rows,
+            members,
+            clients_per_batch(self.run.micro_batches, hi - lo, self.min_client_rows),
+            first,
+        )
         if m == 0:
-            logger.debug("%s: batch %d goes to %s (servers' workers free: %s)", self.device_id, t,
-                         [p[-8:] for p in members], sorted(p[-8:] for p in first))
+            logger.debug(
+                "%s: batch %d goes to %s (servers' workers free: %s)",
+                self.device_id,
+                t,
+                [p[-8:] for p in members],
+                sorted(p[-8:] for p in first),
+            )
         note_cut(self.batch_cut, t, {client for client, _, _ in pieces})
         for client, a, b in pieces:
-            self._add_task(Task(task_id=make_task_id("forward", t, m, self.stage, (a, b)), kind="forward", batch=t, micro_batch=m,
-                               stage=self.stage, rows=(a, b), preferred_client=client))
+            self._add_task(
+                Task(
+                    task_id=make_task_id("forward", t, m, self.stage, (a, b)),
+                    kind="forward",
+                    batch=t,
+                    micro_batch=m,
+                    stage=self.stage,
+                    rows=(a, b),
+                    preferred_client=client,
+                )
+            )
 
     def _local_first(self, t: int) -> set:
         """The clients batch t's members are chosen from first (scheduler/rows.py `local_first`): the
@@ -167,8 +193,9 @@ class Frontal:
             raise PayloadError("push_input_grads goes to a frontal server of a stage > 0")
         task_id = mfield(meta, "task", str)
         t, m, a, b = self._rows_payload(meta, tensors, "push_input_grads", ("input gradient",))
-        self._answers_lease(meta.get("lease"), task_id, sender, "forward" if self.last else "backward", t, m, (a, b),
-                            exact=True)
+        self._answers_lease(
+            meta.get("lease"), task_id, sender, "forward" if self.last else "backward", t, m, (a, b), exact=True
+        )
         buf = self.grad_buffers.setdefault((t, m), RowBuffer(*self.seg))
         fresh = buf.add(a, b, tensors[0], None)
         if fresh:
@@ -183,5 +210,11 @@ class Frontal:
             return
         prev = self.layout.stages[self.stage - 1]
         for j, x, y in owners(self.rows, len(prev.backward), a, b):
-            self._spawn(self._deliver(prev.backward[j], "push_output_grads",
-                                      {"batch": t, "micro": m, "rows": [x, y]}, [grad[x - a : y - a]]))
+            self._spawn(
+                self._deliver(
+                    prev.backward[j],
+                    "push_output_grads",
+                    {"batch": t, "micro": m, "rows": [x, y]},
+                    [grad[x - a : y - a]],
+                )
+            )

@@ -1,6 +1,7 @@
 """The run's layout: which servers hold which stage and role, which layers each stage owns, and the
 row arithmetic of section 3.2.1 (even segmentation of a micro-batch between p senders and q
 receivers, and a split of rows in proportion to compute power). Pure Python: no torch, no network."""
+
 from __future__ import annotations
 
 import math
@@ -64,12 +65,21 @@ class RunLayout:
     def to_dict(self) -> dict:
         return {
             "stages": [
-                {"layers": list(s.layers), "frontal": list(s.frontal), "backward": list(s.backward), "clients": list(s.clients)}
+                {
+                    "layers": list(s.layers),
+                    "frontal": list(s.frontal),
+                    "backward": list(s.backward),
+                    "clients": list(s.clients),
+                }
                 | ({"shard_hosts": list(s.shard_hosts)} if s.shard_hosts else {})
                 for s in self.stages
             ],
             "idle": list(self.idle),
-        } | ({} if self.predicted_seconds_per_step is None else {"predicted_seconds_per_step": self.predicted_seconds_per_step})
+        } | (
+            {}
+            if self.predicted_seconds_per_step is None
+            else {"predicted_seconds_per_step": self.predicted_seconds_per_step}
+        )
 
     @classmethod
     def from_dict(cls, data: dict, num_layers: int) -> "RunLayout":
@@ -103,11 +113,17 @@ class RunLayout:
                 roles[role] = tuple(ids)
             hosts = s.get("shard_hosts", [])
             servers = set(roles["frontal"]) | set(roles["backward"])
-            if not isinstance(hosts, list) or not all(isinstance(h, str) and h in servers for h in hosts) \
-                    or (hosts and not servers <= set(hosts)):
+            if (
+                not isinstance(hosts, list)
+                or not all(isinstance(h, str) and h in servers for h in hosts)
+                or (hosts and not servers <= set(hosts))
+            ):
                 raise ValueError(f"{where}.shard_hosts: expected a list of this stage's servers, each hosting a slot")
-            stages.append(StageLayout(k, (layers[0], layers[1]), roles["frontal"], roles["backward"], roles["clients"],
-                                      tuple(hosts)))
+            stages.append(
+                StageLayout(
+                    k, (layers[0], layers[1]), roles["frontal"], roles["backward"], roles["clients"], tuple(hosts)
+                )
+            )
         if expected_lo != num_layers:
             raise ValueError(f"plan.stages: layers end at {expected_lo}, the model has {num_layers}")
         idle = data.get("idle", [])
@@ -122,7 +138,9 @@ class RunLayout:
         return cls(tuple(stages), tuple(idle), None if pred is None else float(pred))
 
     @classmethod
-    def even(cls, num_stages: int, num_layers: int, frontal_per_stage: int = 1, backward_per_stage: int = 1) -> "RunLayout":
+    def even(
+        cls, num_stages: int, num_layers: int, frontal_per_stage: int = 1, backward_per_stage: int = 1
+    ) -> "RunLayout":
         """The default layout: layers split evenly, servers named s{k}f{i} and s{k}b{i}."""
         if not 1 <= num_stages <= num_layers:
             raise ValueError(f"--stages must be between 1 and the model's {num_layers} layers, got {num_stages}")
@@ -145,9 +163,12 @@ class RunLayout:
         """The roles that `lost` leaves without a server, as (stage, role, its servers): a failover
         cannot absorb those losses (`without` refuses them), so the run stops until one comes back."""
         gone = set(lost)
-        return [(st.index, role, devs) for st in self.stages for role, devs in (("frontal", st.frontal),
-                                                                                 ("backward", st.backward))
-                if devs and set(devs) <= gone]
+        return [
+            (st.index, role, devs)
+            for st in self.stages
+            for role, devs in (("frontal", st.frontal), ("backward", st.backward))
+            if devs and set(devs) <= gone
+        ]
 
     def without(self, lost: dict[str, str]) -> "RunLayout":
         """The layout after a failover: each lost server (device -> the server now hosting its shard
@@ -163,9 +184,14 @@ class RunLayout:
                 raise ValueError(f"stage {st.index} would have no {role} server left")
             hosts = tuple(lost.get(d, d) for d in st.hosts)
             if not set(hosts) <= set(frontal + backward):
-                raise ValueError(f"stage {st.index}: a lost server's shard must move to a remaining server of the stage")
-            stages.append(StageLayout(st.index, st.layers, frontal, backward, st.clients,
-                                      hosts if hosts != frontal + backward else ()))
+                raise ValueError(
+                    f"stage {st.index}: a lost server's shard must move to a remaining server of the stage"
+                )
+            stages.append(
+                StageLayout(
+                    st.index, st.layers, frontal, backward, st.clients, hosts if hosts != frontal + backward else ()
+                )
+            )
         return RunLayout(tuple(stages), self.idle, self.predicted_seconds_per_step)
 
 
@@ -176,11 +202,13 @@ def halt_reason(stranded: list[tuple[int, str, tuple[str, ...]]], failover: bool
     if not stranded:
         return None
     parts = [f"stage {k} has no {role} server ({', '.join(devs)} gone)" for k, role, devs in stranded]
-    why = ("a role's last server cannot be failed over" if failover else "failover is off (--failover-after 0)")
+    why = "a role's last server cannot be failed over" if failover else "failover is off (--failover-after 0)"
     devs = [d for _, _, ds in stranded for d in ds]
     back = "it comes" if len(devs) == 1 else "they come"
-    return (f"run stopped: {'; '.join(parts)}; {why}, so the run waits until {back} back from the checkpoint "
-            f"(restart with the same --device, identity and --checkpoint-dir)")
+    return (
+        f"run stopped: {'; '.join(parts)}; {why}, so the run waits until {back} back from the checkpoint "
+        f"(restart with the same --device, identity and --checkpoint-dir)"
+    )
 
 
 def segment(n: int, parts: int, i: int) -> tuple[int, int]:

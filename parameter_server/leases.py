@@ -1,6 +1,7 @@
 """The task pool's face to clients: `take` (a lease with the rows or gradients it needs),
 `complete` and `fail`, and the one place tasks enter the pool (forward tasks are logged, so that a
 restart re-creates the very same cut). Must not build rows or step parameters."""
+
 from __future__ import annotations
 
 import asyncio
@@ -56,8 +57,9 @@ class Leases:
                 # while it still waited here: a lease now would be answered into a closed stream
                 # and wait for a heartbeat to be re-queued (seen in a soak: 5 s stalls)
                 self.counters["takes_dropped"] = self.counters.get("takes_dropped", 0) + 1
-                logger.info("%s: a take by %s that it gave up as lost was still waiting: dropped", self.device_id,
-                            sender[-8:])
+                logger.info(
+                    "%s: a take by %s that it gave up as lost was still waiting: dropped", self.device_id, sender[-8:]
+                )
                 return None
             lease = self.pool.take(sender)
             left = deadline - time.monotonic()
@@ -91,10 +93,20 @@ class Leases:
         # "more": tasks are queued here after this one (a hint: a worker done with its task asks a
         # server that had none only with a waiting take, when it has gone idle, not with a take that
         # answers "nothing" at once: those were 0.73 of the 3.9 calls a task cost)
-        common = {"task": task.task_id, "kind": task.kind, "batch": t, "micro": m, "rows": [a, b],
-                  "stage": self.stage, "version": version_for_batch(t), "deadline": lease.deadline - self.clock(),
-                  "attempt": lease.attempt, "epoch": self.epoch, "more": self.pool.queued() > 0,
-                  "lease": self.lease_tickets.issue(task.task_id, lease.client, lease.attempt, self.epoch)}
+        common = {
+            "task": task.task_id,
+            "kind": task.kind,
+            "batch": t,
+            "micro": m,
+            "rows": [a, b],
+            "stage": self.stage,
+            "version": version_for_batch(t),
+            "deadline": lease.deadline - self.clock(),
+            "attempt": lease.attempt,
+            "epoch": self.epoch,
+            "more": self.pool.queued() > 0,
+            "lease": self.lease_tickets.issue(task.task_id, lease.client, lease.attempt, self.epoch),
+        }
         if task.kind == "forward":
             x, y = self.buffers[(t, m)].slice(a, b)
             if not self.last:  # only the last stage computes a loss: the labels stay here
@@ -120,8 +132,19 @@ class Leases:
             if self.replaying:
                 return
             if self.log is not None:
-                self.log.append({"task": [task.task_id, task.batch, task.micro_batch, task.rows[0], task.rows[1],
-                                          task.preferred_client], "batch": task.batch})
+                self.log.append(
+                    {
+                        "task": [
+                            task.task_id,
+                            task.batch,
+                            task.micro_batch,
+                            task.rows[0],
+                            task.rows[1],
+                            task.preferred_client,
+                        ],
+                        "batch": task.batch,
+                    }
+                )
         self.pool.add(task)
         self.issued.add(task.task_id)
         self._signal_tasks()
@@ -149,16 +172,25 @@ class Leases:
         if not task_ids:
             return
         c = self._client(sender)
-        accepted = [t for t, r in self._complete(c, [t for t in task_ids if t in self.issued], sender).items()
-                    if r == Completion.ACCEPTED.value]
+        accepted = [
+            t
+            for t, r in self._complete(c, [t for t in task_ids if t in self.issued], sender).items()
+            if r == Completion.ACCEPTED.value
+        ]
         if self.log is None or self.replaying:
             return
         by_batch: dict[int, list[str]] = {}  # one record a batch: the log is compacted by batch
         for t in accepted:
             by_batch.setdefault(batch_of(t) or 0, []).append(t)
         for batch, ids in sorted(by_batch.items()):
-            self.log.append({"method": "complete", "meta": {"tasks": ids, "batch": batch, "epoch": self.epoch},
-                             "sender": sender, "batch": batch})
+            self.log.append(
+                {
+                    "method": "complete",
+                    "meta": {"tasks": ids, "batch": batch, "epoch": self.epoch},
+                    "sender": sender,
+                    "batch": batch,
+                }
+            )
 
     def _complete(self, c, task_ids: list[str], sender: str) -> dict[str, str]:
         """Complete what `sender` may complete: an open task only if it held a lease of it (a
@@ -177,8 +209,13 @@ class Leases:
             results[task_id] = result.value
         if refused:  # (one line a call: a list may name up to MAX_COMPLETE ids)
             self.counters["completes_not_held"] = self.counters.get("completes_not_held", 0) + len(refused)
-            logger.info("%s: %s completes %d task(s) it never held (%s): ignored", self.device_id, sender[-8:],
-                        len(refused), refused[0])
+            logger.info(
+                "%s: %s completes %d task(s) it never held (%s): ignored",
+                self.device_id,
+                sender[-8:],
+                len(refused),
+                refused[0],
+            )
         return results
 
     async def on_fail(self, meta, tensors, sender):

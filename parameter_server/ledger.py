@@ -1,6 +1,7 @@
 """What a server holds of the data path: the rows of a micro-batch received piece by piece
 (RowBuffer) and the backward server's ledger of which client computed which rows (LedgerEntry).
 Plain containers: they check overlaps, not senders."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from peer.protocol.wire import PayloadError
 @dataclass
 class RowBuffer:
     """Rows [lo, hi) of one micro-batch held by this server, filled piece by piece."""
+
     lo: int
     hi: int
     data: torch.Tensor | None = None

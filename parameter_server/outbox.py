@@ -1,6 +1,7 @@
 """What this server owes other servers (outputs to the next stage, input gradients to the previous
 one, replicas): background deliveries retried until taken, stamped with the layout epoch so that a
 failover cancels them. Must not decide what is owed."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,6 +1,7 @@
 """Restart: replay of the request log through the same handlers, on top of the shard checkpoint
 already loaded, then re-sending what this server owes others (receivers drop what they have).
 Must not write the log (the handlers skip it while replaying)."""
+
 from __future__ import annotations
 
 from parameter_server.updates import RETAIN
@@ -22,12 +23,24 @@ class Recovery:
                     tid, t, m, a, b, preferred = record["task"]
                     batches.add(t)
                     cut.add((t, m))
-                    if tid not in self.issued and t >= self.forgotten_before and \
-                            not (self.stage == 0 and t < self.version - (RETAIN - 1)):
+                    if (
+                        tid not in self.issued
+                        and t >= self.forgotten_before
+                        and not (self.stage == 0 and t < self.version - (RETAIN - 1))
+                    ):
                         if self.stage == 0 and self.role == "frontal" and (t, m) not in self.buffers:
                             self._build_inputs(t)
-                        self.pool.add(Task(task_id=tid, kind="forward", batch=t, micro_batch=m, stage=self.stage,
-                                           rows=(a, b), preferred_client=preferred))
+                        self.pool.add(
+                            Task(
+                                task_id=tid,
+                                kind="forward",
+                                batch=t,
+                                micro_batch=m,
+                                stage=self.stage,
+                                rows=(a, b),
+                                preferred_client=preferred,
+                            )
+                        )
                         self.issued.add(tid)
                     continue
                 await self.handle(record["method"], record["meta"], tensors, record["sender"])

@@ -12,6 +12,7 @@ open segment (the batches it drops, applied to every record before it when the l
 next segment, and deletes the oldest segments once none of their records is live. The log rewrote its
 live records at every step before: 14.6 MB a step for a server of the default swarm, ~30 ms on its
 event loop."""
+
 from __future__ import annotations
 
 import os
@@ -41,7 +42,7 @@ def segments(path: str) -> list[str]:
     directory, base = os.path.split(path)
     found = [(-1, path)] if os.path.exists(path) else []
     for name in os.listdir(directory or "."):
-        suffix = name[len(base) + 1:]
+        suffix = name[len(base) + 1 :]
         if name.startswith(base + ".") and suffix.isdigit():
             found.append((int(suffix), os.path.join(directory, name)))
     return [p for _, p in sorted(found)]

@@ -15,6 +15,7 @@ log), and the directory of the run's servers. Each concern lives in a room of it
 Every handler checks its payload (shape, dtype, finite values, known ids, registered sender) and
 answers anything else with an error that says what is wrong, changing nothing.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -78,17 +79,36 @@ def default_max_request_bytes(stage_params: dict, rows: int, cfg) -> int:
     return 3 * stage_bytes + 2 * activations + (16 << 20)
 
 
-class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verification, Outbox, Failover, Recovery, Status,
-                  ServicerBase):
-
-    def __init__(self, *, run, layout: RunLayout, cfg, device_id: str, peer_id: str, stage_params: dict,
-                 corpus=None, links: LinkEmulator | None = None, clock: Callable[[], float] = time.monotonic,
-                 task_timeout: float = 60.0, client_timeout: float = 5.0, preference_grace: float = 0.5,
-                 connector: Callable[[str], object] | None = None, requeue: bool = True,
-                 max_request_bytes: int | None = None, volunteers_allow: frozenset[str] | None = None,
-                 verify_rate: float = DEFAULT_VERIFY_RATE, probation: int = DEFAULT_PROBATION, verify_device: str = "cpu",
-                 task_tokens: int = DEFAULT_TASK_TOKENS, client_batch_tokens: int = DEFAULT_CLIENT_BATCH_TOKENS,
-                 local_first: bool = True, lease_tickets: LeaseTickets):
+class StageServer(
+    Clients, Checks, Leases, Updates, Frontal, Backward, Verification, Outbox, Failover, Recovery, Status, ServicerBase
+):
+    def __init__(
+        self,
+        *,
+        run,
+        layout: RunLayout,
+        cfg,
+        device_id: str,
+        peer_id: str,
+        stage_params: dict,
+        corpus=None,
+        links: LinkEmulator | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        task_timeout: float = 60.0,
+        client_timeout: float = 5.0,
+        preference_grace: float = 0.5,
+        connector: Callable[[str], object] | None = None,
+        requeue: bool = True,
+        max_request_bytes: int | None = None,
+        volunteers_allow: frozenset[str] | None = None,
+        verify_rate: float = DEFAULT_VERIFY_RATE,
+        probation: int = DEFAULT_PROBATION,
+        verify_device: str = "cpu",
+        task_tokens: int = DEFAULT_TASK_TOKENS,
+        client_batch_tokens: int = DEFAULT_CLIENT_BATCH_TOKENS,
+        local_first: bool = True,
+        lease_tickets: LeaseTickets,
+    ):
         self.run = run
         # the tickets of this run's leases, which every server of the run can check (peer/protocol/leases.py)
         self.lease_tickets = lease_tickets
@@ -143,8 +163,13 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.struck_out = Remembered(SEEN_VOLUNTEERS)  # peer -> (drops, may register again at)
         self.last_silence_check: float | None = None  # (Clients.drop_stale_clients)
         self._reset_datapath()
-        self.counters = {"payload_errors": 0, "relay_duplicates": 0, "output_duplicates": 0, "replicas_received": 0,
-                         "replica_steps_by_reference": 0}
+        self.counters = {
+            "payload_errors": 0,
+            "relay_duplicates": 0,
+            "output_duplicates": 0,
+            "replicas_received": 0,
+            "replica_steps_by_reference": 0,
+        }
         self.background: set[asyncio.Task] = set()
         self.log = None  # RequestLog when the server has a checkpoint dir
         self.replaying = False
@@ -165,9 +190,14 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
 
     def _new_shard(self, slot: int) -> ShardState:
         names = self.slot_names[slot]
-        return ShardState({n: self.stage_params[n] for n in names}, lr=self.run.lr, rows_per_micro=self.rows,
-                          micro_batches=self.run.micro_batches, steps=self.run.steps,
-                          keep_versions=snapshots_kept(self.layout.num_stages))
+        return ShardState(
+            {n: self.stage_params[n] for n in names},
+            lr=self.run.lr,
+            rows_per_micro=self.rows,
+            micro_batches=self.run.micro_batches,
+            steps=self.run.steps,
+            keep_versions=snapshots_kept(self.layout.num_stages),
+        )
 
     def _reset_datapath(self) -> None:
         """Fresh pools, rows and ledgers (at start, and when a failover starts a layout epoch)."""
@@ -176,10 +206,15 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         # a client keeps the leases of the tasks whose gradients it is still accumulating (at most the
         # tasks of two batches, see StageWorker) and works on one more
         # ... leases it earns by delivering (taskpool/standing.py): taking work without doing it costs the taker
-        self.pool = TaskPool(clock=self.clock, default_timeout=self.task_timeout,
-                             max_leases_per_client=2 * self.run.micro_batches + 1,
-                             preference_grace=self.preference_grace, start_leases=START_LEASES,
-                             probation_factor=PROBATION_FACTOR, probation_floor=PROBATION_FLOOR)
+        self.pool = TaskPool(
+            clock=self.clock,
+            default_timeout=self.task_timeout,
+            max_leases_per_client=2 * self.run.micro_batches + 1,
+            preference_grace=self.preference_grace,
+            start_leases=START_LEASES,
+            probation_factor=PROBATION_FACTOR,
+            probation_floor=PROBATION_FLOOR,
+        )
         for peer, c in self.clients.items():
             self.pool.set_client_speed(peer, c.compute)
             if self._is_server(peer):
@@ -197,15 +232,16 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         self.next_batch = self.reflow_from or 0  # stage-0 FS: the next batch to build
 
     @property
-
     def version(self) -> int:
         """The parameters version every shard hosted here has reached."""
         return min(sh.version for sh in self.hosted.values())
 
-    async def rpc_session(self, requests: AsyncIterator[ExpertRequest],
-                          context: P2PContext) -> AsyncIterator[ExpertRequest]:
+    async def rpc_session(
+        self, requests: AsyncIterator[ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[ExpertRequest]:
         """Calls multiplexed over one stream (peer/protocol/session.py), each served as `rpc_<method>`
         serves a stream call of its own."""
+
         def run_call(method: str, messages: AsyncIterator[ExpertRequest]):
             SESSION_CALLS[method] += 1
             return self._serve(method, messages, context, answer_type=ExpertRequest)
@@ -213,8 +249,9 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         async for message in session.serve(requests, run_call, self.max_request_bytes):
             yield message
 
-    async def _serve(self, method: str, requests: AsyncIterator[ExpertRequest], context: P2PContext,
-                     answer_type=ExpertResponse):
+    async def _serve(
+        self, method: str, requests: AsyncIterator[ExpertRequest], context: P2PContext, answer_type=ExpertResponse
+    ):
         async def counted():
             async for message in requests:
                 TRAFFIC[f"{method}.request"] += message.ByteSize()
@@ -223,16 +260,18 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         CALLS[method] += 1
         try:
             # a request beyond the limit is refused while its bytes arrive, before any tensor is built
-            meta, tensors = await unpack(counted(), max_bytes=self.max_request_bytes, stall=STALL_SECONDS,
-                                         accept=self.compress)
+            meta, tensors = await unpack(
+                counted(), max_bytes=self.max_request_bytes, stall=STALL_SECONDS, accept=self.compress
+            )
         except (PayloadError, StreamCut) as e:
             logger.debug("%s: %s request from %s refused: %s", self.device_id, method, str(context.remote_id)[-8:], e)
             rmeta, rtensors = {"error": str(e)}, []
         else:
             VALUES[method] += sum(t.numel() for t in tensors)
             rmeta, rtensors = await self.handle(method, meta, tensors, str(context.remote_id))
-        out = pack(rmeta, rtensors, answer_type,
-                   compress=self.compress if method in methods.COMPRESSED_ANSWERS else "none")
+        out = pack(
+            rmeta, rtensors, answer_type, compress=self.compress if method in methods.COMPRESSED_ANSWERS else "none"
+        )
         nbytes = sum(m.ByteSize() for m in out)
         TRAFFIC[f"{method}.response"] += nbytes
         await self.links.send(self._device_of(str(context.remote_id)), nbytes)
@@ -258,15 +297,22 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
             logger.exception("%s failed on %s", self.device_id, method)
             return {"error": f"internal error: {type(e).__name__}: {e}"}, []
         result = result if isinstance(result, tuple) else (result, [])
-        if self.log is not None and not self.replaying and method in methods.LOGGED and result[0].get("result") != "duplicate":
+        if (
+            self.log is not None
+            and not self.replaying
+            and method in methods.LOGGED
+            and result[0].get("result") != "duplicate"
+        ):
             self.log.append({"method": method, "meta": meta, "sender": sender, "batch": _batch_of(meta)}, tensors)
         return result
 
     def _check_epoch(self, meta: dict) -> None:
         epoch = mfield(meta, "epoch", int, optional=True) or 0
         if epoch < self.epoch:
-            raise PayloadError(f"stale epoch {epoch}: the run is at layout epoch {self.epoch} since a failover; "
-                               "fetch the layout again (get_layout)")
+            raise PayloadError(
+                f"stale epoch {epoch}: the run is at layout epoch {self.epoch} since a failover; "
+                "fetch the layout again (get_layout)"
+            )
         if epoch > self.epoch:
             raise PayloadError(f"epoch {epoch} is not adopted here yet (this server is at epoch {self.epoch})")
 
@@ -283,8 +329,12 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         """The peer id the run's records gave server `device`, if any has been read."""
         return getattr(self, "_directory", {}).get(device)
 
-    def set_directory(self, device_to_peer: dict[str, str], versions: dict[str, int] | None = None,
-                      epochs: dict[str, int] | None = None) -> None:
+    def set_directory(
+        self,
+        device_to_peer: dict[str, str],
+        versions: dict[str, int] | None = None,
+        epochs: dict[str, int] | None = None,
+    ) -> None:
         """Merge what one read of the DHT found: a server once seen stays known (a read can miss a
         record). Versions are taken only from announcements of this server's layout epoch: a
         server that takes over a lagging shard slot announces a lower version than before."""
@@ -307,14 +357,17 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         expired = self.pool.expire(self.clock())
         if expired:  # a lease that ran out its deadline: its client kept it without an answer
             self.counters["leases_expired"] = self.counters.get("leases_expired", 0) + len(expired)
-            logger.info("%s: %d lease(s) ran out and went back to the pool: %s", self.device_id, len(expired),
-                        " ".join(str(t.task_id) for t in expired[:8]))
+            logger.info(
+                "%s: %d lease(s) ran out and went back to the pool: %s",
+                self.device_id,
+                len(expired),
+                " ".join(str(t.task_id) for t in expired[:8]),
+            )
             self.drop_struck_clients()
         self.drop_stale_clients()
         self.report_stall(time.time())
         if self.hold_steps_until is not None and not self.steps_held():
             self._maybe_step()  # a ban's hold ran out with every credit already here
-
 
     def report_stall(self, now: float) -> str | None:
         """Once per version, when the next batch has not been applied for STALL_REPORT_FACTOR x the
@@ -335,14 +388,24 @@ class StageServer(Clients, Checks, Leases, Updates, Frontal, Backward, Verificat
         for slot, shard in sorted(self.hosted.items()):
             bc = shard.batches.get(shard.version)
             done = {} if bc is None else bc.rows_done
-            lacking = [f"{m}:{shard.rows_per_micro - done.get(m, 0)}" for m in range(shard.micro_batches)
-                       if done.get(m, 0) < shard.rows_per_micro]
+            lacking = [
+                f"{m}:{shard.rows_per_micro - done.get(m, 0)}"
+                for m in range(shard.micro_batches)
+                if done.get(m, 0) < shard.rows_per_micro
+            ]
             missing.append(f"slot {slot} batch {shard.version} lacks rows of micro-batches {' '.join(lacking) or '-'}")
-        held = "; ".join(f"{tid} {'queued' if c is None else 'held by ' + c[-8:]} {age:.1f} s"
-                         for tid, c, age in self.pool.open_tasks(self.version)[:8]) or "none"
+        held = (
+            "; ".join(
+                f"{tid} {'queued' if c is None else 'held by ' + c[-8:]} {age:.1f} s"
+                for tid, c, age in self.pool.open_tasks(self.version)[:8]
+            )
+            or "none"
+        )
         why = " (steps held)" if self.steps_held() else ""
-        line = (f"no step for {waited:.1f} s (median {median:.2f} s){why}: {'; '.join(missing)}; "
-                f"its open tasks here: {held}")
+        line = (
+            f"no step for {waited:.1f} s (median {median:.2f} s){why}: {'; '.join(missing)}; "
+            f"its open tasks here: {held}"
+        )
         logger.info("%s: %s", self.device_id, line)
         return line
 

@@ -13,6 +13,7 @@ no cross-server agreement is needed.
 Delayed parameter update: batch t is computed on version v(t) = max(t - 1, 0) (the updates of
 batches 0..t-2), and update t is applied when version == t, producing version t + 1.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -70,8 +71,16 @@ def tensors_digest(names: list[str], tensors: dict[str, torch.Tensor]) -> str:
 
 
 class ShardState:
-    def __init__(self, params: dict[str, torch.Tensor], *, lr: float, rows_per_micro: int, micro_batches: int,
-                 steps: int, keep_versions: int = 2):
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        *,
+        lr: float,
+        rows_per_micro: int,
+        micro_batches: int,
+        steps: int,
+        keep_versions: int = 2,
+    ):
         self.names = sorted(params)
         self.params = {n: torch.nn.Parameter(params[n].detach().clone().float()) for n in self.names}
         self.optimizer = make_optimizer([self.params[n] for n in self.names], lr)
@@ -122,9 +131,11 @@ class ShardState:
         out = {}
         for n, p in self.params.items():
             st = self.optimizer.state.get(p, {})
-            out[n] = (float(st["step"]) if "step" in st else 0.0,
-                      st["exp_avg"].clone() if "exp_avg" in st else None,
-                      st["exp_avg_sq"].clone() if "exp_avg_sq" in st else None)
+            out[n] = (
+                float(st["step"]) if "step" in st else 0.0,
+                st["exp_avg"].clone() if "exp_avg" in st else None,
+                st["exp_avg_sq"].clone() if "exp_avg_sq" in st else None,
+            )
         return out
 
     def _keep(self, version: int) -> None:
@@ -146,8 +157,11 @@ class ShardState:
                 if avg is None:
                     self.optimizer.state.pop(p, None)
                 else:
-                    self.optimizer.state[p] = {"step": torch.tensor(step), "exp_avg": avg.clone(),
-                                               "exp_avg_sq": avg_sq.clone()}
+                    self.optimizer.state[p] = {
+                        "step": torch.tensor(step),
+                        "exp_avg": avg.clone(),
+                        "exp_avg_sq": avg_sq.clone(),
+                    }
 
     def rollback(self, version: int, epoch: int) -> bool:
         """Go back to the state right after version `version` was reached (parameters and AdamW state
@@ -180,9 +194,16 @@ class ShardState:
     def params_at(self, version: int) -> dict[str, torch.Tensor] | None:
         return self.snapshots.get(version)
 
-    def credit(self, *, batch: int, pieces: list[tuple[str, int, tuple[int, int]]], grads: list[torch.Tensor],
-               loss_sum: float | None = None, sender: str | None = None,
-               authorize: Callable[[], None] | None = None) -> tuple[str, list[str]]:
+    def credit(
+        self,
+        *,
+        batch: int,
+        pieces: list[tuple[str, int, tuple[int, int]]],
+        grads: list[torch.Tensor],
+        loss_sum: float | None = None,
+        sender: str | None = None,
+        authorize: Callable[[], None] | None = None,
+    ) -> tuple[str, list[str]]:
         """Add one client's gradient shard accumulated over the tasks `pieces` = [(task id, micro,
         (lo, hi)), ...] of batch `batch`, all or nothing. Returns ("credited", []); ("duplicate", ids)
         when every task is already credited (a re-push); or ("conflict", ids) when only some are: the
@@ -195,19 +216,23 @@ class ShardState:
         if not pieces:
             raise PayloadError("a gradient push must name at least one task")
         if len(pieces) > self.micro_batches * self.rows_per_micro:
-            raise PayloadError(f"{len(pieces)} tasks in one push: a batch has at most "
-                               f"{self.micro_batches * self.rows_per_micro} rows")
+            raise PayloadError(
+                f"{len(pieces)} tasks in one push: a batch has at most {self.micro_batches * self.rows_per_micro} rows"
+            )
         mine: dict[int, list[tuple[int, int]]] = {}
         for task_id, micro, (lo, hi) in pieces:
             if not 0 <= micro < self.micro_batches:
                 raise PayloadError(f"task {task_id}: micro-batch {micro} outside 0..{self.micro_batches - 1}")
             if not 0 <= lo < hi <= self.rows_per_micro:
-                raise PayloadError(f"task {task_id}: rows [{lo}, {hi}) outside the micro-batch's "
-                                   f"{self.rows_per_micro} rows")
+                raise PayloadError(
+                    f"task {task_id}: rows [{lo}, {hi}) outside the micro-batch's {self.rows_per_micro} rows"
+                )
             for a, b in mine.get(micro, []):
                 if a < hi and lo < b:
-                    raise PayloadError(f"task {task_id}: rows [{lo}, {hi}) of micro-batch {micro} overlap rows "
-                                       f"[{a}, {b}) of another task of the same push")
+                    raise PayloadError(
+                        f"task {task_id}: rows [{lo}, {hi}) of micro-batch {micro} overlap rows "
+                        f"[{a}, {b}) of another task of the same push"
+                    )
             mine.setdefault(micro, []).append((lo, hi))
         # a malformed payload is an error even for a batch already applied: the sender must learn it
         if len(grads) != len(self.names):
@@ -242,8 +267,9 @@ class ShardState:
                     if (a, b) == (lo, hi):  # same rows under another task id: the same work done twice
                         already.append(task_id)
                         break
-                    raise PayloadError(f"task {task_id}: rows [{lo}, {hi}) of micro-batch {micro} overlap "
-                                       f"credited rows [{a}, {b})")
+                    raise PayloadError(
+                        f"task {task_id}: rows [{lo}, {hi}) of micro-batch {micro} overlap credited rows [{a}, {b})"
+                    )
         if already:
             if len(already) == len(pieces):
                 self.duplicates += 1
@@ -314,12 +340,20 @@ class ShardState:
             step, avg, avg_sq = self.moments[v][n]
             value = self.snapshots[v][n]
             steps.append(step)
-            tensors += [value.clone(), torch.zeros_like(value) if avg is None else avg.clone(),
-                        torch.zeros_like(value) if avg_sq is None else avg_sq.clone()]
-        meta = {"version": v, "names": self.names, "adam_steps": steps, "token": self.tokens[v],
-                "losses": {str(k): x for k, x in self.losses.items() if k < v},
-                "microbatches_applied": self.microbatches_applied - (self.version - v) * self.micro_batches,
-                "duplicates": self.duplicates}
+            tensors += [
+                value.clone(),
+                torch.zeros_like(value) if avg is None else avg.clone(),
+                torch.zeros_like(value) if avg_sq is None else avg_sq.clone(),
+            ]
+        meta = {
+            "version": v,
+            "names": self.names,
+            "adam_steps": steps,
+            "token": self.tokens[v],
+            "losses": {str(k): x for k, x in self.losses.items() if k < v},
+            "microbatches_applied": self.microbatches_applied - (self.version - v) * self.micro_batches,
+            "duplicates": self.duplicates,
+        }
         return meta, tensors
 
     def export_step(self, version: int) -> tuple[dict, list[torch.Tensor]] | None:
@@ -329,10 +363,16 @@ class ShardState:
         holds that gradient or either version."""
         if version not in self.applied or version - 1 not in self.tokens or version not in self.tokens:
             return None
-        meta = {"form": "step", "version": version, "names": self.names, "base_token": self.tokens[version - 1],
-                "token": self.tokens[version], "loss": self.losses.get(version - 1),
-                "microbatches_applied": self.microbatches_applied - (self.version - version) * self.micro_batches,
-                "duplicates": self.duplicates}
+        meta = {
+            "form": "step",
+            "version": version,
+            "names": self.names,
+            "base_token": self.tokens[version - 1],
+            "token": self.tokens[version],
+            "loss": self.losses.get(version - 1),
+            "microbatches_applied": self.microbatches_applied - (self.version - version) * self.micro_batches,
+            "duplicates": self.duplicates,
+        }
         return meta, [self.applied[version].grads[n] for n in self.names]
 
     def absorb_step(self, meta: dict, tensors: list[torch.Tensor]) -> bool:
@@ -347,16 +387,24 @@ class ShardState:
         if meta.get("names") != self.names:
             raise PayloadError("replica step names another shard's parameters")
         loss, applied, duplicates = meta.get("loss"), meta.get("microbatches_applied"), meta.get("duplicates")
-        if not isinstance(meta.get("token"), str) or not (loss is None or isinstance(loss, (int, float))) or \
-                not isinstance(applied, int) or not isinstance(duplicates, int):
-            raise PayloadError("replica step needs a 'token' string, a numeric 'loss' and integer "
-                               "'microbatches_applied' and 'duplicates'")
+        if (
+            not isinstance(meta.get("token"), str)
+            or not (loss is None or isinstance(loss, (int, float)))
+            or not isinstance(applied, int)
+            or not isinstance(duplicates, int)
+        ):
+            raise PayloadError(
+                "replica step needs a 'token' string, a numeric 'loss' and integer "
+                "'microbatches_applied' and 'duplicates'"
+            )
         self._check_tensors(tensors, 1)
         if self.mirror == (version, meta["token"]):
             return False
         if self.mirror != (version - 1, meta.get("base_token")) or self.version != version - 1:
-            raise PayloadError(f"this replica does not mirror the sender's version {version - 1} (it is at version "
-                               f"{self.version}): send the whole state")
+            raise PayloadError(
+                f"this replica does not mirror the sender's version {version - 1} (it is at version "
+                f"{self.version}): send the whole state"
+            )
         with torch.no_grad():
             for n, g in zip(self.names, tensors):
                 self.params[n].grad = g.clone()
@@ -379,8 +427,10 @@ class ShardState:
         for i, n in enumerate(self.names):
             for t in tensors[per_name * i : per_name * (i + 1)]:
                 if tuple(t.shape) != tuple(self.params[n].shape) or t.dtype != torch.float32:
-                    raise PayloadError(f"replica of {n}: expected float32 {tuple(self.params[n].shape)}, got "
-                                       f"{t.dtype} {tuple(t.shape)}")
+                    raise PayloadError(
+                        f"replica of {n}: expected float32 {tuple(self.params[n].shape)}, got "
+                        f"{t.dtype} {tuple(t.shape)}"
+                    )
                 if not all_finite(t):
                     raise PayloadError(f"replica of {n}: contains NaN or infinite values")
 
@@ -396,8 +446,11 @@ class ShardState:
         if meta.get("names") != self.names:
             raise PayloadError("replica names another shard's parameters")
         steps = meta.get("adam_steps")
-        if not isinstance(steps, list) or len(steps) != len(self.names) or \
-                not all(isinstance(x, (int, float)) and 0 <= x <= self.steps for x in steps):
+        if (
+            not isinstance(steps, list)
+            or len(steps) != len(self.names)
+            or not all(isinstance(x, (int, float)) and 0 <= x <= self.steps for x in steps)
+        ):
             raise PayloadError("replica 'adam_steps' must list one step count per parameter")
         self._check_tensors(tensors, 3)
         token = meta.get("token")
@@ -407,9 +460,11 @@ class ShardState:
             for i, n in enumerate(self.names):
                 p = self.params[n]
                 p.copy_(tensors[3 * i])
-                self.optimizer.state[p] = {"step": torch.tensor(float(steps[i])),
-                                           "exp_avg": tensors[3 * i + 1].clone(),
-                                           "exp_avg_sq": tensors[3 * i + 2].clone()}
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(float(steps[i])),
+                    "exp_avg": tensors[3 * i + 1].clone(),
+                    "exp_avg_sq": tensors[3 * i + 2].clone(),
+                }
         self.version = version
         self.losses = {int(k): float(v) for k, v in meta.get("losses", {}).items()}
         self._trim_losses()
@@ -443,8 +498,10 @@ class ShardState:
         # (a state written before rollbacks existed has no AdamW history: it cannot roll back)
         moments = {int(v): m for v, m in state.get("moments", {}).items()}
         if "params" not in state and (version not in snapshots or version not in moments):
-            raise ValueError(f"shard state at version {version} lacks that version's parameters or AdamW state "
-                             f"(kept: {sorted(snapshots)})")
+            raise ValueError(
+                f"shard state at version {version} lacks that version's parameters or AdamW state "
+                f"(kept: {sorted(snapshots)})"
+            )
         self.version, self.snapshots, self.moments = version, snapshots, moments
         if "params" in state:  # written before the current state was taken from the kept history
             with torch.no_grad():

@@ -1,6 +1,7 @@
 """What a server says about itself: `ping` (the link probe), `status` (counters for the launcher and
 the dashboard, with the traffic counters), and the record it announces in the DHT. Reads the
 server's state; keeps only what the announcement itself needs (step times, volunteers seen)."""
+
 from __future__ import annotations
 
 import time
@@ -33,18 +34,32 @@ class Status:
         pool = self.pool.stats()
         losses = sorted(self.shard.losses.items())
         return {
-            "device": self.device_id, "stage": self.stage, "role": self.role, "version": self.version,
-            "epoch": self.epoch, "hosted": {str(k): sh.version for k, sh in self.hosted.items()},
+            "device": self.device_id,
+            "stage": self.stage,
+            "role": self.role,
+            "version": self.version,
+            "epoch": self.epoch,
+            "hosted": {str(k): sh.version for k, sh in self.hosted.items()},
             "replicas": {str(k): sh.version for k, sh in self.replicas.items()},
             "losses": {str(k): v for k, v in (losses if recent is None else losses[-recent:])},
             "microbatches_applied": min(sh.microbatches_applied for sh in self.hosted.values()),
-            "duplicates": self.shard.duplicates + pool.get("duplicates", 0) + self.counters["relay_duplicates"]
+            "duplicates": self.shard.duplicates
+            + pool.get("duplicates", 0)
+            + self.counters["relay_duplicates"]
             + self.counters["output_duplicates"],
-            "requeued": pool.get("requeued", 0), "pool": pool, "counters": dict(self.counters),
-            "clients": {p: {"device": c.device, "compute": c.compute, "tasks_done": c.tasks_done}
-                        for p, c in self.clients.items()},
-            "traffic": dict(TRAFFIC), "traffic_values": dict(VALUES), "calls": dict(CALLS), "session_calls": dict(SESSION_CALLS),
-            "checks": dict(self.verify_counts, max_honest_distance=self.honest_distance()), "banned": dict(self.banned),
+            "requeued": pool.get("requeued", 0),
+            "pool": pool,
+            "counters": dict(self.counters),
+            "clients": {
+                p: {"device": c.device, "compute": c.compute, "tasks_done": c.tasks_done}
+                for p, c in self.clients.items()
+            },
+            "traffic": dict(TRAFFIC),
+            "traffic_values": dict(VALUES),
+            "calls": dict(CALLS),
+            "session_calls": dict(SESSION_CALLS),
+            "checks": dict(self.verify_counts, max_honest_distance=self.honest_distance()),
+            "banned": dict(self.banned),
         }
 
     def note_step(self, version: int) -> None:
@@ -67,11 +82,27 @@ class Status:
             if self.seen_volunteers.pop(peer) is not None:
                 self.volunteers_joined -= 1
         stats = {k: s[k] for k in ("microbatches_applied", "duplicates", "requeued")} | {
-            "clients": len(self.clients), "payload_errors": s["counters"]["payload_errors"],
-            "clients_joined": self.volunteers_joined, "clients_left": self.volunteers_joined - len(volunteers),
-            "checked": self.verify_counts["checked"], "banned": len(self.banned)}
-        return ServerRecord(device=self.device_id, role=self.role, stage=self.stage, state=state, version=self.version,
-                            epoch=self.epoch, maddrs=list(maddrs), pool=s["pool"], layers=list(self.st.layers),
-                            losses=s["losses"], stats=stats, compute=compute,
-                            step_times={str(v): t for v, t in sorted(self.step_times.items())}, time=time.time(),
-                            halted=self.halted)
+            "clients": len(self.clients),
+            "payload_errors": s["counters"]["payload_errors"],
+            "clients_joined": self.volunteers_joined,
+            "clients_left": self.volunteers_joined - len(volunteers),
+            "checked": self.verify_counts["checked"],
+            "banned": len(self.banned),
+        }
+        return ServerRecord(
+            device=self.device_id,
+            role=self.role,
+            stage=self.stage,
+            state=state,
+            version=self.version,
+            epoch=self.epoch,
+            maddrs=list(maddrs),
+            pool=s["pool"],
+            layers=list(self.st.layers),
+            losses=s["losses"],
+            stats=stats,
+            compute=compute,
+            step_times={str(v): t for v, t in sorted(self.step_times.items())},
+            time=time.time(),
+            halted=self.halted,
+        )

@@ -2,6 +2,7 @@
 (all or nothing per push, a task at most once), and the step under the delayed update
 (peer/model/update_rule.py), followed by a copy of the new shard to the stage's next server.
 Must not touch the data path's rows."""
+
 from __future__ import annotations
 
 import asyncio
@@ -56,8 +57,13 @@ class Updates:
                 # a task of the current batches needs it: the run cannot go on until another
                 # layout epoch; say so once, loudly (workers re-queue such a task again and again)
                 self.missing_versions.add((version, shard.version))
-                logger.error("%s: version %d of a hosted slot is asked for and not held (held: %s): tasks "
-                             "computed on it cannot run", self.device_id, version, sorted(shard.snapshots))
+                logger.error(
+                    "%s: version %d of a hosted slot is asked for and not held (held: %s): tasks "
+                    "computed on it cannot run",
+                    self.device_id,
+                    version,
+                    sorted(shard.snapshots),
+                )
             raise PayloadError(f"version {version} is no longer held (current {shard.version})")
         if mfield(meta, "digest_only", bool, optional=True):  # (a worker that holds a replica of the slot)
             return {"names": shard.names, "version": version, "digest": shard.digest(version)}, []
@@ -77,8 +83,9 @@ class Updates:
         t = mfield(meta, "batch", int)
         ids = mfield(meta, "tasks", list)
         if len(ids) > self.run.micro_batches * self.rows:
-            raise PayloadError(f"{len(ids)} tasks in one push: a batch has at most {self.run.micro_batches * self.rows}"
-                               " rows")
+            raise PayloadError(
+                f"{len(ids)} tasks in one push: a batch has at most {self.run.micro_batches * self.rows} rows"
+            )
         if len(set(map(str, ids))) != len(ids):
             raise PayloadError("field 'tasks' names a task twice")
         pieces = []
@@ -88,8 +95,10 @@ class Updates:
             if stage != self.stage or batch != t:
                 raise PayloadError(f"task {task_id} is not of batch {t} of stage {self.stage}")
             if kind != ("forward" if self.last else "backward"):
-                raise PayloadError(f"task {task_id}: only {'forward' if self.last else 'backward'} tasks carry "
-                                   f"gradients on stage {self.stage}")
+                raise PayloadError(
+                    f"task {task_id}: only {'forward' if self.last else 'backward'} tasks carry "
+                    f"gradients on stage {self.stage}"
+                )
             pieces.append((task_id, micro, rows))
         loss = mfield(meta, "loss_sum", float, optional=True)
         if self.last and loss is None:
@@ -99,18 +108,27 @@ class Updates:
 
         def leased() -> None:  # after the payload's checks: a malformed push is named as such
             if len(tickets) != len(ids) and not self.replaying:
-                raise PayloadError(f"field 'leases' must hold one lease ticket per task: {len(ids)} tasks, "
-                                   f"{len(tickets)} tickets")
+                raise PayloadError(
+                    f"field 'leases' must hold one lease ticket per task: {len(ids)} tasks, {len(tickets)} tickets"
+                )
             for (task_id, _, _), ticket in zip(pieces, tickets):
                 self._answers_lease(ticket, task_id, sender, kind, t)
 
         slot = mfield(meta, "slot", int, optional=True)
-        result, already = self._hosted(meta).credit(batch=t, pieces=pieces, grads=tensors, loss_sum=loss, sender=sender,
-                                                    authorize=leased)
+        result, already = self._hosted(meta).credit(
+            batch=t, pieces=pieces, grads=tensors, loss_sum=loss, sender=sender, authorize=leased
+        )
         if result == "credited":
             if self._note_contribution(sender, t, shared_by=len(self.st.hosts)):
-                self._check_later(self._check_push, sender, t, [p[0] for p in pieces],
-                                  self.slot if slot is None else slot, tensors, loss)
+                self._check_later(
+                    self._check_push,
+                    sender,
+                    t,
+                    [p[0] for p in pieces],
+                    self.slot if slot is None else slot,
+                    tensors,
+                    loss,
+                )
             self._maybe_step()
         return {"result": result, "credited": already}
 

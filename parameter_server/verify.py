@@ -17,6 +17,7 @@ it at once and reports it to the run's first server, which bans it on every serv
 epoch that rolls every shard back to the first batch the volunteer contributed to (within the kept
 versions) and runs again from there; the machinery is failover's (parameter_server/failover.py).
 Must not step parameters itself."""
+
 from __future__ import annotations
 
 import asyncio
@@ -112,8 +113,11 @@ class Verification:
         batches.difference_update([b for b in batches if b < kept])
         # on probation until `probation` checks passed (a check skipped for want of its rows does not count),
         # and again while its differences drift one way (drift.py)
-        return self.checks_passed.get(sender, 0) < self.probation or self.drift.suspicious(sender) or \
-            self.verify_rng.random() < self.verify_rate / shared_by
+        return (
+            self.checks_passed.get(sender, 0) < self.probation
+            or self.drift.suspicious(sender)
+            or self.verify_rng.random() < self.verify_rate / shared_by
+        )
 
     def _kept_from(self) -> int:
         return self.version - self.shard.keep_versions
@@ -166,8 +170,9 @@ class Verification:
         servers = self.st.frontal if what == "inputs" else self.st.backward
         parts = []
         for j, x, y in owners(self.rows, len(servers), a, b):
-            _, tensors = await self._server_call(servers[j], "get_held", {"what": what, "batch": t, "micro": m,
-                                                                          "rows": [x, y]})
+            _, tensors = await self._server_call(
+                servers[j], "get_held", {"what": what, "batch": t, "micro": m, "rows": [x, y]}
+            )
             parts.append(tensors)
         # as the volunteer received them (under the run's --compress): the check re-runs what it ran
         return [roundtrip(torch.cat([p[i] for p in parts]), self.compress) for i in range(len(parts[0]))]
@@ -184,8 +189,9 @@ class Verification:
                 state.update(snap)
                 continue
             try:
-                meta, tensors = await fetch_slot(functools.partial(self._server_call, host), host, slot, version,
-                                                 patience=5.0, poll=0.05)
+                meta, tensors = await fetch_slot(
+                    functools.partial(self._server_call, host), host, slot, version, patience=5.0, poll=0.05
+                )
             except NotReady as e:
                 raise PayloadError(str(e)) from None
             state.update(zip(meta["names"], tensors))
@@ -227,16 +233,21 @@ class Verification:
         """True (and the volunteer caught) when its differences of `kind` from this server's re-runs keep
         one direction, check after check, past what rounding does (drift.py); a check that outlived its
         layout epoch judges nothing. The projections run in the checks' thread, beside the step."""
-        hit = await asyncio.get_running_loop().run_in_executor(self._verify_executor, self.drift.add, sender, kind,
-                                                               got, want)
+        hit = await asyncio.get_running_loop().run_in_executor(
+            self._verify_executor, self.drift.add, sender, kind, got, want
+        )
         if hit is None:
             return False
         if self.epoch != epoch:
             raise PayloadError(f"the check began in layout epoch {epoch}, the run is at {self.epoch}")
         n = self.drift.sums[(sender, kind)][1]
         self.verify_counts["drift_caught"] = self.verify_counts.get("drift_caught", 0) + 1
-        self._caught(sender, f"its {kind} differ from this server's re-runs the same way check after check "
-                             f"(Q {hit[0]:.1f} > {hit[1]:.1f} after {n} checks)", t)
+        self._caught(
+            sender,
+            f"its {kind} differ from this server's re-runs the same way check after check "
+            f"(Q {hit[0]:.1f} > {hit[1]:.1f} after {n} checks)",
+            t,
+        )
         return True
 
     def _passed(self, sender: str, seen: list) -> None:
@@ -249,17 +260,21 @@ class Verification:
 
     async def _check_outputs(self, epoch: int, sender: str, t: int, m: int, a: int, b: int, out: torch.Tensor) -> None:
         (x, _) = await self._held_rows("inputs", t, m, a, b)
-        want = roundtrip(await self._recompute(version_for_batch(t), lambda model: forward_rows(model, x, self.verify_device)),
-                         self.compress)
+        want = roundtrip(
+            await self._recompute(version_for_batch(t), lambda model: forward_rows(model, x, self.verify_device)),
+            self.compress,
+        )
         self.verify_counts["checked"] += 1
         self.verify_counts["tasks_rerun"] += 1
         seen: list[float] = []
-        if self._judge(epoch, sender, f"the outputs of rows {a}-{b} of micro-batch {m}", distance(out, want), t, seen) \
-                and not await self._drifts(epoch, sender, "outputs", out, want, t):
+        if self._judge(
+            epoch, sender, f"the outputs of rows {a}-{b} of micro-batch {m}", distance(out, want), t, seen
+        ) and not await self._drifts(epoch, sender, "outputs", out, want, t):
             self._passed(sender, seen)
 
-    async def _check_push(self, epoch: int, sender: str, t: int, ids: list[str], slot: int, grads: list[torch.Tensor],
-                          loss: float | None) -> None:
+    async def _check_push(
+        self, epoch: int, sender: str, t: int, ids: list[str], slot: int, grads: list[torch.Tensor], loss: float | None
+    ) -> None:
         names = self.slot_names[slot]
         total = {n: torch.zeros_like(g) for n, g in zip(names, grads)}
         loss_sum, gins = 0.0, []
@@ -269,8 +284,12 @@ class Verification:
             (a, b), m = tid.rows, tid.micro
             x, labels = await self._held_rows("inputs", t, m, a, b)
             g = None if self.last else (await self._held_rows("output_grads", t, m, a, b))[0]
-            gin, ls, full = await self._recompute(version_for_batch(t), lambda model: backward_rows(
-                model, x, self.verify_device, tokens, out_grad=g, labels=labels if self.last else None))
+            gin, ls, full = await self._recompute(
+                version_for_batch(t),
+                lambda model: backward_rows(
+                    model, x, self.verify_device, tokens, out_grad=g, labels=labels if self.last else None
+                ),
+            )
             for n in names:
                 total[n].add_(full[n])
             loss_sum += ls or 0.0
@@ -280,24 +299,38 @@ class Verification:
         got = torch.cat([g.flatten() for g in grads])
         want = torch.cat([roundtrip(total[n], self.compress).flatten() for n in names])
         seen: list[float] = []
-        if not self._judge(epoch, sender, f"its gradient of shard slot {slot} over {len(ids)} tasks", distance(got, want), t,
-                           seen):
+        if not self._judge(
+            epoch, sender, f"its gradient of shard slot {slot} over {len(ids)} tasks", distance(got, want), t, seen
+        ):
             return
         if await self._drifts(epoch, sender, f"gradients of shard slot {slot}", got, want, t):
             return
-        if self.last and loss is not None and \
-                not self._judge(epoch, sender, "its loss sum", abs(loss - loss_sum) / max(abs(loss_sum), 1e-6), t, seen):
+        if (
+            self.last
+            and loss is not None
+            and not self._judge(epoch, sender, "its loss sum", abs(loss - loss_sum) / max(abs(loss_sum), 1e-6), t, seen)
+        ):
             return
         if self.role == "frontal" and self.stage > 0:
             lo, hi = self.seg
             for m, a, b, gin in gins:
                 buf = self.grad_buffers.get((t, m))
-                if lo <= a and b <= hi and buf is not None and buf.has(a, b) and \
-                        self.gin_senders.get((t, m, a, b)) == sender:
+                if (
+                    lo <= a
+                    and b <= hi
+                    and buf is not None
+                    and buf.has(a, b)
+                    and self.gin_senders.get((t, m, a, b)) == sender
+                ):
                     mine, theirs = roundtrip(gin, self.compress), buf.slice(a, b)[0]
-                    if not self._judge(epoch, sender, f"its input gradient of rows {a}-{b} of micro-batch {m}",
-                                       distance(theirs, mine), t, seen) or \
-                            await self._drifts(epoch, sender, "input gradients", theirs, mine, t):
+                    if not self._judge(
+                        epoch,
+                        sender,
+                        f"its input gradient of rows {a}-{b} of micro-batch {m}",
+                        distance(theirs, mine),
+                        t,
+                        seen,
+                    ) or await self._drifts(epoch, sender, "input gradients", theirs, mine, t):
                         return
         self._passed(sender, seen)
 
@@ -352,9 +385,11 @@ class Verification:
         # push the version to roll back to out of the kept window (bounded, should the coordinator die)
         self.hold_steps_until = self.clock() + HOLD_SECONDS
         batches = self.contributed.get(peer)
-        return {"first_batch": min(batches) if batches else -1,
-                "versions": [sh.version for sh in self.hosted.values()],
-                "kept_from": max(sh.version - sh.keep_versions + 1 for sh in self.hosted.values())}
+        return {
+            "first_batch": min(batches) if batches else -1,
+            "versions": [sh.version for sh in self.hosted.values()],
+            "kept_from": max(sh.version - sh.keep_versions + 1 for sh in self.hosted.values()),
+        }
 
     async def ban_and_roll_back(self, peer: str, why: str) -> dict | None:
         """(The coordinator) ban `peer` on every server and start a layout epoch that drops every
@@ -371,25 +406,40 @@ class Verification:
             firsts = [a["first_batch"] for a, _ in answers if a["first_batch"] >= 0]
             versions = [v for a, _ in answers for v in a["versions"]]
             kept_from = max(a["kept_from"] for a, _ in answers)
-            record = {"epoch": self.epoch + 1, "layout": self.layout.to_dict(),
-                      "banned": sorted(set(self.banned) | {peer}),
-                      "lost": list((self.epoch_record or {}).get("lost", []))}
+            record = {
+                "epoch": self.epoch + 1,
+                "layout": self.layout.to_dict(),
+                "banned": sorted(set(self.banned) | {peer}),
+                "lost": list((self.epoch_record or {}).get("lost", [])),
+            }
             first = min(firsts) if firsts else None
             if first is not None and first < max(versions):
                 # batch t re-runs on version t - 1 (the delayed update): the oldest version kept can be
                 # the one a re-run starts from, not the one it rolls back to
                 target = max(first, kept_from + 1)
                 if target > first:
-                    logger.error("%s: %s's work of batches %d..%d stays applied: versions before %d are no longer "
-                                 "kept", self.device_id, peer[-8:], first, target - 1, target)
+                    logger.error(
+                        "%s: %s's work of batches %d..%d stays applied: versions before %d are no longer kept",
+                        self.device_id,
+                        peer[-8:],
+                        first,
+                        target - 1,
+                        target,
+                    )
                 record["rollback_to"] = target
             low = min(versions + ([record["rollback_to"]] if "rollback_to" in record else []))
             record["from_batch"] = min(low, self.run.steps - 1)
             await self.send_epoch(record, [d for st in self.layout.stages for d in st.servers])
             self.adopt(record)
-            logger.warning("%s: volunteer %s banned from the run; epoch %d %s", self.device_id, peer[-8:],
-                           record["epoch"], f"rolled back to version {record['rollback_to']}"
-                           if "rollback_to" in record else "(nothing of it was applied)")
+            logger.warning(
+                "%s: volunteer %s banned from the run; epoch %d %s",
+                self.device_id,
+                peer[-8:],
+                record["epoch"],
+                f"rolled back to version {record['rollback_to']}"
+                if "rollback_to" in record
+                else "(nothing of it was applied)",
+            )
             return record
 
     # the rows a check needs --------------------------------------------------------------------

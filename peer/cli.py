@@ -1,6 +1,7 @@
 """`peer`: the single entry point. Each subcommand lives in its own module exposing
 `add_arguments(parser)` and `run(args) -> int`; heavy imports (torch, hivemind) stay inside `run`
 so that `peer plan` and `--help` start fast."""
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,9 @@ def _available_commands():
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="peer", description="hivepipe peer: train large models on volunteered machines")
+    parser = argparse.ArgumentParser(
+        prog="peer", description="hivepipe peer: train large models on volunteered machines"
+    )
     from peer import version
 
     parser.add_argument("--version", action="version", version=f"hivepipe {version()}")

@@ -4,6 +4,7 @@ model.safetensors, generation_config.json and a tokenizer), loadable with
 
 Everything is checked and written into a temporary folder beside OUT, which is renamed to OUT at the
 end: bad input leaves nothing behind, and an existing non-empty OUT is never touched."""
+
 from __future__ import annotations
 
 import os
@@ -14,17 +15,35 @@ from peer.errors import UsageError
 
 
 def add_arguments(p) -> None:
-    p.add_argument("checkpoint", nargs="?", default=None, metavar="CHECKPOINT",
-                   help="a model.safetensors of `peer reference --checkpoint-out` or `peer swarm --checkpoint-out` "
-                        "(or the folder holding it)")
-    p.add_argument("--checkpoint-dirs", nargs="+", default=None, metavar="DIR",
-                   help="instead: the --checkpoint-dir folders of a run's servers, whose shards make the model")
+    p.add_argument(
+        "checkpoint",
+        nargs="?",
+        default=None,
+        metavar="CHECKPOINT",
+        help="a model.safetensors of `peer reference --checkpoint-out` or `peer swarm --checkpoint-out` "
+        "(or the folder holding it)",
+    )
+    p.add_argument(
+        "--checkpoint-dirs",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="instead: the --checkpoint-dir folders of a run's servers, whose shards make the model",
+    )
     p.add_argument("--hf", required=True, metavar="OUT", help="the Transformers model folder to write (new or empty)")
-    p.add_argument("--model", default=None, metavar="PRESET",
-                   help="the model preset, for a checkpoint that does not record its model")
-    p.add_argument("--tokenizer", default=None, metavar="HF_DIR",
-                   help="copy the tokenizer of this Transformers folder (default: the one the checkpoint records: "
-                        "the byte vocabulary, or the --init-from folder the run started from)")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="PRESET",
+        help="the model preset, for a checkpoint that does not record its model",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="HF_DIR",
+        help="copy the tokenizer of this Transformers folder (default: the one the checkpoint records: "
+        "the byte vocabulary, or the --init-from folder the run started from)",
+    )
 
 
 def run(args) -> int:
@@ -36,14 +55,18 @@ def run(args) -> int:
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"--hf {args.hf}: exists and is not an empty folder")
     try:
-        model = (read_checkpoint(args.checkpoint, args.model) if args.checkpoint is not None
-                 else read_server_checkpoints(args.checkpoint_dirs, args.model))
+        model = (
+            read_checkpoint(args.checkpoint, args.model)
+            if args.checkpoint is not None
+            else read_server_checkpoints(args.checkpoint_dirs, args.model)
+        )
         tokenizer = load_model_tokenizer(args.tokenizer or model.tokenizer)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
     if len(tokenizer) > model.cfg.vocab_size:
-        raise UsageError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary of "
-                         f"{model.cfg.vocab_size}")
+        raise UsageError(
+            f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary of {model.cfg.vocab_size}"
+        )
     parent = os.path.dirname(out)
     try:
         os.makedirs(parent, exist_ok=True)
@@ -57,8 +80,10 @@ def run(args) -> int:
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"wrote {out}: LlamaForCausalLM {model.cfg.name!r} ({model.cfg.param_count():,} parameters), "
-          f"tokenizer of {len(tokenizer)} tokens")
+    print(
+        f"wrote {out}: LlamaForCausalLM {model.cfg.name!r} ({model.cfg.param_count():,} parameters), "
+        f"tokenizer of {len(tokenizer)} tokens"
+    )
     return 0
 
 
@@ -73,6 +98,9 @@ def write_hf_dir(path: str, model, tokenizer) -> None:
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(path)
     GenerationConfig(**{k: v for k, v in special.items() if v is not None}).save_pretrained(path)
-    save_file({to_hf_name(n): t.contiguous() for n, t in model.state.items()}, os.path.join(path, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {to_hf_name(n): t.contiguous() for n, t in model.state.items()},
+        os.path.join(path, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     tokenizer.save_pretrained(path)

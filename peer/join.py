@@ -1,6 +1,7 @@
 """`peer join`: a volunteer. It finds the run in the DHT, picks a stage (`auto`: measured links and
 the planner's rule), registers its compute power with the stage's servers, downloads the stage's
 parameters, and pulls tasks until stopped or killed."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,26 +15,45 @@ logger = logging.getLogger("hivepipe.join")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--stage", default="auto",
-                   help="'auto' (the stage whose predicted step time improves most with this volunteer, by the "
-                        "planner's cost model; re-checked every --rebalance-period) or a stage index")
+    p.add_argument(
+        "--stage",
+        default="auto",
+        help="'auto' (the stage whose predicted step time improves most with this volunteer, by the "
+        "planner's cost model; re-checked every --rebalance-period) or a stage index",
+    )
     p.add_argument("--device-id", default=None, help="this volunteer's id (in --link-profile); default: a fresh one")
     p.add_argument("--probe-bytes", type=int, default=1 << 20, help="payload of the bandwidth probe")
     p.add_argument("--compute", type=float, default=None, help="override the measured compute power (rows/s)")
-    p.add_argument("--rebalance-period", type=float, default=60.0,
-                   help="with --stage auto: seconds between checks whether another stage needs this volunteer "
-                        "more (0: never move)")
-    p.add_argument("--identity-path", default=None, metavar="PATH",
-                   help="keep this volunteer's libp2p key here (made if missing): the same peer id on every start, "
-                        "for runs that admit only listed volunteers (`peer serve --volunteers-allow`)")
-    p.add_argument("--die-at", default=None, metavar="POINT",
-                   help="fault injection for tests: SIGKILL this volunteer at the first POINT of the protocol "
-                        "(before_forward, during_forward, after_outputs, during_backward, after_input_grads, "
-                        "mid_grad_push, after_grad_push, pulling_params)")
-    p.add_argument("--cheat", default=None, metavar="KIND[@AFTER]",
-                   help="TEST TOOL, never for real runs: after AFTER honest tasks (default 0) hand in wrong results "
-                        "(scale: x1e4, signflip, noise: +0.1 x RMS, zeros) to exercise the servers' checks; the "
-                        "servers ban such a volunteer")
+    p.add_argument(
+        "--rebalance-period",
+        type=float,
+        default=60.0,
+        help="with --stage auto: seconds between checks whether another stage needs this volunteer "
+        "more (0: never move)",
+    )
+    p.add_argument(
+        "--identity-path",
+        default=None,
+        metavar="PATH",
+        help="keep this volunteer's libp2p key here (made if missing): the same peer id on every start, "
+        "for runs that admit only listed volunteers (`peer serve --volunteers-allow`)",
+    )
+    p.add_argument(
+        "--die-at",
+        default=None,
+        metavar="POINT",
+        help="fault injection for tests: SIGKILL this volunteer at the first POINT of the protocol "
+        "(before_forward, during_forward, after_outputs, during_backward, after_input_grads, "
+        "mid_grad_push, after_grad_push, pulling_params)",
+    )
+    p.add_argument(
+        "--cheat",
+        default=None,
+        metavar="KIND[@AFTER]",
+        help="TEST TOOL, never for real runs: after AFTER honest tasks (default 0) hand in wrong results "
+        "(scale: x1e4, signflip, noise: +0.1 x RMS, zeros) to exercise the servers' checks; the "
+        "servers ban such a volunteer",
+    )
     add_common_arguments(p)
 
 
@@ -120,9 +140,14 @@ async def join_main(args, stop: asyncio.Event) -> int:
 
     torch.set_num_threads(1)
     try:  # a volunteer dials out only (client mode): it works behind NAT without opening a port
-        dht = start_dht(args.initial_peers, run_id=args.run_id, run_fp=args.run_fp, client_mode=True,
-                        identity_path=args.identity_path,
-                        timeout=args.timeout or 120.0)
+        dht = start_dht(
+            args.initial_peers,
+            run_id=args.run_id,
+            run_fp=args.run_fp,
+            client_mode=True,
+            identity_path=args.identity_path,
+            timeout=args.timeout or 120.0,
+        )
     except NetworkStartError as e:
         raise NetworkError(str(e)) from None
     p2p = await dht.replicate_p2p()
@@ -130,8 +155,11 @@ async def join_main(args, stop: asyncio.Event) -> int:
     device = args.device_id or f"v-{secrets.token_hex(3)}"
     rng = random.Random(peer_id)
     try:
-        run = await wait_until(stop, f"run {args.run_id!r} to appear in the DHT (its config record)",
-                               lambda: records.read_config(dht, args.run_id))
+        run = await wait_until(
+            stop,
+            f"run {args.run_id!r} to appear in the DHT (its config record)",
+            lambda: records.read_config(dht, args.run_id),
+        )
         if run is None:
             return 0
         try:
@@ -157,18 +185,42 @@ async def join_main(args, stop: asyncio.Event) -> int:
             await directory.refresh()
             return True if all(d in directory.servers for s in layout.stages for d in s.servers) else None
 
-        if await wait_until(stop, f"the servers of run {run.run_id} in the DHT "
-                                  f"({' '.join(d for s in layout.stages for d in s.servers)} at the start)",
-                            all_servers) is None:
+        if (
+            await wait_until(
+                stop,
+                f"the servers of run {run.run_id} in the DHT "
+                f"({' '.join(d for s in layout.stages for d in s.servers)} at the start)",
+                all_servers,
+            )
+            is None
+        ):
             return 0
         links_emulator = link_emulator(args, device)
         slowdown = args.slowdown or links_emulator.compute_slowdown()
         picker = None
         if args.stage == "auto":
-            probe = StageWorker(run=run, layout=layout, cfg=cfg, stage=0, device_id=device, links={}, compute=1.0,
-                                torch_device=args.device, slowdown=slowdown)
-            picker = StagePicker(run, layout, cfg, directory, p2p, links_emulator, peer_id,
-                                 args.probe_bytes, args.compute or probe.measure_compute())
+            probe = StageWorker(
+                run=run,
+                layout=layout,
+                cfg=cfg,
+                stage=0,
+                device_id=device,
+                links={},
+                compute=1.0,
+                torch_device=args.device,
+                slowdown=slowdown,
+            )
+            picker = StagePicker(
+                run,
+                layout,
+                cfg,
+                directory,
+                p2p,
+                links_emulator,
+                peer_id,
+                args.probe_bytes,
+                args.compute or probe.measure_compute(),
+            )
             del probe
 
             async def measured():
@@ -211,14 +263,28 @@ async def join_main(args, stop: asyncio.Event) -> int:
         while not stop.is_set():
             st = layout.stages[stage]
             links = {d: directory.link(p2p, d, StageServer, links_emulator, compress=run.compress) for d in st.servers}
-            worker = StageWorker(run=run, layout=layout, cfg=cfg, stage=stage, device_id=device, links=links,
-                                 compute=1.0, torch_device=args.device, slowdown=slowdown, die_at=args.die_at,
-                                 cheat=args.cheat, activation_memory=int(args.activation_memory * 2**20),
-                                 epoch=epoch)
+            worker = StageWorker(
+                run=run,
+                layout=layout,
+                cfg=cfg,
+                stage=stage,
+                device_id=device,
+                links=links,
+                compute=1.0,
+                torch_device=args.device,
+                slowdown=slowdown,
+                die_at=args.die_at,
+                cheat=args.cheat,
+                activation_memory=int(args.activation_memory * 2**20),
+                epoch=epoch,
+            )
             worker.compute = args.compute or worker.measure_compute()
             stretched = f" (compute stretched x{slowdown:g} by the link profile)" if slowdown > 1 else ""
-            print(f"{verb} {run.run_id} as {device} ({peer_id}) on stage {stage}, compute {worker.compute:.3g} rows/s"
-                  f"{stretched}", flush=True)
+            print(
+                f"{verb} {run.run_id} as {device} ({peer_id}) on stage {stage}, compute {worker.compute:.3g} rows/s"
+                f"{stretched}",
+                flush=True,
+            )
             leave = asyncio.Event()  # set when the run stops us or another stage needs us more
             moving: list[int] = []
 
@@ -230,9 +296,17 @@ async def join_main(args, stop: asyncio.Event) -> int:
                 while not leave.is_set():
                     elapsed = max(time.time() - worker.stats["started"], 1e-6)
                     tasks = worker.stats["forward"] + worker.stats["backward"]
-                    rec = records.record_to_dict(records.ClientRecord(
-                        device=device, stage=stage, state="online", compute=float(worker.compute), tasks_done=tasks,
-                        throughput=tasks / elapsed, time=time.time()))
+                    rec = records.record_to_dict(
+                        records.ClientRecord(
+                            device=device,
+                            stage=stage,
+                            state="online",
+                            compute=float(worker.compute),
+                            tasks_done=tasks,
+                            throughput=tasks / elapsed,
+                            time=time.time(),
+                        )
+                    )
                     try:
                         await records.publish(dht, rec, ttl=records.record_ttl(run.announce_period), stage=stage)
                     except Exception as e:
@@ -245,9 +319,20 @@ async def join_main(args, stop: asyncio.Event) -> int:
             async def offline(stage=stage, worker=worker):
                 """Say at once that we left this stage, rather than let the record expire."""
                 try:
-                    await records.publish(dht, records.record_to_dict(records.ClientRecord(
-                        device=device, stage=stage, state="offline", compute=float(worker.compute), time=time.time())),
-                        ttl=records.record_ttl(run.announce_period), stage=stage)
+                    await records.publish(
+                        dht,
+                        records.record_to_dict(
+                            records.ClientRecord(
+                                device=device,
+                                stage=stage,
+                                state="offline",
+                                compute=float(worker.compute),
+                                time=time.time(),
+                            )
+                        ),
+                        ttl=records.record_ttl(run.announce_period),
+                        stage=stage,
+                    )
                 except Exception as e:
                     logger.debug("offline announce failed: %r", e)
 
@@ -279,8 +364,9 @@ async def join_main(args, stop: asyncio.Event) -> int:
                         logger.info("stage re-check failed: %r", e)
                         continue
                     if again.moves:
-                        logger.warning("%s: moving from stage %d to stage %d: %s", device, stage, again.stage,
-                                       again.reason)
+                        logger.warning(
+                            "%s: moving from stage %d to stage %d: %s", device, stage, again.stage, again.reason
+                        )
                         moving.append(again.stage)
                         await offline()
                         leave.set()
@@ -316,15 +402,23 @@ async def join_main(args, stop: asyncio.Event) -> int:
         await asyncio.gather(watcher, return_exceptions=True)
         if banned is not None:  # a refusal that will not change: said once, exit 3
             what = "banned from run" if BANNED in banned else "refused by run"
-            print(f"{what} {run.run_id} as {device} ({peer_id}) after {done['forward']} forward and "
-                  f"{done['backward']} backward tasks: {banned}", flush=True)
+            print(
+                f"{what} {run.run_id} as {device} ({peer_id}) after {done['forward']} forward and "
+                f"{done['backward']} backward tasks: {banned}",
+                flush=True,
+            )
             return 3
         if halt.reason is not None:  # the run may have gone on and ended between two looks
             await look_at_halt()
-        print(f"left run {run.run_id} as {device}: {done['forward']} forward and {done['backward']} backward tasks "
-              f"done on stage(s) {' -> '.join(map(str, stages_worked)) or 'none'}", flush=True)
-        print(f"{device}: {done['recompute_avoided']} backward tasks ran on their kept forward pass (no recompute)",
-              flush=True)
+        print(
+            f"left run {run.run_id} as {device}: {done['forward']} forward and {done['backward']} backward tasks "
+            f"done on stage(s) {' -> '.join(map(str, stages_worked)) or 'none'}",
+            flush=True,
+        )
+        print(
+            f"{device}: {done['recompute_avoided']} backward tasks ran on their kept forward pass (no recompute)",
+            flush=True,
+        )
         return 0
     finally:
         stop_dht(dht)

@@ -1,4 +1,5 @@
 """`peer keygen`: make a run key (the RSA key a run's servers share; see peer/protocol/trust.py)."""
+
 from __future__ import annotations
 
 import os
@@ -7,17 +8,25 @@ from peer.errors import UsageError
 
 
 def add_arguments(p) -> None:
-    p.add_argument("-o", "--output", required=True, metavar="PATH",
-                   help="where to write the key (PEM, readable by its owner only); never overwritten")
-    p.add_argument("--run-id", default=None, metavar="NAME", help="print the --run-id NAME@FINGERPRINT to give volunteers")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="PATH",
+        help="where to write the key (PEM, readable by its owner only); never overwritten",
+    )
+    p.add_argument(
+        "--run-id", default=None, metavar="NAME", help="print the --run-id NAME@FINGERPRINT to give volunteers"
+    )
 
 
 def run(args) -> int:
     from peer.protocol.trust import SigningKey, split_run_id
 
     if os.path.exists(args.output):
-        raise UsageError(f"--output {args.output} exists: a run key is never overwritten (its fingerprint is what "
-                         "volunteers trust)")
+        raise UsageError(
+            f"--output {args.output} exists: a run key is never overwritten (its fingerprint is what volunteers trust)"
+        )
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise UsageError(f"--output {args.output}: no such folder")
     if args.run_id is not None:

@@ -3,6 +3,7 @@
 The FLOPs per token per layer are those of this architecture (see
 peer.model.config.flops_per_token_per_layer): 6 x params_per_layer + 12 x seq_len x hidden.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,14 +17,30 @@ from peer.reference import DEFAULTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULTS["model"], help=f"model preset: {', '.join(PRESETS)} (default {DEFAULTS['model']})")
-    parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
-                        help=f"sequences per batch (default {DEFAULTS['batch_size']})")
-    parser.add_argument("--micro-batches", type=int, default=DEFAULTS["micro_batches"],
-                        help=f"micro-batches per batch; must divide the batch size (default {DEFAULTS['micro_batches']})")
-    parser.add_argument("--bytes-per-value", type=int, default=2,
-                        help="bytes of one activation or parameter value on the wire and in memory (default 2)")
-    parser.add_argument("-o", "--output", metavar="MODEL.json", help="where to write the file (default: standard output)")
+    parser.add_argument(
+        "--model", default=DEFAULTS["model"], help=f"model preset: {', '.join(PRESETS)} (default {DEFAULTS['model']})"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULTS["batch_size"],
+        help=f"sequences per batch (default {DEFAULTS['batch_size']})",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=DEFAULTS["micro_batches"],
+        help=f"micro-batches per batch; must divide the batch size (default {DEFAULTS['micro_batches']})",
+    )
+    parser.add_argument(
+        "--bytes-per-value",
+        type=int,
+        default=2,
+        help="bytes of one activation or parameter value on the wire and in memory (default 2)",
+    )
+    parser.add_argument(
+        "-o", "--output", metavar="MODEL.json", help="where to write the file (default: standard output)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """What every process of a run shares: its DHT node and P2P replica, links to servers (over P2P,
 or in-process for a server's own worker through the very same checks), and the server directory
 read from the DHT."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,6 @@ from peer.protocol.wire import STALL_SECONDS, PayloadError, RemoteError, StreamC
 logger = logging.getLogger("hivepipe.node")
 
 
-
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
 
 
@@ -46,7 +46,7 @@ def _sweep_identity_dirs(tmp: str) -> None:
     for name in os.listdir(tmp):
         if not name.startswith(IDENTITY_DIR_PREFIX):
             continue
-        pid = name[len(IDENTITY_DIR_PREFIX):].split("-", 1)[0]
+        pid = name[len(IDENTITY_DIR_PREFIX) :].split("-", 1)[0]
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
@@ -77,9 +77,18 @@ def _claim_new_identity(path: str) -> bool:
         os.unlink(tmp)
 
 
-def start_dht(initial_peers=(), *, run_id: str, run_fp: str | None, run_key=None, identity_path: str | None = None,
-              client_mode: bool = False, host_maddrs=(LOOPBACK_MADDR,), announce_maddrs=None,
-              timeout: float | None = None) -> DHT:
+def start_dht(
+    initial_peers=(),
+    *,
+    run_id: str,
+    run_fp: str | None,
+    run_key=None,
+    identity_path: str | None = None,
+    client_mode: bool = False,
+    host_maddrs=(LOOPBACK_MADDR,),
+    announce_maddrs=None,
+    timeout: float | None = None,
+) -> DHT:
     """A DHT node with its p2p daemon, holding the record validators of run `run_id` (whose run key
     has fingerprint `run_fp`; None: learnt from the only config record that verifies) and what it
     signs its records with: its libp2p identity (from `identity_path`, else a fresh one) and, on a
@@ -110,8 +119,13 @@ def start_dht(initial_peers=(), *, run_id: str, run_fp: str | None, run_key=None
         identity = SigningKey.from_identity(identity_path)
     except Exception as e:
         raise NetworkStartError(f"identity {identity_path}: not a libp2p RSA identity ({type(e).__name__})") from None
-    kwargs = dict(initial_peers=list(initial_peers) or None, start=True, client_mode=client_mode,
-                  await_ready=True, record_validators=validators(run_id, run_fp))
+    kwargs = dict(
+        initial_peers=list(initial_peers) or None,
+        start=True,
+        client_mode=client_mode,
+        await_ready=True,
+        record_validators=validators(run_id, run_fp),
+    )
     if made:  # just made here: nobody else can hold it
         kwargs["check_if_identity_free"] = False
     kwargs["host_maddrs"] = [LOOPBACK_MADDR] if client_mode else list(host_maddrs)
@@ -129,8 +143,13 @@ def start_dht(initial_peers=(), *, run_id: str, run_fp: str | None, run_key=None
     # initial peers that do not answer yet (a server restarting) are tried again until `timeout`
     deadline = time.monotonic() + (timeout or 0.0)
     try:
-        return _start(kwargs, deadline, timeout, initial_peers,
-                      Trust(run_id=run_id, run_fp=run_fp, identity=identity, run_key=run_key))
+        return _start(
+            kwargs,
+            deadline,
+            timeout,
+            initial_peers,
+            Trust(run_id=run_id, run_fp=run_fp, identity=identity, run_key=run_key),
+        )
     finally:
         if fresh:  # the daemon has read it (or never will)
             import shutil
@@ -182,13 +201,18 @@ def _start(kwargs: dict, deadline: float, timeout, initial_peers, trust) -> DHT:
         except Exception as e:
             problem = _daemon_problem(e)
             if "initial peers" in problem and time.monotonic() + 2.0 < deadline:
-                logger.log(logging.WARNING if tries == 1 else logging.DEBUG, "%s; trying again until --timeout %.0f s",
-                           problem, timeout)
+                logger.log(
+                    logging.WARNING if tries == 1 else logging.DEBUG,
+                    "%s; trying again until --timeout %.0f s",
+                    problem,
+                    timeout,
+                )
                 time.sleep(2.0)
                 continue
             where = " ".join(initial_peers) if initial_peers else "none"
-            raise NetworkStartError(f"{problem} (listening on {' '.join(kwargs['host_maddrs'])}; initial peers: "
-                                    f"{where})") from None
+            raise NetworkStartError(
+                f"{problem} (listening on {' '.join(kwargs['host_maddrs'])}; initial peers: {where})"
+            ) from None
 
 
 def stop_dht(dht: DHT, timeout: float = 5.0) -> None:
@@ -379,8 +403,13 @@ class LinkHealth:
             self._logged_at, self._unlogged = now, 0
             logger.warning("cannot reach %s: %s; retrying with backoff", self.name, why)
         elif now - self._logged_at >= self.period:
-            logger.warning("still cannot reach %s after %.0f s (%d more failed attempts): %s", self.name,
-                           now - self.failing_since, self._unlogged + 1, why)
+            logger.warning(
+                "still cannot reach %s after %.0f s (%d more failed attempts): %s",
+                self.name,
+                now - self.failing_since,
+                self._unlogged + 1,
+                why,
+            )
             self._logged_at, self._unlogged = now, 0
         else:
             self._unlogged += 1
@@ -449,8 +478,17 @@ class P2PLink:
     connects to the server at the multiaddrs the server's record announces (`addresses()`): libp2p
     can reach a peer only at addresses it knows, and a volunteer knows only its initial peer's."""
 
-    def __init__(self, p2p, peer_id: str, device: str, servicer_cls, links: LinkEmulator | None = None,
-                 addresses: Callable[[], list[str]] | None = None, backoff: bool = True, compress: str = "none"):
+    def __init__(
+        self,
+        p2p,
+        peer_id: str,
+        device: str,
+        servicer_cls,
+        links: LinkEmulator | None = None,
+        addresses: Callable[[], list[str]] | None = None,
+        backoff: bool = True,
+        compress: str = "none",
+    ):
         self.p2p = p2p
         self.compress = compress  # the run's --compress (peer/protocol/wire.py)
         self.peer_id = peer_id
@@ -472,8 +510,12 @@ class P2PLink:
             from multiaddr import Multiaddr
 
             try:
-                await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(self.peer_id),
-                                                                [Multiaddr(m.split("/p2p/")[0]) for m in maddrs]), 15.0)
+                await asyncio.wait_for(
+                    self.p2p._client.connect(
+                        PeerID.from_base58(self.peer_id), [Multiaddr(m.split("/p2p/")[0]) for m in maddrs]
+                    ),
+                    15.0,
+                )
             except Exception as e:
                 self.health.failed(e, addresses=maddrs)
                 raise DialError(f"{self.device}: cannot connect at {' '.join(maddrs)}: {e}") from None
@@ -514,8 +556,12 @@ class P2PLink:
                 return result
 
     async def _call_once(self, method: str, meta: dict, tensors, timeout: float):
-        messages = pack(meta, list(tensors), ExpertRequest,
-                        compress=self.compress if method in methods.COMPRESSED_REQUESTS else "none")
+        messages = pack(
+            meta,
+            list(tensors),
+            ExpertRequest,
+            compress=self.compress if method in methods.COMPRESSED_REQUESTS else "none",
+        )
         size = payload_bytes(messages)
         await self.links.send(self.device, size)
         started = time.monotonic()
@@ -555,7 +601,9 @@ class LocalLink:
         self.sender = sender
 
     async def call(self, method: str, meta: dict, tensors=(), timeout: float = 30.0):
-        meta_r, tensors_r = await self.server.handle(method, dict(meta), [t.detach().clone() for t in tensors], self.sender)
+        meta_r, tensors_r = await self.server.handle(
+            method, dict(meta), [t.detach().clone() for t in tensors], self.sender
+        )
         if "error" in meta_r:
             raise RemoteError(f"{self.device}.{method}: {meta_r['error']}")
         return meta_r, tensors_r
@@ -622,13 +670,29 @@ class Directory:
         fresher than records.stale_after(period) (a stopped server's record outlives it)."""
         return records.halted_reason(r for r in self.records.values() if records.is_fresh(r, period))
 
-    def link(self, p2p, device: str, servicer_cls, links: LinkEmulator | None = None,
-             peer_id: str | None = None, backoff: bool = True, compress: str = "none") -> "P2PLink":
+    def link(
+        self,
+        p2p,
+        device: str,
+        servicer_cls,
+        links: LinkEmulator | None = None,
+        peer_id: str | None = None,
+        backoff: bool = True,
+        compress: str = "none",
+    ) -> "P2PLink":
         """A P2P link to server `device` (by default the peer id last seen for it) that dials the
         multiaddrs its record announces."""
         peer = peer_id or self.known[device]
-        return P2PLink(p2p, peer, device, servicer_cls, links, addresses=lambda: self.addresses.get(peer, []),
-                       backoff=backoff, compress=compress)
+        return P2PLink(
+            p2p,
+            peer,
+            device,
+            servicer_cls,
+            links,
+            addresses=lambda: self.addresses.get(peer, []),
+            backoff=backoff,
+            compress=compress,
+        )
 
     async def wait_for(self, devices, timeout: float = 120.0) -> None:
         """Until every device in `devices` has been seen in a record. Seen once is enough: one read

@@ -6,6 +6,7 @@
 
 Imports only the scheduler (numpy): no torch, no hivemind.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,13 +23,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("cluster", metavar="CLUSTER", help="cluster file: devices, delays, bandwidths")
     parser.add_argument("model", metavar="MODEL", help="model file (see `peer model-file`)")
     parser.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan here (default: only print it)")
-    parser.add_argument("--algorithm", default="refined", choices=ALGORITHMS,
-                        help="refined (default): the paper's plan improved under the exact cost; paper: section 3.3.3 "
-                             "of the design paper; exact: exhaustive (<= 6 reliable, 4 volunteers); random; ga: the "
-                             "hybrid genetic algorithm of the decentralized-FM scheduler")
+    parser.add_argument(
+        "--algorithm",
+        default="refined",
+        choices=ALGORITHMS,
+        help="refined (default): the paper's plan improved under the exact cost; paper: section 3.3.3 "
+        "of the design paper; exact: exhaustive (<= 6 reliable, 4 volunteers); random; ga: the "
+        "hybrid genetic algorithm of the decentralized-FM scheduler",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--time-limit", type=float, default=30.0, metavar="S",
-                        help="seconds the search may take at most (default 30)")
+    parser.add_argument(
+        "--time-limit", type=float, default=30.0, metavar="S", help="seconds the search may take at most (default 30)"
+    )
     parser.add_argument("--score", metavar="PLAN.json", help="score this plan instead of planning")
 
 
@@ -47,12 +53,19 @@ def _ids(ids, most=6) -> str:
 def format_plan(plan, cost, model, algorithm: str | None = None) -> str:
     rows = [("stage", "layers", "frontal servers", "backward servers", "clients", "tau_k", "DT_k", "link_k", "AG max")]
     for k, st in enumerate(plan.stages):
-        rows.append((str(k), f"[{st.layers[0]}, {st.layers[1]})", _ids(st.frontal), _ids(st.backward),
-                     f"{len(st.clients)}: {_ids(st.clients, 4)}" if st.clients else "0",
-                     _fmt_s(cost.stage_tau[k]) if cost.stage_tau else "-",
-                     _fmt_s(cost.stage_dt[k]) if cost.stage_dt else "-",
-                     _fmt_s(cost.stage_link[k]) if cost.stage_link else "-",
-                     _fmt_s(cost.stage_ag[k]) if cost.stage_ag else "-"))
+        rows.append(
+            (
+                str(k),
+                f"[{st.layers[0]}, {st.layers[1]})",
+                _ids(st.frontal),
+                _ids(st.backward),
+                f"{len(st.clients)}: {_ids(st.clients, 4)}" if st.clients else "0",
+                _fmt_s(cost.stage_tau[k]) if cost.stage_tau else "-",
+                _fmt_s(cost.stage_dt[k]) if cost.stage_dt else "-",
+                _fmt_s(cost.stage_link[k]) if cost.stage_link else "-",
+                _fmt_s(cost.stage_ag[k]) if cost.stage_ag else "-",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     head = f"plan by {algorithm}: " if algorithm else "plan: "
@@ -65,7 +78,9 @@ def format_plan(plan, cost, model, algorithm: str | None = None) -> str:
     if cost.reason:
         lines.append(f"infeasible: {cost.reason}")
     else:
-        lines.append(f"pipeline (d + K - 1) * max tau_k: {_fmt_s(cost.pipe)}; aggregation max AG: {_fmt_s(cost.aggregation)}")
+        lines.append(
+            f"pipeline (d + K - 1) * max tau_k: {_fmt_s(cost.pipe)}; aggregation max AG: {_fmt_s(cost.aggregation)}"
+        )
         lines.append(f"predicted seconds per batch: {cost.total:.4f}")
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ owns: the `DialBackService` every server (and `peer swarm`'s bootstrap node) off
 itself, and `check_reachable`, which a starting server runs before it announces anything. It does
 not decide what a failed check means for the process: `peer serve` does.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,9 @@ def split_peer(maddr: str) -> tuple[str, str | None]:
 
 async def dial(peer_id: str, maddrs: list[str], timeout: float = DIAL_TIMEOUT) -> str | None:
     """Connect to `peer_id` at exactly `maddrs` from a new daemon; None on success, else why not."""
-    probe = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, auto_nat=False,
-                             nat_port_map=False, dht_mode="client")
+    probe = await P2P.create(
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, auto_nat=False, nat_port_map=False, dht_mode="client"
+    )
     try:
         addrs = [Multiaddr(split_peer(m)[0]) for m in maddrs]
         await asyncio.wait_for(probe._client.connect(PeerID.from_base58(peer_id), addrs), timeout)
@@ -60,8 +62,11 @@ class DialBackService(ServicerBase):
         try:
             meta = msgpack.unpackb(request.metadata, raw=False)
             maddrs = meta["maddrs"]
-            if (not isinstance(maddrs, list) or not 0 < len(maddrs) <= MAX_CHECKED_ADDRS
-                    or not all(isinstance(m, str) and len(m) < 300 for m in maddrs)):
+            if (
+                not isinstance(maddrs, list)
+                or not 0 < len(maddrs) <= MAX_CHECKED_ADDRS
+                or not all(isinstance(m, str) and len(m) < 300 for m in maddrs)
+            ):
                 raise ValueError("maddrs must be a list of 1 to 8 multiaddr strings")
             for m in maddrs:
                 Multiaddr(split_peer(m)[0])
@@ -74,8 +79,9 @@ class DialBackService(ServicerBase):
         return ExpertResponse(metadata=msgpack.packb({"ok": problem is None, "problem": problem}))
 
 
-async def ask_dial_back(p2p: P2P, checker: str, checker_maddrs: list[str], own_maddrs: list[str],
-                        timeout: float) -> dict:
+async def ask_dial_back(
+    p2p: P2P, checker: str, checker_maddrs: list[str], own_maddrs: list[str], timeout: float
+) -> dict:
     """Ask `checker` (a peer id, reached at `checker_maddrs`) to dial us back: {"ok": bool, "problem": str}."""
     await p2p._client.connect(PeerID.from_base58(checker), [Multiaddr(split_peer(m)[0]) for m in checker_maddrs])
     stub = DialBackService.get_stub(p2p, PeerID.from_base58(checker))
@@ -87,8 +93,9 @@ async def ask_dial_back(p2p: P2P, checker: str, checker_maddrs: list[str], own_m
     return meta
 
 
-async def check_reachable(p2p: P2P, own_maddrs: list[str], checkers: list[tuple[str, list[str]]],
-                          timeout: float = 30.0) -> tuple[bool | None, str]:
+async def check_reachable(
+    p2p: P2P, own_maddrs: list[str], checkers: list[tuple[str, list[str]]], timeout: float = 30.0
+) -> tuple[bool | None, str]:
     """Ask each checker (peer id, its multiaddrs) in turn, within `timeout` seconds in all.
     (True, who) once one dialled us back; (False, why) when every checker that answered could not;
     (None, why) when no checker answered at all (none offers the service, or none could be reached)."""
@@ -103,7 +110,9 @@ async def check_reachable(p2p: P2P, own_maddrs: list[str], checkers: list[tuple[
         try:
             answer = await asyncio.wait_for(ask_dial_back(p2p, peer, maddrs, own_maddrs, left), left)
         except Exception as e:
-            silent.append(f"{peer[-8:]}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__}")
+            silent.append(
+                f"{peer[-8:]}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__}"
+            )
             continue
         if answer.get("ok"):
             return True, peer

@@ -12,6 +12,7 @@ t+1's gradient is computed; so g_0 and g_1 are both computed on the initial para
 `steps` updates. `delay=0` is ordinary training. In general the gradient of batch t sees the updates
 of batches 0..t-1-delay.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,7 +72,10 @@ def _deterministic(device: "torch.device"):
 
     if device.type == "cuda":  # cuBLAS needs this before its first use to be deterministic
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    was_on, was_warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    was_on, was_warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     fork_devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork_devices):
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -81,9 +85,21 @@ def _deterministic(device: "torch.device"):
             torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
 
 
-def train_reference(cfg: ModelConfig, corpus: "Corpus", *, steps: int, seed: int, batch_size: int, micro_batches: int,
-                    delay: int, lr: float, device: "torch.device | str" = "cpu", progress: bool = True,
-                    on_step: Callable[[StepInfo], None] | None = None, initial: dict | None = None) -> tuple[dict, dict]:
+def train_reference(
+    cfg: ModelConfig,
+    corpus: "Corpus",
+    *,
+    steps: int,
+    seed: int,
+    batch_size: int,
+    micro_batches: int,
+    delay: int,
+    lr: float,
+    device: "torch.device | str" = "cpu",
+    progress: bool = True,
+    on_step: Callable[[StepInfo], None] | None = None,
+    initial: dict | None = None,
+) -> tuple[dict, dict]:
     """Train from `build_slice(cfg, 0, cfg.layers, seed)` (or from the full-model state `initial`)
     on batches 0..steps-1 of (corpus, seed).
 
@@ -105,8 +121,11 @@ def train_reference(cfg: ModelConfig, corpus: "Corpus", *, steps: int, seed: int
     with _deterministic(device):
         torch.manual_seed(seed)
         start = time.perf_counter()
-        model = (build_slice(cfg, 0, cfg.layers, seed, device) if initial is None
-                 else slice_from_state(cfg, 0, cfg.layers, initial, device))
+        model = (
+            build_slice(cfg, 0, cfg.layers, seed, device)
+            if initial is None
+            else slice_from_state(cfg, 0, cfg.layers, initial, device)
+        )
         optimizer = make_optimizer(model.parameters(), lr)
         pending: deque[dict] = deque()  # gradients whose updates are not applied yet, oldest first
         applied = 0
@@ -130,11 +149,22 @@ def train_reference(cfg: ModelConfig, corpus: "Corpus", *, steps: int, seed: int
         wall = time.perf_counter() - start
         bar.close()
     summary = {
-        "steps": steps, "first_loss": losses[0], "last_loss": losses[-1],
-        "wall_seconds": wall, "tokens_per_second": steps * tokens / wall, "losses": losses,
-        "model": cfg.name, "params": cfg.param_count(), "seed": seed, "batch_size": batch_size,
-        "micro_batches": micro_batches, "delay": delay, "lr": lr, "device": str(device),
-        "data": corpus.source, "data_fingerprint": corpus.fingerprint,
+        "steps": steps,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "wall_seconds": wall,
+        "tokens_per_second": steps * tokens / wall,
+        "losses": losses,
+        "model": cfg.name,
+        "params": cfg.param_count(),
+        "seed": seed,
+        "batch_size": batch_size,
+        "micro_batches": micro_batches,
+        "delay": delay,
+        "lr": lr,
+        "device": str(device),
+        "data": corpus.source,
+        "data_fingerprint": corpus.fingerprint,
     }
     return state, summary
 
@@ -146,25 +176,45 @@ def save_checkpoint(directory: str, state: dict, cfg: ModelConfig, tokenizer: st
 
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, CHECKPOINT_FILE)
-    save_file({k: v.contiguous() for k, v in state.items()}, path,
-              metadata={"model": cfg.name, "config": json.dumps(cfg.to_dict()), "tokenizer": tokenizer})
+    save_file(
+        {k: v.contiguous() for k, v in state.items()},
+        path,
+        metadata={"model": cfg.name, "config": json.dumps(cfg.to_dict()), "tokenizer": tokenizer},
+    )
     return path
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DEFAULTS
-    parser.add_argument("--model", default=d["model"], help=f"model preset: {', '.join(PRESETS)} (default {d['model']})")
+    parser.add_argument(
+        "--model", default=d["model"], help=f"model preset: {', '.join(PRESETS)} (default {d['model']})"
+    )
     parser.add_argument("--steps", type=int, default=d["steps"], help=f"batches to train on (default {d['steps']})")
     parser.add_argument("--seed", type=int, default=d["seed"], help="seed of the initial parameters and of the batches")
-    parser.add_argument("--data", default=None, metavar="PATH",
-                        help="text file or folder of them (default: the Python standard library's sources)")
-    parser.add_argument("--batch-size", type=int, default=d["batch_size"], help=f"sequences per batch (default {d['batch_size']})")
-    parser.add_argument("--micro-batches", type=int, default=d["micro_batches"],
-                        help=f"micro-batches per batch; must divide the batch size (default {d['micro_batches']})")
-    parser.add_argument("--delay", type=int, default=d["delay"],
-                        help="1: delayed parameter update, as the swarm does; 0: ordinary training (default 1)")
+    parser.add_argument(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="text file or folder of them (default: the Python standard library's sources)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=d["batch_size"], help=f"sequences per batch (default {d['batch_size']})"
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=d["micro_batches"],
+        help=f"micro-batches per batch; must divide the batch size (default {d['micro_batches']})",
+    )
+    parser.add_argument(
+        "--delay",
+        type=int,
+        default=d["delay"],
+        help="1: delayed parameter update, as the swarm does; 0: ordinary training (default 1)",
+    )
     parser.add_argument("--lr", type=float, default=d["lr"], help=f"constant AdamW learning rate (default {d['lr']})")
     parser.add_argument("--device", default=d["device"], help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--checkpoint-out", metavar="DIR", help=f"write DIR/{CHECKPOINT_FILE} (the full model, fp32)")
@@ -204,8 +254,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg, hf = hf_init.resolve_model(args)
     try:
-        check_training_args(steps=args.steps, batch_size=args.batch_size, micro_batches=args.micro_batches,
-                            delay=args.delay, lr=args.lr)
+        check_training_args(
+            steps=args.steps, batch_size=args.batch_size, micro_batches=args.micro_batches, delay=args.delay, lr=args.lr
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None
     _check_device(args.device)
@@ -221,15 +272,29 @@ def run(args: argparse.Namespace) -> int:
     if args.summary_json:
         _prepare_output_folder(os.path.dirname(os.path.abspath(args.summary_json)), "--summary-json")
 
-    state, summary = train_reference(cfg, corpus, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
-                                     micro_batches=args.micro_batches, delay=args.delay, lr=args.lr,
-                                     device=args.device, progress=not args.no_progress, initial=initial)
+    state, summary = train_reference(
+        cfg,
+        corpus,
+        steps=args.steps,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        micro_batches=args.micro_batches,
+        delay=args.delay,
+        lr=args.lr,
+        device=args.device,
+        progress=not args.no_progress,
+        initial=initial,
+    )
     if args.checkpoint_out:
-        summary["checkpoint"] = save_checkpoint(args.checkpoint_out, state, cfg, hf_init.model_record(cfg, hf)["tokenizer"])
+        summary["checkpoint"] = save_checkpoint(
+            args.checkpoint_out, state, cfg, hf_init.model_record(cfg, hf)["tokenizer"]
+        )
     if args.summary_json:
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=2)
             f.write("\n")
-    print(f"{cfg.name} ({cfg.param_count():,} parameters), {summary['steps']} steps: loss {summary['first_loss']:.4f} -> "
-          f"{summary['last_loss']:.4f} in {summary['wall_seconds']:.1f} s ({summary['tokens_per_second']:.0f} tokens/s)")
+    print(
+        f"{cfg.name} ({cfg.param_count():,} parameters), {summary['steps']} steps: loss {summary['first_loss']:.4f} -> "
+        f"{summary['last_loss']:.4f} in {summary['wall_seconds']:.1f} s ({summary['tokens_per_second']:.0f} tokens/s)"
+    )
     return 0

@@ -1,4 +1,5 @@
 """Process plumbing shared by `peer serve` and `peer join`: argument groups, signals, the loop."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,23 +14,49 @@ logger = logging.getLogger("hivepipe.runtime")
 
 
 def add_common_arguments(p) -> None:
-    p.add_argument("--run-id", default="hivepipe", metavar="NAME[@FINGERPRINT]",
-                   help="the run to serve or join (every DHT key starts with NAME); @FINGERPRINT names the run key "
-                        "its records must be signed with (its first server prints it; without it, a volunteer trusts "
-                        "the only run key that publishes NAME)")
-    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
-                   help="multiaddrs of DHT peers to join, with /p2p/<peer id> (the initial_peers= line a server prints)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds to wait for the initial peers to answer (and, for a volunteer, for the run to appear)")
-    p.add_argument("--link-profile", default=None, metavar="CLUSTER.json",
-                   help="emulate the delays and bandwidths of this cluster file on every send")
+    p.add_argument(
+        "--run-id",
+        default="hivepipe",
+        metavar="NAME[@FINGERPRINT]",
+        help="the run to serve or join (every DHT key starts with NAME); @FINGERPRINT names the run key "
+        "its records must be signed with (its first server prints it; without it, a volunteer trusts "
+        "the only run key that publishes NAME)",
+    )
+    p.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        metavar="MADDR",
+        help="multiaddrs of DHT peers to join, with /p2p/<peer id> (the initial_peers= line a server prints)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the initial peers to answer (and, for a volunteer, for the run to appear)",
+    )
+    p.add_argument(
+        "--link-profile",
+        default=None,
+        metavar="CLUSTER.json",
+        help="emulate the delays and bandwidths of this cluster file on every send",
+    )
     p.add_argument("--link-scale", type=float, default=1.0, help="multiply emulated link times by this factor")
-    p.add_argument("--slowdown", type=float, default=None,
-                   help="stretch every compute step by this factor (default: from --link-profile's tflops)")
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=None,
+        help="stretch every compute step by this factor (default: from --link-profile's tflops)",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the slice computes")
-    p.add_argument("--activation-memory", type=float, default=1024, metavar="MB",
-                   help="keep forward passes (their activations, on --device) up to this many MB so that the "
-                        "backward task of the same rows needs no recompute, oldest dropped first (0: always recompute)")
+    p.add_argument(
+        "--activation-memory",
+        type=float,
+        default=1024,
+        metavar="MB",
+        help="keep forward passes (their activations, on --device) up to this many MB so that the "
+        "backward task of the same rows needs no recompute, oldest dropped first (0: always recompute)",
+    )
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (used by peer swarm)")
 
 
@@ -90,10 +117,13 @@ def check_maddrs(flag: str, values, *, need_peer_id: bool = False, need_port: bo
             raise UsageError(f"{flag}: {m!r} is not a multiaddr ({e})") from None
         protocols = [p.name for p in parsed.protocols()]
         if need_peer_id and "p2p" not in protocols:
-            raise UsageError(f"{flag}: {m!r} lacks the peer id: add /p2p/<peer id> (the initial_peers= line a "
-                             "server prints has it)")
+            raise UsageError(
+                f"{flag}: {m!r} lacks the peer id: add /p2p/<peer id> (the initial_peers= line a server prints has it)"
+            )
         if not any(p in protocols for p in ("ip4", "ip6", "dns", "dns4", "dns6")) or "tcp" not in protocols:
-            raise UsageError(f"{flag}: {m!r} needs an IP (or DNS) address and a TCP port, e.g. /ip4/203.0.113.7/tcp/31337")
+            raise UsageError(
+                f"{flag}: {m!r} needs an IP (or DNS) address and a TCP port, e.g. /ip4/203.0.113.7/tcp/31337"
+            )
         if need_port and parsed.value_for_protocol("tcp") == "0":
             raise UsageError(f"{flag}: {m!r} needs an explicit port (others dial it; port 0 means any)")
 
@@ -157,6 +187,7 @@ def quiet_peer_departures(loop: asyncio.AbstractEventLoop) -> None:
       read, which leaves its exception (the connection closed mid-read) unretrieved, and asyncio
       reports it when the task is collected (seen in a restarted server's log, in CI).
     A peer leaving is not an error; every other exception is reported as before."""
+
     def handler(loop, context):
         if isinstance(context.get("exception"), (asyncio.CancelledError, asyncio.IncompleteReadError)):
             logger.debug("a peer's connection closed: %s", context.get("message"))
@@ -177,6 +208,7 @@ def freeze_startup_objects() -> None:
 
 def run_until_signalled(main_coro_factory) -> int:
     """Run `main_coro_factory(stop_event)` until it returns or SIGTERM/SIGINT sets the event."""
+
     async def runner():
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

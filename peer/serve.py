@@ -1,4 +1,5 @@
 """`peer serve --reliable`: one parameter server (frontal or backward) of one stage."""
+
 from __future__ import annotations
 
 import asyncio
@@ -49,63 +50,129 @@ def add_arguments(p) -> None:
     train.add_argument("--batch-size", type=int, default=TRAIN_DEFAULTS["batch_size"])
     train.add_argument("--micro-batches", type=int, default=TRAIN_DEFAULTS["micro_batches"])
     train.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["lr"])
-    train.add_argument("--compress", default="none", choices=["none", "fp16", "bf16", "8bit"],
-                       help="activations, their gradients and gradient pushes on the wire: none (exact, the default), "
-                            "fp16, bf16 or 8bit (hivemind's codecs; lossy: the run no longer equals the reference)")
+    train.add_argument(
+        "--compress",
+        default="none",
+        choices=["none", "fp16", "bf16", "8bit"],
+        help="activations, their gradients and gradient pushes on the wire: none (exact, the default), "
+        "fp16, bf16 or 8bit (hivemind's codecs; lossy: the run no longer equals the reference)",
+    )
     from peer.hf import init as hf_init
 
     hf_init.add_arguments(train)
     net = p.add_argument_group("network and process")
-    net.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
-                     help="where to listen (default: every interface, a free port; pin the port, e.g. "
-                          "/ip4/0.0.0.0/tcp/31337, to open it in a firewall)")
-    net.add_argument("--announce-maddrs", nargs="+", default=None, metavar="MADDR",
-                     help="the addresses others should dial, e.g. the public address in front of port forwarding "
-                          "(default: what it listens on); must give a port")
-    net.add_argument("--no-reachability-check", action="store_true",
-                     help="skip asking a peer of the run to dial this server back at start")
+    net.add_argument(
+        "--host-maddrs",
+        nargs="+",
+        default=["/ip4/0.0.0.0/tcp/0"],
+        metavar="MADDR",
+        help="where to listen (default: every interface, a free port; pin the port, e.g. "
+        "/ip4/0.0.0.0/tcp/31337, to open it in a firewall)",
+    )
+    net.add_argument(
+        "--announce-maddrs",
+        nargs="+",
+        default=None,
+        metavar="MADDR",
+        help="the addresses others should dial, e.g. the public address in front of port forwarding "
+        "(default: what it listens on); must give a port",
+    )
+    net.add_argument(
+        "--no-reachability-check",
+        action="store_true",
+        help="skip asking a peer of the run to dial this server back at start",
+    )
     net.add_argument("--identity-path", default=None, help="a persistent libp2p key (same peer id after restarts)")
-    net.add_argument("--run-key", required=True, metavar="PATH",
-                     help="the run's key, shared by its servers: it signs the run's config and server records "
-                          "(created here if missing: copy it to the run's other servers; or make it with `peer keygen`)")
+    net.add_argument(
+        "--run-key",
+        required=True,
+        metavar="PATH",
+        help="the run's key, shared by its servers: it signs the run's config and server records "
+        "(created here if missing: copy it to the run's other servers; or make it with `peer keygen`)",
+    )
     net.add_argument("--checkpoint-dir", default=None, help="save the shard here after every step; resume from it")
-    net.add_argument("--supervise", action="store_true",
-                     help="run the server in a child process and fork it again, from its checkpoint and under the "
-                          "same identity, when it crashes (killed by a signal or an error exit): torch and hivemind "
-                          "stay imported, so a restart takes seconds (needs --checkpoint-dir; the identity defaults "
-                          "to CHECKPOINT_DIR/DEVICE.identity.key; at most 5 restarts in 10 minutes)")
-    net.add_argument("--announce-period", type=float, default=DEFAULT_ANNOUNCE_PERIOD,
-                     help=f"seconds between DHT announcements (every {JOINING_PERIOD:g} s until the run is online); a "
-                          f"server silent for {STALE_PERIODS} periods counts as gone, and is failed over --failover-after "
-                          "seconds later")
+    net.add_argument(
+        "--supervise",
+        action="store_true",
+        help="run the server in a child process and fork it again, from its checkpoint and under the "
+        "same identity, when it crashes (killed by a signal or an error exit): torch and hivemind "
+        "stay imported, so a restart takes seconds (needs --checkpoint-dir; the identity defaults "
+        "to CHECKPOINT_DIR/DEVICE.identity.key; at most 5 restarts in 10 minutes)",
+    )
+    net.add_argument(
+        "--announce-period",
+        type=float,
+        default=DEFAULT_ANNOUNCE_PERIOD,
+        help=f"seconds between DHT announcements (every {JOINING_PERIOD:g} s until the run is online); a "
+        f"server silent for {STALE_PERIODS} periods counts as gone, and is failed over --failover-after "
+        "seconds later",
+    )
     net.add_argument("--task-timeout", type=float, default=60.0, help="seconds before an unanswered task is re-queued")
     net.add_argument("--client-timeout", type=float, default=5.0, help="seconds of silence before a client is dropped")
-    net.add_argument("--failover-after", type=float, default=30.0,
-                     help="seconds a server may be missing from the DHT before the others fail it over (0: never)")
-    net.add_argument("--volunteers-allow", default=None, metavar="FILE",
-                     help="a closed run: admit only the volunteers whose peer ids this file lists (one per line, '#' "
-                          "comments; a volunteer keeps its peer id with `peer join --identity-path`); default: open")
-    net.add_argument("--task-tokens", type=int, default=DEFAULT_TASK_TOKENS, metavar="N",
-                     help="the fewest tokens a forward task carries: a micro-batch with more clients than such "
-                          "tasks goes to the clients owed the most rows (default %(default)s)")
-    net.add_argument("--client-batch-tokens", type=int, default=DEFAULT_CLIENT_BATCH_TOKENS, metavar="N",
-                     help="the fewest tokens of a batch a client computes here: a batch goes to as few clients as "
-                          "give each N (each pulls and pushes the stage's parameters for it), the next batch to the "
-                          "next ones; 1 spreads every micro-batch over every client (default %(default)s)")
-    net.add_argument("--no-local-first", action="store_true",
-                     help="choose a batch's clients by the rows each is owed only; by default a free worker of a "
-                          "stage server goes first (its parameters are local: it moves a quarter of the bytes)")
+    net.add_argument(
+        "--failover-after",
+        type=float,
+        default=30.0,
+        help="seconds a server may be missing from the DHT before the others fail it over (0: never)",
+    )
+    net.add_argument(
+        "--volunteers-allow",
+        default=None,
+        metavar="FILE",
+        help="a closed run: admit only the volunteers whose peer ids this file lists (one per line, '#' "
+        "comments; a volunteer keeps its peer id with `peer join --identity-path`); default: open",
+    )
+    net.add_argument(
+        "--task-tokens",
+        type=int,
+        default=DEFAULT_TASK_TOKENS,
+        metavar="N",
+        help="the fewest tokens a forward task carries: a micro-batch with more clients than such "
+        "tasks goes to the clients owed the most rows (default %(default)s)",
+    )
+    net.add_argument(
+        "--client-batch-tokens",
+        type=int,
+        default=DEFAULT_CLIENT_BATCH_TOKENS,
+        metavar="N",
+        help="the fewest tokens of a batch a client computes here: a batch goes to as few clients as "
+        "give each N (each pulls and pushes the stage's parameters for it), the next batch to the "
+        "next ones; 1 spreads every micro-batch over every client (default %(default)s)",
+    )
+    net.add_argument(
+        "--no-local-first",
+        action="store_true",
+        help="choose a batch's clients by the rows each is owed only; by default a free worker of a "
+        "stage server goes first (its parameters are local: it moves a quarter of the bytes)",
+    )
     net.add_argument("--no-compute", action="store_true", help="do not run a local worker beside the services")
-    net.add_argument("--no-requeue", action="store_true", help="drop a departed client's work (SWARM-like; benchmarks only)")
-    net.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
-                     help="refuse a request larger than N bytes while it arrives (default: 3x the stage's parameters "
-                          "in fp32 plus a micro-batch's activations twice plus 16 MiB)")
+    net.add_argument(
+        "--no-requeue", action="store_true", help="drop a departed client's work (SWARM-like; benchmarks only)"
+    )
+    net.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="refuse a request larger than N bytes while it arrives (default: 3x the stage's parameters "
+        "in fp32 plus a micro-batch's activations twice plus 16 MiB)",
+    )
     checks = p.add_argument_group("checked work (parameter_server/verify.py)")
-    checks.add_argument("--verify-rate", type=float, default=None, metavar="P",
-                        help="after its probation, re-run each volunteer contribution here with probability P "
-                             "(default 0.1: see README, 'Checked work'); 0 checks probation only")
-    checks.add_argument("--probation", type=int, default=None, metavar="N",
-                        help="re-run every one of a new volunteer's first N contributions here (default 4)")
+    checks.add_argument(
+        "--verify-rate",
+        type=float,
+        default=None,
+        metavar="P",
+        help="after its probation, re-run each volunteer contribution here with probability P "
+        "(default 0.1: see README, 'Checked work'); 0 checks probation only",
+    )
+    checks.add_argument(
+        "--probation",
+        type=int,
+        default=None,
+        metavar="N",
+        help="re-run every one of a new volunteer's first N contributions here (default 4)",
+    )
     add_common_arguments(p)
 
 
@@ -180,20 +247,32 @@ def resolve(args):
     except (ValueError, OSError) as e:
         raise UsageError(f"--run-key: {e}") from None
     if args.run_fp is not None and args.run_fp != args.run_key_obj.fingerprint:
-        raise UsageError(f"--run-key {args.run_key} has fingerprint {args.run_key_obj.fingerprint}, not the "
-                         f"{args.run_fp} that --run-id names")
+        raise UsageError(
+            f"--run-key {args.run_key} has fingerprint {args.run_key_obj.fingerprint}, not the "
+            f"{args.run_fp} that --run-id names"
+        )
     args.run_fp = args.run_key_obj.fingerprint
     if created:
-        logger.warning("made a new run key %s (fingerprint %s): copy it to this run's other servers", args.run_key,
-                       args.run_fp)
+        logger.warning(
+            "made a new run key %s (fingerprint %s): copy it to this run's other servers", args.run_key, args.run_fp
+        )
     rows = args.batch_size // args.micro_batches
     for st in layout.stages:
         if max(len(st.frontal), len(st.backward)) > rows:
             raise UsageError(f"stage {st.index} has more servers of one role than the {rows} rows of a micro-batch")
-    run = RunConfig(run_id=args.run_id, model=cfg.name if args.hf_model else args.model, seed=args.seed,
-                    steps=args.steps, batch_size=args.batch_size, micro_batches=args.micro_batches, lr=args.lr,
-                    layout=layout.to_dict(), announce_period=args.announce_period,
-                    arch=cfg.to_dict() if args.hf_model else None, compress=args.compress)
+    run = RunConfig(
+        run_id=args.run_id,
+        model=cfg.name if args.hf_model else args.model,
+        seed=args.seed,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        micro_batches=args.micro_batches,
+        lr=args.lr,
+        layout=layout.to_dict(),
+        announce_period=args.announce_period,
+        arch=cfg.to_dict() if args.hf_model else None,
+        compress=args.compress,
+    )
     return cfg, layout, device, run
 
 
@@ -270,15 +349,20 @@ def run(args) -> int:
         watch_parent(supervisor_pid)
         args.restarted = run > 0  # the node was checked reachable by the first server process
         try:
-            return run_until_signalled(lambda stop: serve_main(args, cfg, layout, device, run_cfg, corpus, stop,
-                                                               held=held))
+            return run_until_signalled(
+                lambda stop: serve_main(args, cfg, layout, device, run_cfg, corpus, stop, held=held)
+            )
         except (UsageError, NetworkError) as e:
             print(f"peer serve: error: {e}", file=sys.stderr, flush=True)
             return 2
 
     try:
-        return supervise(child, name=device, parent_pid=args.parent_pid,
-                         needs=lambda: None if dht.is_alive() else "its DHT process is gone")
+        return supervise(
+            child,
+            name=device,
+            parent_pid=args.parent_pid,
+            needs=lambda: None if dht.is_alive() else "its DHT process is gone",
+        )
     finally:
         stop_dht(dht)
         try:
@@ -292,9 +376,16 @@ def start_server_dht(args, run_cfg, device: str):
 
     t0 = time.perf_counter()
     try:
-        dht = start_dht(args.initial_peers, run_id=run_cfg.run_id, run_fp=args.run_fp, run_key=args.run_key_obj,
-                        identity_path=args.identity_path, host_maddrs=args.host_maddrs,
-                        announce_maddrs=args.announce_maddrs, timeout=args.timeout or 60.0)
+        dht = start_dht(
+            args.initial_peers,
+            run_id=run_cfg.run_id,
+            run_fp=args.run_fp,
+            run_key=args.run_key_obj,
+            identity_path=args.identity_path,
+            host_maddrs=args.host_maddrs,
+            announce_maddrs=args.announce_maddrs,
+            timeout=args.timeout or 60.0,
+        )
     except NetworkStartError as e:
         raise NetworkError(str(e)) from None
     logger.info("%s: DHT node and p2p daemon up in %.1f s", device, time.perf_counter() - t0)
@@ -375,8 +466,10 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         if not any(device in s.servers for s in RunLayout.from_dict(current["layout"], cfg.layers).stages):
             if owns_dht:
                 stop_dht(dht)
-            raise UsageError(f"{device} was failed over (the run is at layout epoch {current['epoch']} without it); "
-                             "start it under a new device id as a volunteer, or start a new run")
+            raise UsageError(
+                f"{device} was failed over (the run is at layout epoch {current['epoch']} without it); "
+                "start it under a new device id as a volunteer, or start a new run"
+            )
     t0 = time.perf_counter()
     links = link_emulator(args, device)
     slowdown = args.slowdown or links.compute_slowdown()
@@ -394,14 +487,29 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
             link_cache[key] = directory.link(p2p, dev, StageServer, links, peer_id=peer, compress=run_cfg.compress)
         return link_cache[key]
 
-    server = StageServer(run=run_cfg, layout=layout, cfg=cfg, device_id=device, peer_id=peer_id,
-                         stage_params=initial_state(cfg, *st.layers, run_cfg.seed, args.hf_model), corpus=corpus, links=links,
-                         task_timeout=args.task_timeout, client_timeout=args.client_timeout, connector=connector,
-                         requeue=not args.no_requeue, max_request_bytes=args.max_request_bytes,
-                         volunteers_allow=args.allowed, verify_rate=args.verify_rate, probation=args.probation,
-                         verify_device=args.device, task_tokens=args.task_tokens,
-                         client_batch_tokens=args.client_batch_tokens, local_first=not args.no_local_first,
-                         lease_tickets=LeaseTickets.of_run_key(args.run_key_obj))
+    server = StageServer(
+        run=run_cfg,
+        layout=layout,
+        cfg=cfg,
+        device_id=device,
+        peer_id=peer_id,
+        stage_params=initial_state(cfg, *st.layers, run_cfg.seed, args.hf_model),
+        corpus=corpus,
+        links=links,
+        task_timeout=args.task_timeout,
+        client_timeout=args.client_timeout,
+        connector=connector,
+        requeue=not args.no_requeue,
+        max_request_bytes=args.max_request_bytes,
+        volunteers_allow=args.allowed,
+        verify_rate=args.verify_rate,
+        probation=args.probation,
+        verify_device=args.device,
+        task_tokens=args.task_tokens,
+        client_batch_tokens=args.client_batch_tokens,
+        local_first=not args.no_local_first,
+        lease_tickets=LeaseTickets.of_run_key(args.run_key_obj),
+    )
     logger.info("%s: its stage server built in %.1f s", device, time.perf_counter() - t0)
     writer = None
     if args.checkpoint_dir:
@@ -416,8 +524,14 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         replayed = await server.recover(logged)
         del logged
         if resumed or replayed:
-            logger.warning("%s resumed from %s at version %d, replayed %d logged requests in %.1f s", device,
-                           args.checkpoint_dir, server.version, replayed, time.perf_counter() - t0)
+            logger.warning(
+                "%s resumed from %s at version %d, replayed %d logged requests in %.1f s",
+                device,
+                args.checkpoint_dir,
+                server.version,
+                replayed,
+                time.perf_counter() - t0,
+            )
         server.log = request_log
 
         writer = CheckpointWriter(server, args.checkpoint_dir)
@@ -472,14 +586,20 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         if max(directory.epochs.values(), default=0) <= server.epoch:
             return None
         config = await records.read_config_value(dht)
-        if not (isinstance(config, dict) and isinstance(config.get("epoch"), int) and config["epoch"] > server.epoch
-                and isinstance(config.get("layout"), dict)):
+        if not (
+            isinstance(config, dict)
+            and isinstance(config.get("epoch"), int)
+            and config["epoch"] > server.epoch
+            and isinstance(config.get("layout"), dict)
+        ):
             return None
         later = RunLayout.from_dict(config["layout"], cfg.layers)
         if any(device in s.servers for s in later.stages):
             return None
-        return (f"{device} was failed over while it was away (the run is at layout epoch {config['epoch']} without "
-                "it); it leaves the run: start it under a new device id as a volunteer, or start a new run")
+        return (
+            f"{device} was failed over while it was away (the run is at layout epoch {config['epoch']} without "
+            "it); it leaves the run: start it under a new device id as a volunteer, or start a new run"
+        )
 
     missing_since: dict[str, float] = {}
     halt = HaltNotice(device)
@@ -490,8 +610,9 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         froze or lost its network (its connections hang rather than close) must not hold the
         watcher for a timeout per retry."""
         try:
-            await asyncio.wait_for(directory.link(p2p, d, StageServer, links, backoff=False).call(
-                "ping", {}, timeout=PROBE_S), PROBE_S)
+            await asyncio.wait_for(
+                directory.link(p2p, d, StageServer, links, backoff=False).call("ping", {}, timeout=PROBE_S), PROBE_S
+            )
             return True
         except Exception:
             return False
@@ -530,8 +651,13 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         if lost and alive and alive[0] == device:
             try:
                 record = await server.fail_over(lost)
-                logger.warning("%s: failed over %s: layout epoch %d from batch %d", device, lost, record["epoch"],
-                               record["from_batch"])
+                logger.warning(
+                    "%s: failed over %s: layout epoch %d from batch %d",
+                    device,
+                    lost,
+                    record["epoch"],
+                    record["from_batch"],
+                )
             except Exception as e:
                 logger.error("%s: cannot fail over %s: %s", device, lost, e)
                 for d in lost:  # try again after another --failover-after
@@ -641,9 +767,13 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         try:
             await asyncio.wait_for(catch_up_epoch(run_epoch), 120)
         except asyncio.TimeoutError:
-            logger.warning("%s: the run is at layout epoch %d, this server at %d: no server of the run gave its "
-                           "record within 120 s; going on (its coordinator sends it again)", device, run_epoch,
-                           server.epoch)
+            logger.warning(
+                "%s: the run is at layout epoch %d, this server at %d: no server of the run gave its "
+                "record within 120 s; going on (its coordinator sends it again)",
+                device,
+                run_epoch,
+                server.epoch,
+            )
     if not args.no_compute:
         # after a replayed failover the server is already in a later layout epoch: its worker starts there.
         # A server fenced meanwhile (failed over while it was away) stops waiting at once: it never
@@ -660,9 +790,18 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     if not args.no_compute and not stop.is_set():
         server.set_directory(directory.servers)
         worker_links = {d: connector(d) for d in server.st.servers}
-        worker = StageWorker(run=run_cfg, layout=server.layout, cfg=cfg, stage=stage, device_id=device,
-                             links=worker_links, compute=1.0, torch_device=args.device, slowdown=slowdown,
-                             activation_memory=int(args.activation_memory * 2**20))
+        worker = StageWorker(
+            run=run_cfg,
+            layout=server.layout,
+            cfg=cfg,
+            stage=stage,
+            device_id=device,
+            links=worker_links,
+            compute=1.0,
+            torch_device=args.device,
+            slowdown=slowdown,
+            activation_memory=int(args.activation_memory * 2**20),
+        )
         worker.epoch = server.epoch
         worker.compute = worker.measure_compute()
         tasks.append(asyncio.ensure_future(worker.run_loop(stop)))
@@ -670,8 +809,10 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
         t.add_done_callback(report_crash)
     freeze_startup_objects()
     stretched = f", compute stretched x{slowdown:g} by the link profile" if slowdown > 1 and not args.no_compute else ""
-    print(f"serving {device} (stage {stage} {role}, layers {st.layers[0]}-{st.layers[1]}{stretched}) as {peer_id}",
-          flush=True)
+    print(
+        f"serving {device} (stage {stage} {role}, layers {st.layers[0]}-{st.layers[1]}{stretched}) as {peer_id}",
+        flush=True,
+    )
     await stop.wait()
     try:
         await asyncio.wait_for(announce("offline"), 5)
@@ -698,9 +839,12 @@ async def check_own_reachability(dht, p2p, args, run_id: str, num_stages: int, m
     private = [m for m in maddrs if not is_public(m)]
     if not args.initial_peers:
         if len(private) == len(maddrs):
-            logger.warning("%s announces only private or loopback addresses (%s): hosts outside this network "
-                           "cannot reach it; pass --announce-maddrs with a public address if they should",
-                           device, " ".join(maddrs))
+            logger.warning(
+                "%s announces only private or loopback addresses (%s): hosts outside this network "
+                "cannot reach it; pass --announce-maddrs with a public address if they should",
+                device,
+                " ".join(maddrs),
+            )
         return
     servers = []
     for k in range(num_stages):
@@ -710,14 +854,24 @@ async def check_own_reachability(dht, p2p, args, run_id: str, num_stages: int, m
     initial = [(split_peer(m)[1], [m]) for m in args.initial_peers if split_peer(m)[1] not in (None, peer_id)]
     t0 = time.perf_counter()
     ok, detail = await check_reachable(p2p, maddrs, servers or initial, timeout=30.0)
-    advice = ("open its TCP port to the internet (firewall, port forwarding), or pass --announce-maddrs with "
-              "the public address that forwards to it")
+    advice = (
+        "open its TCP port to the internet (firewall, port forwarding), or pass --announce-maddrs with "
+        "the public address that forwards to it"
+    )
     if ok:
-        logger.info("%s: reachable at %s (checked by %s in %.1f s)", device, " ".join(maddrs), detail[-8:],
-                    time.perf_counter() - t0)
+        logger.info(
+            "%s: reachable at %s (checked by %s in %.1f s)",
+            device,
+            " ".join(maddrs),
+            detail[-8:],
+            time.perf_counter() - t0,
+        )
     elif ok is False or servers:
-        raise NetworkError(f"no peer of the run could dial this server back at {' '.join(maddrs)} ({detail}): "
-                           f"{advice}")
+        raise NetworkError(f"no peer of the run could dial this server back at {' '.join(maddrs)} ({detail}): {advice}")
     else:
-        logger.warning("%s: could not check that others can dial %s: no initial peer offers the check (%s)",
-                       device, " ".join(maddrs), detail)
+        logger.warning(
+            "%s: could not check that others can dial %s: no initial peer offers the check (%s)",
+            device,
+            " ".join(maddrs),
+            detail,
+        )

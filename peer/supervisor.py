@@ -21,6 +21,7 @@ hivemind's future reader, started with the DHT node, idles in a pipe read): it p
 its own parent instead. A forked child runs multiprocessing's after-fork hooks, as a process that
 multiprocessing forks does.
 """
+
 from __future__ import annotations
 
 import logging
@@ -165,9 +166,17 @@ def _end_group(pgid: int, wait_s: float = 5.0) -> None:
         time.sleep(0.02)
 
 
-def supervise(child_main: Callable[[int, int], int], *, name: str, parent_pid: int | None = None, max_restarts: int = 5,
-              window_s: float = 600.0, poll_s: float = 0.1, clock: Callable[[], float] = time.monotonic,
-              needs: Callable[[], str | None] | None = None) -> int:
+def supervise(
+    child_main: Callable[[int, int], int],
+    *,
+    name: str,
+    parent_pid: int | None = None,
+    max_restarts: int = 5,
+    window_s: float = 600.0,
+    poll_s: float = 0.1,
+    clock: Callable[[], float] = time.monotonic,
+    needs: Callable[[], str | None] | None = None,
+) -> int:
     """Run `child_main(supervisor_pid, run) -> exit code` in a forked child until it ends for good
     (`run`: 0 for the first start, n for the n-th restart); return its exit code (128 + signal for
     a child killed by a signal). `needs()`: what the child cannot do without is gone (a message; the
@@ -214,12 +223,25 @@ def supervise(child_main: Callable[[int, int], int], *, name: str, parent_pid: i
                 logger.info("%s: its server process %s", name, what)
                 return code
             if not budget.allow():
-                logger.error("%s: its server process %s; %d restarts within %.0f s already, giving up", name, what,
-                             max_restarts, window_s)
+                logger.error(
+                    "%s: its server process %s; %d restarts within %.0f s already, giving up",
+                    name,
+                    what,
+                    max_restarts,
+                    window_s,
+                )
                 return code
-            logger.warning("%s: its server process (pid %d) %s after %.0f s; restarting it (restart %d of at most %d "
-                           "within %.0f s)", name, child[0], what, clock() - started, len(budget.times), max_restarts,
-                           window_s)
+            logger.warning(
+                "%s: its server process (pid %d) %s after %.0f s; restarting it (restart %d of at most %d "
+                "within %.0f s)",
+                name,
+                child[0],
+                what,
+                clock() - started,
+                len(budget.times),
+                max_restarts,
+                window_s,
+            )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

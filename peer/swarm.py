@@ -1,6 +1,7 @@
 """`peer swarm`: a whole swarm on this machine, as separate processes on 127.0.0.1: a bootstrap DHT
 (this process), the reliable servers, the volunteers, optional churn (SIGKILL and replacement). At
 the end it writes the summary JSON and the full model assembled from the servers' shards."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,6 @@ from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 logger = logging.getLogger("hivepipe.swarm")
 
 
-
 def add_arguments(p) -> None:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--servers-per-stage", type=int, default=2, help="frontal + backward servers per stage (>= 2)")
@@ -40,52 +40,116 @@ def add_arguments(p) -> None:
     p.add_argument("--churn", type=float, default=0.0, help="fraction of volunteers SIGKILLed (and replaced) each step")
     p.add_argument("--no-requeue", action="store_true", help="drop a departed volunteer's work (SWARM-like baseline)")
     p.add_argument("--servers-compute", choices=["yes", "no"], default="yes", help="servers run a local worker too")
-    p.add_argument("--volunteer-slowdown", type=float, default=None,
-                   help="stretch the volunteers' compute by this factor (emulates slower devices)")
-    p.add_argument("--cluster", default=None, metavar="CLUSTER.json",
-                   help="with --plan: the cluster the plan was made for; also the link profile")
-    p.add_argument("--plan", default=None, metavar="PLAN.json",
-                   help="lay the swarm out as this plan says: each process takes a device's identity")
+    p.add_argument(
+        "--volunteer-slowdown",
+        type=float,
+        default=None,
+        help="stretch the volunteers' compute by this factor (emulates slower devices)",
+    )
+    p.add_argument(
+        "--cluster",
+        default=None,
+        metavar="CLUSTER.json",
+        help="with --plan: the cluster the plan was made for; also the link profile",
+    )
+    p.add_argument(
+        "--plan",
+        default=None,
+        metavar="PLAN.json",
+        help="lay the swarm out as this plan says: each process takes a device's identity",
+    )
     p.add_argument("--link-profile", default=None, metavar="CLUSTER.json")
     p.add_argument("--link-scale", type=float, default=1.0)
     p.add_argument("--run-id", default="swarm")
-    p.add_argument("--fork-processes", action=argparse.BooleanOptionalAction, default=True,
-                   help="Linux: fork each server and volunteer from one process that imported torch and hivemind "
-                        "once, which starts them seconds sooner (the default; elsewhere, or with "
-                        "--no-fork-processes, each is a new interpreter)")
-    p.add_argument("--announce-period", type=float, default=DEFAULT_ANNOUNCE_PERIOD,
-                   help="seconds between the peers' DHT announcements (as `peer serve`)")
+    p.add_argument(
+        "--fork-processes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Linux: fork each server and volunteer from one process that imported torch and hivemind "
+        "once, which starts them seconds sooner (the default; elsewhere, or with "
+        "--no-fork-processes, each is a new interpreter)",
+    )
+    p.add_argument(
+        "--announce-period",
+        type=float,
+        default=DEFAULT_ANNOUNCE_PERIOD,
+        help="seconds between the peers' DHT announcements (as `peer serve`)",
+    )
     p.add_argument("--task-timeout", type=float, default=30.0)
     p.add_argument("--client-timeout", type=float, default=4.0)
-    p.add_argument("--failover-after", type=float, default=10.0,
-                   help="seconds a server may be silent in the DHT before the others fail it over (0: never)")
-    p.add_argument("--lose-server", action="append", default=[], metavar="DEVICE@STEP",
-                   help="SIGKILL server DEVICE for good once the run reaches STEP and any earlier loss is failed "
-                        "over (repeatable)")
-    p.add_argument("--compress", default="none", choices=["none", "fp16", "bf16", "8bit"],
-                   help="activations, their gradients and gradient pushes on the wire (default none: exact)")
-    p.add_argument("--verify-rate", type=float, default=None, metavar="P",
-                   help="servers re-run each volunteer contribution with probability P after its probation (default 0.1)")
-    p.add_argument("--probation", type=int, default=None, metavar="N",
-                   help="servers re-run all of a new volunteer's first N contributions (default 4)")
-    p.add_argument("--cheater", action="append", default=[], metavar="KIND[@AFTER]",
-                   help="TEST TOOL: add a volunteer started with `peer join --cheat KIND[@AFTER]` (repeatable)")
-    p.add_argument("--task-tokens", type=int, default=None, metavar="N",
-                   help="the fewest tokens a forward task carries (peer serve's default when not given)")
-    p.add_argument("--client-batch-tokens", type=int, default=None, metavar="N",
-                   help="the fewest tokens of a batch a client computes at a frontal server (peer serve's default "
-                        "when not given; 1: every client a share of every micro-batch)")
-    p.add_argument("--no-local-first", action="store_true",
-                   help="peer serve --no-local-first on every server: a batch's clients chosen by the rows each "
-                        "is owed only, volunteers and servers' workers alike")
+    p.add_argument(
+        "--failover-after",
+        type=float,
+        default=10.0,
+        help="seconds a server may be silent in the DHT before the others fail it over (0: never)",
+    )
+    p.add_argument(
+        "--lose-server",
+        action="append",
+        default=[],
+        metavar="DEVICE@STEP",
+        help="SIGKILL server DEVICE for good once the run reaches STEP and any earlier loss is failed "
+        "over (repeatable)",
+    )
+    p.add_argument(
+        "--compress",
+        default="none",
+        choices=["none", "fp16", "bf16", "8bit"],
+        help="activations, their gradients and gradient pushes on the wire (default none: exact)",
+    )
+    p.add_argument(
+        "--verify-rate",
+        type=float,
+        default=None,
+        metavar="P",
+        help="servers re-run each volunteer contribution with probability P after its probation (default 0.1)",
+    )
+    p.add_argument(
+        "--probation",
+        type=int,
+        default=None,
+        metavar="N",
+        help="servers re-run all of a new volunteer's first N contributions (default 4)",
+    )
+    p.add_argument(
+        "--cheater",
+        action="append",
+        default=[],
+        metavar="KIND[@AFTER]",
+        help="TEST TOOL: add a volunteer started with `peer join --cheat KIND[@AFTER]` (repeatable)",
+    )
+    p.add_argument(
+        "--task-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the fewest tokens a forward task carries (peer serve's default when not given)",
+    )
+    p.add_argument(
+        "--client-batch-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the fewest tokens of a batch a client computes at a frontal server (peer serve's default "
+        "when not given; 1: every client a share of every micro-batch)",
+    )
+    p.add_argument(
+        "--no-local-first",
+        action="store_true",
+        help="peer serve --no-local-first on every server: a batch's clients chosen by the rows each "
+        "is owed only, volunteers and servers' workers alike",
+    )
     p.add_argument("--summary-json", default=None)
     p.add_argument("--checkpoint-out", default=None, help="write model.safetensors here")
     p.add_argument("--work-dir", default=None, help="logs and server checkpoints (default: a temporary folder)")
     p.add_argument("--hold", action="store_true", help="keep the swarm up after the last step until Ctrl-C")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--supervise-servers", action="store_true",
-                   help="start every server with `peer serve --supervise` (a crashed server is forked again from "
-                        "its checkpoint by a supervisor that keeps torch and hivemind imported)")
+    p.add_argument(
+        "--supervise-servers",
+        action="store_true",
+        help="start every server with `peer serve --supervise` (a crashed server is forked again from "
+        "its checkpoint by a supervisor that keeps torch and hivemind imported)",
+    )
     from peer.hf import init as hf_init
 
     hf_init.add_arguments(p.add_argument_group("starting from a Transformers model"))
@@ -204,14 +268,16 @@ def run(args) -> int:
     return run_until_signalled(lambda stop: swarm_main(args, cfg, layout, frontal, backward, work_dir, stop))
 
 
-
 def summary_line(summary: dict) -> str:
     """The summary in one plain line: steps, loss first -> last, tokens/s, micro-batches applied of
     expected, and who computed the tasks."""
     who = ", ".join(f"{w} {n}" for w, n in sorted(summary.get("tasks_by_worker", {}).items()))
-    return (f"{summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
-            f"{summary['tokens_per_second']:,.0f} tokens/s, micro-batches {summary['microbatches_applied']}/"
-            f"{summary['microbatches_expected']}, tasks computed: {who or 'none'}")
+    return (
+        f"{summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
+        f"{summary['tokens_per_second']:,.0f} tokens/s, micro-batches {summary['microbatches_applied']}/"
+        f"{summary['microbatches_expected']}, tasks computed: {who or 'none'}"
+    )
+
 
 async def wait_for_failovers(monitor, lost: list[str], timeout: float, stop: asyncio.Event) -> None:
     """Wait until no server the launcher lost for good is in the run's current layout (the servers
@@ -273,7 +339,9 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
                 loss = monitor.loss(version - 1)
                 if loss is not None:
                     elapsed = max(now - (t_start or now), 1e-6)
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{version * args.batch_size * cfg.seq_len / elapsed:.0f}")
+                    bar.set_postfix(
+                        loss=f"{loss:.3f}", tok_s=f"{version * args.batch_size * cfg.seq_len / elapsed:.0f}"
+                    )
                 if version < args.steps:
                     passed = version - last_seen
                     churn.step_ended()
@@ -296,8 +364,9 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
                     break
                 ended_at = ended_at or time.time()
                 if time.time() - ended_at > args.failover_after + 120.0:
-                    raise RuntimeError(f"the losses {args.losses} could not all happen: the failover of "
-                                       f"{swarm.lost} did not come")
+                    raise RuntimeError(
+                        f"the losses {args.losses} could not all happen: the failover of {swarm.lost} did not come"
+                    )
             # the servers' records change once per announce period (every JOINING_PERIOD until the run
             # is online): reading the DHT more often only loads every DHT node of the run (at 0.2 s it
             # was a fifth of the DHT processes' work)

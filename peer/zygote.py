@@ -2,6 +2,7 @@
 what `peer serve` and `peer join` import, then forks a process per request of the launcher, which
 runs `peer.cli.main(ARGV)` as `python -m peer.cli ARGV` would. `python -m peer.zygote FD`: FD is
 its end of a socket pair with the launcher (a request and an answer per line, JSON)."""
+
 from __future__ import annotations
 
 import importlib
@@ -14,8 +15,16 @@ import sys
 
 # what `peer serve` and `peer join` import (and peer.serve.preload_server_modules: the server's
 # own, which the supervisor imports before it forks, and torch._dynamo through the first optimizer)
-PRELOAD = ("peer.cli", "peer.serve", "peer.join", "peer.volunteer.stage_choice", "peer.volunteer.cheat",
-           "peer.protocol.trust", "hivemind.dht", "hivemind.p2p")
+PRELOAD = (
+    "peer.cli",
+    "peer.serve",
+    "peer.join",
+    "peer.volunteer.stage_choice",
+    "peer.volunteer.cheat",
+    "peer.protocol.trust",
+    "hivemind.dht",
+    "hivemind.p2p",
+)
 
 
 def _send(sock: socket.socket, msg: dict) -> None:

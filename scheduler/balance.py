@@ -10,6 +10,7 @@ time: a placement that leaves fewer stages without compute always wins.
 
 It does not talk to anyone and does not decide when to look again (peer/join.py does).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,6 +29,7 @@ MOVE = 0.20  # a volunteer moves when another stage shortens the predicted step 
 class StageNow:
     """One stage as the DHT shows it now: its servers (device id, FLOP/s of its worker; 0 without
     one), and the FLOP/s of every volunteer computing on it (not counting the one deciding)."""
+
     frontal: list
     backward: list
     layers: tuple
@@ -53,12 +55,23 @@ def link_score(delays, bandwidths, nbytes: float) -> float:
     return sum(d + (nbytes / b if b > 0 else math.inf) for d, b in zip(delays, bandwidths)) / max(len(delays), 1)
 
 
-def predict(stages: list[StageNow], model: ModelSpec, own_flops: float, delays, bandwidths, where: int | None,
-            server_delay: float = 1e-3, server_bandwidth: float = 1.25e9) -> tuple[int, float]:
+def predict(
+    stages: list[StageNow],
+    model: ModelSpec,
+    own_flops: float,
+    delays,
+    bandwidths,
+    where: int | None,
+    server_delay: float = 1e-3,
+    server_bandwidth: float = 1.25e9,
+) -> tuple[int, float]:
     """(stages without compute, seconds per batch by plan_cost) with this volunteer on stage `where`
     (None: not computing). Other volunteers get this volunteer's links to their stage's servers."""
-    empty = sum(1 for k, st in enumerate(stages)
-                if sum(st.server_flops.values()) + sum(st.volunteer_flops) + (own_flops if k == where else 0) <= 0)
+    empty = sum(
+        1
+        for k, st in enumerate(stages)
+        if sum(st.server_flops.values()) + sum(st.volunteer_flops) + (own_flops if k == where else 0) <= 0
+    )
     if empty:
         return empty, math.inf
     servers = [d for st in stages for d in list(st.frontal) + list(st.backward)]
@@ -84,12 +97,29 @@ def predict(stages: list[StageNow], model: ModelSpec, own_flops: float, delays, 
             delay_ur[:, index[d]] = delays[k][j]
             bw_ur[:, index[d]] = bandwidths[k][j]
     ids = [f"v{i}" for i in range(u)]
-    cluster = Cluster(reliable_ids=servers, unreliable_ids=ids, reliable_flops=np.array([flops[d] for d in servers]),
-                      unreliable_flops=np.array(vols, dtype=float), reliable_memory=[None] * r,
-                      unreliable_memory=[None] * u, delay_rr=delay_rr, bw_rr=bw_rr, delay_ur=delay_ur, bw_ur=bw_ur)
-    plan = Plan(stages=[Stage(frontal=list(st.frontal), backward=list(st.backward),
-                              clients=[ids[i] for i in range(u) if vol_stage[i] == k], layers=tuple(st.layers))
-                        for k, st in enumerate(stages)])
+    cluster = Cluster(
+        reliable_ids=servers,
+        unreliable_ids=ids,
+        reliable_flops=np.array([flops[d] for d in servers]),
+        unreliable_flops=np.array(vols, dtype=float),
+        reliable_memory=[None] * r,
+        unreliable_memory=[None] * u,
+        delay_rr=delay_rr,
+        bw_rr=bw_rr,
+        delay_ur=delay_ur,
+        bw_ur=bw_ur,
+    )
+    plan = Plan(
+        stages=[
+            Stage(
+                frontal=list(st.frontal),
+                backward=list(st.backward),
+                clients=[ids[i] for i in range(u) if vol_stage[i] == k],
+                layers=tuple(st.layers),
+            )
+            for k, st in enumerate(stages)
+        ]
+    )
     cost = plan_cost(cluster, model, plan)
     if not cost.valid:
         raise ValueError(f"the run's layout cannot be scored: {cost.reason}")
@@ -103,8 +133,17 @@ def better(a: tuple[int, float], b: tuple[int, float], by: float) -> bool:
     return a[1] < math.inf and (b[1] == math.inf or a[1] <= (1 - by) * b[1])
 
 
-def choose(stages: list[StageNow], model: ModelSpec, own_flops: float, delays, bandwidths, nbytes: float,
-           current: int | None = None, tie: float = TIE, move: float = MOVE) -> Decision:
+def choose(
+    stages: list[StageNow],
+    model: ModelSpec,
+    own_flops: float,
+    delays,
+    bandwidths,
+    nbytes: float,
+    current: int | None = None,
+    tie: float = TIE,
+    move: float = MOVE,
+) -> Decision:
     """The stage to compute on. A new volunteer (`current` None) takes the best predicted stage,
     the measured links deciding between stages within `tie` of the best. A volunteer on stage
     `current` (its own compute not in `stages`) moves only to a stage that is better than staying
@@ -115,20 +154,39 @@ def choose(stages: list[StageNow], model: ModelSpec, own_flops: float, delays, b
     links = [link_score(d, b, nbytes) for d, b in zip(delays, bandwidths)]
     fewest = min(p[0] for p in predicted)
     best_time = min(p[1] for p in predicted if p[0] == fewest)
-    close = [k for k, p in enumerate(predicted)
-             if p[0] == fewest and (p[1] == best_time or p[1] <= (1 + tie) * best_time)]
+    close = [
+        k for k, p in enumerate(predicted) if p[0] == fewest and (p[1] == best_time or p[1] <= (1 + tie) * best_time)
+    ]
     pick = min(close, key=lambda k: (links[k], k))
     if current is None:
-        why = (f"predicted {best_time:.3g} s/batch" if math.isfinite(best_time)
-               else f"{fewest} stage(s) still without compute")
-        return Decision(pick, predicted, None, links, f"join: {why}; {len(close)} stage(s) within {tie:.0%}, "
-                                                      "the closest by links chosen")
+        why = (
+            f"predicted {best_time:.3g} s/batch"
+            if math.isfinite(best_time)
+            else f"{fewest} stage(s) still without compute"
+        )
+        return Decision(
+            pick,
+            predicted,
+            None,
+            links,
+            f"join: {why}; {len(close)} stage(s) within {tie:.0%}, the closest by links chosen",
+        )
     stay = predicted[current]
     if pick != current and better(predicted[pick], stay, move):
-        return Decision(pick, predicted, stay, links,
-                        f"move: stage {pick} predicts {_fmt(predicted[pick])} against {_fmt(stay)} here")
-    return Decision(current, predicted, stay, links, f"stay: best elsewhere {_fmt(predicted[pick])} "
-                                                     f"(stage {pick}) is not {move:.0%} better than {_fmt(stay)}")
+        return Decision(
+            pick,
+            predicted,
+            stay,
+            links,
+            f"move: stage {pick} predicts {_fmt(predicted[pick])} against {_fmt(stay)} here",
+        )
+    return Decision(
+        current,
+        predicted,
+        stay,
+        links,
+        f"stay: best elsewhere {_fmt(predicted[pick])} (stage {pick}) is not {move:.0%} better than {_fmt(stay)}",
+    )
 
 
 def _fmt(score: tuple[int, float]) -> str:

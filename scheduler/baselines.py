@@ -19,6 +19,7 @@ ga, as adapted here:
   mean w(d', C_j) - w(d1', d2'); the best swap with positive gain is made, until none;
 - steady state: the child replaces the worst individual when it is better.
 """
+
 from __future__ import annotations
 
 import time
@@ -91,8 +92,7 @@ def _ga_local_search(W: np.ndarray, g: np.ndarray, K: int, rng, max_rounds: int 
             e1, e2, w12b = fast[jj]
             for d, dpartner in ((d1, d2), (d2, d1)):
                 for e, epartner in ((e1, e2), (e2, e1)):
-                    gain = (W[d, groups[jj]].mean() - W[d, dpartner]
-                            + W[e, groups[j]].mean() - W[e, epartner])
+                    gain = W[d, groups[jj]].mean() - W[d, dpartner] + W[e, groups[j]].mean() - W[e, epartner]
                     if gain > best_gain + 1e-15:
                         best_gain, best_swap = gain, (d, e)
         if best_swap is None:

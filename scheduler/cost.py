@@ -10,6 +10,7 @@ AG_w(n) = alpha_w + gamma_w n. A stage's share of PT is therefore h_k(n) =
 max((d + K - 1) tau_k(n), max_w AG_w(n)), non-decreasing in n, and the best split is the
 min-max split computed in `split`.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,6 +43,7 @@ class CostBreakdown:
 @dataclass
 class StageTerms:
     """What one stage's devices cost, independent of its number of layers and of K."""
+
     comm: float  # max_w comm_w
     comm_worst: tuple  # ("r"|"u", index) of the worker with that comm
     per_layer: float  # B = m F / Sigma: compute seconds per layer
@@ -114,8 +116,9 @@ class Engine:
         Iss = self.rt_ib[srv][:, srv]
         # comm of frontal and backward servers: the best partner on the other side, both ways
         x = (self.cr[srv] * k)[:, None]
-        comm_s = np.concatenate([(Dss[:nf, nf:] + x[:nf] * Iss[:nf, nf:]).min(axis=1),
-                                 (Dss[nf:, :nf] + x[nf:] * Iss[nf:, :nf]).min(axis=1)])
+        comm_s = np.concatenate(
+            [(Dss[:nf, nf:] + x[:nf] * Iss[:nf, nf:]).min(axis=1), (Dss[nf:, :nf] + x[nf:] * Iss[nf:, :nf]).min(axis=1)]
+        )
         i = int(np.argmax(comm_s))
         comm, worst = float(comm_s[i]), ("r", int(srv[i]))
         comm_u = u_ag = None
@@ -140,10 +143,24 @@ class Engine:
         mem = np.concatenate([self.mem_r[srv], self.mem_u[us]])
         m_i = int(np.argmin(mem))
         cap = self.L if not math.isfinite(mem[m_i]) else int(min(self.L, mem[m_i] // self.layer_mem))
-        cap_worst = None if not math.isfinite(mem[m_i]) else (("r", int(srv[m_i])) if m_i < len(srv)
-                                                                else ("u", int(us[m_i - len(srv)])))
-        return StageTerms(comm, worst, self.mF / sigma, ag_row, ag_worst, cap, cap_worst, sigma, comm_u, u_ag,
-                          (float(ag_a.mean()), float(ag_g.mean())))
+        cap_worst = (
+            None
+            if not math.isfinite(mem[m_i])
+            else (("r", int(srv[m_i])) if m_i < len(srv) else ("u", int(us[m_i - len(srv)])))
+        )
+        return StageTerms(
+            comm,
+            worst,
+            self.mF / sigma,
+            ag_row,
+            ag_worst,
+            cap,
+            cap_worst,
+            sigma,
+            comm_u,
+            u_ag,
+            (float(ag_a.mean()), float(ag_g.mean())),
+        )
 
     # ---- between stages ----
     def link(self, bs, fs_next) -> float:
@@ -152,14 +169,15 @@ class Engine:
         b = np.asarray(bs, dtype=np.intp)[i]
         f = np.asarray(fs_next, dtype=np.intp)[j]
         n = frac * self.ma
-        return float((self.delay_rr[b, f] + n * self.inv_rr[b, f]).max()
-                     + (self.delay_rr[f, b] + n * self.inv_rr[f, b]).max())
+        return float(
+            (self.delay_rr[b, f] + n * self.inv_rr[b, f]).max() + (self.delay_rr[f, b] + n * self.inv_rr[f, b]).max()
+        )
 
     def row(self, t: StageTerms, link: float, K: int) -> np.ndarray:
         """h_k(n) for n = 1..L: the stage's share of PT with n layers (inf beyond its memory)."""
         h = np.maximum((self.d + K - 1) * (t.comm + link + t.per_layer * self.nvec), t.ag_row)
         if t.cap < self.L:
-            h[t.cap:] = math.inf
+            h[t.cap :] = math.inf
         return h
 
     # ---- the layer split ----
@@ -214,8 +232,11 @@ def check_plan(cluster: Cluster, model: ModelSpec, plan: Plan):
             return f"stage {k} has no frontal server", None
         if not st.backward:
             return f"stage {k} has no backward server", None
-        for role, ids, want in (("frontal", st.frontal, "reliable"), ("backward", st.backward, "reliable"),
-                                ("clients", st.clients, "unreliable")):
+        for role, ids, want in (
+            ("frontal", st.frontal, "reliable"),
+            ("backward", st.backward, "reliable"),
+            ("clients", st.clients, "unreliable"),
+        ):
             for d in ids:
                 try:
                     kind = cluster.kind(d)
@@ -249,7 +270,10 @@ def check_plan(cluster: Cluster, model: ModelSpec, plan: Plan):
     for k, st in enumerate(plan.stages):
         lo, hi = st.layers
         if lo != end:
-            return f"stage {k} layers [{lo}, {hi}) should start at {end}: layers must tile [0, {model.layers}) in stage order", None
+            return (
+                f"stage {k} layers [{lo}, {hi}) should start at {end}: layers must tile [0, {model.layers}) in stage order",
+                None,
+            )
         if hi <= lo:
             return f"stage {k} layers [{lo}, {hi}) are empty", None
         n_all.append(hi - lo)
@@ -274,9 +298,11 @@ def plan_cost(cluster: Cluster, model: ModelSpec, plan: Plan) -> CostBreakdown:
         n = n_all[k]
         if n > t.cap:
             dev = _ids(cluster, t.cap_worst)
-            mem = (eng.mem_r[t.cap_worst[1]] if t.cap_worst[0] == "r" else eng.mem_u[t.cap_worst[1]])
-            out.reason = (f"stage {k} holds {n} layers ({n * eng.layer_mem / 1e9:.3g} GB of weights and gradients) "
-                          f"but {dev} has {mem / 1e9:.3g} GB")
+            mem = eng.mem_r[t.cap_worst[1]] if t.cap_worst[0] == "r" else eng.mem_u[t.cap_worst[1]]
+            out.reason = (
+                f"stage {k} holds {n} layers ({n * eng.layer_mem / 1e9:.3g} GB of weights and gradients) "
+                f"but {dev} has {mem / 1e9:.3g} GB"
+            )
         link = eng.link(bs_all[k], fs_all[k + 1]) if k + 1 < K else 0.0
         comp = t.per_layer * n
         out.stage_comp.append(comp)

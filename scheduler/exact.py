@@ -8,6 +8,7 @@ that boundary's link, so state.best_link tries them all per boundary). The place
 volunteers are scored in one batch per reliable assignment, from per-stage rows cached by
 (frontal set, backward set, volunteer subset).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -28,7 +29,8 @@ def check_size(eng: Engine) -> None:
         raise PlanInputError(
             f"algorithm exact: the cluster has {eng.R} reliable and {eng.U} unreliable devices; exhaustive "
             f"search is limited to {MAX_RELIABLE} reliable and {MAX_UNRELIABLE} unreliable devices "
-            "(use --algorithm refined)")
+            "(use --algorithm refined)"
+        )
 
 
 def _batched_split(H: np.ndarray) -> np.ndarray:
@@ -66,7 +68,7 @@ def exact(eng: Engine, deadline: float) -> State:
         key = (bs, fs)
         v = link_cache.get(key)
         if v is None:
-            v = link_cache[key] = best_link(eng, list(bs), list(fs), enum_limit=10 ** 9)
+            v = link_cache[key] = best_link(eng, list(bs), list(fs), enum_limit=10**9)
         return v
 
     best = (math.inf, None)
@@ -94,8 +96,10 @@ def exact(eng: Engine, deadline: float) -> State:
                 us = [[u for u in range(U) if place[a, u] == k] for k in range(K)]
                 best = (float(pts[a]), (fs, bs, us))
             if time.monotonic() > deadline:
-                raise PlanInputError(f"algorithm exact: the search did not finish within the time limit "
-                                     f"(it stopped at {K} stages); give it more time with --time-limit")
+                raise PlanInputError(
+                    f"algorithm exact: the search did not finish within the time limit "
+                    f"(it stopped at {K} stages); give it more time with --time-limit"
+                )
     if best[1] is None:  # nothing fits: return any plan, infeasible
         best = (math.inf, ([tuple(range(0, R, 2))], [tuple(range(1, R, 2))], [[]]))
     fs, bs, us = best[1]

@@ -4,6 +4,7 @@ Every error names the field it is about, in the form `cluster.delay_ms.reliable[
 is a PlanInputError (a ValueError).  Matrices may be given as nested lists (JSON) or as numpy
 arrays (the scenario generators hand large clusters over as arrays).
 """
+
 from __future__ import annotations
 
 import json
@@ -90,13 +91,16 @@ def _matrix(value, name: str, rows: int, cols: int, *, diagonal_ignored=False, p
     if bad.any():
         i, j = (int(x) for x in np.argwhere(bad)[0])
         what = "positive" if positive else "finite and not negative"
-        raise PlanInputError(f"{name}[{i}][{j}]: must be {what}, got {value[i][j] if isinstance(value, list) else arr[i, j]!r}")
+        raise PlanInputError(
+            f"{name}[{i}][{j}]: must be {what}, got {value[i][j] if isinstance(value, list) else arr[i, j]!r}"
+        )
     return arr
 
 
 @dataclass
 class Cluster:
     """Devices and links, in code units (FLOP/s, seconds, bytes/s, bytes)."""
+
     reliable_ids: list
     unreliable_ids: list
     reliable_flops: np.ndarray
@@ -187,14 +191,20 @@ def load_cluster(path_or_dict) -> Cluster:
     rids, rflops, rmem = _devices(data["reliable"], "cluster.reliable", seen)
     uids, uflops, umem = _devices(data.get("unreliable", []), "cluster.unreliable", seen)
     if len(rids) < 2:
-        raise PlanInputError(f"cluster.reliable: at least 2 reliable devices are needed (one frontal and one backward server), got {len(rids)}")
+        raise PlanInputError(
+            f"cluster.reliable: at least 2 reliable devices are needed (one frontal and one backward server), got {len(rids)}"
+        )
     R, U = len(rids), len(uids)
     mats = {}
     for key, positive in (("delay_ms", False), ("bandwidth_mbps", True)):
         block = data[key]
         if not isinstance(block, dict):
-            raise PlanInputError(f"cluster.{key}: expected an object with 'reliable' and 'unreliable', got {type(block).__name__}")
-        _check_keys(block, f"cluster.{key}", {"reliable", "unreliable"}, {"reliable"} | ({"unreliable"} if U else set()))
+            raise PlanInputError(
+                f"cluster.{key}: expected an object with 'reliable' and 'unreliable', got {type(block).__name__}"
+            )
+        _check_keys(
+            block, f"cluster.{key}", {"reliable", "unreliable"}, {"reliable"} | ({"unreliable"} if U else set())
+        )
         rr = _matrix(block["reliable"], f"cluster.{key}.reliable", R, R, diagonal_ignored=True, positive=positive)
         if U == 0 and ("unreliable" not in block or _empty(block["unreliable"])):
             ur = np.zeros((0, R))
@@ -225,7 +235,7 @@ class ModelSpec:
 
     @property
     def params_per_layer(self) -> float:
-        return 12.0 * self.hidden ** 2
+        return 12.0 * self.hidden**2
 
     @property
     def act_bytes_per_token(self) -> float:
@@ -242,10 +252,16 @@ def load_model(path_or_dict) -> ModelSpec:
     _check_keys(data, "model", keys | {"flops_per_token_per_layer", "name", "description", "meta"}, keys)
     vals = {k: int(_number(data[k], f"model.{k}", positive=True, integer=True)) for k in sorted(keys)}
     if vals["micro_batches"] > vals["batch_tokens"]:
-        raise PlanInputError(f"model.micro_batches: {vals['micro_batches']} micro-batches of a batch of "
-                             f"{vals['batch_tokens']} tokens leaves some empty")
+        raise PlanInputError(
+            f"model.micro_batches: {vals['micro_batches']} micro-batches of a batch of "
+            f"{vals['batch_tokens']} tokens leaves some empty"
+        )
     flops = data.get("flops_per_token_per_layer")
-    flops = 72.0 * vals["hidden"] ** 2 if flops is None else _number(flops, "model.flops_per_token_per_layer", positive=True)
+    flops = (
+        72.0 * vals["hidden"] ** 2
+        if flops is None
+        else _number(flops, "model.flops_per_token_per_layer", positive=True)
+    )
     return ModelSpec(flops_per_token_per_layer=flops, **vals)
 
 
@@ -257,8 +273,12 @@ class Stage:
     layers: tuple
 
     def to_dict(self) -> dict:
-        return {"frontal": list(self.frontal), "backward": list(self.backward), "clients": list(self.clients),
-                "layers": [int(self.layers[0]), int(self.layers[1])]}
+        return {
+            "frontal": list(self.frontal),
+            "backward": list(self.backward),
+            "clients": list(self.clients),
+            "layers": [int(self.layers[0]), int(self.layers[1])],
+        }
 
 
 @dataclass
@@ -307,12 +327,20 @@ def load_plan(path_or_dict, cluster: Cluster | None = None) -> Plan:
             raise PlanInputError(f"{where}: expected an object, got {type(st).__name__}")
         _check_keys(st, where, {"frontal", "backward", "clients", "layers"}, {"frontal", "backward", "layers"})
         layers = st["layers"]
-        if (not isinstance(layers, list) or len(layers) != 2
-                or any(isinstance(x, bool) or not isinstance(x, int) for x in layers)):
+        if (
+            not isinstance(layers, list)
+            or len(layers) != 2
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in layers)
+        ):
             raise PlanInputError(f"{where}.layers: expected [first, end) as two integers, got {layers!r}")
-        out.append(Stage(_id_list(st["frontal"], f"{where}.frontal", cluster),
-                         _id_list(st["backward"], f"{where}.backward", cluster),
-                         _id_list(st.get("clients", []), f"{where}.clients", cluster), (layers[0], layers[1])))
+        out.append(
+            Stage(
+                _id_list(st["frontal"], f"{where}.frontal", cluster),
+                _id_list(st["backward"], f"{where}.backward", cluster),
+                _id_list(st.get("clients", []), f"{where}.clients", cluster),
+                (layers[0], layers[1]),
+            )
+        )
     idle = _id_list(data.get("idle", []), "plan.idle", cluster)
     pred = data.get("predicted_seconds_per_batch")
     if pred is not None:

@@ -15,6 +15,7 @@ server has credited the sum. It pushes a batch's sum:
 - when a lease it holds enters the last third of its time (so the lease does not expire with the
   work done).
 """
+
 from __future__ import annotations
 
 # how long an idle worker holds the gradient sum of a batch whose tasks it is owed (offered to it
@@ -41,9 +42,15 @@ def hold_ends(awaiting: dict[int, float], pending, hold: float = IDLE_HOLD_S) ->
     return min(ends) if ends else None
 
 
-def batches_to_push(pending: dict[int, list[tuple[float, float]]], task: dict | None, now: float,
-                    max_pending: int, last_stage: bool, awaiting: dict[int, float] | None = None,
-                    hold: float = 0.0) -> list[int]:
+def batches_to_push(
+    pending: dict[int, list[tuple[float, float]]],
+    task: dict | None,
+    now: float,
+    max_pending: int,
+    last_stage: bool,
+    awaiting: dict[int, float] | None = None,
+    hold: float = 0.0,
+) -> list[int]:
     """The batches to push now, in order. `pending` maps a batch to its held leases as (deadline,
     lease seconds); `task` is the next task's metadata ("batch", "kind") or None when idle;
     `awaiting` maps a batch the worker is owed tasks of to when it went idle holding it."""

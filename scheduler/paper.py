@@ -14,6 +14,7 @@ docs/cost-model.md spells it out):
 5. each volunteer to the stage of smallest mean a + t/b over the stage's servers;
 6. layers in proportion to each stage's total compute (largest remainder, at least one each).
 """
+
 from __future__ import annotations
 
 import math
@@ -65,7 +66,7 @@ def divisive_levels(W: np.ndarray, max_p: int):
             return
         i = -max(cand)[2]
         a, b = diana_split(W, clusters[i])
-        clusters[i:i + 1] = [np.sort(a), np.sort(b)]
+        clusters[i : i + 1] = [np.sort(a), np.sort(b)]
         yield [c.copy() for c in clusters]
 
 

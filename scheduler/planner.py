@@ -1,5 +1,6 @@
 """make_plan: one entry for every algorithm, and the volunteer rule that `peer join --stage
 auto` shares with the planner."""
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,9 @@ def choose_stage_for_volunteer(delays, bandwidths, nbytes: float) -> int:
     return best_k
 
 
-def make_plan(cluster: Cluster, model: ModelSpec, algorithm: str = "refined", seed: int = 0,
-              time_limit: float = 30.0) -> Plan:
+def make_plan(
+    cluster: Cluster, model: ModelSpec, algorithm: str = "refined", seed: int = 0, time_limit: float = 30.0
+) -> Plan:
     """A plan by `algorithm`; its predicted_seconds_per_batch is its cost by plan_cost (inf
     when no plan fits in memory). The time limit is a safety cap: each algorithm's work is
     fixed by the seed and the budget, so the same inputs give the same plan."""

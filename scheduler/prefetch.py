@@ -9,6 +9,7 @@ step, so it will need v + 1: it asks the stage's servers for it while it compute
 answers when it has made it). A worker that works now and then (more workers than tasks a step)
 would fetch versions it never uses, so it does not; and one fetch ahead is in flight at a time.
 """
+
 from __future__ import annotations
 
 

@@ -13,6 +13,7 @@ partitions over a spread of K; without and with volunteers), the rest to a longe
 the best layout found. Deterministic for a seed and a budget, with the time limit only as a
 safety cap.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,6 +26,7 @@ from scheduler.paper import assign_roles, assign_volunteers, diana_split, edge_w
 from scheduler.state import ORDER_ENUM_LIMIT, Layout, State, polish_link
 
 # ---- moves: each returns the stage list for State.propose, or None where not valid ----
+
 
 def _without(lst, x):
     return [y for y in lst if y != x]
@@ -163,6 +165,7 @@ def prune_volunteers(st: State, k: int, rng: np.random.Generator):
 
 # ---- choosing a move ----
 
+
 def _random_move(st: State, rng: np.random.Generator):
     eng, lay = st.eng, st.lay
     K, R, U = lay.K, eng.R, eng.U
@@ -227,8 +230,9 @@ def propose_move(st: State, rng: np.random.Generator):
     return _focused_move(st, rng) if rng.random() < 0.5 else _random_move(st, rng)
 
 
-def local_search(st: State, rng: np.random.Generator, proposals: int, patience: int, kicks: int,
-                 deadline: float) -> State:
+def local_search(
+    st: State, rng: np.random.Generator, proposals: int, patience: int, kicks: int, deadline: float
+) -> State:
     """First-improvement search from st's layout; returns the state at the best layout seen."""
     best = st.cand
     fails = 0
@@ -292,7 +296,7 @@ def random_layout(eng: Engine, rng: np.random.Generator, K: int | None = None, i
     perm = rng.permutation(eng.R)
     fs = [[int(perm[2 * k])] for k in range(K)]
     bs = [[int(perm[2 * k + 1])] for k in range(K)]
-    for i in perm[2 * K:]:
+    for i in perm[2 * K :]:
         k = int(rng.integers(K))
         (fs if rng.random() < 0.5 else bs)[k].append(int(i))
     us = [[] for _ in range(K)]
@@ -370,6 +374,5 @@ def refined(eng: Engine, rng: np.random.Generator, time_limit: float, t0: float 
             best = s
     # phase 2: the best layout searched on with kicks, the rest of the budget
     best.commit(best.cand)
-    local_search(best, rng, max(0, total - int(0.75 * total) + max(left, 0)), 2 * patience, kicks=8,
-                 deadline=deadline)
+    local_search(best, rng, max(0, total - int(0.75 * total) + max(left, 0)), 2 * patience, kicks=8, deadline=deadline)
     return polish_orders(best, t0 + 0.97 * time_limit)

@@ -1,6 +1,7 @@
 """How a frontal server cuts a micro-batch's rows among its clients: here, below the servers, so
 that the step model (scheduler/stepsim.py) plays the very rules the servers run
 (parameter_server/frontal.py imports them through parameter_server.layout)."""
+
 from __future__ import annotations
 
 
@@ -62,9 +63,16 @@ def local_first(clients: list[tuple[str, float]], local: set, busy: set) -> set:
     return {p for p, w in free if p in local and w * LOCAL_EDGE >= fastest_other}
 
 
-def cut_rows(lo: int, hi: int, clients: list[tuple[str, float]], credit: dict[str, float],
-             min_task_rows: int, members: list[str] | None = None,
-             per_batch: int = 0, first: set = frozenset()) -> list[tuple[str | None, int, int]]:
+def cut_rows(
+    lo: int,
+    hi: int,
+    clients: list[tuple[str, float]],
+    credit: dict[str, float],
+    min_task_rows: int,
+    members: list[str] | None = None,
+    per_batch: int = 0,
+    first: set = frozenset(),
+) -> list[tuple[str | None, int, int]]:
     """A micro-batch's rows [lo, hi) cut into forward tasks, as (preferred client, lo, hi).
     `clients` are (name, weight) in a fixed order. Every client gets a piece when the rows allow
     each one at least `min_task_rows`; else only the ones owed the most rows get one: each client

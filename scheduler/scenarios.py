@@ -6,6 +6,7 @@ The cases of section 4.1 of papers/hybrid-ps-pipeline.txt (hps_*) and cases 1-3 
 leave a number out, the choice is written next to it. A V100 counts 14 TFLOP/s sustained and
 16 GB, an RTX 2080 14 / 1.55 (the papers' 55% longer step) and 8 GB.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,9 +28,13 @@ def _cluster(reliable, unreliable, delay_rr, bw_rr, delay_ur, bw_ur, name, meta=
     delay_ur = np.asarray(delay_ur, dtype=float).reshape(len(unreliable), R)
     bw_ur = np.asarray(bw_ur, dtype=float).reshape(len(unreliable), R)
     conv = (lambda a: a) if as_arrays else (lambda a: np.round(a, 4).tolist())
-    out = {"name": name, "reliable": reliable, "unreliable": unreliable,
-           "delay_ms": {"reliable": conv(delay_rr), "unreliable": conv(delay_ur)},
-           "bandwidth_mbps": {"reliable": conv(bw_rr), "unreliable": conv(bw_ur)}}
+    out = {
+        "name": name,
+        "reliable": reliable,
+        "unreliable": unreliable,
+        "delay_ms": {"reliable": conv(delay_rr), "unreliable": conv(delay_ur)},
+        "bandwidth_mbps": {"reliable": conv(bw_rr), "unreliable": conv(bw_ur)},
+    }
     if meta:
         out["meta"] = meta
     return out
@@ -112,8 +117,9 @@ def dfm_datacenter(seed: int = 0) -> dict:
 def dfm_spot(seed: int = 0) -> dict:
     """dfm case 2: 4 nodes of 4 V100 (100 Gb/s inside) and 32 single-V100 nodes; 10 Gb/s between nodes."""
     rng = np.random.default_rng(seed)
-    dl, bw = _sites(rng, [4] * 4 + [1] * 32, 100_000.0, 0.01, (10_000.0, 10_000.0), (DC_DELAY_MS, DC_DELAY_MS),
-                    jitter=0.01)
+    dl, bw = _sites(
+        rng, [4] * 4 + [1] * 32, 100_000.0, 0.01, (10_000.0, 10_000.0), (DC_DELAY_MS, DC_DELAY_MS), jitter=0.01
+    )
     return _cluster(_devices("v", 48, V100), [], dl, bw, [], [], "dfm case 2: spot instances, 4 x 4 + 32 x 1 V100")
 
 
@@ -124,8 +130,9 @@ def dfm_multi_dc(seed: int = 0) -> dict:
     return _cluster(_devices("v", 64, V100), [], dl, bw, [], [], "dfm case 3: two datacenters of 32 V100")
 
 
-def random_cluster(seed: int = 0, n_reliable: int = 8, n_unreliable: int = 16, n_sites: int | None = None,
-                   as_arrays: bool = False) -> dict:
+def random_cluster(
+    seed: int = 0, n_reliable: int = 8, n_unreliable: int = 16, n_sites: int | None = None, as_arrays: bool = False
+) -> dict:
     """Reliable devices in a few sites placed at random (delay 2 + 150 * distance ms between
     sites, 1-10 Gb/s log-uniform; 0.1 ms and 10-40 Gb/s inside one); volunteers at random
     places behind 20-500 Mb/s access links with 5-60 ms of their own. Compute 8-30 TFLOP/s for
@@ -144,8 +151,10 @@ def random_cluster(seed: int = 0, n_reliable: int = 8, n_unreliable: int = 16, n
     np.fill_diagonal(sbw, rng.uniform(10_000.0, 40_000.0, S))
     dl = _sym(rng, sdl[np.ix_(site, site)], 0.05)
     bw = _sym(rng, sbw[np.ix_(site, site)], 0.05)
-    rel = [{"id": f"s{i}", "tflops": round(float(rng.uniform(8, 30)), 2), "memory_gb": int(rng.integers(16, 81))}
-           for i in range(R)]
+    rel = [
+        {"id": f"s{i}", "tflops": round(float(rng.uniform(8, 30)), 2), "memory_gb": int(rng.integers(16, 81))}
+        for i in range(R)
+    ]
     vol = []
     for u in range(U):
         v = {"id": f"u{u}", "tflops": round(float(rng.uniform(3, 15)), 2)}
@@ -172,8 +181,13 @@ def small_random_cluster(seed: int) -> dict:
 def small_model(seed: int) -> dict:
     """A model for small clusters: 4-12 layers, so that splits and stage counts matter."""
     rng = np.random.default_rng(20_000 + seed)
-    return {"layers": int(rng.integers(4, 13)), "hidden": int(rng.choice([1024, 2048, 4096])), "bytes_per_value": 2,
-            "batch_tokens": 262144, "micro_batches": int(rng.choice([16, 64, 128]))}
+    return {
+        "layers": int(rng.integers(4, 13)),
+        "hidden": int(rng.choice([1024, 2048, 4096])),
+        "bytes_per_value": 2,
+        "batch_tokens": 262144,
+        "micro_batches": int(rng.choice([16, 64, 128])),
+    }
 
 
 SCENARIOS = {

@@ -1,6 +1,7 @@
 """Layouts by device index, their conversion to plans, and the incremental evaluator the
 searches share: per-stage terms and links are cached, a move rescores only the stages and
 boundaries it touches, and the layer split is re-solved from the cached rows."""
+
 from __future__ import annotations
 
 import itertools
@@ -18,6 +19,7 @@ from scheduler.files import Plan, Stage
 class Layout:
     """Stages in pipeline order; fs/bs hold reliable indices (ordered: the order is the
     segmentation order), us unreliable indices. Unreliable devices in no stage are idle."""
+
     fs: list
     bs: list
     us: list
@@ -39,8 +41,14 @@ def layout_to_plan(eng: Engine, lay: Layout, n, predicted: float | None = None) 
     placed = set()
     for k in range(lay.K):
         nk = int(n[k]) if n is not None else (eng.L // lay.K + (1 if k < eng.L % lay.K else 0))
-        stages.append(Stage([c.reliable_ids[i] for i in lay.fs[k]], [c.reliable_ids[i] for i in lay.bs[k]],
-                            [c.unreliable_ids[u] for u in sorted(lay.us[k])], (end, end + nk)))
+        stages.append(
+            Stage(
+                [c.reliable_ids[i] for i in lay.fs[k]],
+                [c.reliable_ids[i] for i in lay.bs[k]],
+                [c.unreliable_ids[u] for u in sorted(lay.us[k])],
+                (end, end + nk),
+            )
+        )
         end += nk
         placed.update(lay.us[k])
     idle = [c.unreliable_ids[u] for u in range(eng.U) if u not in placed]
@@ -48,9 +56,11 @@ def layout_to_plan(eng: Engine, lay: Layout, n, predicted: float | None = None) 
 
 
 def plan_to_layout(cluster, plan: Plan) -> Layout:
-    return Layout([[cluster.index(d) for d in s.frontal] for s in plan.stages],
-                  [[cluster.index(d) for d in s.backward] for s in plan.stages],
-                  [[cluster.index(d) for d in s.clients] for s in plan.stages])
+    return Layout(
+        [[cluster.index(d) for d in s.frontal] for s in plan.stages],
+        [[cluster.index(d) for d in s.backward] for s in plan.stages],
+        [[cluster.index(d) for d in s.clients] for s in plan.stages],
+    )
 
 
 ORDER_ENUM_LIMIT = 720  # p! * q! up to which a boundary's server orders are all tried
@@ -73,8 +83,9 @@ def best_link(eng: Engine, bs, fs, enum_limit: int = ORDER_ENUM_LIMIT):
     B = np.asarray(bs, dtype=np.intp)[_perms(p)[:, i]][:, None, :]
     F = np.asarray(fs, dtype=np.intp)[_perms(q)[:, j]][None, :, :]
     n = frac * eng.ma
-    tot = ((eng.delay_rr[B, F] + n * eng.inv_rr[B, F]).max(axis=-1)
-           + (eng.delay_rr[F, B] + n * eng.inv_rr[F, B]).max(axis=-1))
+    tot = (eng.delay_rr[B, F] + n * eng.inv_rr[B, F]).max(axis=-1) + (eng.delay_rr[F, B] + n * eng.inv_rr[F, B]).max(
+        axis=-1
+    )
     a, b = np.unravel_index(int(np.argmin(tot)), tot.shape)
     if not tot[a, b] < base:
         return base, list(bs), list(fs)
@@ -131,6 +142,7 @@ def polish_link(eng: Engine, bs, fs, max_steps: int = 200, deadline: float | Non
 
 class Candidate:
     """A proposed layout with its cached parts, ready to become the state."""
+
     __slots__ = ("lay", "terms", "links", "rows", "pt", "n", "sec")
 
     def better_than(self, pt: float, sec: float) -> bool:
@@ -198,7 +210,7 @@ class State:
                 links.append(0.0)
                 continue
             nxt = stages[k + 1]
-            if (old is not None and isinstance(st, int) and isinstance(nxt, int) and nxt == st + 1):
+            if old is not None and isinstance(st, int) and isinstance(nxt, int) and nxt == st + 1:
                 links.append(old.links[st])
             else:
                 v, bs[k], fs[k + 1] = self._link(bs[k], fs[k + 1])
@@ -219,7 +231,8 @@ class State:
             c.sec = math.inf
         else:  # the stages' times, plus their workers' mean aggregation: progress below the max counts
             c.sec = float(c.rows[np.arange(K), c.n - 1].sum()) + sum(
-                t.ag_mean[0] + t.ag_mean[1] * int(n) for t, n in zip(terms, c.n))
+                t.ag_mean[0] + t.ag_mean[1] * int(n) for t, n in zip(terms, c.n)
+            )
         return c
 
     def commit(self, c: Candidate) -> None:

@@ -54,6 +54,7 @@ the worker, so the rules it plays with them live below both and both call them: 
 server's cut of a micro-batch's rows with its credit (scheduler/rows.py) and the worker's flush
 rule (scheduler/flush.py).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -96,7 +97,9 @@ class Workload:
     label_bytes: float  # bytes per row of labels (they travel with the activations)
     param_bytes: list  # per stage: bytes of all its parameters (split over its servers' slots)
     preference_grace: float = 0.5  # seconds a task waits for its preferred worker
-    min_client_rows: int = 1  # the fewest rows of a batch a worker computes (peer serve --client-batch-tokens / seq_len)
+    min_client_rows: int = (
+        1  # the fewest rows of a batch a worker computes (peer serve --client-batch-tokens / seq_len)
+    )
     local_first: bool = True  # a new batch goes first to a free worker of a stage server (peer serve --no-local-first)
 
 
@@ -181,8 +184,10 @@ class StepSimulation:
     def __init__(self, cluster: Cluster, plan: Plan, work: Workload, cal: Calibration, servers_compute: bool = True):
         for k, st in enumerate(plan.stages):
             if len(st.frontal) != 1 or len(st.backward) != 1:
-                raise ValueError(f"stage {k}: the step simulation models one frontal and one backward server per "
-                                 f"stage, the plan has {len(st.frontal)} and {len(st.backward)}")
+                raise ValueError(
+                    f"stage {k}: the step simulation models one frontal and one backward server per "
+                    f"stage, the plan has {len(st.frontal)} and {len(st.backward)}"
+                )
         self.cluster, self.plan, self.work, self.cal = cluster, plan, work, cal
         self.K = len(plan.stages)
         self.now = 0.0
@@ -221,8 +226,12 @@ class StepSimulation:
         if host == callee or caller == callee:
             return 0.0
         self.trace.calls += 1
-        return (self.one_way(caller, callee, req) + self.one_way(callee, caller, resp)
-                + self.cal.call_seconds + (req + resp) * self.cal.byte_seconds)
+        return (
+            self.one_way(caller, callee, req)
+            + self.one_way(callee, caller, resp)
+            + self.cal.call_seconds
+            + (req + resp) * self.cal.byte_seconds
+        )
 
     def compute(self, w: _Worker, kind: str, rows: int) -> float:
         per = {"forward": self.cal.forward_row, "fb": self.cal.fb_row, "backward": self.cal.backward_row}[kind][w.stage]
@@ -273,14 +282,18 @@ class StepSimulation:
             self.now = t
             fn(*args)
         if len(self.trace.version_times) < self.work.steps:
-            raise RuntimeError(f"the simulated run stalled at version {len(self.trace.version_times)} "
-                               f"of {self.work.steps}")
+            raise RuntimeError(
+                f"the simulated run stalled at version {len(self.trace.version_times)} of {self.work.steps}"
+            )
         return self.trace
 
     # ---- servers ----
     def _cut_batches(self, fs0: _Server) -> None:
-        while (self.next_batch < self.work.steps and fs0.version >= max(self.next_batch - 1, 0)
-               and self.next_batch <= fs0.version + 1):
+        while (
+            self.next_batch < self.work.steps
+            and fs0.version >= max(self.next_batch - 1, 0)
+            and self.next_batch <= fs0.version + 1
+        ):
             t = self.next_batch
             for m in range(self.work.micro_batches):
                 self._make_forward_tasks(fs0, t, m)
@@ -304,16 +317,22 @@ class StepSimulation:
         if self.work.local_first and not members:
             local = {d for d in names if self.workers[d].host is not None}
             first = local_first(clients, local, in_flight(fs.members, fs.version, t))
-        return [(d, b - a) for d, a, b in cut_rows(0, self.work.rows, clients, fs.credit,
-                                                   self.work.min_task_rows, members, per_batch, first)]
+        return [
+            (d, b - a)
+            for d, a, b in cut_rows(
+                0, self.work.rows, clients, fs.credit, self.work.min_task_rows, members, per_batch, first
+            )
+        ]
 
     def _make_forward_tasks(self, fs: _Server, t: int, m: int) -> None:
         kind = "fb" if fs.stage == self.K - 1 else "forward"
         pieces = self._credit_split(fs, t)
         note_cut(fs.cut, t, {d for d, _ in pieces})
         for d, rows in pieces:
-            self._add(fs, _Task(kind, fs.stage, t, m, rows, fs.device, d, self.now + self.work.preference_grace,
-                                next(self._seq)))
+            self._add(
+                fs,
+                _Task(kind, fs.stage, t, m, rows, fs.device, d, self.now + self.work.preference_grace, next(self._seq)),
+            )
 
     def _add(self, server: _Server, task: _Task) -> None:
         server.tasks.append(task)
@@ -334,8 +353,13 @@ class StepSimulation:
             fs = self.servers[self.plan.stages[bs.stage + 1].frontal[0]]
             self.trace.calls += 1
             nbytes = self.work.rows * (self.work.act_bytes + self.work.label_bytes)
-            self._at(self.now + self._arrival(bs.device, None, fs.device, nbytes), self._make_forward_tasks, fs,
-                     task.batch, task.micro)
+            self._at(
+                self.now + self._arrival(bs.device, None, fs.device, nbytes),
+                self._make_forward_tasks,
+                fs,
+                task.batch,
+                task.micro,
+            )
 
     def _input_grads_arrived(self, fs: _Server, task: _Task) -> None:
         """A stage's frontal server relays an input gradient to the previous stage's backward server,
@@ -352,8 +376,21 @@ class StepSimulation:
         if self._grad_rows[key] < self.work.rows:
             return
         for worker, rows in self._ledger.pop(key, []):
-            self._add(bs, _Task("backward", bs.stage, task.batch, task.micro, rows, bs.device, worker,
-                                self.now + self.work.preference_grace, next(self._seq), forward_worker=worker))
+            self._add(
+                bs,
+                _Task(
+                    "backward",
+                    bs.stage,
+                    task.batch,
+                    task.micro,
+                    rows,
+                    bs.device,
+                    worker,
+                    self.now + self.work.preference_grace,
+                    next(self._seq),
+                    forward_worker=worker,
+                ),
+            )
 
     def _credit(self, server: _Server, batch: int, rows: int) -> None:
         server.credited[batch] = server.credited.get(batch, 0) + rows
@@ -397,8 +434,9 @@ class StepSimulation:
         server = self.servers[task.server]
         server.tasks.remove(task)
         if task.kind != "backward":  # the take's answer says whether the server cuts more of the batch for w
-            w.owed_forward = owed_after(w.owed_forward, task.batch,
-                                        owed_more(server.cut, task.batch, w.device, self.work.micro_batches))
+            w.owed_forward = owed_after(
+                w.owed_forward, task.batch, owed_more(server.cut, task.batch, w.device, self.work.micro_batches)
+            )
 
     def _take_bytes(self, task: _Task) -> float:
         if task.kind == "backward":
@@ -428,7 +466,9 @@ class StepSimulation:
                 yield self.rpc(w.device, w.host, task.server, 64, nbytes)
             elif w.host != task.server:  # the take was waiting there: only the answer travels
                 self.trace.calls += 1
-                yield self.one_way(task.server, w.device, nbytes) + self.cal.call_seconds + nbytes * self.cal.byte_seconds
+                yield (
+                    self.one_way(task.server, w.device, nbytes) + self.cal.call_seconds + nbytes * self.cal.byte_seconds
+                )
             for b in self._flush_due(w, task):
                 yield from self._push(w, b)
             yield from self._ensure_version(w, max(task.batch - 1, 0))
@@ -440,10 +480,18 @@ class StepSimulation:
         (2 x micro-batches); the model has no lease deadlines, so no lease is ever about to run out."""
         held = {b: [(float("inf"), 1.0)] * len(tasks) for b, tasks in w.pending.items()}
         if task is None:
-            w.awaiting = awaiting_after(w.awaiting, ({b for b, _ in w.kept} | w.owed_forward).intersection(w.pending),
-                                        self.now)
-        return batches_to_push(held, None if task is None else {"batch": task.batch, "kind": task.kind}, self.now,
-                               2 * self.work.micro_batches, w.stage == self.K - 1, w.awaiting, IDLE_HOLD_S)
+            w.awaiting = awaiting_after(
+                w.awaiting, ({b for b, _ in w.kept} | w.owed_forward).intersection(w.pending), self.now
+            )
+        return batches_to_push(
+            held,
+            None if task is None else {"batch": task.batch, "kind": task.kind},
+            self.now,
+            2 * self.work.micro_batches,
+            w.stage == self.K - 1,
+            w.awaiting,
+            IDLE_HOLD_S,
+        )
 
     def _ensure_version(self, w: _Worker, v: int):
         if v not in w.versions:
@@ -478,8 +526,9 @@ class StepSimulation:
             yield self.compute(w, "forward", task.rows)
             w.kept.add((task.batch, task.micro))
             nbytes = task.rows * (self.work.act_bytes + self.work.label_bytes)
-            self._at(self.now + self._arrival(w.device, w.host, bs.device, nbytes), self._outputs_arrived, bs, task,
-                     w.device)
+            self._at(
+                self.now + self._arrival(w.device, w.host, bs.device, nbytes), self._outputs_arrived, bs, task, w.device
+            )
             yield self.rpc(w.device, w.host, bs.device, nbytes, 64)
             return
         if task.kind == "fb":
@@ -493,8 +542,7 @@ class StepSimulation:
             yield self.compute(w, "fb", task.rows)
         if w.stage > 0:  # the input gradient to the frontal server, which relays it back a stage
             nbytes = task.rows * self.work.act_bytes
-            self._at(self.now + self._arrival(w.device, w.host, fs.device, nbytes), self._input_grads_arrived, fs,
-                     task)
+            self._at(self.now + self._arrival(w.device, w.host, fs.device, nbytes), self._input_grads_arrived, fs, task)
             yield self.rpc(w.device, w.host, fs.device, nbytes, 64)
         w.pending.setdefault(task.batch, []).append(task)
 
@@ -505,8 +553,13 @@ class StepSimulation:
         rows = sum(t.rows for t in tasks)
         times = []
         for s in self._servers_of(w.stage):
-            self._at(self.now + self._arrival(w.device, w.host, s.device, self.shard_bytes(w.stage)), self._credit, s,
-                     b, rows)
+            self._at(
+                self.now + self._arrival(w.device, w.host, s.device, self.shard_bytes(w.stage)),
+                self._credit,
+                s,
+                b,
+                rows,
+            )
             times.append(self.rpc(w.device, w.host, s.device, self.shard_bytes(w.stage), 64))
         yield max(times)
 

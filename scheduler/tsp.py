@@ -1,6 +1,7 @@
 """Open travelling-salesman path (a Hamiltonian path with free ends) on a small symmetric
 graph: simulated annealing over segment reversals (section 3.3.3 of the design paper), and a
 brute force to check it against."""
+
 from __future__ import annotations
 
 import itertools
@@ -47,13 +48,12 @@ def two_opt(W: np.ndarray, path: list) -> list:
         for i in range(n - 1):
             for j in range(i + 1, n):
                 if (i, j) != (0, n - 1) and _reversal_delta(W, p, i, j) < -1e-12:
-                    p[i:j + 1] = p[i:j + 1][::-1]
+                    p[i : j + 1] = p[i : j + 1][::-1]
                     improved = True
     return p
 
 
-def anneal_open_path(W: np.ndarray, rng: np.random.Generator, iterations: int | None = None,
-                     restarts: int = 2) -> list:
+def anneal_open_path(W: np.ndarray, rng: np.random.Generator, iterations: int | None = None, restarts: int = 2) -> list:
     """Simulated annealing for the open TSP on the symmetric matrix W; deterministic given rng.
 
     Moves reverse a random segment of the path (a 2-opt move on an open path; reversing a
@@ -98,7 +98,7 @@ def anneal_open_path(W: np.ndarray, rng: np.random.Generator, iterations: int | 
             if j < n - 1:
                 d += Wl[p[i]][p[j + 1]] - Wl[p[j]][p[j + 1]]
             if d <= 0 or uu[it] < math.exp(-d / t):
-                p[i:j + 1] = p[i:j + 1][::-1]
+                p[i : j + 1] = p[i : j + 1][::-1]
                 c += d
                 if c < rb_c - 1e-12:
                     rb, rb_c = list(p), c

@@ -5,6 +5,7 @@ FLOP/s on a model preset.
 Every table these benchmarks print carries the 1/5/15-minute load average at the time it was
 measured: the machine has 2 cores shared with other jobs, so wall-clock numbers carry that noise.
 """
+
 from __future__ import annotations
 
 import json
@@ -165,8 +166,9 @@ class CpuSampler:
         return out
 
 
-def run_peer(argv: list[str], log_path: Path, timeout: float, sample_cpu: bool = False,
-             alongside=None) -> CpuSampler | None:
+def run_peer(
+    argv: list[str], log_path: Path, timeout: float, sample_cpu: bool = False, alongside=None
+) -> CpuSampler | None:
     """`python -m peer.cli ARGV` in the repository, output to `log_path`; RuntimeError with the log's
     tail if it fails or runs past `timeout` seconds (it is stopped either way). With `sample_cpu`, the
     CpuSampler of its process tree. `alongside(log_path)`, called once the command started, may start
@@ -174,8 +176,13 @@ def run_peer(argv: list[str], log_path: Path, timeout: float, sample_cpu: bool =
     log_path.parent.mkdir(parents=True, exist_ok=True)
     sampler = side = None
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "peer.cli", *argv], cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "peer.cli", *argv],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         if sample_cpu:
             sampler = CpuSampler(proc.pid)
         try:
@@ -200,15 +207,19 @@ def run_peer(argv: list[str], log_path: Path, timeout: float, sample_cpu: bool =
 def run_reference(model: str, steps: int, work: Path, timeout: float = 900) -> dict:
     out = work / "reference.json"
     load_before = loadavg()
-    run_peer(["reference", "--model", model, "--steps", str(steps), "--summary-json", str(out), "--no-progress"],
-             work / "reference.log", timeout)
+    run_peer(
+        ["reference", "--model", model, "--steps", str(steps), "--summary-json", str(out), "--no-progress"],
+        work / "reference.log",
+        timeout,
+    )
     summary = json.loads(out.read_text())
     summary["load"] = load_before
     return summary
 
 
-def run_swarm(name: str, args: list[str], work: Path, timeout: float = 900, sample_cpu: bool = False,
-              alongside=None) -> dict:
+def run_swarm(
+    name: str, args: list[str], work: Path, timeout: float = 900, sample_cpu: bool = False, alongside=None
+) -> dict:
     """One `peer swarm` with ARGS; its summary dict plus `load` (at its start) and `run_seconds` (the
     whole command: startup, training, assembling the model, teardown); with `sample_cpu`, `cpu`: the
     processor seconds of each kind of process during the training (CpuSampler; from the summary's
@@ -219,9 +230,13 @@ def run_swarm(name: str, args: list[str], work: Path, timeout: float = 900, samp
     load_before = loadavg()
     t0 = time.perf_counter()
     try:
-        sampler = run_peer(["swarm", *args, "--summary-json", str(summary_path), "--work-dir", str(run_dir),
-                            "--no-progress"], work / f"{name}.log", timeout, sample_cpu=sample_cpu,
-                           alongside=alongside)
+        sampler = run_peer(
+            ["swarm", *args, "--summary-json", str(summary_path), "--work-dir", str(run_dir), "--no-progress"],
+            work / f"{name}.log",
+            timeout,
+            sample_cpu=sample_cpu,
+            alongside=alongside,
+        )
     finally:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     summary = json.loads(summary_path.read_text())

@@ -3,6 +3,7 @@
 stream message that says it is --bytes long (default 1 GiB) and writes its body in 1 MiB pieces until
 the server closes the stream or the body is sent. Prints one JSON line: bytes written, and whether the
 server cut the stream."""
+
 from __future__ import annotations
 
 import argparse

@@ -12,6 +12,7 @@ to the last, tokens/s, its loss per epoch), then exits; the others train until t
 Each peer draws its own rows from the corpus (batches of its own stream, seeded by --index and
 its restart count), so peers that die and are replaced never repeat a stream.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,12 +43,19 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--matchmaking-time", type=float, default=1.0)
     p.add_argument("--averaging-timeout", type=float, default=10.0)
-    p.add_argument("--refresh", type=float, default=0.5,
-                   help="how often the progress tracker re-reads the collaboration's progress (hivemind: 3 s)")
-    p.add_argument("--go-file", default=None,
-                   help="write GO_FILE.ready.INDEX once the optimizer is up, then train only once GO_FILE "
-                        "exists (the first peers of a run start together, so that none trains alone while "
-                        "the others load; replacements join at once)")
+    p.add_argument(
+        "--refresh",
+        type=float,
+        default=0.5,
+        help="how often the progress tracker re-reads the collaboration's progress (hivemind: 3 s)",
+    )
+    p.add_argument(
+        "--go-file",
+        default=None,
+        help="write GO_FILE.ready.INDEX once the optimizer is up, then train only once GO_FILE "
+        "exists (the first peers of a run start together, so that none trains alone while "
+        "the others load; replacements join at once)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)  # as every swarm process runs
 
@@ -67,11 +75,22 @@ def main() -> int:
     if args.index == 0:
         print("initial_peers=" + str(dht.get_visible_maddrs()[0]), flush=True)
     opt = hivemind.Optimizer(
-        dht=dht, run_id=args.run_id, target_batch_size=args.batch_size, batch_size_per_step=args.local_rows,
-        optimizer=lambda params: make_optimizer(params, args.lr), params=model.parameters(),
-        matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout, use_local_updates=False,
-        tracker_opts={"min_refresh_period": args.refresh / 5, "default_refresh_period": args.refresh,
-                      "max_refresh_period": 2 * args.refresh}, verbose=False)
+        dht=dht,
+        run_id=args.run_id,
+        target_batch_size=args.batch_size,
+        batch_size_per_step=args.local_rows,
+        optimizer=lambda params: make_optimizer(params, args.lr),
+        params=model.parameters(),
+        matchmaking_time=args.matchmaking_time,
+        averaging_timeout=args.averaging_timeout,
+        use_local_updates=False,
+        tracker_opts={
+            "min_refresh_period": args.refresh / 5,
+            "default_refresh_period": args.refresh,
+            "max_refresh_period": 2 * args.refresh,
+        },
+        verbose=False,
+    )
     if args.go_file:
         Path(f"{args.go_file}.ready.{args.index}").touch()
         while not os.path.exists(args.go_file):
@@ -102,9 +121,14 @@ def main() -> int:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / "model.pt")
         wall = epochs[-1]["t"] if len(epochs) > 1 else float("nan")
         timed = len(epochs) - 1  # epochs after the first one's end
-        summary = {"epochs": opt.local_epoch, "wall_seconds": wall, "epochs_timed": timed,
-                   "tokens_per_second": timed * args.batch_size * cfg.seq_len / wall if timed else 0.0,
-                   "losses": [e["loss"] for e in epochs], "local_steps": local_step}
+        summary = {
+            "epochs": opt.local_epoch,
+            "wall_seconds": wall,
+            "epochs_timed": timed,
+            "tokens_per_second": timed * args.batch_size * cfg.seq_len / wall if timed else 0.0,
+            "losses": [e["loss"] for e in epochs],
+            "local_steps": local_step,
+        }
         (out / "summary.json").write_text(json.dumps(summary))
     opt.shutdown()
     dht.shutdown()

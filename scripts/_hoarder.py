@@ -8,6 +8,7 @@ measures: the calm figure). Prints one JSON line at the end (SIGTERM, --seconds,
 
     python scripts/_hoarder.py --initial-peers MADDR --run-id NAME@FP [--identities 20] [--stage 0]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,9 @@ async def hoard(a) -> dict:
         while not stop.is_set() and ((await version()) or -1) < a.after_version:
             await asyncio.sleep(0.25)
         stage = [d for d in directory.servers if d.startswith(f"s{a.stage}")]
-        links = [(i, d, directory.link(p2p, d, StageServer, backoff=False)) for i, p2p in enumerate(peers)
-                 for d in stage]
+        links = [
+            (i, d, directory.link(p2p, d, StageServer, backoff=False)) for i, p2p in enumerate(peers) for d in stage
+        ]
         held: dict[tuple[int, str], list[str]] = {(i, d): [] for i, d, _ in links}
         deadline = time.monotonic() + a.seconds
         got["versions"].append((time.time(), await version()))
@@ -59,8 +61,11 @@ async def hoard(a) -> dict:
 
         async def one(i, d, link):
             try:
-                await link.call("register", {"device": f"h{i}", "compute": 1e3, "stage": a.stage,
-                                             "holding": held[(i, d)]}, timeout=10.0)
+                await link.call(
+                    "register",
+                    {"device": f"h{i}", "compute": 1e3, "stage": a.stage, "holding": held[(i, d)]},
+                    timeout=10.0,
+                )
                 meta, _ = await link.call("take", {}, timeout=10.0) if a.take else ({}, [])
                 if meta.get("task"):
                     held[(i, d)].append(meta["task"])
@@ -100,8 +105,12 @@ def main(argv=None) -> int:
     p.add_argument("--after-version", type=int, default=2, help="start once the servers announce this version")
     p.add_argument("--period", type=float, default=0.2, help="seconds between rounds of takes")
     p.add_argument("--seconds", type=float, default=3600.0)
-    p.add_argument("--no-take", dest="take", action="store_false",
-                   help="register and heartbeat only: the attack's load on the machine without its hoarding")
+    p.add_argument(
+        "--no-take",
+        dest="take",
+        action="store_false",
+        help="register and heartbeat only: the attack's load on the machine without its hoarding",
+    )
     a = p.parse_args(argv)
     print(json.dumps(asyncio.run(hoard(a))), flush=True)
     return 0

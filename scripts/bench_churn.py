@@ -34,6 +34,7 @@ Seconds per step = wall_seconds / steps of `peer swarm` (training only, from the
 is online); every run checks microbatches_applied == microbatches_expected. Writes DIR/bench_churn.md,
 DIR/churn.png and DIR/fidelity.png (DIR defaults to docs/).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,9 @@ BATCH, MICRO = 16, 4
 MODES = {"pool": "task pool (re-queue at once)", "no-requeue": "--no-requeue (SWARM-like)"}
 
 
-def case3_cluster(n_volunteers: int, server_tflops: float, volunteer_fraction: float, seed: int,
-                  pace_tflops: float | None = None) -> dict:
+def case3_cluster(
+    n_volunteers: int, server_tflops: float, volunteer_fraction: float, seed: int, pace_tflops: float | None = None
+) -> dict:
     """The cluster file (docs/cost-model.md) of the scaled-down case 3. Volunteer u's links
     depend only on (seed, u), so v0..v3 are the same devices in the 4- and the 8-volunteer cluster.
     With `pace_tflops`, one more reliable device (PACE_DEVICE) at that speed sets the swarm's
@@ -96,8 +98,10 @@ def case3_cluster(n_volunteers: int, server_tflops: float, volunteer_fraction: f
         "reliable": [{"id": r, "tflops": pace_tflops if r == PACE_DEVICE else server_tflops} for r in reliable],
         "unreliable": [{"id": f"v{u}", "tflops": server_tflops * volunteer_fraction} for u in range(n_volunteers)],
         "delay_ms": {"reliable": [[rr(a, b, 1.0, 20.0) for b in reliable] for a in reliable], "unreliable": vol_delay},
-        "bandwidth_mbps": {"reliable": [[rr(a, b, 10_000.0, 1_000.0) for b in reliable] for a in reliable],
-                           "unreliable": vol_bw},
+        "bandwidth_mbps": {
+            "reliable": [[rr(a, b, 10_000.0, 1_000.0) for b in reliable] for a in reliable],
+            "unreliable": vol_bw,
+        },
     }
 
 
@@ -114,10 +118,18 @@ def scaled(cluster: dict, scale: float) -> dict:
 def swarm_plan(cfg, n_volunteers: int, stages: int = 2) -> dict:
     """The layout `peer swarm --stages 2 --servers-per-stage 2` runs, as a plan: even layers,
     volunteers round robin over the stages."""
-    return {"stages": [{"frontal": [f"s{k}f0"], "backward": [f"s{k}b0"],
-                        "clients": [f"v{u}" for u in range(n_volunteers) if u % stages == k],
-                        "layers": list(segment(cfg.layers, stages, k))} for k in range(stages)],
-            "idle": []}
+    return {
+        "stages": [
+            {
+                "frontal": [f"s{k}f0"],
+                "backward": [f"s{k}b0"],
+                "clients": [f"v{u}" for u in range(n_volunteers) if u % stages == k],
+                "layers": list(segment(cfg.layers, stages, k)),
+            }
+            for k in range(stages)
+        ],
+        "idle": [],
+    }
 
 
 def predict(cluster: dict, model: dict, cfg, n_volunteers: int, scale: float):
@@ -137,8 +149,11 @@ class Bench:
         if n not in self.written:  # written once per process, from this process's calibration
             self.written.add(n)
             pace = self.cpu_tflops if self.args.pace > 1 else None
-            path.write_text(json.dumps(case3_cluster(n, self.server_tflops, self.args.volunteer_fraction,
-                                                     self.args.seed, pace), indent=1))
+            path.write_text(
+                json.dumps(
+                    case3_cluster(n, self.server_tflops, self.args.volunteer_fraction, self.args.seed, pace), indent=1
+                )
+            )
         return path
 
     def planner_cluster(self, n: int) -> dict:
@@ -151,17 +166,52 @@ class Bench:
             if (r["volunteers"], r["churn"], r["mode"], r["scale"]) == (n, churn, mode, scale):
                 return r
         name = f"n{n}-c{churn:g}-{mode}-x{scale:g}"
-        argv = ["--model", a.model, "--steps", str(a.steps), "--stages", "2", "--servers-per-stage", "2",
-                "--volunteers", str(n), "--servers-compute", "yes", "--batch-size", str(BATCH),
-                "--micro-batches", str(MICRO), "--link-profile", str(self.profile(n)), "--link-scale", str(scale),
-                "--client-timeout", str(a.client_timeout), "--task-timeout", str(a.task_timeout),
-                "--seed", str(a.seed), "--churn", str(churn)] + (["--no-requeue"] if mode == "no-requeue" else [])
+        argv = [
+            "--model",
+            a.model,
+            "--steps",
+            str(a.steps),
+            "--stages",
+            "2",
+            "--servers-per-stage",
+            "2",
+            "--volunteers",
+            str(n),
+            "--servers-compute",
+            "yes",
+            "--batch-size",
+            str(BATCH),
+            "--micro-batches",
+            str(MICRO),
+            "--link-profile",
+            str(self.profile(n)),
+            "--link-scale",
+            str(scale),
+            "--client-timeout",
+            str(a.client_timeout),
+            "--task-timeout",
+            str(a.task_timeout),
+            "--seed",
+            str(a.seed),
+            "--churn",
+            str(churn),
+        ] + (["--no-requeue"] if mode == "no-requeue" else [])
         print(f"[{time.strftime('%H:%M:%S')}] {name} (load {loadavg()})", flush=True)
         s = run_swarm(name, argv, self.work, timeout=a.run_timeout)
-        r = {"volunteers": n, "churn": churn, "mode": mode, "scale": scale, "summary": s,
-             "sps": s["wall_seconds"] / s["steps"], "load": s["load"]}
-        print(f"    {r['sps']:.2f} s/step, applied {exactly_once(s)}, killed {s['volunteers_killed']}, "
-              f"run {s['run_seconds']:.0f} s", flush=True)
+        r = {
+            "volunteers": n,
+            "churn": churn,
+            "mode": mode,
+            "scale": scale,
+            "summary": s,
+            "sps": s["wall_seconds"] / s["steps"],
+            "load": s["load"],
+        }
+        print(
+            f"    {r['sps']:.2f} s/step, applied {exactly_once(s)}, killed {s['volunteers_killed']}, "
+            f"run {s['run_seconds']:.0f} s",
+            flush=True,
+        )
         self.results.append(r)
         (self.work / "results.json").write_text(json.dumps(self.results, indent=1))
         return r
@@ -169,8 +219,15 @@ class Bench:
 
 def result_row(r: dict, key_cols: list) -> list:
     s = r["summary"]
-    return key_cols + [f"{r['sps']:.2f}", exactly_once(s), s["volunteers_killed"], s["requeued"],
-                       s["duplicates_dropped"], f"{s['last_loss']:.3f}", r["load"]]
+    return key_cols + [
+        f"{r['sps']:.2f}",
+        exactly_once(s),
+        s["volunteers_killed"],
+        s["requeued"],
+        s["duplicates_dropped"],
+        f"{s['last_loss']:.3f}",
+        r["load"],
+    ]
 
 
 RESULT_HEADERS = ["s/step", "micro-batches applied", "killed", "re-queued", "duplicates", "last loss", "load"]
@@ -188,8 +245,11 @@ async def _wait_for_version(maddr: str, run: str, version: int, timeout: float) 
         while time.time() < deadline:
             versions = []
             for k in range(2):
-                versions += [rec["version"] for _, rec, _ in await records.read_stage(dht, run_id, k)
-                             if rec is not None and rec["kind"] == "server"]
+                versions += [
+                    rec["version"]
+                    for _, rec, _ in await records.read_stage(dht, run_id, k)
+                    if rec is not None and rec["kind"] == "server"
+                ]
             if len(versions) == len(SERVERS) and min(versions) >= version:
                 return
             await asyncio.sleep(0.5)
@@ -206,10 +266,32 @@ def measure_rejoin(bench: Bench, n_probes: int) -> list[float]:
     work.mkdir(exist_ok=True)
     profile = bench.profile(a.volunteers)
     log = open(work / "swarm.log", "wb")
-    swarm = subprocess.Popen([sys.executable, "-m", "peer.cli", "swarm", "--model", a.model, "--steps", "100000",
-                              "--volunteers", str(a.volunteers), "--link-profile", str(profile),
-                              "--link-scale", str(a.link_scale), "--no-progress", "--work-dir", str(work / "run")],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True)
+    swarm = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "swarm",
+            "--model",
+            a.model,
+            "--steps",
+            "100000",
+            "--volunteers",
+            str(a.volunteers),
+            "--link-profile",
+            str(profile),
+            "--link-scale",
+            str(a.link_scale),
+            "--no-progress",
+            "--work-dir",
+            str(work / "run"),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     times = []
     try:
         maddr = swarm.stdout.readline().strip().split("=", 1)[-1]
@@ -219,10 +301,28 @@ def measure_rejoin(bench: Bench, n_probes: int) -> list[float]:
             # a device the profile does not know: unshaped links and no compute stretch, so this
             # measures the process's own start; it is killed before it takes a task
             t0 = time.perf_counter()
-            join = subprocess.Popen([sys.executable, "-m", "peer.cli", "join", "--stage", str(i % 2), "--device-id",
-                                     f"probe{i}", "--run-id", run, "--initial-peers", maddr],
-                                    cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            join = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "peer.cli",
+                    "join",
+                    "--stage",
+                    str(i % 2),
+                    "--device-id",
+                    f"probe{i}",
+                    "--run-id",
+                    run,
+                    "--initial-peers",
+                    maddr,
+                ],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             try:
                 for line in join.stdout:
                     if line.startswith("joined run"):
@@ -256,18 +356,28 @@ def plot_churn(bench: Bench, rates: list[float], counts: list[int], fixed: float
         ys = [bench.run(n, fixed, mode)["sps"] for n in counts]
         ax2.plot([100 * n / (n + len(SERVERS)) for n in counts], ys, label=label, **styles[mode])
         for n, y in zip(counts, ys):
-            ax2.annotate(f"{n} vol.", (100 * n / (n + len(SERVERS)), y), textcoords="offset points", xytext=(4, 4),
-                         fontsize=8)
-    ax1.set(xlabel="disconnection rate (% of volunteers killed per step)", ylabel="seconds per step",
-            title=f"{a.volunteers} volunteers + 4 servers")
-    ax2.set(xlabel="unreliable devices (% of all devices)", ylabel="seconds per step",
-            title=f"churn {100 * fixed:.0f}% per step")
+            ax2.annotate(
+                f"{n} vol.", (100 * n / (n + len(SERVERS)), y), textcoords="offset points", xytext=(4, 4), fontsize=8
+            )
+    ax1.set(
+        xlabel="disconnection rate (% of volunteers killed per step)",
+        ylabel="seconds per step",
+        title=f"{a.volunteers} volunteers + 4 servers",
+    )
+    ax2.set(
+        xlabel="unreliable devices (% of all devices)",
+        ylabel="seconds per step",
+        title=f"churn {100 * fixed:.0f}% per step",
+    )
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{a.model} model, emulated case-3 cluster, link scale {a.link_scale:g}, pace {a.pace:g}, "
-                 f"{a.steps} steps a run, task timeout {a.task_timeout:g} s", fontsize=9)
+    fig.suptitle(
+        f"{a.model} model, emulated case-3 cluster, link scale {a.link_scale:g}, pace {a.pace:g}, "
+        f"{a.steps} steps a run, task timeout {a.task_timeout:g} s",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -289,8 +399,13 @@ def plot_fidelity(rows: list[tuple[str, float, float]], path: Path) -> None:
     markers = "osD^vP*X"
     for i, (label, pred, meas) in enumerate(rows):
         ax.scatter([pred], [meas], marker=markers[i % len(markers)], s=50, label=label, zorder=3)
-    ax.set(xlim=(0, top), ylim=(0, top), xlabel="predicted s/step (plan_cost)", ylabel="measured s/step",
-           title="cost-model fidelity, no churn")
+    ax.set(
+        xlim=(0, top),
+        ylim=(0, top),
+        xlabel="predicted s/step (plan_cost)",
+        ylabel="measured s/step",
+        title="cost-model fidelity, no churn",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
@@ -302,7 +417,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a smaller grid and fewer steps (a smoke check, ~6 min)")
     p.add_argument("--out", type=Path, default=REPO / "docs", help="where bench_churn.md, churn.png, fidelity.png go")
-    p.add_argument("--work", type=Path, default=None, help="cluster files, logs, summaries (default: a temporary folder)")
+    p.add_argument(
+        "--work", type=Path, default=None, help="cluster files, logs, summaries (default: a temporary folder)"
+    )
     p.add_argument("--model", default="small")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 12, --quick 5)")
     p.add_argument("--volunteers", type=int, default=4, help="volunteers of the churn sweep")
@@ -320,9 +437,11 @@ def main(argv=None) -> int:
     rates = [0.0, 0.4] if args.quick else [0.0, 0.2, 0.4, 0.6]
     counts = [2, args.volunteers] if args.quick else [2, args.volunteers, 8]
     fixed = 0.4
-    fidelity_cfgs = ([(args.volunteers, args.link_scale), (2, args.link_scale)] if args.quick else
-                     [(2, args.link_scale), (args.volunteers, args.link_scale), (8, args.link_scale),
-                      (args.volunteers, 1.0)])
+    fidelity_cfgs = (
+        [(args.volunteers, args.link_scale), (2, args.link_scale)]
+        if args.quick
+        else [(2, args.link_scale), (args.volunteers, args.link_scale), (8, args.link_scale), (args.volunteers, 1.0)]
+    )
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-churn-"))
     work.mkdir(parents=True, exist_ok=True)
     cfg = get_preset(args.model)
@@ -340,8 +459,10 @@ def main(argv=None) -> int:
     if args.resume and (work / "results.json").exists():
         bench.results = json.loads((work / "results.json").read_text())
         print(f"resuming with {len(bench.results)} runs from {work / 'results.json'}", flush=True)
-    report = Report("Churn benchmark and cost-model fidelity", f"""
-`python scripts/bench_churn.py{' --quick' if args.quick else ''}` (model `{args.model}`, {args.steps} steps a
+    report = Report(
+        "Churn benchmark and cost-model fidelity",
+        f"""
+`python scripts/bench_churn.py{" --quick" if args.quick else ""}` (model `{args.model}`, {args.steps} steps a
 run, link scale {args.link_scale:g}, pace {args.pace:g}, client timeout {args.client_timeout:g} s, task timeout
 {args.task_timeout:g} s, seed {args.seed}) on this 2-core, no-GPU machine shared with other jobs; every
 table gives the load average (1/5/15 min) at the start of each run. Work folder: `{work}`.
@@ -358,33 +479,50 @@ planner counts FLOPs (tokens x layers x `flops_per_token_per_layer`). Servers ar
 of that ({server_tflops * 1e3:.2f} GFLOP/s = {server_tflops:.5f} tflops), volunteers at {args.volunteer_fraction:g}x
 a server's; the swarm's profile holds one more reliable device, `{PACE_DEVICE}`, at the measured speed, which
 no process plays, so that every process sleeps its compute out to its declared speed (see the script's
-docstring: with 8+ processes on 2 cores, undeclared contention would otherwise decide the speeds).""")
+docstring: with 8+ processes on 2 cores, undeclared contention would otherwise decide the speeds).""",
+    )
 
     # 4. rejoin first: it explains the rest
     probes = measure_rejoin(bench, 1 if args.quick else 3)
-    report.section("Rejoin time", md_table(
-        ["what", "seconds", "load"],
-        [[f"`peer join` start → ready to take tasks, while 4 servers + {args.volunteers} volunteers train "
-          f"({len(probes)} probes)", ", ".join(f"{t:.1f}" for t in probes), loadavg()]]) +
-        "\n\nA killed volunteer is replaced at once by a new process in its slot, which needs this long "
+    report.section(
+        "Rejoin time",
+        md_table(
+            ["what", "seconds", "load"],
+            [
+                [
+                    f"`peer join` start → ready to take tasks, while 4 servers + {args.volunteers} volunteers train "
+                    f"({len(probes)} probes)",
+                    ", ".join(f"{t:.1f}" for t in probes),
+                    loadavg(),
+                ]
+            ],
+        )
+        + "\n\nA killed volunteer is replaced at once by a new process in its slot, which needs this long "
         "(interpreter, torch, a DHT node and p2p daemon, finding the run and its servers, timing its "
-        "compute) before it can take a task; parameters come with its first task.")
+        "compute) before it can take a task; parameters come with its first task.",
+    )
 
     # 1. churn sweep
     for c in rates:
         for mode in MODES:
             bench.run(args.volunteers, c, mode)
     rows = [result_row(bench.run(args.volunteers, c, m), [f"{100 * c:.0f}%", MODES[m]]) for c in rates for m in MODES]
-    report.section(f"Seconds per step against the disconnection rate ({args.volunteers} volunteers + 4 servers)",
-                   md_table(["churn", "mode"] + RESULT_HEADERS, rows))
+    report.section(
+        f"Seconds per step against the disconnection rate ({args.volunteers} volunteers + 4 servers)",
+        md_table(["churn", "mode"] + RESULT_HEADERS, rows),
+    )
 
     # 2. unreliable share
     for n in counts:
         for mode in MODES:
             bench.run(n, fixed, mode)
-    rows = [result_row(bench.run(n, fixed, m), [n, f"{100 * n / (n + 4):.0f}%", MODES[m]]) for n in counts for m in MODES]
-    report.section(f"Seconds per step against the share of unreliable devices (churn {100 * fixed:.0f}%)",
-                   md_table(["volunteers", "unreliable share", "mode"] + RESULT_HEADERS, rows))
+    rows = [
+        result_row(bench.run(n, fixed, m), [n, f"{100 * n / (n + 4):.0f}%", MODES[m]]) for n in counts for m in MODES
+    ]
+    report.section(
+        f"Seconds per step against the share of unreliable devices (churn {100 * fixed:.0f}%)",
+        md_table(["volunteers", "unreliable share", "mode"] + RESULT_HEADERS, rows),
+    )
     plot_churn(bench, rates, counts, fixed, args.out / "churn.png")
 
     # 3. fidelity
@@ -394,19 +532,49 @@ docstring: with 8+ processes on 2 cores, undeclared contention would otherwise d
         r = bench.run(n, 0.0, "pool", scale)
         cost = predict(bench.planner_cluster(n), model, cfg, n, scale)
         points.append((f"{n} vol., x{scale:g}", cost.total, r["sps"]))
-        fid_rows.append([n, f"{scale:g}", f"{cost.total:.2f}", f"{cost.pipe:.2f}", f"{cost.aggregation:.2f}",
-                         " / ".join(f"{x:.3f}" for x in cost.stage_comp), " / ".join(f"{x:.3f}" for x in cost.stage_comm),
-                         f"{r['sps']:.2f}", f"{r['sps'] / cost.total:.2f}", exactly_once(r["summary"]), r["load"]])
-    report.section("Cost-model fidelity (no churn, task pool)", f"""
+        fid_rows.append(
+            [
+                n,
+                f"{scale:g}",
+                f"{cost.total:.2f}",
+                f"{cost.pipe:.2f}",
+                f"{cost.aggregation:.2f}",
+                " / ".join(f"{x:.3f}" for x in cost.stage_comp),
+                " / ".join(f"{x:.3f}" for x in cost.stage_comm),
+                f"{r['sps']:.2f}",
+                f"{r['sps'] / cost.total:.2f}",
+                exactly_once(r["summary"]),
+                r["load"],
+            ]
+        )
+    report.section(
+        "Cost-model fidelity (no churn, task pool)",
+        f"""
 The plan scored is the swarm's own layout (stage k: FS `s{{k}}f0`, BS `s{{k}}b0`, volunteers round robin,
 layers split evenly), with `plan_cost` on the planner's copy of the cluster (without `{PACE_DEVICE}`),
 its delays multiplied and bandwidths divided by the run's link scale (exactly the emulation's
 `scale * (delay + bytes / bandwidth)`), and the model file of `planner_model_file(cfg, {BATCH}, {MICRO},
 bytes_per_value=4)` (the swarm moves fp32). Per-stage compute and communication are the cost model's
 `comp_k` and `max_w comm_w`.
-""" + "\n" + md_table(["volunteers", "link scale", "predicted s/step", "PIPE", "AG", "comp per stage",
-                        "comm per stage", "measured s/step", "measured / predicted", "micro-batches applied", "load"],
-                       fid_rows))
+"""
+        + "\n"
+        + md_table(
+            [
+                "volunteers",
+                "link scale",
+                "predicted s/step",
+                "PIPE",
+                "AG",
+                "comp per stage",
+                "comm per stage",
+                "measured s/step",
+                "measured / predicted",
+                "micro-batches applied",
+                "load",
+            ],
+            fid_rows,
+        ),
+    )
     plot_fidelity(points, args.out / "fidelity.png")
 
     report.section("Reading the numbers", interpretation(bench, rates, counts, fixed, points, probes))
@@ -435,11 +603,17 @@ def interpretation(bench: Bench, rates, counts, fixed, points, probes) -> str:
     pool_growth = pool[-1] / pool[0]
     bad = [r for r in bench.results if r["summary"]["microbatches_applied"] != r["summary"]["microbatches_expected"]]
     losses = {round(r["summary"]["last_loss"], 4) for r in bench.results}
-    exact = ("the \"micro-batches applied\" column equals the expected count in every one of the "
-             f"{len(bench.results)} runs, churn or not" if not bad else
-             f"**violated in {len(bad)} runs** (see the tables)")
-    exact += (f", and every run ends on the same loss ({losses.pop():.4f}): churn changed the time, not the training."
-              if len(losses) == 1 else f"; last losses differ between runs: {sorted(losses)}.")
+    exact = (
+        'the "micro-batches applied" column equals the expected count in every one of the '
+        f"{len(bench.results)} runs, churn or not"
+        if not bad
+        else f"**violated in {len(bad)} runs** (see the tables)"
+    )
+    exact += (
+        f", and every run ends on the same loss ({losses.pop():.4f}): churn changed the time, not the training."
+        if len(losses) == 1
+        else f"; last losses differ between runs: {sorted(losses)}."
+    )
     return f"""
 - **Task pool vs. `--no-requeue`.** Without churn the two modes run the same code path
   ({pool[0]:.2f} vs {base[0]:.2f} s/step: the difference is run-to-run noise). Under churn the baseline /
@@ -458,14 +632,14 @@ def interpretation(bench: Bench, rates, counts, fixed, points, probes) -> str:
   volunteer slots are empty and the servers' own workers (which compute too, at twice a volunteer's
   speed) carry the work. The paper's devices reconnect in the next batch; ours later, which costs the
   task pool throughput, not correctness.
-- **More volunteers** at {100 * fixed:.0f}% churn ({', '.join(str(c) for c in counts)} volunteers): task pool
-  {', '.join(f"{sps[(c, fixed, 'pool', s)]:.2f}" for c in counts)} s/step, baseline
-  {', '.join(f"{sps[(c, fixed, 'no-requeue', s)]:.2f}" for c in counts)} s/step. More unreliable devices mean
+- **More volunteers** at {100 * fixed:.0f}% churn ({", ".join(str(c) for c in counts)} volunteers): task pool
+  {", ".join(f"{sps[(c, fixed, 'pool', s)]:.2f}" for c in counts)} s/step, baseline
+  {", ".join(f"{sps[(c, fixed, 'no-requeue', s)]:.2f}" for c in counts)} s/step. More unreliable devices mean
   more kills per step (churn x volunteers on average), and so more leases at risk, which the baseline pays in
   timeouts; they add little compute here because of the rejoin time above.
 - **Exactly once**: {exact}
-- **Fidelity.** Measured / predicted: {', '.join(f"{lbl} {r:.2f}" for (lbl, _, _), r in zip(points, ratios))}.
-  The planner orders them (fastest first) {' < '.join(by_pred)}; measured: {' < '.join(by_meas)}.
+- **Fidelity.** Measured / predicted: {", ".join(f"{lbl} {r:.2f}" for (lbl, _, _), r in zip(points, ratios))}.
+  The planner orders them (fastest first) {" < ".join(by_pred)}; measured: {" < ".join(by_meas)}.
   {fidelity_reading(points)}
 """
 
@@ -476,20 +650,24 @@ def fidelity_reading(points) -> str:
     under = [lbl for lbl, p, m in points if m <= p]
     text = []
     if over:
-        text.append(f"Slower than predicted ({', '.join(over)}): the cost model counts one activation transfer "
-                    "each way per client and stage and one gradient/parameter exchange per worker per step, where "
-                    "the swarm (docs/bench_swarm.md) makes 5-10 P2P calls per task (take, outputs, input gradient, "
-                    "a gradient shard per server, complete, parameter pulls), each paying the link's delay; it does "
-                    "not count the backward task's recomputation of the forward pass, the relays between a stage's "
-                    "BS and the next FS, the 2-batches-in-flight limit that stalls the pipeline fill, nor the CPU "
-                    "time of a dozen Python processes and p2p daemons on 2 shared cores (the pace keeps compute "
-                    "mostly asleep; the protocol's own work is real).")
+        text.append(
+            f"Slower than predicted ({', '.join(over)}): the cost model counts one activation transfer "
+            "each way per client and stage and one gradient/parameter exchange per worker per step, where "
+            "the swarm (docs/bench_swarm.md) makes 5-10 P2P calls per task (take, outputs, input gradient, "
+            "a gradient shard per server, complete, parameter pulls), each paying the link's delay; it does "
+            "not count the backward task's recomputation of the forward pass, the relays between a stage's "
+            "BS and the next FS, the 2-batches-in-flight limit that stalls the pipeline fill, nor the CPU "
+            "time of a dozen Python processes and p2p daemons on 2 shared cores (the pace keeps compute "
+            "mostly asleep; the protocol's own work is real)."
+        )
     if under:
-        text.append(f"Faster than predicted ({', '.join(under)}): the plan scored gives the volunteers their "
-                    "share of the rows for the whole run, but the servers re-split every step by measured "
-                    "throughput and compute too, so when the volunteers' links are slow (link scale 1: 100-150 ms "
-                    "and 50-300 Mb/s a transfer) the rows move to the servers' own workers, whose links are fast; "
-                    "the static plan cannot see that.")
+        text.append(
+            f"Faster than predicted ({', '.join(under)}): the plan scored gives the volunteers their "
+            "share of the rows for the whole run, but the servers re-split every step by measured "
+            "throughput and compute too, so when the volunteers' links are slow (link scale 1: 100-150 ms "
+            "and 50-300 Mb/s a transfer) the rows move to the servers' own workers, whose links are fast; "
+            "the static plan cannot see that."
+        )
     return "\n  ".join(text)
 
 

@@ -38,6 +38,7 @@ Clusters (delays and bandwidths x --link-scale... as the link emulation sleeps t
 - one-site: the four servers in one data centre (0.5 ms, 10 Gb/s); volunteers at home, 20-80 ms,
   20-100 Mb/s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +66,9 @@ BATCH, MICRO, STAGES = 16, 4, 2
 WARMUP = 3  # versions left out of the steady state, measured and simulated alike
 
 
-def one_site_cluster(n_volunteers: int, server_tflops: float, volunteer_fraction: float, seed: int,
-                     pace_tflops: float | None = None) -> dict:
+def one_site_cluster(
+    n_volunteers: int, server_tflops: float, volunteer_fraction: float, seed: int, pace_tflops: float | None = None
+) -> dict:
     reliable = list(SERVERS) + ([PACE_DEVICE] if pace_tflops else [])
     vol_delay, vol_bw = [], []
     for u in range(n_volunteers):
@@ -77,9 +79,14 @@ def one_site_cluster(n_volunteers: int, server_tflops: float, volunteer_fraction
     return {
         "reliable": [{"id": r, "tflops": pace_tflops if r == PACE_DEVICE else server_tflops} for r in reliable],
         "unreliable": [{"id": f"v{u}", "tflops": server_tflops * volunteer_fraction} for u in range(n_volunteers)],
-        "delay_ms": {"reliable": [[0.0 if a == b else 0.5 for b in reliable] for a in reliable], "unreliable": vol_delay},
-        "bandwidth_mbps": {"reliable": [[0.0 if a == b else 10_000.0 for b in reliable] for a in reliable],
-                           "unreliable": vol_bw},
+        "delay_ms": {
+            "reliable": [[0.0 if a == b else 0.5 for b in reliable] for a in reliable],
+            "unreliable": vol_delay,
+        },
+        "bandwidth_mbps": {
+            "reliable": [[0.0 if a == b else 10_000.0 for b in reliable] for a in reliable],
+            "unreliable": vol_bw,
+        },
     }
 
 
@@ -119,8 +126,14 @@ def calibrate_compute(cfg, rows: int, repeats: int) -> dict:
                 if not last:
                     backward_kept(model, kept, g, torch.device("cpu"))
                 t2 = time.perf_counter()
-                backward_rows(model, x, torch.device("cpu"), BATCH * cfg.seq_len,
-                              out_grad=None if last else g, labels=labels if last else None)
+                backward_rows(
+                    model,
+                    x,
+                    torch.device("cpu"),
+                    BATCH * cfg.seq_len,
+                    out_grad=None if last else g,
+                    labels=labels if last else None,
+                )
                 t3 = time.perf_counter()
                 if i:
                     times["forward_row"].append((t1 - t0) / rows)
@@ -233,11 +246,17 @@ def workload(cfg, steps: int) -> Workload:
         params.append(sum(t.numel() for t in init_state(cfg, lo, hi, 0).values()) * 4)
     act = cfg.seq_len * cfg.hidden * 4
     labels = cfg.seq_len * 8
-    return Workload(steps=steps, micro_batches=MICRO, rows=BATCH // MICRO,
-                    min_task_rows=max(1, -(-DEFAULT_TASK_TOKENS // cfg.seq_len)),
-                    min_client_rows=max(1, -(-DEFAULT_CLIENT_BATCH_TOKENS // cfg.seq_len)),
-                    input_bytes=[2 * labels] + [act + labels] * (STAGES - 1), act_bytes=act, label_bytes=labels,
-                    param_bytes=params)
+    return Workload(
+        steps=steps,
+        micro_batches=MICRO,
+        rows=BATCH // MICRO,
+        min_task_rows=max(1, -(-DEFAULT_TASK_TOKENS // cfg.seq_len)),
+        min_client_rows=max(1, -(-DEFAULT_CLIENT_BATCH_TOKENS // cfg.seq_len)),
+        input_bytes=[2 * labels] + [act + labels] * (STAGES - 1),
+        act_bytes=act,
+        label_bytes=labels,
+        param_bytes=params,
+    )
 
 
 def main(argv=None) -> int:
@@ -250,14 +269,19 @@ def main(argv=None) -> int:
     p.add_argument("--pace", type=float, default=10.0, help="servers compute this many times slower than this CPU")
     p.add_argument("--volunteer-fraction", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=None, help="runs per point, their means compared (default 2, --quick 1)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="runs per point, their means compared (default 2, --quick 1)"
+    )
     p.add_argument("--run-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
     out_folder(p, args.out)
     steps = args.steps or (8 if args.quick else 14)
     args.repeats = args.repeats or (1 if args.quick else 2)
-    points = ([("case3", 2, 0.1), ("one-site", 4, 1.0)] if args.quick else
-              [(c, n, s) for c in CLUSTERS for n in (2, 4) for s in (0.1, 1.0)])
+    points = (
+        [("case3", 2, 0.1), ("one-site", 4, 1.0)]
+        if args.quick
+        else [(c, n, s) for c in CLUSTERS for n in (2, 4) for s in (0.1, 1.0)]
+    )
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-fidelity-"))
     work.mkdir(parents=True, exist_ok=True)
     cfg = get_preset(args.model)
@@ -270,25 +294,44 @@ def main(argv=None) -> int:
     call_s, byte_s, hop_rows = calibrate_calls(20)
     cal = Calibration(call_seconds=call_s, byte_seconds=byte_s, ref_flops=flops, apply_seconds=apply_s, **compute)
     work_model = workload(cfg, steps)
-    report = Report("Fidelity of the model of a step", f"""
-`python scripts/bench_fidelity.py{' --quick' if args.quick else ''}` (model `{args.model}`, {steps} steps a run,
+    report = Report(
+        "Fidelity of the model of a step",
+        f"""
+`python scripts/bench_fidelity.py{" --quick" if args.quick else ""}` (model `{args.model}`, {steps} steps a run,
 batch {BATCH} = {MICRO} micro-batches, 2 stages x (FS + BS), servers compute, pace {args.pace:g}, volunteers at
 {args.volunteer_fraction:g}x a server) on this 2-core machine. Work folder: `{work}`. The script's docstring says
-what is measured and how the two cores are kept from being the bottleneck.""")
-    report.section("Calibration (measured here, before any point)", md_table(
-        ["what", "value"],
-        [["a P2P call, metadata only (pack + unpack + echo round trip)", f"{call_s * 1e3:.2f} ms"],
-         ["per payload byte", f"{byte_s * 1e9:.2f} ns ({1 / byte_s / 1e6:.0f} MB/s)"],
-         ["this CPU, forward+backward of the model (planner's FLOP count)", f"{flops / 1e9:.1f} GFLOP/s"],
-         *[[f"stage {k}: forward / forward+loss+backward / backward from kept, per row",
-            f"{compute['forward_row'][k] * 1e3:.2f} / {compute['fb_row'][k] * 1e3:.2f} / "
-            f"{compute['backward_row'][k] * 1e3:.2f} ms"] for k in range(STAGES)],
-         *[[f"stage {k}: building the slice of a new parameter version", f"{compute['slice_build'][k] * 1e3:.2f} ms"]
-           for k in range(STAGES)],
-         ["a server's step of its shard (Adam)", f"{apply_s * 1e3:.2f} ms"]]) +
-        f"\n\nDevices: servers {server_tflops * 1e3:.2f} GFLOP/s (1/{args.pace:g} of this CPU), volunteers "
+what is measured and how the two cores are kept from being the bottleneck.""",
+    )
+    report.section(
+        "Calibration (measured here, before any point)",
+        md_table(
+            ["what", "value"],
+            [
+                ["a P2P call, metadata only (pack + unpack + echo round trip)", f"{call_s * 1e3:.2f} ms"],
+                ["per payload byte", f"{byte_s * 1e9:.2f} ns ({1 / byte_s / 1e6:.0f} MB/s)"],
+                ["this CPU, forward+backward of the model (planner's FLOP count)", f"{flops / 1e9:.1f} GFLOP/s"],
+                *[
+                    [
+                        f"stage {k}: forward / forward+loss+backward / backward from kept, per row",
+                        f"{compute['forward_row'][k] * 1e3:.2f} / {compute['fb_row'][k] * 1e3:.2f} / "
+                        f"{compute['backward_row'][k] * 1e3:.2f} ms",
+                    ]
+                    for k in range(STAGES)
+                ],
+                *[
+                    [
+                        f"stage {k}: building the slice of a new parameter version",
+                        f"{compute['slice_build'][k] * 1e3:.2f} ms",
+                    ]
+                    for k in range(STAGES)
+                ],
+                ["a server's step of its shard (Adam)", f"{apply_s * 1e3:.2f} ms"],
+            ],
+        )
+        + f"\n\nDevices: servers {server_tflops * 1e3:.2f} GFLOP/s (1/{args.pace:g} of this CPU), volunteers "
         f"{server_tflops * args.volunteer_fraction * 1e3:.2f}; a task's compute on a device is the measured time x "
-        "(this CPU / the device).")
+        "(this CPU / the device).",
+    )
 
     rows, results = [], []
     model_file = planner_model_file(cfg, BATCH, MICRO, bytes_per_value=4)
@@ -303,10 +346,31 @@ what is measured and how the two cores are kept from being the bottleneck.""")
         for rep in range(args.repeats):
             name = f"{cname}-n{n}-x{scale:g}-r{rep}"
             print(f"[{time.strftime('%H:%M:%S')}] {name} (load {loadavg()})", flush=True)
-            argv = ["-v", "--model", args.model, "--steps", str(steps), "--stages", str(STAGES), "--servers-per-stage",
-                    "2", "--volunteers", str(n), "--servers-compute", "yes", "--batch-size", str(BATCH),
-                    "--micro-batches", str(MICRO), "--link-profile", str(profile), "--link-scale", str(scale),
-                    "--seed", str(args.seed)]
+            argv = [
+                "-v",
+                "--model",
+                args.model,
+                "--steps",
+                str(steps),
+                "--stages",
+                str(STAGES),
+                "--servers-per-stage",
+                "2",
+                "--volunteers",
+                str(n),
+                "--servers-compute",
+                "yes",
+                "--batch-size",
+                str(BATCH),
+                "--micro-batches",
+                str(MICRO),
+                "--link-profile",
+                str(profile),
+                "--link-scale",
+                str(scale),
+                "--seed",
+                str(args.seed),
+            ]
             load = loadavg()
             summary = run_swarm(name, argv, work, timeout=args.run_timeout)
             measured = steady_seconds_per_step(version_times(work / name), WARMUP)
@@ -314,41 +378,103 @@ what is measured and how the two cores are kept from being the bottleneck.""")
             # start (the rows/s each registered), as a planner would read them from their records
             registered = measured_compute(work / name)
             factors = device_factors(registered, plan, planner, cal)
-            trace = simulate(planner, plan, work_model, dataclasses.replace(
-                cal, compute_factor=statistics.median(factors.values()), weights=registered))
+            trace = simulate(
+                planner,
+                plan,
+                work_model,
+                dataclasses.replace(cal, compute_factor=statistics.median(factors.values()), weights=registered),
+            )
             predicted = trace.seconds_per_step(WARMUP)
-            runs.append({"measured": measured, "predicted": predicted, "factors": factors, "load": load,
-                         "calls_simulated": trace.calls / steps, "applied": exactly_once(summary),
-                         "rpc_calls": sum(summary["rpc_calls"].values()) / steps})
+            runs.append(
+                {
+                    "measured": measured,
+                    "predicted": predicted,
+                    "factors": factors,
+                    "load": load,
+                    "calls_simulated": trace.calls / steps,
+                    "applied": exactly_once(summary),
+                    "rpc_calls": sum(summary["rpc_calls"].values()) / steps,
+                }
+            )
             print(f"    measured {measured:.2f} s/step, predicted {predicted:.2f}, plan_cost {spec:.2f}", flush=True)
         measured = statistics.mean(r["measured"] for r in runs)
         predicted = statistics.mean(r["predicted"] for r in runs)
         factors = [statistics.median(r["factors"].values()) for r in runs]
         everyone = [f for r in runs for f in r["factors"].values()]
-        results.append({"cluster": cname, "volunteers": n, "scale": scale, "measured": measured,
-                        "predicted": predicted, "plan_cost": spec, "runs": runs})
-        rows.append([cname, n, f"{scale:g}", " / ".join(f"{f:.2f}" for f in factors) +
-                     f" ({min(everyone):.2f}-{max(everyone):.2f})", f"{spec:.2f}",
-                     " / ".join(f"{r['predicted']:.2f}" for r in runs), " / ".join(f"{r['measured']:.2f}" for r in runs),
-                     f"{measured / predicted:.2f}", f"{measured / spec:.2f}",
-                     f"{statistics.mean(r['calls_simulated'] for r in runs):.0f} / "
-                     f"{statistics.mean(r['rpc_calls'] for r in runs):.0f}",
-                     " ".join(r["applied"] for r in runs), " ".join(r["load"].split("/")[0] for r in runs)])
+        results.append(
+            {
+                "cluster": cname,
+                "volunteers": n,
+                "scale": scale,
+                "measured": measured,
+                "predicted": predicted,
+                "plan_cost": spec,
+                "runs": runs,
+            }
+        )
+        rows.append(
+            [
+                cname,
+                n,
+                f"{scale:g}",
+                " / ".join(f"{f:.2f}" for f in factors) + f" ({min(everyone):.2f}-{max(everyone):.2f})",
+                f"{spec:.2f}",
+                " / ".join(f"{r['predicted']:.2f}" for r in runs),
+                " / ".join(f"{r['measured']:.2f}" for r in runs),
+                f"{measured / predicted:.2f}",
+                f"{measured / spec:.2f}",
+                f"{statistics.mean(r['calls_simulated'] for r in runs):.0f} / "
+                f"{statistics.mean(r['rpc_calls'] for r in runs):.0f}",
+                " ".join(r["applied"] for r in runs),
+                " ".join(r["load"].split("/")[0] for r in runs),
+            ]
+        )
     (work / "results.json").write_text(json.dumps(results, indent=1))
     ratios = [r["measured"] / r["predicted"] for r in results]
     worst = max(ratios, key=lambda x: abs(x - 1))
     within = sum(0.75 <= x <= 1.25 for x in ratios)
-    report.section("Predicted and measured seconds per step", md_table(
-        ["cluster", "volunteers", "link scale", "devices' own compute / calibration: median per run (range)",
-         "plan_cost", "step model, per run", "measured, per run", "measured / model (means)", "measured / plan_cost",
-         "RPCs per step (model / run)", "micro-batches applied", "load (1 min) at each start"], rows) +
-        f"\n\nStep model: median measured / predicted {statistics.median(ratios):.2f}, worst {worst:.2f}; "
+    report.section(
+        "Predicted and measured seconds per step",
+        md_table(
+            [
+                "cluster",
+                "volunteers",
+                "link scale",
+                "devices' own compute / calibration: median per run (range)",
+                "plan_cost",
+                "step model, per run",
+                "measured, per run",
+                "measured / model (means)",
+                "measured / plan_cost",
+                "RPCs per step (model / run)",
+                "micro-batches applied",
+                "load (1 min) at each start",
+            ],
+            rows,
+        )
+        + f"\n\nStep model: median measured / predicted {statistics.median(ratios):.2f}, worst {worst:.2f}; "
         f"{within} of {len(ratios)} points within +-25%. plan_cost: median "
         f"{statistics.median(r['measured'] / r['plan_cost'] for r in results):.2f}, worst "
-        f"{max((r['measured'] / r['plan_cost'] for r in results), key=lambda x: abs(x - 1)):.2f}.")
-    report.section("P2P hop (the call calibration)", md_table(
-        ["payload", "bytes", "calls", "serialize ms", "deserialize ms", "round trip ms", "total ms",
-         "transport processor ms", "MB/s", "load"], hop_rows))
+        f"{max((r['measured'] / r['plan_cost'] for r in results), key=lambda x: abs(x - 1)):.2f}.",
+    )
+    report.section(
+        "P2P hop (the call calibration)",
+        md_table(
+            [
+                "payload",
+                "bytes",
+                "calls",
+                "serialize ms",
+                "deserialize ms",
+                "round trip ms",
+                "total ms",
+                "transport processor ms",
+                "MB/s",
+                "load",
+            ],
+            hop_rows,
+        ),
+    )
     plot(results, args.out / "fidelity_step_model.png")
     report.add(f"\nWhole benchmark: {(time.perf_counter() - t_start) / 60:.1f} min; load at the end {loadavg()}.")
     report.write(args.out / "bench_fidelity.md")
@@ -369,14 +495,24 @@ def plot(results: list[dict], path: Path) -> None:
         marker = "o" if r["cluster"] == "case3" else "s"
         ax.scatter(r["predicted"], r["measured"], marker=marker, color="C0")
         ax.scatter(r["plan_cost"], r["measured"], marker=marker, color="C3", alpha=0.5)
-        ax.annotate(f"{r['volunteers']}v x{r['scale']:g}", (r["predicted"], r["measured"]), fontsize=7,
-                    xytext=(3, 3), textcoords="offset points")
+        ax.annotate(
+            f"{r['volunteers']}v x{r['scale']:g}",
+            (r["predicted"], r["measured"]),
+            fontsize=7,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
     ax.scatter([], [], color="C0", label="step model (scheduler/stepsim.py)")
     ax.scatter([], [], color="C3", alpha=0.5, label="plan_cost (the spec)")
     ax.scatter([], [], marker="o", color="k", label="case3")
     ax.scatter([], [], marker="s", color="k", label="one-site")
-    ax.set(xlim=(0, top), ylim=(0, top), xlabel="predicted s/step", ylabel="measured s/step",
-           title="predicted vs measured seconds per step")
+    ax.set(
+        xlim=(0, top),
+        ylim=(0, top),
+        xlabel="predicted s/step",
+        ylabel="measured s/step",
+        title="predicted vs measured seconds per step",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ errors) are counted inside the outage window and after the return, and printed a
 
     python scripts/bench_logs.py --down 120
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,11 @@ p.add_argument("--after", type=float, default=30.0, help="seconds counted after 
 p.add_argument("--volunteers", type=int, default=4)
 p.add_argument("--victim", default="s1b0")
 p.add_argument("--work-dir", default="/tmp/hivepipe-bench-logs")
-p.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-               help="the checkout whose code runs (default: this one)")
+p.add_argument(
+    "--root",
+    default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    help="the checkout whose code runs (default: this one)",
+)
 args = p.parse_args()
 os.chdir(args.root)
 sys.path.insert(0, args.root)
@@ -38,8 +42,11 @@ from peer.node import start_dht, visible_maddrs  # noqa: E402
 try:
     from peer.node import stop_dht  # noqa: E402
 except ImportError:  # an older checkout (--root)
+
     def stop_dht(dht):
         dht.shutdown()
+
+
 from peer.swarm import validate  # noqa: E402
 
 STAMP = re.compile(rb"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
@@ -64,9 +71,24 @@ async def main() -> None:
     import signal
 
     shutil.rmtree(args.work_dir, ignore_errors=True)
-    sargs = build_parser().parse_args(["swarm", "--model", "tiny", "--steps", "100000", "--volunteers",
-                                       str(args.volunteers), "--failover-after", "0", "--work-dir", args.work_dir,
-                                       "--no-progress", "--run-id", f"bench-logs-{os.getpid()}"])
+    sargs = build_parser().parse_args(
+        [
+            "swarm",
+            "--model",
+            "tiny",
+            "--steps",
+            "100000",
+            "--volunteers",
+            str(args.volunteers),
+            "--failover-after",
+            "0",
+            "--work-dir",
+            args.work_dir,
+            "--no-progress",
+            "--run-id",
+            f"bench-logs-{os.getpid()}",
+        ]
+    )
     sargs.verbose = 0
     cfg, layout, frontal, backward = validate(sargs)
     os.makedirs(args.work_dir, exist_ok=True)
@@ -102,8 +124,10 @@ async def main() -> None:
         swarm.close()
         stop_dht(dht)
     logs = sorted(f for f in os.listdir(args.work_dir) if f.endswith(".log"))
-    print(f"| process | lines while {args.victim} was down ({args.down:.0f} s) | per minute | lines in the "
-          f"{args.after:.0f} s after |")
+    print(
+        f"| process | lines while {args.victim} was down ({args.down:.0f} s) | per minute | lines in the "
+        f"{args.after:.0f} s after |"
+    )
     print("| --- | --- | --- | --- |")
     total = 0
     for name in logs:

@@ -11,6 +11,7 @@ records (the time each version first appears, steps 2..N), so both runs are meas
 
     sudo python scripts/bench_netns.py [--rates 20 50 200] [--steps 8] [--model small] [--out docs/bench_netns.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,24 +68,55 @@ def seconds_per_step(seen: dict[int, float], steps: int) -> float:
 
 
 def serve_args(model: str, steps: int, stage, role, ckpt: Path, key: Path, host: str, compute: bool) -> list[str]:
-    return ["serve", "--reliable", "--stage", stage, "--role", role, "--stages", "2", "--model", model,
-            "--steps", str(steps), "--run-id", "bench", *([] if compute else ["--no-compute"]),
-            "--host-maddrs", f"/ip4/{host}/tcp/0", "--checkpoint-dir", str(ckpt), "--identity-path", str(key),
-            "--run-key", str(ckpt.parent / "run.key")]
+    return [
+        "serve",
+        "--reliable",
+        "--stage",
+        stage,
+        "--role",
+        role,
+        "--stages",
+        "2",
+        "--model",
+        model,
+        "--steps",
+        str(steps),
+        "--run-id",
+        "bench",
+        *([] if compute else ["--no-compute"]),
+        "--host-maddrs",
+        f"/ip4/{host}/tcp/0",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--identity-path",
+        str(key),
+        "--run-key",
+        str(ckpt.parent / "run.key"),
+    ]
 
 
-def start_servers(run: netns.Processes, model: str, steps: int, work: Path, host: str, prefix=(), compute=False,
-                  extra=()) -> tuple[list[str], str]:
+def start_servers(
+    run: netns.Processes, model: str, steps: int, work: Path, host: str, prefix=(), compute=False, extra=()
+) -> tuple[list[str], str]:
     """The four servers (SERVERS), listening on `host` (under `prefix`: a testbed host), their
     checkpoints in WORK/ckpt; returns (the first one's multiaddrs, the run id volunteers join)."""
     ckpt = work / "ckpt"
-    first = run.start("s0f0", serve_args(model, steps, *SERVERS[0][:2], ckpt, work / "s0f0.key", host, compute) +
-                      list(extra), prefix, stdout=subprocess.PIPE)
+    first = run.start(
+        "s0f0",
+        serve_args(model, steps, *SERVERS[0][:2], ckpt, work / "s0f0.key", host, compute) + list(extra),
+        prefix,
+        stdout=subprocess.PIPE,
+    )
     initial = first.stdout.readline().strip().split("=", 1)[1].split()
     run_id = first.stdout.readline().strip().split("=", 1)[1]  # bench@FINGERPRINT
     for stage, role, dev in SERVERS[1:]:
-        run.start(dev, serve_args(model, steps, stage, role, ckpt, work / f"{dev}.key", host, compute) + list(extra) +
-                  ["--initial-peers", *initial], prefix)
+        run.start(
+            dev,
+            serve_args(model, steps, stage, role, ckpt, work / f"{dev}.key", host, compute)
+            + list(extra)
+            + ["--initial-peers", *initial],
+            prefix,
+        )
     return initial, run_id
 
 
@@ -111,11 +143,15 @@ def run_kernel(a, rate: float, work: Path) -> tuple[float, list[float]]:
 def cluster_file(rate: float) -> dict:
     servers = [d for _, _, d in SERVERS]
     n = len(servers)
-    return {"reliable": [{"id": d, "tflops": 1.0} for d in servers],
-            "unreliable": [{"id": name, "tflops": 1.0} for _, name, _ in VOLUNTEERS],
-            "delay_ms": {"reliable": [[0.0] * n for _ in range(n)], "unreliable": [[0.0] * n for _ in VOLUNTEERS]},
-            "bandwidth_mbps": {"reliable": [[100000.0] * n for _ in range(n)],
-                               "unreliable": [[rate] * n for _ in VOLUNTEERS]}}
+    return {
+        "reliable": [{"id": d, "tflops": 1.0} for d in servers],
+        "unreliable": [{"id": name, "tflops": 1.0} for _, name, _ in VOLUNTEERS],
+        "delay_ms": {"reliable": [[0.0] * n for _ in range(n)], "unreliable": [[0.0] * n for _ in VOLUNTEERS]},
+        "bandwidth_mbps": {
+            "reliable": [[100000.0] * n for _ in range(n)],
+            "unreliable": [[rate] * n for _ in VOLUNTEERS],
+        },
+    }
 
 
 def run_emulated(a, rate: float, work: Path) -> tuple[float, list[float]]:
@@ -137,7 +173,9 @@ def joined_compute(work: Path) -> list[float]:
     """Each volunteer's measured compute (rows/s of its slice), from its 'joined' line, in VOLUNTEERS order."""
     out = []
     for _, name, _ in VOLUNTEERS:
-        found = re.search(r"on stage \d+, compute ([\d.e+]+) rows/s", (work / f"{name}.log").read_text(errors="replace"))
+        found = re.search(
+            r"on stage \d+, compute ([\d.e+]+) rows/s", (work / f"{name}.log").read_text(errors="replace")
+        )
         out.append(float(found.group(1)) if found else float("nan"))
     return out
 
@@ -159,14 +197,25 @@ def predicted(a, rate: float, rows_per_s: list[float]) -> float:
     for r in cluster["reliable"]:
         r["tflops"] = 1e-12  # --no-compute: the servers take (almost) no rows
     model = load_model(planner_model_file(cfg, 16, 4, bytes_per_value=4))
-    plan = Plan(stages=[Stage(frontal=[f"s{k}f0"], backward=[f"s{k}b0"],
-                              clients=[n for _, n, s in VOLUNTEERS if s == k], layers=layers[k]) for k in range(2)])
+    plan = Plan(
+        stages=[
+            Stage(
+                frontal=[f"s{k}f0"],
+                backward=[f"s{k}b0"],
+                clients=[n for _, n, s in VOLUNTEERS if s == k],
+                layers=layers[k],
+            )
+            for k in range(2)
+        ]
+    )
     return plan_cost(load_cluster(cluster), model, plan).total
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rates", type=float, nargs="+", default=[20.0, 50.0, 200.0], help="Mbit/s of the volunteers' links")
+    p.add_argument(
+        "--rates", type=float, nargs="+", default=[20.0, 50.0, 200.0], help="Mbit/s of the volunteers' links"
+    )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--model", default="small")
     p.add_argument("--timeout", type=float, default=600.0)
@@ -182,12 +231,14 @@ def main() -> int:
     if a.steps < 4:
         p.error("--steps must be >= 4 (steps 2..N are timed)")
     work = Path(a.work or tempfile.mkdtemp(prefix="hivepipe-netns-"))
-    report = Report("Kernel-shaped links vs the link emulator",
-                    f"Model `{a.model}`, batch 16 in 4 micro-batches, 2 stages, 4 servers `--no-compute` on one host, "
-                    f"4 volunteers (two per stage, each on a host of its own), {a.steps} steps, seconds per step over steps "
-                    f"2..{a.steps}. Kernel: tbf on each volunteer host's veth, both ways, no added delay. Emulator: "
-                    "the same processes on 127.0.0.1 with a link profile of the same bandwidth and zero delay. "
-                    "Predicted: the cost model (plan_cost) with the volunteers' measured compute.")
+    report = Report(
+        "Kernel-shaped links vs the link emulator",
+        f"Model `{a.model}`, batch 16 in 4 micro-batches, 2 stages, 4 servers `--no-compute` on one host, "
+        f"4 volunteers (two per stage, each on a host of its own), {a.steps} steps, seconds per step over steps "
+        f"2..{a.steps}. Kernel: tbf on each volunteer host's veth, both ways, no added delay. Emulator: "
+        "the same processes on 127.0.0.1 with a link profile of the same bandwidth and zero delay. "
+        "Predicted: the cost model (plan_cost) with the volunteers' measured compute.",
+    )
     rows = []
     for rate in a.rates:
         load = loadavg()
@@ -196,9 +247,21 @@ def main() -> int:
         pred = predicted(a, rate, [statistics.mean(x) for x in zip(rk, re_)])
         rows.append([f"{rate:g}", kernel, emulated, emulated / kernel, pred, pred / kernel, load])
         print(f"{rate:g} Mbit/s: kernel {kernel:.3f} s/step, emulator {emulated:.3f}, predicted {pred:.3f}", flush=True)
-    report.section("Seconds per step", md_table(
-        ["Mbit/s", "kernel (tbf) s/step", "emulator s/step", "emulator / kernel", "predicted s/step",
-         "predicted / kernel", "load 1/5/15"], rows))
+    report.section(
+        "Seconds per step",
+        md_table(
+            [
+                "Mbit/s",
+                "kernel (tbf) s/step",
+                "emulator s/step",
+                "emulator / kernel",
+                "predicted s/step",
+                "predicted / kernel",
+                "load 1/5/15",
+            ],
+            rows,
+        ),
+    )
     report.write(Path(a.out))
     return 0
 

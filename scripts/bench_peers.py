@@ -30,6 +30,7 @@ of the final parameters on 4 batches of the held-out split (the same batches for
 `peer reference` (one process, the swarm's exact update rule) as the yardstick. Writes the markdown
 table to --out and docs/peers.png beside it (docs/peers_netns.png with --only-netns).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,24 +81,59 @@ def load_safetensors(path: Path) -> dict:
 
 def run_reference(model: str, steps: int, work: Path) -> dict:
     out = work / "reference"
-    run_peer(["reference", "--model", model, "--steps", str(steps), "--summary-json", str(work / "reference.json"),
-              "--checkpoint-out", str(out), "--no-progress"], work / "reference.log", 900)
+    run_peer(
+        [
+            "reference",
+            "--model",
+            model,
+            "--steps",
+            str(steps),
+            "--summary-json",
+            str(work / "reference.json"),
+            "--checkpoint-out",
+            str(out),
+            "--no-progress",
+        ],
+        work / "reference.log",
+        900,
+    )
     summary = json.loads((work / "reference.json").read_text())
-    return {"tokens_per_second": summary["tokens_per_second"], "final_loss": summary["last_loss"],
-            "eval_loss": eval_loss(model, load_safetensors(out / "model.safetensors")), "applied": "-"}
+    return {
+        "tokens_per_second": summary["tokens_per_second"],
+        "final_loss": summary["last_loss"],
+        "eval_loss": eval_loss(model, load_safetensors(out / "model.safetensors")),
+        "applied": "-",
+    }
 
 
-def run_peer_swarm(name: str, model: str, steps: int, volunteers: int, churn: float, extra: list[str],
-                   work: Path) -> dict:
+def run_peer_swarm(
+    name: str, model: str, steps: int, volunteers: int, churn: float, extra: list[str], work: Path
+) -> dict:
     out = work / f"{name}-model"
-    args = ["--model", model, "--steps", str(steps), "--volunteers", str(volunteers), "--run-id", f"{name}-{time.time_ns()}",
-            "--checkpoint-out", str(out), *extra]
+    args = [
+        "--model",
+        model,
+        "--steps",
+        str(steps),
+        "--volunteers",
+        str(volunteers),
+        "--run-id",
+        f"{name}-{time.time_ns()}",
+        "--checkpoint-out",
+        str(out),
+        *extra,
+    ]
     if churn:
         args += ["--churn", str(churn)]
     s = run_swarm(name, args, work, timeout=1800)
-    return {"tokens_per_second": s["tokens_per_second"], "final_loss": s["last_loss"],
-            "eval_loss": eval_loss(model, load_safetensors(out / "model.safetensors")), "applied": exactly_once(s),
-            "killed": s.get("volunteers_killed", 0), "load": s["load"]}
+    return {
+        "tokens_per_second": s["tokens_per_second"],
+        "final_loss": s["last_loss"],
+        "eval_loss": eval_loss(model, load_safetensors(out / "model.safetensors")),
+        "applied": exactly_once(s),
+        "killed": s.get("volunteers_killed", 0),
+        "load": s["load"],
+    }
 
 
 def kill_peer(proc: subprocess.Popen) -> None:
@@ -118,8 +154,16 @@ def kill_peer(proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
-def run_hivemind(name: str, model: str, steps: int, volunteers: int, churn: float, work: Path,
-                 timeout: float = 1800, place=lambda i: ([], "127.0.0.1")) -> dict:
+def run_hivemind(
+    name: str,
+    model: str,
+    steps: int,
+    volunteers: int,
+    churn: float,
+    work: Path,
+    timeout: float = 1800,
+    place=lambda i: ([], "127.0.0.1"),
+) -> dict:
     """`volunteers` peers of scripts/_hivemind_dp.py; with churn, that share of peers 1.. is SIGKILLed
     and replaced each time peer 0 reports a new epoch. `place(i)` is (argv prefix, listen address) of
     peer i: this machine, or a testbed host (a network namespace behind a shaped link)."""
@@ -139,10 +183,28 @@ def run_hivemind(name: str, model: str, steps: int, volunteers: int, churn: floa
         logs.append(log)
         together = ["--go-file", str(go)] if incarnations[i] == 0 else []  # replacements join at once
         prefix, host = place(i)
-        return subprocess.Popen([*prefix, sys.executable, script, *common, "--index", str(i), "--incarnation",
-                                 str(incarnations[i]), "--host", host, *together, "--initial-peers", *initial],
-                                cwd=REPO, stdout=subprocess.PIPE if i == 0 else log, stderr=log,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            [
+                *prefix,
+                sys.executable,
+                script,
+                *common,
+                "--index",
+                str(i),
+                "--incarnation",
+                str(incarnations[i]),
+                "--host",
+                host,
+                *together,
+                "--initial-peers",
+                *initial,
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE if i == 0 else log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     rng = random.Random(0)
     killed = 0
@@ -181,13 +243,28 @@ def run_hivemind(name: str, model: str, steps: int, volunteers: int, churn: floa
             log.close()
     summary = json.loads((out / "summary.json").read_text())
     state = torch.load(out / "model.pt")
-    return {"tokens_per_second": summary["tokens_per_second"], "final_loss": summary["losses"][-1],
-            "eval_loss": eval_loss(model, state), "applied": f"{summary['epochs']} epochs", "killed": killed,
-            "load": load, "sequences": hivemind_sequences(out)}
+    return {
+        "tokens_per_second": summary["tokens_per_second"],
+        "final_loss": summary["losses"][-1],
+        "eval_loss": eval_loss(model, state),
+        "applied": f"{summary['epochs']} epochs",
+        "killed": killed,
+        "load": load,
+        "sequences": hivemind_sequences(out),
+    }
 
 
-def run_netns_swarm(name: str, model: str, steps: int, volunteers: int, churn: float, rate: float, extra: list[str],
-                    work: Path, timeout: float = 1800) -> dict:
+def run_netns_swarm(
+    name: str,
+    model: str,
+    steps: int,
+    volunteers: int,
+    churn: float,
+    rate: float,
+    extra: list[str],
+    work: Path,
+    timeout: float = 1800,
+) -> dict:
     """hivepipe across hosts: the 4 servers (which compute) on one unshaped host, as in a data centre,
     each volunteer on a host of its own behind `rate` Mbit/s both ways (scripts/bench_netns.py's
     testbed, no added delay: netem is not available here); with churn, that share of the volunteers
@@ -222,8 +299,16 @@ def run_netns_swarm(name: str, model: str, steps: int, volunteers: int, churn: f
     try:
         for host in hosts:
             bed.shape(host, rate)
-        initial, run_id = start_servers(run, model, steps, out, bed.addrs["srv"], bed.prefix("srv"), compute=True,
-                                        extra=["--task-timeout", "30", *extra])
+        initial, run_id = start_servers(
+            run,
+            model,
+            steps,
+            out,
+            bed.addrs["srv"],
+            bed.prefix("srv"),
+            compute=True,
+            extra=["--task-timeout", "30", *extra],
+        )
         servers = [p for _, p in run.procs]
         for host in hosts:
             start(host)
@@ -240,9 +325,14 @@ def run_netns_swarm(name: str, model: str, steps: int, volunteers: int, churn: f
         bed.close()
     cfg = get_preset(model)
     stages = len({dev[:2] for _, _, dev in SERVERS})
-    return {"tokens_per_second": (steps - 1) * BATCH * cfg.seq_len / (seen[steps] - seen[1]), "final_loss": None,
-            "eval_loss": eval_loss(model, state), "applied": f"{applied}/{steps * MICRO_BATCHES * stages}",
-            "killed": killed, "load": load}
+    return {
+        "tokens_per_second": (steps - 1) * BATCH * cfg.seq_len / (seen[steps] - seen[1]),
+        "final_loss": None,
+        "eval_loss": eval_loss(model, state),
+        "applied": f"{applied}/{steps * MICRO_BATCHES * stages}",
+        "killed": killed,
+        "load": load,
+    }
 
 
 def checkpoint_applied(ckpt: Path, devices: list[str]) -> int:
@@ -286,8 +376,16 @@ def plot(rows: list[tuple[str, str, dict]], path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     labels = [f"{system}\n{cond}" for system, cond, _ in rows]
-    colors = ["#888" if s == "peer reference" else "#1f77b4" if s == "peer swarm" else
-              "#d62728" if "hivemind" in s else "#2ca02c" for s, _, _ in rows]
+    colors = [
+        "#888"
+        if s == "peer reference"
+        else "#1f77b4"
+        if s == "peer swarm"
+        else "#d62728"
+        if "hivemind" in s
+        else "#2ca02c"
+        for s, _, _ in rows
+    ]
     ax1.bar(labels, [r["tokens_per_second"] for _, _, r in rows], color=colors)
     ax1.set_ylabel("tokens/s")
     ax1.set_yscale("log")
@@ -308,11 +406,19 @@ def main() -> int:
     p.add_argument("--model", default="small")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_peers.md"))
     p.add_argument("--work", default=None)
-    p.add_argument("--netns-rates", type=float, nargs="*", default=[],
-                   help="also run every system across hosts: network namespaces with each volunteer (and each hivemind "
-                        "peer) behind this many Mbit/s (root; tc tbf, no added delay)")
-    p.add_argument("--only-netns", action="store_true", help="skip the runs on this machine's loopback (the "
-                   "reference still runs: it is the yardstick)")
+    p.add_argument(
+        "--netns-rates",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also run every system across hosts: network namespaces with each volunteer (and each hivemind "
+        "peer) behind this many Mbit/s (root; tc tbf, no added delay)",
+    )
+    p.add_argument(
+        "--only-netns",
+        action="store_true",
+        help="skip the runs on this machine's loopback (the reference still runs: it is the yardstick)",
+    )
     args = p.parse_args()
     # SIGTERM unwinds like Ctrl-C, so every run's processes and namespaces are removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -320,38 +426,100 @@ def main() -> int:
     if why:
         p.error(f"--netns-rates: cannot make network namespaces here: {why}")
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-peers-"))
-    report = Report("hivepipe against hivemind's data parallelism and SWARM-like pipelines", __doc__.split("\n\n", 1)[1])
+    report = Report(
+        "hivepipe against hivemind's data parallelism and SWARM-like pipelines", __doc__.split("\n\n", 1)[1]
+    )
     rows: list[tuple[str, str, dict]] = []
     rows.append(("peer reference", "one process", run_reference(args.model, args.steps, work)))
-    for cond, churn in (() if args.only_netns else (("calm", 0.0), (f"churn {args.churn:g}", args.churn))):
+    for cond, churn in () if args.only_netns else (("calm", 0.0), (f"churn {args.churn:g}", args.churn)):
         tag = "calm" if not churn else "churn"
-        rows.append(("peer swarm", cond, run_peer_swarm(f"swarm-{tag}", args.model, args.steps, args.volunteers,
-                                                        churn, [], work)))
-        rows.append(("hivemind.Optimizer", cond, run_hivemind(f"hivemind-{tag}", args.model, args.steps,
-                                                              args.volunteers, churn, work)))
-        rows.append(("peer swarm --no-requeue", cond, run_peer_swarm(f"norequeue-{tag}", args.model, args.steps,
-                                                                     args.volunteers, churn, ["--no-requeue"], work)))
+        rows.append(
+            (
+                "peer swarm",
+                cond,
+                run_peer_swarm(f"swarm-{tag}", args.model, args.steps, args.volunteers, churn, [], work),
+            )
+        )
+        rows.append(
+            (
+                "hivemind.Optimizer",
+                cond,
+                run_hivemind(f"hivemind-{tag}", args.model, args.steps, args.volunteers, churn, work),
+            )
+        )
+        rows.append(
+            (
+                "peer swarm --no-requeue",
+                cond,
+                run_peer_swarm(
+                    f"norequeue-{tag}", args.model, args.steps, args.volunteers, churn, ["--no-requeue"], work
+                ),
+            )
+        )
     for rate in args.netns_rates:
         for cond, churn in (("calm", 0.0), (f"churn {args.churn:g}", args.churn)):
             tag, cond = f"{'calm' if not churn else 'churn'}-{rate:g}", f"{cond}, hosts at {rate:g} Mbit/s"
-            rows.append(("peer swarm", cond, run_netns_swarm(f"swarm-{tag}", args.model, args.steps, args.volunteers,
-                                                             churn, rate, [], work)))
+            rows.append(
+                (
+                    "peer swarm",
+                    cond,
+                    run_netns_swarm(f"swarm-{tag}", args.model, args.steps, args.volunteers, churn, rate, [], work),
+                )
+            )
             bed, place = netns_places(rate, args.volunteers, tag=f"bh{os.getpid() % 10000}")
             try:
-                rows.append(("hivemind.Optimizer", cond, run_hivemind(f"hivemind-{tag}", args.model, args.steps,
-                                                                      args.volunteers, churn, work, place=place)))
+                rows.append(
+                    (
+                        "hivemind.Optimizer",
+                        cond,
+                        run_hivemind(
+                            f"hivemind-{tag}", args.model, args.steps, args.volunteers, churn, work, place=place
+                        ),
+                    )
+                )
             finally:
                 bed.close()
-            rows.append(("peer swarm --no-requeue", cond, run_netns_swarm(
-                f"norequeue-{tag}", args.model, args.steps, args.volunteers, churn, rate, ["--no-requeue"], work)))
-    table = md_table(["system", "volunteers", "tokens/s", "loss of the last step", "held-out loss (final params)",
-                      "sequences trained on", "applied", "killed", "load"],
-                     [[s, c, r["tokens_per_second"], "-" if r["final_loss"] is None else round(r["final_loss"], 3),
-                       round(r["eval_loss"], 3),
-                       r.get("sequences", args.steps * 16), r["applied"], r.get("killed", "-"), r.get("load", "-")]
-                      for s, c, r in rows])
-    report.section(f"{args.model}, {args.steps} steps of 16 sequences, {args.volunteers} volunteers "
-                   f"(loadavg at start {loadavg()})", table)
+            rows.append(
+                (
+                    "peer swarm --no-requeue",
+                    cond,
+                    run_netns_swarm(
+                        f"norequeue-{tag}", args.model, args.steps, args.volunteers, churn, rate, ["--no-requeue"], work
+                    ),
+                )
+            )
+    table = md_table(
+        [
+            "system",
+            "volunteers",
+            "tokens/s",
+            "loss of the last step",
+            "held-out loss (final params)",
+            "sequences trained on",
+            "applied",
+            "killed",
+            "load",
+        ],
+        [
+            [
+                s,
+                c,
+                r["tokens_per_second"],
+                "-" if r["final_loss"] is None else round(r["final_loss"], 3),
+                round(r["eval_loss"], 3),
+                r.get("sequences", args.steps * 16),
+                r["applied"],
+                r.get("killed", "-"),
+                r.get("load", "-"),
+            ]
+            for s, c, r in rows
+        ],
+    )
+    report.section(
+        f"{args.model}, {args.steps} steps of 16 sequences, {args.volunteers} volunteers "
+        f"(loadavg at start {loadavg()})",
+        table,
+    )
     out = Path(args.out)
     report.write(out)
     plot(rows, out.parent / ("peers_netns.png" if args.only_netns else "peers.png"))

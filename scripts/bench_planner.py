@@ -17,6 +17,7 @@ Parts (each a markdown table on standard output, and in --out):
 The targets of the planner issue are checked at the end (exit status 0 either way: they are
 measurements, not tests). --quick runs a smaller version in about two minutes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,8 +77,10 @@ def small_part(n: int, budget: float, out: list) -> dict:
         finite = [x for x in r if math.isfinite(x)]
         mean = statistics.mean(finite) if len(finite) == len(r) else math.inf
         hits = sum(1 for x in r if x <= 1 + 1e-9)
-        out.append(f"| {a} | {fmt_ratio(statistics.median(r))} | {fmt_ratio(mean)} | {fmt_ratio(max(r))} | {hits}/{n} "
-                   f"| {statistics.mean(times[a]):.3f} | {max(times[a]):.3f} |")
+        out.append(
+            f"| {a} | {fmt_ratio(statistics.median(r))} | {fmt_ratio(mean)} | {fmt_ratio(max(r))} | {hits}/{n} "
+            f"| {statistics.mean(times[a]):.3f} | {max(times[a]):.3f} |"
+        )
     out.append("")
     return ratios
 
@@ -94,7 +97,9 @@ def scenario_part(budget: float, out: list, names=None) -> dict:
             row[a] = (cost, dt, len(plan.stages), len(plan.idle))
         results[name] = (cluster, row)
         print(f"  {name}: " + ", ".join(f"{a} {c:.3f}" for a, (c, *_) in row.items()), file=sys.stderr, flush=True)
-    out.append(f"### Scenarios: cost (s per batch), ratio to the best plan found, run time (budget {budget:g} s each)\n")
+    out.append(
+        f"### Scenarios: cost (s per batch), ratio to the best plan found, run time (budget {budget:g} s each)\n"
+    )
     out.append("Model: " + ", ".join(f"{k} {v}" for k, v in scenarios.EXAMPLE_MODEL.items()) + ".\n")
     out.append("| scenario | devices | " + " | ".join(SEARCHERS) + " |")
     out.append("| --- | --- | " + " | ".join("---" for _ in SEARCHERS) + " |")
@@ -114,7 +119,9 @@ def scaling_part(sizes, out: list) -> dict:
     with other work; the wall time is shown beside them."""
     model = load_model(scenarios.EXAMPLE_MODEL)
     out.append("### Scaling: random clusters, default time limit (30 s), one thread\n")
-    out.append("| reliable + volunteers | paper: cost, CPU s | refined: cost | refined: CPU s (wall s) | refined stages, idle |")
+    out.append(
+        "| reliable + volunteers | paper: cost, CPU s | refined: cost | refined: CPU s (wall s) | refined stages, idle |"
+    )
     out.append("| --- | --- | --- | --- | --- |")
     res = {}
     for R, U in sizes:
@@ -122,8 +129,10 @@ def scaling_part(sizes, out: list) -> dict:
         pc, (_, pcpu), _ = timed_plan(cluster, model, "paper", 30.0, cpu=True)
         rc, (rwall, rcpu), plan = timed_plan(cluster, model, "refined", 30.0, cpu=True)
         res[(R, U)] = rcpu
-        out.append(f"| {R} + {U} | {pc:.3f}, {pcpu:.2f} | {rc:.3f} | {rcpu:.2f} ({rwall:.2f}) "
-                   f"| {len(plan.stages)}, {len(plan.idle)} |")
+        out.append(
+            f"| {R} + {U} | {pc:.3f}, {pcpu:.2f} | {rc:.3f} | {rcpu:.2f} ({rwall:.2f}) "
+            f"| {len(plan.stages)}, {len(plan.idle)} |"
+        )
         print(f"  scaling {R}+{U}: refined {rcpu:.2f} CPU s, {rwall:.2f} wall s", file=sys.stderr, flush=True)
     out.append("")
     return res
@@ -173,7 +182,9 @@ def budget_part(budgets, names, plot: str | None, out: list) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller run (about two minutes)")
-    ap.add_argument("--budget", type=float, default=None, help="time budget per plan on the scenarios (default 5 s, quick 2 s)")
+    ap.add_argument(
+        "--budget", type=float, default=None, help="time budget per plan on the scenarios (default 5 s, quick 2 s)"
+    )
     ap.add_argument("--small", type=int, default=None, help="number of small clusters (default 50, quick 15)")
     ap.add_argument("--out", help="also write the tables to this markdown file")
     ap.add_argument("--plot", default=None, help="cost-against-budget plot (PNG), e.g. docs/planner_budget.png")
@@ -196,16 +207,26 @@ def main(argv=None) -> int:
         rows = scenario_part(budget, out)
         for name, row in rows.items():
             ok = all(row["refined"][0] <= row[a][0] * (1 + 1e-9) for a in SEARCHERS)
-            checks.append((f"{name}: refined at least as good as ga, random, paper", ok,
-                           ", ".join(f"{a} {row[a][0]:.3f}" for a in SEARCHERS)))
+            checks.append(
+                (
+                    f"{name}: refined at least as good as ga, random, paper",
+                    ok,
+                    ", ".join(f"{a} {row[a][0]:.3f}" for a in SEARCHERS),
+                )
+            )
     if "scaling" not in skip:
         print("scaling ...", file=sys.stderr, flush=True)
         sizes = [(16, 64), (64, 512), (250, 2500)] + ([] if quick else [(1000, 10000)])
         t = scaling_part(sizes, out)
         checks.append(("64 + 512 planned in under 5 s (one core)", t[(64, 512)] < 5, f"{t[(64, 512)]:.2f} CPU s"))
         if (1000, 10000) in t:
-            checks.append(("1,000 + 10,000 planned in under 60 s (one core)", t[(1000, 10000)] < 60,
-                           f"{t[(1000, 10000)]:.2f} CPU s"))
+            checks.append(
+                (
+                    "1,000 + 10,000 planned in under 60 s (one core)",
+                    t[(1000, 10000)] < 60,
+                    f"{t[(1000, 10000)]:.2f} CPU s",
+                )
+            )
     if "budget" not in skip:
         print("budget ...", file=sys.stderr, flush=True)
         budgets = [0.25, 0.5, 1, 2, 4] + ([] if quick else [8, 16])

@@ -10,6 +10,7 @@ The tiny model, so that start-up is what is measured. Prints a markdown table (a
 
     python scripts/bench_startup.py [--repeats 2] [--out docs/bench_startup.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,22 @@ async def one_start(servers_per_stage: int, volunteers: int, fresh: bool) -> dic
     from peer.swarm import validate
 
     work = tempfile.mkdtemp(prefix="hivepipe-bench-startup-")
-    argv = ["swarm", "--model", "tiny", "--steps", "1000", "--servers-per-stage", str(servers_per_stage),
-            "--volunteers", str(volunteers), "--work-dir", work, "--run-id", f"startup-{os.getpid()}", "--no-progress"]
+    argv = [
+        "swarm",
+        "--model",
+        "tiny",
+        "--steps",
+        "1000",
+        "--servers-per-stage",
+        str(servers_per_stage),
+        "--volunteers",
+        str(volunteers),
+        "--work-dir",
+        work,
+        "--run-id",
+        f"startup-{os.getpid()}",
+        "--no-progress",
+    ]
     args = build_parser().parse_args(argv + (["--no-fork-processes"] if fresh else []))
     cfg, layout, frontal, backward = validate(args)
     t0 = time.monotonic()
@@ -84,13 +99,16 @@ async def one_start(servers_per_stage: int, volunteers: int, fresh: bool) -> dic
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--layouts", default="2x2+2,2x4+2", help="STAGESxSERVERS_PER_STAGE+VOLUNTEERS, comma-separated "
-                                                            "(2 stages only)")
+    p.add_argument(
+        "--layouts", default="2x2+2,2x4+2", help="STAGESxSERVERS_PER_STAGE+VOLUNTEERS, comma-separated (2 stages only)"
+    )
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
-    report = Report("Start-up of a local swarm: forked processes vs fresh interpreters",
-                    "The tiny model; medians over the repeats; CPU-s of every process of the swarm until the first "
-                    f"step. {os.cpu_count()} cores; load average before: {loadavg()}.")
+    report = Report(
+        "Start-up of a local swarm: forked processes vs fresh interpreters",
+        "The tiny model; medians over the repeats; CPU-s of every process of the swarm until the first "
+        f"step. {os.cpu_count()} cores; load average before: {loadavg()}.",
+    )
     rows = []
     for layout in a.layouts.split(","):
         shape, vols = layout.split("+")
@@ -100,8 +118,15 @@ def main() -> int:
         for fresh in (False, True):
             runs = [asyncio.run(one_start(per_stage, int(vols), fresh)) for _ in range(a.repeats)]
             med = {k: statistics.median(r[k] for r in runs) for k in ("online", "first_step", "cpu")}
-            rows.append([f"{stages * per_stage} servers + {vols} volunteers", "fresh" if fresh else "forked",
-                         med["online"], med["first_step"], med["cpu"]])
+            rows.append(
+                [
+                    f"{stages * per_stage} servers + {vols} volunteers",
+                    "fresh" if fresh else "forked",
+                    med["online"],
+                    med["first_step"],
+                    med["cpu"],
+                ]
+            )
             print(rows[-1], flush=True)
     report.add(md_table(["swarm", "processes", "s to servers online", "s to first step", "CPU-s until then"], rows))
     report.add(f"\nload average after: {loadavg()}")

@@ -18,6 +18,7 @@ Parts (markdown tables on standard output and in --out, each with the load avera
    minimum per step: the activations of the batch forward and their gradients back at every stage
    boundary, plus every parameter once as a gradient push and once as a parameter pull.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,27 +56,43 @@ def cpu_table(swarms: list[dict], refs: list[dict]) -> str:
     totals = [sum(sw["cpu"].values()) for sw in swarms]
     rows = []
     for kind in CPU_KINDS:
-        rows.append([kind] + [f"{sw['cpu'].get(kind, 0.0) / sw['steps']:.3f} "
-                              f"({sw['cpu'].get(kind, 0.0) / max(total, 1e-9):.0%})" for sw, total in zip(swarms, totals)])
-    rows.append(["all"] + [f"{total / sw['steps']:.3f} ({total / sw['wall_seconds']:.2f} cores)"
-                           for sw, total in zip(swarms, totals)])
-    rows.append(["`peer reference`: wall seconds a step (one process, one thread: the arithmetic)"] +
-                [f"{r['wall_seconds'] / r['steps']:.3f}" for r in refs])
-    return (md_table(["processes", *(f"swarm #{i + 1}: CPU-s a step (share)" for i in range(len(swarms)))], rows) +
-            "\n\nServers and volunteers are the training processes (a server computes too); each has its "
-            "hivemind DHT process and p2p daemon (which carries its RPCs and its DHT's); the launcher is "
-            "`peer swarm` itself, the zygote that forks the others, and their DHT node. Sampled with psutil "
-            "every 0.25 s.")
+        rows.append(
+            [kind]
+            + [
+                f"{sw['cpu'].get(kind, 0.0) / sw['steps']:.3f} ({sw['cpu'].get(kind, 0.0) / max(total, 1e-9):.0%})"
+                for sw, total in zip(swarms, totals)
+            ]
+        )
+    rows.append(
+        ["all"]
+        + [f"{total / sw['steps']:.3f} ({total / sw['wall_seconds']:.2f} cores)" for sw, total in zip(swarms, totals)]
+    )
+    rows.append(
+        ["`peer reference`: wall seconds a step (one process, one thread: the arithmetic)"]
+        + [f"{r['wall_seconds'] / r['steps']:.3f}" for r in refs]
+    )
+    return (
+        md_table(["processes", *(f"swarm #{i + 1}: CPU-s a step (share)" for i in range(len(swarms)))], rows)
+        + "\n\nServers and volunteers are the training processes (a server computes too); each has its "
+        "hivemind DHT process and p2p daemon (which carries its RPCs and its DHT's); the launcher is "
+        "`peer swarm` itself, the zygote that forks the others, and their DHT node. Sampled with psutil "
+        "every 0.25 s."
+    )
 
 
 class Echo(ServicerBase):
     """Reads a request to its end without deserializing it, answers with its size."""
 
-    async def rpc_echo(self, requests: AsyncIterator[ExpertRequest], context: P2PContext) -> AsyncIterator[ExpertResponse]:
+    async def rpc_echo(
+        self, requests: AsyncIterator[ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[ExpertResponse]:
         yield ExpertResponse(metadata=await _size_of(requests))
 
-    async def rpc_session(self, requests: AsyncIterator[ExpertRequest], context: P2PContext) -> AsyncIterator[ExpertRequest]:
+    async def rpc_session(
+        self, requests: AsyncIterator[ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[ExpertRequest]:
         """The same over a session (peer/protocol/session.py), as the swarm sends every call."""
+
         async def echo(method, messages):
             yield ExpertRequest(metadata=await _size_of(messages))
 
@@ -152,8 +169,20 @@ async def hop_costs(payloads: list[tuple[str, tuple[int, ...]]], repeats: int) -
                     rtt.append(time.perf_counter() - t0)
                 cpu = (_tree_cpu() - cpu0) / n * 1e3
                 ms = statistics.median(rtt) * 1e3
-                rows.append([label + how, f"{nbytes:,}", n, f"{s:.2f}", f"{d:.2f}", f"{ms:.2f}", f"{s + d + ms:.2f}",
-                             f"{cpu:.1f}", f"{nbytes / 1e6 / (ms / 1e3):.0f}" if shape else "-", loadavg()])
+                rows.append(
+                    [
+                        label + how,
+                        f"{nbytes:,}",
+                        n,
+                        f"{s:.2f}",
+                        f"{d:.2f}",
+                        f"{ms:.2f}",
+                        f"{s + d + ms:.2f}",
+                        f"{cpu:.1f}",
+                        f"{nbytes / 1e6 / (ms / 1e3):.0f}" if shape else "-",
+                        loadavg(),
+                    ]
+                )
         open_session.close()
         await asyncio.wait_for(open_session.reader, 10.0)  # (the server ends the stream once ours is closed)
         return rows
@@ -193,16 +222,27 @@ def method_rows(summary: dict, steps: int) -> list[list]:
     total = summary["bytes_on_wire"]
     rows = []
     for method, (req, resp) in sorted(by_method.items(), key=lambda kv: -sum(kv[1])):
-        rows.append([method, f"{req / steps / 1e6:.3f}", f"{resp / steps / 1e6:.3f}",
-                     f"{(req + resp) / steps / 1e6:.3f}", f"{100 * (req + resp) / total:.1f}%"])
+        rows.append(
+            [
+                method,
+                f"{req / steps / 1e6:.3f}",
+                f"{resp / steps / 1e6:.3f}",
+                f"{(req + resp) / steps / 1e6:.3f}",
+                f"{100 * (req + resp) / total:.1f}%",
+            ]
+        )
     return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=60, help="batches each run trains on (default 60, as `peer swarm` by default)")
+    p.add_argument(
+        "--steps", type=int, default=60, help="batches each run trains on (default 60, as `peer swarm` by default)"
+    )
     p.add_argument("--model", default="small")
-    p.add_argument("--runs", type=int, default=2, help="runs of each of reference and swarm (wall times vary with the load)")
+    p.add_argument(
+        "--runs", type=int, default=2, help="runs of each of reference and swarm (wall times vary with the load)"
+    )
     p.add_argument("--repeats", type=int, default=20, help="repeats per payload of the hop timing (fewer for big ones)")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "bench_swarm.md")
     p.add_argument("--work", type=Path, default=None, help="logs and summaries (default: a temporary folder)")
@@ -212,51 +252,113 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     s = SWARM
     rows_share = s["batch_size"] // s["micro_batches"]
-    report = Report("Swarm benchmark", f"""
+    report = Report(
+        "Swarm benchmark",
+        f"""
 `python scripts/bench_swarm.py --steps {args.steps} --model {args.model}` on this 2-core, no-GPU machine,
 shared with other jobs: every table says the load average (1/5/15 min) when it was measured. Model
 `{args.model}` ({cfg.param_count():,} parameters, hidden {cfg.hidden}, seq_len {cfg.seq_len}); batch
-{s['batch_size']} sequences in {s['micro_batches']} micro-batches; the swarm is {s['stages']} stages x
-{s['servers_per_stage']} servers (servers compute too) + {s['volunteers']} volunteers, each its own
-process with one torch thread. Logs and summaries of this run: `{work}`.""")
+{s["batch_size"]} sequences in {s["micro_batches"]} micro-batches; the swarm is {s["stages"]} stages x
+{s["servers_per_stage"]} servers (servers compute too) + {s["volunteers"]} volunteers, each its own
+process with one torch thread. Logs and summaries of this run: `{work}`.""",
+    )
 
     # 1. throughput ------------------------------------------------------------------------------
     refs, swarms = [], []
     for i in range(args.runs):  # alternated, so that a change of the machine's load hits both
         refs.append(run_reference(args.model, args.steps, work / f"reference-{i}"))
-        swarms.append(run_swarm(f"swarm-{i}", ["--model", args.model, "--steps", str(args.steps),
-                                               "--stages", str(s["stages"]), "--servers-per-stage", str(s["servers_per_stage"]),
-                                               "--volunteers", str(s["volunteers"])], work, sample_cpu=True))
+        swarms.append(
+            run_swarm(
+                f"swarm-{i}",
+                [
+                    "--model",
+                    args.model,
+                    "--steps",
+                    str(args.steps),
+                    "--stages",
+                    str(s["stages"]),
+                    "--servers-per-stage",
+                    str(s["servers_per_stage"]),
+                    "--volunteers",
+                    str(s["volunteers"]),
+                ],
+                work,
+                sample_cpu=True,
+            )
+        )
     ref_tps = statistics.median(r["tokens_per_second"] for r in refs)
     ratio = statistics.median(r["tokens_per_second"] for r in swarms) / ref_tps
     table = []
     for i, (ref, sw) in enumerate(zip(refs, swarms)):
-        table.append([f"`peer reference` #{i + 1}", ref["steps"], f"{ref['tokens_per_second']:,.0f}",
-                      f"{ref['tokens_per_second'] / ref_tps:.2f}", f"{ref['wall_seconds']:.1f}", "-", "-",
-                      f"{ref['first_loss']:.3f} → {ref['last_loss']:.3f}", "-", ref["load"]])
-        table.append([f"`peer swarm` #{i + 1}", sw["steps"], f"{sw['tokens_per_second']:,.0f}",
-                      f"{sw['tokens_per_second'] / ref_tps:.3f}", f"{sw['wall_seconds']:.1f}",
-                      f"{sw['startup_seconds']:.1f}", f"{sw['bytes_on_wire'] / sw['steps'] / 1e6:.1f}",
-                      f"{sw['first_loss']:.3f} → {sw['last_loss']:.3f}", exactly_once(sw), sw["load"]])
-    report.section("Throughput: swarm against one process", md_table(
-        ["run", "steps", "tokens/s", "vs reference (median)", "wall s (training)", "startup s", "MB on wire / step",
-         "loss first → last", "micro-batches applied", "load at start"], table) +
-        f"\n\nMedian swarm / median reference: **{ratio:.3f}**. Duplicate contributions dropped: "
+        table.append(
+            [
+                f"`peer reference` #{i + 1}",
+                ref["steps"],
+                f"{ref['tokens_per_second']:,.0f}",
+                f"{ref['tokens_per_second'] / ref_tps:.2f}",
+                f"{ref['wall_seconds']:.1f}",
+                "-",
+                "-",
+                f"{ref['first_loss']:.3f} → {ref['last_loss']:.3f}",
+                "-",
+                ref["load"],
+            ]
+        )
+        table.append(
+            [
+                f"`peer swarm` #{i + 1}",
+                sw["steps"],
+                f"{sw['tokens_per_second']:,.0f}",
+                f"{sw['tokens_per_second'] / ref_tps:.3f}",
+                f"{sw['wall_seconds']:.1f}",
+                f"{sw['startup_seconds']:.1f}",
+                f"{sw['bytes_on_wire'] / sw['steps'] / 1e6:.1f}",
+                f"{sw['first_loss']:.3f} → {sw['last_loss']:.3f}",
+                exactly_once(sw),
+                sw["load"],
+            ]
+        )
+    report.section(
+        "Throughput: swarm against one process",
+        md_table(
+            [
+                "run",
+                "steps",
+                "tokens/s",
+                "vs reference (median)",
+                "wall s (training)",
+                "startup s",
+                "MB on wire / step",
+                "loss first → last",
+                "micro-batches applied",
+                "load at start",
+            ],
+            table,
+        )
+        + f"\n\nMedian swarm / median reference: **{ratio:.3f}**. Duplicate contributions dropped: "
         f"{', '.join(str(sw['duplicates_dropped']) for sw in swarms)}; leases re-queued: "
-        f"{', '.join(str(sw['requeued']) for sw in swarms)}.")
+        f"{', '.join(str(sw['requeued']) for sw in swarms)}.",
+    )
     report.section("Where the processor time goes (training only)", cpu_table(swarms, refs))
     swarm, ref = swarms[0], refs[0]
 
     # 2. one hop ---------------------------------------------------------------------------------
-    payloads = [("metadata only", ()),
-                (f"1 row x {cfg.seq_len} x {cfg.hidden} fp32 (a share)", (1, cfg.seq_len, cfg.hidden)),
-                (f"{rows_share} rows x {cfg.seq_len} x {cfg.hidden} fp32 (a micro-batch)", (rows_share, cfg.seq_len, cfg.hidden)),
-                ("4 MiB fp32", (1, MIB)),
-                ("32 MiB fp32", (8, MIB))]
+    payloads = [
+        ("metadata only", ()),
+        (f"1 row x {cfg.seq_len} x {cfg.hidden} fp32 (a share)", (1, cfg.seq_len, cfg.hidden)),
+        (
+            f"{rows_share} rows x {cfg.seq_len} x {cfg.hidden} fp32 (a micro-batch)",
+            (rows_share, cfg.seq_len, cfg.hidden),
+        ),
+        ("4 MiB fp32", (1, MIB)),
+        ("32 MiB fp32", (8, MIB)),
+    ]
     all_hop_rows = asyncio.run(hop_costs(payloads, args.repeats))
     hop_rows = [r for r in all_hop_rows if r[0].endswith(SESSION_ROW)]  # how the swarm calls
     stream_rows = [r for r in all_hop_rows if r[0].endswith(STREAM_ROW)]
-    report.section("One hop: serialization and transport", """
+    report.section(
+        "One hop: serialization and transport",
+        """
 Serialize = `wire.pack` (hivemind tensor serialization, 1 MiB chunks, protobuf messages); deserialize =
 `wire.unpack`; transport = a P2P round trip between two hivemind peers on 127.0.0.1 (each its own DHT
 and p2p daemon) carrying the packed request one way and a tiny answer back, without touching the
@@ -266,30 +368,63 @@ multiplexed over one long-lived stream), as the swarm sends every call. One hop 
 serialize + transport + deserialize. Medians; the first round is a warm-up and not counted. Processor
 time = of both ends and both p2p daemons, a call's transport only (psutil over the rounds: 10 ms
 ticks, so +-10 ms / repeats).
-""" + "\n" + md_table(["payload", "bytes on the wire", "repeats", "serialize ms", "deserialize ms",
-                        "transport ms (round trip)", "hop ms", "transport processor ms (all four processes)",
-                        "transport MB/s", "load"], all_hop_rows))
+"""
+        + "\n"
+        + md_table(
+            [
+                "payload",
+                "bytes on the wire",
+                "repeats",
+                "serialize ms",
+                "deserialize ms",
+                "transport ms (round trip)",
+                "hop ms",
+                "transport processor ms (all four processes)",
+                "transport MB/s",
+                "load",
+            ],
+            all_hop_rows,
+        ),
+    )
 
     # 3. bytes on the wire -----------------------------------------------------------------------
     steps = swarm["steps"]
     floor = minimum_bytes_per_step(cfg, s["stages"], s["batch_size"])
     exchange = per_worker_exchange(cfg, s["stages"], s["servers_per_stage"], s["volunteers"], s["batch_size"])
     measured = swarm["bytes_on_wire"] / steps
-    report.section("Bytes on the wire per step (swarm run #1)", md_table(
-        ["what", "MB per step", "measured / this"],
-        [["measured: `bytes_on_wire / steps` (all bytes the servers received and answered)", f"{measured / 1e6:.2f}", "1"],
-         [f"minimum: activations + gradients at {s['stages'] - 1} boundary ({floor['boundaries'] / 1e6:.2f} MB) "
-          f"+ every parameter pushed and pulled once ({floor['parameters'] / 1e6:.2f} MB)",
-          f"{floor['total'] / 1e6:.2f}", f"{measured / floor['total']:.1f}"],
-         ["the cost model's exchange for this layout: boundaries + every worker pushes and pulls its "
-          "stage (but a server's own shard) once per step",
-          f"{exchange / 1e6:.2f}", f"{measured / exchange:.1f}"]]) +
-        f"\n\nBy method (per step, load at the swarm's start {swarm['load']}):\n\n" +
-        md_table(["method", "request MB", "response MB", "total MB", "share"], method_rows(swarm, steps)))
+    report.section(
+        "Bytes on the wire per step (swarm run #1)",
+        md_table(
+            ["what", "MB per step", "measured / this"],
+            [
+                [
+                    "measured: `bytes_on_wire / steps` (all bytes the servers received and answered)",
+                    f"{measured / 1e6:.2f}",
+                    "1",
+                ],
+                [
+                    f"minimum: activations + gradients at {s['stages'] - 1} boundary ({floor['boundaries'] / 1e6:.2f} MB) "
+                    f"+ every parameter pushed and pulled once ({floor['parameters'] / 1e6:.2f} MB)",
+                    f"{floor['total'] / 1e6:.2f}",
+                    f"{measured / floor['total']:.1f}",
+                ],
+                [
+                    "the cost model's exchange for this layout: boundaries + every worker pushes and pulls its "
+                    "stage (but a server's own shard) once per step",
+                    f"{exchange / 1e6:.2f}",
+                    f"{measured / exchange:.1f}",
+                ],
+            ],
+        )
+        + f"\n\nBy method (per step, load at the swarm's start {swarm['load']}):\n\n"
+        + md_table(["method", "request MB", "response MB", "total MB", "share"], method_rows(swarm, steps)),
+    )
     report.section("RPCs per micro-batch share (each swarm run)", rpc_text(swarms))
     grads_per_step = swarm["traffic"].get("push_grads.request", 0) / steps
-    report.section("Reading the numbers", interpretation(cfg, s, swarms, ratio, hop_rows, stream_rows, measured, floor,
-                                                         exchange, grads_per_step))
+    report.section(
+        "Reading the numbers",
+        interpretation(cfg, s, swarms, ratio, hop_rows, stream_rows, measured, floor, exchange, grads_per_step),
+    )
     report.write(args.out)
     return 0
 
@@ -310,16 +445,39 @@ def rpc_text(swarms: list[dict]) -> str:
         upkeep = sum(calls.get(m, 0) for m in UPKEEP)
         between = sum(v for m, v in calls.items() if m not in TASK_PATH + UPKEEP + ("status",))
         found = sw.get("takes_empty", {})
-        split = (f"{found.get('takes_found_nothing', 0) / tasks:.2f} / {found.get('takes_waited_out', 0) / tasks:.2f}"
-                 if found else "-")
+        split = (
+            f"{found.get('takes_found_nothing', 0) / tasks:.2f} / {found.get('takes_waited_out', 0) / tasks:.2f}"
+            if found
+            else "-"
+        )
         over_session = sum(sw.get("rpc_session_calls", {}).values())
-        rows.append([f"#{i + 1}", tasks, f"{path / tasks:.2f}", f"{(path - empty) / tasks:.2f}", split,
-                     f"{upkeep / tasks:.2f}", f"{between / tasks:.2f}",
-                     f"{over_session / max(sum(calls.values()), 1):.0%}",
-                     ", ".join(f"{m} {calls.get(m, 0) / tasks:.2f}" for m in TASK_PATH if calls.get(m))])
-    return "\n" + md_table(["run", "tasks", "task-path calls per task", "without takes that found nothing",
-                             "takes that found nothing per task: at once / after waiting", "heartbeats per task",
-                             "server-to-server calls per task", "of all calls, over a session", "by method, per task"], rows)
+        rows.append(
+            [
+                f"#{i + 1}",
+                tasks,
+                f"{path / tasks:.2f}",
+                f"{(path - empty) / tasks:.2f}",
+                split,
+                f"{upkeep / tasks:.2f}",
+                f"{between / tasks:.2f}",
+                f"{over_session / max(sum(calls.values()), 1):.0%}",
+                ", ".join(f"{m} {calls.get(m, 0) / tasks:.2f}" for m in TASK_PATH if calls.get(m)),
+            ]
+        )
+    return "\n" + md_table(
+        [
+            "run",
+            "tasks",
+            "task-path calls per task",
+            "without takes that found nothing",
+            "takes that found nothing per task: at once / after waiting",
+            "heartbeats per task",
+            "server-to-server calls per task",
+            "of all calls, over a session",
+            "by method, per task",
+        ],
+        rows,
+    )
 
 
 def interpretation(cfg, s, swarms, ratio, hop_rows, stream_rows, measured, floor, exchange, grads_per_step) -> str:
@@ -334,7 +492,7 @@ def interpretation(cfg, s, swarms, ratio, hop_rows, stream_rows, measured, floor
     share_codec = (float(hop_rows[2][3]) + float(hop_rows[2][4])) / share_hop
     return f"""
 - **Throughput.** The swarm reaches {ratio:.2f}x the single process's tokens/s on the same 2 cores. The
-  reference is one process doing only arithmetic; the swarm runs {s['stages'] * s['servers_per_stage'] + s['volunteers']}
+  reference is one process doing only arithmetic; the swarm runs {s["stages"] * s["servers_per_stage"] + s["volunteers"]}
   training processes, each with its own DHT process and p2p daemon, on those 2 cores, and does more work
   per token: every tensor crosses process boundaries 2 to 3 times (worker → server → worker), each
   batch's parameters are pulled and its gradient sum pushed by every client it is cut for, each
@@ -354,15 +512,15 @@ def interpretation(cfg, s, swarms, ratio, hop_rows, stream_rows, measured, floor
   For {big[0]} it is {100 * big_codec:.0f}%: hivemind's serialization copies the tensor into
   protobuf chunks and back, at a speed of the same order as loopback transport, which itself stays
   far below memory bandwidth (every byte goes Python → p2p daemon → TCP → p2p daemon → Python).
-- **Bytes.** The swarm moved {measured / 1e6:.1f} MB per step, {measured / floor['total']:.1f}x the issue's
-  minimum ({floor['total'] / 1e6:.2f} MB) and {measured / exchange:.1f}x what the cost model's aggregation term
+- **Bytes.** The swarm moved {measured / 1e6:.1f} MB per step, {measured / floor["total"]:.1f}x the issue's
+  minimum ({floor["total"] / 1e6:.2f} MB) and {measured / exchange:.1f}x what the cost model's aggregation term
   counts for this layout (every worker pushes and pulls its stage once per step, {exchange / 1e6:.1f} MB).
   What it is made of:
   - *one gradient per client and batch, not one per stage*: a worker sums the gradients of its tasks
     of a batch and pushes the sum, sharded, with the ids of the tasks it covers (each server credits
     it all or nothing). `push_grads` carried {grads_per_step / 1e6:.1f} MB per step, about {pushes:.1f}
-    whole-stage gradients per stage per step: a batch goes to as few of a stage's {s['servers_per_stage']} servers'
-    own workers and {s['volunteers'] // s['stages']} volunteers as give each `--client-batch-tokens` (one by
+    whole-stage gradients per stage per step: a batch goes to as few of a stage's {s["servers_per_stage"]} servers'
+    own workers and {s["volunteers"] // s["stages"]} volunteers as give each `--client-batch-tokens` (one by
     default), a free server's worker first (`--no-local-first`: by the rows each is owed); a server's own
     worker keeps its own shard local, an idle worker holds a batch's sum while tasks of it are owed to
     it, and a sum is pushed early when a lease nears its deadline or a task of the batch went to another

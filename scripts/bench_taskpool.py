@@ -34,8 +34,7 @@ PAIRS_TARGET = 200_000
 
 def make_tasks(n: int) -> list[Task]:
     """n tasks in 64 micro-batches per batch, every fourth one a backward task."""
-    return [Task(f"t{i}", BACKWARD if i % 4 == 0 else FORWARD, i >> 6, i & 63, 0, (0, 8))
-            for i in range(n)]
+    return [Task(f"t{i}", BACKWARD if i % 4 == 0 else FORWARD, i >> 6, i & 63, 0, (0, 8)) for i in range(n)]
 
 
 def timed(fn) -> tuple[float, float]:
@@ -116,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=1_000_000, help="pool size (default 10^6)")
     parser.add_argument("--clients", type=int, default=100, help="clients (default 100)")
     parser.add_argument("--no-gc", action="store_true", help="disable the cyclic GC while timing")
-    parser.add_argument("--check", action="store_true",
-                        help=f"exit 1 below {PAIRS_TARGET:,} take+complete pairs/s")
+    parser.add_argument("--check", action="store_true", help=f"exit 1 below {PAIRS_TARGET:,} take+complete pairs/s")
     args = parser.parse_args(argv)
     if args.tasks < 1 or args.clients < 1:
         parser.error("--tasks and --clients must be >= 1")
@@ -126,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = run(args.tasks, args.clients)
 
-    print(f"taskpool benchmark: {args.tasks:,} tasks, {args.clients} clients, "
-          f"Python {sys.version.split()[0]}, gc {'off' if args.no_gc else 'on'}")
+    print(
+        f"taskpool benchmark: {args.tasks:,} tasks, {args.clients} clients, "
+        f"Python {sys.version.split()[0]}, gc {'off' if args.no_gc else 'on'}"
+    )
     print(f"{'operation':<36}{'count':>10}{'cpu s':>9}{'wall s':>9}{'ops/s (cpu)':>14}")
     for name, count, (cpu, wall) in rows:
         print(f"{name:<36}{count:>10,}{cpu:>9.3f}{wall:>9.3f}{count / cpu:>14,.0f}")

@@ -26,6 +26,7 @@ Parts:
 
 Writes DIR/bench_trust.md, DIR/trust.png and DIR/bench_trust_attacks.md (DIR defaults to docs/).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,20 @@ from pathlib import Path
 
 from _bench_common import REPO, Report, exactly_once, loadavg, md_table, run_swarm
 
-SWARM = ["--model", "tiny", "--servers-compute", "no", "--volunteer-slowdown", "8", "--volunteers", "4",
-         "--client-timeout", "3", "--announce-period", "0.5"]
+SWARM = [
+    "--model",
+    "tiny",
+    "--servers-compute",
+    "no",
+    "--volunteer-slowdown",
+    "8",
+    "--volunteers",
+    "4",
+    "--client-timeout",
+    "3",
+    "--announce-period",
+    "0.5",
+]
 
 
 def tolerance_rows() -> list[list]:
@@ -64,22 +77,27 @@ def tolerance_rows() -> list[list]:
             try:
                 model = build_slice(cfg, half, cfg.layers - 1 if cfg.layers > 2 else half + 1, seed=0).to(dtype)
                 idx = list(order)
-                gin, _, grads = backward_rows(model, x[idx].to(dtype), torch.device("cpu"), tokens,
-                                              out_grad=g[idx].to(dtype))
+                gin, _, grads = backward_rows(
+                    model, x[idx].to(dtype), torch.device("cpu"), tokens, out_grad=g[idx].to(dtype)
+                )
                 inverse = [idx.index(i) for i in range(len(idx))]
                 return gin[inverse].float(), torch.cat([v.float().flatten() for _, v in sorted(grads.items())])
             finally:
                 torch.set_num_threads(before)
 
         base_gin, base = run()
-        for label, kw in (("fp32, 2 threads", {"threads": 2}), ("fp32, rows reordered", {"order": (3, 1, 0, 2)}),
-                          ("fp64", {"dtype": torch.float64})):
+        for label, kw in (
+            ("fp32, 2 threads", {"threads": 2}),
+            ("fp32, rows reordered", {"order": (3, 1, 0, 2)}),
+            ("fp64", {"dtype": torch.float64}),
+        ):
             gin, grads = run(**kw)
             rows.append([preset, label, distance(grads, base), distance(gin, base_gin)])
         for kind in ("scale", "signflip", "noise", "zeros"):
             cheat = Cheat.parse(kind)
-            rows.append([preset, f"lie: {kind}", distance(cheat.tensor(base), base),
-                         distance(cheat.tensor(base_gin), base_gin)])
+            rows.append(
+                [preset, f"lie: {kind}", distance(cheat.tensor(base), base), distance(cheat.tensor(base_gin), base_gin)]
+            )
     return rows
 
 
@@ -92,8 +110,17 @@ def reference_distance(state_path: Path, steps: int, ref_cache: dict) -> float:
 
     if steps not in ref_cache:
         cfg = get_preset("tiny")
-        ref_cache[steps], _ = train_reference(cfg, load_corpus(None, seq_len=cfg.seq_len), steps=steps, seed=0,
-                                              batch_size=16, micro_batches=4, delay=1, lr=2e-3, progress=False)
+        ref_cache[steps], _ = train_reference(
+            cfg,
+            load_corpus(None, seq_len=cfg.seq_len),
+            steps=steps,
+            seed=0,
+            batch_size=16,
+            micro_batches=4,
+            delay=1,
+            lr=2e-3,
+            progress=False,
+        )
     ref, got = ref_cache[steps], load_file(str(state_path))
     num = sum(float(((got[k].float() - ref[k].float()) ** 2).sum()) for k in ref)
     den = sum(float((ref[k].float() ** 2).sum()) for k in ref)
@@ -166,9 +193,13 @@ def _attacker(script: str, out: Path, *args: str):
 
     def start(log: Path):
         peers, run = _lines_of(log)
-        return subprocess.Popen([sys.executable, str(REPO / "scripts" / script), "--initial-peers", peers,
-                                 "--run-id", run, *args], cwd=REPO, stdout=open(out, "wb"),
-                                stderr=subprocess.DEVNULL)
+        return subprocess.Popen(
+            [sys.executable, str(REPO / "scripts" / script), "--initial-peers", peers, "--run-id", run, *args],
+            cwd=REPO,
+            stdout=open(out, "wb"),
+            stderr=subprocess.DEVNULL,
+        )
+
     return start
 
 
@@ -182,39 +213,79 @@ def _pace(result: Path, steps: int) -> float:
 
 def hoarding(a, work: Path, report: Report) -> dict:
     rows, out = [], {}
-    for name, identities, extra in (("observer", 0, []), ("load only", a.hoarders, ["--no-take"]),
-                                    ("hoarders", a.hoarders, [])):
+    for name, identities, extra in (
+        ("observer", 0, []),
+        ("load only", a.hoarders, ["--no-take"]),
+        ("hoarders", a.hoarders, []),
+    ):
         paces = []
         for i in range(a.repeat):
             print(f"[{time.strftime('%H:%M:%S')}] hoarding: {name} #{i + 1} (load {loadavg()})", flush=True)
             tag = f"hoard-{name.replace(' ', '-')}-{i}"
             res = work / f"{tag}-attacker.json"
-            s = run_swarm(tag, ATTACK_SWARM + ["--steps", str(a.hoard_steps), "--run-id", f"b{tag}"],
-                          work, timeout=a.run_timeout,
-                          alongside=_attacker("_hoarder.py", res, "--identities", str(identities), "--period",
-                                              str(a.hoard_period), *extra))
+            s = run_swarm(
+                tag,
+                ATTACK_SWARM + ["--steps", str(a.hoard_steps), "--run-id", f"b{tag}"],
+                work,
+                timeout=a.run_timeout,
+                alongside=_attacker(
+                    "_hoarder.py", res, "--identities", str(identities), "--period", str(a.hoard_period), *extra
+                ),
+            )
             got = json.loads(res.read_text().strip().splitlines()[-1])
             paces.append(_pace(res, a.hoard_steps))
-            rows.append([name, identities, round(paces[-1], 2), got["taken"], sum(
-                n for why, n in got["refused"].items() if "dropped after" in why), sum(
-                n for why, n in got["refused"].items() if "too many new" in why), exactly_once(s), s["load"]])
+            rows.append(
+                [
+                    name,
+                    identities,
+                    round(paces[-1], 2),
+                    got["taken"],
+                    sum(n for why, n in got["refused"].items() if "dropped after" in why),
+                    sum(n for why, n in got["refused"].items() if "too many new" in why),
+                    exactly_once(s),
+                    s["load"],
+                ]
+            )
         out[name] = sorted(paces)[len(paces) // 2]
-    report.section("Hoarding: identities that take tasks and never answer", f"tiny, {a.hoard_steps} steps, "
-                   f"2 stages x 1+1 servers that do not compute, 4 honest volunteers; the attacker "
-                   f"(scripts/_hoarder.py) runs {a.hoarders} identities in one process against stage 0's servers "
-                   f"from version 2 on, each registering and taking every {a.hoard_period} s and never answering "
-                   "(heartbeating that it holds what it took). Pace: versions a second while the attacker ran, "
-                   "from the servers' announced versions; the observer is the same process with no identity (the "
-                   "calm figure); 'load only' runs the same identities registering and heartbeating at the same "
-                   "rate without taking a task: what the attacker's own process (its p2p daemons, its calls and "
-                   "the servers' answers) costs a swarm that shares the machine's 2 cores with it.")
-    report.add(md_table(["attacker", "identities", "versions/s", "tasks it took", "refused: dropped",
-                         "refused: admission", "micro-batches", "load"], rows))
+    report.section(
+        "Hoarding: identities that take tasks and never answer",
+        f"tiny, {a.hoard_steps} steps, "
+        f"2 stages x 1+1 servers that do not compute, 4 honest volunteers; the attacker "
+        f"(scripts/_hoarder.py) runs {a.hoarders} identities in one process against stage 0's servers "
+        f"from version 2 on, each registering and taking every {a.hoard_period} s and never answering "
+        "(heartbeating that it holds what it took). Pace: versions a second while the attacker ran, "
+        "from the servers' announced versions; the observer is the same process with no identity (the "
+        "calm figure); 'load only' runs the same identities registering and heartbeating at the same "
+        "rate without taking a task: what the attacker's own process (its p2p daemons, its calls and "
+        "the servers' answers) costs a swarm that shares the machine's 2 cores with it.",
+    )
+    report.add(
+        md_table(
+            [
+                "attacker",
+                "identities",
+                "versions/s",
+                "tasks it took",
+                "refused: dropped",
+                "refused: admission",
+                "micro-batches",
+                "load",
+            ],
+            rows,
+        )
+    )
     ratio, own = out["hoarders"] / out["observer"], out["hoarders"] / out["load only"]
-    report.add(f"\nPace under attack / calm: **{ratio:.2f}** (the issue's goal: >= 0.70); under attack / the "
-               f"same attacker's load without hoarding: **{own:.2f}** (what the hoarding itself costs).")
-    return {"calm": out["observer"], "load_only": out["load only"], "hoarded": out["hoarders"], "ratio": ratio,
-            "ratio_to_load": own}
+    report.add(
+        f"\nPace under attack / calm: **{ratio:.2f}** (the issue's goal: >= 0.70); under attack / the "
+        f"same attacker's load without hoarding: **{own:.2f}** (what the hoarding itself costs)."
+    )
+    return {
+        "calm": out["observer"],
+        "load_only": out["load only"],
+        "hoarded": out["hoarders"],
+        "ratio": ratio,
+        "ratio_to_load": own,
+    }
 
 
 def bounded_read(a, work: Path, report: Report) -> dict:
@@ -230,9 +301,12 @@ def bounded_read(a, work: Path, report: Report) -> dict:
         res = work / "bigmsg-attacker.json"
         _lines_of(log)
         time.sleep(3.0)
-        server = next(p for p in psutil.process_iter(["cmdline"])  # s0f0, as peer swarm starts it
-                      if "serve" in (p.info["cmdline"] or [])
-                      and "--stage 0 --role frontal --index 0" in " ".join(p.info["cmdline"] or []))
+        server = next(
+            p
+            for p in psutil.process_iter(["cmdline"])  # s0f0, as peer swarm starts it
+            if "serve" in (p.info["cmdline"] or [])
+            and "--stage 0 --role frontal --index 0" in " ".join(p.info["cmdline"] or [])
+        )
 
         def loop():
             while not stop.is_set():
@@ -246,47 +320,95 @@ def bounded_read(a, work: Path, report: Report) -> dict:
         return _attacker("_big_message.py", res, "--device", "s0f0")(log)
 
     print(f"[{time.strftime('%H:%M:%S')}] bounded read (load {loadavg()})", flush=True)
-    s = run_swarm("bigmsg", ATTACK_SWARM + ["--steps", str(a.hoard_steps // 2), "--run-id", "bt-bigmsg"], work,
-                  timeout=a.run_timeout, alongside=sample)
+    s = run_swarm(
+        "bigmsg",
+        ATTACK_SWARM + ["--steps", str(a.hoard_steps // 2), "--run-id", "bt-bigmsg"],
+        work,
+        timeout=a.run_timeout,
+        alongside=sample,
+    )
     stop.set()
     got = json.loads((work / "bigmsg-attacker.json").read_text().strip().splitlines()[-1])
     rise = max(samples) - samples[0] if samples else float("nan")
-    report.section("A single oversized message", "The same swarm; an outsider (scripts/_big_message.py) opens a "
-                   "stream to s0f0's push_grads and sends one message whose length header says 1 GiB, then its "
-                   "body in 1 MiB pieces. s0f0's resident memory sampled every 0.1 s from 3 s after start.")
-    report.add(md_table(["claimed", "body written before the cut", "stream cut", "s0f0 RSS at start (MiB)",
-                         "peak (MiB)", "rise (MiB)", "micro-batches"],
-                        [[f"{got['claimed'] >> 20} MiB", f"{got['written'] >> 20} MiB", got["cut"],
-                          samples[0] if samples else "-", max(samples) if samples else "-", rise, exactly_once(s)]]))
+    report.section(
+        "A single oversized message",
+        "The same swarm; an outsider (scripts/_big_message.py) opens a "
+        "stream to s0f0's push_grads and sends one message whose length header says 1 GiB, then its "
+        "body in 1 MiB pieces. s0f0's resident memory sampled every 0.1 s from 3 s after start.",
+    )
+    report.add(
+        md_table(
+            [
+                "claimed",
+                "body written before the cut",
+                "stream cut",
+                "s0f0 RSS at start (MiB)",
+                "peak (MiB)",
+                "rise (MiB)",
+                "micro-batches",
+            ],
+            [
+                [
+                    f"{got['claimed'] >> 20} MiB",
+                    f"{got['written'] >> 20} MiB",
+                    got["cut"],
+                    samples[0] if samples else "-",
+                    max(samples) if samples else "-",
+                    rise,
+                    exactly_once(s),
+                ]
+            ],
+        )
+    )
     return {"rise_mib": rise, **got}
 
 
 def biased(a, work: Path, report: Report, refs: dict) -> dict:
     print(f"[{time.strftime('%H:%M:%S')}] biased liar (load {loadavg()})", flush=True)
     ckpt = work / "bias-ckpt"
-    s = run_swarm("bias", SWARM + ["--steps", str(a.steps), "--run-id", "bt-bias", "--cheater", "bias",
-                                   "--checkpoint-out", str(ckpt)], work, timeout=a.run_timeout)
+    s = run_swarm(
+        "bias",
+        SWARM + ["--steps", str(a.steps), "--run-id", "bt-bias", "--cheater", "bias", "--checkpoint-out", str(ckpt)],
+        work,
+        timeout=a.run_timeout,
+    )
     text = "\n".join(p.read_text() for p in (work / "bias").glob("cheat*.log"))
     line = re.search(r"^banned from run .*$", text, re.M)
     checks = re.search(r"after (\d+) checks\)", line.group(0)) if line else None
-    d = {"banned": bool(line), "checks": int(checks.group(1)) if checks else None,
-         "distance": reference_distance(ckpt / "model.safetensors", a.steps, refs), "applied": exactly_once(s)}
-    report.section("A liar under the tolerance", f"The checked-work swarm ({a.steps} steps) plus `--cheater bias`: "
-                   "one coordinate of every result biased by 3e-4 of its norm (relative L2 3e-4, under the 1e-3 "
-                   "tolerance of each check). Banned by the drift test (parameter_server/drift.py) after the "
-                   "checks named in its ban; the final parameters' distance from `peer reference --delay 1`.")
-    report.add(md_table(["banned", "checks at the server that banned it", "distance from reference", "micro-batches"],
-                        [[d["banned"], d["checks"], d["distance"], d["applied"]]]))
+    d = {
+        "banned": bool(line),
+        "checks": int(checks.group(1)) if checks else None,
+        "distance": reference_distance(ckpt / "model.safetensors", a.steps, refs),
+        "applied": exactly_once(s),
+    }
+    report.section(
+        "A liar under the tolerance",
+        f"The checked-work swarm ({a.steps} steps) plus `--cheater bias`: "
+        "one coordinate of every result biased by 3e-4 of its norm (relative L2 3e-4, under the 1e-3 "
+        "tolerance of each check). Banned by the drift test (parameter_server/drift.py) after the "
+        "checks named in its ban; the final parameters' distance from `peer reference --delay 1`.",
+    )
+    report.add(
+        md_table(
+            ["banned", "checks at the server that banned it", "distance from reference", "micro-batches"],
+            [[d["banned"], d["checks"], d["distance"], d["applied"]]],
+        )
+    )
     return d
 
 
 def attacks(a, work: Path, out: Path, refs: dict) -> None:
-    report = Report("Attacks on an open run: hoarding, a liar under the tolerance, an oversized message "
-                    "(scripts/bench_trust.py --attacks)",
-                    f"Measured on this machine (2 cores, no GPU); load at start {loadavg()}. The rules measured are "
-                    "in docs/trust.md; each attack's tests are named there.")
-    results = {"hoarding": hoarding(a, work, report), "bias": biased(a, work, report, refs),
-               "bounded_read": bounded_read(a, work, report)}
+    report = Report(
+        "Attacks on an open run: hoarding, a liar under the tolerance, an oversized message "
+        "(scripts/bench_trust.py --attacks)",
+        f"Measured on this machine (2 cores, no GPU); load at start {loadavg()}. The rules measured are "
+        "in docs/trust.md; each attack's tests are named there.",
+    )
+    results = {
+        "hoarding": hoarding(a, work, report),
+        "bias": biased(a, work, report, refs),
+        "bounded_read": bounded_read(a, work, report),
+    }
     (work / "attacks.json").write_text(json.dumps(results, indent=1))
     report.write(out / "bench_trust_attacks.md")
 
@@ -314,11 +436,16 @@ def main(argv=None) -> int:
     if a.attacks:
         attacks(a, work, out, {})
         return 0
-    report = Report("Checked work: tolerance, cost and detection (scripts/bench_trust.py)",
-                    f"Measured {time.strftime('%Y-%m-%d')} on this machine (2 cores); load at start {loadavg()}.")
+    report = Report(
+        "Checked work: tolerance, cost and detection (scripts/bench_trust.py)",
+        f"Measured {time.strftime('%Y-%m-%d')} on this machine (2 cores); load at start {loadavg()}.",
+    )
 
-    report.section("1. How far an honest re-run can be", "Relative L2 distance from fp32 on 1 thread "
-                   "(one task of 4 rows, the second half of the model's layers). The tolerance is 1e-3.")
+    report.section(
+        "1. How far an honest re-run can be",
+        "Relative L2 distance from fp32 on 1 thread "
+        "(one task of 4 rows, the second half of the model's layers). The tolerance is 1e-3.",
+    )
     report.add(md_table(["model", "re-run", "parameter gradient", "input gradient"], tolerance_rows()))
 
     cost, detect, refs = [], [], {}
@@ -328,44 +455,138 @@ def main(argv=None) -> int:
         runs = []
         for i in range(a.repeat):
             print(f"[{time.strftime('%H:%M:%S')}] honest {name} #{i + 1} (load {loadavg()})", flush=True)
-            runs.append(run_swarm(f"honest-{name}-{i}", SWARM + ["--steps", str(a.steps), "--run-id", f"bt-{name}-{i}"]
-                                  + checks, work, timeout=a.run_timeout))
+            runs.append(
+                run_swarm(
+                    f"honest-{name}-{i}",
+                    SWARM + ["--steps", str(a.steps), "--run-id", f"bt-{name}-{i}"] + checks,
+                    work,
+                    timeout=a.run_timeout,
+                )
+            )
         # the fastest repeat (wall-clock varies 2-3x between repeats here)
         s = min(runs, key=lambda r: r["wall_seconds"])
-        cost.append({"rate": rate, "sps": s["wall_seconds"] / s["steps"], "applied": exactly_once(s),
-                     "rerun_share": s["checks"]["tasks_rerun"] / max(s["tasks_completed"], 1),
-                     "checks": s["checks"]["checked"], "max_d": max(r["max_honest_distance"] for r in runs),
-                     "banned": sum(len(r["banned"]) for r in runs), "load": s["load"],
-                     "all_sps": [round(r["wall_seconds"] / r["steps"], 2) for r in runs],
-                     "requeued": [r["requeued"] for r in runs]})
-    report.section("2. What checking costs an honest run", f"tiny, {a.steps} steps, 2 stages x 2 servers (not "
-                   "computing), 4 volunteers slowed down 8x; probation: 4 passed checks per server except 'off'. "
-                   "Re-run share: tasks re-run by the servers per task completed. Each configuration ran "
-                   f"{a.repeat} times; the fastest is shown: seconds per step on this machine (2 cores, 17 processes) "
-                   "vary by 2-3x between repeats of one configuration, so the re-run share is the cost to read.")
-    report.add(md_table(["--verify-rate", "s/step (fastest)", "vs off", "every repeat", "re-queued tasks",
-                         "re-run share", "checks", "max honest distance", "banned", "micro-batches", "load"],
-                        [["off" if r["rate"] is None else r["rate"], r["sps"], r["sps"] / cost[0]["sps"],
-                          " / ".join(map(str, r["all_sps"])), " / ".join(map(str, r["requeued"])), r["rerun_share"],
-                          r["checks"], r["max_d"], r["banned"], r["applied"], r["load"]] for r in cost]))
+        cost.append(
+            {
+                "rate": rate,
+                "sps": s["wall_seconds"] / s["steps"],
+                "applied": exactly_once(s),
+                "rerun_share": s["checks"]["tasks_rerun"] / max(s["tasks_completed"], 1),
+                "checks": s["checks"]["checked"],
+                "max_d": max(r["max_honest_distance"] for r in runs),
+                "banned": sum(len(r["banned"]) for r in runs),
+                "load": s["load"],
+                "all_sps": [round(r["wall_seconds"] / r["steps"], 2) for r in runs],
+                "requeued": [r["requeued"] for r in runs],
+            }
+        )
+    report.section(
+        "2. What checking costs an honest run",
+        f"tiny, {a.steps} steps, 2 stages x 2 servers (not "
+        "computing), 4 volunteers slowed down 8x; probation: 4 passed checks per server except 'off'. "
+        "Re-run share: tasks re-run by the servers per task completed. Each configuration ran "
+        f"{a.repeat} times; the fastest is shown: seconds per step on this machine (2 cores, 17 processes) "
+        "vary by 2-3x between repeats of one configuration, so the re-run share is the cost to read.",
+    )
+    report.add(
+        md_table(
+            [
+                "--verify-rate",
+                "s/step (fastest)",
+                "vs off",
+                "every repeat",
+                "re-queued tasks",
+                "re-run share",
+                "checks",
+                "max honest distance",
+                "banned",
+                "micro-batches",
+                "load",
+            ],
+            [
+                [
+                    "off" if r["rate"] is None else r["rate"],
+                    r["sps"],
+                    r["sps"] / cost[0]["sps"],
+                    " / ".join(map(str, r["all_sps"])),
+                    " / ".join(map(str, r["requeued"])),
+                    r["rerun_share"],
+                    r["checks"],
+                    r["max_d"],
+                    r["banned"],
+                    r["applied"],
+                    r["load"],
+                ]
+                for r in cost
+            ],
+        )
+    )
 
     for rate in rates:
         name = f"liar{rate:g}"
         print(f"[{time.strftime('%H:%M:%S')}] {name} (load {loadavg()})", flush=True)
         ckpt = work / f"{name}-ckpt"
-        s = run_swarm(name, SWARM + ["--steps", str(a.steps), "--run-id", f"bt-{name}", "--verify-rate", str(rate),
-                                     "--probation", "1", "--cheater", f"scale@{a.after}", "--checkpoint-out",
-                                     str(ckpt)], work, timeout=a.run_timeout)
-        d = detection(work / name, a.after) | {"rate": rate, "applied": exactly_once(s), "sps": s["wall_seconds"] / s["steps"]}
+        s = run_swarm(
+            name,
+            SWARM
+            + [
+                "--steps",
+                str(a.steps),
+                "--run-id",
+                f"bt-{name}",
+                "--verify-rate",
+                str(rate),
+                "--probation",
+                "1",
+                "--cheater",
+                f"scale@{a.after}",
+                "--checkpoint-out",
+                str(ckpt),
+            ],
+            work,
+            timeout=a.run_timeout,
+        )
+        d = detection(work / name, a.after) | {
+            "rate": rate,
+            "applied": exactly_once(s),
+            "sps": s["wall_seconds"] / s["steps"],
+        }
         d["distance"] = reference_distance(ckpt / "model.safetensors", a.steps, refs)
         detect.append(d)
-    report.section("3. A liar past its probation", f"The same swarm plus `--cheater scale@{a.after}` (honest for "
-                   f"{a.after} tasks, probation: 1 passed check per server): lies it handed in and batches from its "
-                   "first lie until the ban; the final parameters' distance from `peer reference --delay 1`.")
-    report.add(md_table(["--verify-rate", "banned", "lies before the ban", "first lie (batch)", "caught (batch)",
-                         "batches", "distance from reference", "micro-batches", "s/step"],
-                        [[d["rate"], d["banned"], d.get("lies", "-"), d["first_lie_batch"], d["caught_batch"],
-                          d.get("batches", "-"), d["distance"], d["applied"], d["sps"]] for d in detect]))
+    report.section(
+        "3. A liar past its probation",
+        f"The same swarm plus `--cheater scale@{a.after}` (honest for "
+        f"{a.after} tasks, probation: 1 passed check per server): lies it handed in and batches from its "
+        "first lie until the ban; the final parameters' distance from `peer reference --delay 1`.",
+    )
+    report.add(
+        md_table(
+            [
+                "--verify-rate",
+                "banned",
+                "lies before the ban",
+                "first lie (batch)",
+                "caught (batch)",
+                "batches",
+                "distance from reference",
+                "micro-batches",
+                "s/step",
+            ],
+            [
+                [
+                    d["rate"],
+                    d["banned"],
+                    d.get("lies", "-"),
+                    d["first_lie_batch"],
+                    d["caught_batch"],
+                    d.get("batches", "-"),
+                    d["distance"],
+                    d["applied"],
+                    d["sps"],
+                ]
+                for d in detect
+            ],
+        )
+    )
     (work / "results.json").write_text(json.dumps({"cost": cost, "detect": detect}, indent=1))
     out.mkdir(parents=True, exist_ok=True)
     plot(cost, detect, out / "trust.png")

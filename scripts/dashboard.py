@@ -7,6 +7,7 @@ A live terminal view by default; --json prints one snapshot and exits (code 2 wh
 found within --timeout seconds); --serve PORT serves a self-updating page on 127.0.0.1, the snapshot
 at /api/state and Prometheus metrics at /metrics (PORT 0 picks a free port; the address is printed).
 """
+
 from __future__ import annotations
 
 import sys

@@ -21,6 +21,7 @@ soak.png again from those files and prints the memory table from them.
 
     python scripts/soak.py --minutes 30 --out docs/soak
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,35 +45,64 @@ p.add_argument("--minutes", type=float, default=30.0)
 p.add_argument("--volunteers", type=int, default=6)
 p.add_argument("--churn", type=float, default=0.2, help="share of volunteers SIGKILLed and replaced per step")
 p.add_argument("--restart-every", type=float, default=10.0, help="minutes between server restarts")
-p.add_argument("--lose-at", type=float, default=None, help="minute at which a server is lost for good "
-               "(default: a third of --minutes plus 2.5, away from the restarts)")
-p.add_argument("--failover-after", type=float, default=120.0,
-               help="seconds of silence before a server is failed over; longer than a restart takes on a loaded "
-                    "machine (on 2 cores a restart of the small model took over 60 s; default 120)")
-p.add_argument("--servers-compute", choices=["yes", "no"], default="yes",
-               help="servers run a local worker too (the default of peer swarm and peer serve); with 'no' a "
-                    "stage whose volunteers were all just replaced waits for them to load")
-p.add_argument("--restarts", choices=["supervised", "cold"], default="supervised",
-               help="supervised (default): servers run under `peer serve --supervise` and the soak SIGKILLs the "
-                    "server process, which the supervisor forks again (its DHT node, held by the supervisor, lives on); cold: "
-                    "the soak SIGKILLs the whole server and starts a new process, which imports torch and hivemind "
-                    "again (26 s on this machine under the soak's load)")
-p.add_argument("--start-nice", type=int, default=10,
-               help="niceness of a volunteer process until it has joined (then 0; needs root, else 0 throughout): "
-                    "on one machine a new volunteer's start-up (imports, DHT node, model build: about 3 CPU-s) "
-                    "takes the cores the running swarm steps on, where on a network it runs on the volunteer's "
-                    "own machine; 0 turns this off")
+p.add_argument(
+    "--lose-at",
+    type=float,
+    default=None,
+    help="minute at which a server is lost for good (default: a third of --minutes plus 2.5, away from the restarts)",
+)
+p.add_argument(
+    "--failover-after",
+    type=float,
+    default=120.0,
+    help="seconds of silence before a server is failed over; longer than a restart takes on a loaded "
+    "machine (on 2 cores a restart of the small model took over 60 s; default 120)",
+)
+p.add_argument(
+    "--servers-compute",
+    choices=["yes", "no"],
+    default="yes",
+    help="servers run a local worker too (the default of peer swarm and peer serve); with 'no' a "
+    "stage whose volunteers were all just replaced waits for them to load",
+)
+p.add_argument(
+    "--restarts",
+    choices=["supervised", "cold"],
+    default="supervised",
+    help="supervised (default): servers run under `peer serve --supervise` and the soak SIGKILLs the "
+    "server process, which the supervisor forks again (its DHT node, held by the supervisor, lives on); cold: "
+    "the soak SIGKILLs the whole server and starts a new process, which imports torch and hivemind "
+    "again (26 s on this machine under the soak's load)",
+)
+p.add_argument(
+    "--start-nice",
+    type=int,
+    default=10,
+    help="niceness of a volunteer process until it has joined (then 0; needs root, else 0 throughout): "
+    "on one machine a new volunteer's start-up (imports, DHT node, model build: about 3 CPU-s) "
+    "takes the cores the running swarm steps on, where on a network it runs on the volunteer's "
+    "own machine; 0 turns this off",
+)
 p.add_argument("--sample", type=float, default=10.0, help="seconds between samples")
-p.add_argument("--no-fork-processes", action="store_true",
-               help="start each process of the swarm as a new interpreter (peer swarm --no-fork-processes)")
+p.add_argument(
+    "--no-fork-processes",
+    action="store_true",
+    help="start each process of the swarm as a new interpreter (peer swarm --no-fork-processes)",
+)
 p.add_argument("--model", default="small")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--out", default="docs/soak")
 p.add_argument("--work-dir", default="/tmp/hivepipe-soak")
-p.add_argument("--replot", default=None, metavar="DIR",
-               help="only draw DIR/soak.png again from DIR's soak.csv, versions.csv and events.csv (or the "
-                    "summary's events), and print the memory table from them")
-p.add_argument("-v", "--verbose", action="count", default=0, help="the swarm's processes log at INFO (their logs: --work-dir)")
+p.add_argument(
+    "--replot",
+    default=None,
+    metavar="DIR",
+    help="only draw DIR/soak.png again from DIR's soak.csv, versions.csv and events.csv (or the "
+    "summary's events), and print the memory table from them",
+)
+p.add_argument(
+    "-v", "--verbose", action="count", default=0, help="the swarm's processes log at INFO (their logs: --work-dir)"
+)
 args = p.parse_args()
 
 
@@ -141,12 +171,15 @@ class Arrivals:
         later = [r for r in runs if r[0] > 0]
         delays = sorted(j - s for s, j, _ in later if j is not None)
         joined_time = sum(k - j for _, j, k in runs if j is not None)
-        return {"replacements": len(later), "replacements_joined": len(delays),
-                "replacements_killed_before_joining": sum(1 for _, j, k in later if j is None and k < end),
-                "join_s_median": round(statistics.median(delays), 1) if delays else None,
-                "join_s_p90": round(delays[int(0.9 * len(delays))], 1) if delays else None,
-                "kills_of_joined_volunteers": sum(1 for _, j, k in self.done if j is not None),
-                "mean_volunteers_joined": round(joined_time / end, 2) if end > 0 else None}
+        return {
+            "replacements": len(later),
+            "replacements_joined": len(delays),
+            "replacements_killed_before_joining": sum(1 for _, j, k in later if j is None and k < end),
+            "join_s_median": round(statistics.median(delays), 1) if delays else None,
+            "join_s_p90": round(delays[int(0.9 * len(delays))], 1) if delays else None,
+            "kills_of_joined_volunteers": sum(1 for _, j, k in self.done if j is not None),
+            "mean_volunteers_joined": round(joined_time / end, 2) if end > 0 else None,
+        }
 
 
 def launcher_tree():
@@ -199,13 +232,34 @@ async def main() -> dict:
 
     shutil.rmtree(args.work_dir, ignore_errors=True)
     os.makedirs(args.out, exist_ok=True)
-    sargs = build_parser().parse_args([
-        "swarm", "--model", args.model, "--steps", "1000000", "--volunteers", str(args.volunteers),
-        "--servers-per-stage", "4", "--servers-compute", args.servers_compute, "--failover-after", str(args.failover_after),
-        "--client-timeout", "3",
-        "--seed", str(args.seed), "--work-dir", args.work_dir, "--no-progress", "--run-id", f"soak-{os.getpid()}"]
+    sargs = build_parser().parse_args(
+        [
+            "swarm",
+            "--model",
+            args.model,
+            "--steps",
+            "1000000",
+            "--volunteers",
+            str(args.volunteers),
+            "--servers-per-stage",
+            "4",
+            "--servers-compute",
+            args.servers_compute,
+            "--failover-after",
+            str(args.failover_after),
+            "--client-timeout",
+            "3",
+            "--seed",
+            str(args.seed),
+            "--work-dir",
+            args.work_dir,
+            "--no-progress",
+            "--run-id",
+            f"soak-{os.getpid()}",
+        ]
         + (["--supervise-servers"] if args.restarts == "supervised" else [])
-        + (["--no-fork-processes"] if args.no_fork_processes else []))
+        + (["--no-fork-processes"] if args.no_fork_processes else [])
+    )
     sargs.verbose = args.verbose
     cfg, layout, frontal, backward = validate(sargs)
     dht = start_dht([], run_id=sargs.run_id, run_fp=Swarm.run_key(args.work_dir).fingerprint)
@@ -289,8 +343,17 @@ async def main() -> dict:
                     if not procs:
                         continue
                     rss, fds, threads = sample(procs)
-                    rows.append({"t": round(now, 1), "process": name, "pid": procs[0].pid, "rss_mb": round(rss, 1),
-                                 "fds": fds, "threads": threads, "version": version})
+                    rows.append(
+                        {
+                            "t": round(now, 1),
+                            "process": name,
+                            "pid": procs[0].pid,
+                            "rss_mb": round(rss, 1),
+                            "fds": fds,
+                            "threads": threads,
+                            "version": version,
+                        }
+                    )
                 next_sample += args.sample
             await asyncio.sleep(0.5)
         bar.close()
@@ -315,9 +378,21 @@ async def main() -> dict:
     # when each version was reached, from the servers' clocks (their records' step_times): the polled
     # minimum above (for the churn's pace) pauses and jumps whenever a DHT read misses a record
     steps = [(t - t0, v) for v, t in monitor.reached.completed().items() if 0 < v <= final]
-    return {"rows": rows, "events": events, "versions": versions, "steps": steps, "final": final, "state": state,
-            "participation": participation, "t0": t0,
-            "statuses": statuses, "layout": monitor.layout, "started": started, "cfg": cfg, "sargs": sargs}
+    return {
+        "rows": rows,
+        "events": events,
+        "versions": versions,
+        "steps": steps,
+        "final": final,
+        "state": state,
+        "participation": participation,
+        "t0": t0,
+        "statuses": statuses,
+        "layout": monitor.layout,
+        "started": started,
+        "cfg": cfg,
+        "sargs": sargs,
+    }
 
 
 _REGISTERED = re.compile(r"client (\S+) \((v\d+)\) registered")
@@ -359,9 +434,16 @@ def departures(work_dir: str, t0: float, events: list) -> dict | None:
 
     def q(xs, p):
         return round(sorted(xs)[min(len(xs) - 1, int(p * len(xs)))], 2)
-    return {"drops": len(delays), "median_s": q(delays, 0.5), "p90_s": q(delays, 0.9), "p99_s": q(delays, 0.99),
-            "max_s": round(max(delays), 2), "drops_that_requeued": len(with_tasks),
-            "requeued_median_s": q(with_tasks, 0.5) if with_tasks else None}
+
+    return {
+        "drops": len(delays),
+        "median_s": q(delays, 0.5),
+        "p90_s": q(delays, 0.9),
+        "p99_s": q(delays, 0.99),
+        "max_s": round(max(delays), 2),
+        "drops_that_requeued": len(with_tasks),
+        "requeued_median_s": q(with_tasks, 0.5) if with_tasks else None,
+    }
 
 
 def rel_diff(a: dict, b: dict) -> float:
@@ -383,7 +465,9 @@ def plot(rows: list[dict], events: list, versions: list, path: str) -> None:
     for row in rows:
         by_pid.setdefault((row["process"], int(row["pid"])), []).append(row)
     for name, pid in [k for k in by_pid if (f"{k[0]} supervisor", k[1]) in by_pid]:
-        del by_pid[(name, pid)]  # a supervisor sampled under its server's name (soaks before the supervisor kept its node)
+        del by_pid[
+            (name, pid)
+        ]  # a supervisor sampled under its server's name (soaks before the supervisor kept its node)
     # steps per minute in 30 s bins (two versions can be reached a millisecond apart: a rate per
     # gap would spike to tens of thousands)
     bin_s = 30.0
@@ -395,8 +479,12 @@ def plot(rows: list[dict], events: list, versions: list, path: str) -> None:
     rates = [(b - a) * 60 / bin_s for a, b in zip(last_before, last_in)]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     for (name, pid), samples in sorted(by_pid.items()):
-        ax1.plot([float(s["t"]) / 60 for s in samples], [float(s["rss_mb"]) for s in samples], lw=0.8,
-                 label=name if not name.startswith("v") else None)
+        ax1.plot(
+            [float(s["t"]) / 60 for s in samples],
+            [float(s["rss_mb"]) for s in samples],
+            lw=0.8,
+            label=name if not name.startswith("v") else None,
+        )
     ax1.set_ylabel("RSS (MB)")
     ax1.legend(fontsize=7, ncol=4)
     ax2.step([(lo + bin_s) / 60 for lo in bins], rates, where="pre", lw=0.8)
@@ -443,10 +531,14 @@ def rss_growth(rows: list[dict], failover: list[tuple[float, float]]) -> dict:
         started = samples[0]["t"]
         label = f"{name} ({pid})" if started <= 60 else f"{name} ({pid}, started at {started / 60:.1f} min)"
         g = growth[label] = {
-            "rss_mb_at_5min": base[0]["rss_mb"], "rss_mb_end": samples[-1]["rss_mb"],
+            "rss_mb_at_5min": base[0]["rss_mb"],
+            "rss_mb_end": samples[-1]["rss_mb"],
             "growth_pct": round(100 * (samples[-1]["rss_mb"] / base[0]["rss_mb"] - 1), 1),
-            "minute_means_mb": [round(start_mean, 1), round(end_mean, 1)], "growth_pct_of_means": pct(start_mean, end_mean),
-            "fds": [base[0]["fds"], samples[-1]["fds"]], "threads": [base[0]["threads"], samples[-1]["threads"]]}
+            "minute_means_mb": [round(start_mean, 1), round(end_mean, 1)],
+            "growth_pct_of_means": pct(start_mean, end_mean),
+            "fds": [base[0]["fds"], samples[-1]["fds"]],
+            "threads": [base[0]["threads"], samples[-1]["threads"]],
+        }
         if failover and samples[0]["t"] < failover[0][0] and failover[0][1] + 180 < end:
             # the failover moves the lost server's slot (a second replica on the next server), rows
             # and tasks onto the others: a step; what grows after it is what a longer run would add
@@ -481,8 +573,11 @@ def report(r: dict) -> dict:
 
     outside, calm = outside_of(failover), outside_of(failover + restarts)
     # each restart's own stall: the longest gap that overlaps the half minute after its kill
-    restart_stalls = [max((b - a for a, b in zip(times, times[1:]) if t - 1 <= b and a <= t + 30), default=None)
-                      for t, e in r["events"] if e.startswith("restart")]
+    restart_stalls = [
+        max((b - a for a, b in zip(times, times[1:]) if t - 1 <= b and a <= t + 30), default=None)
+        for t, e in r["events"]
+        if e.startswith("restart")
+    ]
     polled_gaps = [b - a for a, b in zip(polled, polled[1:])]
     growth = rss_growth(r["rows"], failover)
     sargs, cfg = r["sargs"], r["cfg"]
@@ -491,8 +586,11 @@ def report(r: dict) -> dict:
     ref, ref_sum = train_reference(cfg, corpus, steps=r["final"], micro_batches=sargs.micro_batches, **run)
     # the floor of any comparison with the reference: the reference against itself with its
     # micro-batches' gradients summed in other groups (the same sum in another floating-point order)
-    other = next(m for m in (sargs.micro_batches // 2, sargs.micro_batches * 2, 1)
-                 if m >= 1 and m != sargs.micro_batches and sargs.batch_size % m == 0)
+    other = next(
+        m
+        for m in (sargs.micro_batches // 2, sargs.micro_batches * 2, 1)
+        if m >= 1 and m != sargs.micro_batches and sargs.batch_size % m == 0
+    )
     regrouped, regrouped_sum = train_reference(cfg, corpus, steps=r["final"], micro_batches=other, **run)
     tokens = sargs.batch_size * cfg.seq_len
     last = r["layout"].stages[-1].servers[0]
@@ -501,29 +599,36 @@ def report(r: dict) -> dict:
     def compare(losses: dict[int, float]) -> dict:
         diffs = [abs(losses[t] - ref_sum["losses"][t]) for t in range(r["final"]) if t in losses]
         tail = [t for t in range(max(r["final"] - 50, 0), r["final"]) if t in losses]
-        return {"max_abs_loss_diff_first_50": max(diffs[:50]),
-                "first_step_loss_diff_over_1e-3": next((t for t, d in enumerate(diffs) if d > 1e-3), None),
-                "mean_loss_last_50": sum(losses[t] for t in tail) / len(tail)}
+        return {
+            "max_abs_loss_diff_first_50": max(diffs[:50]),
+            "first_step_loss_diff_over_1e-3": next((t for t, d in enumerate(diffs) if d > 1e-3), None),
+            "mean_loss_last_50": sum(losses[t] for t in tail) / len(tail),
+        }
 
     applied = sum(r["statuses"][st.servers[0]]["microbatches_applied"] for st in r["layout"].stages)
     summary = {
-        "minutes": args.minutes, "servers_compute": args.servers_compute, "restarts": args.restarts,
+        "minutes": args.minutes,
+        "servers_compute": args.servers_compute,
+        "restarts": args.restarts,
         "steps": r["final"],
         # at the status call, after the steps compared (the run goes on until the swarm is stopped)
         "microbatches_applied": applied,
         "microbatches_expected": sum(r["statuses"][st.servers[0]]["version"] for st in r["layout"].stages)
         * sargs.micro_batches,
-        "median_step_s": round(median, 2), "longest_stall_s": round(max(gaps), 1) if gaps else None,
+        "median_step_s": round(median, 2),
+        "longest_stall_s": round(max(gaps), 1) if gaps else None,
         "longest_stall_outside_failover_s": round(max(outside), 1) if outside else None,
         "longest_stall_outside_failover_and_restarts_s": round(max(calm), 1) if calm else None,
         "restart_stalls_s": [round(x, 1) if x is not None else None for x in restart_stalls],
         "step_times_from": "servers' step_times" if r["steps"] else "polled minimum version",
         "longest_stall_polled_s": round(max(polled_gaps), 1) if polled_gaps else None,
         "median_step_polled_s": round(statistics.median(polled_gaps), 2) if polled_gaps else None,
-        "longest_stalls": sorted(([round(a), round(b - a, 1)] for a, b in zip(times, times[1:])),
-                                 key=lambda x: -x[1])[:6],  # [second it began, seconds]
+        "longest_stalls": sorted(([round(a), round(b - a, 1)] for a, b in zip(times, times[1:])), key=lambda x: -x[1])[
+            :6
+        ],  # [second it began, seconds]
         "rel_diff_vs_reference": rel_diff(r["state"], ref),
-        "rel_diff_reference_regrouped": rel_diff(regrouped, ref), "regrouped_micro_batches": other,
+        "rel_diff_reference_regrouped": rel_diff(regrouped, ref),
+        "regrouped_micro_batches": other,
         "swarm_vs_reference": compare(swarm_losses),
         "regrouped_vs_reference": compare(dict(enumerate(regrouped_sum["losses"]))),
         "reference_mean_loss_last_50": compare(dict(enumerate(ref_sum["losses"])))["mean_loss_last_50"],
@@ -536,8 +641,10 @@ def report(r: dict) -> dict:
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    for name, header, data in (("versions.csv", ["t", "version"], r["steps"] or r["versions"]),
-                               ("events.csv", ["t", "event"], r["events"])):
+    for name, header, data in (
+        ("versions.csv", ["t", "version"], r["steps"] or r["versions"]),
+        ("events.csv", ["t", "event"], r["events"]),
+    ):
         with open(os.path.join(args.out, name), "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(header)
@@ -547,15 +654,19 @@ def report(r: dict) -> dict:
 
 
 def print_growth(growth: dict) -> None:
-    print("| long-lived process | RSS at 5 min (MB) | RSS at end (MB) | growth | minute means (MB) | growth of "
-          "means | failover step | growth after failover | fds | threads |")
+    print(
+        "| long-lived process | RSS at 5 min (MB) | RSS at end (MB) | growth | minute means (MB) | growth of "
+        "means | failover step | growth after failover | fds | threads |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, g in sorted(growth.items()):
         step, after = g.get("failover_step_pct"), g.get("growth_after_failover_pct")
-        print(f"| {name} | {g['rss_mb_at_5min']} | {g['rss_mb_end']} | {g['growth_pct']}% | "
-              f"{g['minute_means_mb'][0]} -> {g['minute_means_mb'][1]} | {g['growth_pct_of_means']}% | "
-              f"{'-' if step is None else f'{step}%'} | {'-' if after is None else f'{after}%'} | "
-              f"{g['fds'][0]} -> {g['fds'][1]} | {g['threads'][0]} -> {g['threads'][1]} |")
+        print(
+            f"| {name} | {g['rss_mb_at_5min']} | {g['rss_mb_end']} | {g['growth_pct']}% | "
+            f"{g['minute_means_mb'][0]} -> {g['minute_means_mb'][1]} | {g['growth_pct_of_means']}% | "
+            f"{'-' if step is None else f'{step}%'} | {'-' if after is None else f'{after}%'} | "
+            f"{g['fds'][0]} -> {g['fds'][1]} | {g['threads'][0]} -> {g['threads'][1]} |"
+        )
 
 
 def replot(folder: str) -> None:
@@ -569,8 +680,17 @@ def replot(folder: str) -> None:
     else:
         with open(os.path.join(folder, "summary.json")) as f:
             events = [(float(t), e) for t, e in json.load(f)["events"]]
-    samples = [{"t": float(row["t"]), "process": row["process"], "pid": int(row["pid"]), "rss_mb": float(row["rss_mb"]),
-                "fds": int(row["fds"]), "threads": int(row["threads"])} for row in read("soak.csv")]
+    samples = [
+        {
+            "t": float(row["t"]),
+            "process": row["process"],
+            "pid": int(row["pid"]),
+            "rss_mb": float(row["rss_mb"]),
+            "fds": int(row["fds"]),
+            "threads": int(row["threads"]),
+        }
+        for row in read("soak.csv")
+    ]
     plot(samples, events, versions, os.path.join(folder, "soak.png"))
     # the memory table again, from the samples (a soak's summary.json predates a later change of it)
     lose_t = next((t for t, e in events if e.startswith("lose")), None)
@@ -582,34 +702,48 @@ if __name__ == "__main__" and args.replot:
 elif __name__ == "__main__":
     result = asyncio.run(main())
     s = report(result)
-    print("| steps | micro-batches applied / expected | median step | longest stall: all / outside failover / "
-          "outside failover and restarts | final params vs reference (reference vs itself regrouped) |")
+    print(
+        "| steps | micro-batches applied / expected | median step | longest stall: all / outside failover / "
+        "outside failover and restarts | final params vs reference (reference vs itself regrouped) |"
+    )
     print("| --- | --- | --- | --- | --- |")
-    print(f"| {s['steps']} | {s['microbatches_applied']} / {s['microbatches_expected']} | {s['median_step_s']} s | "
-          f"{s['longest_stall_s']} / {s['longest_stall_outside_failover_s']} / "
-          f"{s['longest_stall_outside_failover_and_restarts_s']} s | {s['rel_diff_vs_reference']:.2e} "
-          f"({s['rel_diff_reference_regrouped']:.2e}) |")
-    print(f"\nstep times from the {s['step_times_from']}; each restart's stall: {s['restart_stalls_s']} s; "
-          f"polled minimum version: median {s['median_step_polled_s']} s, longest gap {s['longest_stall_polled_s']} s")
+    print(
+        f"| {s['steps']} | {s['microbatches_applied']} / {s['microbatches_expected']} | {s['median_step_s']} s | "
+        f"{s['longest_stall_s']} / {s['longest_stall_outside_failover_s']} / "
+        f"{s['longest_stall_outside_failover_and_restarts_s']} s | {s['rel_diff_vs_reference']:.2e} "
+        f"({s['rel_diff_reference_regrouped']:.2e}) |"
+    )
+    print(
+        f"\nstep times from the {s['step_times_from']}; each restart's stall: {s['restart_stalls_s']} s; "
+        f"polled minimum version: median {s['median_step_polled_s']} s, longest gap {s['longest_stall_polled_s']} s"
+    )
     print()
-    print("| per-step loss vs the reference | max abs diff, first 50 steps | first step off by > 1e-3 | "
-          "mean loss, last 50 steps |")
+    print(
+        "| per-step loss vs the reference | max abs diff, first 50 steps | first step off by > 1e-3 | "
+        "mean loss, last 50 steps |"
+    )
     print("| --- | --- | --- | --- |")
     for name in ("swarm_vs_reference", "regrouped_vs_reference"):
         c = s[name]
-        print(f"| {name.split('_vs_')[0]} | {c['max_abs_loss_diff_first_50']:.2e} | "
-              f"{c['first_step_loss_diff_over_1e-3']} | {c['mean_loss_last_50']:.4f} |")
+        print(
+            f"| {name.split('_vs_')[0]} | {c['max_abs_loss_diff_first_50']:.2e} | "
+            f"{c['first_step_loss_diff_over_1e-3']} | {c['mean_loss_last_50']:.4f} |"
+        )
     print(f"| reference | 0 | - | {s['reference_mean_loss_last_50']:.4f} |")
     print()
     print_growth(s["rss_growth"])
     print(f"\nevents: {s['events']}; {s['volunteer_kills']} volunteers SIGKILLed")
     v = s["volunteers"]
-    print(f"volunteers: {v['replacements']} replacements started, {v['replacements_joined']} joined (start to joined: "
-          f"median {v['join_s_median']} s, 90th percentile {v['join_s_p90']} s), {v['replacements_killed_before_joining']} "
-          f"killed before joining; {v['kills_of_joined_volunteers']} kills hit a joined volunteer; "
-          f"{v['mean_volunteers_joined']} volunteers joined at a time on average")
+    print(
+        f"volunteers: {v['replacements']} replacements started, {v['replacements_joined']} joined (start to joined: "
+        f"median {v['join_s_median']} s, 90th percentile {v['join_s_p90']} s), {v['replacements_killed_before_joining']} "
+        f"killed before joining; {v['kills_of_joined_volunteers']} kills hit a joined volunteer; "
+        f"{v['mean_volunteers_joined']} volunteers joined at a time on average"
+    )
     d = s.get("departures")
     if d:
-        print(f"departures: {d['drops']} drops of a killed volunteer by a server, kill to drop median {d['median_s']} s, "
-              f"90th percentile {d['p90_s']} s, 99th {d['p99_s']} s, longest {d['max_s']} s; "
-              f"{d['drops_that_requeued']} re-queued tasks (median {d['requeued_median_s']} s)")
+        print(
+            f"departures: {d['drops']} drops of a killed volunteer by a server, kill to drop median {d['median_s']} s, "
+            f"90th percentile {d['p90_s']} s, 99th {d['p99_s']} s, longest {d['max_s']} s; "
+            f"{d['drops_that_requeued']} re-queued tasks (median {d['requeued_median_s']} s)"
+        )

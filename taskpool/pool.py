@@ -80,8 +80,20 @@ class _Entry:
     ``open_at`` is when a preferred task becomes open to everyone.
     """
 
-    __slots__ = ("task", "key", "state", "lease", "attempts", "holders", "timeout", "added_at", "open_at",
-                 "leased_at", "shun", "shun_until")
+    __slots__ = (
+        "task",
+        "key",
+        "state",
+        "lease",
+        "attempts",
+        "holders",
+        "timeout",
+        "added_at",
+        "open_at",
+        "leased_at",
+        "shun",
+        "shun_until",
+    )
 
     def __init__(self, task: Task, key: int, timeout: float, now: float, grace: float) -> None:
         self.task = task
@@ -115,29 +127,43 @@ class TaskPool:
     the median client's; see :mod:`taskpool.speed`.
     """
 
-    def __init__(self, *, clock: Callable[[], float], default_timeout: float = 30.0,
-                 max_leases_per_client: int = 1, preference_grace: float = 1.0,
-                 throughput_halflife: float = 30.0, start_leases: int | None = None,
-                 probation_factor: float | None = None, probation_floor: float = 1.0) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        default_timeout: float = 30.0,
+        max_leases_per_client: int = 1,
+        preference_grace: float = 1.0,
+        throughput_halflife: float = 30.0,
+        start_leases: int | None = None,
+        probation_factor: float | None = None,
+        probation_floor: float = 1.0,
+    ) -> None:
         if not callable(clock):
             raise TaskPoolError(f"clock must be callable, got {clock!r}")
         self._default_timeout = check_positive("default_timeout", default_timeout)
-        if (isinstance(max_leases_per_client, bool) or not isinstance(max_leases_per_client, int)
-                or max_leases_per_client < 1):
-            raise TaskPoolError(
-                f"max_leases_per_client must be an int >= 1, got {max_leases_per_client!r}")
+        if (
+            isinstance(max_leases_per_client, bool)
+            or not isinstance(max_leases_per_client, int)
+            or max_leases_per_client < 1
+        ):
+            raise TaskPoolError(f"max_leases_per_client must be an int >= 1, got {max_leases_per_client!r}")
         if preference_grace != 0:
             check_positive("preference_grace", preference_grace)
         self._clock = clock
         self._k = max_leases_per_client
-        if start_leases is not None and (isinstance(start_leases, bool) or not isinstance(start_leases, int)
-                                         or start_leases < 1):
+        if start_leases is not None and (
+            isinstance(start_leases, bool) or not isinstance(start_leases, int) or start_leases < 1
+        ):
             raise TaskPoolError(f"start_leases must be an int >= 1, got {start_leases!r}")
         if probation_factor is not None:
             check_positive("probation_factor", probation_factor)
-        self._standing = Standing(start=start_leases, most=max_leases_per_client,
-                                  probation_factor=probation_factor,
-                                  probation_floor=check_positive("probation_floor", probation_floor))
+        self._standing = Standing(
+            start=start_leases,
+            most=max_leases_per_client,
+            probation_factor=probation_factor,
+            probation_floor=check_positive("probation_floor", probation_floor),
+        )
         self._grace = float(preference_grace)
         self._speed = SpeedBook(check_positive("throughput_halflife", throughput_halflife))
         self._clients = self._speed.clients
@@ -180,8 +206,7 @@ class TaskPool:
         self._seq = seq
         batch, micro, forward = priority(task.batch, task.micro_batch, task.kind)
         key = (((batch << _MB_BITS | micro) << 1 | forward) << _SEQ_BITS) | seq
-        entry = _Entry(task, key, self._default_timeout if task.timeout is None else task.timeout,
-                       now, self._grace)
+        entry = _Entry(task, key, self._default_timeout if task.timeout is None else task.timeout, now, self._grace)
         self._tasks[tid] = entry
         self._by_key[key] = entry
         self._added += 1
@@ -207,8 +232,10 @@ class TaskPool:
             heappop(heap)
         else:
             entry = None
-        if entry is not None and ((entry.shun == client and now < entry.shun_until) or
-                                  (now < entry.open_at + self._grace and self._standing.waits(client))):
+        if entry is not None and (
+            (entry.shun == client and now < entry.shun_until)
+            or (now < entry.open_at + self._grace and self._standing.waits(client))
+        ):
             # a task whose lease this client let run out goes to others first; a newly open task goes to
             # the clients that have delivered first (taskpool/standing.py); its own preferred tasks it may take
             entry = None
@@ -325,8 +352,7 @@ class TaskPool:
         if lease is None:
             raise TaskPoolError(f"fail: task {task_id!r} is queued, {client!r} holds no lease of it")
         if lease.client != client:
-            raise TaskPoolError(
-                f"fail: task {task_id!r} is leased to {lease.client!r}, not to {client!r}")
+            raise TaskPoolError(f"fail: task {task_id!r} is leased to {lease.client!r}, not to {client!r}")
         self._requeue(entry, self._clock())
 
     def reclaim(self, client: str, holding, min_age: float) -> list[Task]:
@@ -524,8 +550,12 @@ class TaskPool:
             "added": self._added,
             "oldest_queued_age": max(0.0, now - oldest[0][0]) if oldest else 0.0,
             "clients": {
-                name: {"throughput": rec.rate(now, decay) or 0.0, "done": rec.done,
-                       "leases": len(rec.leases), "allowance": self._standing.allowance(name)}
+                name: {
+                    "throughput": rec.rate(now, decay) or 0.0,
+                    "done": rec.done,
+                    "leases": len(rec.leases),
+                    "allowance": self._standing.allowance(name),
+                }
                 for name, rec in self._clients.items()
             },
         }
@@ -546,8 +576,10 @@ class TaskPool:
         else:
             entry.state = _OPEN
             heappush(self._open, key)
-        if (len(self._open) + len(self._oldest) + len(self._pending) + self._pref_items
-                > _SLACK * (len(self._tasks) - self._leased) + self._min_stale):
+        if (
+            len(self._open) + len(self._oldest) + len(self._pending) + self._pref_items
+            > _SLACK * (len(self._tasks) - self._leased) + self._min_stale
+        ):
             self._compact_queues()
 
     def _push_open(self, entry: _Entry) -> None:
@@ -596,9 +628,11 @@ class TaskPool:
     def _compact_deadlines(self) -> None:
         get = self._by_key.get
         heap = self._deadlines
-        heap[:] = [item for item in heap
-                   if (e := get(item[1])) is not None and e.state == _LEASED
-                   and e.lease.deadline == item[0]]
+        heap[:] = [
+            item
+            for item in heap
+            if (e := get(item[1])) is not None and e.state == _LEASED and e.lease.deadline == item[0]
+        ]
         heapify(heap)
 
     def _compact_queues(self) -> None:
@@ -609,8 +643,7 @@ class TaskPool:
             heapify(heap)
 
         def keep_timed(heap: list, lo: int, hi: int) -> None:
-            heap[:] = [item for item in heap
-                       if (e := get(item[1])) is not None and lo <= e.state <= hi]
+            heap[:] = [item for item in heap if (e := get(item[1])) is not None and lo <= e.state <= hi]
             heapify(heap)
 
         keep(self._open, _OPEN)

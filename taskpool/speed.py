@@ -38,8 +38,7 @@ class ClientRecord:
     (insertion ordered); it is the only place a client's leases are listed.
     """
 
-    __slots__ = ("t0", "last", "s", "done", "leases", "seed", "factor", "factor_time",
-                 "factor_version")
+    __slots__ = ("t0", "last", "s", "done", "leases", "seed", "factor", "factor_time", "factor_version")
 
     def __init__(self, now: float) -> None:
         self.t0 = now
@@ -90,8 +89,18 @@ class SpeedBook:
     (a first completion, a seed, a client leaving); the cached medians depend on it.
     """
 
-    __slots__ = ("clients", "decay", "refresh", "version",
-                 "_rate_median", "_rate_key", "_rate_time", "_seed_median", "_seed_key", "any_speed")
+    __slots__ = (
+        "clients",
+        "decay",
+        "refresh",
+        "version",
+        "_rate_median",
+        "_rate_key",
+        "_rate_time",
+        "_seed_median",
+        "_seed_key",
+        "any_speed",
+    )
 
     def __init__(self, halflife: float) -> None:
         self.clients: dict[str, ClientRecord] = {}
@@ -130,8 +139,7 @@ class SpeedBook:
         return rec
 
     def rate_median(self, now: float) -> float | None:
-        if (self._rate_key != self.version or now - self._rate_time >= self.refresh
-                or now < self._rate_time):
+        if self._rate_key != self.version or now - self._rate_time >= self.refresh or now < self._rate_time:
             decay = self.decay
             rates = [r for rec in self.clients.values() if (r := rec.rate(now, decay))]
             self._rate_median = median(rates)
@@ -141,8 +149,7 @@ class SpeedBook:
 
     def seed_median(self) -> float | None:
         if self._seed_key != self.version:
-            self._seed_median = median(
-                [rec.seed for rec in self.clients.values() if rec.seed is not None])
+            self._seed_median = median([rec.seed for rec in self.clients.values() if rec.seed is not None])
             self._seed_key = self.version
         return self._seed_median
 

@@ -27,11 +27,21 @@ TYPICAL_WEIGHT = 0.2  # weight of the newest lease in the typical lease's averag
 
 
 class Standing:
-    __slots__ = ("earning", "start", "most", "probation_factor", "probation_floor", "typical", "_allow",
-                 "_strikes", "_proven")
+    __slots__ = (
+        "earning",
+        "start",
+        "most",
+        "probation_factor",
+        "probation_floor",
+        "typical",
+        "_allow",
+        "_strikes",
+        "_proven",
+    )
 
-    def __init__(self, *, start: int | None, most: int, probation_factor: float | None = None,
-                 probation_floor: float = 1.0) -> None:
+    def __init__(
+        self, *, start: int | None, most: int, probation_factor: float | None = None, probation_floor: float = 1.0
+    ) -> None:
         self.earning = start is not None  # leases are earned (else every client may hold `most`)
         self.start = most if start is None else max(1, min(start, most))
         self.most = most
@@ -57,8 +67,7 @@ class Standing:
             del self._strikes[client]
         self._proven.add(client)
         held_for = max(0.0, held_for)
-        self.typical = held_for if self.typical is None else \
-            self.typical + TYPICAL_WEIGHT * (held_for - self.typical)
+        self.typical = held_for if self.typical is None else self.typical + TYPICAL_WEIGHT * (held_for - self.typical)
 
     def expired(self, client: str) -> int:
         """A lease of the client ran out unanswered; returns its strikes now."""

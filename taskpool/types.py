@@ -80,8 +80,7 @@ class Task:
         if not isinstance(self.task_id, str) or not self.task_id:
             raise TaskPoolError(f"task_id must be a non-empty str, got {self.task_id!r}")
         if self.kind not in KINDS:
-            raise TaskPoolError(
-                f"task {self.task_id!r}: kind must be 'forward' or 'backward', got {self.kind!r}")
+            raise TaskPoolError(f"task {self.task_id!r}: kind must be 'forward' or 'backward', got {self.kind!r}")
         tid = self.task_id
         _check_index(tid, "batch", self.batch)
         _check_index(tid, "micro_batch", self.micro_batch, MICRO_BATCH_LIMIT)
@@ -95,8 +94,8 @@ class Task:
             raise TaskPoolError(f"task {self.task_id!r}: empty row range {rows!r} (need lo < hi)")
         if self.preferred_client is not None and not isinstance(self.preferred_client, str):
             raise TaskPoolError(
-                f"task {self.task_id!r}: preferred_client must be a str or None, "
-                f"got {self.preferred_client!r}")
+                f"task {self.task_id!r}: preferred_client must be a str or None, got {self.preferred_client!r}"
+            )
         if self.timeout is not None:
             check_positive(f"task {self.task_id!r}: timeout", self.timeout)
 

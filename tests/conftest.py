@@ -7,12 +7,21 @@
 
 The reference run every equality test compares with is computed once per test run and argument set
 (tests/swarm/harness.py `reference_state`)."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
-TIERS = {"taskpool": "unit", "scheduler": "unit", "model": "unit", "protocol": "unit", "hf": "unit",
-         "swarm": "swarm", "dashboard": "swarm", "net": "net"}
+TIERS = {
+    "taskpool": "unit",
+    "scheduler": "unit",
+    "model": "unit",
+    "protocol": "unit",
+    "hf": "unit",
+    "swarm": "swarm",
+    "dashboard": "swarm",
+    "net": "net",
+}
 
 
 def pytest_configure(config):

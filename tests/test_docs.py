@@ -1,5 +1,6 @@
 """The README and docs/ are for users: every link resolves inside the repository, the README stays a
 short front door, and neither narrates the work's history (git log does)."""
+
 from __future__ import annotations
 
 import re

@@ -5,6 +5,7 @@ per step; and what blocks it.
 Rooms: snapshot.py (the pure model of a run), reader.py (the DHT and the polling Watcher),
 terminal.py (rich view), web.py (page, /api/state) with static/index.html, metrics.py (Prometheus
 through prometheus_client), cli.py (the command line of scripts/dashboard.py)."""
+
 from peer.dashboard.cli import main
 
 __all__ = ["main"]

@@ -1,5 +1,6 @@
 """The dashboard's command line (scripts/dashboard.py): a live terminal view, one JSON snapshot
 (`--json`), or the web page (`--serve PORT`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -43,23 +44,52 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dashboard.py",
         description="Status of a hivepipe run, read from its DHT records: stages, servers, volunteers, "
-                    "task pools, progress and what blocks the run.")
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
-                   help="multiaddrs of DHT peers (e.g. the initial_peers=... line printed by `peer swarm`)")
-    p.add_argument("--run-id", default=DEFAULT_RUN_ID, metavar="NAME[@FINGERPRINT]",
-                   help=f"the run to show (default {DEFAULT_RUN_ID!r}, the default of `peer swarm`; `peer serve` and `peer join` "
-                        "default to 'hivepipe'; the DHT cannot list runs, so there is no discovery), with @FINGERPRINT "
-                        "(the run= line of `peer serve` and `peer swarm`) to believe only the records its run key signed")
+        "task pools, progress and what blocks the run.",
+    )
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=True,
+        metavar="MADDR",
+        help="multiaddrs of DHT peers (e.g. the initial_peers=... line printed by `peer swarm`)",
+    )
+    p.add_argument(
+        "--run-id",
+        default=DEFAULT_RUN_ID,
+        metavar="NAME[@FINGERPRINT]",
+        help=f"the run to show (default {DEFAULT_RUN_ID!r}, the default of `peer swarm`; `peer serve` and `peer join` "
+        "default to 'hivepipe'; the DHT cannot list runs, so there is no discovery), with @FINGERPRINT "
+        "(the run= line of `peer serve` and `peer swarm`) to believe only the records its run key signed",
+    )
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--json", action="store_true", help="print one JSON snapshot and exit (three reads an announce period apart, merged: one DHT read can miss a record)")
-    mode.add_argument("--serve", type=_port, default=None, metavar="PORT",
-                      help="serve a web page, /api/state (JSON) and /metrics (Prometheus) on 127.0.0.1:PORT "
-                           "(0: any free port; the address is printed)")
+    mode.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON snapshot and exit (three reads an announce period apart, merged: one DHT read can miss a record)",
+    )
+    mode.add_argument(
+        "--serve",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve a web page, /api/state (JSON) and /metrics (Prometheus) on 127.0.0.1:PORT "
+        "(0: any free port; the address is printed)",
+    )
     p.add_argument("--refresh", type=_positive, default=2.0, metavar="S", help="seconds between DHT reads (default 2)")
-    p.add_argument("--timeout", type=_positive, default=10.0, metavar="S",
-                   help="--json: seconds to wait for the run to appear before exiting with code 2 (default 10)")
-    p.add_argument("--stale-periods", type=_positive, default=3.0, metavar="N",
-                   help="a live record older than N announce periods shows as unreachable (default 3)")
+    p.add_argument(
+        "--timeout",
+        type=_positive,
+        default=10.0,
+        metavar="S",
+        help="--json: seconds to wait for the run to appear before exiting with code 2 (default 10)",
+    )
+    p.add_argument(
+        "--stale-periods",
+        type=_positive,
+        default=3.0,
+        metavar="N",
+        help="a live record older than N announce periods shows as unreachable (default 3)",
+    )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
     return p
 
@@ -83,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.debug("joining the DHT failed", exc_info=True)
         print(f"dashboard: error: cannot join the DHT through {' '.join(args.initial_peers)}: {e}", file=sys.stderr)
         return 2
+
     def on_sigterm(signum, frame):  # SIGTERM stops the dashboard as Ctrl-C does
         raise KeyboardInterrupt
 
@@ -107,8 +138,10 @@ def one_shot(reader: DhtReader, args) -> int:
         if run_found(config, stages):
             break
         if time.monotonic() > deadline:
-            print(f"dashboard: error: no run {args.run_id!r} found in the DHT after {args.timeout:g} s {RUN_ID_HINT}",
-                  file=sys.stderr)
+            print(
+                f"dashboard: error: no run {args.run_id!r} found in the DHT after {args.timeout:g} s {RUN_ID_HINT}",
+                file=sys.stderr,
+            )
             return 2
         time.sleep(0.5)
     # one read can miss a record (see merge_reads): read again over two announce periods, keep the latest
@@ -120,7 +153,6 @@ def one_shot(reader: DhtReader, args) -> int:
         reads.append(reader.fetch())
         rejected += [r for r in reader.rejected if r not in rejected]
     config, stages = merge_reads(reads)
-    snap = build_snapshot(args.run_id, config, stages, time.time(), stale_periods=args.stale_periods,
-                          rejected=rejected)
+    snap = build_snapshot(args.run_id, config, stages, time.time(), stale_periods=args.stale_periods, rejected=rejected)
     print(to_json(snap, indent=2), flush=True)
     return 0

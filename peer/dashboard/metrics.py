@@ -2,6 +2,7 @@
 the current snapshot into gauge families (every metric is a gauge, labelled by run id and the
 stage, role, device, peer and state it concerns), written in the text exposition format 0.0.4.
 Must not read the DHT."""
+
 from __future__ import annotations
 
 import math
@@ -69,9 +70,20 @@ class SnapshotCollector:
         add("hivepipe_run_found", 0 if h["status"] == "not_found" else 1)
         add("hivepipe_health_ok", 1 if h["ok"] else 0)
         add("hivepipe_run_stopped", 1 if h.get("stopped") else 0)
-        for key in ("step", "steps", "tokens_per_second", "seconds_per_step", "predicted_seconds_per_step",
-                    "microbatches_applied", "microbatches_expected", "volunteers_live", "volunteers_joined",
-                    "volunteers_lost", "volunteers_banned", "checks"):
+        for key in (
+            "step",
+            "steps",
+            "tokens_per_second",
+            "seconds_per_step",
+            "predicted_seconds_per_step",
+            "microbatches_applied",
+            "microbatches_expected",
+            "volunteers_live",
+            "volunteers_joined",
+            "volunteers_lost",
+            "volunteers_banned",
+            "checks",
+        ):
             add(f"hivepipe_{key}", p[key])
         add("hivepipe_loss", p["last_loss"])
         add("hivepipe_malformed_records", len(snap["malformed"]))

@@ -1,6 +1,7 @@
 """Reading the run from the DHT: a client-mode node (it dials out only and stores nothing) that
 fetches the run's keys, and the Watcher that polls it on its own thread so that readers (HTTP
 handlers) never touch the DHT. Must not compute or render the snapshot's contents."""
+
 from __future__ import annotations
 
 import logging
@@ -55,8 +56,9 @@ class DhtReader:
             config, dropped = open_config(self.trust, self._get(config_key(self.run_id)))
         except AmbiguousRunKey as e:
             config, dropped = None, [("-", str(e))]
-        self.rejected += [{"stage": None, "peer": fp, "short": fp[-8:], "reason": f"config dropped: {why}"}
-                          for fp, why in dropped]
+        self.rejected += [
+            {"stage": None, "peer": fp, "short": fp[-8:], "reason": f"config dropped: {why}"} for fp, why in dropped
+        ]
         n = stage_count(config)
         if n is not None:
             stages = [self._stage(k) for k in range(n)]
@@ -67,9 +69,15 @@ class DhtReader:
                 if value is None:
                     break
                 stages.append(value)
-        self.rejected += [{"stage": None, "peer": r["subkey"], "short": r["subkey"][-8:],
-                           "reason": f"dropped by this node's validator at {r['key']}: {r['reason']}"}
-                          for r in self.dht.run_coroutine(validator_rejections)]
+        self.rejected += [
+            {
+                "stage": None,
+                "peer": r["subkey"],
+                "short": r["subkey"][-8:],
+                "reason": f"dropped by this node's validator at {r['key']}: {r['reason']}",
+            }
+            for r in self.dht.run_coroutine(validator_rejections)
+        ]
         return config, stages
 
     def shutdown(self) -> None:
@@ -111,12 +119,22 @@ class Watcher:
             problem = f"reading the DHT failed: {e!r}"
             with self.lock:
                 last = getattr(self, "snapshot", None)
-            snap = dict(last) if last is not None else \
-                build_snapshot(self.run_id, None, [], time.time(), stale_periods=self.stale_periods)
+            snap = (
+                dict(last)
+                if last is not None
+                else build_snapshot(self.run_id, None, [], time.time(), stale_periods=self.stale_periods)
+            )
             snap["errors"] = [problem] + [m for m in snap["errors"] if not m.startswith("reading the DHT failed")]
         else:
-            snap = build_snapshot(self.run_id, config, stages, time.time(), history=self.history,
-                                  stale_periods=self.stale_periods, rejected=self.reader.rejected)
+            snap = build_snapshot(
+                self.run_id,
+                config,
+                stages,
+                time.time(),
+                history=self.history,
+                stale_periods=self.stale_periods,
+                rejected=self.reader.rejected,
+            )
         with self.lock:
             self.snapshot = snap
         return snap

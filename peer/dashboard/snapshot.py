@@ -2,6 +2,7 @@
 config record and one map of peer records per stage) and the time, so it is tested without a DHT;
 `History` is what a long-running dashboard remembers between snapshots (vanished peers, when steps
 were seen, past losses). Must not read the DHT or render anything."""
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,21 @@ logger = logging.getLogger("hivepipe.dashboard")
 # hivemind cannot list the keys it stores, so a run cannot be discovered: the default is the one
 # `peer swarm` uses (`peer serve` and `peer join` default to "hivepipe")
 DEFAULT_RUN_ID = "swarm"
-RUN_ID_HINT = (f"(check --run-id: `peer swarm` uses {DEFAULT_RUN_ID!r} by default, `peer serve` and `peer join` "
-               "use 'hivepipe')")
+RUN_ID_HINT = (
+    f"(check --run-id: `peer swarm` uses {DEFAULT_RUN_ID!r} by default, `peer serve` and `peer join` use 'hivepipe')"
+)
 LIVE_STATES = ("online", "joining")
 POOL_FIELDS = ("queued", "leased", "done", "requeued", "duplicates", "oldest_queued_age")
-STATS_FIELDS = ("microbatches_applied", "duplicates", "requeued", "clients", "clients_joined", "clients_left",
-                "checked", "banned")
+STATS_FIELDS = (
+    "microbatches_applied",
+    "duplicates",
+    "requeued",
+    "clients",
+    "clients_joined",
+    "clients_left",
+    "checked",
+    "banned",
+)
 MAX_PROBED_STAGES = 64  # without a usable config, stage keys are read until the first empty one
 RATE_WINDOW = 8  # steps over which seconds per step are measured
 
@@ -122,7 +132,7 @@ class History:
     @staticmethod
     def seconds_per_step(seen: list[tuple[float, int]]) -> float | None:
         # the first entry is when the dashboard started watching, not when that step was reached
-        changes = seen[1:][-(RATE_WINDOW + 1):]
+        changes = seen[1:][-(RATE_WINDOW + 1) :]
         if len(changes) < 2:
             return None
         (t0, v0), (t1, v1) = changes[0], changes[-1]
@@ -139,7 +149,7 @@ def _seconds_per_step(recs: list[dict]) -> tuple[float | None, float | None]:
     common = sorted(set.intersection(*(set(m) for m in maps)))
     if not common:
         return None, None
-    reached = {v: max(m[v] for m in maps) for v in common[-(RATE_WINDOW + 1):]}
+    reached = {v: max(m[v] for m in maps) for v in common[-(RATE_WINDOW + 1) :]}
     last = max(reached.values())
     if len(reached) < 2:
         return None, last
@@ -150,37 +160,74 @@ def _seconds_per_step(recs: list[dict]) -> tuple[float | None, float | None]:
 
 def _pool(rec: dict) -> dict:
     pool, stats = rec.get("pool", {}), rec.get("stats", {})
-    return {"queued": pool.get("queued"), "leased": pool.get("leased"), "done": pool.get("done"),
-            "requeued": pool.get("requeued"),
-            # the server's count covers its pool, its shard and its relays; the pool's own is a part of it
-            "duplicates": stats.get("duplicates", pool.get("duplicates")),
-            "oldest_task_age": pool.get("oldest_queued_age")}
+    return {
+        "queued": pool.get("queued"),
+        "leased": pool.get("leased"),
+        "done": pool.get("done"),
+        "requeued": pool.get("requeued"),
+        # the server's count covers its pool, its shard and its relays; the pool's own is a part of it
+        "duplicates": stats.get("duplicates", pool.get("duplicates")),
+        "oldest_task_age": pool.get("oldest_queued_age"),
+    }
 
 
-def _server_entry(peer: str | None, rec: dict | None, now: float, stale_after: float, device: str = "",
-                  role: str = "") -> dict:
+def _server_entry(
+    peer: str | None, rec: dict | None, now: float, stale_after: float, device: str = "", role: str = ""
+) -> dict:
     if rec is None:  # named by the layout, never seen
-        return {"device": device, "role": role, "peer": None, "short": "-", "state": "unreachable",
-                "announced_state": None, "version": None, "last_seen": None, "compute": None,
-                "microbatches_applied": None, "clients": None, "layers": None,
-                "pool": {k: None for k in ("queued", "leased", "done", "requeued", "duplicates", "oldest_task_age")},
-                "note": "no record in the DHT"}
+        return {
+            "device": device,
+            "role": role,
+            "peer": None,
+            "short": "-",
+            "state": "unreachable",
+            "announced_state": None,
+            "version": None,
+            "last_seen": None,
+            "compute": None,
+            "microbatches_applied": None,
+            "clients": None,
+            "layers": None,
+            "pool": {k: None for k in ("queued", "leased", "done", "requeued", "duplicates", "oldest_task_age")},
+            "note": "no record in the DHT",
+        }
     age = max(0.0, now - rec["time"])
     stats = rec.get("stats", {})
-    return {"device": rec["device"], "role": rec["role"], "peer": peer, "short": short(peer),
-            "state": derive_state(rec["state"], age, stale_after), "announced_state": rec["state"],
-            "version": rec["version"], "last_seen": round(age, 3), "compute": rec.get("compute"),
-            "microbatches_applied": stats.get("microbatches_applied"), "clients": stats.get("clients"),
-            "layers": rec.get("layers"), "pool": _pool(rec)}
+    return {
+        "device": rec["device"],
+        "role": rec["role"],
+        "peer": peer,
+        "short": short(peer),
+        "state": derive_state(rec["state"], age, stale_after),
+        "announced_state": rec["state"],
+        "version": rec["version"],
+        "last_seen": round(age, 3),
+        "compute": rec.get("compute"),
+        "microbatches_applied": stats.get("microbatches_applied"),
+        "clients": stats.get("clients"),
+        "layers": rec.get("layers"),
+        "pool": _pool(rec),
+    }
 
 
 def _volunteer_entry(peer: str, rec: dict, now: float, stale_after: float, vanished: bool = False) -> dict:
     age = max(0.0, now - rec["time"])
-    state = ("offline" if rec["state"] == "offline" else "unreachable") if vanished else \
-        derive_state(rec["state"], age, stale_after)
-    return {"device": rec["device"], "peer": peer, "short": short(peer), "state": state,
-            "compute": rec["compute"], "throughput": rec.get("throughput"), "tasks_done": rec.get("tasks_done"),
-            "last_seen": round(age, 3), "vanished": vanished}
+    state = (
+        ("offline" if rec["state"] == "offline" else "unreachable")
+        if vanished
+        else derive_state(rec["state"], age, stale_after)
+    )
+    return {
+        "device": rec["device"],
+        "peer": peer,
+        "short": short(peer),
+        "state": state,
+        "compute": rec["compute"],
+        "throughput": rec.get("throughput"),
+        "tasks_done": rec.get("tasks_done"),
+        "last_seen": round(age, 3),
+        "vanished": vanished,
+    }
 
 
 def _parse_config(config: Any, errors: list[str]):
@@ -242,8 +289,16 @@ def _record_time(rec: Any) -> float:
     return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) else float("-inf")
 
 
-def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, history: History | None = None,
-                   stale_periods: float = 3.0, rejected: list[dict] = ()) -> dict:
+def build_snapshot(
+    run_id: str,
+    config: Any,
+    stages: list[Any],
+    now: float,
+    *,
+    history: History | None = None,
+    stale_periods: float = 3.0,
+    rejected: list[dict] = (),
+) -> dict:
     """The dashboard's view of a run from raw DHT values: `config` is the `{run}.config` value (or
     None), `stages[k]` the `{run}.stage{k}` value (a map peer id -> record, or None). Never raises on
     bad records: they land in "malformed", config problems in "errors". `history` (optional) is
@@ -256,10 +311,13 @@ def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, h
     tokens_per_step = run.batch_size * seq_len if run is not None and seq_len else None
     found = run_found(config, stages)
     if not found:
-        errors.append(f"no run {run_id!r} in the DHT: neither its config record nor any stage record is there "
-                      f"{RUN_ID_HINT}")
+        errors.append(
+            f"no run {run_id!r} in the DHT: neither its config record nor any stage record is there {RUN_ID_HINT}"
+        )
     elif config is None:
-        errors.append("no config record (the servers publish it every announce period): showing the stage records alone")
+        errors.append(
+            "no config record (the servers publish it every announce period): showing the stage records alone"
+        )
     n_stages = layout.num_stages if layout is not None else len(stages)
 
     stage_views, live_recs, last_stage_recs, every_server_rec = [], [], [], []
@@ -268,8 +326,14 @@ def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, h
         servers: list[tuple[str, dict]] = []
         clients: list[tuple[str, dict]] = []
         if raw is not None and not isinstance(raw, dict):
-            malformed.append({"stage": k, "peer": None, "short": "-",
-                              "reason": f"the stage key holds a {type(raw).__name__}, not a map of peer records"})
+            malformed.append(
+                {
+                    "stage": k,
+                    "peer": None,
+                    "short": "-",
+                    "reason": f"the stage key holds a {type(raw).__name__}, not a map of peer records",
+                }
+            )
         for peer, value in sorted((raw or {}).items(), key=lambda kv: str(kv[0])) if isinstance(raw, dict) else ():
             try:
                 rec = check_record(value, k)
@@ -277,8 +341,9 @@ def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, h
                 malformed.append({"stage": k, "peer": str(peer), "short": short(str(peer)), "reason": str(e)})
                 continue
             except Exception as e:  # a record odd enough to trip the checks themselves is still just malformed
-                malformed.append({"stage": k, "peer": str(peer), "short": short(str(peer)),
-                                  "reason": f"unreadable record: {e!r}"})
+                malformed.append(
+                    {"stage": k, "peer": str(peer), "short": short(str(peer)), "reason": f"unreadable record: {e!r}"}
+                )
                 continue
             (servers if rec["kind"] == "server" else clients).append((str(peer), rec))
         st = layout.stages[k] if layout is not None else None
@@ -355,22 +420,40 @@ def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, h
                 blocking.append(f"no live {role} server")
         if not live_vols and compute <= 0 and not unknown:
             blocking.append("no compute: no live volunteer and no server computes")
-        layers = list(st.layers) if st is not None else next(
-            (r["layers"] for _, r in servers if r.get("layers") is not None), None)
+        layers = (
+            list(st.layers)
+            if st is not None
+            else next((r["layers"] for _, r in servers if r.get("layers") is not None), None)
+        )
         # what the stage applied: its live servers agree once they all stepped; with none alive, the
         # highest count any of its records gives
-        applied = [r["stats"]["microbatches_applied"] for r in stage_live if "microbatches_applied" in r.get("stats", {})]
+        applied = [
+            r["stats"]["microbatches_applied"] for r in stage_live if "microbatches_applied" in r.get("stats", {})
+        ]
         if not applied:
-            known = [r["stats"]["microbatches_applied"] for _, r in servers if "microbatches_applied" in r.get("stats", {})]
+            known = [
+                r["stats"]["microbatches_applied"] for _, r in servers if "microbatches_applied" in r.get("stats", {})
+            ]
             applied = [max(known)] if known else []
-        stage_views.append({
-            "index": k, "layers": layers, "frontal": roles["frontal"], "backward": roles["backward"],
-            "volunteers": vols, "pools": pools, "version": version, "compute": round(compute, 6),
-            "volunteers_live": len(live_vols), "volunteers_joined": stage_joined, "volunteers_lost": stage_lost,
-            "microbatches_applied": min(applied) if applied else None,
-            "seconds_per_step": sps, "tokens_per_second": tokens_per_step / sps if sps and tokens_per_step else None,
-            "blocking": blocking,
-        })
+        stage_views.append(
+            {
+                "index": k,
+                "layers": layers,
+                "frontal": roles["frontal"],
+                "backward": roles["backward"],
+                "volunteers": vols,
+                "pools": pools,
+                "version": version,
+                "compute": round(compute, 6),
+                "volunteers_live": len(live_vols),
+                "volunteers_joined": stage_joined,
+                "volunteers_lost": stage_lost,
+                "microbatches_applied": min(applied) if applied else None,
+                "seconds_per_step": sps,
+                "tokens_per_second": tokens_per_step / sps if sps and tokens_per_step else None,
+                "blocking": blocking,
+            }
+        )
 
     # progress of the whole run
     step = min((r["version"] for r in live_recs), default=None)
@@ -388,8 +471,10 @@ def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, h
     loss_batch = max(losses, default=None)
     applied = [s["microbatches_applied"] for s in stage_views]
     progress = {
-        "step": step, "steps": run.steps if run else None,
-        "last_loss": losses[loss_batch] if loss_batch is not None else None, "loss_batch": loss_batch,
+        "step": step,
+        "steps": run.steps if run else None,
+        "last_loss": losses[loss_batch] if loss_batch is not None else None,
+        "loss_batch": loss_batch,
         "loss_history": [[b, losses[b]] for b in sorted(losses)[-200:]],
         "tokens_per_second": tokens_per_step / sps if sps and tokens_per_step else None,
         "seconds_per_step": sps,
@@ -424,8 +509,12 @@ def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, h
     for r in every_server_rec:
         reached[r["device"]] = max(reached.get(r["device"], -1), r["version"])
     devices = [d for st_ in layout.stages for d in st_.servers] if layout is not None else []
-    finished = run is not None and step is not None and step >= run.steps and \
-        all(reached.get(d, -1) >= run.steps for d in devices)
+    finished = (
+        run is not None
+        and step is not None
+        and step >= run.steps
+        and all(reached.get(d, -1) >= run.steps for d in devices)
+    )
     # a role lost its last server: the servers say so, and what brings the run back
     # (any record in the DHT now, live or late: a record leaves the DHT a few announce periods after
     # its last announcement, and a busy reader finds them all late)
@@ -442,15 +531,39 @@ def build_snapshot(run_id: str, config: Any, stages: list[Any], now: float, *, h
         status = "blocked"
     else:
         status = "ok"
-    health = {"ok": status in ("ok", "finished"), "status": status, "stopped": stopped, "blocking": blocking,
-              "warnings": warnings}
+    health = {
+        "ok": status in ("ok", "finished"),
+        "status": status,
+        "stopped": stopped,
+        "blocking": blocking,
+        "warnings": warnings,
+    }
     cfg_view = None
     if run is not None:
-        cfg_view = {"model": run.model, "seed": run.seed, "steps": run.steps, "batch_size": run.batch_size,
-                    "micro_batches": run.micro_batches, "lr": run.lr, "announce_period": run.announce_period,
-                    "seq_len": seq_len, "tokens_per_step": tokens_per_step, "stages": n_stages}
-    return _finite({"run_id": run_id, "time": now, "config": cfg_view, "stages": stage_views, "progress": progress,
-                    "health": health, "malformed": malformed, "errors": errors})
+        cfg_view = {
+            "model": run.model,
+            "seed": run.seed,
+            "steps": run.steps,
+            "batch_size": run.batch_size,
+            "micro_batches": run.micro_batches,
+            "lr": run.lr,
+            "announce_period": run.announce_period,
+            "seq_len": seq_len,
+            "tokens_per_step": tokens_per_step,
+            "stages": n_stages,
+        }
+    return _finite(
+        {
+            "run_id": run_id,
+            "time": now,
+            "config": cfg_view,
+            "stages": stage_views,
+            "progress": progress,
+            "health": health,
+            "malformed": malformed,
+            "errors": errors,
+        }
+    )
 
 
 def _finite(x: Any) -> Any:

@@ -1,5 +1,6 @@
 """The dashboard in a terminal: the snapshot as rich tables, refreshed in place. Must not read the
 DHT (the Watcher does)."""
+
 from __future__ import annotations
 
 import time
@@ -7,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from peer.dashboard.reader import Watcher
-
 
 
 def fmt(x: Any, spec: str = ".3g", none: str = "-", unit: str = "") -> str:
@@ -29,8 +29,14 @@ def fmt_age(seconds: float | None) -> str:
 
 
 STATE_STYLE = {"online": "green", "joining": "yellow", "offline": "dim", "unreachable": "bold red"}
-STATUS_STYLE = {"ok": "bold green", "finished": "bold cyan", "blocked": "bold red", "stopped": "bold red", "not_found": "bold red",
-                "error": "bold red"}
+STATUS_STYLE = {
+    "ok": "bold green",
+    "finished": "bold cyan",
+    "blocked": "bold red",
+    "stopped": "bold red",
+    "not_found": "bold red",
+    "error": "bold red",
+}
 
 
 def summary_lines(snap: dict) -> list[str]:
@@ -57,8 +63,12 @@ def render_terminal(snap: dict):
 
     parts = []
     h = snap["health"]
-    title = Text.assemble(("hivepipe ", "bold"), (f"run {snap['run_id']}", "bold magenta"), "  ",
-                          (h["status"].upper().replace("_", " "), STATUS_STYLE.get(h["status"], "bold")))
+    title = Text.assemble(
+        ("hivepipe ", "bold"),
+        (f"run {snap['run_id']}", "bold magenta"),
+        "  ",
+        (h["status"].upper().replace("_", " "), STATUS_STYLE.get(h["status"], "bold")),
+    )
     if snap.get("config"):
         c = snap["config"]
         title.append(f"  model {c['model']}, {c['stages']} stages, batch {c['batch_size']}x{c['seq_len']}", "dim")
@@ -75,26 +85,57 @@ def render_terminal(snap: dict):
         parts.append(Text(f"error: {e}", "red"))
     for s in snap["stages"]:
         layers = "?" if s["layers"] is None else f"{s['layers'][0]}-{s['layers'][1]}"
-        head = (f"stage {s['index']}  layers {layers}  v{fmt(s['version'])}  "
-                f"{fmt(s['tokens_per_second'], '.0f')} tok/s  compute {fmt(s['compute'], '.3g')}")
-        table = Table(title=head, title_justify="left", title_style="bold blue" if not s["blocking"] else "bold red",
-                      box=box.SIMPLE_HEAD, pad_edge=False, padding=0, show_edge=False)
+        head = (
+            f"stage {s['index']}  layers {layers}  v{fmt(s['version'])}  "
+            f"{fmt(s['tokens_per_second'], '.0f')} tok/s  compute {fmt(s['compute'], '.3g')}"
+        )
+        table = Table(
+            title=head,
+            title_justify="left",
+            title_style="bold blue" if not s["blocking"] else "bold red",
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+            padding=0,
+            show_edge=False,
+        )
         # fixed widths: 71 characters and 7 one-character separators fit 80 columns
-        for name, width, justify in (("role", 5, "left"), ("device", 9, "left"), ("peer", 8, "left"),
-                                     ("state", 11, "left"), ("ver|cmp", 7, "right"), ("q/l/done/rq/dup|thr", 19, "left"),
-                                     ("oldest", 6, "right"), ("seen", 6, "right")):
+        for name, width, justify in (
+            ("role", 5, "left"),
+            ("device", 9, "left"),
+            ("peer", 8, "left"),
+            ("state", 11, "left"),
+            ("ver|cmp", 7, "right"),
+            ("q/l/done/rq/dup|thr", 19, "left"),
+            ("oldest", 6, "right"),
+            ("seen", 6, "right"),
+        ):
             table.add_column(name, width=width, justify=justify, no_wrap=True, overflow="ellipsis")
         for role, short_role in (("frontal", "front"), ("backward", "back")):
             for e in s[role]:
                 pl = e["pool"]
                 tasks = "/".join(fmt(pl[f]) for f in ("queued", "leased", "done", "requeued", "duplicates"))
-                table.add_row(short_role, e["device"], e["short"], Text(e["state"], STATE_STYLE.get(e["state"], "")),
-                              "-" if e["version"] is None else f"v{e['version']}", tasks, fmt_age(pl["oldest_task_age"]) if pl["queued"] else "-",
-                              fmt_age(e["last_seen"]))
+                table.add_row(
+                    short_role,
+                    e["device"],
+                    e["short"],
+                    Text(e["state"], STATE_STYLE.get(e["state"], "")),
+                    "-" if e["version"] is None else f"v{e['version']}",
+                    tasks,
+                    fmt_age(pl["oldest_task_age"]) if pl["queued"] else "-",
+                    fmt_age(e["last_seen"]),
+                )
         for v in s["volunteers"]:
             thr = f"{fmt(v['throughput'], '.2f')}/s {fmt(v['tasks_done'])} done"
-            table.add_row("vol", v["device"], v["short"], Text(v["state"], STATE_STYLE.get(v["state"], "")),
-                          fmt(v["compute"], ".3g"), thr, "", fmt_age(v["last_seen"]))
+            table.add_row(
+                "vol",
+                v["device"],
+                v["short"],
+                Text(v["state"], STATE_STYLE.get(v["state"], "")),
+                fmt(v["compute"], ".3g"),
+                thr,
+                "",
+                fmt_age(v["last_seen"]),
+            )
         parts.append(table)
     if snap["malformed"]:
         parts.append(Text(f"malformed records ({len(snap['malformed'])}):", "bold yellow"))

@@ -1,6 +1,7 @@
 """The dashboard on the web: a page (static/index.html, shipped as package data, polling
 /api/state), the snapshot as JSON at /api/state, and Prometheus metrics at /metrics, served on
 127.0.0.1. Must not read the DHT (the Watcher does)."""
+
 from __future__ import annotations
 
 import logging

@@ -3,6 +3,7 @@
 checkpoint folders of a multi-host run (model.json beside the shards), or a Transformers directory.
 Every reader checks the tensors against the architecture and raises CheckpointError naming what is
 wrong."""
+
 from __future__ import annotations
 
 import json
@@ -58,7 +59,9 @@ def check_state(state: dict, cfg: ModelConfig, where: str) -> dict:
     for n, shape in shapes.items():
         t = state[n]
         if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{where}: tensor {n} has shape {list(t.shape)}, model {cfg.name!r} has {list(shape)}")
+            raise CheckpointError(
+                f"{where}: tensor {n} has shape {list(t.shape)}, model {cfg.name!r} has {list(shape)}"
+            )
         if not t.is_floating_point() or not all_finite(t):
             raise CheckpointError(f"{where}: tensor {n} is not finite floating point")
         out[n] = t.to(torch.float32).contiguous()

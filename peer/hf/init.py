@@ -3,6 +3,7 @@ its initial parameters (each process reads only its slice) and its tokenizer for
 
 Without `--init-from` everything is as before: a preset (`--model`), parameters from `init_state`,
 the byte vocabulary. Transformers is imported only when a tokenizer is needed."""
+
 from __future__ import annotations
 
 import json
@@ -14,12 +15,20 @@ MODEL_JSON = "model.json"  # beside a server's checkpoint: the architecture and 
 
 
 def add_arguments(group) -> None:
-    group.add_argument("--init-from", default=None, metavar="HF_DIR",
-                       help="start from a local Transformers LlamaForCausalLM directory (safetensors and its "
-                            "tokenizer) instead of a preset: --model is ignored, --data goes through its tokenizer")
-    group.add_argument("--seq-len", type=int, default=None, metavar="N",
-                       help="training window in tokens with --init-from (default: the model's "
-                            "max_position_embeddings, at most 1024)")
+    group.add_argument(
+        "--init-from",
+        default=None,
+        metavar="HF_DIR",
+        help="start from a local Transformers LlamaForCausalLM directory (safetensors and its "
+        "tokenizer) instead of a preset: --model is ignored, --data goes through its tokenizer",
+    )
+    group.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="training window in tokens with --init-from (default: the model's max_position_embeddings, at most 1024)",
+    )
 
 
 def resolve_model(args):

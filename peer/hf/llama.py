@@ -10,6 +10,7 @@ stage and the head on the last, which may be different hosts; an export writes t
 Reads only config.json and safetensors (no Transformers import), so a server with its stage's
 layers reads just those tensors (safetensors opens a file without reading the rest).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,11 @@ _LAYER_NAMES = {
     "mlp.w2.weight": "mlp.down_proj.weight",
     "mlp.w3.weight": "mlp.up_proj.weight",
 }
-_TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "lm_head.weight": "lm_head.weight"}
+_TOP_NAMES = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
 
 
 class HFModelError(ValueError):
@@ -70,7 +74,9 @@ def config_from_hf(config: dict, *, name: str, seq_len: int | None = None, path:
     max_position_embeddings, at most DEFAULT_MAX_SEQ_LEN)."""
     model_type = config.get("model_type")
     if model_type != "llama":
-        raise HFModelError(f"{path}: field 'model_type' is {model_type!r}; only 'llama' (LlamaForCausalLM) is supported")
+        raise HFModelError(
+            f"{path}: field 'model_type' is {model_type!r}; only 'llama' (LlamaForCausalLM) is supported"
+        )
     archs = config.get("architectures")
     if archs is not None and archs != ["LlamaForCausalLM"]:
         raise HFModelError(f"{path}: field 'architectures' is {archs!r}; only ['LlamaForCausalLM'] is supported")
@@ -98,8 +104,10 @@ def config_from_hf(config: dict, *, name: str, seq_len: int | None = None, path:
         raise HFModelError(f"{path}: field 'num_key_value_heads' must be int, got {kv_heads!r}")
     head_dim = config.get("head_dim")
     if head_dim is not None and heads and head_dim * heads != hidden:
-        raise HFModelError(f"{path}: field 'head_dim' is {head_dim}, not hidden_size / num_attention_heads "
-                           f"({hidden} / {heads}); only that head size is supported")
+        raise HFModelError(
+            f"{path}: field 'head_dim' is {head_dim}, not hidden_size / num_attention_heads "
+            f"({hidden} / {heads}); only that head size is supported"
+        )
     max_pos = _get(config, "max_position_embeddings", int, path)
     if seq_len is None:
         seq_len = min(max_pos, DEFAULT_MAX_SEQ_LEN)
@@ -109,21 +117,40 @@ def config_from_hf(config: dict, *, name: str, seq_len: int | None = None, path:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise HFModelError(f"{path}: field 'rms_norm_eps' must be a positive number, got {eps!r}")
     try:
-        return ModelConfig(name=name, vocab_size=_get(config, "vocab_size", int, path), hidden=hidden,
-                           layers=_get(config, "num_hidden_layers", int, path), heads=heads,
-                           ffn_hidden=_get(config, "intermediate_size", int, path), seq_len=seq_len,
-                           rope_theta=float(theta), norm_eps=float(eps), kv_heads=kv_heads)
+        return ModelConfig(
+            name=name,
+            vocab_size=_get(config, "vocab_size", int, path),
+            hidden=hidden,
+            layers=_get(config, "num_hidden_layers", int, path),
+            heads=heads,
+            ffn_hidden=_get(config, "intermediate_size", int, path),
+            seq_len=seq_len,
+            rope_theta=float(theta),
+            norm_eps=float(eps),
+            kv_heads=kv_heads,
+        )
     except ValueError as e:
         raise HFModelError(f"{path}: {e}") from None
 
 
 def hf_config_kwargs(cfg: ModelConfig) -> dict:
     """`LlamaConfig(**kwargs)` for `cfg`'s architecture, embeddings untied (see the module's docstring)."""
-    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden,
-                num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.seq_len,
-                rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False,
-                attention_bias=False, mlp_bias=False)
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+    )
 
 
 @dataclass
@@ -140,8 +167,9 @@ class HFModelDir:
         """Check `path` (config.json, safetensors files, every tensor's presence and shape) without
         reading any tensor's values; HFModelError naming what is wrong."""
         if not os.path.isdir(path):
-            raise HFModelError(f"{path}: not a directory (a Transformers model directory holds config.json and "
-                               "model.safetensors)")
+            raise HFModelError(
+                f"{path}: not a directory (a Transformers model directory holds config.json and model.safetensors)"
+            )
         cfg_path = os.path.join(path, CONFIG_FILE)
         try:
             with open(cfg_path) as f:
@@ -169,7 +197,9 @@ class HFModelDir:
         missing = sorted(set(wanted) - set(self.where))
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-            raise HFModelError(f"{self.path}: tensor(s) {', '.join(missing[:3])}{more} missing from the safetensors files")
+            raise HFModelError(
+                f"{self.path}: tensor(s) {', '.join(missing[:3])}{more} missing from the safetensors files"
+            )
         by_file: dict[str, list[str]] = {}
         for hf_name in wanted:
             by_file.setdefault(self.where[hf_name], []).append(hf_name)
@@ -178,8 +208,9 @@ class HFModelDir:
                 for hf_name in names:
                     shape = tuple(f.get_slice(hf_name).get_shape())
                     if shape != tuple(wanted[hf_name]):
-                        raise HFModelError(f"{file}: tensor {hf_name} has shape {list(shape)}, the config says "
-                                           f"{list(wanted[hf_name])}")
+                        raise HFModelError(
+                            f"{file}: tensor {hf_name} has shape {list(shape)}, the config says {list(wanted[hf_name])}"
+                        )
 
     def read_slice(self, lo: int, hi: int) -> dict:
         """hivepipe's state dict of layers [lo, hi) (with the embedding when lo == 0, the final norm and
@@ -190,8 +221,9 @@ class HFModelDir:
         from peer.protocol.wire import all_finite
 
         names = param_shapes(self.cfg, lo, hi)
-        source = {n: ("model.embed_tokens.weight" if n == "lm_head.weight" and self.tied else to_hf_name(n))
-                  for n in names}
+        source = {
+            n: ("model.embed_tokens.weight" if n == "lm_head.weight" and self.tied else to_hf_name(n)) for n in names
+        }
         by_file: dict[str, list[str]] = {}
         for n, hf_name in source.items():
             by_file.setdefault(self.where[hf_name], []).append(n)

@@ -2,6 +2,7 @@
 a tokenizer that `AutoTokenizer.from_pretrained` loads (token id = byte value), and a model's own
 tokenizer applied to a training corpus (in pieces, with a progress bar and an on-disk cache).
 Imports `tokenizers`/`transformers` only when called."""
+
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +20,9 @@ PIECE_BYTES = 1 << 20  # a corpus is tokenized in pieces of about 1 MiB, cut aft
 def _byte_symbols() -> list[str]:
     """One printable unicode character per byte value (the GPT-2 byte-level alphabet): printable
     Latin-1 bytes stand for themselves, the others are moved to code points 256 and up."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     symbols, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -41,8 +44,7 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     assert tok.get_vocab_size() == BYTE_VOCAB
-    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False,
-                                   model_max_length=1 << 30)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False, model_max_length=1 << 30)
 
 
 def load_tokenizer(path: str):
@@ -103,14 +105,20 @@ class CorpusTokenizer:
                 logger.warning("ignoring an unreadable token cache %s: %s", cached, e)
         pieces = _pieces(raw)
         parts = []
-        for piece in tqdm(pieces, desc="tokenizing", unit="MiB", file=sys.stderr,
-                          disable=not self.progress or len(pieces) < 2):
-            parts.append(np.asarray(self.tokenizer.encode(piece.decode("utf-8", errors="replace"),
-                                                          add_special_tokens=False), dtype=np.int64))
+        for piece in tqdm(
+            pieces, desc="tokenizing", unit="MiB", file=sys.stderr, disable=not self.progress or len(pieces) < 2
+        ):
+            parts.append(
+                np.asarray(
+                    self.tokenizer.encode(piece.decode("utf-8", errors="replace"), add_special_tokens=False),
+                    dtype=np.int64,
+                )
+            )
         ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-            raise ValueError(f"the tokenizer gives id {int(ids.max())}, outside the model's vocabulary of "
-                             f"{self.vocab_size}")
+            raise ValueError(
+                f"the tokenizer gives id {int(ids.max())}, outside the model's vocabulary of {self.vocab_size}"
+            )
         ids = ids.astype(np.int32)
         try:
             os.makedirs(self.cache_dir, exist_ok=True)

@@ -7,6 +7,7 @@ looks, or all of them. So the kills are timers on the event loop, not checks in 
 polling loop (a kill meant for 0.3 s from now happens then, not at the next poll, which may come
 after the run's end), the steps passed unseen get their share too, and the first step gets its
 share as soon as every server is up."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,9 @@ class Volunteers(Protocol):
 
 
 class Churn:
-    def __init__(self, swarm: Volunteers, fraction: float, rng: random.Random,
-                 loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(
+        self, swarm: Volunteers, fraction: float, rng: random.Random, loop: asyncio.AbstractEventLoop | None = None
+    ):
         if not 0 <= fraction <= 1:
             raise ValueError(f"churn is a fraction in [0, 1], got {fraction}")
         self.swarm, self.fraction, self.rng = swarm, fraction, rng

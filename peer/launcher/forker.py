@@ -24,6 +24,7 @@ thread only), reaps its children and reports each exit status to the launcher ov
 leaves when the launcher closes that socket or dies. The children are not its to watch after that:
 each watches the launcher itself (--parent-pid).
 """
+
 from __future__ import annotations
 
 import json
@@ -80,9 +81,14 @@ class Forker:
         self.log = log
         ours, theirs = socket.socketpair()
         with open(log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "peer.zygote", str(theirs.fileno())],
-                                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "peer.zygote", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         theirs.close()
         self.sock = ours
         self.sock.setblocking(False)

@@ -1,6 +1,7 @@
 """The launcher's view of a run: the servers' DHT records for progress and the layout epoch, and
 P2P calls (at the addresses the records announce) for the final statuses and the assembled model.
 Must not start or stop processes (processes.py does)."""
+
 from __future__ import annotations
 
 import collections
@@ -69,8 +70,11 @@ class Monitor:
         (a reader that missed the first records of a run of a few short steps saw them "online" only
         after its last step: a test's 3-step run then measured -0.0 s)."""
         reached = self.reached.completed()
-        return min(time.time(), min(reached.values(), default=time.time()),
-                   max((self.online_since.get(d, time.time()) for d in self.all_devices()), default=time.time()))
+        return min(
+            time.time(),
+            min(reached.values(), default=time.time()),
+            max((self.online_since.get(d, time.time()) for d in self.all_devices()), default=time.time()),
+        )
 
     def min_version(self) -> int:
         if not all(d in self.servers for d in self.all_devices()):
@@ -92,8 +96,9 @@ class Monitor:
         peer, rec = self.servers[device]
         return P2PLink(self.p2p, peer, device, StageServer, addresses=lambda: rec.get("maddrs", []))
 
-    async def _call(self, device: str, method: str, meta: dict, timeout: float = 30.0,
-                    patience: float = 60.0) -> tuple[dict, list]:
+    async def _call(
+        self, device: str, method: str, meta: dict, timeout: float = 30.0, patience: float = 60.0
+    ) -> tuple[dict, list]:
         """One request to a server, asked again while it cannot be reached for up to `patience`
         seconds: a server just brought back can still be in this process's dial backoff (its own and
         libp2p's, which the launcher's DHT node ran into while it was away) for some seconds."""
@@ -123,8 +128,9 @@ class Monitor:
         state = {}
         for st in self.layout.stages:
             for slot, d in enumerate(st.hosts):
-                meta, tensors = await fetch_slot(functools.partial(self._call, d, timeout=120), d, slot, version,
-                                                 patience, poll)
+                meta, tensors = await fetch_slot(
+                    functools.partial(self._call, d, timeout=120), d, slot, version, patience, poll
+                )
                 state.update(zip(meta["names"], tensors))
         return state
 
@@ -153,40 +159,63 @@ class Monitor:
             "layout_epoch": self.epoch,
             "layout": self.layout.to_dict(),
             # the volunteers (not servers) registered with each stage's servers when the run ended
-            "volunteers_by_stage": {str(st.index): sorted({c["device"] for d in st.servers
-                                                           for c in statuses[d].get("clients", {}).values()}
-                                                          - self.server_ids)
-                                    for st in self.layout.stages},
+            "volunteers_by_stage": {
+                str(st.index): sorted(
+                    {c["device"] for d in st.servers for c in statuses[d].get("clients", {}).values()} - self.server_ids
+                )
+                for st in self.layout.stages
+            },
             # checked work (parameter_server/verify.py): re-runs of volunteers' work and the bans they caused
-            "checks": {k: sum(s.get("checks", {}).get(k, 0) for s in statuses.values())
-                       for k in ("checked", "passed", "caught", "skipped", "tasks_rerun")},
+            "checks": {
+                k: sum(s.get("checks", {}).get(k, 0) for s in statuses.values())
+                for k in ("checked", "passed", "caught", "skipped", "tasks_rerun")
+            },
             # every task completed once at the server that leased it (re-runs of lost work included)
             "tasks_completed": sum(s.get("pool", {}).get("done", 0) for s in statuses.values()),
             # of them, by each worker (a server's own worker under its server's name) still registered
             # when the run ended: who computed the run (a batch goes first to a free server's worker)
-            "tasks_by_worker": dict(sorted(sum((collections.Counter({c["device"]: c.get("tasks_done", 0)})
-                                                for s in statuses.values() for c in s.get("clients", {}).values()),
-                                               collections.Counter()).items())),
+            "tasks_by_worker": dict(
+                sorted(
+                    sum(
+                        (
+                            collections.Counter({c["device"]: c.get("tasks_done", 0)})
+                            for s in statuses.values()
+                            for c in s.get("clients", {}).values()
+                        ),
+                        collections.Counter(),
+                    ).items()
+                )
+            ),
             # takes over the network that leased nothing: answered at once, or after waiting their time out
-            "takes_empty": {k: sum(s.get("counters", {}).get(k, 0) for s in statuses.values())
-                            for k in ("takes_found_nothing", "takes_waited_out")},
-            "max_honest_distance": max((s.get("checks", {}).get("max_honest_distance", 0.0) for s in statuses.values()),
-                                       default=0.0),
+            "takes_empty": {
+                k: sum(s.get("counters", {}).get(k, 0) for s in statuses.values())
+                for k in ("takes_found_nothing", "takes_waited_out")
+            },
+            "max_honest_distance": max(
+                (s.get("checks", {}).get("max_honest_distance", 0.0) for s in statuses.values()), default=0.0
+            ),
             "banned": sorted({p for s in statuses.values() for p in s.get("banned", {})}),
             "wall_seconds": round(wall, 3),
             "tokens_per_second": round(args.steps * args.batch_size * cfg.seq_len / max(wall, 1e-9), 1),
             "bytes_on_wire": sum(sum(s.get("traffic", {}).values()) for s in statuses.values()),
-            "traffic": dict(sum((collections.Counter(s.get("traffic", {})) for s in statuses.values()), collections.Counter())),
+            "traffic": dict(
+                sum((collections.Counter(s.get("traffic", {})) for s in statuses.values()), collections.Counter())
+            ),
             # tensor elements the requests of each method carried (bytes / values: the wire's bytes per value)
-            "traffic_values": dict(sum((collections.Counter(s.get("traffic_values", {})) for s in statuses.values()),
-                                       collections.Counter())),
+            "traffic_values": dict(
+                sum(
+                    (collections.Counter(s.get("traffic_values", {})) for s in statuses.values()), collections.Counter()
+                )
+            ),
             # calls that reached a server over the network, per method (a server's own worker calls its
             # own server in-process: no RPC)
-            "rpc_calls": dict(sum((collections.Counter(s.get("calls", {})) for s in statuses.values()),
-                                  collections.Counter())),
+            "rpc_calls": dict(
+                sum((collections.Counter(s.get("calls", {})) for s in statuses.values()), collections.Counter())
+            ),
             # of them, those that came over a session (peer/protocol/session.py)
-            "rpc_session_calls": dict(sum((collections.Counter(s.get("session_calls", {})) for s in statuses.values()),
-                                          collections.Counter())),
+            "rpc_session_calls": dict(
+                sum((collections.Counter(s.get("session_calls", {})) for s in statuses.values()), collections.Counter())
+            ),
         }
 
 

@@ -2,6 +2,7 @@
 `peer swarm`, the tests and the benchmarks. Every child runs in its own process group (SIGKILL
 takes its DHT process and p2p daemon down too, as a real machine's crash would) and is gone after
 `close()`. Must not read the DHT (monitor.py does)."""
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,13 @@ class Swarm:
         # its own process group: SIGKILL reaches its DHT process and p2p daemon too, as a real
         # machine's crash would take them down
         with open(path, "ab") as log:
-            return subprocess.Popen([sys.executable, "-m", "peer.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            return subprocess.Popen(
+                [sys.executable, "-m", "peer.cli", *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def common(self) -> list[str]:
         a = self.args
@@ -73,19 +79,59 @@ class Swarm:
         for st in self.layout.stages:
             for role, names in (("frontal", st.frontal), ("backward", st.backward)):
                 for i, name in enumerate(names):
-                    where = (["--plan", a.plan, "--device-id", name] if a.plan else
-                             ["--stage", str(st.index), "--role", role, "--index", str(i), "--stages", str(a.stages),
-                              "--frontal-per-stage", str(self.frontal), "--backward-per-stage", str(self.backward)])
+                    where = (
+                        ["--plan", a.plan, "--device-id", name]
+                        if a.plan
+                        else [
+                            "--stage",
+                            str(st.index),
+                            "--role",
+                            role,
+                            "--index",
+                            str(i),
+                            "--stages",
+                            str(a.stages),
+                            "--frontal-per-stage",
+                            str(self.frontal),
+                            "--backward-per-stage",
+                            str(self.backward),
+                        ]
+                    )
                     # every process of a local swarm is on this host's loopback: nobody to ask to dial back
-                    argv = ["serve", "--reliable", *where, "--host-maddrs", LOOPBACK_MADDR, "--no-reachability-check",
-                            "--model", a.model, "--seed", str(a.seed),
-                            "--steps", str(a.steps), "--batch-size", str(a.batch_size),
-                            "--micro-batches", str(a.micro_batches), "--lr", str(a.lr),
-                            "--announce-period", str(a.announce_period), "--task-timeout", str(a.task_timeout),
-                            "--client-timeout", str(a.client_timeout), "--failover-after", str(a.failover_after),
-                            "--checkpoint-dir", os.path.join(self.work_dir, "checkpoints"),
-                            "--identity-path", os.path.join(self.work_dir, "identities", f"{name}.key"),
-                            "--run-key", self.run_key_path] + self.common()
+                    argv = [
+                        "serve",
+                        "--reliable",
+                        *where,
+                        "--host-maddrs",
+                        LOOPBACK_MADDR,
+                        "--no-reachability-check",
+                        "--model",
+                        a.model,
+                        "--seed",
+                        str(a.seed),
+                        "--steps",
+                        str(a.steps),
+                        "--batch-size",
+                        str(a.batch_size),
+                        "--micro-batches",
+                        str(a.micro_batches),
+                        "--lr",
+                        str(a.lr),
+                        "--announce-period",
+                        str(a.announce_period),
+                        "--task-timeout",
+                        str(a.task_timeout),
+                        "--client-timeout",
+                        str(a.client_timeout),
+                        "--failover-after",
+                        str(a.failover_after),
+                        "--checkpoint-dir",
+                        os.path.join(self.work_dir, "checkpoints"),
+                        "--identity-path",
+                        os.path.join(self.work_dir, "identities", f"{name}.key"),
+                        "--run-key",
+                        self.run_key_path,
+                    ] + self.common()
                     if a.data:
                         argv += ["--data", a.data]
                     if a.init_from:

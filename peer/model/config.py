@@ -15,6 +15,7 @@ Parameter names are those of the full model's `state_dict` (a stage slice uses t
     norm.weight                           [hidden]                 (last slice only)
     lm_head.weight                        [vocab, hidden]          (last slice only; not tied)
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -73,7 +74,9 @@ class ModelConfig:
     def check_range(self, lo: int, hi: int) -> None:
         """Raise ValueError unless [lo, hi) is a non-empty layer range of this model."""
         if not (0 <= lo < hi <= self.layers):
-            raise ValueError(f"layer range [{lo}, {hi}) is not a non-empty part of [0, {self.layers}) of model {self.name!r}")
+            raise ValueError(
+                f"layer range [{lo}, {hi}) is not a non-empty part of [0, {self.layers}) of model {self.name!r}"
+            )
 
     def param_count(self, lo: int = 0, hi: int | None = None) -> int:
         """Parameters of the slice [lo, hi) (default: the whole model)."""
@@ -139,7 +142,9 @@ def model_from_dict(d) -> ModelConfig:
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"model architecture: unknown fields {unknown}")
-    missing = sorted(k for k in ("name", "vocab_size", "hidden", "layers", "heads", "ffn_hidden", "seq_len") if k not in d)
+    missing = sorted(
+        k for k in ("name", "vocab_size", "hidden", "layers", "heads", "ffn_hidden", "seq_len") if k not in d
+    )
     if missing:
         raise ValueError(f"model architecture: missing fields {missing}")
     if not isinstance(d["name"], str):

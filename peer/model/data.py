@@ -5,6 +5,7 @@ The default corpus is the Python standard library's own `.py` sources (no downlo
 wherever Python is). It depends on the Python installation; processes of one run check that they
 agree with `Corpus.fingerprint`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -109,14 +110,17 @@ def load_corpus(path: str | None = None, *, seq_len: int = 128, tokenizer=None) 
     window = seq_len + 1  # a sequence and its shifted labels
     n_val = max(int(data.numel() * VAL_FRACTION), VAL_MIN_SEQUENCES * window)
     if data.numel() < n_val + window:
-        raise ValueError(f"data path {source!r} has {data.numel()} {unit}, fewer than the "
-                         f"{VAL_MIN_SEQUENCES * window + window} needed for one training sequence and "
-                         f"{VAL_MIN_SEQUENCES} held-out sequences of {seq_len} tokens")
+        raise ValueError(
+            f"data path {source!r} has {data.numel()} {unit}, fewer than the "
+            f"{VAL_MIN_SEQUENCES * window + window} needed for one training sequence and "
+            f"{VAL_MIN_SEQUENCES} held-out sequences of {seq_len} tokens"
+        )
     return Corpus(train=data[:-n_val], val=data[-n_val:], fingerprint=fingerprint, source=source)
 
 
-def make_batch(corpus: Corpus, seed: int, t: int, batch_size: int, seq_len: int, *,
-               split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(
+    corpus: Corpus, seed: int, t: int, batch_size: int, seq_len: int, *, split: str = "train"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch t of a run: (inputs, labels) LongTensors [batch_size, seq_len] with labels = inputs
     shifted by one. The start offsets are drawn uniformly from a generator seeded by (seed, t, split)
     only, so the batch is a pure function of its arguments and the corpus."""

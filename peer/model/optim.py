@@ -7,6 +7,7 @@
   parameter by parameter, so a server holding a shard of the parameters with its own AdamW steps
   them exactly as one AdamW over all of them would.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -25,8 +26,9 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], lr: float) -> torch.opt
     return torch.optim.AdamW(params, lr=lr, foreach=False, **OPTIMIZER)
 
 
-def batch_gradient(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                   micro_batches: int) -> tuple[float, dict[str, torch.Tensor]]:
+def batch_gradient(
+    model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, micro_batches: int
+) -> tuple[float, dict[str, torch.Tensor]]:
     """The gradient of one batch under the update rule, computed on the model's current parameters
     one micro-batch after another (in order). Returns (mean token loss of the batch, {name: grad});
     the model's `.grad` fields are left empty."""

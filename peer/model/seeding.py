@@ -1,4 +1,5 @@
 """Stable seeds: the same on every process, machine and Python run (no `hash()`, which is salted)."""
+
 from __future__ import annotations
 
 import hashlib

@@ -3,6 +3,7 @@ and its rows: the forward pass of a stage that is not the last, and the backward
 the forward) with the loss on the last stage or the output gradient on the others. The volunteer's
 worker runs these, and a server re-runs them to check a volunteer's work (parameter_server/verify.py):
 one definition, so the check compares like with like."""
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,14 @@ def forward_rows(model: StageSlice, x: torch.Tensor, device: torch.device) -> to
         return model(x.to(device)).float().cpu()
 
 
-def backward_rows(model: StageSlice, x: torch.Tensor, device: torch.device, total_tokens: int,
-                  out_grad: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+def backward_rows(
+    model: StageSlice,
+    x: torch.Tensor,
+    device: torch.device,
+    total_tokens: int,
+    out_grad: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+):
     """Recompute the slice on rows x and backpropagate the loss (labels given: the last stage, the
     loss sum divided by the batch's tokens) or the output gradient. Returns (input gradient or None
     on the first stage, loss sum or None, {parameter name: gradient} fp32 on the CPU)."""
@@ -34,8 +41,10 @@ def backward_rows(model: StageSlice, x: torch.Tensor, device: torch.device, tota
     else:
         out.backward(out_grad.to(device))
     gin = None if model.is_first else x.grad.detach().float().cpu()
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
-             for n, p in model.named_parameters()}
+    grads = {
+        n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
+        for n, p in model.named_parameters()
+    }
     return gin, loss, grads
 
 
@@ -81,6 +90,7 @@ def backward_kept(model: StageSlice, kept: KeptForward, out_grad: torch.Tensor, 
     res = torch.autograd.grad(kept.out, inputs, out_grad.to(device), allow_unused=True)
     gin = None if model.is_first else res[0].detach().float().cpu()
     pgrads = res if model.is_first else res[1:]
-    grads = {n: (g if g is not None else torch.zeros_like(p)).detach().float().cpu()
-             for (n, p), g in zip(named, pgrads)}
+    grads = {
+        n: (g if g is not None else torch.zeros_like(p)).detach().float().cpu() for (n, p), g in zip(named, pgrads)
+    }
     return gin, None, grads

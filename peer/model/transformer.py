@@ -8,6 +8,7 @@ Initialization does not depend on the cut: `init_state` draws every parameter fr
 seeded by (seed, parameter name), on the CPU in fp32, so any process can build any slice alone and
 get the same numbers as the full model's.
 """
+
 from __future__ import annotations
 
 import math
@@ -170,8 +171,10 @@ class StageSlice(nn.Module):
             if x.dtype != torch.long or x.dim() != 2:
                 raise ValueError(f"the first slice takes token ids LongTensor [B, S], got {x.dtype} {list(x.shape)}")
         elif not x.is_floating_point() or x.dim() != 3 or x.shape[-1] != cfg.hidden:
-            raise ValueError(f"slice [{self.lo}, {self.hi}) takes hidden states float [B, S, {cfg.hidden}], "
-                             f"got {x.dtype} {list(x.shape)}")
+            raise ValueError(
+                f"slice [{self.lo}, {self.hi}) takes hidden states float [B, S, {cfg.hidden}], "
+                f"got {x.dtype} {list(x.shape)}"
+            )
         if x.shape[0] < 1 or not 1 <= x.shape[1] <= cfg.seq_len:
             raise ValueError(f"input shape {list(x.shape)}: need B >= 1 and 1 <= S <= seq_len {cfg.seq_len}")
 

@@ -1,6 +1,7 @@
 """The delayed parameter update (DESIGN.md, step 6), as two pure functions that the servers, the
 volunteers and the reference all read: which parameter version a batch computes on, and when a
 batch's update may be applied. Nothing else in the project writes this rule down."""
+
 from __future__ import annotations
 
 

@@ -12,6 +12,7 @@ holders may answer and the first answer counts; the second is dropped as a dupli
 
 The ticket says who may answer, not that the answer is right: checked work (parameter_server/verify.py)
 does that."""
+
 from __future__ import annotations
 
 import hashlib
@@ -49,8 +50,10 @@ class LeaseTickets:
         """The attempt of the lease `ticket` proves `client` holds (or held) of `task_id` in layout
         epoch `epoch`; PayloadError saying what is wrong otherwise."""
         if ticket is None:
-            raise PayloadError(f"no lease ticket for task {task_id}: a result is accepted only from the holder "
-                               "of the task's lease (its ticket comes with `take`)")
+            raise PayloadError(
+                f"no lease ticket for task {task_id}: a result is accepted only from the holder "
+                "of the task's lease (its ticket comes with `take`)"
+            )
         parts = ticket.split(".") if isinstance(ticket, str) and len(ticket) <= MAX_TICKET else []
         if len(parts) != 3 or not all(p.isdigit() for p in parts[:2]):
             raise PayloadError(f"malformed lease ticket for task {task_id}: expected <attempt>.<epoch>.<mac>")

@@ -3,6 +3,7 @@ file of docs/cost-model.md) gives the one-way delay and bandwidth between two de
 every send sleeps `delay + bytes / bandwidth` before it goes out, the way netem would delay it.
 The cluster is anything with `delay`, `bandwidth`, ids and flops (scheduler.Cluster); reading the
 file is the caller's (peer/runtime.py), so this floor does not import the planner."""
+
 from __future__ import annotations
 
 import asyncio

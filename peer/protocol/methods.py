@@ -3,6 +3,7 @@ to know of each: whether it belongs to a layout epoch, whether a caller may repe
 answer, whether it changes server state (and so is written to the request log), and who may call
 it. The servicer, the client link and the retry policy all read this table; a method is added here
 or nowhere."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,30 +22,33 @@ class Method:
     leased: bool = False
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("register", epoched=False, retry=True, logged=False, caller="anyone"),
-    # a lost `take` answer is a lease that will expire: not repeated
-    Method("take", epoched=True, retry=False, logged=False, caller="client"),
-    Method("complete", epoched=True, retry=True, logged=True, caller="client", leased=True),
-    Method("fail", epoched=True, retry=True, logged=False, caller="client"),
-    Method("get_params", epoched=False, retry=True, logged=False, caller="anyone"),
-    Method("push_grads", epoched=True, retry=True, logged=True, caller="client", leased=True),
-    Method("push_inputs", epoched=True, retry=True, logged=True, caller="server"),
-    Method("get_inputs", epoched=True, retry=True, logged=False, caller="client"),
-    Method("push_input_grads", epoched=True, retry=True, logged=True, caller="client", leased=True),
-    Method("push_outputs", epoched=True, retry=True, logged=True, caller="client", leased=True),
-    Method("push_output_grads", epoched=True, retry=True, logged=True, caller="server"),
-    Method("ping", epoched=False, retry=True, logged=False, caller="anyone"),
-    Method("status", epoched=False, retry=True, logged=False, caller="anyone"),
-    Method("push_replica", epoched=False, retry=True, logged=False, caller="server"),
-    Method("adopt_epoch", epoched=False, retry=True, logged=False, caller="server"),
-    Method("get_layout", epoched=False, retry=True, logged=False, caller="anyone"),
-    # checked work (parameter_server/verify.py): the rows a re-run needs, a caught cheater reported to
-    # the run's coordinator, and its ban on every server (the rollback travels as adopt_epoch)
-    Method("get_held", epoched=False, retry=True, logged=False, caller="server"),
-    Method("report_cheat", epoched=False, retry=True, logged=False, caller="server"),
-    Method("ban", epoched=False, retry=True, logged=False, caller="server"),
-)}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("register", epoched=False, retry=True, logged=False, caller="anyone"),
+        # a lost `take` answer is a lease that will expire: not repeated
+        Method("take", epoched=True, retry=False, logged=False, caller="client"),
+        Method("complete", epoched=True, retry=True, logged=True, caller="client", leased=True),
+        Method("fail", epoched=True, retry=True, logged=False, caller="client"),
+        Method("get_params", epoched=False, retry=True, logged=False, caller="anyone"),
+        Method("push_grads", epoched=True, retry=True, logged=True, caller="client", leased=True),
+        Method("push_inputs", epoched=True, retry=True, logged=True, caller="server"),
+        Method("get_inputs", epoched=True, retry=True, logged=False, caller="client"),
+        Method("push_input_grads", epoched=True, retry=True, logged=True, caller="client", leased=True),
+        Method("push_outputs", epoched=True, retry=True, logged=True, caller="client", leased=True),
+        Method("push_output_grads", epoched=True, retry=True, logged=True, caller="server"),
+        Method("ping", epoched=False, retry=True, logged=False, caller="anyone"),
+        Method("status", epoched=False, retry=True, logged=False, caller="anyone"),
+        Method("push_replica", epoched=False, retry=True, logged=False, caller="server"),
+        Method("adopt_epoch", epoched=False, retry=True, logged=False, caller="server"),
+        Method("get_layout", epoched=False, retry=True, logged=False, caller="anyone"),
+        # checked work (parameter_server/verify.py): the rows a re-run needs, a caught cheater reported to
+        # the run's coordinator, and its ban on every server (the rollback travels as adopt_epoch)
+        Method("get_held", epoched=False, retry=True, logged=False, caller="server"),
+        Method("report_cheat", epoched=False, retry=True, logged=False, caller="server"),
+        Method("ban", epoched=False, retry=True, logged=False, caller="server"),
+    )
+}
 
 NAMES = tuple(METHODS)
 EPOCHED = frozenset(n for n, m in METHODS.items() if m.epoched)

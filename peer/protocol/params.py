@@ -5,6 +5,7 @@ MAX_PARAMS_WAIT: one open call instead of a poll every `poll` seconds), then ans
 version it holds: the fetch asks again until `patience` runs out, then raises NotReady naming the host.
 The volunteer (its task's parameters), the checking server (a re-run's parameters) and the
 launcher (the assembled model) all fetch this way."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,9 +20,16 @@ class NotReady(Exception):
     """A slot's host has not reached the version asked for within the patience given."""
 
 
-async def fetch_slot(call: Callable[[str, dict], Awaitable[tuple[dict, list]]], host: str, slot: int,
-                     version: int, patience: float, poll: float, clock=time.monotonic,
-                     digest_only: bool = False) -> tuple[dict, list]:
+async def fetch_slot(
+    call: Callable[[str, dict], Awaitable[tuple[dict, list]]],
+    host: str,
+    slot: int,
+    version: int,
+    patience: float,
+    poll: float,
+    clock=time.monotonic,
+    digest_only: bool = False,
+) -> tuple[dict, list]:
     """`call(method, meta)` is one request to `host` (whatever retries of the link it makes); the
     answer of the first `get_params` that is not `retry`. Each asks the host to wait for the version
     for what is left of `patience` (at most MAX_PARAMS_WAIT). `digest_only`: the answer carries the
@@ -34,6 +42,7 @@ async def fetch_slot(call: Callable[[str, dict], Awaitable[tuple[dict, list]]], 
         if not meta.get("retry"):
             return meta, tensors
         if clock() >= deadline:
-            raise NotReady(f"{host} holds slot {slot} at version {meta.get('version')}, not {version} "
-                           f"(asked for {patience:.1f} s)")
+            raise NotReady(
+                f"{host} holds slot {slot} at version {meta.get('version')}, not {version} (asked for {patience:.1f} s)"
+            )
         await asyncio.sleep(poll)

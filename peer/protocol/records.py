@@ -1,6 +1,7 @@
 """DHT records: keys, schemas and validation. Every key starts with the run id, so several runs
 share one DHT. Like Petals' module records: a key per stage, a subkey per peer id, a value with
 role, state, load and version, re-announced on a period and expiring by itself."""
+
 from __future__ import annotations
 
 import logging
@@ -43,6 +44,8 @@ def stale_after(period: float) -> float:
 def is_fresh(rec: dict, period: float, now: float | None = None) -> bool:
     """Whether `rec` (a valid record) was written within stale_after(period) seconds of `now`."""
     return (time.time() if now is None else now) - float(rec["time"]) <= stale_after(period)
+
+
 ROLES = ("frontal", "backward")
 
 
@@ -61,6 +64,7 @@ def stage_key(run_id: str, stage: int) -> str:
 @dataclass(frozen=True)
 class RunConfig:
     """What every peer of a run must agree on; servers publish it, volunteers read it."""
+
     run_id: str
     model: str
     seed: int
@@ -83,8 +87,17 @@ class RunConfig:
     def from_dict(cls, d: Any) -> "RunConfig":
         if not isinstance(d, dict):
             raise ValueError("run config record: expected a map")
-        kinds = {"run_id": str, "model": str, "seed": int, "steps": int, "batch_size": int,
-                 "micro_batches": int, "lr": (int, float), "layout": dict, "announce_period": (int, float)}
+        kinds = {
+            "run_id": str,
+            "model": str,
+            "seed": int,
+            "steps": int,
+            "batch_size": int,
+            "micro_batches": int,
+            "lr": (int, float),
+            "layout": dict,
+            "announce_period": (int, float),
+        }
         for k, kind in kinds.items():
             if k not in d:
                 raise ValueError(f"run config record: missing field {k!r}")
@@ -97,8 +110,9 @@ class RunConfig:
 
         compress = d.get("compress", "none")
         if compress not in COMPRESSION:
-            raise ValueError(f"run config record: field 'compress' must be one of {', '.join(COMPRESSION)}, "
-                             f"got {compress!r}")
+            raise ValueError(
+                f"run config record: field 'compress' must be one of {', '.join(COMPRESSION)}, got {compress!r}"
+            )
         return cls(**{k: d[k] for k in kinds}, arch=arch, compress=compress)
 
 
@@ -110,6 +124,7 @@ def _kinds(*types) -> dict:
 class ServerRecord:
     """A server's announcement under its stage key (subkey: its peer id), re-published every
     announce period and expiring by itself: who it is, where to dial it, how far it is."""
+
     device: str = field(metadata=_kinds(str))
     role: str = field(metadata=_kinds(str))
     stage: int = field(metadata=_kinds(int))
@@ -133,6 +148,7 @@ class ServerRecord:
 @dataclass
 class ClientRecord:
     """A volunteer's announcement under the stage key it computes for (subkey: its peer id)."""
+
     device: str = field(metadata=_kinds(str))
     stage: int = field(metadata=_kinds(int))
     state: str = field(metadata=_kinds(str))
@@ -185,8 +201,13 @@ def validate_record(value: Any) -> dict:
 def halted_reason(recs) -> str | None:
     """Why the run is stopped, as one of these (valid) records of its live servers says; None while
     none of them says it is."""
-    reasons = sorted({r["halted"] for r in recs
-                      if r.get("kind") == "server" and r["state"] != "offline" and isinstance(r.get("halted"), str)})
+    reasons = sorted(
+        {
+            r["halted"]
+            for r in recs
+            if r.get("kind") == "server" and r["state"] != "offline" and isinstance(r.get("halted"), str)
+        }
+    )
     return reasons[0] if reasons else None
 
 
@@ -195,6 +216,7 @@ class Trust:
     """What a process knows to write and read its run's records (peer.protocol.trust): the run, the
     fingerprint of the run key it trusts (None until a reader without one has found the run's),
     its own identity key (signs its records), and the run key itself on a server."""
+
     run_id: str
     run_fp: str | None
     identity: Any  # trust.SigningKey
@@ -252,12 +274,19 @@ def open_config(trust: Trust, raw: Any) -> tuple[dict | None, list[tuple[str, st
             dropped.append((subkey, str(e)))
     if trust.run_fp is None and bodies:
         if len(bodies) > 1:
-            raise AmbiguousRunKey(f"run {trust.run_id!r} is published under {len(bodies)} run keys ({', '.join(sorted(bodies))}): "
-                             f"say which with --run-id {trust.run_id}@FINGERPRINT (the fingerprint its first server "
-                             "printed)")
+            raise AmbiguousRunKey(
+                f"run {trust.run_id!r} is published under {len(bodies)} run keys ({', '.join(sorted(bodies))}): "
+                f"say which with --run-id {trust.run_id}@FINGERPRINT (the fingerprint its first server "
+                "printed)"
+            )
         trust.run_fp = next(iter(bodies))
-        logger.warning("trusting run key %s for run %r, the only one that publishes it (pass --run-id %s@%s to "
-                       "be sure)", trust.run_fp, trust.run_id, trust.run_id, trust.run_fp)
+        logger.warning(
+            "trusting run key %s for run %r, the only one that publishes it (pass --run-id %s@%s to be sure)",
+            trust.run_fp,
+            trust.run_id,
+            trust.run_id,
+            trust.run_fp,
+        )
     return bodies.get(trust.run_fp), dropped
 
 

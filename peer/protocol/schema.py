@@ -1,6 +1,7 @@
 """The shape of a run's DHT values, as a pydantic schema for hivemind's SchemaValidator: every key
 of the run (`{run}_config`, `{run}_stage0` ...) maps subkeys to a signed envelope (see trust.py).
 The envelope's signatures and the record inside it are checked by trust.RunValidator."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -27,8 +28,9 @@ class Envelope(pydantic.BaseModel):
 Records = Dict[pydantic.StrictStr, Envelope]
 
 # one field per key of a run: the SchemaValidator's prefix (the run id) makes them `{run}_{field}`
-RunKeys = pydantic.create_model("RunKeys", config=(Optional[Records], None),
-                                **{f"stage{k}": (Optional[Records], None) for k in range(MAX_STAGES)})
+RunKeys = pydantic.create_model(
+    "RunKeys", config=(Optional[Records], None), **{f"stage{k}": (Optional[Records], None) for k in range(MAX_STAGES)}
+)
 
 
 class CachedSchemaValidator(SchemaValidator):

@@ -13,6 +13,7 @@ handler, the same limits) as soon as its first message arrives, several at once,
 as it finishes, in any order. A session that breaks ends every call still open on it: an answer
 cut short reads as a stream that ended early (wire.unpack: StreamCut, or an empty answer), and the
 next call opens a new session. Malformed framing ends the session with an error naming it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -179,8 +180,9 @@ class Sessions:
             del self.sessions[peer_id]
 
 
-async def serve(requests: AsyncIterator, run_call: Callable[[str, AsyncIterator], AsyncIterator],
-                max_call_bytes: int) -> AsyncIterator:
+async def serve(
+    requests: AsyncIterator, run_call: Callable[[str, AsyncIterator], AsyncIterator], max_call_bytes: int
+) -> AsyncIterator:
     """The server's end of a session: each call's request messages go to `run_call(method,
     messages)` (the stream call's handler) as they arrive, its answer's messages come back tagged, in
     the order calls finish. A call whose request passes `max_call_bytes` gets what arrived up to then

@@ -4,6 +4,7 @@ A task id names what a task computes: its kind (F forward, B backward), batch, m
 and rows, as `F3.1.0.4-8`. Since a task's result is a pure function of (parameter version, rows),
 the id is all a server needs to credit a contribution exactly once. This module must not know
 about pools, leases or servers."""
+
 from __future__ import annotations
 
 import re

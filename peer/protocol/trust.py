@@ -24,6 +24,7 @@ hook, beside a `SchemaValidator` for the envelope's shape): a store or an answer
 is dropped and counted, with the reason at `-v`. Readers check again with `open_record`, which
 also holds a record to the fingerprint the reader trusts.
 """
+
 from __future__ import annotations
 
 import collections
@@ -81,8 +82,10 @@ def split_run_id(text: str) -> tuple[str, str | None]:
     if "@" in text:
         fp = fp.lower()
         if len(fp) != FINGERPRINT_LEN or any(c not in "0123456789abcdef" for c in fp):
-            raise ValueError(f"run fingerprint {fp!r}: expected {FINGERPRINT_LEN} hex digits (as `peer serve` "
-                             "or `peer keygen` print it)")
+            raise ValueError(
+                f"run fingerprint {fp!r}: expected {FINGERPRINT_LEN} hex digits (as `peer serve` "
+                "or `peer keygen` print it)"
+            )
         return name, fp
     return name, None
 
@@ -120,8 +123,9 @@ class SigningKey:
     def derive(self, label: bytes) -> bytes:
         """A 32-byte secret bound to this private key and `label` (SHA-256 of both): what holders of
         the run key share without sending it (the lease tickets' key, peer/protocol/leases.py)."""
-        der = self._key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
-                                      serialization.NoEncryption())
+        der = self._key.private_bytes(
+            serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         return hashlib.sha256(label + b"\0" + der).digest()
 
     @classmethod
@@ -130,8 +134,9 @@ class SigningKey:
 
     def save(self, path: str) -> None:
         """Write the key as PEM, readable by its owner only, without replacing an existing file."""
-        pem = self._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                      serialization.NoEncryption())
+        pem = self._key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(pem)
@@ -173,15 +178,28 @@ def _payload(name: str, subkey: str, body: dict, t: float, expires: float) -> by
     return msgpack.packb([name, subkey, body, t, expires], use_bin_type=True)
 
 
-def seal(name: str, subkey: str, body: dict, ttl: float, signer: SigningKey, run_key: SigningKey | None = None,
-         now: float | None = None) -> dict:
+def seal(
+    name: str,
+    subkey: str,
+    body: dict,
+    ttl: float,
+    signer: SigningKey,
+    run_key: SigningKey | None = None,
+    now: float | None = None,
+) -> dict:
     """The envelope of `body` under key `name` and `subkey`, signed by `signer` (and by the run key)."""
     t = float(now if now is not None else _now())
     expires = t + float(ttl)
     payload = _payload(name, subkey, body, t, expires)
-    return {"body": body, "time": t, "expires": expires, "signer": signer.public_der, "sig": signer.sign(payload),
-            "run_key": run_key.public_der if run_key is not None else None,
-            "run_sig": run_key.sign(payload) if run_key is not None else None}
+    return {
+        "body": body,
+        "time": t,
+        "expires": expires,
+        "signer": signer.public_der,
+        "sig": signer.sign(payload),
+        "run_key": run_key.public_der if run_key is not None else None,
+        "run_sig": run_key.sign(payload) if run_key is not None else None,
+    }
 
 
 def digest(*parts: bytes) -> bytes:
@@ -267,8 +285,9 @@ def _now() -> float:
 ENVELOPE_FIELDS = ("body", "time", "expires", "signer", "sig", "run_key", "run_sig")
 
 
-def open_record(run_id: str, kind: str, stage: int | None, subkey: Any, value: Any, run_fp: str | None,
-                now: float | None = None) -> dict:
+def open_record(
+    run_id: str, kind: str, stage: int | None, subkey: Any, value: Any, run_fp: str | None, now: float | None = None
+) -> dict:
     """The body of an envelope read under the run's `kind` key ("config" or "stage"), after every
     check; TrustError with the reason otherwise. `run_fp`: the run key a reader trusts (None:
     any run key whose own signature holds, for a reader that has not learnt the run's yet)."""
@@ -312,8 +331,9 @@ def open_record(run_id: str, kind: str, stage: int | None, subkey: Any, value: A
     if rec.kind == "server":
         _verify(value["run_key"], payload, value["run_sig"], "run")
         if run_fp is not None and fingerprint(value["run_key"]) != run_fp:
-            raise TrustError(f"server record signed by another run key ({fingerprint(value['run_key'])}, this run is "
-                             f"{run_fp})")
+            raise TrustError(
+                f"server record signed by another run key ({fingerprint(value['run_key'])}, this run is {run_fp})"
+            )
     elif value["run_key"] is not None or value["run_sig"] is not None:
         raise TrustError("a volunteer's record must not carry a run signature")
     return body
@@ -334,7 +354,8 @@ class RunValidator(RecordValidatorBase):
     def __init__(self, run_id: str, run_fp: str | None):
         self.run_id, self.run_fp = run_id, run_fp
         self.keys: dict[bytes, tuple[str, int | None]] = {
-            DHTID.generate(source=config_name(run_id)).to_bytes(): ("config", None)}
+            DHTID.generate(source=config_name(run_id)).to_bytes(): ("config", None)
+        }
         for k in range(MAX_STAGES):
             self.keys[DHTID.generate(source=stage_name(run_id, k)).to_bytes()] = ("stage", k)
         self.rejected: collections.deque[Rejection] = collections.deque(maxlen=100)
@@ -380,8 +401,11 @@ class RunValidator(RecordValidatorBase):
             # readers skip it (records.open_stage), while refusing it here made hivemind drop the
             # whole stage key a DHT node answered with (it refuses a map when one entry fails), a
             # record that expired between that node's answer and this check hiding every other
-            if isinstance(value, dict) and isinstance(value.get("expires"), float) and \
-                    record.expiration_time > value["expires"] + EXPIRY_SLACK:
+            if (
+                isinstance(value, dict)
+                and isinstance(value.get("expires"), float)
+                and record.expiration_time > value["expires"] + EXPIRY_SLACK
+            ):
                 return f"replayed: {e}", None
             return None, None
         except TrustError as e:
@@ -390,8 +414,10 @@ class RunValidator(RecordValidatorBase):
             # a genuine record stored to live on past its signature: a node keeps, per subkey, the entry
             # that expires last, so it would shadow the signer's fresh records, and once its signature
             # ran out, hide the whole key from readers (a discovery blackout for as long as the replayer chose)
-            return (f"outlives its signature: stored to expire {record.expiration_time - value['expires']:.0f} s "
-                    "after its signed expiry"), None
+            return (
+                f"outlives its signature: stored to expire {record.expiration_time - value['expires']:.0f} s "
+                "after its signed expiry"
+            ), None
         return None, value["expires"]
 
     def validate(self, record) -> bool:

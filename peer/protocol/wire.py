@@ -7,6 +7,7 @@ The first message carries the msgpack metadata; tensors follow as hivemind `Tens
 (split by `split_for_streaming`). An answer whose metadata holds `"error"` is a refusal: the caller
 raises `RemoteError` with the server's message.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -93,8 +94,12 @@ def decode_meta(raw: bytes) -> dict:
 # exact and the default.
 COMPRESSION = ("none", "fp16", "bf16", "8bit")
 MIN_COMPRESSED = 1024
-_CODEC = {"none": runtime_pb2.CompressionType.NONE, "fp16": runtime_pb2.CompressionType.FLOAT16,
-          "bf16": runtime_pb2.CompressionType.NONE, "8bit": runtime_pb2.CompressionType.UNIFORM_8BIT}
+_CODEC = {
+    "none": runtime_pb2.CompressionType.NONE,
+    "fp16": runtime_pb2.CompressionType.FLOAT16,
+    "bf16": runtime_pb2.CompressionType.NONE,
+    "8bit": runtime_pb2.CompressionType.UNIFORM_8BIT,
+}
 _UNIFORM_8BIT_OVERHEAD = 1032  # bytes beside one per element: the codebook and its header
 
 
@@ -110,8 +115,12 @@ def _serialize(t: torch.Tensor, compress: str):
     if compress == "bf16":
         # hivemind's NONE codec in its 2-byte bfloat16 form (its serializer widens bfloat16 to 4 bytes
         # unless USE_LEGACY_BFLOAT16=0 is set before import; its deserializer reads both)
-        return runtime_pb2.Tensor(compression=runtime_pb2.CompressionType.NONE, size=t.shape, dtype="bfloat16",
-                                  buffer=t.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+        return runtime_pb2.Tensor(
+            compression=runtime_pb2.CompressionType.NONE,
+            size=t.shape,
+            dtype="bfloat16",
+            buffer=t.to(torch.bfloat16).view(torch.int16).numpy().tobytes(),
+        )
     return serialize_torch_tensor(t, _CODEC[compress])
 
 
@@ -162,17 +171,20 @@ def _parts(t: torch.Tensor, compress: str):
         for i, part in enumerate(split_for_streaming(whole, CHUNK_BYTES)):
             fields = {"buffer": part.buffer}
             if i == 0:
-                fields.update(compression=part.compression, chunks=part.chunks, size=list(part.size),
-                              dtype=part.dtype)
+                fields.update(compression=part.compression, chunks=part.chunks, size=list(part.size), dtype=part.dtype)
             yield fields
         return
     raw = memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")
     chunks = max(1, math.ceil(len(raw) / CHUNK_BYTES))
     for i in range(chunks):
-        fields = {"buffer": bytes(raw[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])}
+        fields = {"buffer": bytes(raw[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES])}
         if i == 0:
-            fields.update(compression=runtime_pb2.CompressionType.NONE, chunks=chunks, size=list(t.shape),
-                          dtype=str(t.dtype).replace("torch.", ""))
+            fields.update(
+                compression=runtime_pb2.CompressionType.NONE,
+                chunks=chunks,
+                size=list(t.shape),
+                dtype=str(t.dtype).replace("torch.", ""),
+            )
         yield fields
 
 
@@ -205,8 +217,9 @@ async def _messages(stream: AsyncIterator, stall: float | None):
         yield message
 
 
-async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                 stall: float | None = None, accept: str = "none") -> tuple[dict, list[torch.Tensor]]:
+async def unpack(
+    stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, stall: float | None = None, accept: str = "none"
+) -> tuple[dict, list[torch.Tensor]]:
     """Read a whole message stream back into (metadata, tensors). Refuses more than `max_bytes`, and
     compressed tensors other than the run's `accept` codec. A stream that ends before the tensors its
     metadata declares, or (with `stall`) waits longer than `stall` seconds for its next message,
@@ -236,8 +249,10 @@ async def unpack(stream: AsyncIterator, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
     if not isinstance(declared, int) or isinstance(declared, bool) or declared < 0:
         raise PayloadError(f"field 'n_tensors' must be a count, got {declared!r}")
     if len(groups) < declared:
-        raise StreamCut(f"the stream ended after {len(groups)} of the {declared} tensors its metadata declares",
-                        meta=_cut_meta(meta))
+        raise StreamCut(
+            f"the stream ended after {len(groups)} of the {declared} tensors its metadata declares",
+            meta=_cut_meta(meta),
+        )
     if len(groups) > declared:
         raise PayloadError(f"metadata declares {declared} tensors, {len(groups)} arrived")
     for i, (head, buffers) in enumerate(groups):
@@ -262,7 +277,7 @@ def _tensor(head, buffers: list[bytes]) -> torch.Tensor:
         if out.numel():
             raw, offset = memoryview(out.reshape(-1).numpy()).cast("B"), 0
             for b in buffers:
-                raw[offset:offset + len(b)] = b
+                raw[offset : offset + len(b)] = b
                 offset += len(b)
         return out
     whole = runtime_pb2.Tensor()
@@ -279,9 +294,16 @@ def _cut_meta(meta: dict) -> dict:
 def _unflatten(shapes, tensors: list) -> list:
     """The fp32 tensors `pack` sent as one: views of it, one a shape; PayloadError unless the shapes
     are a list of tensor shapes that together hold exactly the one fp32 vector that arrived."""
-    if not isinstance(shapes, list) or not 1 <= len(shapes) <= MAX_FLAT or \
-            not all(isinstance(sh, list) and len(sh) <= MAX_DIMS and
-                    all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in sh) for sh in shapes):
+    if (
+        not isinstance(shapes, list)
+        or not 1 <= len(shapes) <= MAX_FLAT
+        or not all(
+            isinstance(sh, list)
+            and len(sh) <= MAX_DIMS
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in sh)
+            for sh in shapes
+        )
+    ):
         raise PayloadError(f"field {FLAT!r} must list at most {MAX_FLAT} tensor shapes")
     if len(tensors) != 1 or tensors[0].dtype != torch.float32 or tensors[0].dim() != 1:
         raise PayloadError(f"field {FLAT!r} goes with one float32 vector, got {len(tensors)} tensors")
@@ -293,8 +315,18 @@ def _unflatten(shapes, tensors: list) -> list:
 
 # what a peer of this project sends (hivemind's NONE codec; bfloat16 as 2 bytes, or 4 in hivemind's
 # legacy mode): anything else is refused before a tensor is built from it
-_ITEM_BYTES = {"float32": (4,), "float16": (2,), "bfloat16": (2, 4), "float64": (8,), "int64": (8,), "int32": (4,),
-               "int16": (2,), "int8": (1,), "uint8": (1,), "bool": (1,)}
+_ITEM_BYTES = {
+    "float32": (4,),
+    "float16": (2,),
+    "bfloat16": (2, 4),
+    "float64": (8,),
+    "int64": (8,),
+    "int32": (4,),
+    "int16": (2,),
+    "int8": (1,),
+    "uint8": (1,),
+    "bool": (1,),
+}
 MAX_DIMS = 8
 
 
@@ -303,8 +335,9 @@ def _check_header(i: int, head, arrived: int, accept: str = "none") -> None:
     bytes, is a tensor of a known dtype, uncompressed or in the run's codec, whose declared shape
     holds exactly those bytes (checked before anything is allocated)."""
     if head.compression not in (runtime_pb2.CompressionType.NONE, _CODEC.get(accept)):
-        raise PayloadError(f"tensor {i}: compression {head.compression} is not accepted (this run's --compress is "
-                           f"{accept})")
+        raise PayloadError(
+            f"tensor {i}: compression {head.compression} is not accepted (this run's --compress is {accept})"
+        )
     if head.compression != runtime_pb2.CompressionType.NONE:
         shape = list(head.size)
         if head.dtype != "float32" or len(shape) > MAX_DIMS or any(d < 0 for d in shape):
@@ -312,18 +345,21 @@ def _check_header(i: int, head, arrived: int, accept: str = "none") -> None:
         numel = math.prod(shape)
         need = 2 * numel if head.compression == runtime_pb2.CompressionType.FLOAT16 else numel + _UNIFORM_8BIT_OVERHEAD
         if arrived != need:
-            raise PayloadError(f"tensor {i}: shape {shape} under codec {head.compression} needs {need} bytes, "
-                               f"{arrived} arrived")
+            raise PayloadError(
+                f"tensor {i}: shape {shape} under codec {head.compression} needs {need} bytes, {arrived} arrived"
+            )
         return
     if head.dtype not in _ITEM_BYTES:
         raise PayloadError(f"tensor {i}: dtype {head.dtype[:40]!r} is not accepted")
     shape = list(head.size)
     if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
-        raise PayloadError(f"tensor {i}: shape {shape[:MAX_DIMS + 1]} is not a tensor shape")
+        raise PayloadError(f"tensor {i}: shape {shape[: MAX_DIMS + 1]} is not a tensor shape")
     numel = math.prod(shape)
     if not any(numel * size == arrived for size in _ITEM_BYTES[head.dtype]):
-        raise PayloadError(f"tensor {i}: shape {shape} of {head.dtype} needs {numel * _ITEM_BYTES[head.dtype][0]} "
-                           f"bytes, {arrived} arrived")
+        raise PayloadError(
+            f"tensor {i}: shape {shape} of {head.dtype} needs {numel * _ITEM_BYTES[head.dtype][0]} "
+            f"bytes, {arrived} arrived"
+        )
 
 
 def all_finite(t: torch.Tensor) -> bool:

@@ -1,6 +1,7 @@
 """A volunteer that lies, for tests and benchmarks of the servers' checks (`peer join --cheat
 KIND[@AFTER]`): after AFTER honest tasks, every result it hands in (a forward task's outputs, an input
 gradient, its parameter gradients and loss) is corrupted the same way. Not a feature for users."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,6 +2,7 @@
 small and large), then chooses its stage, and later re-chooses it, from the DHT records with
 scheduler/balance.py (the cost model on the compute each stage has now). Deciding when to look
 again, and moving, is the caller's (peer/join.py)."""
+
 from __future__ import annotations
 
 import logging
@@ -45,8 +46,7 @@ def planner_model(run, cfg):
     return load_model(planner_model_file(cfg, run.batch_size, run.micro_batches, bytes_per_value=4))
 
 
-def stages_now(stage_records: list[list[tuple[str, dict]]], layout, cfg, own_peer: str,
-               fresh=lambda rec: True):
+def stages_now(stage_records: list[list[tuple[str, dict]]], layout, cfg, own_peer: str, fresh=lambda rec: True):
     """StageNow per stage from the stage keys' records: each server's and each online volunteer's
     announced compute (rows/s of its slice) as FLOP/s; our own record left out, and records that
     `fresh` says are stale (a killed volunteer's record outlives it: records.record_ttl)."""
@@ -84,8 +84,12 @@ class StagePicker:
         from peer.model.config import flops_per_token_per_layer
 
         # measured on stage 0's slice: as FLOP/s
-        self.own_flops = own_rows_s * cfg.seq_len * flops_per_token_per_layer(cfg) * (layout.stages[0].layers[1]
-                                                                                     - layout.stages[0].layers[0])
+        self.own_flops = (
+            own_rows_s
+            * cfg.seq_len
+            * flops_per_token_per_layer(cfg)
+            * (layout.stages[0].layers[1] - layout.stages[0].layers[0])
+        )
         self.delays: list | None = None
         self.bandwidths: list | None = None
 
@@ -98,24 +102,39 @@ class StagePicker:
             dl, bw = await probe_stage(links, self.nbytes, self.links_emulator.own or "")
             delays.append(dl)
             bandwidths.append(bw)
-            logger.info("stage %d: delays %s ms, bandwidths %s MB/s", st.index, [round(d * 1e3, 1) for d in dl],
-                        [round(b / 1e6, 1) for b in bw])
+            logger.info(
+                "stage %d: delays %s ms, bandwidths %s MB/s",
+                st.index,
+                [round(d * 1e3, 1) for d in dl],
+                [round(b / 1e6, 1) for b in bw],
+            )
         self.delays, self.bandwidths = delays, bandwidths
 
     async def decide(self, current: int | None):
         from peer.protocol import records
         from scheduler.balance import choose
 
-        per_stage = [[(peer, rec) for peer, rec, _ in found if rec is not None]
-                     for found in await records.read_stages(self.directory.dht, self.run.run_id,
-                                                            self.layout.num_stages)]
-        stages = stages_now(per_stage, self.layout, self.cfg, self.peer_id,
-                            fresh=lambda rec: records.is_fresh(rec, self.run.announce_period))
-        decision = choose(stages, self.model, self.own_flops, self.delays, self.bandwidths, self.nbytes,
-                          current=current)
+        per_stage = [
+            [(peer, rec) for peer, rec, _ in found if rec is not None]
+            for found in await records.read_stages(self.directory.dht, self.run.run_id, self.layout.num_stages)
+        ]
+        stages = stages_now(
+            per_stage,
+            self.layout,
+            self.cfg,
+            self.peer_id,
+            fresh=lambda rec: records.is_fresh(rec, self.run.announce_period),
+        )
+        decision = choose(
+            stages, self.model, self.own_flops, self.delays, self.bandwidths, self.nbytes, current=current
+        )
         computing = [f"{(sum(s.server_flops.values()) + sum(s.volunteer_flops)) / 1e9:.3g}" for s in stages]
-        logger.info("stage choice: %s; with this volunteer on each stage: %s; GFLOP/s computing now per stage: %s; "
-                    "link scores %s ms", decision.reason,
-                    ["%d empty" % p[0] if p[0] else "%.3g s" % p[1] for p in decision.predicted], computing,
-                    [round(x * 1e3, 1) for x in decision.link_scores])
+        logger.info(
+            "stage choice: %s; with this volunteer on each stage: %s; GFLOP/s computing now per stage: %s; "
+            "link scores %s ms",
+            decision.reason,
+            ["%d empty" % p[0] if p[0] else "%.3g s" % p[1] for p in decision.predicted],
+            computing,
+            [round(x * 1e3, 1) for x in decision.link_scores],
+        )
         return decision

@@ -9,6 +9,7 @@ parameter gradient joins the batch's sum while the task stays leased; the sum go
 (each credits it all or nothing, and a task at most once), and only then are its tasks completed. A
 worker killed at any point leaves each server with either nothing or the whole contribution of each
 task, and its tasks are re-run (pushed alone) until completed; re-runs are counted duplicates."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,16 @@ logger = logging.getLogger("hivepipe.worker")
 
 # the points of the protocol where a volunteer can be made to die (`peer join --die-at`), to prove
 # that every micro-batch is applied exactly once whatever the point
-KILL_POINTS = ("before_forward", "during_forward", "after_outputs", "during_backward", "after_input_grads",
-               "mid_grad_push", "after_grad_push", "pulling_params")
+KILL_POINTS = (
+    "before_forward",
+    "during_forward",
+    "after_outputs",
+    "during_backward",
+    "after_input_grads",
+    "mid_grad_push",
+    "after_grad_push",
+    "pulling_params",
+)
 
 _gc_clock = threading.local()
 
@@ -69,6 +78,7 @@ def pass_clock() -> float:
 class Pending:
     """The parameter gradients of one batch summed over tasks whose sum is not pushed yet; the tasks
     stay leased (and are re-run by others if this client vanishes) until every server credits it."""
+
     batch: int
     epoch: int  # the layout epoch its tasks were taken in
     tasks: list = field(default_factory=list)  # (leasing server's link, task id, lease deadline, lease seconds)
@@ -119,9 +129,25 @@ def die_here() -> None:
 
 
 class StageWorker:
-    def __init__(self, *, run, layout, cfg, stage: int, device_id: str, links: dict, compute: float,
-                 torch_device: str = "cpu", slowdown: float = 1.0, poll: float = 0.05, heartbeat: float = 1.0,
-                 die_at: str | None = None, cheat=None, activation_memory: int = 1 << 30, epoch: int = 0):
+    def __init__(
+        self,
+        *,
+        run,
+        layout,
+        cfg,
+        stage: int,
+        device_id: str,
+        links: dict,
+        compute: float,
+        torch_device: str = "cpu",
+        slowdown: float = 1.0,
+        poll: float = 0.05,
+        heartbeat: float = 1.0,
+        die_at: str | None = None,
+        cheat=None,
+        activation_memory: int = 1 << 30,
+        epoch: int = 0,
+    ):
         self.run, self.layout, self.cfg = run, layout, cfg
         self.stage = stage
         self.st = layout.stages[stage]
@@ -150,9 +176,21 @@ class StageWorker:
         self.activation_memory = activation_memory
         self.input_cache: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-        self.stats = {"forward": 0, "backward": 0, "dropped": 0, "pushes": 0, "conflicts": 0, "compute_seconds": 0.0,
-                      "param_seconds": 0.0, "started": time.time(), "recomputed": 0, "recompute_avoided": 0,
-                      "prefetched": 0, "params_from_replica": 0, "replica_misses": 0}
+        self.stats = {
+            "forward": 0,
+            "backward": 0,
+            "dropped": 0,
+            "pushes": 0,
+            "conflicts": 0,
+            "compute_seconds": 0.0,
+            "param_seconds": 0.0,
+            "started": time.time(),
+            "recomputed": 0,
+            "recompute_avoided": 0,
+            "prefetched": 0,
+            "params_from_replica": 0,
+            "replica_misses": 0,
+        }
         self.replica_skip_until: dict[int, int] = {}  # slot -> the first version the replica is tried for again
         self.pending: dict[int, Pending] = {}  # batch -> gradients summed over tasks not pushed yet
         self.awaiting: dict[int, float] = {}  # batch held while idle (owed tasks of it) -> since when
@@ -200,8 +238,9 @@ class StageWorker:
         registered = False
         while True:
             try:
-                return await link.call(method, dict(meta, epoch=self.epoch if epoch is None else epoch), list(tensors),
-                                       timeout=timeout)
+                return await link.call(
+                    method, dict(meta, epoch=self.epoch if epoch is None else epoch), list(tensors), timeout=timeout
+                )
             except RemoteError as e:
                 if "stale epoch" in str(e):
                     await self.refresh_layout(link)
@@ -381,9 +420,14 @@ class StageWorker:
                 try:
                     await self.process(link, meta, tensors)
                     # where a task's time went (-vv): the rest of it is calls (outputs, gradients, complete)
-                    logger.debug("%s: %s done in %.3f s (compute %.3f s, parameters %.3f s)", self.device_id,
-                                 meta["task"], time.monotonic() - started, self.stats["compute_seconds"] - computed,
-                                 self.stats["param_seconds"] - pulled)
+                    logger.debug(
+                        "%s: %s done in %.3f s (compute %.3f s, parameters %.3f s)",
+                        self.device_id,
+                        meta["task"],
+                        time.monotonic() - started,
+                        self.stats["compute_seconds"] - computed,
+                        self.stats["param_seconds"] - pulled,
+                    )
                 except NotReady as e:
                     logger.info("%s: handing back %s: %s", self.device_id, meta["task"], e)
                     await self._undone(link, meta)
@@ -397,8 +441,13 @@ class StageWorker:
                     # a server that cannot be reached is reported by its link's health (one line when
                     # it starts failing, one a minute, one at recovery): a line per task would flood
                     transport = isinstance(e, (ConnectionError, asyncio.TimeoutError))
-                    logger.log(logging.INFO if transport else logging.WARNING, "%s: task %s interrupted: %r",
-                               self.device_id, meta["task"], e)
+                    logger.log(
+                        logging.INFO if transport else logging.WARNING,
+                        "%s: task %s interrupted: %r",
+                        self.device_id,
+                        meta["task"],
+                        e,
+                    )
                     await self._undone(link, meta)
                 else:
                     self.unready = None
@@ -418,8 +467,7 @@ class StageWorker:
         await asyncio.gather(*self.waiting.values(), return_exceptions=True)
         self.waiting.clear()
         ready, self.ready = self.ready, []
-        await asyncio.gather(*(self._hand_back(link, meta["task"], meta.get("epoch", 0))
-                               for link, meta, _ in ready))
+        await asyncio.gather(*(self._hand_back(link, meta["task"], meta.get("epoch", 0)) for link, meta, _ in ready))
 
     async def _undone(self, link, meta: dict) -> None:
         """Hand back a task this worker could not work on (a version the stage has not reached, a
@@ -439,7 +487,7 @@ class StageWorker:
         if not order:
             return order
         self._turn = (self._turn + 1) % len(order)
-        order = order[self._turn:] + order[: self._turn]
+        order = order[self._turn :] + order[: self._turn]
         return sorted(order, key=lambda d: d == self.unready)
 
     async def _take(self, device: str, wait: float = 0.0):
@@ -486,9 +534,11 @@ class StageWorker:
         """The best task that already arrived, in the pools' own order (lower batch, then lower
         micro-batch, then backward first): tasks that servers leased into this worker's waiting takes
         while it was busy wait for it, and the one the oldest batch waits for goes first."""
+
         def order(j):
             meta = self.ready[j][1]
             return priority(meta.get("batch", 0), meta.get("micro", 0), meta.get("kind"))
+
         i = min(range(len(self.ready)), key=order)
         return self.ready.pop(i)
 
@@ -539,8 +589,9 @@ class StageWorker:
                 try:  # the fetch ahead goes on if this gives up: the task is handed back, the version comes
                     await asyncio.wait_for(asyncio.shield(ahead), patience)
                 except asyncio.TimeoutError:
-                    raise NotReady(f"version {version} not reached by every server of stage {self.stage} "
-                                   f"within {patience:.1f} s") from None
+                    raise NotReady(
+                        f"version {version} not reached by every server of stage {self.stage} within {patience:.1f} s"
+                    ) from None
                 except asyncio.CancelledError:
                     if not ahead.cancelled():  # (this task itself is being cancelled, not the fetch ahead)
                         raise
@@ -554,6 +605,7 @@ class StageWorker:
     async def _pull(self, version: int, patience: float) -> dict[str, torch.Tensor]:
         """Every shard of `version`, one `get_params` a server, all at once (a server that has not
         reached the version waits for it on its side, up to `patience` in all)."""
+
         async def one(device, slot, names):
             kept = await self._from_own_replica(device, slot, names, version, patience)
             if kept is not None:
@@ -567,12 +619,20 @@ class StageWorker:
             state.update(part)
         return state
 
-    async def _ask_host(self, device: str, slot: int, names: list, version: int, patience: float,
-                        digest_only: bool = False) -> tuple[dict, list]:
+    async def _ask_host(
+        self, device: str, slot: int, names: list, version: int, patience: float, digest_only: bool = False
+    ) -> tuple[dict, list]:
         """`get_params` of `slot` at `version` from its host `device` (peer.protocol.params.fetch_slot),
         RemoteError unless the host serves the shard of `names`."""
-        meta, tensors = await fetch_slot(functools.partial(self.call, self.links[device], timeout=60.0), device,
-                                         slot, version, patience, self.poll, digest_only=digest_only)
+        meta, tensors = await fetch_slot(
+            functools.partial(self.call, self.links[device], timeout=60.0),
+            device,
+            slot,
+            version,
+            patience,
+            self.poll,
+            digest_only=digest_only,
+        )
         if meta.get("names") != names:
             raise RemoteError(f"{device} serves shard {meta.get('names')}, expected {names}")
         return meta, tensors
@@ -581,8 +641,9 @@ class StageWorker:
         """The server this worker runs in (its link to itself is a LocalLink to it), or None."""
         return getattr(self.links.get(self.device_id), "server", None)
 
-    async def _from_own_replica(self, device: str, slot: int, names: list, version: int,
-                                patience: float) -> dict[str, torch.Tensor] | None:
+    async def _from_own_replica(
+        self, device: str, slot: int, names: list, version: int, patience: float
+    ) -> dict[str, torch.Tensor] | None:
         """Version `version` of another server's slot read from the replica this worker's own server
         keeps of it (a server's worker pulled it whole, 0.92 MB a step for the default swarm's
         shards), once the slot's host says that version's digest (one small `get_params`) and the
@@ -590,16 +651,26 @@ class StageWorker:
         keeps no replica of the slot, or the replica does not hold that version within REPLICA_WAIT
         or holds other bits (then the slot is pulled for REPLICA_BACKOFF versions)."""
         server = self._own_server()
-        if server is None or device == self.device_id or slot not in server.replicas or \
-                version < self.replica_skip_until.get(slot, 0):
+        if (
+            server is None
+            or device == self.device_id
+            or slot not in server.replicas
+            or version < self.replica_skip_until.get(slot, 0)
+        ):
             return None
         meta, _ = await self._ask_host(device, slot, names, version, patience, digest_only=True)
         kept = await server.replica_at(slot, version, REPLICA_WAIT)
         if kept is None or kept[0] != meta.get("digest"):
             self.stats["replica_misses"] += 1
             self.replica_skip_until[slot] = version + REPLICA_BACKOFF
-            logger.debug("%s: the replica of slot %d %s version %d: pulling it from %s", self.device_id, slot,
-                         "does not hold" if kept is None else "holds other bits of", version, device)
+            logger.debug(
+                "%s: the replica of slot %d %s version %d: pulling it from %s",
+                self.device_id,
+                slot,
+                "does not hold" if kept is None else "holds other bits of",
+                version,
+                device,
+            )
             return None
         self.stats["params_from_replica"] += 1
         return {n: kept[1][n] for n in names}
@@ -643,7 +714,9 @@ class StageWorker:
         """The slice holding parameters `version` (one per kept version, so a kept forward pass stays
         valid while the worker computes tasks of the other version)."""
         if version not in self.models:
-            self.models[version] = slice_from_state(self.cfg, self.lo, self.hi, self.versions[version], self.torch_device)
+            self.models[version] = slice_from_state(
+                self.cfg, self.lo, self.hi, self.versions[version], self.torch_device
+            )
         return self.models[version]
 
     def _keep(self, key: tuple, kept: KeptForward) -> None:
@@ -702,8 +775,13 @@ class StageWorker:
                     await self.push_pending(self.pending.pop(b))
                 except Exception as e:  # its tasks stay leased here: they run out and are re-run by others
                     transport = isinstance(e, (ConnectionError, asyncio.TimeoutError))
-                    logger.log(logging.INFO if transport else logging.WARNING, "%s: gradient push of batch %d "
-                               "failed: %r", self.device_id, b, e)
+                    logger.log(
+                        logging.INFO if transport else logging.WARNING,
+                        "%s: gradient push of batch %d failed: %r",
+                        self.device_id,
+                        b,
+                        e,
+                    )
 
     async def push_pending(self, p: "Pending") -> None:
         """Push one batch's summed gradient, sharded, to every server of the stage with the ids of the
@@ -723,19 +801,34 @@ class StageWorker:
         items = self.shards
         if self.die_at == "mid_grad_push":  # one server gets its shard, the others never do
             device, slot, names = items[0]
-            await self.call(self.links[device], "push_grads", dict(base, slot=slot), [p.grads[n] for n in names],
-                            timeout=60.0, epoch=p.epoch)
+            await self.call(
+                self.links[device],
+                "push_grads",
+                dict(base, slot=slot),
+                [p.grads[n] for n in names],
+                timeout=60.0,
+                epoch=p.epoch,
+            )
             self._point("mid_grad_push")
         server = self._own_server()
         if server is not None:  # its replica of each other slot may take the step from this push
             for device, slot, names in items:
                 if device != self.device_id:
                     server.note_own_push(slot, p.batch, [p.grads[n] for n in names])
-        answers = await asyncio.gather(*(
-            self.call(self.links[device], "push_grads", dict(base, slot=slot), [p.grads[n] for n in names],
-                      timeout=60.0, epoch=p.epoch)
-            for device, slot, names in items
-        ), return_exceptions=True)
+        answers = await asyncio.gather(
+            *(
+                self.call(
+                    self.links[device],
+                    "push_grads",
+                    dict(base, slot=slot),
+                    [p.grads[n] for n in names],
+                    timeout=60.0,
+                    epoch=p.epoch,
+                )
+                for device, slot, names in items
+            ),
+            return_exceptions=True,
+        )
         self.stats["pushes"] += 1
         self._point("after_grad_push")
         credited = set(ids)
@@ -753,7 +846,9 @@ class StageWorker:
         for link, tid, _, _ in p.tasks:
             if tid in credited:
                 self._finish_later(link.device, tid, p.epoch)
-        await asyncio.gather(*(self._hand_back(link, tid, p.epoch) for link, tid, _, _ in p.tasks if tid not in credited))
+        await asyncio.gather(
+            *(self._hand_back(link, tid, p.epoch) for link, tid, _, _ in p.tasks if tid not in credited)
+        )
         n = len(ids) - len(credited)
         if n:
             self.stats["dropped"] += n
@@ -763,16 +858,23 @@ class StageWorker:
         lying = self.cheat is not None and self.cheat.active(self.stats["forward"] + self.stats["backward"])
         if lying and not getattr(self, "_lie_logged", False):
             self._lie_logged = True
-            logger.warning("%s: cheat %s: handing in wrong results from task %d (batch %s) on", self.device_id,
-                           self.cheat.kind, self.stats["forward"] + self.stats["backward"] + 1, batch)
+            logger.warning(
+                "%s: cheat %s: handing in wrong results from task %d (batch %s) on",
+                self.device_id,
+                self.cheat.kind,
+                self.stats["forward"] + self.stats["backward"] + 1,
+                batch,
+            )
         return lying
 
     def _corrupt(self, gin, grads, loss, batch: int | None = None):
         if not self._lying(batch):
             return gin, grads, loss
-        return (None if gin is None else self.cheat.tensor(gin), {n: self.cheat.tensor(g) for n, g in grads.items()},
-                self.cheat.loss(loss))
-
+        return (
+            None if gin is None else self.cheat.tensor(gin),
+            {n: self.cheat.tensor(g) for n, g in grads.items()},
+            self.cheat.loss(loss),
+        )
 
     def _cached_inputs(self, t: int, m: int, a: int, b: int):
         for x0, y0, x in self.input_cache.get((t, m), []):
@@ -825,12 +927,26 @@ class StageWorker:
         if self._lying(t):
             outs = [(self.cheat.tensor(out), kept) for out, kept in outs]
         self.input_cache.setdefault((t, m), []).append((a, b, x))
-        await asyncio.gather(*(
-            self.call(self.links[nxt[j]], "push_outputs", {"task": meta["task"], "batch": t, "micro": m, "rows": [p, q],
-                                                           "frontal": meta["frontal"], "lease": meta.get("lease")},
-                      [out], timeout=60.0, epoch=meta["epoch"])
-            for (j, p, q), (out, _) in zip(pieces, outs)
-        ))
+        await asyncio.gather(
+            *(
+                self.call(
+                    self.links[nxt[j]],
+                    "push_outputs",
+                    {
+                        "task": meta["task"],
+                        "batch": t,
+                        "micro": m,
+                        "rows": [p, q],
+                        "frontal": meta["frontal"],
+                        "lease": meta.get("lease"),
+                    },
+                    [out],
+                    timeout=60.0,
+                    epoch=meta["epoch"],
+                )
+                for (j, p, q), (out, _) in zip(pieces, outs)
+            )
+        )
         self._point("after_outputs")
         self._finish_later(link.device, meta["task"], meta["epoch"])
         self.stats["forward"] += 1
@@ -838,8 +954,9 @@ class StageWorker:
     def _backward_pass(self, version: int, x: torch.Tensor, out_grad=None, labels=None):
         """Recompute the slice on x and backpropagate; returns (input grad or None, loss_sum or None)."""
         self._point("during_backward")
-        return backward_rows(self._model(version), x, self.torch_device, self.total_tokens, out_grad=out_grad,
-                             labels=labels)
+        return backward_rows(
+            self._model(version), x, self.torch_device, self.total_tokens, out_grad=out_grad, labels=labels
+        )
 
     async def _forward_backward(self, link, meta, tensors) -> None:
         """The last stage: forward, loss and backward in one task."""
@@ -856,13 +973,24 @@ class StageWorker:
         overlaps another client's in part for long."""
         gin, grads, loss = self._corrupt(gin, grads, loss, meta["batch"])
         if gin is not None:
-            await self.call(frontal, "push_input_grads", {"task": meta["task"], "batch": meta["batch"],
-                                                          "micro": meta["micro"], "rows": meta["rows"],
-                                                          "lease": meta.get("lease")}, [gin],
-                            epoch=meta["epoch"])
+            await self.call(
+                frontal,
+                "push_input_grads",
+                {
+                    "task": meta["task"],
+                    "batch": meta["batch"],
+                    "micro": meta["micro"],
+                    "rows": meta["rows"],
+                    "lease": meta.get("lease"),
+                },
+                [gin],
+                epoch=meta["epoch"],
+            )
             self._point("after_input_grads")
         if meta["epoch"] != self.epoch:  # a failover voided it: it is run again in the new epoch
-            raise RemoteError(f"task {meta['task']} belongs to layout epoch {meta['epoch']}, the run is at {self.epoch}")
+            raise RemoteError(
+                f"task {meta['task']} belongs to layout epoch {meta['epoch']}, the run is at {self.epoch}"
+            )
         if meta.get("attempt", 1) > 1:
             alone = Pending(meta["batch"], meta["epoch"])
             alone.add(link, meta, grads, loss)
@@ -889,8 +1017,9 @@ class StageWorker:
         self.stats["recomputed"] += 1
         x = self._cached_inputs(t, m, a, b)
         if x is None:
-            _, (x,) = await self.call(frontal, "get_inputs", {"batch": t, "micro": m, "rows": [a, b]},
-                                      epoch=meta["epoch"])
+            _, (x,) = await self.call(
+                frontal, "get_inputs", {"batch": t, "micro": m, "rows": [a, b]}, epoch=meta["epoch"]
+            )
         gin, _, grads = await self._compute(lambda: self._backward_pass(meta["version"], x, out_grad=g))
         await self._finish(link, frontal, meta, gin, grads, None)
         self.stats["backward"] += 1

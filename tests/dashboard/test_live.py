@@ -3,6 +3,7 @@ by scripts/dashboard.py as a separate process: --json, --serve (its page in head
 /api/state and /metrics over HTTP), and a volunteer SIGKILLed under its eyes.
 
 One swarm serves the whole module; the test that kills a volunteer comes last."""
+
 from __future__ import annotations
 
 import asyncio
@@ -57,8 +58,13 @@ class Running:
         return {k: await self.live.clients(k) for k in range(self.live.layout.num_stages)}
 
     def dashboard(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, SCRIPT, "--initial-peers", *self.maddrs, "--run-id", self.run_ref, *args],
-                              capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        return subprocess.run(
+            [sys.executable, SCRIPT, "--initial-peers", *self.maddrs, "--run-id", self.run_ref, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +72,29 @@ def swarm(tmp_path_factory):
     """2 stages x (frontal + backward), servers that do not compute, 3 volunteers: v0 and v2 on stage
     0, v1 on stage 1 (so that killing v1 leaves stage 1 without compute)."""
     work = tmp_path_factory.mktemp("dashboard-swarm")
-    live = LiveSwarm(work, ["--model", "tiny", "--steps", "1000", "--volunteers", "3", "--servers-compute", "no",
-                            "--volunteer-slowdown", "3", "--client-timeout", "2",
-                            "--announce-period", str(PERIOD), "--seed", "0", "--run-id", f"dash-{os.getpid()}"])
+    live = LiveSwarm(
+        work,
+        [
+            "--model",
+            "tiny",
+            "--steps",
+            "1000",
+            "--volunteers",
+            "3",
+            "--servers-compute",
+            "no",
+            "--volunteer-slowdown",
+            "3",
+            "--client-timeout",
+            "2",
+            "--announce-period",
+            str(PERIOD),
+            "--seed",
+            "0",
+            "--run-id",
+            f"dash-{os.getpid()}",
+        ],
+    )
     running = Running(live)
 
     async def everyone_up():
@@ -126,8 +152,13 @@ def check_shows_the_swarm(snap: dict, running: Running, volunteers: dict[int, di
 def test_a_dht_that_cannot_be_joined_is_a_clear_error():
     # (first in the module: it needs no swarm, and runs before the module's swarm loads the machine)
     dead = "/ip4/127.0.0.1/tcp/1/p2p/QmXfz1KyWEtpjDp1ah1cDZnRnTVfM7p5ZK6LCG1ruN4Pqk"  # nothing listens on port 1
-    out = subprocess.run([sys.executable, SCRIPT, "--initial-peers", dead, "--json"], capture_output=True, text=True,
-                         timeout=90, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, SCRIPT, "--initial-peers", dead, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=REPO,
+    )
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith(f"dashboard: error: cannot join the DHT through {dead}: "), out.stderr[-2000:]
 
@@ -139,9 +170,23 @@ def test_a_run_that_is_not_there_exits_2():
 
     dht = start_dht([], run_id=f"another-run-{os.getpid()}", run_fp=None)  # a node as every peer starts one
     try:
-        out = subprocess.run([sys.executable, SCRIPT, "--initial-peers", *visible_maddrs(dht), "--run-id",
-                              "no-such-run", "--json", "--timeout", "2"], capture_output=True, text=True, timeout=90,
-                             cwd=REPO)
+        out = subprocess.run(
+            [
+                sys.executable,
+                SCRIPT,
+                "--initial-peers",
+                *visible_maddrs(dht),
+                "--run-id",
+                "no-such-run",
+                "--json",
+                "--timeout",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd=REPO,
+        )
     finally:
         stop_dht(dht)
     assert out.returncode == 2, (out.stdout[-1000:], out.stderr[-2000:])
@@ -169,9 +214,27 @@ def web(swarm, tmp_path_factory):
     """`dashboard.py --serve 0`: the URL it printed. Records count as live for 10 periods, as in the JSON
     test: what these tests read is the page, its API and its metrics, not staleness, and on a loaded
     machine a server's announcement can come 3 periods late (health_ok read 0 once in CI for that)."""
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--initial-peers", *swarm.maddrs, "--run-id", swarm.run_ref,
-                             "--serve", "0", "--refresh", "0.5", "--stale-periods", "10"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            SCRIPT,
+            "--initial-peers",
+            *swarm.maddrs,
+            "--run-id",
+            swarm.run_ref,
+            "--serve",
+            "0",
+            "--refresh",
+            "0.5",
+            "--stale-periods",
+            "10",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        start_new_session=True,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     try:
@@ -232,9 +295,21 @@ def test_page_renders_in_headless_chromium(swarm, web, tmp_path):
     if chromium is None:
         pytest.skip("chromium is not installed")
     for attempt in range(3):
-        out = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu",
-                              f"--user-data-dir={tmp_path / str(attempt)}", "--virtual-time-budget=5000",
-                              "--dump-dom", web + "/"], capture_output=True, text=True, timeout=90)
+        out = subprocess.run(
+            [
+                chromium,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                f"--user-data-dir={tmp_path / str(attempt)}",
+                "--virtual-time-budget=5000",
+                "--dump-dom",
+                web + "/",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         dom = out.stdout
         assert out.returncode == 0 and "</html>" in dom, out.stderr[-2000:]
         # on a loaded machine a record can be late by a few announce periods, and the page then (rightly)
@@ -244,7 +319,9 @@ def test_page_renders_in_headless_chromium(swarm, web, tmp_path):
         time.sleep(2.0)
     assert f'id="run-id" class="mono">{swarm.run_id}<' in dom
     for k, st in enumerate(swarm.live.layout.stages):
-        assert re.search(rf'<h2 id="stage-{k}"[^>]*>stage {k} · layers {st.layers[0]}-{st.layers[1]} · v\d+', dom), page_text(dom)
+        assert re.search(rf'<h2 id="stage-{k}"[^>]*>stage {k} · layers {st.layers[0]}-{st.layers[1]} · v\d+', dom), (
+            page_text(dom)
+        )
     for device in ("s0f0", "s0b0", "s1f0", "s1b0", "v0", "v1", "v2"):
         assert f"<td>{device}</td>" in dom, device
     loss = re.search(r'<b id="last-loss">([^<]+)</b>', dom)

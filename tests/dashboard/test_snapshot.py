@@ -1,5 +1,6 @@
 """The dashboard's snapshot model without a DHT: build_snapshot on hand-made records (schema, health,
 stale and malformed records, rates, history), and its renderings (Prometheus text, terminal, page)."""
+
 from __future__ import annotations
 
 import copy
@@ -22,43 +23,100 @@ from peer.protocol.records import validate_record
 
 NOW = 1_700_000_000.0
 TOKENS = 16 * 32  # batch_size x the tiny model's seq_len
-PEERS = {"s0f0": "12D3KooWStage0Frontal", "s0b0": "12D3KooWStage0Backwrd", "s1f0": "12D3KooWStage1Frontal",
-         "s1b0": "12D3KooWStage1Backwrd", "v0": "12D3KooWVolunteerZero", "v1": "12D3KooWVolunteerOne1"}
+PEERS = {
+    "s0f0": "12D3KooWStage0Frontal",
+    "s0b0": "12D3KooWStage0Backwrd",
+    "s1f0": "12D3KooWStage1Frontal",
+    "s1b0": "12D3KooWStage1Backwrd",
+    "v0": "12D3KooWVolunteerZero",
+    "v1": "12D3KooWVolunteerOne1",
+}
 
 
 def config(**overrides) -> dict:
-    d = {"run_id": "r", "model": "tiny", "seed": 0, "steps": 10, "batch_size": 16, "micro_batches": 4, "lr": 0.002,
-         "layout": RunLayout.even(2, 4).to_dict(), "announce_period": 1.0}
+    d = {
+        "run_id": "r",
+        "model": "tiny",
+        "seed": 0,
+        "steps": 10,
+        "batch_size": 16,
+        "micro_batches": 4,
+        "lr": 0.002,
+        "layout": RunLayout.even(2, 4).to_dict(),
+        "announce_period": 1.0,
+    }
     d.update(overrides)
     return d
 
 
-def server(device: str, version: int = 3, state: str = "online", age: float = 0.2, compute: float = 0.0,
-           step_every: float = 2.0, **overrides) -> dict:
+def server(
+    device: str,
+    version: int = 3,
+    state: str = "online",
+    age: float = 0.2,
+    compute: float = 0.0,
+    step_every: float = 2.0,
+    **overrides,
+) -> dict:
     stage, role = int(device[1]), "frontal" if device[2] == "f" else "backward"
-    rec = {"kind": "server", "device": device, "role": role, "stage": stage, "state": state, "version": version,
-           "maddrs": ["/ip4/127.0.0.1/tcp/1"], "layers": [2 * stage, 2 * stage + 2],
-           "pool": {"queued": 2, "leased": 1, "done": 40, "requeued": 1, "duplicates": 0, "abandoned": 0, "added": 44,
-                    "oldest_queued_age": 0.5, "clients": {}},
-           "losses": {str(b): (2900.0 - 100 * b) for b in range(version)} if stage == 1 else {},
-           "stats": {"microbatches_applied": 4 * version, "duplicates": 2, "requeued": 1, "clients": 1,
-                     "payload_errors": 0, "clients_joined": 1, "clients_left": 0},
-           "compute": compute, "step_times": {str(v): NOW - (version - v) * step_every for v in range(1, version + 1)},
-           "time": NOW - age}
+    rec = {
+        "kind": "server",
+        "device": device,
+        "role": role,
+        "stage": stage,
+        "state": state,
+        "version": version,
+        "maddrs": ["/ip4/127.0.0.1/tcp/1"],
+        "layers": [2 * stage, 2 * stage + 2],
+        "pool": {
+            "queued": 2,
+            "leased": 1,
+            "done": 40,
+            "requeued": 1,
+            "duplicates": 0,
+            "abandoned": 0,
+            "added": 44,
+            "oldest_queued_age": 0.5,
+            "clients": {},
+        },
+        "losses": {str(b): (2900.0 - 100 * b) for b in range(version)} if stage == 1 else {},
+        "stats": {
+            "microbatches_applied": 4 * version,
+            "duplicates": 2,
+            "requeued": 1,
+            "clients": 1,
+            "payload_errors": 0,
+            "clients_joined": 1,
+            "clients_left": 0,
+        },
+        "compute": compute,
+        "step_times": {str(v): NOW - (version - v) * step_every for v in range(1, version + 1)},
+        "time": NOW - age,
+    }
     rec.update(overrides)
     return rec
 
 
 def client(device: str, stage: int, age: float = 0.3, compute: float = 120.0, **overrides) -> dict:
-    rec = {"kind": "client", "device": device, "stage": stage, "state": "online", "compute": compute,
-           "throughput": 1.5, "tasks_done": 30, "time": NOW - age}
+    rec = {
+        "kind": "client",
+        "device": device,
+        "stage": stage,
+        "state": "online",
+        "compute": compute,
+        "throughput": 1.5,
+        "tasks_done": 30,
+        "time": NOW - age,
+    }
     rec.update(overrides)
     return rec
 
 
 def healthy() -> list[dict]:
-    return [{PEERS["s0f0"]: server("s0f0"), PEERS["s0b0"]: server("s0b0"), PEERS["v0"]: client("v0", 0)},
-            {PEERS["s1f0"]: server("s1f0"), PEERS["s1b0"]: server("s1b0"), PEERS["v1"]: client("v1", 1)}]
+    return [
+        {PEERS["s0f0"]: server("s0f0"), PEERS["s0b0"]: server("s0b0"), PEERS["v0"]: client("v0", 0)},
+        {PEERS["s1f0"]: server("s1f0"), PEERS["s1b0"]: server("s1b0"), PEERS["v1"]: client("v1", 1)},
+    ]
 
 
 def shift(stages: list[dict], dt: float) -> list[dict]:
@@ -71,7 +129,9 @@ def shift(stages: list[dict], dt: float) -> list[dict]:
 
 
 def snap(stages=None, cfg="default", **kw) -> dict:
-    return build_snapshot("r", config() if cfg == "default" else cfg, healthy() if stages is None else stages, NOW, **kw)
+    return build_snapshot(
+        "r", config() if cfg == "default" else cfg, healthy() if stages is None else stages, NOW, **kw
+    )
 
 
 def entry(s: dict, stage: int, device: str) -> dict:
@@ -82,6 +142,7 @@ def entry(s: dict, stage: int, device: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ schema
+
 
 def test_snapshot_follows_the_json_contract():
     s = snap()
@@ -97,8 +158,18 @@ def test_snapshot_follows_the_json_contract():
             assert set(e["pool"]) == {"queued", "leased", "done", "requeued", "duplicates", "oldest_task_age"}
         for v in stage["volunteers"]:
             assert {"device", "peer", "short", "state", "compute", "throughput", "last_seen"} <= set(v)
-    assert {"step", "steps", "last_loss", "tokens_per_second", "seconds_per_step", "predicted_seconds_per_step",
-            "microbatches_applied", "microbatches_expected", "volunteers_joined", "volunteers_lost"} <= set(s["progress"])
+    assert {
+        "step",
+        "steps",
+        "last_loss",
+        "tokens_per_second",
+        "seconds_per_step",
+        "predicted_seconds_per_step",
+        "microbatches_applied",
+        "microbatches_expected",
+        "volunteers_joined",
+        "volunteers_lost",
+    } <= set(s["progress"])
     assert {"ok", "status", "blocking", "warnings"} <= set(s["health"])
     assert json.loads(to_json(s)) == s
 
@@ -106,8 +177,20 @@ def test_snapshot_follows_the_json_contract():
 def test_figures_come_from_the_records():
     s = snap()
     s0f0 = entry(s, 0, "s0f0")
-    assert (s0f0["peer"], s0f0["short"], s0f0["state"], s0f0["version"]) == (PEERS["s0f0"], PEERS["s0f0"][-8:], "online", 3)
-    assert s0f0["pool"] == {"queued": 2, "leased": 1, "done": 40, "requeued": 1, "duplicates": 2, "oldest_task_age": 0.5}
+    assert (s0f0["peer"], s0f0["short"], s0f0["state"], s0f0["version"]) == (
+        PEERS["s0f0"],
+        PEERS["s0f0"][-8:],
+        "online",
+        3,
+    )
+    assert s0f0["pool"] == {
+        "queued": 2,
+        "leased": 1,
+        "done": 40,
+        "requeued": 1,
+        "duplicates": 2,
+        "oldest_task_age": 0.5,
+    }
     assert s0f0["last_seen"] == pytest.approx(0.2)
     v0 = entry(s, 0, "v0")
     assert (v0["state"], v0["compute"], v0["throughput"], v0["last_seen"]) == ("online", 120.0, 1.5, pytest.approx(0.3))
@@ -159,6 +242,7 @@ def test_new_server_record_fields_are_optional_and_typed():
 
 
 # ------------------------------------------------------------------------------------------------ health
+
 
 def test_a_stage_without_a_live_backward_server_blocks_the_run():
     stages = healthy()
@@ -225,8 +309,10 @@ def test_a_run_a_server_says_is_stopped_shows_why_in_every_view():
 
 
 def test_a_run_at_its_last_step_is_finished_not_blocked():
-    stages = [{PEERS[d]: server(d, version=10) for d in ("s0f0", "s0b0")},
-              {PEERS[d]: server(d, version=10) for d in ("s1f0", "s1b0")}]
+    stages = [
+        {PEERS[d]: server(d, version=10) for d in ("s0f0", "s0b0")},
+        {PEERS[d]: server(d, version=10) for d in ("s1f0", "s1b0")},
+    ]
     s = snap(stages)
     assert s["health"]["status"] == "finished" and s["health"]["ok"]
     assert s["progress"]["microbatches_applied"] == s["progress"]["microbatches_expected"] == 80
@@ -238,9 +324,10 @@ def test_a_run_whose_lost_server_is_behind_is_stopped_not_finished():
     from parameter_server.layout import halt_reason
 
     reason = halt_reason([(1, "backward", ("s1b0",))])
-    stages = [{PEERS[d]: server(d, version=10, halted=reason) for d in ("s0f0", "s0b0")},
-              {PEERS["s1f0"]: server("s1f0", version=10, halted=reason),
-               PEERS["s1b0"]: server("s1b0", version=2, age=30.0)}]
+    stages = [
+        {PEERS[d]: server(d, version=10, halted=reason) for d in ("s0f0", "s0b0")},
+        {PEERS["s1f0"]: server("s1f0", version=10, halted=reason), PEERS["s1b0"]: server("s1b0", version=2, age=30.0)},
+    ]
     s = snap(stages)
     assert s["health"]["status"] == "stopped" and s["health"]["stopped"] == reason
     del stages[1][PEERS["s1b0"]]  # its record expired: no word of it at all
@@ -257,6 +344,7 @@ def test_a_joining_server_is_live():
 
 
 # ------------------------------------------------------------------------------------------------ stale records
+
 
 def test_a_stale_record_is_unreachable_and_leaves_the_step():
     stages = healthy()
@@ -291,13 +379,23 @@ def test_a_stale_volunteer_is_unreachable_and_counts_as_lost():
 
 def test_the_servers_count_of_departed_volunteers_is_used():
     stages = healthy()
-    stages[0][PEERS["s0f0"]] = server("s0f0", stats={"microbatches_applied": 12, "duplicates": 0, "requeued": 0,
-                                                     "clients": 1, "clients_joined": 4, "clients_left": 3})
+    stages[0][PEERS["s0f0"]] = server(
+        "s0f0",
+        stats={
+            "microbatches_applied": 12,
+            "duplicates": 0,
+            "requeued": 0,
+            "clients": 1,
+            "clients_joined": 4,
+            "clients_left": 3,
+        },
+    )
     p = snap(stages)["progress"]
     assert (p["volunteers_joined"], p["volunteers_lost"]) == (4 + 1, 3)
 
 
 # ------------------------------------------------------------------------------------------------ history
+
 
 def test_history_keeps_a_vanished_volunteer_as_unreachable_and_lost():
     history = History(show_vanished_for=30.0)
@@ -308,7 +406,11 @@ def test_history_keeps_a_vanished_volunteer_as_unreachable_and_lost():
     s = build_snapshot("r", config(), shift(stages, 5), NOW + 5, history=history)
     v1 = entry(s, 1, "v1")
     assert v1["state"] == "unreachable" and v1["vanished"] and v1["last_seen"] == pytest.approx(5.3)
-    assert (s["progress"]["volunteers_live"], s["progress"]["volunteers_joined"], s["progress"]["volunteers_lost"]) == (1, 2, 1)
+    assert (s["progress"]["volunteers_live"], s["progress"]["volunteers_joined"], s["progress"]["volunteers_lost"]) == (
+        1,
+        2,
+        1,
+    )
     s = build_snapshot("r", config(), shift(stages, 60), NOW + 60, history=history)
     assert all(v["device"] != "v1" for v in s["stages"][1]["volunteers"])  # no longer shown...
     assert s["progress"]["volunteers_lost"] == 1  # ...still counted
@@ -327,8 +429,12 @@ def test_history_keeps_a_vanished_server_with_its_last_record():
 
 def test_history_measures_rates_when_servers_publish_no_step_times():
     def at(version):
-        return [{PEERS[d]: server(d, version=version, step_times={}) for d in ("s0f0", "s0b0")} | {PEERS["v0"]: client("v0", 0)},
-                {PEERS[d]: server(d, version=version, step_times={}) for d in ("s1f0", "s1b0")} | {PEERS["v1"]: client("v1", 1)}]
+        return [
+            {PEERS[d]: server(d, version=version, step_times={}) for d in ("s0f0", "s0b0")}
+            | {PEERS["v0"]: client("v0", 0)},
+            {PEERS[d]: server(d, version=version, step_times={}) for d in ("s1f0", "s1b0")}
+            | {PEERS["v1"]: client("v1", 1)},
+        ]
 
     assert snap(at(3))["progress"]["seconds_per_step"] is None  # one look tells no rate
     history = History()
@@ -389,20 +495,24 @@ def test_a_stage_key_that_is_not_a_map_is_malformed():
     stages = healthy()
     stages[1] = [1, 2, 3]
     s = snap(stages)
-    assert s["malformed"] == [{"stage": 1, "peer": None, "short": "-",
-                               "reason": "the stage key holds a list, not a map of peer records"}]
+    assert s["malformed"] == [
+        {"stage": 1, "peer": None, "short": "-", "reason": "the stage key holds a list, not a map of peer records"}
+    ]
     assert {b["reason"] for b in s["health"]["blocking"] if b["stage"] == 1} >= {"no live frontal server"}
 
 
-@pytest.mark.parametrize("bad_config, words", [
-    ("garbage", "expected a map"),
-    ({"run_id": "r"}, "missing field 'model'"),
-    (config(steps="ten"), "'steps' has the wrong type"),
-    (config(model="gigantic"), "unknown"),
-    (config(layout={"stages": []}), "layout"),
-    (config(layout=RunLayout.even(2, 4).to_dict() | {"idle": 5}), "plan.idle"),
-    (config(layout={"stages": [{"layers": [0, 4], "frontal": "s0f0", "backward": ["s0b0"]}]}), "frontal"),
-])
+@pytest.mark.parametrize(
+    "bad_config, words",
+    [
+        ("garbage", "expected a map"),
+        ({"run_id": "r"}, "missing field 'model'"),
+        (config(steps="ten"), "'steps' has the wrong type"),
+        (config(model="gigantic"), "unknown"),
+        (config(layout={"stages": []}), "layout"),
+        (config(layout=RunLayout.even(2, 4).to_dict() | {"idle": 5}), "plan.idle"),
+        (config(layout={"stages": [{"layers": [0, 4], "frontal": "s0f0", "backward": ["s0b0"]}]}), "frontal"),
+    ],
+)
 def test_a_config_that_does_not_parse_is_an_error_not_a_crash(bad_config, words):
     s = snap(cfg=bad_config)
     assert any(words in e for e in s["errors"]), s["errors"]
@@ -425,29 +535,61 @@ def test_a_run_that_is_not_there_says_so():
     assert s["stages"] == [] and "no run 'nope'" in s["errors"][0] and "--run-id" in s["errors"][0]
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                           lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
-                           max_leaves=12)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    max_leaves=12,
+)
 # records that look nearly right, so that the checks beyond the kind and the required fields are reached
-near_records = st.builds(lambda base, patch: {**base, **patch},
-                         st.sampled_from([server("s0f0"), server("s0b0"), client("v0", 0)]),
-                         st.dictionaries(st.sampled_from(["kind", "stage", "state", "time", "version", "pool", "stats",
-                                                          "losses", "step_times", "layers", "compute", "role",
-                                                          "device", "throughput"]), json_values, max_size=3))
+near_records = st.builds(
+    lambda base, patch: {**base, **patch},
+    st.sampled_from([server("s0f0"), server("s0b0"), client("v0", 0)]),
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "kind",
+                "stage",
+                "state",
+                "time",
+                "version",
+                "pool",
+                "stats",
+                "losses",
+                "step_times",
+                "layers",
+                "compute",
+                "role",
+                "device",
+                "throughput",
+            ]
+        ),
+        json_values,
+        max_size=3,
+    ),
+)
 
 
-near_layouts = st.builds(lambda base, patch: {**base, **patch}, st.just(RunLayout.even(2, 4).to_dict()),
-                         st.dictionaries(st.sampled_from(["stages", "idle", "predicted_seconds_per_step"]), json_values,
-                                         max_size=2))
-near_configs = st.builds(lambda base, patch: {**base, **patch}, st.just(config()),
-                         st.dictionaries(st.sampled_from(["model", "steps", "batch_size", "micro_batches",
-                                                          "announce_period", "layout"]),
-                                         json_values | near_layouts, max_size=2))
+near_layouts = st.builds(
+    lambda base, patch: {**base, **patch},
+    st.just(RunLayout.even(2, 4).to_dict()),
+    st.dictionaries(st.sampled_from(["stages", "idle", "predicted_seconds_per_step"]), json_values, max_size=2),
+)
+near_configs = st.builds(
+    lambda base, patch: {**base, **patch},
+    st.just(config()),
+    st.dictionaries(
+        st.sampled_from(["model", "steps", "batch_size", "micro_batches", "announce_period", "layout"]),
+        json_values | near_layouts,
+        max_size=2,
+    ),
+)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(records=st.dictionaries(st.text(min_size=1, max_size=6), json_values | near_records, max_size=5),
-       cfg=st.one_of(st.just(config()), json_values, near_configs))
+@given(
+    records=st.dictionaries(st.text(min_size=1, max_size=6), json_values | near_records, max_size=5),
+    cfg=st.one_of(st.just(config()), json_values, near_configs),
+)
 def test_no_record_or_config_crashes_the_snapshot(records, cfg):
     stages = healthy()
     stages[0].update(records)
@@ -460,8 +602,10 @@ def test_no_record_or_config_crashes_the_snapshot(records, cfg):
 
 # ------------------------------------------------------------------------------------------------ renderings
 
-SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
-                    r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*")*)?\})? (-?[0-9.e+-]+|NaN|[+-]Inf)$')
+SAMPLE = re.compile(
+    r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
+    r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*")*)?\})? (-?[0-9.e+-]+|NaN|[+-]Inf)$'
+)
 
 
 def parse_prometheus(text: str) -> dict[str, list[tuple[str, float]]]:
@@ -496,7 +640,10 @@ def test_prometheus_text_is_well_formed_and_carries_the_snapshot():
     assert "hivepipe_predicted_seconds_per_step" not in fam  # null: no sample rather than a made-up value
     assert len(fam["hivepipe_server_up"]) == 4 and all(v == 1.0 for _, v in fam["hivepipe_server_up"])
     assert f'peer="{PEERS["s0f0"]}"' in fam["hivepipe_server_version"][0][0]
-    assert sorted(lab for lab, _ in fam["hivepipe_stage_blocked"]) == ['{run_id="r",stage="0"}', '{run_id="r",stage="1"}']
+    assert sorted(lab for lab, _ in fam["hivepipe_stage_blocked"]) == [
+        '{run_id="r",stage="0"}',
+        '{run_id="r",stage="1"}',
+    ]
     queued = [v for lab, v in fam["hivepipe_stage_pool_tasks"] if 'stage="0"' in lab and 'state="queued"' in lab]
     assert queued == [4.0]
     assert len(fam["hivepipe_volunteer_compute"]) == 2
@@ -526,9 +673,23 @@ def test_the_terminal_view_fits_80_columns():
     console.print(render_terminal(s))
     text = console.export_text()
     assert max(len(line) for line in text.splitlines()) <= 80
-    for word in ("run r", "BLOCKED", "step 3/10", "stage 0", "stage 1", "layers 2-4", "s0f0", "s1b0", "v1",
-                 PEERS["v0"][-8:], "unreachable", "BLOCKING stage 1: no live backward server", "malformed records (1)",
-                 "missing field 'device'", f"loss {2700 / TOKENS:.4f}"):
+    for word in (
+        "run r",
+        "BLOCKED",
+        "step 3/10",
+        "stage 0",
+        "stage 1",
+        "layers 2-4",
+        "s0f0",
+        "s1b0",
+        "v1",
+        PEERS["v0"][-8:],
+        "unreachable",
+        "BLOCKING stage 1: no live backward server",
+        "malformed records (1)",
+        "missing field 'device'",
+        f"loss {2700 / TOKENS:.4f}",
+    ):
         assert word in text, word
 
 
@@ -542,17 +703,43 @@ def test_the_page_is_self_contained():
 
 # ------------------------------------------------------------------------------------------------ command line
 
-@pytest.mark.parametrize("argv, words", [
-    ([], "--initial-peers"),
-    (["--initial-peers", "not-an-address", "--json"], "not a multiaddr"),
-    (["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--json"], "lacks the peer id"),
-    (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXfz1KyWEtpjDp1ah1cDZnRnTVfM7p5ZK6LCG1ruN4Pqk", "--json",
-      "--serve", "0"], "not allowed with"),
-    (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXfz1KyWEtpjDp1ah1cDZnRnTVfM7p5ZK6LCG1ruN4Pqk", "--refresh", "-1"],
-     "positive"),
-    (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXfz1KyWEtpjDp1ah1cDZnRnTVfM7p5ZK6LCG1ruN4Pqk", "--serve", "70000"],
-     "outside"),
-])
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        ([], "--initial-peers"),
+        (["--initial-peers", "not-an-address", "--json"], "not a multiaddr"),
+        (["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--json"], "lacks the peer id"),
+        (
+            [
+                "--initial-peers",
+                "/ip4/127.0.0.1/tcp/1/p2p/QmXfz1KyWEtpjDp1ah1cDZnRnTVfM7p5ZK6LCG1ruN4Pqk",
+                "--json",
+                "--serve",
+                "0",
+            ],
+            "not allowed with",
+        ),
+        (
+            [
+                "--initial-peers",
+                "/ip4/127.0.0.1/tcp/1/p2p/QmXfz1KyWEtpjDp1ah1cDZnRnTVfM7p5ZK6LCG1ruN4Pqk",
+                "--refresh",
+                "-1",
+            ],
+            "positive",
+        ),
+        (
+            [
+                "--initial-peers",
+                "/ip4/127.0.0.1/tcp/1/p2p/QmXfz1KyWEtpjDp1ah1cDZnRnTVfM7p5ZK6LCG1ruN4Pqk",
+                "--serve",
+                "70000",
+            ],
+            "outside",
+        ),
+    ],
+)
 def test_bad_arguments_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)

@@ -1,12 +1,15 @@
 """Small random Transformers Llama models made here (nothing is downloaded)."""
+
 from __future__ import annotations
 
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]') is not installed")
 
-TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
-        "        self.y = y\n\nfor i in range(10):\n    print(i, add(i, i))\n") * 40
+TEXT = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+    "        self.y = y\n\nfor i in range(10):\n    print(i, add(i, i))\n"
+) * 40
 
 
 def make_tokenizer(vocab_size: int = 300):
@@ -17,11 +20,16 @@ def make_tokenizer(vocab_size: int = 300):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([TEXT], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", clean_up_tokenization_spaces=False
+    )
 
 
 def make_llama(path, *, tied: bool = True, kv_heads: int = 2, seed: int = 0, **overrides):
@@ -31,10 +39,20 @@ def make_llama(path, *, tied: bool = True, kv_heads: int = 2, seed: int = 0, **o
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = make_tokenizer()
-    kwargs = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=32,
-                  rope_theta=50000.0, rms_norm_eps=1e-6, tie_word_embeddings=tied,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=32,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**kwargs))

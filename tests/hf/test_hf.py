@@ -3,6 +3,7 @@
 `peer generate` matches Transformers' greedy generate, `--init-from` reads a Llama with grouped-query
 attention and tied embeddings exactly (the swarm started from it equals `peer reference` started from
 it), and bad folders are refused naming the problem, with nothing written."""
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,9 @@ def token_cache(tmp_path, monkeypatch):
 def trained(tmp_path_factory):
     """A tiny preset trained 2 steps by `peer reference`, and its export."""
     d = tmp_path_factory.mktemp("trained")
-    assert peer(["reference", "--model", "tiny", "--steps", "2", "--checkpoint-out", str(d / "ck"), "--no-progress"]) == 0
+    assert (
+        peer(["reference", "--model", "tiny", "--steps", "2", "--checkpoint-out", str(d / "ck"), "--no-progress"]) == 0
+    )
     assert peer(["export", str(d / "ck"), "--hf", str(d / "hf")]) == 0
     return d
 
@@ -45,8 +48,13 @@ def test_export_gives_the_same_logits_and_token_ids_in_transformers(trained):
 
     from peer.hf.checkpoints import read_checkpoint
 
-    assert sorted(os.listdir(trained / "hf")) == ["config.json", "generation_config.json", "model.safetensors",
-                                                   "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(trained / "hf")) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     ours = read_checkpoint(str(trained / "ck"))
     hf = AutoModelForCausalLM.from_pretrained(trained / "hf").eval()
     tok = AutoTokenizer.from_pretrained(trained / "hf")
@@ -65,8 +73,9 @@ def test_generate_greedy_equals_transformers_and_sampling_is_seeded(trained, cap
     tok = AutoTokenizer.from_pretrained(trained / "hf")
     prompt = "def f("
     with torch.no_grad():
-        expected = tok.decode(hf.generate(torch.tensor([tok(prompt)["input_ids"]]), do_sample=False,
-                                          max_new_tokens=20)[0])
+        expected = tok.decode(
+            hf.generate(torch.tensor([tok(prompt)["input_ids"]]), do_sample=False, max_new_tokens=20)[0]
+        )
     texts = []
     for source in (trained / "ck", trained / "hf"):
         capsys.readouterr()
@@ -75,8 +84,25 @@ def test_generate_greedy_equals_transformers_and_sampling_is_seeded(trained, cap
     assert texts == [expected + "\n"] * 2
     sampled = []
     for seed in (1, 1, 2):
-        assert peer(["generate", str(trained / "ck"), "--prompt", prompt, "--max-new-tokens", "30",
-                     "--temperature", "1.5", "--top-p", "0.95", "--seed", str(seed)]) == 0
+        assert (
+            peer(
+                [
+                    "generate",
+                    str(trained / "ck"),
+                    "--prompt",
+                    prompt,
+                    "--max-new-tokens",
+                    "30",
+                    "--temperature",
+                    "1.5",
+                    "--top-p",
+                    "0.95",
+                    "--seed",
+                    str(seed),
+                ]
+            )
+            == 0
+        )
         sampled.append(capsys.readouterr().out)
     assert sampled[0] == sampled[1] != sampled[2] and all(s.startswith(prompt) for s in sampled)
 
@@ -108,14 +134,40 @@ def test_a_swarm_started_from_a_transformers_model_equals_the_reference_and_expo
 
     make_llama(tmp_path / "llama", tied=False, kv_heads=1)
     (tmp_path / "text.txt").write_text(TEXT)
-    common = ["--init-from", str(tmp_path / "llama"), "--data", str(tmp_path / "text.txt"), "--steps", "3",
-              "--no-progress"]
+    common = [
+        "--init-from",
+        str(tmp_path / "llama"),
+        "--data",
+        str(tmp_path / "text.txt"),
+        "--steps",
+        "3",
+        "--no-progress",
+    ]
     assert peer(["reference", *common, "--checkpoint-out", str(tmp_path / "ref")]) == 0
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    out = subprocess.run([sys.executable, "-m", "peer.cli", "swarm", *common, "--volunteers", "2",
-                          "--run-id", f"hf-{os.getpid()}", "--work-dir", str(tmp_path / "work"),
-                          "--checkpoint-out", str(tmp_path / "swarm"), "--summary-json", str(tmp_path / "s.json")],
-                         capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "swarm",
+            *common,
+            "--volunteers",
+            "2",
+            "--run-id",
+            f"hf-{os.getpid()}",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--checkpoint-out",
+            str(tmp_path / "swarm"),
+            "--summary-json",
+            str(tmp_path / "s.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["microbatches_applied"] == summary["microbatches_expected"]
@@ -167,13 +219,19 @@ BAD = {
     "no config": (lambda p: os.remove(p / "config.json"), "no config.json"),
     "other model type": (lambda p: _edit_config(p, model_type="gpt2"), "'model_type' is 'gpt2'"),
     "biases": (lambda p: _edit_config(p, attention_bias=True), "'attention_bias' is true"),
-    "rope scaling": (lambda p: _edit_config(p, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
-                     "rope_type' is 'linear'"),
+    "rope scaling": (
+        lambda p: _edit_config(p, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+        "rope_type' is 'linear'",
+    ),
     "other head size": (lambda p: _edit_config(p, head_dim=16), "'head_dim' is 16"),
-    "missing tensor": (lambda p: _drop_tensor(p, "model.layers.1.mlp.up_proj.weight"),
-                       "model.layers.1.mlp.up_proj.weight missing"),
-    "wrong shape": (lambda p: _reshape_tensor(p, "model.layers.0.self_attn.k_proj.weight"),
-                    "k_proj.weight has shape [3, 3]"),
+    "missing tensor": (
+        lambda p: _drop_tensor(p, "model.layers.1.mlp.up_proj.weight"),
+        "model.layers.1.mlp.up_proj.weight missing",
+    ),
+    "wrong shape": (
+        lambda p: _reshape_tensor(p, "model.layers.0.self_attn.k_proj.weight"),
+        "k_proj.weight has shape [3, 3]",
+    ),
     "no weights": (lambda p: os.remove(p / "model.safetensors"), "no model.safetensors"),
 }
 
@@ -183,8 +241,18 @@ def test_a_folder_that_is_not_a_supported_llama_exits_2_naming_it_and_writes_not
     make_llama(tmp_path / "llama", tied=False)
     spoil, message = BAD[case]
     spoil(tmp_path / "llama")
-    code = peer(["reference", "--init-from", str(tmp_path / "llama"), "--steps", "1",
-                 "--checkpoint-out", str(tmp_path / "out"), "--no-progress"])
+    code = peer(
+        [
+            "reference",
+            "--init-from",
+            str(tmp_path / "llama"),
+            "--steps",
+            "1",
+            "--checkpoint-out",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert not (tmp_path / "out").exists()

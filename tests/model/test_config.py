@@ -1,4 +1,5 @@
 """Presets, the FLOP count and the planner's model file (`peer model-file`)."""
+
 from __future__ import annotations
 
 import json
@@ -28,11 +29,20 @@ def test_unknown_preset_lists_the_valid_names():
 def test_planner_model_file():
     cfg = get_preset("small")
     m = planner_model_file(cfg, batch_size=16, micro_batches=4)
-    assert m == {"layers": 4, "hidden": 128, "bytes_per_value": 2, "batch_tokens": 16 * 128, "micro_batches": 4,
-                 "flops_per_token_per_layer": 6 * cfg.params_per_layer + 12 * 128 * 128}
+    assert m == {
+        "layers": 4,
+        "hidden": 128,
+        "bytes_per_value": 2,
+        "batch_tokens": 16 * 128,
+        "micro_batches": 4,
+        "flops_per_token_per_layer": 6 * cfg.params_per_layer + 12 * 128 * 128,
+    }
     # close to the cost model's default 72 h^2 when attention's share is small
     big = get_preset("1b")
-    assert abs(flops_per_token_per_layer(big) - 12 * big.seq_len * big.hidden - 72 * big.hidden**2) < 0.03 * 72 * big.hidden**2
+    assert (
+        abs(flops_per_token_per_layer(big) - 12 * big.seq_len * big.hidden - 72 * big.hidden**2)
+        < 0.03 * 72 * big.hidden**2
+    )
     with pytest.raises(ValueError, match="divide"):
         planner_model_file(cfg, batch_size=16, micro_batches=3)
 

@@ -1,4 +1,5 @@
 """Byte corpus loading and batches that are pure functions of (seed, t)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -81,8 +82,10 @@ print(c.fingerprint, hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).h
 
 
 def test_batch_is_identical_in_separate_processes():
-    outs = {subprocess.run([sys.executable, "-c", _BATCH_IN_CHILD], capture_output=True, text=True, check=True).stdout
-            for _ in range(2)}
+    outs = {
+        subprocess.run([sys.executable, "-c", _BATCH_IN_CHILD], capture_output=True, text=True, check=True).stdout
+        for _ in range(2)
+    }
     assert len(outs) == 1
     fingerprint, digest = outs.pop().split()
     c = load_corpus(None, seq_len=32)

@@ -1,4 +1,5 @@
 """The update rule and the reference trainer: delayed updates, determinism, and the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -104,20 +105,30 @@ def test_runs_are_deterministic_and_report_a_summary(default_corpus):
     assert sum_a["losses"] == sum_b["losses"]
     for key in ("steps", "first_loss", "last_loss", "wall_seconds", "tokens_per_second"):
         assert key in sum_a
-    assert sum_a["steps"] == 3 and sum_a["first_loss"] == sum_a["losses"][0] and sum_a["last_loss"] == sum_a["losses"][-1]
+    assert (
+        sum_a["steps"] == 3 and sum_a["first_loss"] == sum_a["losses"][0] and sum_a["last_loss"] == sum_a["losses"][-1]
+    )
     assert all(v.dtype == torch.float32 and v.device.type == "cpu" for v in s_a.values())
     assert not torch.are_deterministic_algorithms_enabled()  # the caller's setting is restored
 
 
 def test_loss_falls(default_corpus):
-    _, summary = train_reference(CFG, default_corpus, steps=30, seed=0, batch_size=8, micro_batches=2, delay=1,
-                                 lr=1e-2, progress=False)
+    _, summary = train_reference(
+        CFG, default_corpus, steps=30, seed=0, batch_size=8, micro_batches=2, delay=1, lr=1e-2, progress=False
+    )
     assert summary["first_loss"] > 5.4
     assert sum(summary["losses"][-5:]) / 5 < 4.0
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(steps=0), "steps"), (dict(micro_batches=3), "divide"), (dict(delay=2), "delay"), (dict(lr=0.0), "learning rate")])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(steps=0), "steps"),
+        (dict(micro_batches=3), "divide"),
+        (dict(delay=2), "delay"),
+        (dict(lr=0.0), "learning rate"),
+    ],
+)
 def test_train_reference_rejects_bad_arguments(default_corpus, kw, match):
     args = dict(steps=2, delay=1, **RUN)
     args.update(kw)
@@ -127,14 +138,33 @@ def test_train_reference_rejects_bad_arguments(default_corpus, kw, match):
 
 # ---- the CLI, in a separate process ------------------------------------------------------------
 
+
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "peer.cli", "reference", *args], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "peer.cli", "reference", *args], capture_output=True, text=True, cwd=cwd
+    )
 
 
 def test_cli_writes_checkpoint_and_summary_equal_to_in_process_run(tmp_path, default_corpus):
     ck, summary_path = tmp_path / "ck", tmp_path / "out" / "summary.json"
-    r = _cli("--model", "tiny", "--steps", "3", "--seed", "4", "--batch-size", "8", "--micro-batches", "2",
-             "--lr", "1e-2", "--checkpoint-out", str(ck), "--summary-json", str(summary_path))
+    r = _cli(
+        "--model",
+        "tiny",
+        "--steps",
+        "3",
+        "--seed",
+        "4",
+        "--batch-size",
+        "8",
+        "--micro-batches",
+        "2",
+        "--lr",
+        "1e-2",
+        "--checkpoint-out",
+        str(ck),
+        "--summary-json",
+        str(summary_path),
+    )
     assert r.returncode == 0, r.stderr
     assert "loss" in r.stdout
     summary = json.loads(summary_path.read_text())
@@ -153,13 +183,16 @@ def test_cli_writes_checkpoint_and_summary_equal_to_in_process_run(tmp_path, def
     assert in_process["losses"] == summary["losses"]
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--data", "/nonexistent/corpus.txt"], "corpus.txt.*does not exist"),
-    (["--data", "EMPTY"], "empty"),
-    (["--model", "huge"], "unknown model preset 'huge'.*tiny, small"),
-    (["--batch-size", "16", "--micro-batches", "5"], "divide"),
-    (["--steps", "0"], "steps must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--data", "/nonexistent/corpus.txt"], "corpus.txt.*does not exist"),
+        (["--data", "EMPTY"], "empty"),
+        (["--model", "huge"], "unknown model preset 'huge'.*tiny, small"),
+        (["--batch-size", "16", "--micro-batches", "5"], "divide"),
+        (["--steps", "0"], "steps must be >= 1"),
+    ],
+)
 def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path, args, match):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")

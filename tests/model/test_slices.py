@@ -1,5 +1,6 @@
 """Stage slices: the chain of slices computes exactly what the full model does, forward and
 backward, for every preset; parameters do not depend on how the model is cut."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,6 @@
 """A kept forward pass gives the backward task the same results as recomputing it (the worker keeps
 passes so that the backward of the rows it just ran needs no recompute)."""
+
 from __future__ import annotations
 
 import gc
@@ -17,8 +18,11 @@ def test_backward_of_a_kept_forward_equals_a_recompute(lo, hi):
     cfg = get_preset("tiny")
     model = build_slice(cfg, lo, hi, seed=0)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len), generator=gen) if lo == 0 else \
-        torch.randn(3, cfg.seq_len, cfg.hidden, generator=gen)
+    x = (
+        torch.randint(0, cfg.vocab_size, (3, cfg.seq_len), generator=gen)
+        if lo == 0
+        else torch.randn(3, cfg.seq_len, cfg.hidden, generator=gen)
+    )
     g = torch.randn(3, cfg.seq_len, cfg.hidden, generator=gen)
     cpu = torch.device("cpu")
     out, kept = forward_keeping(model, x, cpu)
@@ -52,8 +56,11 @@ def test_a_kept_forward_dropped_without_its_backward_frees_what_it_held(lo, hi):
     cfg = get_preset("tiny")
     model = build_slice(cfg, lo, hi, seed=0)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=gen) if lo == 0 else \
-        torch.randn(2, cfg.seq_len, cfg.hidden, generator=gen)
+    x = (
+        torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=gen)
+        if lo == 0
+        else torch.randn(2, cfg.seq_len, cfg.hidden, generator=gen)
+    )
     cpu = torch.device("cpu")
     out, kept = forward_keeping(model, x, cpu)  # warm-up: lazily built buffers (rope tables) stay
     del out, kept

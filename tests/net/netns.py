@@ -5,6 +5,7 @@ each host's link optionally rate-shaped by `tc tbf` in both directions. Used by 
 Addresses come from 198.18.0.0/15, the range set aside for benchmarks (RFC 2544), so the testbed
 never collides with a real network. Everything it creates carries a per-testbed prefix and is
 removed by `close()`, also after a partial `__init__`."""
+
 from __future__ import annotations
 
 import os
@@ -68,8 +69,22 @@ class Testbed:
         inner = self._veths[host][:-1] + "i"
         for prefix in (["ip", "netns", "exec", ns], []):
             dev = inner if prefix else self._veths[host]
-            _sh(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                "burst", f"{burst_kb}kb", "latency", f"{latency_ms}ms")
+            _sh(
+                *prefix,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                f"{burst_kb}kb",
+                "latency",
+                f"{latency_ms}ms",
+            )
 
     def prefix(self, host: str) -> list[str]:
         """argv prefix that runs a command inside the host's namespace."""
@@ -106,9 +121,15 @@ class Processes:
         import sys
 
         log = open(os.path.join(self.work, f"{name}.log"), "ab")
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "peer.cli", *argv], stdout=stdout or log, stderr=log,
-                                stdin=subprocess.DEVNULL, start_new_session=True, text=stdout is not None,
-                                cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "peer.cli", *argv],
+            stdout=stdout or log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            text=stdout is not None,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        )
         self.procs.append((name, proc))
         return proc
 

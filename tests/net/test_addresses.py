@@ -3,6 +3,7 @@ warns once when a first server announces only private addresses, and refuses wit
 nothing written) an address that does not parse or cannot be bound, an initial peer without /p2p/,
 initial peers that do not answer within --timeout, and an announced address nobody can dial back;
 a volunteer waiting for a run that is not there exits 0 on SIGTERM."""
+
 from __future__ import annotations
 
 import os
@@ -21,22 +22,32 @@ SERVE = ["serve", "--reliable", "--stage", "0", "--role", "frontal", "--model", 
 def serve(tmp_path) -> list[str]:
     """SERVE with the run key in the test's folder (made by the first server that reaches it)."""
     return SERVE + ["--run-key", str(tmp_path / "run.key")]
+
+
 A_PEER = "12D3KooWKweDwQYLfYdehecUQviKrEF294JbjV4AHx4Q7n8aLXeB"
 
 
-@pytest.mark.parametrize("argv,words", [
-    (SERVE + ["--host-maddrs", "not-an-address"], "--host-maddrs: 'not-an-address' is not a multiaddr"),
-    (SERVE + ["--host-maddrs", "/ip4/127.0.0.1/udp/5"], "needs an IP (or DNS) address and a TCP port"),
-    (SERVE + ["--announce-maddrs", "/ip4/203.0.113.7/tcp/0"], "needs an explicit port"),
-    (SERVE + ["--initial-peers", "/ip4/127.0.0.1/tcp/5"], "lacks the peer id: add /p2p/<peer id>"),
-    (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/5"], "lacks the peer id"),
-    (["join", "--initial-peers", f"/ip4/127.0.0.1/tcp/5/p2p/{A_PEER}", "--timeout", "0"], "--timeout must be positive"),
-    (["join"], "--initial-peers is required"),
-    (["join", "--run-id", "demo@12345", "--initial-peers", f"/ip4/127.0.0.1/tcp/5/p2p/{A_PEER}"],
-     "run fingerprint '12345': expected 16 hex digits"),
-    (["join", "--run-id", "de mo", "--initial-peers", f"/ip4/127.0.0.1/tcp/5/p2p/{A_PEER}"], "run id 'de mo'"),
-    (SERVE + ["--run-id", "demo@00000000000000ff"], "not the 00000000000000ff that --run-id names"),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (SERVE + ["--host-maddrs", "not-an-address"], "--host-maddrs: 'not-an-address' is not a multiaddr"),
+        (SERVE + ["--host-maddrs", "/ip4/127.0.0.1/udp/5"], "needs an IP (or DNS) address and a TCP port"),
+        (SERVE + ["--announce-maddrs", "/ip4/203.0.113.7/tcp/0"], "needs an explicit port"),
+        (SERVE + ["--initial-peers", "/ip4/127.0.0.1/tcp/5"], "lacks the peer id: add /p2p/<peer id>"),
+        (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/5"], "lacks the peer id"),
+        (
+            ["join", "--initial-peers", f"/ip4/127.0.0.1/tcp/5/p2p/{A_PEER}", "--timeout", "0"],
+            "--timeout must be positive",
+        ),
+        (["join"], "--initial-peers is required"),
+        (
+            ["join", "--run-id", "demo@12345", "--initial-peers", f"/ip4/127.0.0.1/tcp/5/p2p/{A_PEER}"],
+            "run fingerprint '12345': expected 16 hex digits",
+        ),
+        (["join", "--run-id", "de mo", "--initial-peers", f"/ip4/127.0.0.1/tcp/5/p2p/{A_PEER}"], "run id 'de mo'"),
+        (SERVE + ["--run-id", "demo@00000000000000ff"], "not the 00000000000000ff that --run-id names"),
+    ],
+)
 def test_bad_addresses_are_named(argv, words, capsys, tmp_path):
     if argv[0] == "serve":
         argv = argv + ["--run-key", str(tmp_path / "run.key")]
@@ -72,8 +83,10 @@ def test_an_address_that_cannot_be_bound_is_named_and_nothing_written(tmp_path):
 
 def test_initial_peers_that_do_not_answer_within_the_timeout(tmp_path):
     dead = f"/ip4/127.0.0.1/tcp/9/p2p/{A_PEER}"
-    for argv in (["join", "--initial-peers", dead, "--timeout", "3"],
-                 [*serve(tmp_path), "--initial-peers", dead, "--timeout", "3", "--checkpoint-dir", str(tmp_path / "c")]):
+    for argv in (
+        ["join", "--initial-peers", dead, "--timeout", "3"],
+        [*serve(tmp_path), "--initial-peers", dead, "--timeout", "3", "--checkpoint-dir", str(tmp_path / "c")],
+    ):
         out = peer(*argv)
         assert out.returncode == 2, out.stderr[-2000:]
         assert "none of the initial peers answered" in out.stderr and dead in out.stderr
@@ -96,26 +109,64 @@ def seen_within(stream, text: str, timeout: float) -> bool:
 
 
 def test_first_line_warning_and_a_refused_announce_address(tmp_path):
-    first = subprocess.Popen([sys.executable, "-m", "peer.cli", *serve(tmp_path), "--run-id", f"addr{os.getpid()}",
-                              "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--no-compute"],
-                             stdout=subprocess.PIPE, stderr=open(tmp_path / "first.log", "w"), text=True,
-                             start_new_session=True)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            *serve(tmp_path),
+            "--run-id",
+            f"addr{os.getpid()}",
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--no-compute",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "first.log", "w"),
+        text=True,
+        start_new_session=True,
+    )
     try:
         line = first.stdout.readline().strip()
         assert line.startswith("initial_peers=/ip4/127.0.0.1/tcp/") and "/p2p/" in line, line
         initial = line.split("=", 1)[1].split()
         bogus = "/ip4/127.0.0.1/tcp/9"  # nobody listens on the discard port
-        out = peer("serve", "--reliable", "--stage", "1", "--role", "frontal", "--model", "tiny", "--steps", "2",
-                   "--run-key", str(tmp_path / "run.key"), "--run-id", f"addr{os.getpid()}", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                   "--announce-maddrs", bogus, "--initial-peers", *initial, "--checkpoint-dir", str(tmp_path / "c"))
+        out = peer(
+            "serve",
+            "--reliable",
+            "--stage",
+            "1",
+            "--role",
+            "frontal",
+            "--model",
+            "tiny",
+            "--steps",
+            "2",
+            "--run-key",
+            str(tmp_path / "run.key"),
+            "--run-id",
+            f"addr{os.getpid()}",
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--announce-maddrs",
+            bogus,
+            "--initial-peers",
+            *initial,
+            "--checkpoint-dir",
+            str(tmp_path / "c"),
+        )
         assert out.returncode == 2, out.stderr[-2000:]
         assert f"could dial this server back at {bogus}" in out.stderr and "--announce-maddrs" in out.stderr
         assert out.stdout.startswith("initial_peers=" + bogus + "/p2p/")
         assert not (tmp_path / "c").exists()
         # a volunteer whose run is not there waits, says so, and exits 0 on SIGTERM
-        join = subprocess.Popen([sys.executable, "-m", "peer.cli", "-v", "join", "--run-id", "no-such-run",
-                                 "--initial-peers", *initial], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+        join = subprocess.Popen(
+            [sys.executable, "-m", "peer.cli", "-v", "join", "--run-id", "no-such-run", "--initial-peers", *initial],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             assert seen_within(join.stderr, "waiting for run 'no-such-run' to appear", 60)
             join.send_signal(signal.SIGTERM)

@@ -6,6 +6,7 @@ equal the single-process reference. A server that announces an address nobody li
 refused by the reachability check with exit code 2.
 
 Needs root and `ip netns` (skipped with the reason elsewhere); CI on this project's machine runs it."""
+
 from __future__ import annotations
 
 import json
@@ -56,13 +57,38 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def serve_argv(stage: str, role: str, host_ip: str, run_id: str, ckpt, key, *extra: str) -> list[str]:
-    return ["serve", "--reliable", "--stage", stage, "--role", role, "--stages", "2", "--model", "tiny",
-            "--steps", str(STEPS), "--run-id", run_id, "--no-compute", "--host-maddrs", f"/ip4/{host_ip}/tcp/0",
-            "--checkpoint-dir", str(ckpt), "--identity-path", str(key), "--task-timeout", "20",
-            "--run-key", str(Path(ckpt).parent / "run.key"),
-            # every volunteer a share of every micro-batch (the default gives a whole batch to one client
-            # of a stage, and a 20 Mbit/s volunteer of a short run under CI's load got none once)
-            "--client-batch-tokens", "1", *extra]
+    return [
+        "serve",
+        "--reliable",
+        "--stage",
+        stage,
+        "--role",
+        role,
+        "--stages",
+        "2",
+        "--model",
+        "tiny",
+        "--steps",
+        str(STEPS),
+        "--run-id",
+        run_id,
+        "--no-compute",
+        "--host-maddrs",
+        f"/ip4/{host_ip}/tcp/0",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--identity-path",
+        str(key),
+        "--task-timeout",
+        "20",
+        "--run-key",
+        str(Path(ckpt).parent / "run.key"),
+        # every volunteer a share of every micro-batch (the default gives a whole batch to one client
+        # of a stage, and a 20 Mbit/s volunteer of a short run under CI's load got none once)
+        "--client-batch-tokens",
+        "1",
+        *extra,
+    ]
 
 
 def test_servers_on_one_host_volunteers_on_two_others(tmp_path):
@@ -78,8 +104,9 @@ def test_servers_on_one_host_volunteers_on_two_others(tmp_path):
         srv_ip = bed.addrs["srv"]
         # the first server: its first stdout line is what everyone else passes to --initial-peers
         ckpt = tmp_path / "ckpt"
-        first = hosts.start("srv", "s0f", serve_argv(*SERVERS[0], srv_ip, run_id, ckpt, tmp_path / "s0f.key"),
-                            stdout=subprocess.PIPE)
+        first = hosts.start(
+            "srv", "s0f", serve_argv(*SERVERS[0], srv_ip, run_id, ckpt, tmp_path / "s0f.key"), stdout=subprocess.PIPE
+        )
         line = first_line(first)
         assert line.startswith("initial_peers=/ip4/" + srv_ip + "/tcp/"), line
         assert "127.0.0.1" not in line and "/p2p/" in line, line
@@ -94,13 +121,34 @@ def test_servers_on_one_host_volunteers_on_two_others(tmp_path):
             for i in range(2):
                 name = f"{host}-{i}"
                 vols.append(name)
-                hosts.start(host, name, ["join", "--stage", "auto", "--run-id", run, "--initial-peers", *initial,
-                                         "--device-id", name, "--probe-bytes", str(1 << 18),
-                                         "--rebalance-period", "5"], stdout=open(tmp_path / f"{name}.out", "w"))
+                hosts.start(
+                    host,
+                    name,
+                    [
+                        "join",
+                        "--stage",
+                        "auto",
+                        "--run-id",
+                        run,
+                        "--initial-peers",
+                        *initial,
+                        "--device-id",
+                        name,
+                        "--probe-bytes",
+                        str(1 << 18),
+                        "--rebalance-period",
+                        "5",
+                    ],
+                    stdout=open(tmp_path / f"{name}.out", "w"),
+                )
         for stage, role in SERVERS[1:]:
-            hosts.start("srv", f"s{stage}{role[0]}",
-                        serve_argv(stage, role, srv_ip, run_id, ckpt, tmp_path / f"s{stage}{role[0]}.key",
-                                   "--initial-peers", *initial))
+            hosts.start(
+                "srv",
+                f"s{stage}{role[0]}",
+                serve_argv(
+                    stage, role, srv_ip, run_id, ckpt, tmp_path / f"s{stage}{role[0]}.key", "--initial-peers", *initial
+                ),
+            )
         # the run ends when every server's checkpoint says so
         deadline = time.time() + 480
         dashboard = None
@@ -116,28 +164,61 @@ def test_servers_on_one_host_volunteers_on_two_others(tmp_path):
             if dashboard is not None and len(done) == len(SERVERS) and all(done):
                 break
             if dashboard is None and len(done) == len(SERVERS):  # the dashboard from the third host
-                out = subprocess.run(bed.prefix("vol2") + [sys.executable, str(REPO / "scripts" / "dashboard.py"), "--json",
-                                                           "--run-id", run, "--initial-peers", *initial],
-                                     capture_output=True, text=True, timeout=120)
+                out = subprocess.run(
+                    bed.prefix("vol2")
+                    + [
+                        sys.executable,
+                        str(REPO / "scripts" / "dashboard.py"),
+                        "--json",
+                        "--run-id",
+                        run,
+                        "--initial-peers",
+                        *initial,
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
                 assert out.returncode == 0, out.stderr[-2000:]
                 dashboard = json.loads(out.stdout)
             for name, p in hosts.procs:
                 assert p.poll() is None, f"{name} exited with {p.returncode}:\n{hosts.log(name)[-3000:]}"
             assert time.time() < deadline, "the run did not finish in 480 s:\n" + "\n".join(
-                f"--- {n}\n{hosts.log(n)[-1500:]}" for n, _ in hosts.procs)
+                f"--- {n}\n{hosts.log(n)[-1500:]}" for n, _ in hosts.procs
+            )
             time.sleep(1.0)
         # the dashboard saw the run's four servers and both stages from another host
         assert dashboard["health"]["status"] in ("ok", "finished", "blocked"), dashboard["health"]
         assert dashboard["config"]["steps"] == STEPS
         assert len(dashboard["stages"]) == 2
-        assert sorted(e["device"] for s in dashboard["stages"] for e in s["frontal"] + s["backward"]) == \
-            sorted(f"s{s}{r[0]}0" for s, r in SERVERS)
+        assert sorted(e["device"] for s in dashboard["stages"] for e in s["frontal"] + s["backward"]) == sorted(
+            f"s{s}{r[0]}0" for s, r in SERVERS
+        )
         # a server announcing an address nobody listens on is refused, naming it
         bogus = f"/ip4/{srv_ip}/tcp/9"
-        out = subprocess.run(bed.prefix("srv") + [sys.executable, "-m", "peer.cli", *serve_argv(
-            "0", "frontal", srv_ip, run_id, tmp_path / "bogus-ckpt", tmp_path / "bogus.key", "--initial-peers",
-            *initial, "--announce-maddrs", bogus)],
-            capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            bed.prefix("srv")
+            + [
+                sys.executable,
+                "-m",
+                "peer.cli",
+                *serve_argv(
+                    "0",
+                    "frontal",
+                    srv_ip,
+                    run_id,
+                    tmp_path / "bogus-ckpt",
+                    tmp_path / "bogus.key",
+                    "--initial-peers",
+                    *initial,
+                    "--announce-maddrs",
+                    bogus,
+                ),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
         assert bogus in out.stderr and "--announce-maddrs" in out.stderr, out.stderr[-2000:]
         assert not (tmp_path / "bogus-ckpt").exists()

@@ -3,6 +3,7 @@ hides no one else's records: announcements made while it is frozen are stored an
 3-second records and 30-second DHT calls, every store that reached the frozen peer outlived its
 record, and readers found no record of the stage at all (a failover took 45 s, not 9). Real DHT
 processes on 127.0.0.1, real SIGSTOP."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,9 @@ PERIOD = 1.0  # the announce period the records are made for
 
 def announce(dht, device: str) -> float:
     written = time.time()
-    rec = records.record_to_dict(records.ClientRecord(device=device, stage=0, state="online", compute=1.0,
-                                                      time=written))
+    rec = records.record_to_dict(
+        records.ClientRecord(device=device, stage=0, state="online", compute=1.0, time=written)
+    )
     asyncio.run(records.publish(dht, rec, ttl=records.record_ttl(PERIOD), stage=0))
     return written
 
@@ -70,9 +72,10 @@ def test_records_announced_while_a_peer_is_frozen_are_stored_and_read():
             if all(seen.get(d, 0.0) > frozen_at for d in live):
                 break
             time.sleep(0.5)
-        assert all(seen.get(d, 0.0) > frozen_at for d in live), \
-            ({d: round(t - frozen_at, 1) for d, t in seen.items()},
-             {d: [round(t - frozen_at, 1) for t in ts[-3:]] for d, ts in written.items()})
+        assert all(seen.get(d, 0.0) > frozen_at for d in live), (
+            {d: round(t - frozen_at, 1) for d, t in seen.items()},
+            {d: [round(t - frozen_at, 1) for t in ts[-3:]] for d, ts in written.items()},
+        )
     finally:
         stop.set()
         for p in frozen:

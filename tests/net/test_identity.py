@@ -2,6 +2,7 @@
 hivemind's check that no live peer holds it (a second p2p daemon bootstrapped into the swarm, for
 each of a swarm's servers); one already on disk is checked, and refused while a live peer holds it
 (real DHT nodes and p2p daemons on 127.0.0.1)."""
+
 from __future__ import annotations
 
 import os

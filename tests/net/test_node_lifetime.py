@@ -1,6 +1,7 @@
 """A DHT node held by a supervisor (peer.node.dht_leaves_with): when the process that holds it is
 SIGKILLed alone, nobody stops the node, so the node stops itself and its p2p daemon (real
 processes, real SIGKILL)."""
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,7 @@ def alive(pid: int) -> bool:
 
 
 def test_a_held_dht_node_leaves_with_its_holder():
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         dht_pid = int(holder.stdout.readline())
         node = descendants(holder.pid)

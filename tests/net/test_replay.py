@@ -2,6 +2,7 @@
 stores it with a DHT expiry far past its signature (and keeps it in its own storage, as a malicious
 node would) cannot hide the stage: the run's nodes refuse the store, and a new reader finds the server
 within one announce period, before and after the copy's signature ran out."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,15 +24,22 @@ TTL = 3.0  # its records' signed life
 async def _keep(key: str, subkey: str, value: dict, expiration: float, dht, node) -> None:
     from hivemind.dht.routing import DHTID
 
-    node.protocol.storage.store(DHTID.generate(source=key), node.protocol.serializer.dumps(value), expiration,
-                                subkey=subkey)
+    node.protocol.storage.store(
+        DHTID.generate(source=key), node.protocol.serializer.dumps(value), expiration, subkey=subkey
+    )
 
 
 def _server_body(now: float) -> dict:
-    return {"kind": "server", "device": "s0f0", "role": "frontal", "stage": 0, "state": "online", "version": 0,
-            "maddrs": [], "time": now}
-
-
+    return {
+        "kind": "server",
+        "device": "s0f0",
+        "role": "frontal",
+        "stage": 0,
+        "state": "online",
+        "version": 0,
+        "maddrs": [],
+        "time": now,
+    }
 
 
 def test_a_replayed_record_with_a_long_dht_expiry_does_not_hide_the_stage():
@@ -47,7 +55,9 @@ def test_a_replayed_record_with_a_long_dht_expiry_does_not_hide_the_stage():
         nodes.append(stranger)
 
         def announce() -> None:
-            asyncio.run(records.publish(server, _server_body(time.time()), TTL, stage=0))  # (False where the stranger holds its copy)
+            asyncio.run(
+                records.publish(server, _server_body(time.time()), TTL, stage=0)
+            )  # (False where the stranger holds its copy)
 
         announce()
         key = stage_name(RUN, 0)

@@ -1,5 +1,6 @@
 """parameter_server.blob: the encoding of a server's checkpoints, replicas, kept versions and
 request-log records."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,7 @@ from parameter_server import blob
 
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.detach(), b))
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.detach(), b)
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
@@ -25,11 +25,22 @@ def test_any_structure_of_tensors_comes_back_bit_for_bit(tmp_path):
     gen = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter(torch.randn(3, 4, generator=gen))
     state = {
-        "version": 7, "token": "ab12", "losses": {3: 2.5},
+        "version": 7,
+        "token": "ab12",
+        "losses": {3: 2.5},
         "snapshot": {"w": w, "b": torch.randn(5, generator=gen).to(torch.bfloat16)},
-        "moments": {"w": (7.0, torch.randn(3, 4, generator=gen), torch.rand(3, 4, generator=gen)), "b": (0.0, None, None)},
-        "misc": [torch.tensor(2.5), torch.empty(0, 7), torch.randn(4, 4, generator=gen).t(), torch.arange(6).half(),
-                 torch.tensor([True, False]), torch.arange(3)],
+        "moments": {
+            "w": (7.0, torch.randn(3, 4, generator=gen), torch.rand(3, 4, generator=gen)),
+            "b": (0.0, None, None),
+        },
+        "misc": [
+            torch.tensor(2.5),
+            torch.empty(0, 7),
+            torch.randn(4, 4, generator=gen).t(),
+            torch.arange(6).half(),
+            torch.tensor([True, False]),
+            torch.arange(3),
+        ],
     }
     data = blob.dumps(state)
     back, again = blob.loads(data), blob.loads(data)

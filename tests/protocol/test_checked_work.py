@@ -1,6 +1,7 @@
 """The pieces of checked work that need no network: a shard's rollback to a kept version (parameters
 and AdamW state), the request log's drop of undone batches, the distance a re-run is judged by, and
 the test tool that lies (`peer join --cheat`)."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,14 @@ from peer.protocol.wire import PayloadError
 def _shard(keep: int = 4):
     from parameter_server.shard import ShardState
 
-    return ShardState({"w": torch.zeros(3), "b": torch.ones(2)}, lr=1e-1, rows_per_micro=1, micro_batches=1,
-                      steps=8, keep_versions=keep)
+    return ShardState(
+        {"w": torch.zeros(3), "b": torch.ones(2)},
+        lr=1e-1,
+        rows_per_micro=1,
+        micro_batches=1,
+        steps=8,
+        keep_versions=keep,
+    )
 
 
 def _grads(t: int):
@@ -23,8 +30,10 @@ def _grads(t: int):
 
 def _run(shard, batches, scale=1.0):
     for t in batches:
-        assert shard.credit(batch=t, pieces=[(f"B{t}.0.0.0-1", 0, (0, 1))],
-                            grads=[g * scale for g in _grads(t)]) == ("credited", [])
+        assert shard.credit(batch=t, pieces=[(f"B{t}.0.0.0-1", 0, (0, 1))], grads=[g * scale for g in _grads(t)]) == (
+            "credited",
+            [],
+        )
         shard.step()
 
 
@@ -112,8 +121,17 @@ def test_peer_join_refuses_a_bad_cheat_before_it_joins():
     from peer.errors import UsageError
     from peer.join import run
 
-    args = build_parser().parse_args(["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmP5pMMGzUaivesT5jgPHfCw3kTYvobEovLGprfmYjSKWy", "--run-id", "r",
-                                      "--cheat", "lazy"])
+    args = build_parser().parse_args(
+        [
+            "join",
+            "--initial-peers",
+            "/ip4/127.0.0.1/tcp/1/p2p/QmP5pMMGzUaivesT5jgPHfCw3kTYvobEovLGprfmYjSKWy",
+            "--run-id",
+            "r",
+            "--cheat",
+            "lazy",
+        ]
+    )
     with pytest.raises(UsageError, match="--cheat 'lazy'"):
         run(args)
 
@@ -134,8 +152,10 @@ def test_a_checkpoint_holds_the_current_state_once_and_a_shard_loaded_from_it_st
     write_checkpoint(str(tmp_path), "s0f0", *checkpoint_state(server))
     saved = blob.load(str(tmp_path / "s0f0.shard.pt"))["slots"][0]
     assert not any(isinstance(t, torch.Tensor) for t in _leaves(saved))
-    older = copy.deepcopy(shard.state_dict()) | {"params": {n: p.detach().clone() for n, p in shard.params.items()},
-                                                 "optimizer": copy.deepcopy(shard.optimizer.state_dict())}
+    older = copy.deepcopy(shard.state_dict()) | {
+        "params": {n: p.detach().clone() for n, p in shard.params.items()},
+        "optimizer": copy.deepcopy(shard.optimizer.state_dict()),
+    }
     loaded, inline = _shard(keep=3), _shard(keep=3)
     loaded.load_state_dict(_history_in(str(tmp_path), saved))
     inline.load_state_dict(older)

@@ -1,5 +1,6 @@
 """Opt-in compression on the wire (`--compress`): hivemind's codecs for fp32 activations and
 gradients, what a receiver accepts, and `roundtrip` (what a server's check re-runs on)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,9 @@ def _unpack(messages, accept):
     return asyncio.run(unpack(stream_of(messages), accept=accept))
 
 
-@pytest.mark.parametrize("mode,ratio,error", [("none", 1.0, 0.0), ("fp16", 0.5, 1e-3), ("bf16", 0.5, 1e-2),
-                                              ("8bit", 0.27, 5e-2)])
+@pytest.mark.parametrize(
+    "mode,ratio,error", [("none", 1.0, 0.0), ("fp16", 0.5, 1e-3), ("bf16", 0.5, 1e-2), ("8bit", 0.27, 5e-2)]
+)
 def test_each_mode_shrinks_activations_and_arrives_as_its_roundtrip(mode, ratio, error):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 64, 128, generator=gen)
@@ -56,8 +58,17 @@ def test_a_compressed_tensor_whose_bytes_do_not_fit_its_shape_is_refused_before_
 def test_the_run_config_names_a_known_mode():
     from peer.protocol.records import RunConfig
 
-    base = {"run_id": "r", "model": "tiny", "seed": 0, "steps": 1, "batch_size": 4, "micro_batches": 2, "lr": 1e-3,
-            "layout": {}, "announce_period": 1.0}
+    base = {
+        "run_id": "r",
+        "model": "tiny",
+        "seed": 0,
+        "steps": 1,
+        "batch_size": 4,
+        "micro_batches": 2,
+        "lr": 1e-3,
+        "layout": {},
+        "announce_period": 1.0,
+    }
     assert RunConfig.from_dict(base).compress == "none"
     assert RunConfig.from_dict(dict(base, compress="8bit")).compress == "8bit"
     with pytest.raises(ValueError, match="'compress' must be one of"):
@@ -72,8 +83,13 @@ def test_uncompressed_fp32_tensors_travel_as_one_and_arrive_as_they_left():
     from peer.protocol.wire import FLAT, decode_meta
 
     gen = torch.Generator().manual_seed(0)
-    shard = [torch.randn(4, 3, generator=gen), torch.randn(7, generator=gen), torch.empty(0, 2), torch.tensor(1.5),
-             torch.randn(6, 5, generator=gen).t()]
+    shard = [
+        torch.randn(4, 3, generator=gen),
+        torch.randn(7, generator=gen),
+        torch.empty(0, 2),
+        torch.tensor(1.5),
+        torch.randn(6, 5, generator=gen).t(),
+    ]
     messages = pack({"names": list("abcde")}, shard, ExpertRequest)
     assert decode_meta(messages[0].metadata)["n_tensors"] == 1
     meta, back = _unpack(messages, "none")
@@ -85,21 +101,27 @@ def test_uncompressed_fp32_tensors_travel_as_one_and_arrive_as_they_left():
     assert decode_meta(pack({}, big, ExpertRequest, compress="fp16")[0].metadata)["n_tensors"] == 2
 
 
-@pytest.mark.parametrize("shapes,tensors,error", [
-    ([[2, 2]], [torch.zeros(5)], "hold 4 values, 5 arrived"),
-    ([[2, 2], [1]], [torch.zeros(5), torch.zeros(1)], "one float32 vector"),
-    ([[5]], [torch.zeros(5, dtype=torch.float64)], "one float32 vector"),
-    ([[5]], [torch.zeros(1, 5)], "one float32 vector"),
-    ([[-1, -4]], [torch.zeros(4)], "tensor shapes"),
-    ([[True]], [torch.zeros(1)], "tensor shapes"),
-    ("4", [torch.zeros(4)], "tensor shapes"),
-    ([], [torch.zeros(0)], "tensor shapes"),
-    ([[1]] * 5000, [torch.zeros(5000)], "tensor shapes"),
-])
+@pytest.mark.parametrize(
+    "shapes,tensors,error",
+    [
+        ([[2, 2]], [torch.zeros(5)], "hold 4 values, 5 arrived"),
+        ([[2, 2], [1]], [torch.zeros(5), torch.zeros(1)], "one float32 vector"),
+        ([[5]], [torch.zeros(5, dtype=torch.float64)], "one float32 vector"),
+        ([[5]], [torch.zeros(1, 5)], "one float32 vector"),
+        ([[-1, -4]], [torch.zeros(4)], "tensor shapes"),
+        ([[True]], [torch.zeros(1)], "tensor shapes"),
+        ("4", [torch.zeros(4)], "tensor shapes"),
+        ([], [torch.zeros(0)], "tensor shapes"),
+        ([[1]] * 5000, [torch.zeros(5000)], "tensor shapes"),
+    ],
+)
 def test_a_flat_field_that_does_not_fit_what_arrived_is_refused(shapes, tensors, error):
     from peer.protocol.wire import FLAT
 
-    messages = pack({FLAT: shapes}, tensors, ExpertRequest) if len(tensors) == 1 else \
-        pack({FLAT: shapes}, tensors, ExpertRequest, compress="fp16")
+    messages = (
+        pack({FLAT: shapes}, tensors, ExpertRequest)
+        if len(tensors) == 1
+        else pack({FLAT: shapes}, tensors, ExpertRequest, compress="fp16")
+    )
     with pytest.raises(PayloadError, match=error):
         _unpack(messages, "fp16")

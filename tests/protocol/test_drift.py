@@ -1,6 +1,7 @@
 """The drift test (parameter_server/drift.py): honest rounding differences, whatever their size, never
 add up to a ban; a liar that biases its results the same way under the L2 tolerance is banned within
 a few checks."""
+
 from __future__ import annotations
 
 import torch

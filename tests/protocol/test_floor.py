@@ -1,4 +1,5 @@
 """The shared floor: wire format, DHT record schema, row arithmetic, the request log."""
+
 from __future__ import annotations
 
 import asyncio
@@ -57,9 +58,18 @@ def _as_hivemind_packs(meta: dict, tensors: list) -> list:
     return messages
 
 
-WIRE_CASES = [torch.randn(3, 600, 700), torch.arange(10), torch.tensor(2.5), torch.zeros(0, 4),
-              torch.randn(5).half(), torch.tensor([True, False]), torch.randint(-9, 9, (4, 3), dtype=torch.int8),
-              torch.randn(7).to(torch.bfloat16), torch.randn(4, 4).t(), torch.randn(300_000, dtype=torch.float64)]
+WIRE_CASES = [
+    torch.randn(3, 600, 700),
+    torch.arange(10),
+    torch.tensor(2.5),
+    torch.zeros(0, 4),
+    torch.randn(5).half(),
+    torch.tensor([True, False]),
+    torch.randint(-9, 9, (4, 3), dtype=torch.int8),
+    torch.randn(7).to(torch.bfloat16),
+    torch.randn(4, 4).t(),
+    torch.randn(300_000, dtype=torch.float64),
+]
 
 
 @pytest.mark.parametrize("t", WIRE_CASES, ids=lambda t: f"{str(t.dtype)[6:]}{list(t.shape)}")
@@ -80,14 +90,19 @@ def test_the_wire_is_hivemind_serialization_both_ways(t):
         assert torch.equal(_tensors_of(messages)[0], t)
 
 
-@pytest.mark.parametrize("messages,problem", [
-    ([], "empty request"),
-    ([ExpertRequest(metadata=b"\xc1")], "not valid msgpack"),
-    ([ExpertRequest(metadata=msgpack.packb([1, 2]))], "must be a map"),
-    ([ExpertRequest(metadata=msgpack.packb({"n_tensors": "2"}))], "'n_tensors' must be a count"),
-    ([ExpertRequest(metadata=msgpack.packb({"n_tensors": 0}))] + pack({}, [torch.zeros(2)], ExpertRequest)[1:],
-     "declares 0 tensors, 1 arrived"),
-])
+@pytest.mark.parametrize(
+    "messages,problem",
+    [
+        ([], "empty request"),
+        ([ExpertRequest(metadata=b"\xc1")], "not valid msgpack"),
+        ([ExpertRequest(metadata=msgpack.packb([1, 2]))], "must be a map"),
+        ([ExpertRequest(metadata=msgpack.packb({"n_tensors": "2"}))], "'n_tensors' must be a count"),
+        (
+            [ExpertRequest(metadata=msgpack.packb({"n_tensors": 0}))] + pack({}, [torch.zeros(2)], ExpertRequest)[1:],
+            "declares 0 tensors, 1 arrived",
+        ),
+    ],
+)
 def test_unpack_refuses_malformed_requests(messages, problem):
     with pytest.raises(PayloadError, match=problem):
         asyncio.run(unpack(_aiter(messages)))
@@ -159,9 +174,13 @@ def test_all_finite_agrees_with_isfinite_everywhere(dtype):
 def test_records_that_do_not_fit_the_schema_are_named():
     good = {"kind": "client", "device": "v0", "stage": 0, "state": "online", "compute": 3.0, "time": 1.0}
     assert validate_record(good) is good
-    for bad, problem in [("x", "expected a map"), (dict(good, kind="ghost"), "unknown record kind"),
-                         (dict(good, stage="0"), "'stage' has the wrong type"), (dict(good, state="asleep"), "state"),
-                         ({k: v for k, v in good.items() if k != "compute"}, "missing field 'compute'")]:
+    for bad, problem in [
+        ("x", "expected a map"),
+        (dict(good, kind="ghost"), "unknown record kind"),
+        (dict(good, stage="0"), "'stage' has the wrong type"),
+        (dict(good, state="asleep"), "state"),
+        ({k: v for k, v in good.items() if k != "compute"}, "missing field 'compute'"),
+    ]:
         with pytest.raises(ValueError, match=problem):
             validate_record(bad)
     with pytest.raises(ValueError, match="missing field 'model'"):
@@ -178,8 +197,12 @@ def test_row_arithmetic():
 
 
 def test_layout_from_plan_checks_the_tiling():
-    plan = {"stages": [{"frontal": ["a"], "backward": ["b"], "clients": ["u"], "layers": [0, 2]},
-                       {"frontal": ["c"], "backward": ["d"], "layers": [2, 4]}]}
+    plan = {
+        "stages": [
+            {"frontal": ["a"], "backward": ["b"], "clients": ["u"], "layers": [0, 2]},
+            {"frontal": ["c"], "backward": ["d"], "layers": [2, 4]},
+        ]
+    }
     layout = RunLayout.from_dict(plan, 4)
     assert layout.locate("d") == (1, "backward", 0) and layout.stage_of_client("u") == 0
     with pytest.raises(ValueError, match="layers end at 4, the model has 6"):
@@ -246,11 +269,22 @@ def test_request_log_records_come_back_bit_for_bit_and_a_log_written_before_stil
     import struct
 
     gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen).to(torch.bfloat16),
-               torch.randn(2, 2, generator=gen).half(), torch.arange(6).reshape(2, 3), torch.tensor([True, False]),
-               torch.tensor(2.5), torch.empty(0, 7), torch.randn(4, 4, generator=gen).t()]
-    record = {"method": "push_outputs", "meta": {"task": "F1.0.0.0-1", "rows": [0, 1], "x": b"\x00\xff"},
-              "sender": "Qm" * 20, "batch": 1}
+    tensors = [
+        torch.randn(3, 4, generator=gen),
+        torch.randn(5, generator=gen).to(torch.bfloat16),
+        torch.randn(2, 2, generator=gen).half(),
+        torch.arange(6).reshape(2, 3),
+        torch.tensor([True, False]),
+        torch.tensor(2.5),
+        torch.empty(0, 7),
+        torch.randn(4, 4, generator=gen).t(),
+    ]
+    record = {
+        "method": "push_outputs",
+        "meta": {"task": "F1.0.0.0-1", "rows": [0, 1], "x": b"\x00\xff"},
+        "sender": "Qm" * 20,
+        "batch": 1,
+    }
     path = tmp_path / "s.log"
     old = io.BytesIO()
     torch.save({"record": {"method": "complete", "batch": 0}, "tensors": [torch.ones(2)]}, old)
@@ -276,8 +310,12 @@ def test_a_malformed_push_for_an_applied_batch_is_still_an_error():
     assert shard.ready_to_step() and shard.step() == 1
     assert shard.credit(batch=0, pieces=one, grads=[torch.ones(2, 3)]) == ("duplicate", ["B0.0.0.0-2"])
     assert shard.duplicates == 1
-    bad = {"shape": [torch.ones(3, 2)], "dtype": [torch.ones(2, 3, dtype=torch.float64)],
-           "NaN": [torch.full((2, 3), float("nan"))], "gradient tensors": [torch.ones(2, 3)] * 2}
+    bad = {
+        "shape": [torch.ones(3, 2)],
+        "dtype": [torch.ones(2, 3, dtype=torch.float64)],
+        "NaN": [torch.full((2, 3), float("nan"))],
+        "gradient tensors": [torch.ones(2, 3)] * 2,
+    }
     for words, grads in bad.items():
         with pytest.raises(PayloadError, match=words):
             shard.credit(batch=0, pieces=one, grads=grads)
@@ -299,14 +337,18 @@ def test_an_accumulated_push_is_credited_all_or_nothing():
     def pieces(*ids):
         return [(tid, TaskId.parse(tid).micro, TaskId.parse(tid).rows) for tid in ids]
 
-    g = {tid: torch.tensor([1.0, 2.0, 3.0]) * (i + 1) for i, tid in
-         enumerate(["B0.0.0.0-2", "B0.0.0.2-4", "B0.1.0.0-4"])}
-    assert shard.credit(batch=0, pieces=pieces("B0.0.0.0-2", "B0.1.0.0-4"),
-                        grads=[g["B0.0.0.0-2"] + g["B0.1.0.0-4"]]) == ("credited", [])
+    g = {
+        tid: torch.tensor([1.0, 2.0, 3.0]) * (i + 1) for i, tid in enumerate(["B0.0.0.0-2", "B0.0.0.2-4", "B0.1.0.0-4"])
+    }
+    assert shard.credit(
+        batch=0, pieces=pieces("B0.0.0.0-2", "B0.1.0.0-4"), grads=[g["B0.0.0.0-2"] + g["B0.1.0.0-4"]]
+    ) == ("credited", [])
     # another client's sum covers one credited task and one new one: nothing changes
     before = shard.batches[0].grads["w"].clone()
-    assert shard.credit(batch=0, pieces=pieces("B0.0.0.2-4", "B0.1.0.0-4"), grads=[torch.ones(3)]) == \
-        ("conflict", ["B0.1.0.0-4"])
+    assert shard.credit(batch=0, pieces=pieces("B0.0.0.2-4", "B0.1.0.0-4"), grads=[torch.ones(3)]) == (
+        "conflict",
+        ["B0.1.0.0-4"],
+    )
     assert torch.equal(shard.batches[0].grads["w"], before) and not shard.ready_to_step()
     assert shard.credit(batch=0, pieces=pieces("B0.1.0.0-4"), grads=[torch.ones(3)]) == ("duplicate", ["B0.1.0.0-4"])
     with pytest.raises(PayloadError, match="overlap"):
@@ -353,16 +395,20 @@ def test_a_replica_takes_the_shards_state_or_refuses_and_changes_nothing():
     from parameter_server.shard import ShardState
 
     def shard():
-        return ShardState({"w": torch.zeros(3), "b": torch.ones(2)}, lr=1e-1, rows_per_micro=1, micro_batches=1,
-                          steps=4)
+        return ShardState(
+            {"w": torch.zeros(3), "b": torch.ones(2)}, lr=1e-1, rows_per_micro=1, micro_batches=1, steps=4
+        )
 
     owner, replica = shard(), shard()
     grads = {0: [torch.tensor([1.0, 2.0]), torch.tensor([1.0, -1.0, 0.5])], 1: [torch.ones(2), torch.ones(3)]}
     owner.credit(batch=0, pieces=[("B0.0.0.0-1", 0, (0, 1))], grads=grads[0])
     owner.step()
     meta, tensors = owner.export()
-    for words, bad in {"NaN": [torch.full_like(t, float("nan")) for t in tensors],
-                       "expected float32": [t.double() for t in tensors], "carries": tensors[:-1]}.items():
+    for words, bad in {
+        "NaN": [torch.full_like(t, float("nan")) for t in tensors],
+        "expected float32": [t.double() for t in tensors],
+        "carries": tensors[:-1],
+    }.items():
         with pytest.raises(PayloadError, match=words):
             replica.absorb(meta, bad)
     with pytest.raises(PayloadError, match="another shard"):
@@ -385,8 +431,7 @@ def test_a_replica_can_be_sent_every_kept_version_in_order():
     from parameter_server.shard import ShardState
 
     def shard():
-        return ShardState({"w": torch.zeros(3)}, lr=1e-1, rows_per_micro=1, micro_batches=1, steps=8,
-                          keep_versions=3)
+        return ShardState({"w": torch.zeros(3)}, lr=1e-1, rows_per_micro=1, micro_batches=1, steps=8, keep_versions=3)
 
     owner, replica = shard(), shard()
     for t in range(4):
@@ -396,8 +441,11 @@ def test_a_replica_can_be_sent_every_kept_version_in_order():
         owner.export(1)
     for v in (2, 3, 4):
         meta, tensors = owner.export(v)
-        assert meta["version"] == v and meta["microbatches_applied"] == v and sorted(map(int, meta["losses"])) == \
-            sorted(k for k in owner.losses if k < v)
+        assert (
+            meta["version"] == v
+            and meta["microbatches_applied"] == v
+            and sorted(map(int, meta["losses"])) == sorted(k for k in owner.losses if k < v)
+        )
         assert replica.absorb(meta, tensors)
     assert replica.version == 4 and torch.equal(replica.params["w"], owner.params["w"])
     assert torch.equal(replica.params_at(3)["w"], owner.params_at(3)["w"])  # what re-running batch 4 needs
@@ -414,14 +462,23 @@ def test_a_versions_digest_is_its_parameters_bits_and_follows_a_rollback():
     from parameter_server.shard import ShardState
 
     def shard():
-        return ShardState({"w": torch.zeros(3), "b": torch.ones(2)}, lr=1e-1, rows_per_micro=1, micro_batches=1,
-                          steps=6, keep_versions=4)
+        return ShardState(
+            {"w": torch.zeros(3), "b": torch.ones(2)},
+            lr=1e-1,
+            rows_per_micro=1,
+            micro_batches=1,
+            steps=6,
+            keep_versions=4,
+        )
 
     owner, replica = shard(), shard()
     assert replica.absorb(*owner.export(0))
     for t in range(3):
-        owner.credit(batch=t, pieces=[(f"B{t}.0.0.0-1", 0, (0, 1))],
-                     grads=[torch.tensor([1.0, -2.0]) * (t + 1), torch.tensor([0.5, 1.0, -1.0])])
+        owner.credit(
+            batch=t,
+            pieces=[(f"B{t}.0.0.0-1", 0, (0, 1))],
+            grads=[torch.tensor([1.0, -2.0]) * (t + 1), torch.tensor([0.5, 1.0, -1.0])],
+        )
         owner.step()
         assert replica.absorb_step(*owner.export_step(t + 1))
     digests = [owner.digest(v) for v in range(4)]
@@ -449,11 +506,18 @@ def test_the_method_table_is_what_the_server_offers():
 
     for name in methods.NAMES:
         assert hasattr(StageServer, f"rpc_{name}") and hasattr(StageServer, f"on_{name}"), name
-    offered = {n[len("on_"):] for n in dir(StageServer) if n.startswith("on_")}
+    offered = {n[len("on_") :] for n in dir(StageServer) if n.startswith("on_")}
     assert offered == set(methods.NAMES)
     assert methods.NOT_RETRIED == {"take"}
-    assert methods.SERVER_ONLY == {"push_inputs", "push_output_grads", "push_replica", "adopt_epoch", "get_held",
-                                   "report_cheat", "ban"}
+    assert methods.SERVER_ONLY == {
+        "push_inputs",
+        "push_output_grads",
+        "push_replica",
+        "adopt_epoch",
+        "get_held",
+        "report_cheat",
+        "ban",
+    }
 
 
 def test_a_shard_keeps_a_bounded_loss_history(monkeypatch):
@@ -466,8 +530,9 @@ def test_a_shard_keeps_a_bounded_loss_history(monkeypatch):
     monkeypatch.setattr(shard_mod, "LOSS_HISTORY", 5)
     shard = ShardState({"w": torch.zeros(3)}, lr=1e-2, rows_per_micro=1, micro_batches=1, steps=20, keep_versions=3)
     for t in range(12):
-        assert shard.credit(batch=t, pieces=[(f"B{t}.0.0.0-1", 0, (0, 1))], grads=[torch.ones(3)],
-                            loss_sum=float(t)) == ("credited", [])
+        assert shard.credit(
+            batch=t, pieces=[(f"B{t}.0.0.0-1", 0, (0, 1))], grads=[torch.ones(3)], loss_sum=float(t)
+        ) == ("credited", [])
         shard.step()
     assert shard.losses == {t: float(t) for t in range(7, 12)}
     meta, tensors = shard.export()

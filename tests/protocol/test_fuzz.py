@@ -5,6 +5,7 @@ fields) and random tensor parts (odd dtypes, shapes, NaN/inf, declared sizes far
 arrives, compression codes). The server answers each with an error or drops it, stays up, and its
 parameters, version and task pool are unchanged; a request over --max-request-bytes is refused
 while it arrives."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,17 +28,45 @@ from peer.protocol.session import MAX_OPEN_CALLS, Session, handle_name
 from peer.protocol.wire import stream_of, unpack
 from tests.swarm.inprocess import TICKETS, make_run
 
-FIELDS = ["task", "batch", "micro", "rows", "epoch", "slot", "version", "device", "compute", "tasks", "loss_sum",
-          "names", "n_tensors", "stage", "lost", "layout", "from_batch", "retry", "result"]
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=True),
-                    st.text(max_size=20), st.binary(max_size=20))
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-                      max_leaves=8)
+FIELDS = [
+    "task",
+    "batch",
+    "micro",
+    "rows",
+    "epoch",
+    "slot",
+    "version",
+    "device",
+    "compute",
+    "tasks",
+    "loss_sum",
+    "names",
+    "n_tensors",
+    "stage",
+    "lost",
+    "layout",
+    "from_batch",
+    "retry",
+    "result",
+]
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=8,
+)
 metadata = st.one_of(
     st.binary(max_size=64),  # not msgpack, or msgpack of anything
     st.dictionaries(st.one_of(st.sampled_from(FIELDS), st.text(max_size=10)), values, max_size=8).map(
-        lambda d: msgpack.packb(d, use_bin_type=True)),
+        lambda d: msgpack.packb(d, use_bin_type=True)
+    ),
 )
 DTYPES = ["float32", "float16", "bfloat16", "int64", "uint8", "bool", "object", "V100000000", "", "complex128", "<f4"]
 
@@ -80,10 +109,17 @@ class LiveServer:
 
         async def start():
             self.p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-            self.server = StageServer(run=run, layout=layout, cfg=cfg, device_id=st0.frontal[0],
-                                      peer_id=str(self.p2p.peer_id), stage_params=init_state(cfg, *st0.layers, 0),
-                                      corpus=load_corpus(None, seq_len=cfg.seq_len), max_request_bytes=max_request_bytes,
-                                      lease_tickets=TICKETS)
+            self.server = StageServer(
+                run=run,
+                layout=layout,
+                cfg=cfg,
+                device_id=st0.frontal[0],
+                peer_id=str(self.p2p.peer_id),
+                stage_params=init_state(cfg, *st0.layers, 0),
+                corpus=load_corpus(None, seq_len=cfg.seq_len),
+                max_request_bytes=max_request_bytes,
+                lease_tickets=TICKETS,
+            )
             self.server.maybe_start_batches()
             await self.server.add_p2p_handlers(self.p2p)
             maddrs = [str(m) for m in await self.p2p.get_visible_maddrs()]
@@ -105,6 +141,7 @@ class LiveServer:
     async def call(self, method: str, messages: list) -> str:
         """`method` (a name of methods.NAMES: a stream call of its own, or `<name>@session`: a call over
         this outsider's session, opened again when one ends)."""
+
         async def roundtrip():
             if method.endswith(SESSION):
                 if self.session is None or self.session.closed:
@@ -153,8 +190,13 @@ def test_random_requests_are_refused_and_change_nothing(live, method):
     before = live.state()
     outcomes = []
 
-    @settings(max_examples=25, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @settings(
+        max_examples=25,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
     @given(requests)
     def one(request):
         meta, parts, split = request
@@ -192,15 +234,18 @@ def _framed(uid: str, meta: dict | None = None) -> ExpertRequest:
     return ExpertRequest(uid=uid, metadata=msgpack.packb({} if meta is None else meta))
 
 
-@pytest.mark.parametrize("uids, problem", [
-    (["ping end"], "is not '<call> <method>"),
-    (["x ping end"], "is not '<call> <method>"),
-    (["1 ping finish"], "is not '<call> <method>"),
-    (["1 " + "p" * 80 + " end"], "is not '<call> <method>"),
-    (["1 no_such_method end"], "unknown method 'no_such_method'"),
-    (["1 ping", "1 status end"], "is a ping call, a message of it says status"),
-    ([f"{i} ping" for i in range(MAX_OPEN_CALLS + 1)], f"more than {MAX_OPEN_CALLS} calls of one session are open"),
-])
+@pytest.mark.parametrize(
+    "uids, problem",
+    [
+        (["ping end"], "is not '<call> <method>"),
+        (["x ping end"], "is not '<call> <method>"),
+        (["1 ping finish"], "is not '<call> <method>"),
+        (["1 " + "p" * 80 + " end"], "is not '<call> <method>"),
+        (["1 no_such_method end"], "unknown method 'no_such_method'"),
+        (["1 ping", "1 status end"], "is a ping call, a message of it says status"),
+        ([f"{i} ping" for i in range(MAX_OPEN_CALLS + 1)], f"more than {MAX_OPEN_CALLS} calls of one session are open"),
+    ],
+)
 def test_a_session_with_malformed_framing_ends_with_the_reason_and_changes_nothing(live, uids, problem):
     """A session whose messages do not frame calls ends with an error naming what is wrong, and the
     server keeps serving, its state unchanged; a call whose caller closes the session before its last
@@ -274,8 +319,10 @@ def test_a_live_server_drops_a_single_message_over_its_bound_and_keeps_serving()
 
         bound_messages(1 << 16)  # as peer serve sets it from --max-request-bytes
         before = server.state()
-        huge = ExpertRequest(metadata=msgpack.packb({"batch": 0}), tensors=[
-            runtime_pb2.Tensor(buffer=b"\x00" * (4 << 20), size=[1 << 20], dtype="float32")])
+        huge = ExpertRequest(
+            metadata=msgpack.packb({"batch": 0}),
+            tensors=[runtime_pb2.Tensor(buffer=b"\x00" * (4 << 20), size=[1 << 20], dtype="float32")],
+        )
         result = server.run(server.call("push_grads", [huge]))
         assert result.startswith("dropped"), result
         assert server.state() == before

@@ -1,5 +1,6 @@
 """peer.runtime.trim_heap: what a long-lived server calls once a minute so that a burst of freed
 tensors (rows held through a failover's pause) does not keep its RSS at the burst's high-water mark."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,9 @@ print(json.dumps({"freed": freed, "trimmed": trimmed, "kept": all(bool((k == 1).
 
 
 def released(trim: bool) -> float:
-    out = subprocess.run([sys.executable, "-c", BURST, "yes" if trim else "no"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", BURST, "yes" if trim else "no"], capture_output=True, text=True, check=True
+    ).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["kept"]
     return (r["freed"] - r["trimmed"]) / 2**20

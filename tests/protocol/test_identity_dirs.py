@@ -1,6 +1,7 @@
 """A process killed while its DHT started leaves its fresh-identity folder behind (churn SIGKILLs
 volunteers at any moment); the next start removes the folders of processes that are gone, and only
 those."""
+
 from __future__ import annotations
 
 import os
@@ -15,9 +16,13 @@ def test_folders_of_dead_processes_are_swept_and_the_others_kept(tmp_path):
     gone.wait()
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        names = {"dead": f"{IDENTITY_DIR_PREFIX}{gone.pid}-abc", "alive": f"{IDENTITY_DIR_PREFIX}{alive.pid}-def",
-                 "me": f"{IDENTITY_DIR_PREFIX}{os.getpid()}-ghi", "other": "hivepipe-swarm-xyz",
-                 "no pid": f"{IDENTITY_DIR_PREFIX}zz9x-1"}
+        names = {
+            "dead": f"{IDENTITY_DIR_PREFIX}{gone.pid}-abc",
+            "alive": f"{IDENTITY_DIR_PREFIX}{alive.pid}-def",
+            "me": f"{IDENTITY_DIR_PREFIX}{os.getpid()}-ghi",
+            "other": "hivepipe-swarm-xyz",
+            "no pid": f"{IDENTITY_DIR_PREFIX}zz9x-1",
+        }
         for name in names.values():
             (tmp_path / name).mkdir()
             (tmp_path / name / "identity.key").write_bytes(b"k")

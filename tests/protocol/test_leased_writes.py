@@ -3,6 +3,7 @@ method that hands a server a task's result is refused, changing nothing, from an
 registered stranger, and from a volunteer answering another's task, even one that shows the real
 holder's ticket; the holder's own answer is accepted. Run through the servers' real handlers in one
 event loop."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,10 +21,14 @@ from tests.swarm.inprocess import TICKETS, InProcessSwarm, make_run
 def _state(server) -> dict:
     """What a refused write must leave as it was."""
     pool = {k: v for k, v in server.pool.stats().items() if k != "oldest_queued_age"}  # (the clock's)
-    return {"pool": copy.deepcopy(pool), "buffers": sorted(server.buffers),
-            "grad_buffers": sorted(server.grad_buffers), "ledger": {k: len(v) for k, v in server.ledger.items()},
-            "credits": {s: sorted(sh.batches) for s, sh in server.hosted.items()},
-            "rows": {s: {b: dict(c.rows_done) for b, c in sh.batches.items()} for s, sh in server.hosted.items()}}
+    return {
+        "pool": copy.deepcopy(pool),
+        "buffers": sorted(server.buffers),
+        "grad_buffers": sorted(server.grad_buffers),
+        "ledger": {k: len(v) for k, v in server.ledger.items()},
+        "credits": {s: sorted(sh.batches) for s, sh in server.hosted.items()},
+        "rows": {s: {b: dict(c.rows_done) for b, c in sh.batches.items()} for s, sh in server.hosted.items()},
+    }
 
 
 async def _refused(link, method, meta, tensors, server) -> str:
@@ -70,8 +75,13 @@ def test_every_leased_method_refuses_all_but_the_holder_of_the_lease():
             await _refused(as_other[bs0.device_id], "push_outputs", dict(out, lease=theirs["lease"]), hid, bs0),
             await _refused(as_other[bs0.device_id], "push_outputs", dict(out, lease=mine["lease"]), hid, bs0),
             # the holder itself, for rows its task does not cover
-            await _refused(holder.links[bs0.device_id], "push_outputs",
-                           dict(out, task=theirs["task"], lease=mine["lease"]), hid, bs0),
+            await _refused(
+                holder.links[bs0.device_id],
+                "push_outputs",
+                dict(out, task=theirs["task"], lease=mine["lease"]),
+                hid,
+                bs0,
+            ),
         ]
         # complete: the pool's own record of who held the lease
         said["complete"] = [
@@ -112,8 +122,19 @@ def test_every_leased_method_refuses_all_but_the_holder_of_the_lease():
     assert set(said) == methods.LEASED
     for method, answers in said.items():
         for answer in answers:
-            assert any(w in answer for w in ("not registered", "no lease", "one lease ticket per task", "holds no lease", "not_held",
-                                             "not the rows", "not within", "is not a forward task")), (method, answer)
+            assert any(
+                w in answer
+                for w in (
+                    "not registered",
+                    "no lease",
+                    "one lease ticket per task",
+                    "holds no lease",
+                    "not_held",
+                    "not the rows",
+                    "not within",
+                    "is not a forward task",
+                )
+            ), (method, answer)
 
 
 def test_labels_come_from_the_runs_data_never_through_a_volunteer():
@@ -133,12 +154,19 @@ def test_labels_come_from_the_runs_data_never_through_a_volunteer():
         link, meta, tensors = await first.take_one()
         assert len(tensors) == 1  # the inputs only
         t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]
-        out = {"task": meta["task"], "batch": t, "micro": m, "rows": [a, b], "frontal": fs0.device_id,
-               "lease": meta["lease"]}
+        out = {
+            "task": meta["task"],
+            "batch": t,
+            "micro": m,
+            "rows": [a, b],
+            "frontal": fs0.device_id,
+            "lease": meta["lease"],
+        }
         forged = torch.zeros(b - a, cfg.seq_len, dtype=torch.int64)  # "every label is token 0"
         with pytest.raises(RemoteError, match=r"expects \[hidden\], got 2 tensors"):
-            await first.links[bs0.device_id].call("push_outputs", out, [torch.zeros(b - a, cfg.seq_len, cfg.hidden),
-                                                                        forged])
+            await first.links[bs0.device_id].call(
+                "push_outputs", out, [torch.zeros(b - a, cfg.seq_len, cfg.hidden), forged]
+            )
         await first.process(link, meta, tensors)
         state = await swarm.train(timeout=120)
         return state

@@ -1,5 +1,6 @@
 """A peer that cannot reach a server logs one line when it starts failing, one a minute while it
 goes on (with a count), and one when it recovers; dialling backs off. Time is injected."""
+
 from __future__ import annotations
 
 import logging
@@ -76,8 +77,10 @@ def test_a_stopped_run_is_said_once_then_once_a_minute_then_once_when_it_goes_on
         halt.update(reason)
     lines = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert lines[0] == ("ERROR", f"v3: {reason}")
-    assert lines[1:] == [("ERROR", f"v3: still stopped after 60 s: {reason}"),
-                         ("ERROR", f"v3: still stopped after 120 s: {reason}")]
+    assert lines[1:] == [
+        ("ERROR", f"v3: still stopped after 60 s: {reason}"),
+        ("ERROR", f"v3: still stopped after 120 s: {reason}"),
+    ]
     other = halt_reason([(0, "frontal", ("s0f0",)), (1, "backward", ("s1b0",))])
     clock.t += 1.0
     halt.update(other)  # a different reason is said at once

@@ -1,5 +1,6 @@
 """Liveness from records that outlive their writers (records.record_ttl): a record is stored for at
 least MIN_RECORD_TTL, so whether its writer is there is how fresh it is, not whether it is found."""
+
 from __future__ import annotations
 
 import time
@@ -9,8 +10,16 @@ from peer.protocol import records
 
 
 def server_rec(device: str, written: float, state: str = "online") -> dict:
-    return {"kind": "server", "device": device, "role": "frontal", "stage": 0, "state": state, "version": 1,
-            "maddrs": [], "time": written}
+    return {
+        "kind": "server",
+        "device": device,
+        "role": "frontal",
+        "stage": 0,
+        "state": state,
+        "version": 1,
+        "maddrs": [],
+        "time": written,
+    }
 
 
 def test_a_record_lives_past_a_slow_store_and_goes_stale_after_three_periods():

@@ -1,6 +1,7 @@
 """A delivery being retried ends when its task is cancelled, even when the call in flight turns the
 cancellation into an error of its own (a stopping server's retries kept its process alive for
 minutes after it decided to leave, in a CI run of the frozen-server test)."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,6 +1,7 @@
 """Sessions (peer/protocol/session.py) between two real hivemind P2P daemons on 127.0.0.1: calls on one
 session run at once and are answered as each finishes; a session that breaks ends its open calls as
 streams that ended early, and the next call opens a new one."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,9 @@ from peer.protocol.wire import PayloadError, StreamCut, decode_meta, encode_meta
 class Sleeper(ServicerBase):
     """Answers each call after the seconds its metadata asks for, with its own metadata back."""
 
-    async def rpc_session(self, requests: AsyncIterator[ExpertRequest], context: P2PContext) -> AsyncIterator[ExpertRequest]:
+    async def rpc_session(
+        self, requests: AsyncIterator[ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[ExpertRequest]:
         async def run_call(method, messages):
             meta = {}
             async for message in messages:

@@ -1,5 +1,6 @@
 """peer.launcher.monitor.StepTimes: when each version was reached, from the servers' step_times as
 a reader that misses records sees them."""
+
 from __future__ import annotations
 
 from peer.launcher.monitor import StepTimes

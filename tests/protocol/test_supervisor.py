@@ -1,5 +1,6 @@
 """peer/supervisor.py: a crashed child is forked again, a finished or misconfigured one is not, the
 restarts are bounded, and SIGTERM reaches the child (real forks, real signals)."""
+
 from __future__ import annotations
 
 import os
@@ -66,7 +67,9 @@ def test_a_child_whose_needs_are_gone_is_stopped(tmp_path):
         return 0
 
     t0 = time.monotonic()
-    assert supervise(child, name="t", poll_s=0.02, needs=lambda: "its DHT process is gone" if gone.exists() else None) == 1
+    assert (
+        supervise(child, name="t", poll_s=0.02, needs=lambda: "its DHT process is gone" if gone.exists() else None) == 1
+    )
     assert time.monotonic() - t0 < 30  # not the child's 60 s
     pids = runs.read_text().split()
     assert len(pids) == 1
@@ -123,8 +126,12 @@ SCRIPT = textwrap.dedent("""
 def test_sigterm_reaches_the_child_which_is_not_restarted(tmp_path):
     """A supervisor in a process of its own: SIGTERM to it ends the child (default action: it dies
     of SIGTERM), and the supervisor exits with that status instead of forking again."""
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
     try:
         child = int(proc.stdout.readline())
         proc.send_signal(signal.SIGTERM)
@@ -149,13 +156,22 @@ def test_a_supervisor_whose_parent_dies_ends_its_child(tmp_path):
     """The supervisor watches the pid it was given (the launcher's): when that one is gone, it
     SIGKILLs its child's group and exits."""
     script = SCRIPT.replace('supervise(child, name="t")', 'supervise(child, name="t", parent_pid=int(sys.argv[1]))')
-    middle = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    middle = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import subprocess, sys, time
         p = subprocess.Popen([sys.executable, "-c", {script!r}, str(__import__("os").getpid())], stdout=subprocess.PIPE,
                              text=True)
         print(p.pid, p.stdout.readline().strip(), flush=True)
         time.sleep(60)
-    """)], stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
     try:
         supervisor, child = map(int, middle.stdout.readline().split())
         middle.kill()

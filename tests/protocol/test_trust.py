@@ -1,6 +1,7 @@
 """Signed records (peer/protocol/trust.py): what a reader believes, and what it drops with the reason.
 Every case here is a forgery an outsider could store in the DHT; the live test is in
 tests/swarm/test_trust.py."""
+
 from __future__ import annotations
 
 import time
@@ -33,8 +34,16 @@ OUTSIDER = SigningKey.generate()
 
 
 def server_body(device="s0f0", stage=0) -> dict:
-    return {"kind": "server", "device": device, "role": "frontal", "stage": stage, "state": "online", "version": 3,
-            "maddrs": ["/ip4/127.0.0.1/tcp/5"], "time": NOW}
+    return {
+        "kind": "server",
+        "device": device,
+        "role": "frontal",
+        "stage": stage,
+        "state": "online",
+        "version": 3,
+        "maddrs": ["/ip4/127.0.0.1/tcp/5"],
+        "time": NOW,
+    }
 
 
 def client_body() -> dict:
@@ -42,8 +51,18 @@ def client_body() -> dict:
 
 
 def config_body(steps=100000) -> dict:
-    return {"run_id": "r", "model": "tiny", "seed": 0, "steps": steps, "batch_size": 8, "micro_batches": 2,
-            "lr": 0.001, "layout": {}, "announce_period": 1.0, "arch": None}
+    return {
+        "run_id": "r",
+        "model": "tiny",
+        "seed": 0,
+        "steps": steps,
+        "batch_size": 8,
+        "micro_batches": 2,
+        "lr": 0.001,
+        "layout": {},
+        "announce_period": 1.0,
+        "arch": None,
+    }
 
 
 def stage_record(signer, body, run_key=None, subkey=None, run_id="r", ttl=3.0, now=NOW):
@@ -59,30 +78,40 @@ def test_records_signed_as_the_rules_say_are_believed():
     assert read_stage(*stage_record(SERVER, server_body(), RUN_KEY)) == server_body()
     assert read_stage(*stage_record(VOLUNTEER, client_body())) == client_body()
     config = seal(config_name("r"), RUN_KEY.fingerprint, config_body(), 3.0, RUN_KEY, now=NOW)
-    assert open_record("r", "config", None, RUN_KEY.fingerprint, config, RUN_KEY.fingerprint, now=NOW + 1) == config_body()
+    assert (
+        open_record("r", "config", None, RUN_KEY.fingerprint, config, RUN_KEY.fingerprint, now=NOW + 1) == config_body()
+    )
 
 
-@pytest.mark.parametrize("forge,reason", [
-    # an outsider re-publishes a live server's record under its own peer id: it has no run key
-    (lambda: stage_record(OUTSIDER, server_body()), "run key or signature missing"),
-    # ... signed with a run key of its own
-    (lambda: stage_record(OUTSIDER, server_body(), OTHER_RUN_KEY), "server record signed by another run key"),
-    # ... or under the server's peer id (it cannot sign as that peer)
-    (lambda: stage_record(OUTSIDER, server_body(), RUN_KEY, subkey=peer_id_of(SERVER.public_der)),
-     "signed by another peer's key"),
-    # a made-up server s0f9
-    (lambda: stage_record(OUTSIDER, server_body("s0f9")), "run key or signature missing"),
-    # a volunteer's record that claims a run signature it forged with another key
-    (lambda: stage_record(VOLUNTEER, client_body(), OTHER_RUN_KEY), "must not carry a run signature"),
-    # a record of another run replayed here (its key name differs, so its signature does not hold)
-    (lambda: stage_record(SERVER, server_body(), RUN_KEY, run_id="other"), "bad writer's signature"),
-    # a record of stage 1 put under stage 0's key
-    (lambda: (lambda sk, v: (sk, v))(*stage_record(SERVER, server_body(stage=1), RUN_KEY)), "bad writer's signature"),
-    # an expired one replayed later, and one dated in the future
-    (lambda: stage_record(SERVER, server_body(), RUN_KEY, now=NOW - 100), "expired 98 s ago"),
-    (lambda: stage_record(SERVER, server_body(), RUN_KEY, now=NOW + 3600), "s in the future"),
-    (lambda: stage_record(SERVER, server_body(), RUN_KEY, ttl=10 * 24 * 3600), "claims a life of"),
-])
+@pytest.mark.parametrize(
+    "forge,reason",
+    [
+        # an outsider re-publishes a live server's record under its own peer id: it has no run key
+        (lambda: stage_record(OUTSIDER, server_body()), "run key or signature missing"),
+        # ... signed with a run key of its own
+        (lambda: stage_record(OUTSIDER, server_body(), OTHER_RUN_KEY), "server record signed by another run key"),
+        # ... or under the server's peer id (it cannot sign as that peer)
+        (
+            lambda: stage_record(OUTSIDER, server_body(), RUN_KEY, subkey=peer_id_of(SERVER.public_der)),
+            "signed by another peer's key",
+        ),
+        # a made-up server s0f9
+        (lambda: stage_record(OUTSIDER, server_body("s0f9")), "run key or signature missing"),
+        # a volunteer's record that claims a run signature it forged with another key
+        (lambda: stage_record(VOLUNTEER, client_body(), OTHER_RUN_KEY), "must not carry a run signature"),
+        # a record of another run replayed here (its key name differs, so its signature does not hold)
+        (lambda: stage_record(SERVER, server_body(), RUN_KEY, run_id="other"), "bad writer's signature"),
+        # a record of stage 1 put under stage 0's key
+        (
+            lambda: (lambda sk, v: (sk, v))(*stage_record(SERVER, server_body(stage=1), RUN_KEY)),
+            "bad writer's signature",
+        ),
+        # an expired one replayed later, and one dated in the future
+        (lambda: stage_record(SERVER, server_body(), RUN_KEY, now=NOW - 100), "expired 98 s ago"),
+        (lambda: stage_record(SERVER, server_body(), RUN_KEY, now=NOW + 3600), "s in the future"),
+        (lambda: stage_record(SERVER, server_body(), RUN_KEY, ttl=10 * 24 * 3600), "claims a life of"),
+    ],
+)
 def test_forged_stage_records_are_dropped_with_the_reason(forge, reason):
     subkey, value = forge()
     with pytest.raises(TrustError, match=reason.replace("(", r"\(")):
@@ -119,8 +148,10 @@ def test_a_forged_config_is_dropped_and_the_run_key_is_learnt_once():
     assert config["steps"] == 100000 and "config of another run key" in dropped[0][1]
     # ... and refuses to choose between two
     with pytest.raises(ValueError, match="published under 2 run keys"):
-        records.open_config(records.Trust(run_id="r", run_fp=None, identity=VOLUNTEER),
-                            {RUN_KEY.fingerprint: real, OTHER_RUN_KEY.fingerprint: own})
+        records.open_config(
+            records.Trust(run_id="r", run_fp=None, identity=VOLUNTEER),
+            {RUN_KEY.fingerprint: real, OTHER_RUN_KEY.fingerprint: own},
+        )
 
 
 def test_the_validator_drops_and_counts_what_breaks_the_rules():
@@ -129,16 +160,21 @@ def test_the_validator_drops_and_counts_what_breaks_the_rules():
     key = DHTID.generate(source=stage_name("r", 0)).to_bytes()
 
     def record(subkey, value):  # stored as publish() stores it: to expire when its signature does
-        return DHTRecord(key, DHTProtocol.serializer.dumps(subkey), DHTProtocol.serializer.dumps(value),
-                         value["expires"])
+        return DHTRecord(
+            key, DHTProtocol.serializer.dumps(subkey), DHTProtocol.serializer.dumps(value), value["expires"]
+        )
 
     good = stage_record(SERVER, server_body(), RUN_KEY, now=time.time())
     assert v.validate(record(*good))
     forged = stage_record(OUTSIDER, server_body(), now=time.time())
     assert not v.validate(record(*forged))
     assert v.rejected_total == 1 and v.rejected[-1].key == "r_stage0" and "run key" in v.rejected[-1].reason
-    elsewhere = DHTRecord(DHTID.generate(source="another-run_stage0").to_bytes(), DHTProtocol.serializer.dumps("x"),
-                          DHTProtocol.serializer.dumps({"anything": 1}), NOW)
+    elsewhere = DHTRecord(
+        DHTID.generate(source="another-run_stage0").to_bytes(),
+        DHTProtocol.serializer.dumps("x"),
+        DHTProtocol.serializer.dumps({"anything": 1}),
+        NOW,
+    )
     assert v.validate(elsewhere)
     junk = DHTRecord(key, DHTProtocol.serializer.dumps("x"), b"\xc1not msgpack", NOW)
     assert not v.validate(junk) and "undecodable" in v.rejected[-1].reason
@@ -188,7 +224,9 @@ def test_the_validator_remembers_a_record_that_passed_until_its_envelope_expires
     assert v.rejected_total == 2 and v.rejected[-1].reason == "checked again"
 
 
-@pytest.mark.parametrize("text,parsed", [("demo", ("demo", None)), ("demo@00112233AABBCCDD", ("demo", "00112233aabbccdd"))])
+@pytest.mark.parametrize(
+    "text,parsed", [("demo", ("demo", None)), ("demo@00112233AABBCCDD", ("demo", "00112233aabbccdd"))]
+)
 def test_run_ids(text, parsed):
     assert split_run_id(text) == parsed
 
@@ -228,11 +266,11 @@ def test_remembered_verdicts_never_pass_a_forgery_nor_an_expired_record():
     schema = run_schema_validator("r")
     key = DHTID.generate(source=stage_name("r", 0)).to_bytes()
     ok = DHTRecord(key, DHTProtocol.serializer.dumps(subkey), DHTProtocol.serializer.dumps(good), NOW + 3)
-    extra = DHTRecord(key, DHTProtocol.serializer.dumps(subkey), DHTProtocol.serializer.dumps(dict(good, extra=1)),
-                      NOW + 3)
+    extra = DHTRecord(
+        key, DHTProtocol.serializer.dumps(subkey), DHTProtocol.serializer.dumps(dict(good, extra=1)), NOW + 3
+    )
     for _ in range(2):  # the second round is answered from the remembered verdicts
         assert schema.validate(ok) and not schema.validate(extra)
-
 
 
 def test_remembered_verdicts_hold_digests_not_the_records():
@@ -254,6 +292,7 @@ def test_remembered_verdicts_hold_digests_not_the_records():
     assert [len(k) for k in schema._verdicts._items] == [32]
     # the digest binds every part and where each ends: moving a byte across a boundary changes it
     assert trust.digest(b"ab", b"c") != trust.digest(b"a", b"bc")
+
 
 def test_a_genuine_record_stored_to_outlive_its_signature_is_refused_while_still_valid():
     """A replayer copies a live server's record and stores it with a DHT expiry far past the signed one:

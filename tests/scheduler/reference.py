@@ -1,6 +1,7 @@
 """A second, loop-by-loop reading of docs/cost-model.md ("Cost of a plan"), written from
 the spec text with the cluster's delay()/bandwidth() by id and no numpy, to check the
 vectorized plan_cost against."""
+
 from __future__ import annotations
 
 from fractions import Fraction
@@ -16,7 +17,7 @@ def reference_cost(cluster, model, plan) -> float:
     m = model.batch_tokens / model.micro_batches
     a = model.hidden * model.bytes_per_value
     F = model.flops_per_token_per_layer
-    P = 12 * model.hidden ** 2
+    P = 12 * model.hidden**2
     K = len(plan.stages)
     taus, ags = [], []
     for k, st in enumerate(plan.stages):
@@ -28,8 +29,9 @@ def reference_cost(cluster, model, plan) -> float:
         for w in W:
             xa = m * flops[w] / sigma * a
             if w in st.clients:
-                c = (min(2 * T(cluster, w, f, xa) for f in st.frontal)
-                     + min(2 * T(cluster, w, b, xa) for b in st.backward))
+                c = min(2 * T(cluster, w, f, xa) for f in st.frontal) + min(
+                    2 * T(cluster, w, b, xa) for b in st.backward
+                )
             elif w in st.frontal:
                 c = min(T(cluster, w, b, xa) + T(cluster, b, w, xa) for b in st.backward)
             else:

@@ -1,5 +1,6 @@
 """The planners: exact is never beaten, every algorithm returns a valid plan, the annealed open
 path is optimal on small graphs, the paper's steps do what section 3.3.3 says, determinism."""
+
 import math
 
 import numpy as np
@@ -53,18 +54,29 @@ def _cluster_strategy():
     def build(draw):
         R = draw(st.integers(2, 9))
         U = draw(st.integers(0, 6))
-        seed = draw(st.integers(0, 2 ** 31))
+        seed = draw(st.integers(0, 2**31))
         rng = np.random.default_rng(seed)
         delay = rng.uniform(0.05, 200, (R, R))
         bw = np.exp(rng.uniform(np.log(5), np.log(50_000), (R, R)))
         rel = [{"id": f"r{i}", "tflops": float(rng.uniform(0.5, 40))} for i in range(R)]
         vol = [{"id": f"v{u}", "tflops": float(rng.uniform(0.5, 20))} for u in range(U)]
-        model = {"layers": draw(st.integers(1, 16)), "hidden": draw(st.sampled_from([64, 512, 2048])),
-                 "bytes_per_value": 2, "batch_tokens": 65536, "micro_batches": draw(st.sampled_from([1, 8, 64]))}
-        return {"reliable": rel, "unreliable": vol,
-                "delay_ms": {"reliable": delay.tolist(), "unreliable": rng.uniform(1, 300, (U, R)).tolist()},
-                "bandwidth_mbps": {"reliable": bw.tolist(),
-                                   "unreliable": np.exp(rng.uniform(np.log(5), np.log(1000), (U, R))).tolist()}}, model
+        model = {
+            "layers": draw(st.integers(1, 16)),
+            "hidden": draw(st.sampled_from([64, 512, 2048])),
+            "bytes_per_value": 2,
+            "batch_tokens": 65536,
+            "micro_batches": draw(st.sampled_from([1, 8, 64])),
+        }
+        return {
+            "reliable": rel,
+            "unreliable": vol,
+            "delay_ms": {"reliable": delay.tolist(), "unreliable": rng.uniform(1, 300, (U, R)).tolist()},
+            "bandwidth_mbps": {
+                "reliable": bw.tolist(),
+                "unreliable": np.exp(rng.uniform(np.log(5), np.log(1000), (U, R))).tolist(),
+            },
+        }, model
+
     return build()
 
 

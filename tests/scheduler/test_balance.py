@@ -1,6 +1,7 @@
 """`--stage auto`'s arithmetic (scheduler/balance.py): a stage without compute is filled first,
 predicted step times decide, measured links break near-ties, and a volunteer moves only for a 20%
 shorter predicted step."""
+
 from __future__ import annotations
 
 import math
@@ -10,15 +11,23 @@ import pytest
 from scheduler.balance import StageNow, better, choose, predict
 from scheduler.files import ModelSpec
 
-MODEL = ModelSpec(layers=4, hidden=128, bytes_per_value=4, batch_tokens=16 * 128, micro_batches=4,
-                  flops_per_token_per_layer=72.0 * 128 ** 2)
+MODEL = ModelSpec(
+    layers=4,
+    hidden=128,
+    bytes_per_value=4,
+    batch_tokens=16 * 128,
+    micro_batches=4,
+    flops_per_token_per_layer=72.0 * 128**2,
+)
 NBYTES = 2 * 4 * 128 * 128 * 4
 EQUAL = ([[0.01, 0.01], [0.01, 0.01]], [[6.25e6, 6.25e6], [6.25e6, 6.25e6]])  # 10 ms, 50 Mbit/s to all
 
 
 def stages(v0=(), v1=(), server=0.0):
-    return [StageNow(["s0f0"], ["s0b0"], (0, 2), {"s0f0": server, "s0b0": server}, list(v0)),
-            StageNow(["s1f0"], ["s1b0"], (2, 4), {"s1f0": server, "s1b0": server}, list(v1))]
+    return [
+        StageNow(["s0f0"], ["s0b0"], (0, 2), {"s0f0": server, "s0b0": server}, list(v0)),
+        StageNow(["s1f0"], ["s1b0"], (2, 4), {"s1f0": server, "s1b0": server}, list(v1)),
+    ]
 
 
 def test_a_stage_without_compute_is_filled_first():

@@ -1,4 +1,5 @@
 """`peer plan`: planning, scoring, and bad input (a message naming the field, exit code 2)."""
+
 import json
 import subprocess
 import sys
@@ -30,8 +31,16 @@ def test_plan_writes_a_plan_and_prints_the_layout(files, capsys):
     text = capsys.readouterr().out
     plan = json.loads(out.read_text())
     assert plan["predicted_seconds_per_batch"] > 0
-    for word in ("stage", "layers", "frontal servers", "backward servers", "clients", "tau_k", "idle volunteers",
-                 "predicted seconds per batch"):
+    for word in (
+        "stage",
+        "layers",
+        "frontal servers",
+        "backward servers",
+        "clients",
+        "tau_k",
+        "idle volunteers",
+        "predicted seconds per batch",
+    ):
         assert word in text
     for st in plan["stages"]:
         for d in st["frontal"] + st["backward"]:
@@ -87,10 +96,18 @@ def test_exact_refusal_is_a_clear_error(tmp_path, capsys):
 
 def test_as_a_process(files):
     _, cluster, model = files
-    r = subprocess.run([sys.executable, "-m", "peer.cli", "plan", cluster, model, "--algorithm", "paper"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "plan", cluster, model, "--algorithm", "paper"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "predicted seconds per batch" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "peer.cli", "plan", cluster, "/nonexistent/model.json"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "plan", cluster, "/nonexistent/model.json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "model: cannot read" in r.stderr

@@ -1,5 +1,6 @@
 """plan_cost against costs worked out by hand from docs/cost-model.md, and against a
 loop-by-loop second reading of the spec (reference.py) on random plans."""
+
 import math
 
 import numpy as np
@@ -20,9 +21,13 @@ def dev(i, tflops=0.001, prefix="s", **kw):
 
 def test_one_stage_by_hand():
     # s0 -> s1: 10 ms, 8 Mb/s = 1e6 B/s; s1 -> s0: 20 ms, 16 Mb/s = 2e6 B/s; 1 GFLOP/s each
-    cluster = load_cluster({"reliable": [dev(0), dev(1)],
-                            "delay_ms": {"reliable": [[0, 10], [20, 0]]},
-                            "bandwidth_mbps": {"reliable": [[0, 8], [16, 0]]}})
+    cluster = load_cluster(
+        {
+            "reliable": [dev(0), dev(1)],
+            "delay_ms": {"reliable": [[0, 10], [20, 0]]},
+            "bandwidth_mbps": {"reliable": [[0, 8], [16, 0]]},
+        }
+    )
     plan = load_plan({"stages": [{"frontal": ["s0"], "backward": ["s1"], "layers": [0, 2]}]}, cluster)
     c = plan_cost(cluster, load_model(MODEL), plan)
     assert c.reason is None
@@ -57,16 +62,27 @@ def _two_stage_cluster():
     bw = [[0 if i == j else 8.0 for j in range(R)] for i in range(R)]
     bw[2][4] = bw[4][2] = 4.0
     bw[1][3] = 80.0
-    return load_cluster({"reliable": [dev(i, tflops=1.0) for i in range(R)],
-                         "delay_ms": {"reliable": delay}, "bandwidth_mbps": {"reliable": bw}})
+    return load_cluster(
+        {
+            "reliable": [dev(i, tflops=1.0) for i in range(R)],
+            "delay_ms": {"reliable": delay},
+            "bandwidth_mbps": {"reliable": bw},
+        }
+    )
 
 
 def test_two_stages_with_a_two_to_three_segmentation_by_hand():
     cluster = _two_stage_cluster()
     model = load_model({**MODEL, "layers": 3})
-    plan = load_plan({"stages": [
-        {"frontal": ["s0"], "backward": ["s1", "s2"], "layers": [0, 1]},
-        {"frontal": ["s3", "s4", "s5"], "backward": ["s6"], "layers": [1, 3]}]}, cluster)
+    plan = load_plan(
+        {
+            "stages": [
+                {"frontal": ["s0"], "backward": ["s1", "s2"], "layers": [0, 1]},
+                {"frontal": ["s3", "s4", "s5"], "backward": ["s6"], "layers": [1, 3]},
+            ]
+        },
+        cluster,
+    )
     c = plan_cost(cluster, model, plan)
     ma = 20_000
     # pairs: s1->s3 1/3, s1->s4 1/6, s2->s4 1/6, s2->s5 1/3 of m*a
@@ -76,8 +92,10 @@ def test_two_stages_with_a_two_to_three_segmentation_by_hand():
     assert c.stage_link == [pytest.approx(fwd + bwd), 0.0]
     # stage 0: sigma 3e12, x = 100/3 tokens each -> 20000/3 bytes; s0's best partner s1 or s2
     xa = ma / 3
-    comm0 = max(min(0.002 + xa / 1e6 * 2, 0.002 + xa / 1e6 * 2),  # s0 (FS) with s1 or s2 (both 1e6 B/s)
-                0.002 + xa / 1e6 * 2)  # s1, s2 (BS) with s0
+    comm0 = max(
+        min(0.002 + xa / 1e6 * 2, 0.002 + xa / 1e6 * 2),  # s0 (FS) with s1 or s2 (both 1e6 B/s)
+        0.002 + xa / 1e6 * 2,
+    )  # s1, s2 (BS) with s0
     comp0 = 100 * 72e4 * 1 / 3e12
     assert c.stage_dt[0] == pytest.approx(comp0 + comm0)
     # stage 1: sigma 4e12, x = 25 tokens -> 5000 bytes
@@ -100,15 +118,27 @@ def test_client_whose_best_frontal_is_not_its_best_backward():
     # and s2: for its share it is best served by s1 (the far but wide one) on the frontal side and
     # by s3 on the backward side
     R = 4
-    cluster = load_cluster({
-        "reliable": [dev(i, tflops=1.0) for i in range(R)],
-        "unreliable": [dev(0, tflops=4.0, prefix="u")],
-        "delay_ms": {"reliable": [[0 if i == j else 0.5 for j in range(R)] for i in range(R)],
-                     "unreliable": [[10.0, 50.0, 50.0, 0.1]]},
-        "bandwidth_mbps": {"reliable": [[0 if i == j else 8000.0 for j in range(R)] for i in range(R)],
-                           "unreliable": [[8.0, 80.0, 800.0, 8.0]]}})
-    plan = load_plan({"stages": [{"frontal": ["s0", "s1"], "backward": ["s2", "s3"], "clients": ["u0"],
-                                  "layers": [0, 2]}], "idle": []}, cluster)
+    cluster = load_cluster(
+        {
+            "reliable": [dev(i, tflops=1.0) for i in range(R)],
+            "unreliable": [dev(0, tflops=4.0, prefix="u")],
+            "delay_ms": {
+                "reliable": [[0 if i == j else 0.5 for j in range(R)] for i in range(R)],
+                "unreliable": [[10.0, 50.0, 50.0, 0.1]],
+            },
+            "bandwidth_mbps": {
+                "reliable": [[0 if i == j else 8000.0 for j in range(R)] for i in range(R)],
+                "unreliable": [[8.0, 80.0, 800.0, 8.0]],
+            },
+        }
+    )
+    plan = load_plan(
+        {
+            "stages": [{"frontal": ["s0", "s1"], "backward": ["s2", "s3"], "clients": ["u0"], "layers": [0, 2]}],
+            "idle": [],
+        },
+        cluster,
+    )
     c = plan_cost(cluster, load_model(MODEL), plan)
     # sigma = 8e12; u0's share x = 100 * 4/8 = 50 tokens -> 10,000 bytes
     to_f = min(2 * (0.010 + 1e4 / 1e6), 2 * (0.050 + 1e4 / 1e7))  # s0: 0.04, s1: 0.102 -> s0
@@ -121,42 +151,84 @@ def test_client_whose_best_frontal_is_not_its_best_backward():
 
 
 def test_memory_makes_a_plan_infeasible():
-    cluster = load_cluster({"reliable": [dev(0, memory_gb=0.001), dev(1)],
-                            "delay_ms": {"reliable": [[0, 1], [1, 0]]},
-                            "bandwidth_mbps": {"reliable": [[0, 8], [8, 0]]}})
+    cluster = load_cluster(
+        {
+            "reliable": [dev(0, memory_gb=0.001), dev(1)],
+            "delay_ms": {"reliable": [[0, 1], [1, 0]]},
+            "bandwidth_mbps": {"reliable": [[0, 8], [8, 0]]},
+        }
+    )
     # 2 layers * 2 * 12e4 params * 2 bytes = 960 kB > 1 MB? no: 960,000 < 1,000,000 fits; 3 layers do not
     model = load_model({**MODEL, "layers": 3})
     plan = load_plan({"stages": [{"frontal": ["s0"], "backward": ["s1"], "layers": [0, 3]}]}, cluster)
     c = plan_cost(cluster, model, plan)
     assert math.isinf(c.total) and "s0" in c.reason and "3 layers" in c.reason
-    ok = plan_cost(cluster, load_model(MODEL), load_plan({"stages": [
-        {"frontal": ["s0"], "backward": ["s1"], "layers": [0, 2]}]}, cluster))
+    ok = plan_cost(
+        cluster,
+        load_model(MODEL),
+        load_plan({"stages": [{"frontal": ["s0"], "backward": ["s1"], "layers": [0, 2]}]}, cluster),
+    )
     assert ok.reason is None
 
 
-@pytest.mark.parametrize("plan, reason", [
-    ({"stages": [{"frontal": ["s0"], "backward": ["s1"], "layers": [0, 2]}], "idle": []},
-     "reliable device s2 is not a server"),
-    ({"stages": [{"frontal": ["s0", "s2"], "backward": ["s1"], "layers": [0, 2]}]},
-     "unreliable device u0 is neither a client nor idle"),
-    ({"stages": [{"frontal": ["s0", "s2"], "backward": ["s1"], "clients": ["u0"], "layers": [0, 2]}],
-      "idle": ["u0"]}, "u0 is placed twice"),
-    ({"stages": [{"frontal": ["s0"], "backward": ["s1"], "layers": [0, 1]},
-                 {"frontal": ["s2"], "backward": [], "layers": [1, 2]}], "idle": ["u0"]},
-     "stage 1 has no backward server"),
-    ({"stages": [{"frontal": ["s0", "s2"], "backward": ["s1"], "layers": [0, 1]}], "idle": ["u0"]},
-     "layers end at 1"),
-    ({"stages": [{"frontal": ["s0", "s2"], "backward": ["s1"], "layers": [1, 2]}], "idle": ["u0"]},
-     "should start at 0"),
-    ({"stages": [{"frontal": ["s0", "s2"], "backward": ["s1"], "clients": ["s0"], "layers": [0, 2]}], "idle": ["u0"]},
-     "s0 is a reliable device"),
-    ({"stages": [{"frontal": ["s0", "u0"], "backward": ["s1", "s2"], "layers": [0, 2]}]},
-     "u0 is a unreliable device"),
-])
+@pytest.mark.parametrize(
+    "plan, reason",
+    [
+        (
+            {"stages": [{"frontal": ["s0"], "backward": ["s1"], "layers": [0, 2]}], "idle": []},
+            "reliable device s2 is not a server",
+        ),
+        (
+            {"stages": [{"frontal": ["s0", "s2"], "backward": ["s1"], "layers": [0, 2]}]},
+            "unreliable device u0 is neither a client nor idle",
+        ),
+        (
+            {
+                "stages": [{"frontal": ["s0", "s2"], "backward": ["s1"], "clients": ["u0"], "layers": [0, 2]}],
+                "idle": ["u0"],
+            },
+            "u0 is placed twice",
+        ),
+        (
+            {
+                "stages": [
+                    {"frontal": ["s0"], "backward": ["s1"], "layers": [0, 1]},
+                    {"frontal": ["s2"], "backward": [], "layers": [1, 2]},
+                ],
+                "idle": ["u0"],
+            },
+            "stage 1 has no backward server",
+        ),
+        (
+            {"stages": [{"frontal": ["s0", "s2"], "backward": ["s1"], "layers": [0, 1]}], "idle": ["u0"]},
+            "layers end at 1",
+        ),
+        (
+            {"stages": [{"frontal": ["s0", "s2"], "backward": ["s1"], "layers": [1, 2]}], "idle": ["u0"]},
+            "should start at 0",
+        ),
+        (
+            {
+                "stages": [{"frontal": ["s0", "s2"], "backward": ["s1"], "clients": ["s0"], "layers": [0, 2]}],
+                "idle": ["u0"],
+            },
+            "s0 is a reliable device",
+        ),
+        (
+            {"stages": [{"frontal": ["s0", "u0"], "backward": ["s1", "s2"], "layers": [0, 2]}]},
+            "u0 is a unreliable device",
+        ),
+    ],
+)
 def test_invalid_plans_cost_infinity_with_a_reason(plan, reason):
-    cluster = load_cluster({"reliable": [dev(i) for i in range(3)], "unreliable": [dev(0, prefix="u")],
-                            "delay_ms": {"reliable": [[1] * 3] * 3, "unreliable": [[5] * 3]},
-                            "bandwidth_mbps": {"reliable": [[8] * 3] * 3, "unreliable": [[8] * 3]}})
+    cluster = load_cluster(
+        {
+            "reliable": [dev(i) for i in range(3)],
+            "unreliable": [dev(0, prefix="u")],
+            "delay_ms": {"reliable": [[1] * 3] * 3, "unreliable": [[5] * 3]},
+            "bandwidth_mbps": {"reliable": [[8] * 3] * 3, "unreliable": [[8] * 3]},
+        }
+    )
     c = plan_cost(cluster, load_model(MODEL), load_plan(plan, cluster))
     assert math.isinf(c.total)
     assert reason in c.reason
@@ -167,7 +239,7 @@ def _random_plan(rng, cluster, L):
     K = int(rng.integers(1, min(L, R // 2) + 1))
     perm = [cluster.reliable_ids[i] for i in rng.permutation(R)]
     stages = [{"frontal": [perm[2 * k]], "backward": [perm[2 * k + 1]], "clients": []} for k in range(K)]
-    for d in perm[2 * K:]:
+    for d in perm[2 * K :]:
         stages[int(rng.integers(K))]["frontal" if rng.random() < 0.5 else "backward"].append(d)
     idle = []
     for u in cluster.unreliable_ids:

@@ -1,4 +1,5 @@
 """Cluster, model and plan files: units, lookups by id, and every malformed case named by field."""
+
 import copy
 import json
 
@@ -32,8 +33,8 @@ def test_the_spec_example_in_code_units(tmp_path):
         c.delay("s0", "nope")
     m = load_model(MODEL)
     assert m.act_bytes_per_token == 4096
-    assert m.flops_per_token_per_layer == 72 * 2048 ** 2
-    assert m.params_per_layer == 12 * 2048 ** 2
+    assert m.flops_per_token_per_layer == 72 * 2048**2
+    assert m.params_per_layer == 12 * 2048**2
     assert m.tokens_per_micro_batch == 4096
     assert load_model({**MODEL, "flops_per_token_per_layer": 1e9}).flops_per_token_per_layer == 1e9
 
@@ -54,6 +55,7 @@ def _set(path, value):
             del obj[path[-1]]
         else:
             obj[path[-1]] = value
+
     return mutate
 
 
@@ -102,15 +104,18 @@ def test_unreadable_files(tmp_path):
         load_plan(str(bad))
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("layers", 0, "model.layers: must be positive"),
-    ("layers", 2.5, "model.layers: expected an integer"),
-    ("hidden", "big", "model.hidden: expected a number"),
-    ("micro_batches", KeyError, "model.micro_batches: missing"),
-    ("micro_batches", 10 ** 7, "model.micro_batches"),
-    ("flops_per_token_per_layer", -1, "model.flops_per_token_per_layer: must be positive"),
-    ("batch_size", 3, "model.batch_size: unknown field"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("layers", 0, "model.layers: must be positive"),
+        ("layers", 2.5, "model.layers: expected an integer"),
+        ("hidden", "big", "model.hidden: expected a number"),
+        ("micro_batches", KeyError, "model.micro_batches: missing"),
+        ("micro_batches", 10**7, "model.micro_batches"),
+        ("flops_per_token_per_layer", -1, "model.flops_per_token_per_layer: must be positive"),
+        ("batch_size", 3, "model.batch_size: unknown field"),
+    ],
+)
 def test_malformed_model_names_the_field(key, value, message):
     d = dict(MODEL)
     if value is KeyError:
@@ -125,18 +130,21 @@ def test_malformed_model_names_the_field(key, value, message):
 PLAN = {"stages": [{"frontal": ["s0"], "backward": ["s1"], "clients": ["u0"], "layers": [0, 24]}], "idle": []}
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (_set(["stages"], []), "plan.stages: expected a non-empty list"),
-    (_set(["stages"], KeyError), "plan.stages: missing"),
-    (_set(["stages", 0, "frontal", 0], "s9"), "plan.stages[0].frontal[0]: unknown device 's9'"),
-    (_set(["stages", 0, "clients", 0], 7), "plan.stages[0].clients[0]: expected a device id"),
-    (_set(["stages", 0, "backward"], "s1"), "plan.stages[0].backward: expected a list"),
-    (_set(["stages", 0, "layers"], [0]), "plan.stages[0].layers: expected [first, end)"),
-    (_set(["stages", 0, "layers"], KeyError), "plan.stages[0].layers: missing"),
-    (_set(["stages", 0, "servers"], []), "plan.stages[0].servers: unknown field"),
-    (_set(["idle"], ["u7"]), "plan.idle[0]: unknown device 'u7'"),
-    (_set(["predicted_seconds_per_batch"], "soon"), "plan.predicted_seconds_per_batch: expected a number"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (_set(["stages"], []), "plan.stages: expected a non-empty list"),
+        (_set(["stages"], KeyError), "plan.stages: missing"),
+        (_set(["stages", 0, "frontal", 0], "s9"), "plan.stages[0].frontal[0]: unknown device 's9'"),
+        (_set(["stages", 0, "clients", 0], 7), "plan.stages[0].clients[0]: expected a device id"),
+        (_set(["stages", 0, "backward"], "s1"), "plan.stages[0].backward: expected a list"),
+        (_set(["stages", 0, "layers"], [0]), "plan.stages[0].layers: expected [first, end)"),
+        (_set(["stages", 0, "layers"], KeyError), "plan.stages[0].layers: missing"),
+        (_set(["stages", 0, "servers"], []), "plan.stages[0].servers: unknown field"),
+        (_set(["idle"], ["u7"]), "plan.idle[0]: unknown device 'u7'"),
+        (_set(["predicted_seconds_per_batch"], "soon"), "plan.predicted_seconds_per_batch: expected a number"),
+    ],
+)
 def test_malformed_plan_names_the_field(mutate, message):
     d = copy.deepcopy(PLAN)
     mutate(d)

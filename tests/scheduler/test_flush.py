@@ -1,4 +1,5 @@
 """The worker's gradient-flush policy (scheduler/flush.py) driven as a pure function."""
+
 from __future__ import annotations
 
 from scheduler.flush import awaiting_after, batches_to_push, hold_ends, owed_after

@@ -1,4 +1,5 @@
 """When a worker fetches the next parameter version ahead (scheduler/prefetch.py), as a pure function."""
+
 from __future__ import annotations
 
 from scheduler.prefetch import version_to_fetch

@@ -1,4 +1,5 @@
 """How a frontal server cuts rows among its clients (scheduler/rows.py), driven as pure functions."""
+
 from __future__ import annotations
 
 import collections
@@ -50,8 +51,11 @@ def test_per_batch_as_large_as_the_clients_is_the_plain_cut():
     """Without a restriction (or with room for every client) every micro-batch is cut as before."""
     for per_batch, members in ((0, []), (4, []), (9, []), (1, None)):
         plain = cut_rows(0, 4, EQUAL, {}, 1)
-        assert cut_rows(0, 4, EQUAL, {}, 1, members, per_batch) == plain == [
-            ("a", 0, 1), ("b", 1, 2), ("c", 2, 3), ("d", 3, 4)]
+        assert (
+            cut_rows(0, 4, EQUAL, {}, 1, members, per_batch)
+            == plain
+            == [("a", 0, 1), ("b", 1, 2), ("c", 2, 3), ("d", 3, 4)]
+        )
         assert members in ([], None)
 
 

@@ -1,4 +1,5 @@
 """The search machinery: the exact layer split, incremental evaluation, boundary orders."""
+
 import itertools
 
 import numpy as np
@@ -22,13 +23,16 @@ def test_split_is_the_min_max_over_every_split(seed):
     K, L = int(rng.integers(1, 5)), int(rng.integers(4, 10))
     if K > L:
         K = L
-    eng = engine_for(load_cluster(scenarios.random_cluster(seed, 8, 4)),
-                     load_model({**scenarios.small_model(seed), "layers": L}))
+    eng = engine_for(
+        load_cluster(scenarios.random_cluster(seed, 8, 4)), load_model({**scenarios.small_model(seed), "layers": L})
+    )
     # rows: increasing piecewise-linear functions like h_k, some with a memory cap
-    H = np.maximum(rng.random((K, 1)) + rng.random((K, 1)) * np.arange(1, L + 1), rng.random((K, 1)) * 3 * np.arange(1, L + 1))
+    H = np.maximum(
+        rng.random((K, 1)) + rng.random((K, 1)) * np.arange(1, L + 1), rng.random((K, 1)) * 3 * np.arange(1, L + 1)
+    )
     for k in range(K):
         if rng.random() < 0.3:
-            H[k, int(rng.integers(2, L + 1)):] = np.inf
+            H[k, int(rng.integers(2, L + 1)) :] = np.inf
     T, n = eng.split(H)
     best = min((max(H[k, c - 1] for k, c in enumerate(comp)) for comp in _compositions(L, K)), default=np.inf)
     assert T == pytest.approx(best)
@@ -59,8 +63,12 @@ def test_a_move_rescores_only_the_stages_it_touches():
         c = st.propose(move_volunteer(st, u, 2))
         assert len(calls) == (2 if st.u_stage[u] >= 0 else 1)
         calls.clear()
-        i = next(i for i in range(eng.R) if st.r_stage[i] != 4 and len(
-            st.lay.fs[st.r_stage[i]] if st.r_role[i] == 0 else st.lay.bs[st.r_stage[i]]) > 1)
+        i = next(
+            i
+            for i in range(eng.R)
+            if st.r_stage[i] != 4
+            and len(st.lay.fs[st.r_stage[i]] if st.r_role[i] == 0 else st.lay.bs[st.r_stage[i]]) > 1
+        )
         c = st.propose(move_reliable(st, i, 4, 1))
         assert len(calls) == 2
     finally:

@@ -1,6 +1,7 @@
 """The model of a step (scheduler/stepsim.py) on cases worked out by hand, and the properties that
 make it a model of the protocol rather than a fit: time scales with compute when links are free,
 links and call costs only ever add time, and what it cannot model it refuses."""
+
 import dataclasses
 
 import pytest
@@ -11,26 +12,54 @@ from scheduler.stepsim import Calibration, Workload, simulate
 
 def cluster(delay_ms=0.0, mbps=1e9, volunteers=2, tflops=1e-3):
     ids = ["fs0", "bs0", "fs1", "bs1"]
-    return load_cluster({
-        "reliable": [{"id": i, "tflops": 1.0} for i in ids],
-        "unreliable": [{"id": f"v{u}", "tflops": tflops} for u in range(volunteers)],
-        "delay_ms": {"reliable": [[0.0 if a == b else delay_ms for b in ids] for a in ids],
-                     "unreliable": [[delay_ms] * 4 for _ in range(volunteers)]},
-        "bandwidth_mbps": {"reliable": [[0.0 if a == b else mbps for b in ids] for a in ids],
-                           "unreliable": [[mbps] * 4 for _ in range(volunteers)]},
-    })
+    return load_cluster(
+        {
+            "reliable": [{"id": i, "tflops": 1.0} for i in ids],
+            "unreliable": [{"id": f"v{u}", "tflops": tflops} for u in range(volunteers)],
+            "delay_ms": {
+                "reliable": [[0.0 if a == b else delay_ms for b in ids] for a in ids],
+                "unreliable": [[delay_ms] * 4 for _ in range(volunteers)],
+            },
+            "bandwidth_mbps": {
+                "reliable": [[0.0 if a == b else mbps for b in ids] for a in ids],
+                "unreliable": [[mbps] * 4 for _ in range(volunteers)],
+            },
+        }
+    )
 
 
-CAL = Calibration(call_seconds=0.0, byte_seconds=0.0, ref_flops=1e9, forward_row=[0.01, 0.01],
-                  fb_row=[0.03, 0.03], backward_row=[0.02, 0.02], apply_seconds=0.0)
-WORK = Workload(steps=8, micro_batches=4, rows=4, min_task_rows=4, input_bytes=[1000, 5000], act_bytes=4000,
-                label_bytes=1000, param_bytes=[1e6, 1e6], preference_grace=0.0)
+CAL = Calibration(
+    call_seconds=0.0,
+    byte_seconds=0.0,
+    ref_flops=1e9,
+    forward_row=[0.01, 0.01],
+    fb_row=[0.03, 0.03],
+    backward_row=[0.02, 0.02],
+    apply_seconds=0.0,
+)
+WORK = Workload(
+    steps=8,
+    micro_batches=4,
+    rows=4,
+    min_task_rows=4,
+    input_bytes=[1000, 5000],
+    act_bytes=4000,
+    label_bytes=1000,
+    param_bytes=[1e6, 1e6],
+    preference_grace=0.0,
+)
 
 
 def two_stage_plan(c, clients=("v0", "v1")):
-    return load_plan({"stages": [{"frontal": ["fs0"], "backward": ["bs0"], "clients": [clients[0]], "layers": [0, 1]},
-                                 {"frontal": ["fs1"], "backward": ["bs1"], "clients": [clients[1]], "layers": [1, 2]}]},
-                     c)
+    return load_plan(
+        {
+            "stages": [
+                {"frontal": ["fs0"], "backward": ["bs0"], "clients": [clients[0]], "layers": [0, 1]},
+                {"frontal": ["fs1"], "backward": ["bs1"], "clients": [clients[1]], "layers": [1, 2]},
+            ]
+        },
+        c,
+    )
 
 
 def test_one_client_per_stage_with_free_links_is_its_compute():
@@ -62,9 +91,13 @@ def test_links_and_calls_add_time_to_a_worker_bound_pipeline():
     base = simulate(free, two_stage_plan(free), WORK, CAL, servers_compute=False).seconds_per_step()
     slow_links = cluster(delay_ms=20.0, mbps=50.0)
     with_links = simulate(slow_links, two_stage_plan(slow_links), WORK, CAL, servers_compute=False).seconds_per_step()
-    with_calls = simulate(slow_links, two_stage_plan(slow_links), WORK,
-                          dataclasses.replace(CAL, call_seconds=2e-3, byte_seconds=5e-9),
-                          servers_compute=False).seconds_per_step()
+    with_calls = simulate(
+        slow_links,
+        two_stage_plan(slow_links),
+        WORK,
+        dataclasses.replace(CAL, call_seconds=2e-3, byte_seconds=5e-9),
+        servers_compute=False,
+    ).seconds_per_step()
     assert base < with_links < with_calls
     # per step each stage-1 task waits at least for its take's answer, its input gradient's round
     # trip and a relay: 4 tasks x 3 x 20 ms on the critical path at the very least
@@ -84,8 +117,13 @@ def test_a_slow_volunteer_gets_rows_by_its_compute_not_an_equal_share():
 
 def test_a_stage_with_more_than_one_frontal_or_backward_server_is_refused():
     c = cluster()
-    plan = load_plan({"stages": [{"frontal": ["fs0", "fs1"], "backward": ["bs0"], "clients": ["v0"], "layers": [0, 2]}],
-                      "idle": ["v1"]}, None)
+    plan = load_plan(
+        {
+            "stages": [{"frontal": ["fs0", "fs1"], "backward": ["bs0"], "clients": ["v0"], "layers": [0, 2]}],
+            "idle": ["v1"],
+        },
+        None,
+    )
     with pytest.raises(ValueError, match="stage 0: the step simulation models one frontal and one backward server"):
         simulate(c, plan, WORK, CAL)
 
@@ -96,16 +134,29 @@ def test_three_stages_relay_both_ways_and_no_step_beats_the_busiest_worker():
     (stage 0: forward + backward, stage 1 the same, stage 2: forward+loss+backward), so no step is
     shorter, and the run finishes."""
     ids = ["fs0", "bs0", "fs1", "bs1", "fs2", "bs2"]
-    c = load_cluster({
-        "reliable": [{"id": i, "tflops": 1.0} for i in ids],
-        "unreliable": [{"id": f"v{u}", "tflops": 1e-3} for u in range(3)],
-        "delay_ms": {"reliable": [[0.0 if a == b else 5.0 for b in ids] for a in ids],
-                     "unreliable": [[5.0] * 6 for _ in range(3)]},
-        "bandwidth_mbps": {"reliable": [[0.0 if a == b else 1000.0 for b in ids] for a in ids],
-                           "unreliable": [[1000.0] * 6 for _ in range(3)]},
-    })
-    plan = load_plan({"stages": [{"frontal": [f"fs{k}"], "backward": [f"bs{k}"], "clients": [f"v{k}"],
-                                  "layers": [k, k + 1]} for k in range(3)]}, c)
+    c = load_cluster(
+        {
+            "reliable": [{"id": i, "tflops": 1.0} for i in ids],
+            "unreliable": [{"id": f"v{u}", "tflops": 1e-3} for u in range(3)],
+            "delay_ms": {
+                "reliable": [[0.0 if a == b else 5.0 for b in ids] for a in ids],
+                "unreliable": [[5.0] * 6 for _ in range(3)],
+            },
+            "bandwidth_mbps": {
+                "reliable": [[0.0 if a == b else 1000.0 for b in ids] for a in ids],
+                "unreliable": [[1000.0] * 6 for _ in range(3)],
+            },
+        }
+    )
+    plan = load_plan(
+        {
+            "stages": [
+                {"frontal": [f"fs{k}"], "backward": [f"bs{k}"], "clients": [f"v{k}"], "layers": [k, k + 1]}
+                for k in range(3)
+            ]
+        },
+        c,
+    )
     cal = dataclasses.replace(CAL, forward_row=[0.01] * 3, fb_row=[0.03] * 3, backward_row=[0.02] * 3)
     work = dataclasses.replace(WORK, input_bytes=[1000, 5000, 5000], param_bytes=[1e6] * 3)
     trace = simulate(c, plan, work, cal, servers_compute=False)

@@ -1,6 +1,7 @@
 """A live swarm of real processes on 127.0.0.1 driven from a test: the same launcher code as
 `peer swarm` (its Swarm and Monitor), with the test holding the bootstrap DHT so that it can watch
 records, call servers over P2P, kill volunteers and start new ones."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +30,9 @@ def rel_diff(a: dict, b: dict) -> float:
     return (num / den) ** 0.5
 
 
-def reference_state(model: str, steps: int, seed: int = 0, batch_size: int = 16, micro_batches: int = 4, lr: float = 2e-3):
+def reference_state(
+    model: str, steps: int, seed: int = 0, batch_size: int = 16, micro_batches: int = 4, lr: float = 2e-3
+):
     """`peer reference --delay 1`'s parameters after `steps`: computed once per test run and arguments,
     each caller given its own copy."""
     return {k: v.clone() for k, v in _reference_state(model, steps, seed, batch_size, micro_batches, lr).items()}
@@ -42,8 +45,17 @@ def _reference_state(model: str, steps: int, seed: int, batch_size: int, micro_b
     from peer.reference import train_reference
 
     cfg = get_preset(model)
-    state, _ = train_reference(cfg, load_corpus(None, seq_len=cfg.seq_len), steps=steps, seed=seed,
-                               batch_size=batch_size, micro_batches=micro_batches, delay=1, lr=lr, progress=False)
+    state, _ = train_reference(
+        cfg,
+        load_corpus(None, seq_len=cfg.seq_len),
+        steps=steps,
+        seed=seed,
+        batch_size=batch_size,
+        micro_batches=micro_batches,
+        delay=1,
+        lr=lr,
+        progress=False,
+    )
     return state
 
 
@@ -70,7 +82,9 @@ class LiveSwarm:
         self.swarm.start_servers()
         if volunteers:
             self.swarm.start_volunteers()
-        self.monitor = Monitor(self.dht, self.p2p, self.args.run_id, self.layout, self.args.batch_size * self.cfg.seq_len)
+        self.monitor = Monitor(
+            self.dht, self.p2p, self.args.run_id, self.layout, self.args.batch_size * self.cfg.seq_len
+        )
 
     async def wait(self, predicate, timeout: float, what: str, poll: float = 0.1):
         """Until `predicate()` holds, asked every `poll` s; the records it may look at are read every
@@ -96,8 +110,11 @@ class LiveSwarm:
         for dev in self.monitor.all_devices():
             try:
                 st = await self.status(dev)
-                out[dev] = {"version": st["version"], "pool": {k: st["pool"][k] for k in ("queued", "leased", "done", "requeued")},
-                            "clients": {c["device"]: c["tasks_done"] for c in st["clients"].values()}}
+                out[dev] = {
+                    "version": st["version"],
+                    "pool": {k: st["pool"][k] for k in ("queued", "leased", "done", "requeued")},
+                    "clients": {c["device"]: c["tasks_done"] for c in st["clients"].values()},
+                }
             except Exception as e:
                 out[dev] = repr(e)
         return out
@@ -124,16 +141,22 @@ class LiveSwarm:
                 link = None
                 await self.monitor.refresh()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout} s waiting for {device}: {what}; "
-                                   f"servers: {await self.diagnose()}")
+                raise TimeoutError(
+                    f"timed out after {timeout} s waiting for {device}: {what}; servers: {await self.diagnose()}"
+                )
             await asyncio.sleep(0.02 if close else 0.25)
 
     async def wait_server_version(self, device: str, version: int, timeout: float = 240.0) -> None:
         """Until `device` itself holds `version`, so that a fault injected right after lands at that
         version (a loss meant for step 2 landed at the run's end on a faster machine when the test
         waited on the records)."""
-        await self.wait_server(device, lambda st: st["version"] >= version, f"version {version}",
-                               near=lambda st: st["version"] >= version - 1, timeout=timeout)
+        await self.wait_server(
+            device,
+            lambda st: st["version"] >= version,
+            f"version {version}",
+            near=lambda st: st["version"] >= version - 1,
+            timeout=timeout,
+        )
 
     async def clients(self, stage: int) -> dict[str, str]:
         """device id -> peer id of the volunteers announced under a stage."""
@@ -177,10 +200,27 @@ def swarm_cli(tmp_path, run_id: str, *args: str, timeout: float = 600) -> tuple[
     # its own process group: on a timeout the launcher, its DHT process and every server and
     # volunteer it started are killed, not the launcher alone
     proc = subprocess.Popen(
-        [sys.executable, "-m", "peer.cli", "swarm", *args, "--run-id", run_id, "--no-progress",
-         "--work-dir", str(tmp_path / "work"), "--summary-json", str(tmp_path / "s.json"),
-         "--checkpoint-out", str(tmp_path / "ckpt")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "swarm",
+            *args,
+            "--run-id",
+            run_id,
+            "--no-progress",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--summary-json",
+            str(tmp_path / "s.json"),
+            "--checkpoint-out",
+            str(tmp_path / "ckpt"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -1,6 +1,7 @@
 """All servers and workers of a run in one event loop, wired by LocalLinks (the same handlers and
 checks as over P2P, without the network). For fast logic tests; the end-to-end tests use real
 processes and real hivemind P2P."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,19 +37,39 @@ class InProcessSwarm:
             s.set_directory(directory)
         self.workers: list[StageWorker] = []
         for st in layout.stages:
-            names = (list(st.servers) if servers_compute else []) + [f"u{st.index}{i}" for i in range(volunteers_per_stage)]
+            names = (list(st.servers) if servers_compute else []) + [
+                f"u{st.index}{i}" for i in range(volunteers_per_stage)
+            ]
             for name in names:
                 peer = f"peer-{name}"
                 links = {d: LocalLink(self.servers[d], peer) for d in st.servers}
-                self.workers.append(StageWorker(run=run, layout=layout, cfg=cfg, stage=st.index, device_id=name,
-                                                links=links, compute=1.0, poll=0.005))
+                self.workers.append(
+                    StageWorker(
+                        run=run,
+                        layout=layout,
+                        cfg=cfg,
+                        stage=st.index,
+                        device_id=name,
+                        links=links,
+                        compute=1.0,
+                        poll=0.005,
+                    )
+                )
 
     def new_server(self, dev: str) -> StageServer:
         """Server `dev` of the first layout, fresh (its calls to other servers go to this swarm's)."""
         st = self.layout.stages[self.layout.locate(dev)[0]]
-        return StageServer(run=self.run, layout=self.layout, cfg=self.cfg, device_id=dev, peer_id=f"peer-{dev}",
-                           stage_params=init_state(self.cfg, *st.layers, self.run.seed), corpus=self.corpus,
-                           connector=lambda d: LocalLink(self.servers[d], f"peer-{dev}"), lease_tickets=TICKETS)
+        return StageServer(
+            run=self.run,
+            layout=self.layout,
+            cfg=self.cfg,
+            device_id=dev,
+            peer_id=f"peer-{dev}",
+            stage_params=init_state(self.cfg, *st.layers, self.run.seed),
+            corpus=self.corpus,
+            connector=lambda d: LocalLink(self.servers[d], f"peer-{dev}"),
+            lease_tickets=TICKETS,
+        )
 
     def versions(self) -> list[int]:
         return [s.version for s in self.servers.values()]

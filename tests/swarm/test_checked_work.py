@@ -1,6 +1,7 @@
 """Checked work (parameter_server/verify.py) on a live swarm of real processes: volunteers that lie
 (`peer join --cheat`) are caught by the servers' re-runs and banned, their work is undone by a
 rollback epoch, and the run ends equal to `peer reference --delay 1` as if they had never joined."""
+
 from __future__ import annotations
 
 import re
@@ -10,8 +11,20 @@ from tests.swarm.harness import reference_state, rel_diff, swarm_cli
 STEPS = 10
 # the servers do not compute and the volunteers are slowed down, so that every volunteer, the liars
 # too, takes work from the first steps on
-COMMON = ("--model", "tiny", "--steps", str(STEPS), "--servers-compute", "no", "--volunteer-slowdown", "8",
-          "--client-timeout", "3", "--announce-period", "0.5")
+COMMON = (
+    "--model",
+    "tiny",
+    "--steps",
+    str(STEPS),
+    "--servers-compute",
+    "no",
+    "--volunteer-slowdown",
+    "8",
+    "--client-timeout",
+    "3",
+    "--announce-period",
+    "0.5",
+)
 
 
 def _banned_lines(tmp_path) -> dict[str, str]:
@@ -29,17 +42,37 @@ def test_liars_of_every_kind_are_banned_and_the_run_equals_the_clean_one(tmp_pat
     probation of 1 passed check per server (then half of its work is checked): all banned, each with
     the check it failed, and the run ends equal to `peer reference` as if they had never joined (one
     swarm for all five: CI time)."""
-    summary, state, _ = swarm_cli(tmp_path, "cheats", *COMMON, "--volunteers", "2", "--probation", "1",
-                                  "--verify-rate", "0.5", "--cheater", "scale", "--cheater", "signflip",
-                                  "--cheater", "noise", "--cheater", "zeros", "--cheater", "scale@6",
-                                  "--cheater", "bias")
+    summary, state, _ = swarm_cli(
+        tmp_path,
+        "cheats",
+        *COMMON,
+        "--volunteers",
+        "2",
+        "--probation",
+        "1",
+        "--verify-rate",
+        "0.5",
+        "--cheater",
+        "scale",
+        "--cheater",
+        "signflip",
+        "--cheater",
+        "noise",
+        "--cheater",
+        "zeros",
+        "--cheater",
+        "scale@6",
+        "--cheater",
+        "bias",
+    )
     lines = _banned_lines(tmp_path)
     # each liar is refused with the check it failed, named: the L2 distance, or for the one biased under
     # the tolerance, its differences' direction (parameter_server/drift.py)
     biased = lines.pop("cheat5", "")
     assert biased.startswith("banned from run") and "the same way check after check" in biased, biased
-    assert len(lines) == 5 and all(line.startswith("banned from run") and "relative L2" in line
-                                   for line in lines.values()), lines
+    assert len(lines) == 5 and all(
+        line.startswith("banned from run") and "relative L2" in line for line in lines.values()
+    ), lines
     late = re.search(r"after (\d+) forward and (\d+) backward tasks", lines["cheat4"])
     assert late and int(late.group(1)) + int(late.group(2)) >= 6, lines["cheat4"]  # honest until then
     assert len(summary["banned"]) == 6, summary["banned"]

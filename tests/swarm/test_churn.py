@@ -2,6 +2,7 @@
 version rarely (steps passed unseen, a run over between two looks). The process side (SIGKILL, a
 replacement) is exercised for real by tests/swarm/test_faults.py::test_random_churn_equals_the_reference;
 here the swarm's volunteers are a table, so that the counts and times are exact."""
+
 import asyncio
 import random
 

@@ -1,5 +1,6 @@
 """`peer swarm` and `peer serve` refuse bad failover arguments with a message that names them,
 before any process starts."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,17 +10,20 @@ from peer.errors import UsageError
 from peer.swarm import validate
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--lose-server", "s0f0"], "expected DEVICE@STEP"),
-    (["--lose-server", "s9f0@2"], "not a server of the layout"),
-    (["--lose-server", "s0f0@0"], "STEP must be in 1..5"),
-    (["--lose-server", "s0f0@2"], "no other frontal server"),  # 2 servers per stage: one of each role
-    (["--servers-per-stage", "4", "--lose-server", "s0f0@2", "--lose-server", "s0f0@3"], "names a server twice"),
-    (["--servers-per-stage", "4", "--lose-server", "s0f0@2", "--failover-after", "0"], "needs --failover-after"),
-    (["--failover-after", "-1"], "--failover-after must be >= 0"),
-    (["--task-tokens", "0"], "--task-tokens must be >= 1, got 0"),
-    (["--client-batch-tokens", "-3"], "--client-batch-tokens must be >= 1, got -3"),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--lose-server", "s0f0"], "expected DEVICE@STEP"),
+        (["--lose-server", "s9f0@2"], "not a server of the layout"),
+        (["--lose-server", "s0f0@0"], "STEP must be in 1..5"),
+        (["--lose-server", "s0f0@2"], "no other frontal server"),  # 2 servers per stage: one of each role
+        (["--servers-per-stage", "4", "--lose-server", "s0f0@2", "--lose-server", "s0f0@3"], "names a server twice"),
+        (["--servers-per-stage", "4", "--lose-server", "s0f0@2", "--failover-after", "0"], "needs --failover-after"),
+        (["--failover-after", "-1"], "--failover-after must be >= 0"),
+        (["--task-tokens", "0"], "--task-tokens must be >= 1, got 0"),
+        (["--client-batch-tokens", "-3"], "--client-batch-tokens must be >= 1, got -3"),
+    ],
+)
 def test_bad_failover_arguments_are_named(argv, words):
     args = build_parser().parse_args(["swarm", "--model", "tiny", "--steps", "6", *argv])
     with pytest.raises(UsageError, match=words):
@@ -27,8 +31,21 @@ def test_bad_failover_arguments_are_named(argv, words):
 
 
 def test_good_failover_arguments_are_sorted_by_step():
-    args = build_parser().parse_args(["swarm", "--model", "tiny", "--steps", "6", "--servers-per-stage", "4",
-                                      "--lose-server", "s1b1@4", "--lose-server", "s0f0@2"])
+    args = build_parser().parse_args(
+        [
+            "swarm",
+            "--model",
+            "tiny",
+            "--steps",
+            "6",
+            "--servers-per-stage",
+            "4",
+            "--lose-server",
+            "s1b1@4",
+            "--lose-server",
+            "s0f0@2",
+        ]
+    )
     validate(args)
     assert args.losses == [(2, "s0f0"), (4, "s1b1")]
 
@@ -42,8 +59,12 @@ def test_a_benchmark_whose_out_folder_is_a_file_is_refused_before_it_runs(script
     target = tmp_path / "bench.md"
     target.write_text("kept\n")
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, str(root / "scripts" / script), "--out", str(target)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts" / script), "--out", str(target)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"--out {target} is a file" in out.stderr
     assert target.read_text() == "kept\n"
@@ -72,11 +93,18 @@ def test_no_local_first_reaches_every_server_the_swarm_starts(flag, expected, tm
 def test_the_summary_line_says_steps_loss_speed_batches_and_who_computed():
     from peer.swarm import summary_line
 
-    line = summary_line({"steps": 8, "first_loss": 5.5392, "last_loss": 4.3055, "tokens_per_second": 1656.7,
-                         "microbatches_applied": 64, "microbatches_expected": 64,
-                         "tasks_by_worker": {"v1": 62, "v0": 55}})
-    assert line == ("8 steps, loss 5.539 -> 4.306, 1,657 tokens/s, micro-batches 64/64, "
-                    "tasks computed: v0 55, v1 62")
+    line = summary_line(
+        {
+            "steps": 8,
+            "first_loss": 5.5392,
+            "last_loss": 4.3055,
+            "tokens_per_second": 1656.7,
+            "microbatches_applied": 64,
+            "microbatches_expected": 64,
+            "tasks_by_worker": {"v1": 62, "v0": 55},
+        }
+    )
+    assert line == ("8 steps, loss 5.539 -> 4.306, 1,657 tokens/s, micro-batches 64/64, tasks computed: v0 55, v1 62")
 
 
 def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind(tmp_path):
@@ -85,9 +113,29 @@ def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind(tmp_path):
     import sys
 
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    out = subprocess.run([sys.executable, "-m", "peer.cli", "swarm", "--model", "tiny", "--steps", "2", "--stages", "1",
-                          "--volunteers", "0", "--no-progress", "--run-id", f"tmpdir-{os.getpid()}"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "swarm",
+            "--model",
+            "tiny",
+            "--steps",
+            "2",
+            "--stages",
+            "1",
+            "--volunteers",
+            "0",
+            "--no-progress",
+            "--run-id",
+            f"tmpdir-{os.getpid()}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1].startswith("2 steps, loss ")
     assert not list(tmp_path.glob("hivepipe-swarm-*")), list(tmp_path.iterdir())

@@ -1,6 +1,7 @@
 """`--compress` on a live swarm: activations, their gradients and gradient pushes travel in
 hivemind's 8-bit codec, the run trains to about where the exact run goes, and the servers' checks
 re-run what volunteers received, so honest volunteers pass and a liar is still caught."""
+
 from __future__ import annotations
 
 from peer.model.config import get_preset
@@ -10,9 +11,28 @@ STEPS = 6
 
 
 def test_an_8bit_run_moves_about_a_byte_per_activation_value_and_still_catches_a_liar(tmp_path):
-    summary, state, _ = swarm_cli(tmp_path, "squeeze", "--model", "tiny", "--steps", str(STEPS), "--compress", "8bit",
-                                  "--servers-compute", "no", "--volunteer-slowdown", "8", "--volunteers", "2",
-                                  "--cheater", "signflip", "--client-timeout", "3", "--announce-period", "0.5")
+    summary, state, _ = swarm_cli(
+        tmp_path,
+        "squeeze",
+        "--model",
+        "tiny",
+        "--steps",
+        str(STEPS),
+        "--compress",
+        "8bit",
+        "--servers-compute",
+        "no",
+        "--volunteer-slowdown",
+        "8",
+        "--volunteers",
+        "2",
+        "--cheater",
+        "signflip",
+        "--client-timeout",
+        "3",
+        "--announce-period",
+        "0.5",
+    )
     assert summary["microbatches_applied"] == summary["microbatches_expected"]
     # the liar alone is banned: honest re-runs of 8-bit inputs agree with what honest volunteers sent
     assert len(summary["banned"]) == 1, summary["banned"]

@@ -1,5 +1,6 @@
 """End-to-end: real `peer serve` / `peer join` processes, real hivemind DHT and P2P on 127.0.0.1,
 real SIGKILL. Each scenario checks the trained parameters against `peer reference --delay 1`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,12 +23,35 @@ def test_peer_swarm_cli_matches_reference(tmp_path):
     default: tests/swarm/test_forker.py). Each fresh interpreter imports torch and hivemind (~3.5
     CPU-s): the other swarm tests cover several volunteers per stage."""
     summary, state, stdout = swarm_cli(
-        tmp_path, f"cli-{os.getpid()}", "--model", "tiny", "--steps", "3", "--stages", "2", "--servers-per-stage", "2",
-        "--volunteers", "2", "--no-fork-processes", timeout=400)
+        tmp_path,
+        f"cli-{os.getpid()}",
+        "--model",
+        "tiny",
+        "--steps",
+        "3",
+        "--stages",
+        "2",
+        "--servers-per-stage",
+        "2",
+        "--volunteers",
+        "2",
+        "--no-fork-processes",
+        timeout=400,
+    )
     assert not (tmp_path / "work" / "forker.out").exists()
     assert stdout.startswith("initial_peers=/ip4/127.0.0.1/tcp/"), stdout[:200]
-    for key in ("steps", "first_loss", "last_loss", "microbatches_expected", "microbatches_applied", "duplicates_dropped",
-                "requeued", "volunteers_killed", "wall_seconds", "tokens_per_second"):
+    for key in (
+        "steps",
+        "first_loss",
+        "last_loss",
+        "microbatches_expected",
+        "microbatches_applied",
+        "duplicates_dropped",
+        "requeued",
+        "volunteers_killed",
+        "wall_seconds",
+        "tokens_per_second",
+    ):
         assert key in summary, key
     assert summary["microbatches_applied"] == summary["microbatches_expected"] == 3 * 4 * 2
     # who computed the run: every task completed, by the worker that handed it in (no one left)
@@ -39,7 +63,10 @@ def test_peer_swarm_cli_matches_reference(tmp_path):
     # every call of the run went over a session (one stream per caller and server, the calls
     # multiplexed on it: peer/protocol/session.py): the parameters below match the reference through them
     over_session, calls = summary["rpc_session_calls"], summary["rpc_calls"]
-    assert over_session == calls and {"take", "get_params", "push_grads", "register"} <= set(calls), (over_session, calls)
+    assert over_session == calls and {"take", "get_params", "push_grads", "register"} <= set(calls), (
+        over_session,
+        calls,
+    )
     assert abs(summary["first_loss"] - math.log(256)) < 0.1
     assert rel_diff(state, reference_state("tiny", 3)) < 1e-5
 
@@ -51,9 +78,27 @@ def churn_scenario(tmp_path_factory):
     freezes, a new volunteer joins, and the frozen one wakes."""
     work = tmp_path_factory.mktemp("churn")
     steps = 12
-    live = LiveSwarm(work, ["--model", "tiny", "--steps", str(steps), "--volunteers", "4", "--servers-compute", "no",
-                            "--volunteer-slowdown", "30", "--client-timeout", "2", "--announce-period", "0.5",
-                            "--run-id", f"churn-{os.getpid()}"])
+    live = LiveSwarm(
+        work,
+        [
+            "--model",
+            "tiny",
+            "--steps",
+            str(steps),
+            "--volunteers",
+            "4",
+            "--servers-compute",
+            "no",
+            "--volunteer-slowdown",
+            "30",
+            "--client-timeout",
+            "2",
+            "--announce-period",
+            "0.5",
+            "--run-id",
+            f"churn-{os.getpid()}",
+        ],
+    )
     result: dict = {"steps": steps}
 
     async def scenario():
@@ -126,8 +171,11 @@ def churn_scenario(tmp_path_factory):
 
     live.run(scenario)
     result["left"] = no_children_left(live.args.run_id)
-    result["kept"] = sum(int(m) for log in work.glob("v*.log")
-                         for m in re.findall(r"(\d+) backward tasks ran on their kept forward pass", log.read_text()))
+    result["kept"] = sum(
+        int(m)
+        for log in work.glob("v*.log")
+        for m in re.findall(r"(\d+) backward tasks ran on their kept forward pass", log.read_text())
+    )
     return result
 
 
@@ -161,9 +209,13 @@ async def send_bad_payloads(live) -> dict:
     nan = [torch.full_like(t, float("nan")) for t in tensors]
     await expect_error("nan_grads", fs, "push_grads", meta, nan)
     await expect_error("unknown_task_complete", fs, "complete", {"task": "F99.0.0.0-1"})
-    await expect_error("wrong_shape_outputs", bs, "push_outputs",
-                       {"task": "F1.0.0.0-2", "batch": 1, "micro": 0, "rows": [0, 2], "frontal": fs},
-                       [torch.zeros(2, 3)])
+    await expect_error(
+        "wrong_shape_outputs",
+        bs,
+        "push_outputs",
+        {"task": "F1.0.0.0-2", "batch": 1, "micro": 0, "rows": [0, 2], "frontal": fs},
+        [torch.zeros(2, 3)],
+    )
     await expect_error("bad_metadata", fs, "push_grads", {"tasks": 5, "batch": 1})
     await expect_error("bad_task_id", fs, "push_grads", {"tasks": ["B1.0.0.0-2", "hello"], "batch": 1}, tensors)
     await expect_error("foreign_task", fs, "push_grads", {"tasks": ["B1.0.1.0-2"], "batch": 1}, tensors)

@@ -2,6 +2,7 @@
 protocol, and random churn, leave the final parameters equal to `peer reference --delay 1` (which
 the same swarm without faults equals: tests/swarm/test_e2e.py); servers restarted from their
 checkpoints, or lost for good and failed over, lose nothing either."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +21,16 @@ from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, re
 
 # where each point occurs: stage 0 has forward-only tasks (outputs go to its BS); the last stage
 # has forward+loss+backward tasks that send input gradients
-STAGE_OF_POINT = {"before_forward": 0, "during_forward": 0, "after_outputs": 0, "pulling_params": 0,
-                  "mid_grad_push": 0, "during_backward": 1, "after_input_grads": 1, "after_grad_push": 1}
+STAGE_OF_POINT = {
+    "before_forward": 0,
+    "during_forward": 0,
+    "after_outputs": 0,
+    "pulling_params": 0,
+    "mid_grad_push": 0,
+    "during_backward": 1,
+    "after_input_grads": 1,
+    "after_grad_push": 1,
+}
 
 
 STEPS = 6  # of the kill-point and the random-churn runs
@@ -33,8 +42,24 @@ CLI_ARGS = ("--model", "tiny", "--steps", str(STEPS), "--seed", "0", "--client-t
 
 def tiny_swarm(tmp_path, name: str, steps: int, *extra: str) -> LiveSwarm:
     """A swarm of the tiny model with 2 volunteers, quick to notice departures."""
-    return LiveSwarm(tmp_path, ["--model", "tiny", "--steps", str(steps), "--volunteers", "2", "--client-timeout", "2",
-                                "--announce-period", "1", "--run-id", f"{name}-{os.getpid()}", *extra])
+    return LiveSwarm(
+        tmp_path,
+        [
+            "--model",
+            "tiny",
+            "--steps",
+            str(steps),
+            "--volunteers",
+            "2",
+            "--client-timeout",
+            "2",
+            "--announce-period",
+            "1",
+            "--run-id",
+            f"{name}-{os.getpid()}",
+            *extra,
+        ],
+    )
 
 
 def test_every_kill_point_applies_each_micro_batch_exactly_once(tmp_path):
@@ -70,14 +95,26 @@ def test_every_kill_point_applies_each_micro_batch_exactly_once(tmp_path):
 
 def test_random_churn_equals_the_reference(tmp_path):
     summary, state, _ = swarm_cli(
-        tmp_path, f"churn-cli-{os.getpid()}", *CLI_ARGS, "--volunteers", "4", "--churn", "0.5", "--volunteer-slowdown", "10",
+        tmp_path,
+        f"churn-cli-{os.getpid()}",
+        *CLI_ARGS,
+        "--volunteers",
+        "4",
+        "--churn",
+        "0.5",
+        "--volunteer-slowdown",
+        "10",
         # the volunteers do all the work, so a step lasts as long as they take and the kills, timed
         # within a step, land inside the run (with the servers computing too, steps 2-5 could pass
         # between two polls of the launcher and the run end before any kill: 1 run in 20); and the
         # launcher, which times the kills by the steps it sees in the servers' records, sees them
         # every second: at the default 3 s the 6 steps passed in two or three reads, the kills
         # scheduled at the last one cancelled by the run's end (2 runs in 6 killed only one)
-        "--servers-compute", "no", "--announce-period", "1")
+        "--servers-compute",
+        "no",
+        "--announce-period",
+        "1",
+    )
     assert summary["volunteers_killed"] >= 2, summary
     assert summary["microbatches_applied"] == summary["microbatches_expected"], summary
     assert isinstance(summary["duplicates_dropped"], int) and isinstance(summary["requeued"], int), summary
@@ -89,8 +126,19 @@ def test_a_volunteer_killed_holding_a_task_is_noticed_when_its_connection_closes
     its DHT process and p2p daemon) in the middle of a forward task is dropped once its connection
     closes, its lease re-queued at once, and the run ends equal to the reference."""
     steps = 3
-    live = tiny_swarm(tmp_path, "disconnect", steps, "--servers-compute", "no", "--volunteer-slowdown", "5",
-                      "--client-timeout", "600", "--task-timeout", "600")
+    live = tiny_swarm(
+        tmp_path,
+        "disconnect",
+        steps,
+        "--servers-compute",
+        "no",
+        "--volunteer-slowdown",
+        "5",
+        "--client-timeout",
+        "600",
+        "--task-timeout",
+        "600",
+    )
     died = {}
 
     async def scenario():
@@ -161,8 +209,11 @@ def test_a_supervised_server_killed_is_forked_again_by_its_supervisor_and_loses_
         seen["supervisor"] = supervisor.pid
         seen["workers_before"] = child_groups(supervisor.pid)
         live.swarm.restart_server("s0b0")
-        await live.wait(lambda: child_groups(supervisor.pid) not in ([], seen["workers_before"]), 60,
-                        "the supervisor to fork a new server process")
+        await live.wait(
+            lambda: child_groups(supervisor.pid) not in ([], seen["workers_before"]),
+            60,
+            "the supervisor to fork a new server process",
+        )
         seen["workers_after"] = child_groups(supervisor.pid)
         seen["supervisor_alive"] = supervisor.poll() is None
         return await live.finish(steps)
@@ -190,9 +241,27 @@ def test_a_server_lost_for_good_is_failed_over_and_nothing_is_lost(tmp_path):
     batches run again), volunteers and servers adopt it, and the run ends equal to the reference."""
     steps = 7
     summary, state, _ = swarm_cli(
-        tmp_path, f"failover-{os.getpid()}", "--model", "tiny", "--steps", str(steps), "--volunteers", "2",
-        "--servers-per-stage", "4", "--lose-server", "s0f0@2", "--lose-server", "s1b1@4", "--failover-after", "3",
-        "--announce-period", "1", "--client-timeout", "2")
+        tmp_path,
+        f"failover-{os.getpid()}",
+        "--model",
+        "tiny",
+        "--steps",
+        str(steps),
+        "--volunteers",
+        "2",
+        "--servers-per-stage",
+        "4",
+        "--lose-server",
+        "s0f0@2",
+        "--lose-server",
+        "s1b1@4",
+        "--failover-after",
+        "3",
+        "--announce-period",
+        "1",
+        "--client-timeout",
+        "2",
+    )
     assert summary["layout_epoch"] == 2, summary
     assert summary["microbatches_applied"] == summary["microbatches_expected"], summary
     logs = {name: (tmp_path / "work" / f"{name}.log").read_text(errors="replace") for name in ("s0f1", "s1f0")}
@@ -233,14 +302,13 @@ def test_a_failed_over_server_that_comes_back_is_refused_and_training_goes_on(tm
     assert back["restarted_at"] < steps and "resumed from" in took_over, took_over[-2000:]
     assert took_over.count("took over shard slot 2") == 2, took_over[-3000:]  # at the failover, and in the replay
     # restarted in epoch 1, it does not wait for the lost server (it did, 120 s, then crashed)
-    restarted = took_over[took_over.rindex("initial_peers="):]
+    restarted = took_over[took_over.rindex("initial_peers=") :]
     assert "Traceback" not in took_over and "serving s0b1" in restarted, took_over[-3000:]
     assert live.monitor.epoch == 1 and "s0b0" not in statuses
     applied = {st.index: statuses[st.servers[0]]["microbatches_applied"] for st in live.monitor.layout.stages}
     assert applied == {0: steps * 4, 1: steps * 4}
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
     assert no_children_left(live.args.run_id) == []
-
 
 
 def test_a_server_lost_before_the_first_step_is_failed_over(tmp_path):
@@ -253,8 +321,9 @@ def test_a_server_lost_before_the_first_step_is_failed_over(tmp_path):
     as of a stale epoch (they used to start at epoch 0 whatever the config said, and every volunteer
     that joined after a failover was refused once before it fetched the layout)."""
     steps = 4
-    live = tiny_swarm(tmp_path, "early", steps, "--servers-per-stage", "4", "--failover-after", "3",
-                      "--servers-compute", "no")
+    live = tiny_swarm(
+        tmp_path, "early", steps, "--servers-per-stage", "4", "--failover-after", "3", "--servers-compute", "no"
+    )
 
     async def scenario():
         await live.start(volunteers=False)
@@ -279,8 +348,12 @@ def test_a_server_lost_before_the_first_step_is_failed_over(tmp_path):
     log = (tmp_path / "s0f0.log").read_text(errors="replace")
     assert "took over shard slot 3 at version 0" in log, log[-2000:]
     # a worker refused as of a stale epoch fetches the layout and says so (at WARNING)
-    refreshed = [line for f in sorted(glob.glob(str(tmp_path / "v*.log")))
-                 for line in open(f, errors="replace") if ": layout epoch " in line]
+    refreshed = [
+        line
+        for f in sorted(glob.glob(str(tmp_path / "v*.log")))
+        for line in open(f, errors="replace")
+        if ": layout epoch " in line
+    ]
     assert glob.glob(str(tmp_path / "v*.log")) and refreshed == [], refreshed[:5]
     assert "s0b1" not in statuses
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
@@ -336,19 +409,34 @@ def test_the_loss_of_a_roles_last_server_stops_the_run_until_it_comes_back(tmp_p
     out = {}
 
     def others() -> dict[str, str]:
-        return {os.path.basename(f)[:-4]: open(f, errors="replace").read() for f in glob.glob(str(tmp_path / "*.log"))
-                if not f.endswith("s1b0.log")}
+        return {
+            os.path.basename(f)[:-4]: open(f, errors="replace").read()
+            for f in glob.glob(str(tmp_path / "*.log"))
+            if not f.endswith("s1b0.log")
+        }
 
     async def scenario():
         await live.start()
         await live.wait_server_version("s1b0", 2)
         live.swarm.lose_server("s1b0")
-        await live.wait(lambda: all(said in log for log in others().values()), 120,
-                        "every other peer to say the run stopped")
-        dash = await asyncio.to_thread(subprocess.run, [
-            sys.executable, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "dashboard.py"),
-            "--initial-peers", *live.swarm.maddrs, "--run-id", f"{live.args.run_id}@{live.swarm.run_fp}", "--json"],
-            capture_output=True, text=True, timeout=120)
+        await live.wait(
+            lambda: all(said in log for log in others().values()), 120, "every other peer to say the run stopped"
+        )
+        dash = await asyncio.to_thread(
+            subprocess.run,
+            [
+                sys.executable,
+                os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "dashboard.py"),
+                "--initial-peers",
+                *live.swarm.maddrs,
+                "--run-id",
+                f"{live.args.run_id}@{live.swarm.run_fp}",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         out["dashboard"] = dash
         out["stopped_at"] = live.monitor.min_version()
         await asyncio.sleep(5.0)  # stopped a while: no line per attempt
@@ -356,8 +444,11 @@ def test_the_loss_of_a_roles_last_server_stops_the_run_until_it_comes_back(tmp_p
         done = await live.finish(steps)
         # the last steps can take less time than a volunteer's next read of the records: every peer
         # (they stay up until the swarm is closed) says so within seconds of it, not before the end
-        await live.wait(lambda: all("the run goes on again after" in log for log in others().values()), 60,
-                        "every other peer to say the run goes on")
+        await live.wait(
+            lambda: all("the run goes on again after" in log for log in others().values()),
+            60,
+            "every other peer to say the run goes on",
+        )
         return done
 
     statuses, state = live.run(scenario)

@@ -3,6 +3,7 @@ ARGV` would be (its command line, its own session and process group, its output 
 from /dev/null, its exit status reported), and the zygote leaves with the launcher. `peer swarm`
 uses it on Linux (the default; --no-fork-processes: a new interpreter each), and so does every swarm
 test but the CLI one in test_e2e.py."""
+
 import json
 import os
 import signal
@@ -47,8 +48,9 @@ def test_a_forked_child_is_a_process_of_its_own_and_its_exit_is_reported(tmp_pat
     assert bad.wait(timeout=60) == 2
     assert "missing.json" in (tmp_path / "bad.log").read_text()
 
-    ok = forker.spawn(["plan", cluster, model, "--time-limit", "0.2", "-o", str(tmp_path / "plan.json")],
-                      str(tmp_path / "ok.log"))
+    ok = forker.spawn(
+        ["plan", cluster, model, "--time-limit", "0.2", "-o", str(tmp_path / "plan.json")], str(tmp_path / "ok.log")
+    )
     assert ok.wait(timeout=60) == 0
     assert json.loads((tmp_path / "plan.json").read_text())["predicted_seconds_per_batch"] > 0
 

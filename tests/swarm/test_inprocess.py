@@ -1,6 +1,7 @@
 """The whole data path (segmentation between several FS/BS, ledger, relays, credits, delayed
 update) in one event loop through the servers' real handlers and checks, for layouts the
 multi-process tests do not cover: it must equal `peer reference --delay 1`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,12 +21,15 @@ from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import TICKETS, InProcessSwarm, make_run
 
 
-@pytest.mark.parametrize("stages,frontal,backward,volunteers,servers_compute", [
-    (1, 1, 1, 1, True),   # one stage: forward, loss and backward in one task
-    (2, 2, 2, 2, True),   # two servers of each role: rows split and re-segmented at the boundary
-    (3, 2, 1, 1, False),  # three stages, p=1 -> q=2 segmentation, only volunteers compute
-    (4, 1, 3, 2, True),   # as many stages as layers, three backward servers
-])
+@pytest.mark.parametrize(
+    "stages,frontal,backward,volunteers,servers_compute",
+    [
+        (1, 1, 1, 1, True),  # one stage: forward, loss and backward in one task
+        (2, 2, 2, 2, True),  # two servers of each role: rows split and re-segmented at the boundary
+        (3, 2, 1, 1, False),  # three stages, p=1 -> q=2 segmentation, only volunteers compute
+        (4, 1, 3, 2, True),  # as many stages as layers, three backward servers
+    ],
+)
 def test_in_process_swarm_equals_reference(stages, frontal, backward, volunteers, servers_compute):
     steps = 4
     cfg, layout, run = make_run(steps=steps, stages=stages, frontal=frontal, backward=backward)
@@ -80,10 +84,13 @@ def test_a_sum_that_overlaps_another_clients_push_in_part_is_rerun_not_lost():
     assert sum(w.stats["conflicts"] for w in swarm.workers) == len(swarm.servers)
 
 
-@pytest.mark.parametrize("lost", [
-    ("s0f0", 2),  # the frontal server that builds the batches, and the run's failover coordinator
-    ("s1b1", 3),  # a backward server of the last stage
-])
+@pytest.mark.parametrize(
+    "lost",
+    [
+        ("s0f0", 2),  # the frontal server that builds the batches, and the run's failover coordinator
+        ("s1b1", 3),  # a backward server of the last stage
+    ],
+)
 def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_reference(lost, tmp_path):
     """Two frontal and two backward servers per stage; one is gone for good mid-run. The first remaining
     server makes a new layout epoch: the lost shard slot is hosted by the server holding its replica,
@@ -119,10 +126,11 @@ def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_r
         server = next(iter(swarm.servers.values()))
         answers = []
         for sender, method, meta in [
-                ("peer-u00", "take", {"epoch": 0}),  # a request of the epoch before the failover
-                ("peer-u00", "take", {"epoch": 2}),  # of an epoch not adopted here
-                ("peer-stranger", "adopt_epoch", record | {"epoch": 2}),
-                ("peer-stranger", "push_replica", {"slot": 0})]:
+            ("peer-u00", "take", {"epoch": 0}),  # a request of the epoch before the failover
+            ("peer-u00", "take", {"epoch": 2}),  # of an epoch not adopted here
+            ("peer-stranger", "adopt_epoch", record | {"epoch": 2}),
+            ("peer-stranger", "push_replica", {"slot": 0}),
+        ]:
             try:
                 await LocalLink(server, sender).call(method, meta)
                 answers.append(None)
@@ -221,10 +229,12 @@ def test_tasks_that_arrived_while_the_worker_was_busy_are_taken_oldest_batch_fir
     pools' order (lower batch, lower micro-batch, backward first), not in their order of arrival:
     the step that waits for the oldest batch is not held behind a newer batch's task."""
     fs, a, link, now = one_worker_on_a_clock()
-    arrived = [{"task": "F1.0.0.0-2", "batch": 1, "micro": 0, "kind": "forward"},
-               {"task": "F0.3.0.0-2", "batch": 0, "micro": 3, "kind": "forward"},
-               {"task": "B0.3.0.0-2", "batch": 0, "micro": 3, "kind": "backward"},
-               {"task": "B0.1.0.0-2", "batch": 0, "micro": 1, "kind": "backward"}]
+    arrived = [
+        {"task": "F1.0.0.0-2", "batch": 1, "micro": 0, "kind": "forward"},
+        {"task": "F0.3.0.0-2", "batch": 0, "micro": 3, "kind": "forward"},
+        {"task": "B0.3.0.0-2", "batch": 0, "micro": 3, "kind": "backward"},
+        {"task": "B0.1.0.0-2", "batch": 0, "micro": 1, "kind": "backward"},
+    ]
     a.ready = [(link, meta, []) for meta in arrived]
 
     async def scenario():
@@ -430,8 +440,12 @@ def test_one_complete_carries_every_task_of_a_push_and_a_bad_list_changes_nothin
                 break
             ids.append(meta["task"])
         assert len(ids) >= 2
-        for bad, why in (([], "1 to"), (["x"] * (MAX_COMPLETE + 1), "1 to"), ([ids[0], "F99.0.0.0-1"], "unknown task id"),
-                         ("T1", "must be list")):
+        for bad, why in (
+            ([], "1 to"),
+            (["x"] * (MAX_COMPLETE + 1), "1 to"),
+            ([ids[0], "F99.0.0.0-1"], "unknown task id"),
+            ("T1", "must be list"),
+        ):
             with pytest.raises(RemoteError, match=why):
                 await link.call("complete", {"tasks": bad})
         assert all(fs.pool.lease_of(t) is not None for t in ids)  # the refused calls completed nothing
@@ -455,8 +469,12 @@ def test_a_take_answer_cut_after_its_metadata_hands_the_task_back_at_once():
         assert got is not None
         return got[1]["task"]
 
-    task = take_with_its_answer_lost(lambda device, answer: StreamCut(
-        f"{device}.take: the stream ended after 0 of the 2 tensors its metadata declares", meta=answer), then)
+    task = take_with_its_answer_lost(
+        lambda device, answer: StreamCut(
+            f"{device}.take: the stream ended after 0 of the 2 tensors its metadata declares", meta=answer
+        ),
+        then,
+    )
     assert task.startswith("F0.")
 
 
@@ -516,8 +534,9 @@ def test_a_take_answer_lost_whole_is_reclaimed_at_once():
     """The server leased a task and its whole answer was lost (the connection closed before an
     answer: seen in a soak). The worker, which has no other take in flight there, registers
     with what it holds and 'take_lost': the lease goes back at once, not when it is 5 s old."""
-    take_with_its_answer_lost(lambda device, answer: ConnectionError(
-        f"{device}.take: the connection closed before an answer"))
+    take_with_its_answer_lost(
+        lambda device, answer: ConnectionError(f"{device}.take: the connection closed before an answer")
+    )
 
 
 class TakeCutWhileWaiting:
@@ -741,6 +760,7 @@ def test_heartbeats_to_a_slow_server_do_not_hold_back_the_others():
                 if device == slow:
                     await asyncio.sleep(5.0)
             return await plain(method, meta, tensors, timeout)
+
         return call
 
     for d in devices:
@@ -766,7 +786,9 @@ def test_each_task_says_at_debug_where_its_time_went(caplog):
     with caplog.at_level(logging.DEBUG, logger="hivepipe.worker"):
         asyncio.run(swarm.train(timeout=120))
     lines = [r.getMessage() for r in caplog.records if " done in " in r.getMessage()]
-    done = [re.search(r": ([FB]\S+) done in ([\d.]+) s \(compute ([\d.]+) s, parameters ([\d.]+) s\)", x) for x in lines]
+    done = [
+        re.search(r": ([FB]\S+) done in ([\d.]+) s \(compute ([\d.]+) s, parameters ([\d.]+) s\)", x) for x in lines
+    ]
     assert all(done) and len(done) == sum(w.stats["forward"] + w.stats["backward"] for w in swarm.workers)
     for m in done:
         assert float(m.group(2)) >= float(m.group(3)) + float(m.group(4)) - 1e-3
@@ -827,8 +849,12 @@ def test_a_server_forgets_volunteers_gone_for_good_and_counts_each_join_once():
         for shard in fs.hosted.values():
             t = shard.version
             pieces = [(f"B{t}.{m}", m, (0, shard.rows_per_micro)) for m in range(shard.micro_batches)]
-            assert shard.credit(batch=t, pieces=pieces, loss_sum=1.0,
-                                grads=[torch.zeros_like(shard.params[n]) for n in shard.names])[0] == "credited"
+            assert (
+                shard.credit(
+                    batch=t, pieces=pieces, loss_sum=1.0, grads=[torch.zeros_like(shard.params[n]) for n in shard.names]
+                )[0]
+                == "credited"
+            )
         fs._maybe_step()
         await asyncio.sleep(0)
 
@@ -1017,8 +1043,12 @@ def same(replica, shard) -> bool:
         return False
     for n in shard.names:
         mine, theirs = replica.optimizer.state[replica.params[n]], shard.optimizer.state[shard.params[n]]
-        if not (torch.equal(replica.params[n], shard.params[n]) and torch.equal(mine["exp_avg"], theirs["exp_avg"])
-                and torch.equal(mine["exp_avg_sq"], theirs["exp_avg_sq"]) and float(mine["step"]) == float(theirs["step"])):
+        if not (
+            torch.equal(replica.params[n], shard.params[n])
+            and torch.equal(mine["exp_avg"], theirs["exp_avg"])
+            and torch.equal(mine["exp_avg_sq"], theirs["exp_avg_sq"])
+            and float(mine["step"]) == float(theirs["step"])
+        ):
             return False
     return True
 
@@ -1064,10 +1094,12 @@ def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the
         meta, tensors = fs.hosted[fs.slot].export_step(steps)
         again, _ = await link.call("push_replica", dict(meta, slot=fs.slot), tensors)  # a repeat: taken once
         assert again["result"] == "duplicate"
-        bad = [(dict(meta, slot=fs.slot, token="t", base_token="t"), tensors, "mirror"),  # another lineage's step
-               (dict(meta, slot=fs.slot), tensors[:-1], "tensors"),
-               (dict(meta, slot=fs.slot, version=steps + 1), tensors, "must be an int"),
-               (dict(meta, slot=bs.slot), tensors, "not another server's slot")]
+        bad = [
+            (dict(meta, slot=fs.slot, token="t", base_token="t"), tensors, "mirror"),  # another lineage's step
+            (dict(meta, slot=fs.slot), tensors[:-1], "tensors"),
+            (dict(meta, slot=fs.slot, version=steps + 1), tensors, "must be an int"),
+            (dict(meta, slot=bs.slot), tensors, "not another server's slot"),
+        ]
         errors = []
         for m, t, _ in bad:
             with pytest.raises(RemoteError) as e:
@@ -1348,8 +1380,9 @@ def test_a_worker_handed_a_task_it_cannot_work_on_asks_every_server_again():
         batch0 = sorted(t for s in (f0, f1) for t in s.issued if TaskId.parse(t).batch == 0)
         zeros = [torch.zeros_like(f0.shard.params[n]) for n in f0.shard.names]
         tickets = [TICKETS.issue(t, f0.peer_id, 1, 0) for t in batch0]  # (minted as a server of the run may)
-        await LocalLink(f0, f0.peer_id).call("push_grads", {"tasks": batch0, "leases": tickets, "batch": 0,
-                                                           "slot": f0.slot, "loss_sum": 0.0}, zeros)
+        await LocalLink(f0, f0.peer_id).call(
+            "push_grads", {"tasks": batch0, "leases": tickets, "batch": 0, "slot": f0.slot, "loss_sum": 0.0}, zeros
+        )
         assert (f0.version, f1.version) == (1, 0) and f0.pool.open_tasks(2)  # f0 cut batch 2
         assert {h for b in (0, 1) for _, h, _ in f0.pool.open_tasks(b)} == {"peer-other"}  # all held
         stop = asyncio.Event()

@@ -1,4 +1,5 @@
 """The launcher's Monitor: the final statuses and the model assembled from the slots' hosts."""
+
 import asyncio
 
 import pytest
@@ -28,7 +29,9 @@ class Trailing:
 def test_assemble_waits_for_a_slot_that_trails_and_names_one_that_never_comes():
     layout = RunLayout.even(2, 4, 1, 1)
     monitor = Monitor(None, None, "run", layout, tokens_per_batch=1)
-    links = {d: Trailing(d, behind=3 if d == layout.stages[1].hosts[0] else 0) for st in layout.stages for d in st.hosts}
+    links = {
+        d: Trailing(d, behind=3 if d == layout.stages[1].hosts[0] else 0) for st in layout.stages for d in st.hosts
+    }
     monitor._link = lambda d: links[d]
     state = asyncio.run(monitor.assemble(5, patience=10.0, poll=0.01))
     assert sorted(state) == sorted(f"{d}.{slot}" for st in layout.stages for slot, d in enumerate(st.hosts))
@@ -92,6 +95,7 @@ def test_the_final_statuses_are_read_once_every_slot_has_the_last_version():
         return trained, await final
 
     trained, (statuses, state) = asyncio.run(scenario())
-    assert {st.index: statuses[st.servers[0]]["microbatches_applied"] for st in layout.stages} == \
-        {st.index: steps * run.micro_batches for st in layout.stages}
+    assert {st.index: statuses[st.servers[0]]["microbatches_applied"] for st in layout.stages} == {
+        st.index: steps * run.micro_batches for st in layout.stages
+    }
     assert rel_diff(state, trained) == 0

@@ -1,5 +1,6 @@
 """`peer join --stage auto` measures its links to every stage's servers with real P2P calls and
 picks the stage the planner's rule predicts from the emulated link profile."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,18 +23,23 @@ def profile() -> dict:
     rel_delay = [[0 if i == j else 1.0 for j in range(n)] for i in range(n)]
     rel_bw = [[0 if i == j else 10000.0 for j in range(n)] for i in range(n)]
     rows = {"va": [NEAR, NEAR, FAR, FAR], "vb": [FAR, FAR, NEAR, NEAR]}
-    return {"reliable": [{"id": s, "tflops": 10.0} for s in SERVERS],
-            "unreliable": [{"id": v, "tflops": 10.0} for v in rows],
-            "delay_ms": {"reliable": rel_delay, "unreliable": [[d for d, _ in r] for r in rows.values()]},
-            "bandwidth_mbps": {"reliable": rel_bw, "unreliable": [[b for _, b in r] for r in rows.values()]}}
+    return {
+        "reliable": [{"id": s, "tflops": 10.0} for s in SERVERS],
+        "unreliable": [{"id": v, "tflops": 10.0} for v in rows],
+        "delay_ms": {"reliable": rel_delay, "unreliable": [[d for d, _ in r] for r in rows.values()]},
+        "bandwidth_mbps": {"reliable": rel_bw, "unreliable": [[b for _, b in r] for r in rows.values()]},
+    }
 
 
 def predicted_stage(cluster, volunteer: str) -> int:
     cfg = get_preset("tiny")
     nbytes = 2 * (16 // 4) * cfg.seq_len * cfg.hidden * 4
     stages = [SERVERS[:2], SERVERS[2:]]
-    return choose_stage_for_volunteer([[cluster.delay(volunteer, s) for s in st] for st in stages],
-                                      [[cluster.bandwidth(volunteer, s) for s in st] for st in stages], nbytes)
+    return choose_stage_for_volunteer(
+        [[cluster.delay(volunteer, s) for s in st] for st in stages],
+        [[cluster.bandwidth(volunteer, s) for s in st] for st in stages],
+        nbytes,
+    )
 
 
 def test_stage_auto_follows_the_rule_under_emulated_links(tmp_path):
@@ -42,8 +48,21 @@ def test_stage_auto_follows_the_rule_under_emulated_links(tmp_path):
     cluster = load_cluster(str(path))
     expected = {v: predicted_stage(cluster, v) for v in ("va", "vb")}
     assert expected == {"va": 0, "vb": 1}
-    live = LiveSwarm(tmp_path / "work", ["--model", "tiny", "--steps", "2", "--volunteers", "0",
-                                         "--link-profile", str(path), "--run-id", f"auto-{os.getpid()}"])
+    live = LiveSwarm(
+        tmp_path / "work",
+        [
+            "--model",
+            "tiny",
+            "--steps",
+            "2",
+            "--volunteers",
+            "0",
+            "--link-profile",
+            str(path),
+            "--run-id",
+            f"auto-{os.getpid()}",
+        ],
+    )
     chosen = {}
 
     async def scenario():

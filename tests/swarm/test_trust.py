@@ -4,6 +4,7 @@ id, a made-up server, an overwritten config) and calls the servers' server-only 
 of the run refuses the forged stores, a malicious DHT node that keeps them serves them to readers
 that drop them (the dashboard lists them with the reason), the server-only calls are refused, and
 the run ends equal to `peer reference`. Also: a closed run (`--volunteers-allow`) in one process."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,9 @@ from tests.swarm.inprocess import InProcessSwarm, make_run
 REPO = Path(__file__).resolve().parents[2]
 
 
-def forge(outsider: DHT, key: SigningKey, real_server: dict, real_config: dict, run_fp: str, run_id: str,
-          keep: bool = False) -> list:
+def forge(
+    outsider: DHT, key: SigningKey, real_server: dict, real_config: dict, run_fp: str, run_id: str, keep: bool = False
+) -> list:
     """The forged stores of the issue, each as (what, store result); `keep`: the outsider also keeps them
     in its own storage, as a malicious full node would."""
     me = str(outsider.peer_id)
@@ -43,14 +45,21 @@ def forge(outsider: DHT, key: SigningKey, real_server: dict, real_config: dict, 
         # a made-up frontal server of stage 0, signed by a run key of the outsider's own
         ("s0f9", stage0, me, seal(stage0, me, dict(real_server, device="s0f9"), 60.0, key, run_key=key)),
         # the run's config with steps 1, under the run's fingerprint
-        ("config, steps 1", config_name(run_id), run_fp,
-         seal(config_name(run_id), run_fp, dict(real_config, steps=1), 60.0, key)),
+        (
+            "config, steps 1",
+            config_name(run_id),
+            run_fp,
+            seal(config_name(run_id), run_fp, dict(real_config, steps=1), 60.0, key),
+        ),
         ("config as plain map", config_name(run_id), run_fp, dict(real_config, steps=1)),
     ]
-    results = [(what, outsider.store(k, value, expiration_time=t + 60.0, subkey=subkey))
-               for what, k, subkey, value in attempts]
+    results = [
+        (what, outsider.store(k, value, expiration_time=t + 60.0, subkey=subkey)) for what, k, subkey, value in attempts
+    ]
     if keep:
-        outsider.run_coroutine(partial(_keep_locally, [(k, subkey, value, t + 60.0) for _, k, subkey, value in attempts]))
+        outsider.run_coroutine(
+            partial(_keep_locally, [(k, subkey, value, t + 60.0) for _, k, subkey, value in attempts])
+        )
     return results
 
 
@@ -61,14 +70,28 @@ async def _keep_locally(records: list, dht, node) -> None:
     from hivemind.dht.routing import DHTID
 
     for key, subkey, value, expiration in records:
-        node.protocol.storage.store(DHTID.generate(source=key), node.protocol.serializer.dumps(value), expiration,
-                                    subkey=subkey)
+        node.protocol.storage.store(
+            DHTID.generate(source=key), node.protocol.serializer.dumps(value), expiration, subkey=subkey
+        )
 
 
 def test_an_outsider_cannot_forge_records_or_call_server_methods(tmp_path):
     steps = 5
-    live = LiveSwarm(tmp_path, ["--model", "tiny", "--steps", str(steps), "--volunteers", "2",
-                                "--run-id", f"trust-{os.getpid()}", "--announce-period", "0.5"])
+    live = LiveSwarm(
+        tmp_path,
+        [
+            "--model",
+            "tiny",
+            "--steps",
+            str(steps),
+            "--volunteers",
+            "2",
+            "--run-id",
+            f"trust-{os.getpid()}",
+            "--announce-period",
+            "0.5",
+        ],
+    )
     run_id, run_fp = live.args.run_id, live.swarm.run_fp
     out: dict = {}
 
@@ -77,7 +100,7 @@ def test_an_outsider_cannot_forge_records_or_call_server_methods(tmp_path):
         await live.wait_version(1)
         real_config = await records.read_config_value(live.dht)
         found = await records.read_stage(live.dht, run_id, 0)
-        (real_peer, real_server), = [(p, r) for p, r, _ in found if r and r.get("device") == "s0f0"]
+        ((real_peer, real_server),) = [(p, r) for p, r, _ in found if r and r.get("device") == "s0f0"]
         maddrs = visible_maddrs(live.dht)
         # 1. a client-mode outsider (it stores nothing itself): every node of the run refuses each forgery
         client = DHT(initial_peers=maddrs, start=True, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -93,19 +116,32 @@ def test_an_outsider_cannot_forge_records_or_call_server_methods(tmp_path):
             out["config"] = await records.read_config_value(live.dht)
             out["stage0"] = await records.read_stage(live.dht, run_id, 0)
             # a dashboard on another process, with the run's fingerprint
-            dash = subprocess.run([sys.executable, str(REPO / "scripts" / "dashboard.py"), "--json", "--run-id",
-                                   f"{run_id}@{run_fp}", "--initial-peers", *maddrs],
-                                  capture_output=True, text=True, timeout=120)
+            dash = subprocess.run(
+                [
+                    sys.executable,
+                    str(REPO / "scripts" / "dashboard.py"),
+                    "--json",
+                    "--run-id",
+                    f"{run_id}@{run_fp}",
+                    "--initial-peers",
+                    *maddrs,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert dash.returncode == 0, dash.stderr[-2000:]
             out["dashboard"] = json.loads(dash.stdout)
             # 3. server-only methods from the outsider's authenticated peer id
             p2p = await keeper.replicate_p2p()
             link = P2PLink(p2p, real_peer, "s0f0", StageServer, addresses=lambda: real_server["maddrs"])
             out["calls"] = {}
-            for method, meta in (("adopt_epoch", {"epoch": 5, "from_batch": 0, "layout": {}}),
-                                 ("push_replica", {"slot": 1, "version": 1}),
-                                 ("push_inputs", {"batch": 1, "micro": 0, "rows": [0, 1], "epoch": 0}),
-                                 ("push_output_grads", {"batch": 1, "micro": 0, "rows": [0, 1], "epoch": 0})):
+            for method, meta in (
+                ("adopt_epoch", {"epoch": 5, "from_batch": 0, "layout": {}}),
+                ("push_replica", {"slot": 1, "version": 1}),
+                ("push_inputs", {"batch": 1, "micro": 0, "rows": [0, 1], "epoch": 0}),
+                ("push_output_grads", {"batch": 1, "micro": 0, "rows": [0, 1], "epoch": 0}),
+            ):
                 try:
                     await link.call(method, meta, timeout=30)
                     out["calls"][method] = None
@@ -158,15 +194,37 @@ def test_a_closed_run_admits_only_its_listed_volunteers():
     assert swarm.versions() == [2] * len(swarm.servers)
 
 
-@pytest.mark.parametrize("lines,words", [(["Qm-not-a-peer"], "line 1: 'Qm-not-a-peer' is not a peer id"),
-                                         (["# ok", "", "xyz # comment"], "line 3: 'xyz' is not a peer id")])
+@pytest.mark.parametrize(
+    "lines,words",
+    [
+        (["Qm-not-a-peer"], "line 1: 'Qm-not-a-peer' is not a peer id"),
+        (["# ok", "", "xyz # comment"], "line 3: 'xyz' is not a peer id"),
+    ],
+)
 def test_a_bad_allow_list_is_named(tmp_path, lines, words, capsys):
     from peer.cli import main
 
     allow = tmp_path / "allow.txt"
     allow.write_text("\n".join(lines))
-    assert main(["serve", "--reliable", "--stage", "0", "--role", "frontal", "--model", "tiny", "--run-key",
-                 str(tmp_path / "run.key"), "--volunteers-allow", str(allow)]) == 2
+    assert (
+        main(
+            [
+                "serve",
+                "--reliable",
+                "--stage",
+                "0",
+                "--role",
+                "frontal",
+                "--model",
+                "tiny",
+                "--run-key",
+                str(tmp_path / "run.key"),
+                "--volunteers-allow",
+                str(allow),
+            ]
+        )
+        == 2
+    )
     assert words in capsys.readouterr().err
     assert not (tmp_path / "run.key").exists()
 
@@ -263,8 +321,9 @@ def test_a_volunteer_biased_under_the_tolerance_is_banned_and_its_work_rolled_ba
     assert list(bans) == ["peer-u01"] and "the same way check after check" in bans["peer-u01"], bans
     checks = sum(n for s in swarm.servers.values() for (p, _), (_, n) in s.drift.sums.items() if p == "peer-u01")
     caught = sum(s.verify_counts.get("drift_caught", 0) for s in swarm.servers.values())
-    assert caught >= 1 and all(n <= 20 for s in swarm.servers.values()
-                               for (p, _), (_, n) in s.drift.sums.items() if p == "peer-u01"), checks
+    assert caught >= 1 and all(
+        n <= 20 for s in swarm.servers.values() for (p, _), (_, n) in s.drift.sums.items() if p == "peer-u01"
+    ), checks
 
 
 def test_a_ban_whose_liar_worked_before_the_kept_versions_rolls_back_as_far_as_a_rerun_can_start():

@@ -18,16 +18,16 @@ def test_public_api_is_reexported():
 
 
 def test_import_uses_the_standard_library_only():
-    code = ("import sys, taskpool; heavy = {'torch', 'numpy', 'hivemind', 'asyncio'}; "
-            "print(sorted(heavy & set(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                         text=True, check=True)
+    code = (
+        "import sys, taskpool; heavy = {'torch', 'numpy', 'hivemind', 'asyncio'}; "
+        "print(sorted(heavy & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_bench_script_runs_small(capsys):
-    spec = importlib.util.spec_from_file_location("bench_taskpool",
-                                                  ROOT / "scripts" / "bench_taskpool.py")
+    spec = importlib.util.spec_from_file_location("bench_taskpool", ROOT / "scripts" / "bench_taskpool.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.main(["--tasks", "2000", "--clients", "10"]) == 0

@@ -41,8 +41,7 @@ def take_id(pool: TaskPool, client: str) -> str | None:
 
 
 def test_priority_older_batch_then_micro_batch_then_backward_then_insertion(clock):
-    specs = [(b, mb, kind, n) for b in range(3) for mb in range(3) for kind in (FORWARD, BACKWARD)
-             for n in range(2)]
+    specs = [(b, mb, kind, n) for b in range(3) for mb in range(3) for kind in (FORWARD, BACKWARD) for n in range(2)]
     random.Random(0).shuffle(specs)
     pool = make_pool(clock)
     order = {}
@@ -157,8 +156,7 @@ def test_deadline_from_default_and_per_task_timeout(clock):
 
 def _measured_pool(clock):
     """Clients a, b, c complete 4, 2, 1 tasks over 10 s: 0.4, 0.2, 0.1 tasks/s."""
-    pool = make_pool(clock, default_timeout=30.0, max_leases_per_client=10,
-                     throughput_halflife=1e9)
+    pool = make_pool(clock, default_timeout=30.0, max_leases_per_client=10, throughput_halflife=1e9)
     n = 0
     for client, count in (("a", 4), ("b", 2), ("c", 1)):
         for _ in range(count):
@@ -188,8 +186,7 @@ def test_deadline_scales_with_measured_throughput(clock):
 
 def test_seeded_speed_scales_and_is_clamped(clock):
     pool = make_pool(clock, default_timeout=10.0)
-    for client, speed in (("fast", 2.0), ("mid", 1.0), ("slow", 0.5), ("crawl", 0.01),
-                          ("rocket", 100.0)):
+    for client, speed in (("fast", 2.0), ("mid", 1.0), ("slow", 0.5), ("crawl", 0.01), ("rocket", 100.0)):
         pool.set_client_speed(client, speed)
     for i in range(6):
         pool.add(task(f"t{i}"))
@@ -401,20 +398,23 @@ def test_a_long_run_that_forgets_its_batches_keeps_ids_of_recent_ones_only(clock
 # ------------------------------------------------------------------------ misuse
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    (dict(kind="sideways"), "kind"),
-    (dict(rows=(3, 3)), "empty row range"),
-    (dict(rows=(4, 2)), "empty row range"),
-    (dict(rows=(0, 1, 2)), "rows"),
-    (dict(timeout=0.0), "timeout"),
-    (dict(timeout=-1.0), "timeout"),
-    (dict(timeout=float("nan")), "timeout"),
-    (dict(task_id=""), "task_id"),
-    (dict(batch=-1), "batch"),
-    (dict(micro_batch=2**32), "micro_batch"),
-    (dict(stage=1.5), "stage"),
-    (dict(preferred_client=7), "preferred_client"),
-])
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(kind="sideways"), "kind"),
+        (dict(rows=(3, 3)), "empty row range"),
+        (dict(rows=(4, 2)), "empty row range"),
+        (dict(rows=(0, 1, 2)), "rows"),
+        (dict(timeout=0.0), "timeout"),
+        (dict(timeout=-1.0), "timeout"),
+        (dict(timeout=float("nan")), "timeout"),
+        (dict(task_id=""), "task_id"),
+        (dict(batch=-1), "batch"),
+        (dict(micro_batch=2**32), "micro_batch"),
+        (dict(stage=1.5), "stage"),
+        (dict(preferred_client=7), "preferred_client"),
+    ],
+)
 def test_bad_task_is_refused(kwargs, word):
     fields = dict(task_id="t", kind=FORWARD, batch=0, micro_batch=0, stage=0, rows=(0, 1))
     fields.update(kwargs)
@@ -422,14 +422,17 @@ def test_bad_task_is_refused(kwargs, word):
         Task(**fields)
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    (dict(default_timeout=0), "default_timeout"),
-    (dict(default_timeout=-3.0), "default_timeout"),
-    (dict(max_leases_per_client=0), "max_leases_per_client"),
-    (dict(max_leases_per_client=1.5), "max_leases_per_client"),
-    (dict(preference_grace=-1.0), "preference_grace"),
-    (dict(throughput_halflife=0), "throughput_halflife"),
-])
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(default_timeout=0), "default_timeout"),
+        (dict(default_timeout=-3.0), "default_timeout"),
+        (dict(max_leases_per_client=0), "max_leases_per_client"),
+        (dict(max_leases_per_client=1.5), "max_leases_per_client"),
+        (dict(preference_grace=-1.0), "preference_grace"),
+        (dict(throughput_halflife=0), "throughput_halflife"),
+    ],
+)
 def test_bad_pool_settings_are_refused(clock, kwargs, word):
     with pytest.raises(TaskPoolError, match=word):
         make_pool(clock, **kwargs)
@@ -446,32 +449,33 @@ def _busy_pool(clock):
     return pool
 
 
-@pytest.mark.parametrize("op, args, word", [
-    ("complete", ("nope", "a"), "unknown task id 'nope'"),
-    ("add", (task("queued"),), "already added"),
-    ("add", (task("leased"),), "already added"),
-    ("add", (task("done"),), "already added"),
-    ("add", (task("abandoned"),), "already added"),
-    ("add", ("not a task",), "needs a Task"),
-    ("fail", ("leased", "b"), "leased to 'a', not to 'b'"),
-    ("fail", ("queued", "a"), "queued"),
-    ("fail", ("done", "b"), "already done"),
-    ("fail", ("abandoned", "a"), "abandoned"),
-    ("fail", ("nope", "a"), "unknown"),
-    ("abandon", ("done",), "already done"),
-    ("abandon", ("abandoned",), "abandoned"),
-    ("abandon", ("nope",), "unknown"),
-    ("set_client_speed", ("a", 0.0), "relative_speed"),
-    ("set_client_speed", ("a", -2.0), "relative_speed"),
-])
+@pytest.mark.parametrize(
+    "op, args, word",
+    [
+        ("complete", ("nope", "a"), "unknown task id 'nope'"),
+        ("add", (task("queued"),), "already added"),
+        ("add", (task("leased"),), "already added"),
+        ("add", (task("done"),), "already added"),
+        ("add", (task("abandoned"),), "already added"),
+        ("add", ("not a task",), "needs a Task"),
+        ("fail", ("leased", "b"), "leased to 'a', not to 'b'"),
+        ("fail", ("queued", "a"), "queued"),
+        ("fail", ("done", "b"), "already done"),
+        ("fail", ("abandoned", "a"), "abandoned"),
+        ("fail", ("nope", "a"), "unknown"),
+        ("abandon", ("done",), "already done"),
+        ("abandon", ("abandoned",), "abandoned"),
+        ("abandon", ("nope",), "unknown"),
+        ("set_client_speed", ("a", 0.0), "relative_speed"),
+        ("set_client_speed", ("a", -2.0), "relative_speed"),
+    ],
+)
 def test_misuse_raises_and_leaves_the_pool_unchanged(clock, op, args, word):
     pool = _busy_pool(clock)
-    before = (pool.stats(), len(pool), pool.leases_of("a"), pool.leases_of("b"),
-              pool.next_deadline())
+    before = (pool.stats(), len(pool), pool.leases_of("a"), pool.leases_of("b"), pool.next_deadline())
     with pytest.raises(TaskPoolError, match=word):
         getattr(pool, op)(*args)
-    assert (pool.stats(), len(pool), pool.leases_of("a"), pool.leases_of("b"),
-            pool.next_deadline()) == before
+    assert (pool.stats(), len(pool), pool.leases_of("a"), pool.leases_of("b"), pool.next_deadline()) == before
     # and the pool still works
     assert take_id(pool, "b") == "queued"
     assert pool.complete("leased", "a") is Completion.ACCEPTED
@@ -487,8 +491,17 @@ def test_task_pool_error_is_a_value_error():
 def test_stats_shape_and_json(clock):
     pool = make_pool(clock, max_leases_per_client=2)
     empty = pool.stats()
-    assert empty == {"queued": 0, "leased": 0, "done": 0, "requeued": 0, "duplicates": 0,
-                     "abandoned": 0, "added": 0, "oldest_queued_age": 0.0, "clients": {}}
+    assert empty == {
+        "queued": 0,
+        "leased": 0,
+        "done": 0,
+        "requeued": 0,
+        "duplicates": 0,
+        "abandoned": 0,
+        "added": 0,
+        "oldest_queued_age": 0.0,
+        "clients": {},
+    }
     pool.add(task("a"))
     clock.now = 2.0
     pool.add(task("b"))
@@ -499,8 +512,17 @@ def test_stats_shape_and_json(clock):
     clock.now = 7.0
     s = pool.stats()
     assert json.loads(json.dumps(s)) == s
-    assert set(s) == {"queued", "leased", "done", "requeued", "duplicates", "abandoned",
-                      "added", "oldest_queued_age", "clients"}
+    assert set(s) == {
+        "queued",
+        "leased",
+        "done",
+        "requeued",
+        "duplicates",
+        "abandoned",
+        "added",
+        "oldest_queued_age",
+        "clients",
+    }
     assert (s["queued"], s["leased"], s["done"], s["added"]) == (2, 0, 1, 3)
     assert s["oldest_queued_age"] == 5.0  # b, added at 2.0
     assert set(s["clients"]["x"]) == {"throughput", "done", "leases", "allowance"}

@@ -11,8 +11,9 @@ from tests.taskpool.test_pool import FakeClock, task
 
 
 def earning_pool(clock, **kw) -> TaskPool:
-    return TaskPool(clock=clock, default_timeout=10.0, max_leases_per_client=8, preference_grace=1.0,
-                    start_leases=2, **kw)
+    return TaskPool(
+        clock=clock, default_timeout=10.0, max_leases_per_client=8, preference_grace=1.0, start_leases=2, **kw
+    )
 
 
 def fill(pool: TaskPool, n: int, **kw) -> None:

@@ -24,18 +24,26 @@ DEFAULT_TIMEOUT = 4.0
 clients = st.sampled_from(CLIENTS)
 picks = st.integers(min_value=0, max_value=10_000)
 steps = st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 9.0])
-task_specs = st.tuples(st.sampled_from(["forward", "backward"]), st.integers(0, 2),
-                       st.integers(0, 2), st.none() | clients,
-                       st.none() | st.sampled_from([1.0, 3.0, 8.0]))
+task_specs = st.tuples(
+    st.sampled_from(["forward", "backward"]),
+    st.integers(0, 2),
+    st.integers(0, 2),
+    st.none() | clients,
+    st.none() | st.sampled_from([1.0, 3.0, 8.0]),
+)
 
 
 class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
-        self.pool = TaskPool(clock=lambda: self.now, default_timeout=DEFAULT_TIMEOUT,
-                             max_leases_per_client=K, preference_grace=GRACE,
-                             throughput_halflife=3.0)
+        self.pool = TaskPool(
+            clock=lambda: self.now,
+            default_timeout=DEFAULT_TIMEOUT,
+            max_leases_per_client=K,
+            preference_grace=GRACE,
+            throughput_halflife=3.0,
+        )
         self.tasks: dict[str, Task] = {}
         self.order: dict[str, int] = {}
         self.state: dict[str, str] = {}  # queued | leased | done | abandoned
@@ -78,8 +86,7 @@ class PoolMachine(RuleBasedStateMachine):
         out = []
         for tid in self.ids_in("queued"):
             pref = self.tasks[tid].preferred_client
-            if (pref is None or pref == client or tid in self.opened
-                    or self.now >= self.added_at[tid] + GRACE):
+            if pref is None or pref == client or tid in self.opened or self.now >= self.added_at[tid] + GRACE:
                 out.append(tid)
         return out
 
@@ -110,8 +117,7 @@ class PoolMachine(RuleBasedStateMachine):
     def add(self, specs):
         for kind, batch, micro_batch, pref, timeout in specs:
             tid = f"t{len(self.tasks)}"
-            task = Task(tid, kind, batch, micro_batch, 0, (0, 4), preferred_client=pref,
-                        timeout=timeout)
+            task = Task(tid, kind, batch, micro_batch, 0, (0, 4), preferred_client=pref, timeout=timeout)
             self.pool.add(task)
             self.tasks[tid] = task
             self.order[tid] = len(self.order)
@@ -289,5 +295,6 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 PoolMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=80, deadline=None, derandomize=True, database=None)
+    max_examples=150, stateful_step_count=80, deadline=None, derandomize=True, database=None
+)
 TestPoolMachine = PoolMachine.TestCase
