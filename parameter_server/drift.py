@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import threading
 
 import torch
 
@@ -77,6 +78,8 @@ class DriftTest:
         self.secret = os.urandom(16) if secret is None else secret
         self.k, self.floor, self.alpha = directions, floor, alpha
         self.sums: dict[tuple[str, str], tuple[torch.Tensor, int]] = {}  # (peer, kind) -> (S_k, N)
+        # `add` runs in a server's checks thread, the other methods in its event loop
+        self._lock = threading.Lock()
 
     def _seed(self, k: int, n: int) -> int:
         digest = hashlib.sha256(self.secret + f":{k}:{n}".encode()).digest()
@@ -105,17 +108,21 @@ class DriftTest:
             1e-30,
         )
         v = self.project(d) / scale
-        s, n = self.sums.get((peer, kind), (torch.zeros(self.k, dtype=torch.float64), 0))
-        s, n = s + v, n + 1
-        self.sums[(peer, kind)] = (s, n)
+        with self._lock:
+            s, n = self.sums.get((peer, kind), (torch.zeros(self.k, dtype=torch.float64), 0))
+            s, n = s + v, n + 1
+            self.sums[(peer, kind)] = (s, n)
         q, b = float((s * s).sum()) / n, bound(n, self.k, self.alpha)
         return (q, b) if q > b else None
 
     def suspicious(self, peer: str) -> bool:
         """Whether some sum of `peer`'s has drifted past twice its honest mean (Q_N > 2K): its work is
         then checked every time, so that a bias is caught while a rollback can still undo it."""
-        return any(float((s * s).sum()) / n > 2 * self.k for (p, _), (s, n) in self.sums.items() if p == peer)
+        with self._lock:
+            mine = [(s, n) for (p, _), (s, n) in self.sums.items() if p == peer]
+        return any(float((s * s).sum()) / n > 2 * self.k for s, n in mine)
 
     def forget(self, peer: str) -> None:
-        for key in [key for key in self.sums if key[0] == peer]:
-            del self.sums[key]
+        with self._lock:
+            for key in [key for key in self.sums if key[0] == peer]:
+                del self.sums[key]

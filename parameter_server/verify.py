@@ -414,9 +414,10 @@ class Verification:
             }
             first = min(firsts) if firsts else None
             if first is not None and first < max(versions):
-                # batch t re-runs on version t - 1 (the delayed update): the oldest version kept can be
+                # the first batch re-run, t, computes on version_for_batch(t) (t - 1, the delayed update):
+                # that version must still be kept, so past the window's start the oldest version kept is
                 # the one a re-run starts from, not the one it rolls back to
-                target = max(first, kept_from + 1)
+                target = first if version_for_batch(first) >= kept_from else max(first, kept_from + 1)
                 if target > first:
                     logger.error(
                         "%s: %s's work of batches %d..%d stays applied: versions before %d are no longer kept",

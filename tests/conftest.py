@@ -35,6 +35,8 @@ def pytest_collection_modifyitems(config, items):
 
     root = Path(__file__).parent
     for item in items:
+        if any(item.get_closest_marker(t) for t in set(TIERS.values())):
+            continue  # (a test marked itself: a swarm started from a unit tier's folder)
         rel = Path(str(item.fspath)).relative_to(root)
         tier = TIERS.get(rel.parts[0], "unit") if len(rel.parts) > 1 else "unit"
         item.add_marker(getattr(pytest.mark, tier))

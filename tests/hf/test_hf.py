@@ -123,6 +123,7 @@ def test_init_from_reads_grouped_query_attention_and_tied_embeddings_exactly(tmp
     assert diff < 1e-4, diff
 
 
+@pytest.mark.swarm
 def test_a_swarm_started_from_a_transformers_model_equals_the_reference_and_exports(tmp_path):
     """`peer swarm --init-from` (servers read their stage's tensors, volunteers build their slice from
     the architecture in the run's config record, --data goes through the model's tokenizer) ends

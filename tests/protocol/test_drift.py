@@ -9,7 +9,7 @@ import torch
 from parameter_server.drift import ALPHA, DIRECTIONS, DriftTest, bound, chi2_quantile, chi2_survival
 
 
-def _result(gen, n=4096):
+def _result(gen, n=1024):
     return torch.randn(n, generator=gen)
 
 
