@@ -48,6 +48,18 @@ DEFAULT_PROBATION = 4
 HOLD_SECONDS = 60.0  # the longest a server holds its steps between a ban and the rollback's epoch
 
 
+def rollback_target(first: int, kept_from: int, versions: list[int]) -> int:
+    """The version a ban rolls every shard back to, for a liar whose first work was batch `first`, when
+    the oldest version every server still keeps is `kept_from` and the servers' slots are at `versions`.
+    The first batch re-run, t, computes on version_for_batch(t) (t - 1, the delayed update), which must
+    still be kept: past the window's start the oldest version kept is where a re-run starts from, not
+    where it rolls back to. And a server that has not reached the liar's first batch applied none of
+    its work: the run goes back no further than the slowest server's version (an epoch's
+    `rollback_to` is at most its `from_batch`)."""
+    target = first if version_for_batch(first) >= kept_from else max(first, kept_from + 1)
+    return min(target, min(versions))
+
+
 def distance(got: torch.Tensor, want: torch.Tensor) -> float:
     """Relative L2 distance of `got` from `want` (absolute below a tiny floor, for all-zero results)."""
     diff = float(torch.linalg.vector_norm((got.float() - want.float()).flatten()))
@@ -414,10 +426,7 @@ class Verification:
             }
             first = min(firsts) if firsts else None
             if first is not None and first < max(versions):
-                # the first batch re-run, t, computes on version_for_batch(t) (t - 1, the delayed update):
-                # that version must still be kept, so past the window's start the oldest version kept is
-                # the one a re-run starts from, not the one it rolls back to
-                target = first if version_for_batch(first) >= kept_from else max(first, kept_from + 1)
+                target = rollback_target(first, kept_from, versions)
                 if target > first:
                     logger.error(
                         "%s: %s's work of batches %d..%d stays applied: versions before %d are no longer kept",

@@ -227,3 +227,18 @@ def test_a_checkpoint_writes_each_kept_version_once_and_reads_back_the_whole_his
     write_replica(str(tmp_path), "s0b0", 1, shard.state_dict())  # a replica's history beside it, apart
     assert len([f for f in os.listdir(tmp_path) if f.startswith("s0b0.replica1.history.")]) == 3
     assert len([f for f in os.listdir(tmp_path) if f.startswith("s0f0.history.")]) == 3
+
+
+@pytest.mark.parametrize(
+    "first,kept_from,versions,want",
+    [
+        (0, 0, [3, 3, 2, 3], 0),  # nothing has left the window: back to the liar's first batch
+        (1, 0, [0, 2, 1, 2], 0),  # a server still at version 0 applied nothing of it: no further than 0
+        (2, 4, [9, 10, 9, 10], 5),  # its first work left the window: from where a re-run can start (4 kept)
+        (6, 4, [9, 10, 9, 10], 6),  # all of it within the window
+    ],
+)
+def test_a_bans_rollback_target(first, kept_from, versions, want):
+    from parameter_server.verify import rollback_target
+
+    assert rollback_target(first, kept_from, versions) == want
