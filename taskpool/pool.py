@@ -324,10 +324,12 @@ class TaskPool:
             raise TaskPoolError(f"complete: unknown task id {task_id!r}")
         # _close(entry), inlined: this is half of the hot path
         now = self._clock()
-        if entry.state == _LEASED:
-            lease = entry.lease
-            if lease.client == client and now <= lease.deadline:
-                self._standing.on_time(client, now - entry.leased_at)
+        lease = entry.lease if entry.state == _LEASED else None
+        if lease is not None and lease.client == client and now <= lease.deadline:
+            self._standing.on_time(client, now - entry.leased_at)
+        elif entry.holders is not None and client in entry.holders:
+            self._standing.delivered_late(client)
+        if lease is not None:
             del self._clients[lease.client].leases[task_id]
             self._leased -= 1
             entry.lease = None

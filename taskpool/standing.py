@@ -69,6 +69,11 @@ class Standing:
         held_for = max(0.0, held_for)
         self.typical = held_for if self.typical is None else self.typical + TYPICAL_WEIGHT * (held_for - self.typical)
 
+    def delivered_late(self, client: str) -> None:
+        """The client completed a task whose lease of its own had run out: slow, not hoarding. Its
+        strikes go (it is not dropped for them); its allowance and probation stay as they are."""
+        self._strikes.pop(client, None)
+
     def expired(self, client: str) -> int:
         """A lease of the client ran out unanswered; returns its strikes now."""
         if self.earning:
@@ -82,7 +87,9 @@ class Standing:
         is known yet of how long a lease takes here)."""
         if self.probation_factor is None or self.typical is None or client in self._proven:
             return None
-        return max(self.probation_floor, self.probation_factor * self.typical * factor)
+        # doubled at each of its leases that ran out in a row: a slow honest newcomer gets a lease long
+        # enough for its task after a few, a hoarder is dropped first
+        return max(self.probation_floor, self.probation_factor * self.typical * factor) * 2 ** self.strikes(client)
 
     def trust(self, client: str) -> None:
         """The client is trusted (a worker of the run's own servers): it may hold `most` leases, and its

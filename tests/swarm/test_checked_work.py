@@ -37,8 +37,7 @@ def _banned_lines(tmp_path) -> dict[str, str]:
 
 
 def test_liars_of_every_kind_are_banned_and_the_run_equals_the_clean_one(tmp_path):
-    """One liar of each kind from its first task (the biased one under the L2 tolerance), and one that
-    lies only after 6 honest tasks, past a
+    """One liar of each kind from its first task, and one that lies only after 6 honest tasks, past a
     probation of 1 passed check per server (then half of its work is checked): all banned, each with
     the check it failed, and the run ends equal to `peer reference` as if they had never joined (one
     swarm for all five: CI time)."""
@@ -62,21 +61,16 @@ def test_liars_of_every_kind_are_banned_and_the_run_equals_the_clean_one(tmp_pat
         "zeros",
         "--cheater",
         "scale@6",
-        "--cheater",
-        "bias",
     )
     lines = _banned_lines(tmp_path)
-    # each liar is refused with the check it failed, named: the L2 distance, or for the one biased under
-    # the tolerance, its differences' direction (parameter_server/drift.py)
-    biased = lines.pop("cheat5", "")
-    assert biased.startswith("banned from run") and "the same way check after check" in biased, biased
+    # each liar is refused with the check it failed, named
     assert len(lines) == 5 and all(
         line.startswith("banned from run") and "relative L2" in line for line in lines.values()
     ), lines
     late = re.search(r"after (\d+) forward and (\d+) backward tasks", lines["cheat4"])
     assert late and int(late.group(1)) + int(late.group(2)) >= 6, lines["cheat4"]  # honest until then
-    assert len(summary["banned"]) == 6, summary["banned"]
-    assert summary["checks"]["caught"] >= 6 and summary["checks"]["passed"] > 0, summary["checks"]
+    assert len(summary["banned"]) == 5, summary["banned"]
+    assert summary["checks"]["caught"] >= 5 and summary["checks"]["passed"] > 0, summary["checks"]
     # honest re-runs agree far inside the tolerance
     assert summary["max_honest_distance"] < 1e-4
     assert summary["layout_epoch"] >= 1  # the rollbacks travel as layout epochs

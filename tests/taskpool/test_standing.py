@@ -103,7 +103,8 @@ def test_a_late_result_of_an_expired_lease_still_counts_but_earns_nothing():
     clock.now = 20.0
     pool.expire()
     assert pool.complete(lease.task.task_id, "slow").value == "accepted"
-    assert pool.strikes("slow") == 1 and pool.allowance("slow") == 1
+    # delivered, late: slow, not hoarding (its strike goes), but nothing earned
+    assert pool.strikes("slow") == 0 and pool.allowance("slow") == 1 and not pool.proven("slow")
 
 
 def test_the_plain_pool_is_unchanged_and_bad_settings_are_named():
@@ -132,3 +133,24 @@ def test_a_new_open_task_waits_for_the_clients_that_have_delivered_then_anyone_t
     assert pool.take("stranger") is None  # t1 is new: the proven first
     clock.now = 1.0  # the grace is over
     assert pool.take("stranger").task.task_id == "t1"
+
+
+def test_a_slow_newcomer_that_delivers_late_is_not_dropped_and_its_probation_leases_grow():
+    clock = FakeClock()
+    pool = earning_pool(clock, probation_factor=2.0, probation_floor=0.25)
+    fill(pool, 6)
+    lease = pool.take("fast")
+    clock.now = 0.1
+    pool.complete(lease.task.task_id, "fast")  # the typical lease: 0.1 s
+    clock.now = 2.0
+    first = pool.take("slow")
+    assert first.deadline == pytest.approx(2.0 + 0.25)
+    clock.now = 2.5
+    pool.expire()
+    assert pool.strikes("slow") == 1
+    assert pool.take("fast").task.task_id == first.task.task_id  # its expired task: others first
+    second = pool.take("slow")
+    assert second.deadline == pytest.approx(2.5 + 0.5)  # its probation lease doubled after a strike
+    clock.now = 2.7
+    assert pool.complete(first.task.task_id, "slow").value == "accepted"  # late, and first: it counts
+    assert pool.strikes("slow") == 0 and not pool.proven("slow")  # slow, not hoarding; nothing earned
