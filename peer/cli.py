@@ -36,6 +36,27 @@ def _available_commands():
         yield name, module, help_text
 
 
+def _shown(action) -> bool:
+    d = action.default
+    return bool(action.option_strings) and d is not None and d is not False and d != [] and d != argparse.SUPPRESS
+
+
+class _ShowDefaults(argparse.HelpFormatter):
+    """Every option's help line ends with its default (also options that have no help text)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or not _shown(action):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _say_defaults(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if action.help is None and _shown(action):
+            action.help = "default: %(default)s"  # argparse prints no line for an option without help
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="peer", description="hivepipe peer: train large models on volunteered machines"
@@ -46,9 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module, help_text in _available_commands():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_ShowDefaults)
         p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logs")
         module.add_arguments(p)
+        _say_defaults(p)
         p.set_defaults(_run=module.run, _parser=p)
     return parser
 

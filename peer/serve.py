@@ -12,6 +12,7 @@ import time
 
 from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS
 from peer.errors import NetworkError, UsageError
+from peer.model.config import PRESETS
 from peer.protocol.records import DEFAULT_ANNOUNCE_PERIOD, JOINING_PERIOD, STALE_PERIODS
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 from peer.runtime import (
@@ -43,7 +44,7 @@ def add_arguments(p) -> None:
     where.add_argument("--plan", default=None, metavar="PLAN.json", help="a plan from `peer plan`")
     where.add_argument("--device-id", default=None, help="this host's id in --plan")
     train = p.add_argument_group("training (every server of a run must agree)")
-    train.add_argument("--model", default=TRAIN_DEFAULTS["model"])
+    train.add_argument("--model", default=TRAIN_DEFAULTS["model"], help=f"model preset: {', '.join(PRESETS)}")
     train.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--steps", type=int, default=50)

@@ -16,9 +16,7 @@ import tempfile
 import time
 
 from peer.errors import UsageError
-from peer.launcher.churn import Churn
-from peer.launcher.monitor import Monitor
-from peer.launcher.processes import Swarm
+from peer.model.config import PRESETS
 from peer.protocol.records import DEFAULT_ANNOUNCE_PERIOD, JOINING_PERIOD
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 
@@ -32,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--volunteer-stage", default="spread", help="'spread' (round robin), 'auto' or a stage index")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=TRAIN_DEFAULTS["model"])
+    p.add_argument("--model", default=TRAIN_DEFAULTS["model"], help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--data", default=None)
     p.add_argument("--batch-size", type=int, default=TRAIN_DEFAULTS["batch_size"])
     p.add_argument("--micro-batches", type=int, default=TRAIN_DEFAULTS["micro_batches"])
@@ -297,6 +295,9 @@ async def wait_for_failovers(monitor, lost: list[str], timeout: float, stop: asy
 async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: asyncio.Event) -> int:
     from tqdm import tqdm
 
+    from peer.launcher.churn import Churn
+    from peer.launcher.monitor import Monitor
+    from peer.launcher.processes import Swarm
     from peer.node import HaltNotice, start_dht, stop_dht, visible_maddrs
     from peer.reachability import DialBackService
 

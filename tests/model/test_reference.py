@@ -193,14 +193,17 @@ def test_cli_writes_checkpoint_and_summary_equal_to_in_process_run(tmp_path, def
         (["--steps", "0"], "steps must be >= 1"),
     ],
 )
-def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path, args, match):
+def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path, args, match, capsys):
+    """Through the command's own entry point (`peer.cli.main`), in this process."""
+    from peer.cli import main
+
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
     args = [str(empty) if a == "EMPTY" else a for a in args]
     ck, summary = tmp_path / "ck", tmp_path / "s.json"
-    r = _cli("--model", "tiny", *args, "--checkpoint-out", str(ck), "--summary-json", str(summary))
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert "error:" in r.stderr
-    assert re.search(match, r.stderr), r.stderr
-    assert "Traceback" not in r.stderr
+    code = main(["reference", "--model", "tiny", *args, "--checkpoint-out", str(ck), "--summary-json", str(summary)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "error:" in err
+    assert re.search(match, err), err
     assert not ck.exists() and not summary.exists()
