@@ -15,7 +15,7 @@ logger = logging.getLogger("hivepipe.server")
 # a lease younger than this may still be on its way to its client (in the answer to its `take`)
 LEASE_IN_FLIGHT = 5.0
 # a client that this server's node has had no connection to for this long (in three reads of the
-# connections, peer.serve.CONNECTION_READ_PERIOD apart) and that has not called meanwhile has left:
+# connections, peer.host.maintenance.CONNECTION_READ_PERIOD apart) and that has not called meanwhile has left:
 # a SIGKILLed volunteer's connection closes at once, so its leases go back without waiting out
 # --client-timeout of silence. Was 1.0 s over reads 0.5 s apart: in a soak the servers
 # dropped a killed holder 2.1-2.4 s after the kill, and the one stall over the goal (7.6 s) was such

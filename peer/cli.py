@@ -91,6 +91,26 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] in OPTIONAL:
+            print(f'peer {args.command}: error: this needs {e.name}: pip install -e ".[hf]"', file=sys.stderr)
+            return 2
+        return _fault(args, e)
+    except Exception as e:  # a fault, not the user's input: one line (the traceback with -vv), exit 1
+        return _fault(args, e)
+
+
+# the optional dependencies (the `hf` extra) and what they are needed for
+OPTIONAL = ("transformers", "tokenizers", "sentencepiece")
+
+
+def _fault(args, e: BaseException) -> int:
+    import logging
+
+    logging.getLogger("hivepipe").debug("the traceback of the error below", exc_info=e)
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    print(f"peer {args.command}: error: {type(e).__name__}{': ' + text if text else ''}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

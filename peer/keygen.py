@@ -27,8 +27,9 @@ def run(args) -> int:
         raise UsageError(
             f"--output {args.output} exists: a run key is never overwritten (its fingerprint is what volunteers trust)"
         )
-    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        raise UsageError(f"--output {args.output}: no such folder")
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UsageError(f"--output {args.output}: {folder} is not a folder")
     if args.run_id is not None:
         try:
             name, fp = split_run_id(args.run_id)
@@ -37,7 +38,11 @@ def run(args) -> int:
         if fp is not None:
             raise UsageError("--run-id: give the name alone (the fingerprint is the new key's)")
     key = SigningKey.generate()
-    key.save(args.output)
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)  # the folder is made (readable by its owner only)
+        key.save(args.output)
+    except OSError as e:
+        raise UsageError(f"--output {args.output}: {e.strerror or e}") from None
     print(f"fingerprint={key.fingerprint}")
     if args.run_id is not None:
         print(f"run={args.run_id}@{key.fingerprint}")

@@ -182,10 +182,60 @@ class RequestPipe:
         return getattr(self._conn, name)
 
 
+def die_with_parent(sig: int | None = None) -> bool:
+    """Linux: the kernel sends this process `sig` (SIGKILL) when the thread that forked it ends
+    (prctl PR_SET_PDEATHSIG): no poll, and it holds when the parent is SIGKILLed. False elsewhere."""
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_PDEATHSIG, int(sig or signal.SIGKILL), 0, 0, 0) == 0
+
+
+def p2pd_dies_with_its_parent() -> None:
+    """Make every p2p daemon this process (or a fork of it: a hivemind DHT process) starts die with
+    the process that started it: hivemind starts the daemon through
+    asyncio.subprocess.create_subprocess_exec, which gets a preexec_fn that sets the parent-death
+    signal in the daemon before it runs."""
+    import asyncio.subprocess as aio_subprocess
+
+    start = aio_subprocess.create_subprocess_exec
+    if getattr(start, "hivepipe_dies_with_parent", False):
+        return
+
+    async def create_subprocess_exec(program, *args, **kwargs):
+        if os.path.basename(str(program)).startswith("p2pd") and "preexec_fn" not in kwargs:
+            kwargs["preexec_fn"] = die_with_parent
+        return await start(program, *args, **kwargs)
+
+    create_subprocess_exec.hivepipe_dies_with_parent = True
+    aio_subprocess.create_subprocess_exec = create_subprocess_exec
+
+
 class RunDHT(DHT):
-    """hivemind's DHT, reading its requests through RequestPipe."""
+    """hivemind's DHT, reading its requests through RequestPipe, whose process (and its p2p daemon)
+    dies with the process that started it: a SIGKILLed peer leaves no DHT process or daemon holding
+    its port (the parent-death signal: only when started from the main thread, since the kernel
+    signals when the forking thread ends)."""
+
+    def start(self) -> None:
+        import threading
+
+        self._parent_pid = os.getpid()
+        self._from_main_thread = threading.current_thread() is threading.main_thread()
+        p2pd_dies_with_its_parent()
+        super().start()
 
     def run(self) -> None:
+        if getattr(self, "_from_main_thread", False):
+            die_with_parent()
+            if os.getppid() != self._parent_pid:  # the parent died before the signal was armed
+                os._exit(0)
         self._inner_pipe = RequestPipe(self._inner_pipe)
         super().run()
 

@@ -120,3 +120,29 @@ async def check_reachable(
     if refusals:
         return False, "; ".join(refusals)
     return None, "; ".join(silent) or "no peer to ask"
+
+
+def advice_for(problem: str) -> str:
+    """The fix that fits what a dial-back (or the ask for one) ran into."""
+    text = problem.lower()
+    if "protocols not supported" in text or "protocol not supported" in text:
+        return (
+            "the peer asked does not serve the dial-back check (not a hivepipe server, or one that hangs): "
+            "stop that peer, or pass --initial-peers of a running server of the run"
+        )
+    if "refused" in text:
+        return (
+            "the address answers but nothing listens on that port: check that --announce-maddrs names the "
+            "port this server listens on (--host-maddrs) and that a forwarded port leads to it"
+        )
+    if "no answer within" in text or "timed out" in text or "timeout" in text or "deadline" in text:
+        return (
+            "nothing answered at that address: open its TCP port to the internet (firewall, port forwarding), "
+            "or pass --announce-maddrs with the public address that forwards to it"
+        )
+    if "no route" in text or "unreachable" in text:
+        return "that address cannot be routed to from the checker: announce a public address (--announce-maddrs)"
+    return (
+        "open its TCP port to the internet (firewall, port forwarding), or pass --announce-maddrs with the "
+        "public address that forwards to it"
+    )

@@ -71,6 +71,7 @@ def serve_args(model: str, steps: int, stage, role, ckpt: Path, key: Path, host:
     return [
         "serve",
         "--reliable",
+        "--hold",  # it stays until this launcher has read its final state
         "--stage",
         stage,
         "--role",

@@ -373,7 +373,7 @@ def biased(a, work: Path, report: Report, refs: dict) -> dict:
         timeout=a.run_timeout,
     )
     text = "\n".join(p.read_text() for p in (work / "bias").glob("cheat*.log"))
-    line = re.search(r"^banned from run .*$", text, re.M)
+    line = re.search(r"banned from run .*$", text, re.M)
     checks = re.search(r"after (\d+) checks\)", line.group(0)) if line else None
     d = {
         "banned": bool(line),

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from peer.dashboard.snapshot import MAX_PROBED_STAGES, History, build_snapshot, stage_count
-from peer.protocol.records import config_key, open_config, open_stage, stage_key
+from peer.protocol.records import config_key, open_config, open_stage, stage_key, validator_rejections
 
 logger = logging.getLogger("hivepipe.dashboard")
 
@@ -84,18 +84,6 @@ class DhtReader:
         from peer.node import stop_dht
 
         stop_dht(self.dht)
-
-
-async def validator_rejections(dht, node) -> list[dict]:
-    """(run in the DHT process) The records its run validator dropped, latest last."""
-    from dataclasses import asdict
-
-    from peer.protocol.trust import RunValidator
-
-    for v in getattr(node.protocol.record_validator, "_validators", []):
-        if isinstance(v, RunValidator):
-            return [asdict(r) for r in v.rejected]
-    return []
 
 
 class Watcher:

@@ -28,7 +28,7 @@ def fmt_age(seconds: float | None) -> str:
     return f"{seconds / 3600:.0f}h"
 
 
-STATE_STYLE = {"online": "green", "joining": "yellow", "offline": "dim", "unreachable": "bold red"}
+STATE_STYLE = {"online": "green", "joining": "yellow", "offline": "dim", "finished": "blue", "unreachable": "bold red"}
 STATUS_STYLE = {
     "ok": "bold green",
     "finished": "bold cyan",

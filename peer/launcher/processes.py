@@ -101,6 +101,7 @@ class Swarm:
                     argv = [
                         "serve",
                         "--reliable",
+                        "--hold",  # it stays until this launcher has read its final state
                         *where,
                         "--host-maddrs",
                         LOOPBACK_MADDR,

@@ -11,7 +11,7 @@ from typing import Any
 
 logger = logging.getLogger("hivepipe.records")
 
-STATES = ("online", "joining", "offline")
+STATES = ("online", "joining", "offline", "finished")
 
 # An announcement is stored to live STALE_PERIODS announce periods, and never less than
 # MIN_RECORD_TTL: a store that meets a silent DHT peer (frozen, gone, behind a dead NAT) waits
@@ -344,3 +344,29 @@ async def read_config(dht, run_id: str) -> RunConfig | None:
     when it does not fit the schema. Callers that wait poll it (peer/join.py's wait_until)."""
     value = await read_config_value(dht)
     return None if value is None else RunConfig.from_dict(value)
+
+
+async def validator_rejections(_dht, node) -> list[dict]:
+    """(Run in the DHT process: dht.run_coroutine.) The records its run validator dropped, latest last."""
+    from dataclasses import asdict
+
+    from peer.protocol.trust import RunValidator
+
+    for v in getattr(node.protocol.record_validator, "_validators", []):
+        if isinstance(v, RunValidator):
+            return [asdict(r) for r in v.rejected]
+    return []
+
+
+async def other_run_keys(dht) -> list[str]:
+    """The fingerprints of the other run keys this node saw publish a config under its run's name
+    (its validator dropped them): a run that exists, but under another key than the one trusted here."""
+    import re
+
+    trust = trust_of(dht)
+    found = []
+    for r in await dht.run_coroutine(validator_rejections, return_future=True):
+        m = re.match(r"config of another run key \((\S+),", r["reason"])
+        if r["key"] == config_key(trust.run_id) and m and m.group(1) not in found:
+            found.append(m.group(1))
+    return found

@@ -168,7 +168,7 @@ def test_first_line_warning_and_a_refused_announce_address(tmp_path):
             start_new_session=True,
         )
         try:
-            assert seen_within(join.stderr, "waiting for run 'no-such-run' to appear", 60)
+            assert seen_within(join.stdout, "waiting: for run 'no-such-run' to appear", 60)
             join.send_signal(signal.SIGTERM)
             assert join.wait(timeout=30) == 0
         finally:

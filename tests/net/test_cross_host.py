@@ -60,6 +60,7 @@ def serve_argv(stage: str, role: str, host_ip: str, run_id: str, ckpt, key, *ext
     return [
         "serve",
         "--reliable",
+        "--hold",
         "--stage",
         stage,
         "--role",

@@ -31,7 +31,7 @@ def _banned_lines(tmp_path) -> dict[str, str]:
     out = {}
     for log in (tmp_path / "work").glob("cheat*.log"):
         text = log.read_text()
-        match = re.search(r"^banned from run .*$", text, re.M)
+        match = re.search(r"banned from run .*$", text, re.M)
         out[log.stem] = match.group(0) if match else text[-2000:]
     return out
 
@@ -64,9 +64,9 @@ def test_liars_of_every_kind_are_banned_and_the_run_equals_the_clean_one(tmp_pat
     )
     lines = _banned_lines(tmp_path)
     # each liar is refused with the check it failed, named
-    assert len(lines) == 5 and all(
-        line.startswith("banned from run") and "relative L2" in line for line in lines.values()
-    ), lines
+    assert len(lines) == 5 and all("banned from run" in line and "relative L2" in line for line in lines.values()), (
+        lines
+    )
     late = re.search(r"after (\d+) forward and (\d+) backward tasks", lines["cheat4"])
     assert late and int(late.group(1)) + int(late.group(2)) >= 6, lines["cheat4"]  # honest until then
     assert len(summary["banned"]) == 5, summary["banned"]

@@ -71,8 +71,8 @@ def test_swarm_laid_out_by_a_plan_takes_its_devices_identities(tmp_path):
     logs = {p.stem for p in work.glob("*.log")}
     assert logs == set(RELIABLE) | {"alice", "bob"}, logs
     served = (work / "hostE.log").read_text(errors="replace")
-    assert "serving hostE (stage 0 frontal, layers 0-1)" in served, served[-2000:]
-    assert "serving hostC (stage 1 frontal, layers 1-4)" in (work / "hostC.log").read_text(errors="replace")
+    assert "hostE: serving: stage 0 frontal, layers 0-1" in served, served[-2000:]
+    assert "hostC: serving: stage 1 frontal, layers 1-4" in (work / "hostC.log").read_text(errors="replace")
     # the profile's compute: bob has half the fastest device's tflops, so his steps are stretched x2
     assert "on stage 1" in (bob := (work / "bob.log").read_text(errors="replace")) and "stretched x2" in bob, bob[
         -2000:

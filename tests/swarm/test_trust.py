@@ -211,6 +211,7 @@ def test_a_bad_allow_list_is_named(tmp_path, lines, words, capsys):
             [
                 "serve",
                 "--reliable",
+                "--hold",
                 "--stage",
                 "0",
                 "--role",

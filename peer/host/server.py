@@ -1,0 +1,552 @@
+"""`ServerHost`: one reliable server's life. `peer serve --reliable` parses its arguments and runs it.
+
+    start      its DHT node and p2p daemon (or its supervisor's), the lines another host needs
+               (initial_peers=, run=), the check that others can dial it back
+    find       the run's config record: the same run key and the same training flags, or a
+               one-line error (exit 2) that names both sides
+    build      the stage server, from its checkpoint folder when it has one
+    wait       for its stage's servers, for as long as it takes, said once a minute
+    serve      the announcer, the failure detector, the maintenance loop, its own worker
+    finish     at the run's last step, once every server of the run has reached it: its checkpoint
+               is written, `run R finished at step N (loss L)` is said, and it exits 0 (unless
+               --hold: it then serves its final state until stopped)
+    stop       on SIGTERM/SIGINT (or a fence): offline record, tasks cancelled, checkpoint closed
+
+Each state change is one line on stdout (peer.host.state.StateLine)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from peer.errors import NetworkError, UsageError
+from peer.host.announcer import Announcer
+from peer.host.failures import PROBE_S, FailureDetector
+from peer.host.maintenance import Maintenance
+from peer.host.state import PeerState, StateLine
+from peer.runtime import freeze_startup_objects, link_emulator
+
+logger = logging.getLogger("hivepipe.serve")
+
+# the run's flags every server must share, as the config record names them -> the flag that sets it
+SHARED_FLAGS = {
+    "model": "--model",
+    "arch": "--init-from",
+    "seed": "--seed",
+    "steps": "--steps",
+    "batch_size": "--batch-size",
+    "micro_batches": "--micro-batches",
+    "lr": "--lr",
+    "compress": "--compress",
+    "announce_period": "--announce-period",
+    "layout": "--stages/--frontal-per-stage/--backward-per-stage or --plan",
+}
+
+
+def start_server_dht(args, run_cfg, device: str):
+    from peer.node import NetworkStartError, start_dht
+
+    t0 = time.perf_counter()
+    try:
+        dht = start_dht(
+            args.initial_peers,
+            run_id=run_cfg.run_id,
+            run_fp=args.run_fp,
+            run_key=args.run_key_obj,
+            identity_path=args.identity_path,
+            host_maddrs=args.host_maddrs,
+            announce_maddrs=args.announce_maddrs,
+            timeout=args.timeout or 60.0,
+        )
+    except NetworkStartError as e:
+        raise NetworkError(str(e)) from None
+    logger.info("%s: DHT node and p2p daemon up in %.1f s", device, time.perf_counter() - t0)
+    return dht
+
+
+def differing_flags(ours: dict, theirs: dict) -> list[str]:
+    """What the run's config (`theirs`, from the DHT) and this server's (`ours`) disagree on, as
+    `--flag theirs (here: ours)`; the layout only while the run is at its first layout epoch (a
+    failover changes it)."""
+    out = []
+    for key, flag in SHARED_FLAGS.items():
+        if key == "layout" and theirs.get("epoch", 0) != 0:
+            continue
+        if key in theirs and theirs.get(key) != ours.get(key):
+            if key in ("layout", "arch"):
+                out.append(f"{flag} (the run's {key} differs)")
+            else:
+                out.append(f"{flag} {theirs[key]} (here: {ours[key]})")
+    return out
+
+
+class ServerHost:
+    """One server of the run, `device` of `layout`. `held`: a peer.node.HeldNode (the DHT node of a
+    supervisor, which outlives this process), else it starts its own."""
+
+    def __init__(self, args, cfg, layout, device: str, run_cfg, corpus=None, held=None, out=None):
+        self.args, self.cfg, self.layout, self.device, self.run_cfg = args, cfg, layout, device, run_cfg
+        self.corpus, self.held = corpus, held
+        self.stage, self.role, _ = layout.locate(device)
+        self.state = StateLine(device, out=out)
+        self.dht = self.p2p = self.server = self.directory = self.announcer = self.worker = None
+        self.writer = None
+        self.maddrs: list[str] = []
+        self.peer_id = ""
+        self.current_config: dict | None = None
+        self.tasks: list[asyncio.Task] = []
+        self.finished = asyncio.Event()  # every server of the run reached the last step
+        self.halt = None
+
+    # ---- start ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from peer.reachability import DialBackService
+
+        args = self.args
+        if self.held is None:
+            self.dht = start_server_dht(args, self.run_cfg, self.device)
+            self.p2p = await self.dht.replicate_p2p()
+            from peer.node import announced_maddrs
+
+            self.maddrs = announced_maddrs(self.dht)
+        else:
+            t0 = time.perf_counter()
+            self.dht, self.maddrs = self.held.dht, self.held.maddrs
+            self.p2p = await self.held.replicate()
+            logger.info("%s: attached to its supervisor's DHT node in %.1f s", self.device, time.perf_counter() - t0)
+        self.peer_id = str(self.dht.peer_id)
+        # the first line on stdout: what a volunteer (or another server) passes to --initial-peers
+        print("initial_peers=" + " ".join(self.maddrs), flush=True)
+        # the second: what a volunteer passes to --run-id, so that it believes only this run's servers
+        print(f"run={self.run_cfg.run_id}@{args.run_fp}", flush=True)
+        self.state.say(PeerState.STARTING, f"{self.device} of run {self.run_cfg.run_id}, as {self.peer_id}")
+        await DialBackService().add_p2p_handlers(self.p2p)
+        if not args.no_reachability_check and not getattr(args, "restarted", False):
+            await check_own_reachability(
+                self.dht, self.p2p, args, self.run_cfg.run_id, self.layout.num_stages, self.maddrs, self.device
+            )
+
+    # ---- find the run ---------------------------------------------------------------------------
+
+    async def find_run(self) -> None:
+        """Read the run's config record: UsageError when the run is published under another run key,
+        with other training flags, or without this server (failed over)."""
+        from parameter_server.layout import RunLayout
+        from peer.protocol import records
+
+        t0 = time.perf_counter()
+        current = await records.read_config_value(self.dht)
+        logger.info("%s: read the run's config record in %.1f s", self.device, time.perf_counter() - t0)
+        run_id, fp = self.run_cfg.run_id, self.args.run_fp
+        if current is None:
+            others = await records.other_run_keys(self.dht)
+            if others:
+                raise UsageError(
+                    f"run {run_id!r} is published under run key {', '.join(others)}, and this server's "
+                    f"--run-key {self.args.run_key} has fingerprint {fp}: give it the run's key file (or "
+                    "start a new run under another --run-id)"
+                )
+        if isinstance(current, dict):
+            differ = differing_flags(self.run_cfg.to_dict(), current)
+            if differ:
+                raise UsageError(
+                    f"run {run_id!r} trains with other flags than this server: {'; '.join(differ)}. Every "
+                    "server of a run is started with the same training flags"
+                )
+        if isinstance(current, dict) and isinstance(current.get("layout"), dict) and current.get("epoch", 0) > 0:
+            later = RunLayout.from_dict(current["layout"], self.cfg.layers)
+            if not any(self.device in s.servers for s in later.stages):
+                raise UsageError(
+                    f"{self.device} was failed over (the run is at layout epoch {current['epoch']} without it); "
+                    "start it under a new device id as a volunteer, or start a new run"
+                )
+        self.current_config = current if isinstance(current, dict) else None
+
+    # ---- build the stage server -----------------------------------------------------------------
+
+    async def build(self) -> None:
+        from parameter_server.service import StageServer
+        from peer.hf.init import initial_state
+        from peer.node import Directory, HaltNotice, LocalLink
+        from peer.protocol.leases import LeaseTickets
+        from peer.protocol.wire import MAX_MESSAGE_BYTES, bound_messages
+
+        args, run_cfg = self.args, self.run_cfg
+        t0 = time.perf_counter()
+        self.links = links = link_emulator(args, self.device)
+        self.slowdown = args.slowdown or links.compute_slowdown()
+        self.directory = directory = Directory(self.dht, run_cfg.run_id, self.layout.num_stages)
+        link_cache: dict[tuple[str, str], object] = {}
+
+        def connector(dev: str):
+            peer = directory.known.get(dev)
+            if peer is None:
+                return None
+            if peer == self.peer_id:
+                return LocalLink(self.server, self.peer_id)
+            key = (dev, peer)
+            if key not in link_cache:
+                link_cache[key] = directory.link(
+                    self.p2p, dev, StageServer, links, peer_id=peer, compress=run_cfg.compress
+                )
+            return link_cache[key]
+
+        self.connector = connector
+        st = self.layout.stages[self.stage]
+        self.server = server = StageServer(
+            run=run_cfg,
+            layout=self.layout,
+            cfg=self.cfg,
+            device_id=self.device,
+            peer_id=self.peer_id,
+            stage_params=initial_state(self.cfg, *st.layers, run_cfg.seed, args.hf_model),
+            corpus=self.corpus,
+            links=links,
+            task_timeout=args.task_timeout,
+            client_timeout=args.client_timeout,
+            connector=connector,
+            requeue=not args.no_requeue,
+            max_request_bytes=args.max_request_bytes,
+            volunteers_allow=args.allowed,
+            verify_rate=args.verify_rate,
+            probation=args.probation,
+            verify_device=args.device,
+            task_tokens=args.task_tokens,
+            client_batch_tokens=args.client_batch_tokens,
+            local_first=not args.no_local_first,
+            lease_tickets=LeaseTickets.of_run_key(args.run_key_obj),
+        )
+        logger.info("%s: its stage server built in %.1f s", self.device, time.perf_counter() - t0)
+        if args.checkpoint_dir:
+            await self._resume()
+        server.on_step.append(server.note_step)
+        # who the run's servers are, before this server answers anyone: a restarted server refused the
+        # others' replicas and inputs ("not a server of this run") until its first announcement round
+        try:
+            server.set_directory(await directory.refresh(), directory.versions, directory.epochs)
+        except Exception as e:
+            logger.debug("%s: reading the run's servers before serving failed: %r", self.device, e)
+        bound_messages(min(MAX_MESSAGE_BYTES, server.max_request_bytes))  # no message read past the bound
+        await server.add_p2p_handlers(self.p2p)
+        self.announcer = Announcer(
+            self.dht,
+            server,
+            directory,
+            run_cfg,
+            self.maddrs,
+            self.peer_id,
+            self.device,
+            compute=lambda: self.worker.compute if self.worker is not None else 0.0,
+        )
+        self.halt = HaltNotice(self.device)
+        self.detector = FailureDetector(
+            server,
+            directory,
+            self.device,
+            run_cfg.announce_period,
+            args.failover_after,
+            answers=self._answers,
+            halt=self.halt,
+        )
+        self.maintenance = Maintenance(server, self.p2p, self.device)
+        # the run's last version is announced at once, not up to a period later: `peer swarm` and the
+        # dashboard see the run end by it
+        server.on_step.append(self._on_step)
+        self.announcer.on_refresh.append(self._look)
+
+    async def _resume(self) -> None:
+        from parameter_server.checkpoint import CheckpointWriter, load_checkpoint
+        from parameter_server.requestlog import RequestLog
+        from parameter_server.service import RETAIN
+        from peer.hf.init import write_model_json
+
+        args, server, device = self.args, self.server, self.device
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        write_model_json(args.checkpoint_dir, self.cfg, args.hf_model)  # what `peer export --checkpoint-dirs` reads
+        t0 = time.perf_counter()
+        resumed = load_checkpoint(server, args.checkpoint_dir)
+        request_log, logged = RequestLog.resume(os.path.join(args.checkpoint_dir, f"{device}.requests.log"))
+        replayed = await server.recover(logged)
+        del logged
+        if resumed or replayed:
+            logger.warning(
+                "%s resumed from %s at version %d, replayed %d logged requests in %.1f s",
+                device,
+                args.checkpoint_dir,
+                server.version,
+                replayed,
+                time.perf_counter() - t0,
+            )
+        server.log = request_log
+        self.writer = writer = CheckpointWriter(server, args.checkpoint_dir)
+
+        def persist(version: int) -> None:  # the log forgets old batches once the checkpoint is on disk
+            writer.after_step(lambda: request_log.compact(version - (RETAIN - 1)))
+
+        server.on_step.append(persist)
+        server.on_adopt.append(lambda record: writer.now())
+        server.on_replica.append(writer.replica)
+
+    async def _answers(self, d: str) -> bool:
+        """Whether server `d` answers a ping within PROBE_S, dial and retries included: a host that
+        froze or lost its network (its connections hang rather than close) must not hold the
+        watcher for a timeout per retry."""
+        from parameter_server.service import StageServer
+
+        link = self.directory.link(self.p2p, d, StageServer, self.links, backoff=False)
+        try:
+            await asyncio.wait_for(link.call("ping", {}, timeout=PROBE_S), PROBE_S)
+            return True
+        except Exception:
+            return False
+
+    def _on_step(self, version: int):
+        if version == self.run_cfg.steps and self.announcer.online.is_set():
+            return self.announcer.announce_quietly("online")
+        return None
+
+    # ---- states ---------------------------------------------------------------------------------
+
+    def missing_servers(self, devices=None) -> list[str]:
+        devices = devices if devices is not None else [d for s in self.server.layout.stages for d in s.servers]
+        return [d for d in devices if d not in self.directory.known]
+
+    def run_finished(self) -> bool:
+        """Every server of the current layout has announced the run's last version."""
+        steps = self.run_cfg.steps
+        devices = [d for s in self.server.layout.stages for d in s.servers]
+        return self.server.version >= steps and all(
+            d == self.device or self.directory.versions.get(d, 0) >= steps for d in devices
+        )
+
+    def loss_at_end(self) -> float | None:
+        loss_sum = self.server.shard.losses.get(self.run_cfg.steps - 1)
+        return None if loss_sum is None else loss_sum / (self.run_cfg.batch_size * self.cfg.seq_len)
+
+    def _look(self) -> None:
+        """Say the state the run is in, from the announcer's latest round."""
+        if self.finished.is_set() or self.stopping:
+            return
+        if self.run_finished():
+            self.finished.set()
+            return
+        missing = self.missing_servers()
+        if missing:
+            self.state.say(PeerState.WAITING, f"for the run's servers {' '.join(missing)} to announce themselves")
+        elif self.server.halted:
+            self.state.say(PeerState.STOPPED, f"{self.server.halted}; the run goes on when it comes back")
+        elif self.serving_detail:
+            self.state.say(PeerState.SERVING, self.serving_detail)
+
+    # ---- serve ----------------------------------------------------------------------------------
+
+    stopping = False
+    serving_detail = ""
+
+    async def wait_for_stage(self, stop: asyncio.Event) -> bool:
+        """Until every server of this stage has been seen in a record (its own worker computes with
+        all of them), for as long as it takes (the state line, said by `_look`, names them once a
+        minute); False if stopped meanwhile, also when fenced (failed over while it was away)."""
+        devices = self.server.st.servers
+        while not stop.is_set():
+            missing = self.missing_servers(devices)
+            if not missing:
+                return True
+            try:
+                await self.directory.refresh()
+            except Exception as e:
+                logger.debug("%s: reading the run's servers failed: %r", self.device, e)
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+        return False
+
+    async def _catch_up_epoch(self, target: int, stop: asyncio.Event) -> None:
+        """Restarted while the run is at a later layout epoch than the log says (a crash between
+        taking a slot over and logging the epoch): take the epoch record from another server of
+        it and adopt it (the replicas it needs are on disk)."""
+        server = self.server
+        while not stop.is_set() and server.epoch < target:
+            await self.directory.refresh()
+            for d in [d for s_ in server.layout.stages for d in s_.servers if d != self.device]:
+                link = self.connector(d)
+                if link is None:
+                    continue
+                try:
+                    record, _ = await link.call("get_layout", {}, timeout=10.0)
+                    if record.get("epoch", 0) > server.epoch:
+                        server.adopt(record)
+                        logger.warning("%s: caught up with layout epoch %d from %s", self.device, server.epoch, d)
+                        return
+                except Exception as e:
+                    logger.debug("%s: get_layout from %s: %r", self.device, d, e)
+            await asyncio.sleep(1.0)
+
+    def _report_crash(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("%s: background task failed", self.device, exc_info=task.exception())
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        from peer.volunteer.worker import StageWorker
+
+        args, server = self.args, self.server
+        self.tasks = [
+            asyncio.ensure_future(self.announcer.run(stop)),
+            asyncio.ensure_future(self.detector.run(stop, self.announcer.online)),
+            asyncio.ensure_future(self.maintenance.run(stop)),
+        ]
+        current = self.current_config or {}
+        run_epoch = current.get("epoch", 0)
+        if isinstance(run_epoch, int) and run_epoch > server.epoch:
+            try:
+                await asyncio.wait_for(self._catch_up_epoch(run_epoch, stop), 120)
+            except asyncio.TimeoutError:
+                logger.warning(
+                    "%s: the run is at layout epoch %d, this server at %d: no server of the run gave its "
+                    "record within 120 s; going on (its coordinator sends it again)",
+                    self.device,
+                    run_epoch,
+                    server.epoch,
+                )
+        if not args.no_compute and await self.wait_for_stage(stop):
+            # after a replayed failover the server is already in a later layout epoch: its worker starts there
+            server.set_directory(self.directory.servers)
+            self.worker = worker = StageWorker(
+                run=self.run_cfg,
+                layout=server.layout,
+                cfg=self.cfg,
+                stage=self.stage,
+                device_id=self.device,
+                links={d: self.connector(d) for d in server.st.servers},
+                compute=1.0,
+                torch_device=args.device,
+                slowdown=self.slowdown,
+                activation_memory=int(args.activation_memory * 2**20),
+            )
+            worker.epoch = server.epoch
+            worker.compute = worker.measure_compute()
+            self.tasks.append(asyncio.ensure_future(worker.run_loop(stop)))
+        for t in self.tasks:
+            t.add_done_callback(self._report_crash)
+        freeze_startup_objects()
+        st = self.layout.stages[self.stage]
+        stretched = (
+            f", compute stretched x{self.slowdown:g} by the link profile"
+            if self.slowdown > 1 and not args.no_compute
+            else ""
+        )
+        self.serving_detail = (
+            f"stage {self.stage} {self.role}, layers {st.layers[0]}-{st.layers[1]}{stretched}, as {self.peer_id}"
+        )
+        if not stop.is_set():
+            self._look()
+
+    # ---- finish and stop ------------------------------------------------------------------------
+
+    def say_finished(self) -> None:
+        loss = self.loss_at_end()
+        said = "" if loss is None else f" (loss {loss:.4f})"
+        self.state.say(PeerState.FINISHED, f"run {self.run_cfg.run_id} finished at step {self.run_cfg.steps}{said}")
+
+    async def stop(self, why: str) -> None:
+        from peer.node import stop_dht
+
+        self.stopping = True
+        if self.state.state is not PeerState.FINISHED:
+            self.state.say(PeerState.LEAVING, why)
+        if self.announcer is not None:
+            final = "finished" if self.finished.is_set() else "offline"
+            try:
+                await asyncio.wait_for(self.announcer.announce(final), 5)
+            except Exception:
+                pass
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.writer is not None:
+            self.writer.close()  # the last step's checkpoint is on disk before the process ends
+        if self.held is None and self.dht is not None:
+            stop_dht(self.dht)
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """The whole life: 0 when the run finished (or a signal stopped it), 2 when this server is
+        not part of the run (another run key, other flags, failed over)."""
+        try:
+            await self.start()
+            await self.find_run()
+            await self.build()
+            await self.serve(stop)
+            ended = asyncio.ensure_future(self.finished.wait())
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({ended, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            ended.cancel()
+            stopped.cancel()
+            if self.finished.is_set() and not stop.is_set():
+                if self.writer is not None:
+                    self.writer.close()
+                    self.writer = None
+                self.say_finished()
+                if getattr(self.args, "hold", False):
+                    self.state.say(PeerState.FINISHED, "holding its final state (--hold) until stopped")
+                    await stop.wait()
+            fenced = self.announcer.fenced if self.announcer is not None else []
+            await self.stop(fenced[0] if fenced else "stopped")
+            return 2 if fenced else 0
+        except BaseException as e:
+            if not self.stopping:
+                why = str(e) if isinstance(e, (UsageError, NetworkError)) else f"{type(e).__name__}: {e}"
+                await asyncio.shield(self.stop(why or type(e).__name__))
+            raise
+
+
+async def check_own_reachability(dht, p2p, args, run_id: str, num_stages: int, maddrs: list[str], device: str) -> None:
+    """Ask a server of the run (for a new run: an initial peer) to dial us back at `maddrs`.
+    NetworkError when nobody can, saying what failed and the fix that fits it; a first server on
+    private addresses only gets one warning."""
+    from peer.node import is_public
+    from peer.protocol import records
+    from peer.reachability import advice_for, check_reachable, split_peer
+
+    peer_id = str(dht.peer_id)
+    private = [m for m in maddrs if not is_public(m)]
+    if not args.initial_peers:
+        if len(private) == len(maddrs):
+            logger.warning(
+                "%s announces only private or loopback addresses (%s): hosts outside this network "
+                "cannot reach it; pass --announce-maddrs with a public address if they should",
+                device,
+                " ".join(maddrs),
+            )
+        return
+    servers = []
+    for k in range(num_stages):
+        for peer, rec, _ in await records.read_stage(dht, run_id, k):
+            if rec is not None and rec["kind"] == "server" and peer != peer_id and rec["state"] != "offline":
+                servers.append((peer, [m for m in rec["maddrs"] if isinstance(m, str)]))
+    initial = [(split_peer(m)[1], [m]) for m in args.initial_peers if split_peer(m)[1] not in (None, peer_id)]
+    t0 = time.perf_counter()
+    ok, detail = await check_reachable(p2p, maddrs, servers or initial, timeout=30.0)
+    if ok:
+        logger.info(
+            "%s: reachable at %s (checked by %s in %.1f s)",
+            device,
+            " ".join(maddrs),
+            detail[-8:],
+            time.perf_counter() - t0,
+        )
+    elif ok is False:
+        raise NetworkError(
+            f"no peer of the run could dial this server back at {' '.join(maddrs)} ({detail}): {advice_for(detail)}"
+        )
+    else:  # nobody answered the ask itself: that says nothing about this server's own address
+        logger.warning(
+            "%s: could not check that others can dial %s: no peer asked could run the check (%s); %s",
+            device,
+            " ".join(maddrs),
+            detail,
+            advice_for(detail),
+        )

@@ -1,0 +1,64 @@
+"""A peer's state, said once when it changes: the one line an operator reads to know what a server or a
+volunteer is doing (and the state it announces, which the dashboard shows).
+
+Every peer (peer/server/host.py `ServerHost`, peer/volunteer/session.py `VolunteerSession`) goes
+through these states; each change prints one line on stdout, and a state that waits on others
+(`WAITING`, `STOPPED`) says so again once a minute while it lasts, with how long it has lasted."""
+
+from __future__ import annotations
+
+import enum
+import sys
+import time
+from typing import Callable, TextIO
+
+
+class PeerState(enum.Enum):
+    STARTING = "starting"  # its DHT node and p2p daemon start, it checks that others can reach it
+    WAITING = "waiting"  # for the run's servers (which ones, for how long)
+    SERVING = "serving"  # a server serves its stage; a volunteer computes tasks
+    STOPPED = "stopped"  # the run is stopped (a role lost its last server): why, and what brings it back
+    FINISHED = "finished"  # the run reached its last step
+    LEAVING = "leaving"  # a signal, a refusal or an error: the peer hands back what it holds and exits
+
+
+REMIND_EVERY = 60.0  # seconds between two reminders of a waiting or stopped state
+
+
+class StateLine:
+    """Prints `<who>: <state>: <detail>` when the state (or, for a waiting state, what it waits for)
+    changes, and a reminder with the time spent once every `remind_every` seconds while a waiting
+    state lasts. `clock` is injected for the tests."""
+
+    WAITS = (PeerState.WAITING, PeerState.STOPPED)
+
+    def __init__(
+        self,
+        who: str,
+        out: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        remind_every: float = REMIND_EVERY,
+    ):
+        self.who, self._out, self.clock, self.remind_every = who, out, clock, remind_every
+        self.state: PeerState | None = None
+        self.detail = ""
+        self.since = clock()
+        self._reminded = self.since
+        self.history: list[tuple[PeerState, str]] = []
+
+    def say(self, state: PeerState, detail: str = "") -> bool:
+        """Enter `state` (with `detail`); True if a line was printed (a change), False if it was the
+        same state and detail, which is then only reminded of once a minute."""
+        now = self.clock()
+        if state == self.state and detail == self.detail:
+            if state in self.WAITS and now - self._reminded >= self.remind_every:
+                self._reminded = now
+                self._print(f"{state.value}: still {detail} ({now - self.since:.0f} s)")
+            return False
+        self.state, self.detail, self.since, self._reminded = state, detail, now, now
+        self.history.append((state, detail))
+        self._print(f"{state.value}: {detail}" if detail else state.value)
+        return True
+
+    def _print(self, text: str) -> None:
+        print(f"{self.who}: {text}", file=self._out or sys.stdout, flush=True)

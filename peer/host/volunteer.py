@@ -1,0 +1,431 @@
+"""`VolunteerSession`: one volunteer's life. `peer join` parses its arguments and runs it.
+
+    start      its DHT node (client mode: it dials out only, and works behind NAT)
+    find       the run's config record; a run published under another run key than --run-id's
+               fingerprint is a one-line error (exit 2) naming both; a finished run is said, exit 0
+    wait       for the run's servers (after a failover, the current layout's)
+    choose     a stage (`--stage auto`: measured links and the planner's rule)
+    work       pull tasks from the stage's servers, announce itself, move to another stage when it
+               is needed more there, say when the run stops and goes on
+    finish     the run reached its last step: what it did is said, exit 0
+    leave      on SIGTERM/SIGINT, a ban (exit 3) or an error: the task it holds is handed back
+
+Each state change is one line on stdout (peer.host.state.StateLine)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from peer.errors import UsageError
+from peer.host.state import PeerState, StateLine
+from peer.runtime import freeze_startup_objects, link_emulator
+
+logger = logging.getLogger("hivepipe.join")
+
+
+class VolunteerSession:
+    def __init__(self, args, device: str, state: StateLine | None = None):
+        self.args, self.device = args, device
+        self.state = state or StateLine(device)
+        self.dht = self.p2p = self.run_cfg = self.cfg = self.layout = self.directory = None
+        self.epoch = 0  # the layout epoch of `layout` (the run config carries it after a failover)
+        self.peer_id = ""
+        self.done = {"forward": 0, "backward": 0, "recompute_avoided": 0}
+        self.stages_worked: list[int] = []
+        self.banned: str | None = None
+        self.over = False  # the run reached its last step
+        self.halt = None
+
+    # ---- waiting, said once and once a minute --------------------------------------------------
+
+    async def wait_until(self, stop: asyncio.Event, what: str, check, poll: float = 0.5):
+        """Poll `check()` (a coroutine returning a value, or None to keep waiting) until it gives a
+        value or `stop` is set (then None). The state line says what it waits for, once at the start
+        and once a minute; a network failure inside `check` is waiting too, never an exit."""
+        from peer.protocol.trust import AmbiguousRunKey
+
+        while not stop.is_set():
+            try:
+                value = await check()
+            except UsageError:
+                raise
+            except AmbiguousRunKey as e:  # nothing to wait for: the user must say which run
+                raise UsageError(str(e)) from None
+            except Exception as e:
+                logger.debug("while waiting for %s: %r", what, e)
+                value = None
+            if value is not None:
+                return value
+            self.state.say(PeerState.WAITING, f"for {what}")
+            try:
+                await asyncio.wait_for(stop.wait(), poll)
+            except asyncio.TimeoutError:
+                pass
+        return None
+
+    # ---- start and find the run ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        from peer.errors import NetworkError
+        from peer.node import NetworkStartError, start_dht
+
+        args = self.args
+        try:  # a volunteer dials out only (client mode): it works behind NAT without opening a port
+            self.dht = start_dht(
+                args.initial_peers,
+                run_id=args.run_id,
+                run_fp=args.run_fp,
+                client_mode=True,
+                identity_path=args.identity_path,
+                timeout=args.timeout or 120.0,
+            )
+        except NetworkStartError as e:
+            raise NetworkError(str(e)) from None
+        self.p2p = await self.dht.replicate_p2p()
+        self.peer_id = str(self.dht.peer_id)
+
+    async def _config(self):
+        """The run's config, or None while there is none; UsageError when the run exists under
+        another run key than the one --run-id names."""
+        from peer.protocol import records
+
+        run = await records.read_config(self.dht, self.args.run_id)
+        if run is None and self.args.run_fp is not None:
+            others = await records.other_run_keys(self.dht)
+            if others:
+                raise UsageError(
+                    f"run {self.args.run_id!r} is published under run key {', '.join(others)}, not the "
+                    f"{self.args.run_fp} that --run-id names: check the fingerprint (the run= line its "
+                    "servers print)"
+                )
+        return run
+
+    async def find_run(self, stop: asyncio.Event) -> bool:
+        from parameter_server.layout import RunLayout
+        from peer.model.config import run_model
+        from peer.node import Directory
+
+        args = self.args
+        run = await self.wait_until(stop, f"run {args.run_id!r} to appear in the DHT (its config record)", self._config)
+        if run is None:
+            return False
+        try:
+            self.cfg = run_model(run.model, run.arch)
+        except ValueError as e:
+            raise UsageError(f"run {run.run_id!r} names a model this peer cannot build: {e}") from None
+        self.run_cfg = run
+        self.layout = RunLayout.from_dict(run.layout, self.cfg.layers)
+        if args.stage != "auto" and int(args.stage) >= self.layout.num_stages:
+            raise UsageError(f"--stage {args.stage}: the run has {self.layout.num_stages} stages")
+        self.directory = Directory(self.dht, run.run_id, self.layout.num_stages)
+        return True
+
+    async def _all_servers(self):
+        """The run's current layout once all its servers are in the DHT: a failover while we wait
+        changes the layout (the config record carries the current epoch's), and a lost server
+        never comes back."""
+        from parameter_server.layout import RunLayout
+        from peer.protocol import records
+
+        value = await records.read_config_value(self.dht)
+        if isinstance(value, dict) and isinstance(value.get("layout"), dict):
+            self.layout = RunLayout.from_dict(value["layout"], self.cfg.layers)
+            # that layout's epoch: a first request of an older one is refused ("stale epoch")
+            self.epoch = value["epoch"] if isinstance(value.get("epoch"), int) and value["epoch"] >= 0 else 0
+        await self.directory.refresh()
+        if self.finished():
+            return True
+        return True if all(d in self.directory.servers for s in self.layout.stages for d in s.servers) else None
+
+    def finished(self) -> bool:
+        """Every server of the layout announced the run's last version."""
+        steps = self.run_cfg.steps
+        devices = [d for s in self.layout.stages for d in s.servers]
+        return bool(devices) and all(self.directory.versions.get(d, -1) >= steps for d in devices)
+
+    async def wait_for_servers(self, stop: asyncio.Event) -> bool:
+        servers = " ".join(d for s in self.layout.stages for d in s.servers)
+        what = f"the servers of run {self.run_cfg.run_id} in the DHT ({servers} at the start)"
+        return await self.wait_until(stop, what, self._all_servers) is not None
+
+    async def choose_stage(self, stop: asyncio.Event, slowdown: float):
+        """(stage, picker): the stage to work on, and the picker that re-checks it (`--stage auto`)."""
+        from peer.volunteer.stage_choice import StagePicker
+        from peer.volunteer.worker import StageWorker
+
+        args = self.args
+        if args.stage != "auto":
+            return int(args.stage), None
+        probe = StageWorker(
+            run=self.run_cfg,
+            layout=self.layout,
+            cfg=self.cfg,
+            stage=0,
+            device_id=self.device,
+            links={},
+            compute=1.0,
+            torch_device=args.device,
+            slowdown=slowdown,
+        )
+        picker = StagePicker(
+            self.run_cfg,
+            self.layout,
+            self.cfg,
+            self.directory,
+            self.p2p,
+            self.links_emulator,
+            self.peer_id,
+            args.probe_bytes,
+            args.compute or probe.measure_compute(),
+        )
+        del probe
+
+        async def measured():
+            await picker.measure()
+            return True
+
+        if await self.wait_until(stop, "link measurements to every server", measured, poll=2.0) is None:
+            return None, None
+        decision = await self.wait_until(stop, "the stage records to choose a stage", lambda: picker.decide(None))
+        if decision is None:
+            return None, None
+        return decision.stage, picker
+
+    # ---- work -----------------------------------------------------------------------------------
+
+    async def look_at_run(self) -> None:
+        """Read the records: the run stopped, going on, or over."""
+        run = self.run_cfg
+        try:
+            await asyncio.wait_for(self.directory.refresh(), 10.0)
+            self.halt.update(
+                self.directory.halted(run.announce_period), max(self.directory.versions.values(), default=0)
+            )
+        except Exception as e:
+            logger.debug("reading the stage records failed: %r", e)
+            return
+        if self.finished():
+            self.over = True
+        elif self.halt.reason is not None:
+            self.state.say(PeerState.STOPPED, f"{self.halt.reason}; it goes on when that server comes back")
+        elif self.state.state is PeerState.STOPPED:
+            self.state.say(PeerState.SERVING, self.working_on)
+
+    async def watch_run(self, stop: asyncio.Event, over: asyncio.Event) -> None:
+        """Say so when the run stops (a server announces that a role lost its last server), a
+        minute while it stays stopped, and when it goes on; set `over` at its last step. The
+        directory (and the servers' addresses, which a restarted server may have changed) stays
+        fresh meanwhile."""
+        while not stop.is_set():
+            await self.look_at_run()
+            if self.over:
+                over.set()
+                return
+            try:
+                await asyncio.wait_for(stop.wait(), 2 * self.run_cfg.announce_period)
+            except asyncio.TimeoutError:
+                pass
+
+    working_on = ""
+
+    async def _publish(self, stage: int, worker, state: str) -> None:
+        from peer.protocol import records
+
+        elapsed = max(time.time() - worker.stats["started"], 1e-6)
+        tasks = worker.stats["forward"] + worker.stats["backward"]
+        rec = records.record_to_dict(
+            records.ClientRecord(
+                device=self.device,
+                stage=stage,
+                state=state,
+                compute=float(worker.compute),
+                tasks_done=tasks if state == "online" else None,
+                throughput=tasks / elapsed if state == "online" else None,
+                time=time.time(),
+            )
+        )
+        await records.publish(self.dht, rec, ttl=records.record_ttl(self.run_cfg.announce_period), stage=stage)
+
+    async def work_on(self, stage: int, picker, slowdown: float, stop: asyncio.Event, over: asyncio.Event):
+        """Work on `stage` until stopped, the run is over, or another stage needs this volunteer
+        more; returns the stage to move to (or None)."""
+        from parameter_server.service import StageServer
+        from peer.volunteer.worker import StageWorker
+
+        args, run, device = self.args, self.run_cfg, self.device
+        st = self.layout.stages[stage]
+        links = {
+            d: self.directory.link(self.p2p, d, StageServer, self.links_emulator, compress=run.compress)
+            for d in st.servers
+        }
+        worker = StageWorker(
+            run=run,
+            layout=self.layout,
+            cfg=self.cfg,
+            stage=stage,
+            device_id=device,
+            links=links,
+            compute=1.0,
+            torch_device=args.device,
+            slowdown=slowdown,
+            die_at=args.die_at,
+            cheat=args.cheat,
+            activation_memory=int(args.activation_memory * 2**20),
+            epoch=self.epoch,
+        )
+        worker.compute = args.compute or worker.measure_compute()
+        stretched = f" (compute stretched x{slowdown:g} by the link profile)" if slowdown > 1 else ""
+        verb = "moved in run" if self.stages_worked else "joined run"
+        self.working_on = (
+            f"{verb} {run.run_id} as {device} ({self.peer_id}) on stage {stage}, compute {worker.compute:.3g} rows/s"
+            f"{stretched}"
+        )
+        self.state.say(PeerState.SERVING, self.working_on)
+        leave = asyncio.Event()  # set when the run stops us, ends, or another stage needs us more
+        moving: list[int] = []
+
+        async def relay(event: asyncio.Event):
+            await event.wait()
+            leave.set()
+
+        async def announce():
+            while not leave.is_set():
+                try:
+                    await self._publish(stage, worker, "online")
+                except Exception as e:
+                    logger.debug("announce failed: %r", e)
+                try:
+                    await asyncio.wait_for(leave.wait(), run.announce_period)
+                except asyncio.TimeoutError:
+                    pass
+
+        async def pause(seconds: float) -> bool:
+            """Sleep; True if we are leaving meanwhile."""
+            try:
+                await asyncio.wait_for(leave.wait(), seconds)
+                return True
+            except asyncio.TimeoutError:
+                return False
+
+        async def rebalance():
+            period = args.rebalance_period
+            # the first look comes soon: volunteers that joined together saw the same records
+            wait = min(period, 3 * run.announce_period + self.rng.uniform(0.0, 2.0))
+            while not await pause(wait):
+                try:
+                    decision = await picker.decide(stage)
+                    # while some stage has no compute at all, look again within seconds
+                    wait = period if decision.stay[0] == 0 else min(period, 5.0)
+                    if not decision.moves:
+                        continue
+                    # a random pause, then the same question on fresh records: two volunteers that
+                    # saw the same evidence do not both move
+                    if await pause(self.rng.uniform(0.0, min(period / 2, 10.0))):
+                        return
+                    again = await picker.decide(stage)
+                except Exception as e:
+                    logger.info("stage re-check failed: %r", e)
+                    continue
+                if again.moves:
+                    logger.warning("%s: moving from stage %d to stage %d: %s", device, stage, again.stage, again.reason)
+                    moving.append(again.stage)
+                    leave.set()
+                    return
+
+        helpers = [
+            asyncio.ensure_future(relay(stop)),
+            asyncio.ensure_future(relay(over)),
+            asyncio.ensure_future(announce()),
+        ]
+        if picker is not None and args.rebalance_period > 0:
+            helpers.append(asyncio.ensure_future(rebalance()))
+        freeze_startup_objects()
+        await worker.run_loop(leave)  # returns once what it holds is finished and its gradients pushed
+        for h in helpers:
+            h.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
+        if worker.current is not None:  # a clean stop hands its task back at once
+            dev, task = worker.current
+            try:
+                await links[dev].call("fail", {"task": task}, timeout=5)
+            except Exception:
+                pass
+        try:  # say at once that we left this stage, rather than let the record expire
+            await self._publish(stage, worker, "offline")
+        except Exception as e:
+            logger.debug("offline announce failed: %r", e)
+        worker.executor.shutdown(wait=False)
+        for kind in self.done:
+            self.done[kind] += worker.stats[kind]
+        self.stages_worked.append(stage)
+        if worker.banned is not None:
+            self.banned = worker.banned
+            return None
+        self.layout, self.epoch = worker.layout, worker.epoch  # as its last failover left them
+        return moving[0] if moving and not stop.is_set() and not over.is_set() else None
+
+    # ---- the whole life -------------------------------------------------------------------------
+
+    def what_it_did(self) -> str:
+        d = self.done
+        return (
+            f"{d['forward']} forward and {d['backward']} backward tasks done on stage(s) "
+            f"{' -> '.join(map(str, self.stages_worked)) or 'none'} ({d['recompute_avoided']} backward tasks "
+            "ran on their kept forward pass)"
+        )
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """0 when the run is over or a signal stopped it; 3 when the run refused this volunteer for
+        good (banned, not admitted)."""
+        import random
+
+        import torch
+
+        from parameter_server.verify import BANNED
+        from peer.node import HaltNotice, stop_dht
+
+        torch.set_num_threads(1)
+        await self.start()
+        try:
+            self.rng = random.Random(self.peer_id)
+            if not await self.find_run(stop) or not await self.wait_for_servers(stop):
+                self.state.say(PeerState.LEAVING, "stopped before it joined")
+                return 0
+            run = self.run_cfg
+            if self.finished():
+                self.state.say(
+                    PeerState.FINISHED, f"run {run.run_id} already finished at step {run.steps}: nothing to do"
+                )
+                return 0
+            self.links_emulator = link_emulator(self.args, self.device)
+            slowdown = self.args.slowdown or self.links_emulator.compute_slowdown()
+            stage, picker = await self.choose_stage(stop, slowdown)
+            if stage is None:
+                self.state.say(PeerState.LEAVING, "stopped before it joined")
+                return 0
+            self.halt = HaltNotice(self.device, clear_after=6 * run.announce_period)
+            over = asyncio.Event()
+            watcher = asyncio.ensure_future(self.watch_run(stop, over))
+            while stage is not None:
+                stage = await self.work_on(stage, picker, slowdown, stop, over)
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+            if self.banned is not None:  # a refusal that will not change: said once, exit 3
+                what = "banned from run" if BANNED in self.banned else "refused by run"
+                self.state.say(
+                    PeerState.LEAVING,
+                    f"{what} {run.run_id} as {self.device} ({self.peer_id}) after {self.done['forward']} forward "
+                    f"and {self.done['backward']} backward tasks: {self.banned}",
+                )
+                return 3
+            if over.is_set():
+                self.state.say(
+                    PeerState.FINISHED, f"run {run.run_id} is over at step {run.steps}: {self.what_it_did()}"
+                )
+            else:
+                self.state.say(PeerState.LEAVING, f"left run {run.run_id} as {self.device}: {self.what_it_did()}")
+            return 0
+        finally:
+            stop_dht(self.dht)

@@ -1,0 +1,172 @@
+"""An operator's run, as real processes on 127.0.0.1 (peer.host): a first server waits for its
+partner saying so; a server under another run key, a server with other training flags and a volunteer
+naming another run key each exit 2 with a line that names both sides; a volunteer that joined works
+until the run's last step and then says the run is over and exits 0; a server finishes by itself
+(`run R finished at step N (loss L)`, checkpoint written, exit 0) unless --hold; a volunteer joining
+a finished run says so and exits 0; SIGTERM ends a holding server at once, and no process of its
+session is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from peer.cli import main
+
+STEPS = 3
+
+
+class Peer:
+    """A `peer` command in its own session, its stdout read line by line on a thread."""
+
+    def __init__(self, *argv: str, log=None):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "peer.cli", *argv],
+            stdout=subprocess.PIPE,
+            stderr=open(log, "w") if log else subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_line(self, pattern: str, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None and self.lines.empty():
+                    break
+                continue
+            self.seen.append(line)
+            if re.search(pattern, line):
+                return line
+        raise AssertionError(f"no line matching {pattern!r} within {timeout} s; saw: {self.seen[-20:]}")
+
+    def gone(self) -> bool:
+        """No process of its session is left (its DHT process and p2p daemon included)."""
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+
+def serve(key, role: str, tmp_path, *extra: str) -> list[str]:
+    return [
+        "serve",
+        "--reliable",
+        "--stages",
+        "1",
+        "--stage",
+        "0",
+        "--role",
+        role,
+        "--model",
+        "tiny",
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        "8",
+        "--micro-batches",
+        "2",
+        "--run-id",
+        "life",
+        "--run-key",
+        str(key),
+        "--host-maddrs",
+        "/ip4/127.0.0.1/tcp/0",
+        "--announce-period",
+        "1",
+        "--checkpoint-dir",
+        str(tmp_path / f"ckpt-{role}"),
+        *extra,
+    ]
+
+
+def peer(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "peer.cli", *argv], capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.swarm
+def test_an_operators_run_from_first_server_to_the_end(tmp_path, capsys):
+    key_a, key_b = tmp_path / "keys" / "a.key", tmp_path / "keys" / "b.key"
+    assert main(["keygen", "-o", str(key_a)]) == 0  # the folder is made
+    assert main(["keygen", "-o", str(key_b)]) == 0
+    fp_a, fp_b = re.findall(r"fingerprint=(\w+)", capsys.readouterr().out)
+    peers: list[Peer] = []
+    try:
+        first = Peer(*serve(key_a, "frontal", tmp_path, "--hold"), log=tmp_path / "first.log")
+        peers.append(first)
+        initial = first.wait_line(r"^initial_peers=").split("=", 1)[1].split()
+        assert first.wait_line(r"^run=") == f"run=life@{fp_a}"
+        first.wait_line(r"^s0f0: waiting: for the run's servers s0b0")
+
+        # misconfigurations: one line each, naming both sides, exit 2
+        other_key = peer(*serve(key_b, "backward", tmp_path, "--initial-peers", *initial))
+        assert other_key.returncode == 2, other_key.stderr[-3000:]
+        assert fp_a in other_key.stderr and fp_b in other_key.stderr and "Traceback" not in other_key.stderr
+        other_flags = peer(*serve(key_a, "backward", tmp_path, "--initial-peers", *initial, "--steps", "5"))
+        assert other_flags.returncode == 2, other_flags.stderr[-3000:]
+        assert f"--steps {STEPS} (here: 5)" in other_flags.stderr
+        wrong_fp = peer("join", "--run-id", f"life@{fp_b}", "--initial-peers", *initial, "--stage", "0")
+        assert wrong_fp.returncode == 2, wrong_fp.stderr[-3000:]
+        assert fp_a in wrong_fp.stderr and fp_b in wrong_fp.stderr
+
+        volunteer = Peer("join", "--run-id", f"life@{fp_a}", "--initial-peers", *initial, "--stage", "0")
+        peers.append(volunteer)
+        assert re.match(r"^v-\w+: starting: joining run life@", volunteer.wait_line(r"starting", timeout=10))
+        volunteer.wait_line(r"waiting: for the servers of run life")
+        second = Peer(*serve(key_a, "backward", tmp_path, "--initial-peers", *initial), log=tmp_path / "second.log")
+        peers.append(second)
+        volunteer.wait_line(r"serving: joined run life")
+
+        # the end: said by each, exit 0 by itself (the holding server stays)
+        assert re.search(
+            rf"finished: run life finished at step {STEPS} \(loss \d+\.\d+\)", second.wait_line("finished")
+        )
+        assert second.proc.wait(timeout=60) == 0
+        assert "finished: run life is over at step 3" in volunteer.wait_line("finished|leaving")
+        assert volunteer.proc.wait(timeout=60) == 0
+        first.wait_line(r"finished: run life finished at step 3")
+        first.wait_line(r"holding its final state")
+        assert json.loads((tmp_path / "ckpt-backward" / "s0b0.json").read_text())["version"] == STEPS
+
+        late = peer("join", "--run-id", f"life@{fp_a}", "--initial-peers", *initial, "--stage", "0")
+        assert late.returncode == 0, late.stderr[-3000:]
+        assert f"run life already finished at step {STEPS}" in late.stdout
+
+        t0 = time.monotonic()
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.proc.wait(timeout=10) == 0
+        deadline = time.monotonic() + 10
+        while not first.gone() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert first.gone() and second.gone() and volunteer.gone(), time.monotonic() - t0
+        for log in ("first.log", "second.log"):
+            assert "Traceback" not in (tmp_path / log).read_text()
+    finally:
+        for p in peers:
+            p.kill()
