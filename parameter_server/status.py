@@ -12,6 +12,7 @@ from peer.protocol.wire import field as mfield
 
 # volunteers a server remembers by peer id to count each once in its announcement's "clients_joined"
 SEEN_VOLUNTEERS = 4096
+SAYS_CHARS = 240  # the state line a record carries, cut to this length (records stay small)
 
 
 class Status:
@@ -68,7 +69,9 @@ class Status:
         for v in [v for v in self.step_times if v <= version - 16]:
             del self.step_times[v]
 
-    def announcement(self, state: str, maddrs: list[str], compute: float, servers: set[str]) -> ServerRecord:
+    def announcement(
+        self, state: str, maddrs: list[str], compute: float, servers: set[str], says: str | None = None
+    ) -> ServerRecord:
         """The record this server announces under its stage key: its place, addresses, version and
         pools, its own worker's compute, the wall time of its last versions, and how many volunteers
         (peers that are not `servers`) ever registered here and left."""
@@ -105,4 +108,5 @@ class Status:
             step_times={str(v): t for v, t in sorted(self.step_times.items())},
             time=time.time(),
             halted=self.halted,
+            says=says[:SAYS_CHARS] if says else None,
         )

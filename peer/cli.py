@@ -46,7 +46,7 @@ class _ShowDefaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "%(default)" in text or not _shown(action):
+        if "default" in text.lower() or not _shown(action):  # (a help text that says its default already)
             return text
         return f"{text} (default: %(default)s)"
 

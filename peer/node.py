@@ -678,6 +678,9 @@ class Directory:
         # process saw that record's time advance): a record lives records.record_ttl, longer than
         # its writer may be silent, so liveness is how long since a server last said something new
         self._heard: dict[str, tuple[float, float]] = {}
+        # servers that announced the run finished (they leave once every server reached the last
+        # step): their silence afterwards is not a loss
+        self.finished: set[str] = set()
 
     async def refresh(self) -> dict[str, str]:
         servers, recs, versions, epochs = {}, {}, {}, {}
@@ -690,6 +693,8 @@ class Directory:
                 if rec["kind"] == "server":
                     self.addresses[peer] = [m for m in rec["maddrs"] if isinstance(m, str)]
                     self._note(rec)
+                    if rec["state"] == "finished":
+                        self.finished.add(rec["device"])
                 if rec["kind"] == "server" and rec["state"] != "offline":
                     servers[rec["device"]] = peer
                     versions[rec["device"]] = rec["version"]

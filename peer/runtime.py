@@ -206,6 +206,54 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived during a blocking call (see `interruptible`). A BaseException, as
+    KeyboardInterrupt is: no `except Exception` on the way (a retry loop) takes it for a failure."""
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class interruptible:
+    """While inside, SIGTERM and SIGINT raise Interrupted in the main thread, also in the middle of a
+    blocking call (starting a DHT node waits for its initial peers up to --timeout without giving the
+    event loop a turn); `stop` is set too. On the way out the Python-level handlers that were there
+    (the event loop's) are back; the loop's own registration is never touched."""
+
+    def __init__(self, stop: asyncio.Event):
+        self.stop = stop
+
+    def __enter__(self):
+        def raise_interrupted(signum, frame):
+            self.stop.set()
+            raise Interrupted(signal.Signals(signum).name)
+
+        self.before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, raise_interrupted)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.before.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        return False
+
+
+async def until_stopped(coro, stop: asyncio.Event):
+    """`coro`'s result, or Interrupted (the coroutine cancelled) as soon as `stop` is set."""
+    task = asyncio.ensure_future(coro)
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise Interrupted("stopped")
+
+
 def run_until_signalled(main_coro_factory) -> int:
     """Run `main_coro_factory(stop_event)` until it returns or SIGTERM/SIGINT sets the event."""
 
@@ -213,9 +261,12 @@ def run_until_signalled(main_coro_factory) -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         quiet_peer_departures(loop)
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
-        return await main_coro_factory(stop)
+        try:
+            return await main_coro_factory(stop)
+        except Interrupted:
+            return 0  # stopped by a signal before it had started: nothing to hand back
 
     try:
         import uvloop

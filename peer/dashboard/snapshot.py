@@ -207,6 +207,7 @@ def _server_entry(
         "clients": stats.get("clients"),
         "layers": rec.get("layers"),
         "pool": _pool(rec),
+        "says": rec.get("says"),  # its state line
     }
 
 

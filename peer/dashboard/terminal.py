@@ -137,6 +137,10 @@ def render_terminal(snap: dict):
                 fmt_age(v["last_seen"]),
             )
         parts.append(table)
+        for role in ("frontal", "backward"):  # what a server that does not serve says it does
+            for e in s[role]:
+                if e.get("says") and not e["says"].startswith("serving"):
+                    parts.append(Text(f"  {e['device']}: {e['says']}", "yellow"))
     if snap["malformed"]:
         parts.append(Text(f"malformed records ({len(snap['malformed'])}):", "bold yellow"))
         for m in snap["malformed"]:

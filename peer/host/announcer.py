@@ -32,11 +32,13 @@ class Announcer:
         self.online = asyncio.Event()
         self.fenced: list[str] = []
         self.on_refresh: list[Callable[[], None]] = []
+        self.says: Callable[[], str | None] = lambda: None  # the host's state line
         self._config_sent: dict = {"body": None, "at": float("-inf")}
 
     def record(self, state: str) -> dict:
         servers = set(self.directory.servers.values()) | {self.peer_id}
-        return records.record_to_dict(self.server.announcement(state, self.maddrs, float(self.compute()), servers))
+        announced = self.server.announcement(state, self.maddrs, float(self.compute()), servers, self.says())
+        return records.record_to_dict(announced)
 
     async def announce(self, state: str) -> None:
         """This server's record, and the run's config when it changed or a third of its life has

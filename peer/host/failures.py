@@ -45,10 +45,10 @@ class FailureDetector:
     async def check(self) -> list[str]:
         """One look; returns the servers this server failed over in it."""
         server = self.server
-        if server.version >= server.run.steps:  # the run is over here: nothing left to fail over
-            return []
         now = self.clock()
-        current = [d for s in server.layout.stages for d in s.servers]
+        # a server that said the run finished has left because it is over, not lost
+        done = getattr(self.directory, "finished", set())
+        current = [d for s in server.layout.stages for d in s.servers if d not in done]
         for d in current:
             if d == self.device or self.directory.silent_for(d) <= records.stale_after(self.period):
                 self.missing_since.pop(d, None)

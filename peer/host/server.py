@@ -26,7 +26,7 @@ from peer.host.announcer import Announcer
 from peer.host.failures import PROBE_S, FailureDetector
 from peer.host.maintenance import Maintenance
 from peer.host.state import PeerState, StateLine
-from peer.runtime import freeze_startup_objects, link_emulator
+from peer.runtime import Interrupted, freeze_startup_objects, interruptible, link_emulator, until_stopped
 
 logger = logging.getLogger("hivepipe.serve")
 
@@ -102,12 +102,13 @@ class ServerHost:
 
     # ---- start ---------------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, stop: asyncio.Event) -> None:
         from peer.reachability import DialBackService
 
         args = self.args
         if self.held is None:
-            self.dht = start_server_dht(args, self.run_cfg, self.device)
+            with interruptible(stop):  # (it waits for the initial peers without giving the loop a turn)
+                self.dht = self._start_dht()
             self.p2p = await self.dht.replicate_p2p()
             from peer.node import announced_maddrs
 
@@ -128,6 +129,58 @@ class ServerHost:
             await check_own_reachability(
                 self.dht, self.p2p, args, self.run_cfg.run_id, self.layout.num_stages, self.maddrs, self.device
             )
+
+    def peers_file(self) -> str | None:
+        """Where this server keeps the multiaddrs of the run's other servers (its checkpoint folder)."""
+        return os.path.join(self.args.checkpoint_dir, f"{self.device}.peers") if self.args.checkpoint_dir else None
+
+    def known_peers(self) -> list[str]:
+        path = self.peers_file()
+        try:
+            with open(path) as f:
+                return [m for m in f.read().split() if "/p2p/" in m]
+        except (OSError, TypeError):
+            return []
+
+    def _remember_peers(self) -> None:
+        """Keep the other servers' announced multiaddrs in the checkpoint folder, so that a restart
+        without --initial-peers (the first server's own command) joins the run's DHT through them
+        instead of starting a DHT of its own beside it."""
+        path = self.peers_file()
+        if path is None:
+            return
+        maddrs = sorted(
+            m for peer, ms in self.directory.addresses.items() if peer != self.peer_id for m in ms if "/p2p/" in m
+        )
+        if not maddrs or maddrs == self._remembered:
+            return
+        try:
+            with open(path + ".tmp", "w") as f:
+                f.write("\n".join(maddrs) + "\n")
+            os.replace(path + ".tmp", path)
+            self._remembered = maddrs
+        except OSError as e:
+            logger.info("%s: cannot keep the run's peers in %s: %s", self.device, path, e)
+
+    _remembered: list[str] = []
+
+    def _start_dht(self):
+        """This server's DHT node: through --initial-peers, else through the run's servers it knew
+        before a restart (if none of them answers, it starts alone and says so)."""
+        args = self.args
+        known = [] if args.initial_peers else self.known_peers()
+        if not known:
+            return start_server_dht(args, self.run_cfg, self.device)
+        logger.warning(
+            "%s: joining the run through the %d peers it knew before (%s)", self.device, len(known), self.peers_file()
+        )
+        args.initial_peers = known
+        try:
+            return start_server_dht(args, self.run_cfg, self.device)
+        except NetworkError as e:
+            logger.warning("%s: none of the peers it knew answered (%s); starting alone", self.device, e)
+            args.initial_peers = []
+            return start_server_dht(args, self.run_cfg, self.device)
 
     # ---- find the run ---------------------------------------------------------------------------
 
@@ -255,7 +308,9 @@ class ServerHost:
         # the run's last version is announced at once, not up to a period later: `peer swarm` and the
         # dashboard see the run end by it
         server.on_step.append(self._on_step)
+        self.announcer.says = self.state.line
         self.announcer.on_refresh.append(self._look)
+        self.announcer.on_refresh.append(self._remember_peers)
 
     async def _resume(self) -> None:
         from parameter_server.checkpoint import CheckpointWriter, load_checkpoint
@@ -337,7 +392,7 @@ class ServerHost:
         if missing:
             self.state.say(PeerState.WAITING, f"for the run's servers {' '.join(missing)} to announce themselves")
         elif self.server.halted:
-            self.state.say(PeerState.STOPPED, f"{self.server.halted}; the run goes on when it comes back")
+            self.state.say(PeerState.STOPPED, self.server.halted)
         elif self.serving_detail:
             self.state.say(PeerState.SERVING, self.serving_detail)
 
@@ -476,9 +531,10 @@ class ServerHost:
         """The whole life: 0 when the run finished (or a signal stopped it), 2 when this server is
         not part of the run (another run key, other flags, failed over)."""
         try:
-            await self.start()
-            await self.find_run()
-            await self.build()
+            # each phase ends as soon as a signal comes, whatever it waits for
+            await until_stopped(self.start(stop), stop)
+            await until_stopped(self.find_run(), stop)
+            await until_stopped(self.build(), stop)
             await self.serve(stop)
             ended = asyncio.ensure_future(self.finished.wait())
             stopped = asyncio.ensure_future(stop.wait())
@@ -498,7 +554,12 @@ class ServerHost:
             return 2 if fenced else 0
         except BaseException as e:
             if not self.stopping:
-                why = str(e) if isinstance(e, (UsageError, NetworkError)) else f"{type(e).__name__}: {e}"
+                if isinstance(e, Interrupted):
+                    why = "stopped"
+                elif isinstance(e, (UsageError, NetworkError)):
+                    why = str(e)
+                else:
+                    why = f"{type(e).__name__}: {e}"
                 await asyncio.shield(self.stop(why or type(e).__name__))
             raise
 

@@ -60,5 +60,11 @@ class StateLine:
         self._print(f"{state.value}: {detail}" if detail else state.value)
         return True
 
+    def line(self) -> str | None:
+        """The current state as its line says it (without the peer's name), None before the first."""
+        if self.state is None:
+            return None
+        return f"{self.state.value}: {self.detail}" if self.detail else self.state.value
+
     def _print(self, text: str) -> None:
         print(f"{self.who}: {text}", file=self._out or sys.stdout, flush=True)

@@ -20,7 +20,7 @@ import time
 
 from peer.errors import UsageError
 from peer.host.state import PeerState, StateLine
-from peer.runtime import freeze_startup_objects, link_emulator
+from peer.runtime import freeze_startup_objects, interruptible, link_emulator, until_stopped
 
 logger = logging.getLogger("hivepipe.join")
 
@@ -67,20 +67,21 @@ class VolunteerSession:
 
     # ---- start and find the run ----------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, stop: asyncio.Event) -> None:
         from peer.errors import NetworkError
         from peer.node import NetworkStartError, start_dht
 
         args = self.args
         try:  # a volunteer dials out only (client mode): it works behind NAT without opening a port
-            self.dht = start_dht(
-                args.initial_peers,
-                run_id=args.run_id,
-                run_fp=args.run_fp,
-                client_mode=True,
-                identity_path=args.identity_path,
-                timeout=args.timeout or 120.0,
-            )
+            with interruptible(stop):  # (it waits for the initial peers without giving the loop a turn)
+                self.dht = start_dht(
+                    args.initial_peers,
+                    run_id=args.run_id,
+                    run_fp=args.run_fp,
+                    client_mode=True,
+                    identity_path=args.identity_path,
+                    timeout=args.timeout or 120.0,
+                )
         except NetworkStartError as e:
             raise NetworkError(str(e)) from None
         self.p2p = await self.dht.replicate_p2p()
@@ -209,7 +210,7 @@ class VolunteerSession:
         if self.finished():
             self.over = True
         elif self.halt.reason is not None:
-            self.state.say(PeerState.STOPPED, f"{self.halt.reason}; it goes on when that server comes back")
+            self.state.say(PeerState.STOPPED, self.halt.reason)
         elif self.state.state is PeerState.STOPPED:
             self.state.say(PeerState.SERVING, self.working_on)
 
@@ -387,7 +388,7 @@ class VolunteerSession:
         from peer.node import HaltNotice, stop_dht
 
         torch.set_num_threads(1)
-        await self.start()
+        await until_stopped(self.start(stop), stop)
         try:
             self.rng = random.Random(self.peer_id)
             if not await self.find_run(stop) or not await self.wait_for_servers(stop):

@@ -142,6 +142,8 @@ class ServerRecord:
     step_times: dict | None = field(default=None, metadata=_kinds(dict))
     # set while the run is stopped: why (a role's last server is gone), what brings it back
     halted: str | None = field(default=None, metadata=_kinds(str))
+    # its state line, as it last said it (peer.host.state): "waiting: for the run's servers s0b0 ..."
+    says: str | None = field(default=None, metadata=_kinds(str))
     kind = "server"
 
 

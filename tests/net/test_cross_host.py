@@ -182,8 +182,9 @@ def test_servers_on_one_host_volunteers_on_two_others(tmp_path):
                 )
                 assert out.returncode == 0, out.stderr[-2000:]
                 dashboard = json.loads(out.stdout)
-            for name, p in hosts.procs:
-                assert p.poll() is None, f"{name} exited with {p.returncode}:\n{hosts.log(name)[-3000:]}"
+            for name, p in hosts.procs:  # (a volunteer exits 0 by itself once the run is over)
+                ok = (None, 0) if name.startswith("vol") else (None,)
+                assert p.poll() in ok, f"{name} exited with {p.returncode}:\n{hosts.log(name)[-3000:]}"
             assert time.time() < deadline, "the run did not finish in 480 s:\n" + "\n".join(
                 f"--- {n}\n{hosts.log(n)[-1500:]}" for n, _ in hosts.procs
             )
@@ -232,7 +233,7 @@ def test_servers_on_one_host_volunteers_on_two_others(tmp_path):
         left = re.search(r"(\d+) forward and (\d+) backward tasks done on stage\(s\) ([\d -> ]+)", text)
         assert left, f"{name} did not say what it did:\n{text}\n{hosts.log(name)[-2000:]}"
         assert int(left.group(1)) + int(left.group(2)) > 0, f"{name} did no task: {text}"
-        assert codes[name] == 0, f"{name} exited with {codes[name]} on SIGTERM"
+        assert codes[name] == 0, f"{name} exited with {codes[name]} (by itself at the end, or on SIGTERM)"
         stages_worked.update(int(k) for k in re.findall(r"\d+", left.group(3)))
     assert stages_worked == {0, 1}
     state, versions = read_model([str(tmp_path / "ckpt")])

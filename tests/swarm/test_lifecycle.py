@@ -17,12 +17,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from peer.cli import main
 
 STEPS = 3
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Peer:
@@ -123,6 +125,25 @@ def test_an_operators_run_from_first_server_to_the_end(tmp_path, capsys):
         initial = first.wait_line(r"^initial_peers=").split("=", 1)[1].split()
         assert first.wait_line(r"^run=") == f"run=life@{fp_a}"
         first.wait_line(r"^s0f0: waiting: for the run's servers s0b0")
+        # the dashboard shows what each server says it does
+        time.sleep(2.5)  # (an announce period: the record that carries the line)
+        dash = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "dashboard.py"),
+                "--json",
+                "--run-id",
+                f"life@{fp_a}",
+                "--initial-peers",
+                *initial,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        snap = json.loads(dash.stdout)
+        said = {e["device"]: e.get("says") for st in snap["stages"] for e in st["frontal"] + st["backward"]}
+        assert said["s0f0"].startswith("waiting: for the run's servers s0b0"), said
 
         # misconfigurations: one line each, naming both sides, exit 2
         other_key = peer(*serve(key_b, "backward", tmp_path, "--initial-peers", *initial))
@@ -167,6 +188,71 @@ def test_an_operators_run_from_first_server_to_the_end(tmp_path, capsys):
         assert first.gone() and second.gone() and volunteer.gone(), time.monotonic() - t0
         for log in ("first.log", "second.log"):
             assert "Traceback" not in (tmp_path / log).read_text()
+    finally:
+        for p in peers:
+            p.kill()
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _ended(p: Peer, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if p.proc.poll() is not None and p.gone():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+A_PEER = "12D3KooWKweDwQYLfYdehecUQviKrEF294JbjV4AHx4Q7n8aLXeB"
+
+
+@pytest.mark.swarm
+def test_a_signal_ends_a_peer_in_any_state_and_leaves_no_process_or_port(tmp_path):
+    """SIGTERM while a server waits for an initial peer that never answers (a blocking wait: it
+    used to run to --timeout); SIGINT and SIGKILL while a first server waits for the others; SIGKILL
+    while a volunteer waits for its run. Each within 10 s, with its DHT process and p2p daemon."""
+    key = tmp_path / "run.key"
+    dead = f"/ip4/127.0.0.1/tcp/9/p2p/{A_PEER}"
+    peers = []
+    try:
+        log = tmp_path / "starting.log"
+        starting = Peer(*serve(key, "backward", tmp_path, "--initial-peers", dead, "--timeout", "60"), log=log)
+        peers.append(starting)
+        deadline = time.monotonic() + 60
+        while "trying again" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        starting.proc.send_signal(signal.SIGTERM)
+        assert _ended(starting, 10) and starting.proc.returncode == 0, log.read_text()[-2000:]
+
+        for sig in (signal.SIGINT, signal.SIGKILL):
+            first = Peer(*serve(key, "frontal", tmp_path), log=tmp_path / f"first-{sig.name}.log")
+            peers.append(first)
+            initial = first.wait_line(r"^initial_peers=").split("=", 1)[1].split()
+            port = int(re.search(r"/tcp/(\d+)/", initial[0]).group(1))
+            first.wait_line(r"waiting: for the run's servers")
+            os.kill(first.proc.pid, sig)  # the peer itself, not its group: its children must follow it
+            assert _ended(first, 10), f"{sig.name}: a process of the server is left"
+            assert first.proc.returncode == (0 if sig == signal.SIGINT else -signal.SIGKILL)
+            assert _port_free(port), f"{sig.name}: port {port} still held"
+
+        first = Peer(*serve(key, "frontal", tmp_path), log=tmp_path / "host.log")
+        peers.append(first)
+        initial = first.wait_line(r"^initial_peers=").split("=", 1)[1].split()
+        volunteer = Peer("join", "--run-id", "no-such-run", "--initial-peers", *initial)
+        peers.append(volunteer)
+        volunteer.wait_line(r"waiting: for run 'no-such-run'")
+        os.kill(volunteer.proc.pid, signal.SIGKILL)
+        assert _ended(volunteer, 10), "a process of the volunteer is left"
     finally:
         for p in peers:
             p.kill()

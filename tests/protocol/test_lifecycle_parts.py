@@ -1,0 +1,191 @@
+"""The parts of a peer's life (peer.host), each on its own, with time injected: the state line, the
+failure detector, the comparison of a server's flags with the run's, the reachability advice, and
+the CLI's one-line errors."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import pytest
+
+from parameter_server.layout import RunLayout
+from peer.host.failures import FailureDetector
+from peer.host.server import differing_flags
+from peer.host.state import PeerState, StateLine
+from peer.reachability import advice_for
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_state_is_said_once_and_a_wait_is_reminded_once_a_minute():
+    clock, out = Clock(), io.StringIO()
+    line = StateLine("s0f0", out=out, clock=clock)
+    assert line.say(PeerState.STARTING, "run demo")
+    assert line.say(PeerState.WAITING, "for s0b0")
+    for _ in range(50):  # polled every second: no new line until a minute has passed
+        clock.t += 1.0
+        assert not line.say(PeerState.WAITING, "for s0b0")
+    clock.t += 10.0
+    line.say(PeerState.WAITING, "for s0b0")
+    assert line.say(PeerState.WAITING, "for s1f0")  # what it waits for changed: said at once
+    assert line.say(PeerState.SERVING, "stage 0 frontal")
+    clock.t += 600.0
+    assert not line.say(PeerState.SERVING, "stage 0 frontal")  # serving is not reminded
+    assert out.getvalue().splitlines() == [
+        "s0f0: starting: run demo",
+        "s0f0: waiting: for s0b0",
+        "s0f0: waiting: still for s0b0 (60 s)",
+        "s0f0: waiting: for s1f0",
+        "s0f0: serving: stage 0 frontal",
+    ]
+    assert [s for s, _ in line.history] == [
+        PeerState.STARTING,
+        PeerState.WAITING,
+        PeerState.WAITING,
+        PeerState.SERVING,
+    ]
+
+
+class Directory:
+    def __init__(self, silent: dict[str, float]):
+        self.silent = silent
+
+    def silent_for(self, device: str) -> float:
+        return self.silent.get(device, 0.0)
+
+
+class Server:
+    def __init__(self, layout, version=1, steps=10):
+        self.layout, self.version, self.halted = layout, version, None
+        self.run = type("Run", (), {"steps": steps})()
+        self.failed_over: list[list[str]] = []
+
+    async def fail_over(self, lost):
+        self.failed_over.append(list(lost))
+        return {"epoch": 1, "from_batch": self.version}
+
+
+def _detector(silent, up=(), device="s0f0", failover_after=30.0, **server_kw):
+    layout = RunLayout.even(2, 4, 2, 1)  # two frontal servers a stage: one can be failed over
+    server = Server(layout, **server_kw)
+    clock = Clock()
+
+    async def answers(d):
+        return d in up
+
+    det = FailureDetector(server, Directory(silent), device, 3.0, failover_after, answers, clock=clock)
+    return det, server, clock
+
+
+def test_a_silent_server_is_failed_over_only_after_failover_after_and_only_if_it_does_not_answer():
+    det, server, clock = _detector({"s1f1": 100.0})
+    assert asyncio.run(det.check()) == []  # just noticed
+    clock.t += 29.0
+    assert asyncio.run(det.check()) == []
+    clock.t += 2.0
+    assert asyncio.run(det.check()) == ["s1f1"]
+    assert server.failed_over == [["s1f1"]] and server.halted is None
+
+
+def test_a_silent_server_that_answers_a_ping_is_not_lost():
+    det, server, clock = _detector({"s1f1": 100.0}, up=("s1f1",))
+    asyncio.run(det.check())
+    clock.t += 60.0
+    assert asyncio.run(det.check()) == [] and server.failed_over == []
+
+
+def test_only_the_first_remaining_server_fails_over_and_a_roles_last_server_stops_the_run():
+    det, server, clock = _detector({"s1f1": 100.0}, device="s0b0")
+    asyncio.run(det.check())
+    clock.t += 31.0
+    assert asyncio.run(det.check()) == [] and server.failed_over == []  # s0f0 does it
+    det, server, clock = _detector({"s1b0": 100.0})
+    asyncio.run(det.check())
+    clock.t += 31.0
+    assert asyncio.run(det.check()) == []
+    assert "stage 1 has no backward server (s1b0 gone)" in server.halted
+
+
+def test_a_server_that_said_the_run_finished_is_not_failed_over_but_one_lost_at_the_end_is():
+    det, server, clock = _detector({"s1f1": 100.0, "s1f0": 100.0}, version=10, steps=10)
+    det.directory.finished = {"s1f0"}
+    asyncio.run(det.check())
+    clock.t += 100.0
+    assert asyncio.run(det.check()) == ["s1f1"] and server.failed_over == [["s1f1"]]
+
+
+def test_the_flags_a_server_disagrees_on_are_named_with_both_values():
+    ours = {"model": "tiny", "steps": 20, "lr": 0.002, "layout": {"a": 1}, "seed": 0}
+    assert differing_flags(ours, dict(ours, epoch=0)) == []
+    theirs = dict(ours, steps=50, lr=0.01, epoch=0)
+    assert differing_flags(ours, theirs) == ["--steps 50 (here: 20)", "--lr 0.01 (here: 0.002)"]
+    other_layout = dict(ours, layout={"a": 2}, epoch=0)
+    assert "the run's layout differs" in differing_flags(ours, other_layout)[0]
+    assert differing_flags(ours, dict(other_layout, epoch=1)) == []  # a failover changed it: not compared
+
+
+@pytest.mark.parametrize(
+    "problem, words",
+    [
+        ("protocols not supported: [DialBackService.rpc_dial_back]", "does not serve the dial-back check"),
+        ("x7Hq2Ab9 could not dial it: dial tcp 10.0.0.5:31330: connect: connection refused", "nothing listens"),
+        ("x7Hq2Ab9 could not dial it: no answer within 10 s", "open its TCP port"),
+        ("something else", "open its TCP port"),
+    ],
+)
+def test_the_reachability_advice_fits_what_failed(problem, words):
+    assert words in advice_for(problem)
+
+
+def test_a_fault_in_a_command_is_one_line_with_exit_1(capsys, monkeypatch):
+    from peer import cli
+
+    def boom(args):
+        raise RuntimeError("the disk is on fire\nsecond line")
+
+    monkeypatch.setattr("peer.plan_cmd.run", boom)
+    assert cli.main(["plan", "x", "y"]) == 1
+    err = capsys.readouterr().err
+    assert err == "peer plan: error: RuntimeError: the disk is on fire\n"
+
+
+def test_a_missing_optional_dependency_names_the_extra(capsys, monkeypatch):
+    from peer import cli
+
+    def needs_transformers(args):
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+
+    monkeypatch.setattr("peer.export.run", needs_transformers)
+    assert cli.main(["export", "ck", "--hf", "out"]) == 2
+    assert 'pip install -e ".[hf]"' in capsys.readouterr().err
+
+
+def test_keygen_makes_the_folder_and_never_overwrites(tmp_path, capsys):
+    from peer.cli import main
+
+    key = tmp_path / "a" / "b" / "run.key"
+    assert main(["keygen", "-o", str(key)]) == 0 and key.exists()
+    assert oct(key.parent.stat().st_mode & 0o777) == "0o700"
+    before = key.read_bytes()
+    assert main(["keygen", "-o", str(key)]) == 2 and key.read_bytes() == before
+    assert "never overwritten" in capsys.readouterr().err
+
+
+def test_every_help_shows_the_defaults_and_the_presets(capsys):
+    from peer.cli import main
+    from peer.model.config import PRESETS
+
+    for command in ("serve", "join", "swarm"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "(default: " in text or "default: " in text
+        if command != "join":
+            assert ", ".join(PRESETS) in text and "--steps STEPS default:" in text
