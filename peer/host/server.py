@@ -30,6 +30,7 @@ from peer.runtime import Interrupted, freeze_startup_objects, interruptible, lin
 
 logger = logging.getLogger("hivepipe.serve")
 
+KNOWN_PEERS_TIMEOUT = 15.0  # seconds a restart waits for the peers it knew before it starts alone
 # the run's flags every server must share, as the config record names them -> the flag that sets it
 SHARED_FLAGS = {
     "model": "--model",
@@ -174,13 +175,16 @@ class ServerHost:
         logger.warning(
             "%s: joining the run through the %d peers it knew before (%s)", self.device, len(known), self.peers_file()
         )
-        args.initial_peers = known
+        args.initial_peers, timeout = known, args.timeout
+        args.timeout = min(args.timeout or KNOWN_PEERS_TIMEOUT, KNOWN_PEERS_TIMEOUT)
         try:
             return start_server_dht(args, self.run_cfg, self.device)
         except NetworkError as e:
             logger.warning("%s: none of the peers it knew answered (%s); starting alone", self.device, e)
             args.initial_peers = []
             return start_server_dht(args, self.run_cfg, self.device)
+        finally:
+            args.timeout = timeout
 
     # ---- find the run ---------------------------------------------------------------------------
 
@@ -536,6 +540,12 @@ class ServerHost:
             await until_stopped(self.find_run(), stop)
             await until_stopped(self.build(), stop)
             await self.serve(stop)
+            if self.server.version >= self.run_cfg.steps and not self.finished.is_set():
+                # restarted after its last step: the others say so within a few periods, or are gone
+                try:
+                    await asyncio.wait_for(self.finished.wait(), 3 * self.run_cfg.announce_period)
+                except asyncio.TimeoutError:
+                    self.finished.set()
             ended = asyncio.ensure_future(self.finished.wait())
             stopped = asyncio.ensure_future(stop.wait())
             await asyncio.wait({ended, stopped}, return_when=asyncio.FIRST_COMPLETED)

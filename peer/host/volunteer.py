@@ -364,6 +364,10 @@ class VolunteerSession:
         if worker.banned is not None:
             self.banned = worker.banned
             return None
+        if worker.over:  # its stage's servers answered at the run's last step
+            self.over = True
+            over.set()
+            return None
         self.layout, self.epoch = worker.layout, worker.epoch  # as its last failover left them
         return moving[0] if moving and not stop.is_set() and not over.is_set() else None
 

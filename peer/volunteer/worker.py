@@ -218,6 +218,10 @@ class StageWorker:
         # why the run refuses this worker for good (its work failed a check; it is not on a closed run's
         # list): such a refusal will not change, so the worker stops rather than ask again
         self.banned: str | None = None
+        # the servers of the stage that answered at the run's last version: once all have, the run
+        # has nothing more for this worker, which stops (`over`)
+        self.at_last_step: set[str] = set()
+        self._halt: asyncio.Event | None = None
         self._turn = 0
 
     def _set_layout(self, layout) -> None:
@@ -305,8 +309,21 @@ class StageWorker:
         """One `register` at `device`, carrying the tasks finished there (quiet: a failure is logged at
         debug, and the finished tasks go with the next call)."""
         meta, done = self._handing_in(device, self._registration(device, **extra))
-        if await self._quiet(self.links[device].call, "register", meta, timeout=10.0) is not None:
+        answer = await self._quiet(self.links[device].call, "register", meta, timeout=10.0)
+        if answer is not None:
             self._handed_in(device, done)
+            version = answer[0].get("version") if isinstance(answer, tuple) and isinstance(answer[0], dict) else None
+            if isinstance(version, int) and version >= self.run.steps:
+                self.at_last_step.add(device)
+                if self.over and self._halt is not None:
+                    self._halt.set()
+            else:  # (a rollback can take a server back below the last step)
+                self.at_last_step.discard(device)
+
+    @property
+    def over(self) -> bool:
+        """Every server of this worker's stage has applied the run's last step: nothing is left to do."""
+        return bool(self.st.servers) and all(d in self.at_last_step for d in self.st.servers)
 
     def _registration(self, device: str | None = None, **extra) -> dict:
         """A `register` request; with `device`, listing what this worker holds at that server."""
@@ -401,10 +418,15 @@ class StageWorker:
             pass
 
     async def run_loop(self, stop: asyncio.Event) -> None:
+        """Pull and compute tasks until `stop`, a refusal for good (`banned`) or the run's end (`over`)."""
+        outer, stop = stop, asyncio.Event()  # set by the caller's stop, or when the run is over here
+        self._halt = stop
+        relay = asyncio.ensure_future(outer.wait())
+        relay.add_done_callback(lambda _: stop.set())
         await self.register(first=True)
         beat = asyncio.ensure_future(self.heartbeat_loop(stop))
         try:
-            while not stop.is_set() and self.banned is None:
+            while not stop.is_set() and self.banned is None and not self.over:
                 got = await self.take_one()
                 if got is None:  # idle: push what it holds, then wait for work at every server at once
                     await self.flush(self._flush_due(None))
@@ -456,6 +478,7 @@ class StageWorker:
             await self.flush(sorted(self.pending))  # a clean stop hands in what it has
             await self.hand_in_finished()
         finally:
+            relay.cancel()
             beat.cancel()
             self._drop_prefetches()
             await self._stop_waiting()
