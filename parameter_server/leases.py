@@ -16,6 +16,7 @@ from peer.protocol.wire import field as mfield
 from taskpool import Completion, Task
 
 logger = logging.getLogger("hivepipe.server")
+SEEN_DEVICES = 4096  # workers counted by name in tasks_by_device; the rest under "(others)"
 
 # the longest a `take` may wait for a task (its `wait` field): a waiting client costs the server one
 # open call instead of a poll every few tens of milliseconds, and gets a new task the moment it is cut
@@ -206,6 +207,12 @@ class Leases:
             result = self.pool.complete(task_id, sender)
             if result is Completion.ACCEPTED:
                 c.tasks_done += 1
+                who = (
+                    c.device
+                    if c.device in self.tasks_by_device or len(self.tasks_by_device) < SEEN_DEVICES
+                    else "(others)"
+                )
+                self.tasks_by_device[who] = self.tasks_by_device.get(who, 0) + 1
             results[task_id] = result.value
         if refused:  # (one line a call: a list may name up to MAX_COMPLETE ids)
             self.counters["completes_not_held"] = self.counters.get("completes_not_held", 0) + len(refused)

@@ -159,6 +159,8 @@ class StageServer(
         self.reflow_from: int | None = None  # since the last failover: the first batch run again
         self.halted: str | None = None  # why the run is stopped (a role lost its last server), announced
         self.clients: dict[str, ClientInfo] = {}
+        # tasks completed here by each worker's device id, also of workers that have left since
+        self.tasks_by_device: dict[str, int] = {}
         self.admissions = TokenBucket(REGISTER_RATE, REGISTER_BURST)  # new clients (Clients._admit)
         self.struck_out = Remembered(SEEN_VOLUNTEERS)  # peer -> (drops, may register again at)
         self.last_silence_check: float | None = None  # (Clients.drop_stale_clients)

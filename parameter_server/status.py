@@ -55,6 +55,7 @@ class Status:
                 p: {"device": c.device, "compute": c.compute, "tasks_done": c.tasks_done}
                 for p, c in self.clients.items()
             },
+            "tasks_by_device": dict(self.tasks_by_device),
             "traffic": dict(TRAFFIC),
             "traffic_values": dict(VALUES),
             "calls": dict(CALLS),

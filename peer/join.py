@@ -64,7 +64,7 @@ def run(args) -> int:
             raise UsageError(f"--stage must be 'auto' or a stage index, got {args.stage!r}") from None
         if stage < 0:
             raise UsageError(f"--stage must be >= 0, got {stage}")
-    from peer.volunteer.worker import KILL_POINTS
+    from peer.volunteer.faults import KILL_POINTS
 
     if args.die_at is not None and args.die_at not in KILL_POINTS:
         raise UsageError(f"--die-at {args.die_at!r}: choose from {', '.join(KILL_POINTS)}")

@@ -486,8 +486,11 @@ class HaltNotice:
     progress (the servers' highest parameter version, passed as `progress`) beyond any read made
     while it was stopped: the records that carry a version also carry the stop."""
 
-    def __init__(self, who: str, clock=time.monotonic, period: float = 60.0, clear_after: float = 0.0):
+    def __init__(self, who: str, clock=time.monotonic, period: float = 60.0, clear_after: float = 0.0, on_change=None):
         self.who, self.clock, self.period, self.clear_after = who, clock, period, clear_after
+        # instead of its own log lines: on_change(reason) when the run stops (or the reason changes),
+        # on_change(None, seconds stopped) when it goes on (a peer's state line says it: peer.host)
+        self.on_change = on_change
         self.reason: str | None = None
         self.since = self._logged_at = self._said_at = 0.0
         self._progress = -1  # the highest progress read while stopped
@@ -497,7 +500,10 @@ class HaltNotice:
         if reason is None:
             moved = progress is not None and progress > self._progress
             if self.reason is not None and (moved or now - self._said_at >= self.clear_after):
-                logger.warning("%s: the run goes on again after %.0f s stopped", self.who, now - self.since)
+                if self.on_change is not None:
+                    self.on_change(None, now - self.since)
+                else:
+                    logger.warning("%s: the run goes on again after %.0f s stopped", self.who, now - self.since)
                 self.reason = None
             return
         self._said_at = now
@@ -505,6 +511,13 @@ class HaltNotice:
             self._progress = -1
         if progress is not None:
             self._progress = max(self._progress, progress)
+        if self.on_change is not None:
+            if self.reason is None:
+                self.since = now
+            if reason != self.reason:
+                self.reason = reason
+                self.on_change(reason)
+            return
         if self.reason is None:
             self.reason, self.since, self._logged_at = reason, now, now
             logger.error("%s: %s", self.who, reason)

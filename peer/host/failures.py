@@ -41,6 +41,7 @@ class FailureDetector:
         self.period, self.failover_after = period, failover_after
         self.answers, self.halt, self.clock = answers, halt, clock
         self.missing_since: dict[str, float] = {}
+        self.record: dict | None = None  # the layout epoch record of this server's last failover
 
     async def check(self) -> list[str]:
         """One look; returns the servers this server failed over in it."""
@@ -81,6 +82,7 @@ class FailureDetector:
             for d in lost:  # try again after another failover_after
                 self.missing_since[d] = now
             return []
+        self.record = record
         logger.warning(
             "%s: failed over %s: layout epoch %d from batch %d",
             self.device,

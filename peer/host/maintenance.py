@@ -21,10 +21,11 @@ HEAP_TRIM_PERIOD = 60.0  # seconds between two returns of the C heap's free page
 
 
 class Maintenance:
-    """The maintenance loop of `server` on `p2p` (whose list_peers gives the connected peers)."""
+    """The maintenance loop of `server` on `p2p` (whose list_peers gives the connected peers), a pass
+    every `period` seconds."""
 
-    def __init__(self, server, p2p, device: str, clock=time.monotonic):
-        self.server, self.p2p, self.device, self.clock = server, p2p, device, clock
+    def __init__(self, server, p2p, device: str, clock=time.monotonic, period: float = MAINTENANCE_PERIOD):
+        self.server, self.p2p, self.device, self.clock, self.period = server, p2p, device, clock, period
         self._next_read = 0.0
         self._next_trim = clock() + HEAP_TRIM_PERIOD
 
@@ -49,6 +50,6 @@ class Maintenance:
         while not stop.is_set():
             await self.once()
             try:
-                await asyncio.wait_for(stop.wait(), MAINTENANCE_PERIOD)
+                await asyncio.wait_for(stop.wait(), self.period)
             except asyncio.TimeoutError:
                 pass

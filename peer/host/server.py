@@ -30,6 +30,7 @@ from peer.runtime import Interrupted, freeze_startup_objects, interruptible, lin
 
 logger = logging.getLogger("hivepipe.serve")
 
+FAREWELL_S = 10.0  # seconds a finished server waits at most for its volunteers to learn the run is over
 KNOWN_PEERS_TIMEOUT = 15.0  # seconds a restart waits for the peers it knew before it starts alone
 # the run's flags every server must share, as the config record names them -> the flag that sets it
 SHARED_FLAGS = {
@@ -298,7 +299,7 @@ class ServerHost:
             self.device,
             compute=lambda: self.worker.compute if self.worker is not None else 0.0,
         )
-        self.halt = HaltNotice(self.device)
+        self.halt = HaltNotice(self.device, on_change=self._halt_changed)
         self.detector = FailureDetector(
             server,
             directory,
@@ -363,6 +364,8 @@ class ServerHost:
             return False
 
     def _on_step(self, version: int):
+        if version == self.run_cfg.steps:
+            self.ended_at = self.server.clock()
         if version == self.run_cfg.steps and self.announcer.online.is_set():
             return self.announcer.announce_quietly("online")
         return None
@@ -382,8 +385,26 @@ class ServerHost:
         )
 
     def loss_at_end(self) -> float | None:
-        loss_sum = self.server.shard.losses.get(self.run_cfg.steps - 1)
+        """The last batch's loss per token: the last stage computes it (a server of another stage
+        reads it from a last-stage server's record)."""
+        last = self.run_cfg.steps - 1
+        if self.server.last:
+            loss_sum = self.server.shard.losses.get(last)
+        else:
+            last_stage = set(self.server.layout.stages[-1].servers)
+            found = [
+                r["losses"][str(last)]
+                for r in self.directory.records.values()
+                if r.get("kind") == "server" and r.get("device") in last_stage and str(last) in (r.get("losses") or {})
+            ]
+            loss_sum = found[0] if found else None
         return None if loss_sum is None else loss_sum / (self.run_cfg.batch_size * self.cfg.seq_len)
+
+    def _halt_changed(self, reason: str | None, stopped_for: float = 0.0) -> None:
+        if reason is not None:
+            self.state.say(PeerState.STOPPED, reason)
+        else:
+            self.state.say(PeerState.SERVING, f"the run goes on again after {stopped_for:.0f} s stopped")
 
     def _look(self) -> None:
         """Say the state the run is in, from the announcer's latest round."""
@@ -396,8 +417,8 @@ class ServerHost:
         if missing:
             self.state.say(PeerState.WAITING, f"for the run's servers {' '.join(missing)} to announce themselves")
         elif self.server.halted:
-            self.state.say(PeerState.STOPPED, self.server.halted)
-        elif self.serving_detail:
+            self.state.say(PeerState.STOPPED, self.server.halted)  # (said by the detector; reminded here)
+        elif self.serving_detail and self.state.state is not PeerState.SERVING:
             self.state.say(PeerState.SERVING, self.serving_detail)
 
     # ---- serve ----------------------------------------------------------------------------------
@@ -504,6 +525,25 @@ class ServerHost:
         if not stop.is_set():
             self._look()
 
+    ended_at: float | None = None  # the server's clock when its version reached the last step
+
+    async def farewell(self, stop: asyncio.Event) -> None:
+        """Stay until every volunteer registered here has called since the last step (the answer to
+        its heartbeat carries the version, which tells it the run is over), at most FAREWELL_S: the
+        run's records leave the DHT with its servers, so a volunteer would otherwise learn the end only
+        from servers that no longer answer."""
+        server = self.server
+        ended = self.ended_at if self.ended_at is not None else server.clock()
+        deadline = time.monotonic() + FAREWELL_S
+        while time.monotonic() < deadline and not stop.is_set():
+            told = all(c.last_seen >= ended for p, c in server.clients.items() if not server._is_server(p))
+            if told:
+                return
+            try:
+                await asyncio.wait_for(stop.wait(), 0.2)
+            except asyncio.TimeoutError:
+                pass
+
     # ---- finish and stop ------------------------------------------------------------------------
 
     def say_finished(self) -> None:
@@ -552,6 +592,7 @@ class ServerHost:
             ended.cancel()
             stopped.cancel()
             if self.finished.is_set() and not stop.is_set():
+                await self.farewell(stop)
                 if self.writer is not None:
                     self.writer.close()
                     self.writer = None

@@ -210,9 +210,13 @@ class VolunteerSession:
         if self.finished():
             self.over = True
         elif self.halt.reason is not None:
-            self.state.say(PeerState.STOPPED, self.halt.reason)
-        elif self.state.state is PeerState.STOPPED:
-            self.state.say(PeerState.SERVING, self.working_on)
+            self.state.say(PeerState.STOPPED, self.halt.reason)  # (reminded once a minute)
+
+    def _halt_changed(self, reason: str | None, stopped_for: float = 0.0) -> None:
+        if reason is not None:
+            self.state.say(PeerState.STOPPED, reason)
+        else:
+            self.state.say(PeerState.SERVING, f"the run goes on again after {stopped_for:.0f} s stopped")
 
     async def watch_run(self, stop: asyncio.Event, over: asyncio.Event) -> None:
         """Say so when the run stops (a server announces that a role lost its last server), a
@@ -367,6 +371,8 @@ class VolunteerSession:
         if worker.over:  # its stage's servers answered at the run's last step
             self.over = True
             over.set()
+            if self.halt.reason is not None:  # it was stopped, and went on to the end meanwhile
+                self.halt.update(None, progress=self.run_cfg.steps)
             return None
         self.layout, self.epoch = worker.layout, worker.epoch  # as its last failover left them
         return moving[0] if moving and not stop.is_set() and not over.is_set() else None
@@ -377,8 +383,8 @@ class VolunteerSession:
         d = self.done
         return (
             f"{d['forward']} forward and {d['backward']} backward tasks done on stage(s) "
-            f"{' -> '.join(map(str, self.stages_worked)) or 'none'} ({d['recompute_avoided']} backward tasks "
-            "ran on their kept forward pass)"
+            f"{' -> '.join(map(str, self.stages_worked)) or 'none'}, {d['recompute_avoided']} of the backward "
+            "tasks on their kept forward pass"
         )
 
     async def run(self, stop: asyncio.Event) -> int:
@@ -410,7 +416,7 @@ class VolunteerSession:
             if stage is None:
                 self.state.say(PeerState.LEAVING, "stopped before it joined")
                 return 0
-            self.halt = HaltNotice(self.device, clear_after=6 * run.announce_period)
+            self.halt = HaltNotice(self.device, clear_after=6 * run.announce_period, on_change=self._halt_changed)
             over = asyncio.Event()
             watcher = asyncio.ensure_future(self.watch_run(stop, over))
             while stage is not None:

@@ -172,16 +172,13 @@ class Monitor:
             },
             # every task completed once at the server that leased it (re-runs of lost work included)
             "tasks_completed": sum(s.get("pool", {}).get("done", 0) for s in statuses.values()),
-            # of them, by each worker (a server's own worker under its server's name) still registered
-            # when the run ended: who computed the run (a batch goes first to a free server's worker)
+            # of them, by each worker (a server's own worker under its server's name), also those that
+            # left (a volunteer leaves once the run is over): who computed the run (a batch goes first
+            # to a free server's worker)
             "tasks_by_worker": dict(
                 sorted(
                     sum(
-                        (
-                            collections.Counter({c["device"]: c.get("tasks_done", 0)})
-                            for s in statuses.values()
-                            for c in s.get("clients", {}).values()
-                        ),
+                        (collections.Counter(s.get("tasks_by_device", {})) for s in statuses.values()),
                         collections.Counter(),
                     ).items()
                 )

@@ -5,8 +5,10 @@ gradient, its parameter gradients and loss) is corrupted the same way. Not a fea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("scale", "signflip", "noise", "zeros", "bias")
 SCALE = 1e4  # "multiplies its gradients by 1e4"
@@ -33,7 +35,9 @@ class Cheat:
     def active(self, tasks_done: int) -> bool:
         return tasks_done >= self.after
 
-    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+    def tensor(self, t: "torch.Tensor") -> "torch.Tensor":
+        import torch  # (here: `peer join` parses --cheat before torch is imported)
+
         if self.kind == "scale":
             return t * SCALE
         if self.kind == "signflip":

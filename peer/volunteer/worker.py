@@ -32,24 +32,13 @@ from peer.model.task_math import KeptForward, backward_kept, backward_rows, forw
 from peer.model.transformer import StageSlice, build_slice, slice_from_state
 from peer.protocol.params import NotReady, fetch_slot
 from peer.protocol.wire import RemoteError, StreamCut, wait_to_redial
+from peer.volunteer.faults import KILL_POINTS
 from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, hold_ends, owed_after
 from scheduler.prefetch import version_to_fetch
 from taskpool.types import priority
 
 logger = logging.getLogger("hivepipe.worker")
 
-# the points of the protocol where a volunteer can be made to die (`peer join --die-at`), to prove
-# that every micro-batch is applied exactly once whatever the point
-KILL_POINTS = (
-    "before_forward",
-    "during_forward",
-    "after_outputs",
-    "during_backward",
-    "after_input_grads",
-    "mid_grad_push",
-    "after_grad_push",
-    "pulling_params",
-)
 
 _gc_clock = threading.local()
 

@@ -230,7 +230,7 @@ def test_servers_on_one_host_volunteers_on_two_others(tmp_path):
     stages_worked = set()
     for name in vols:
         text = (tmp_path / f"{name}.out").read_text()
-        left = re.search(r"(\d+) forward and (\d+) backward tasks done on stage\(s\) ([\d -> ]+)", text)
+        left = re.search(r"(\d+) forward and (\d+) backward tasks done on stage\(s\) (\d+(?: -> \d+)*)", text)
         assert left, f"{name} did not say what it did:\n{text}\n{hosts.log(name)[-2000:]}"
         assert int(left.group(1)) + int(left.group(2)) > 0, f"{name} did no task: {text}"
         assert codes[name] == 0, f"{name} exited with {codes[name]} (by itself at the end, or on SIGTERM)"

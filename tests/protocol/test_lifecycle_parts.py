@@ -189,3 +189,26 @@ def test_every_help_shows_the_defaults_and_the_presets(capsys):
         assert "(default: " in text or "default: " in text
         if command != "join":
             assert ", ".join(PRESETS) in text and "--steps STEPS default:" in text
+
+
+def test_a_halt_notice_with_a_state_line_says_each_change_once():
+    from peer.node import HaltNotice
+
+    clock, out = Clock(), io.StringIO()
+    line = StateLine("v1", out=out, clock=clock)
+
+    def changed(reason, stopped_for=0.0):
+        if reason is not None:
+            line.say(PeerState.STOPPED, reason)
+        else:
+            line.say(PeerState.SERVING, f"the run goes on again after {stopped_for:.0f} s stopped")
+
+    halt = HaltNotice("v1", clock=clock, on_change=changed)
+    for _ in range(5):  # read again and again while stopped: said once
+        halt.update("run stopped: stage 1 has no backward server (s1b0 gone)")
+        clock.t += 2.0
+    halt.update(None)
+    assert out.getvalue().splitlines() == [
+        "v1: stopped: run stopped: stage 1 has no backward server (s1b0 gone)",
+        "v1: serving: the run goes on again after 10 s stopped",
+    ]

@@ -1,13 +1,18 @@
 """All servers and workers of a run in one event loop, wired by LocalLinks (the same handlers and
 checks as over P2P, without the network). For fast logic tests; the end-to-end tests use real
-processes and real hivemind P2P."""
+processes and real hivemind P2P. The servers' periodic work and the detection of a lost server are
+the very parts a server process runs (peer.host.Maintenance and peer.host.FailureDetector), fed
+by what this swarm knows: which peers are connected, which servers are gone."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from parameter_server.layout import RunLayout
 from parameter_server.service import StageServer
+from peer.host.failures import FailureDetector
+from peer.host.maintenance import Maintenance
 from peer.model.config import get_preset
 from peer.model.data import load_corpus
 from peer.model.transformer import init_state
@@ -71,12 +76,20 @@ class InProcessSwarm:
             lease_tickets=TICKETS,
         )
 
+    def connected(self) -> set[str]:
+        """The peers a server's node would list as connected: the live servers and running workers."""
+        live = {f"peer-{d}" for d in self.servers}
+        tasks = getattr(self, "tasks", [])
+        return live | {f"peer-{w.device_id}" for w, t in zip(self.workers, tasks) if not t.done()}
+
     def versions(self) -> list[int]:
         return [s.version for s in self.servers.values()]
 
-    async def lose(self, device: str) -> dict:
-        """Server `device` is gone for good (every call to it fails, its own worker stops); the first
-        remaining server coordinates the failover. Returns the new layout epoch's record."""
+    async def lose(self, device: str, failover_after: float = 3.0) -> dict:
+        """Server `device` is gone for good (every call to it fails, its own worker stops). Each
+        remaining server's FailureDetector looks, then looks again `failover_after` seconds later (a
+        clock of this swarm's): the server is silent and deaf to a ping, so the first remaining server
+        fails it over. Returns the new layout epoch's record."""
         server = self.servers.pop(device)
 
         async def gone(*args, **kwargs):
@@ -86,7 +99,30 @@ class InProcessSwarm:
         for worker, task in zip(self.workers, self.tasks):
             if worker.device_id == device:
                 task.cancel()
-        return await next(iter(self.servers.values())).fail_over([device])
+        now = [0.0]
+        swarm = self
+
+        class Seen:  # what a server's directory says: a gone server is silent for ever
+            finished: set = set()
+
+            def silent_for(self, d: str) -> float:
+                return 0.0 if d in swarm.servers else float("inf")
+
+        async def answers(d: str) -> bool:
+            return d in self.servers
+
+        detectors = [
+            FailureDetector(s, Seen(), d, self.run.announce_period, failover_after, answers, clock=lambda: now[0])
+            for d, s in self.servers.items()
+        ]
+        for det in detectors:
+            await det.check()
+        now[0] += failover_after + 0.1
+        for det in detectors:
+            await det.check()
+        records = [det.record for det in detectors if det.record is not None]
+        assert len(records) == 1, f"{len(records)} servers failed {device} over"
+        return records[0]
 
     async def train(self, timeout: float = 120.0, at_version: dict | None = None) -> dict:
         """Run until every server has applied the last batch; `at_version` maps a version to a
@@ -95,11 +131,19 @@ class InProcessSwarm:
         at_version = dict(at_version or {})
         tasks = self.tasks = [asyncio.ensure_future(w.run_loop(stop)) for w in self.workers]
 
-        async def maintain():
+        swarm = self
+
+        class Connections:  # what a server's p2p daemon lists as connected
+            async def list_peers(self):
+                return [SimpleNamespace(peer_id=p) for p in swarm.connected()]
+
+        async def maintain():  # each server's Maintenance, every 10 ms (a server process: every 0.2 s)
+            parts = {}
             while not stop.is_set():
-                for s in self.servers.values():
-                    s.maintenance()
-                    s.maybe_start_batches()
+                for d, s in list(self.servers.items()):
+                    if d not in parts or parts[d].server is not s:
+                        parts[d] = Maintenance(s, Connections(), d, period=0.01)
+                    await parts[d].once()
                 await asyncio.sleep(0.01)
 
         tasks.append(asyncio.ensure_future(maintain()))
