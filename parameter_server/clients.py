@@ -132,7 +132,8 @@ class Clients:
                     sender[-8:],
                     ", ".join(t.task_id for t in lost),
                 )
-        return {"ok": True, "version": self.version, "epoch": self.epoch}
+        answer = {"ok": True, "version": self.version, "epoch": self.epoch}
+        return (answer | {"over": True}) if self.run_over else answer
 
     def _admit(self, sender: str) -> None:
         """A new client's registration, within the limits: a peer dropped for leases it let run out

@@ -159,6 +159,9 @@ class StageServer(
         self.reflow_from: int | None = None  # since the last failover: the first batch run again
         self.halted: str | None = None  # why the run is stopped (a role lost its last server), announced
         self.clients: dict[str, ClientInfo] = {}
+        # set by its host once every server of the run has applied the last step: the answers to
+        # heartbeats say so, and a worker that hears it stops (peer.host.server)
+        self.run_over = False
         # tasks completed here by each worker's device id, also of workers that have left since
         self.tasks_by_device: dict[str, int] = {}
         self.admissions = TokenBucket(REGISTER_RATE, REGISTER_BURST)  # new clients (Clients._admit)

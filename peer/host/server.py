@@ -363,9 +363,13 @@ class ServerHost:
         except Exception:
             return False
 
+    def finish(self) -> None:
+        """The run is over: from now on the answers to heartbeats say so."""
+        self.server.run_over = True
+        self.ended_at = self.server.clock()
+        self.finished.set()
+
     def _on_step(self, version: int):
-        if version == self.run_cfg.steps:
-            self.ended_at = self.server.clock()
         if version == self.run_cfg.steps and self.announcer.online.is_set():
             return self.announcer.announce_quietly("online")
         return None
@@ -411,7 +415,7 @@ class ServerHost:
         if self.finished.is_set() or self.stopping:
             return
         if self.run_finished():
-            self.finished.set()
+            self.finish()
             return
         missing = self.missing_servers()
         if missing:
@@ -525,11 +529,11 @@ class ServerHost:
         if not stop.is_set():
             self._look()
 
-    ended_at: float | None = None  # the server's clock when its version reached the last step
+    ended_at: float | None = None  # the server's clock when it learnt that the run is over
 
     async def farewell(self, stop: asyncio.Event) -> None:
-        """Stay until every volunteer registered here has called since the last step (the answer to
-        its heartbeat carries the version, which tells it the run is over), at most FAREWELL_S: the
+        """Stay until every volunteer registered here has called since the run ended (the answer to
+        its heartbeat tells it so), at most FAREWELL_S: the
         run's records leave the DHT with its servers, so a volunteer would otherwise learn the end only
         from servers that no longer answer."""
         server = self.server
@@ -585,7 +589,7 @@ class ServerHost:
                 try:
                     await asyncio.wait_for(self.finished.wait(), 3 * self.run_cfg.announce_period)
                 except asyncio.TimeoutError:
-                    self.finished.set()
+                    self.finish()
             ended = asyncio.ensure_future(self.finished.wait())
             stopped = asyncio.ensure_future(stop.wait())
             await asyncio.wait({ended, stopped}, return_when=asyncio.FIRST_COMPLETED)

@@ -368,7 +368,7 @@ class VolunteerSession:
         if worker.banned is not None:
             self.banned = worker.banned
             return None
-        if worker.over:  # its stage's servers answered at the run's last step
+        if worker.over:  # a server of its stage answered that the run is over
             self.over = True
             over.set()
             if self.halt.reason is not None:  # it was stopped, and went on to the end meanwhile

@@ -207,9 +207,9 @@ class StageWorker:
         # why the run refuses this worker for good (its work failed a check; it is not on a closed run's
         # list): such a refusal will not change, so the worker stops rather than ask again
         self.banned: str | None = None
-        # the servers of the stage that answered at the run's last version: once all have, the run
-        # has nothing more for this worker, which stops (`over`)
-        self.at_last_step: set[str] = set()
+        # a server of the stage answered that the run is over (every server of the run applied its
+        # last step): nothing more will come, and the worker stops (`over`)
+        self.over = False
         self._halt: asyncio.Event | None = None
         self._turn = 0
 
@@ -301,18 +301,10 @@ class StageWorker:
         answer = await self._quiet(self.links[device].call, "register", meta, timeout=10.0)
         if answer is not None:
             self._handed_in(device, done)
-            version = answer[0].get("version") if isinstance(answer, tuple) and isinstance(answer[0], dict) else None
-            if isinstance(version, int) and version >= self.run.steps:
-                self.at_last_step.add(device)
-                if self.over and self._halt is not None:
+            if isinstance(answer, tuple) and isinstance(answer[0], dict) and answer[0].get("over") is True:
+                self.over = True
+                if self._halt is not None:
                     self._halt.set()
-            else:  # (a rollback can take a server back below the last step)
-                self.at_last_step.discard(device)
-
-    @property
-    def over(self) -> bool:
-        """Every server of this worker's stage has applied the run's last step: nothing is left to do."""
-        return bool(self.st.servers) and all(d in self.at_last_step for d in self.st.servers)
 
     def _registration(self, device: str | None = None, **extra) -> dict:
         """A `register` request; with `device`, listing what this worker holds at that server."""

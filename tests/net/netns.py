@@ -1,6 +1,6 @@
 """A small testbed of hosts on one machine: network namespaces joined by veth pairs to one bridge,
-each host's link optionally rate-shaped by `tc tbf` in both directions. Used by the cross-host test
-(tests/net/) and scripts/bench_netns.py. Needs root, `ip netns` and `tc`; `require()` says why not.
+each host's link optionally rate-shaped by `tc tbf` in both directions. Used by the deploy walk
+(tests/net/test_deploy_doc.py) and scripts/bench_netns.py. Needs root, `ip netns` and `tc`; `require()` says why not.
 
 Addresses come from 198.18.0.0/15, the range set aside for benchmarks (RFC 2544), so the testbed
 never collides with a real network. Everything it creates carries a per-testbed prefix and is

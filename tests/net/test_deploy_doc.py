@@ -5,10 +5,12 @@ drift apart. A line that sets INITIAL or RUN is where an operator pastes what a 
 test pastes what this run's servers printed. Other assignments are the page's own.
 
 The walk: the run key and the training flags; the first server alone for longer than two minutes
-(the old start-up limit), saying that it waits; the three other servers one by one; two volunteers;
-the dashboard's snapshot; the first server stopped and restarted with its own command (no
+(the old start-up limit), saying that it waits; the three other servers one by one; two volunteers
+on links shaped to 50 and 20 Mbit/s (tc tbf), each given ONE initial peer; the dashboard's snapshot
+from a volunteer's host; the first server stopped and restarted with its own command (no
 --initial-peers: it rejoins through the peers it kept); the run finishing with every server and
-volunteer exiting 0 by itself; `peer export --checkpoint-dirs` and `peer generate` on the result.
+volunteer exiting 0 by itself, both stages computed by volunteers, and the servers' parameters equal
+to the single-process reference's; `peer export --checkpoint-dirs` and `peer generate` on the result.
 
 Needs root and `ip netns` (skipped with the reason elsewhere); CI on this project's machine runs it."""
 
@@ -126,6 +128,8 @@ class Walk:
     def __init__(self, tmp_path: Path):
         self.tmp = tmp_path
         self.bed = netns.Testbed(["A", "B", "C"], tag=f"hd{os.getpid() % 10000}")
+        self.bed.shape("B", 50)  # volunteers at home
+        self.bed.shape("C", 20)
         self.env: dict[str, dict[str, str]] = {}
         for host in self.bed.hosts:
             home = tmp_path / host
@@ -215,6 +219,7 @@ def test_the_deploy_page_runs_as_written(tmp_path):
                             restart_first(walk, servers, server_lines, tmp_path)
                     elif line.startswith("peer export"):
                         finish(servers, volunteers)  # the run ends by itself
+                        equals_the_reference(walk, tmp_path, volunteers)
                         walk.run(host, line)
                     else:
                         out = walk.run(host, line)
@@ -258,3 +263,26 @@ def finish(servers: dict, volunteers: list) -> None:
     for p in volunteers:
         p.wait_line(r"finished: run demo is over", 120)
         assert p.proc.wait(timeout=60) == 0, p.name
+
+
+def equals_the_reference(walk: Walk, tmp_path: Path, volunteers: list) -> None:
+    """Both stages had a volunteer's compute (the servers only serve), and the servers' parameters
+    equal `peer reference`'s with the page's training flags."""
+    from parameter_server.checkpoint import read_model
+    from tests.swarm.harness import reference_state, rel_diff
+
+    stages = set()
+    for p in volunteers:
+        m = re.search(r"(\d+) forward and (\d+) backward tasks done on stage\(s\) (\d+(?: -> \d+)*)", "\n".join(p.seen))
+        assert m and int(m.group(1)) + int(m.group(2)) > 0, (p.name, p.seen[-5:])
+        stages.update(int(k) for k in re.findall(r"\d+", m.group(3)))
+    assert stages == {0, 1}
+    train = walk.env["A"]["TRAIN"].split()
+    flag = {k: train[i + 1] for i, k in enumerate(train) if k.startswith("--") and i + 1 < len(train)}
+    steps = int(flag["--steps"])
+    state, versions = read_model([str(tmp_path / "A" / "hp" / "ckpt")])
+    assert set(versions.values()) == {steps}
+    reference = reference_state(
+        flag["--model"], steps, batch_size=int(flag["--batch-size"]), micro_batches=int(flag["--micro-batches"])
+    )
+    assert rel_diff(state, reference) < 1e-5
