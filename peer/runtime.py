@@ -130,7 +130,7 @@ def check_maddrs(flag: str, values, *, need_peer_id: bool = False, need_port: bo
 
 def parse_run_id(args) -> None:
     """--run-id NAME[@FINGERPRINT] -> args.run_id = NAME, args.run_fp = FINGERPRINT or None."""
-    from peer.protocol.trust import split_run_id
+    from peer.protocol.runid import split_run_id
 
     if hasattr(args, "run_fp"):
         return  # parsed already

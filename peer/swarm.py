@@ -170,7 +170,7 @@ def validate(args):
     for flag in ("task_tokens", "client_batch_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    from peer.protocol.trust import split_run_id
+    from peer.protocol.runid import split_run_id
 
     try:
         if split_run_id(args.run_id)[1] is not None:

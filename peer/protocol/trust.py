@@ -43,12 +43,13 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import RecordValidatorBase
 
+from peer.protocol.runid import FINGERPRINT_LEN, split_run_id  # noqa: F401  (re-exported)
+
 logger = logging.getLogger("hivepipe.trust")
 
 MAX_STAGES = 64  # stage keys a validator knows
 MAX_SKEW = 60.0  # seconds a record's time may lie ahead of the reader's clock
 MAX_TTL = 3600.0  # the longest life a record may claim (a replayed old record has expired)
-FINGERPRINT_LEN = 16
 # how much later than its signed expiry a record may be stored to expire in the DHT: publish() stores it
 # with exactly that expiry, so this only absorbs float rounding through the DHT's serialization
 EXPIRY_SLACK = 1.0
@@ -72,22 +73,6 @@ def config_name(run_id: str) -> str:
 
 def stage_name(run_id: str, stage: int) -> str:
     return f"{run_id}_stage{stage}"
-
-
-def split_run_id(text: str) -> tuple[str, str | None]:
-    """`NAME` or `NAME@FINGERPRINT` -> (name, fingerprint or None); ValueError naming the problem."""
-    name, _, fp = text.partition("@")
-    if not name or not all(c.isascii() and (c.isalnum() or c in "-._") for c in name):
-        raise ValueError(f"run id {name!r}: use letters, digits, '-', '_' and '.' only")
-    if "@" in text:
-        fp = fp.lower()
-        if len(fp) != FINGERPRINT_LEN or any(c not in "0123456789abcdef" for c in fp):
-            raise ValueError(
-                f"run fingerprint {fp!r}: expected {FINGERPRINT_LEN} hex digits (as `peer serve` "
-                "or `peer keygen` print it)"
-            )
-        return name, fp
-    return name, None
 
 
 def fingerprint(public_der: bytes) -> str:
