@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=10.0,
         metavar="S",
-        help="--json: seconds to wait for the run to appear before exiting with code 2 (default 10)",
+        help="seconds to keep trying initial peers that do not answer yet, and (--json) to wait for the run to "
+        "appear, before exiting with code 2 (default 10)",
     )
     p.add_argument(
         "--stale-periods",
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging(args.verbose)
     try:
-        reader = DhtReader(args.initial_peers, args.run_id, args.run_fp)
+        reader = DhtReader(args.initial_peers, args.run_id, args.run_fp, timeout=args.timeout)
     except Exception as e:
         logger.debug("joining the DHT failed", exc_info=True)
         print(f"dashboard: error: cannot join the DHT through {' '.join(args.initial_peers)}: {e}", file=sys.stderr)

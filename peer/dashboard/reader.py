@@ -18,11 +18,13 @@ logger = logging.getLogger("hivepipe.dashboard")
 class DhtReader:
     """A client-mode DHT node (it stores nothing) reading the run's keys."""
 
-    def __init__(self, initial_peers: list[str], run_id: str, run_fp: str | None = None):
+    def __init__(self, initial_peers: list[str], run_id: str, run_fp: str | None = None, timeout: float | None = None):
+        """`timeout`: seconds to keep trying initial peers that do not answer yet (a server that is
+        restarting, or slow to answer under load), one try without it."""
         from peer.node import start_dht
 
         self.run_id = run_id
-        self.dht = start_dht(initial_peers, run_id=run_id, run_fp=run_fp, client_mode=True)
+        self.dht = start_dht(initial_peers, run_id=run_id, run_fp=run_fp, client_mode=True, timeout=timeout)
         self.trust = self.dht.hivepipe_trust
         # records of the last fetch that did not verify, as the snapshot's "malformed" entries: those this
         # reader dropped and those the DHT node's validator dropped before they reached it

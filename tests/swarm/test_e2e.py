@@ -174,7 +174,7 @@ def churn_scenario(tmp_path_factory):
     result["kept"] = sum(
         int(m)
         for log in work.glob("v*.log")
-        for m in re.findall(r"(\d+) backward tasks ran on their kept forward pass", log.read_text())
+        for m in re.findall(r"(\d+) of the backward tasks on their kept forward pass", log.read_text())
     )
     return result
 
