@@ -169,6 +169,10 @@ class CheckpointWriter:
         state = self.server.replicas[slot].state_dict()
         return asyncio.wrap_future(self._submit(write_replica, self.directory, self.server.device_id, slot, state))
 
+    def flush(self):
+        """A future done once every write asked for so far is on disk (the writer goes on)."""
+        return self._submit(lambda: None)  # (one worker: it runs after what was queued before it)
+
     def close(self) -> None:
         """Wait for every write asked for."""
         self._executor.shutdown(wait=True)

@@ -597,9 +597,8 @@ class ServerHost:
             stopped.cancel()
             if self.finished.is_set() and not stop.is_set():
                 await self.farewell(stop)
-                if self.writer is not None:
-                    self.writer.close()
-                    self.writer = None
+                if self.writer is not None:  # the last step's checkpoint is on disk before it says so
+                    await asyncio.wrap_future(self.writer.flush())
                 self.say_finished()
                 if getattr(self.args, "hold", False):
                     self.state.say(PeerState.FINISHED, "holding its final state (--hold) until stopped")
