@@ -158,10 +158,15 @@ class Monitor:
             "volunteers_killed": killed,
             "layout_epoch": self.epoch,
             "layout": self.layout.to_dict(),
-            # the volunteers (not servers) registered with each stage's servers when the run ended
+            # the volunteers (not servers) that registered with, or completed tasks at, each stage's
+            # servers (a volunteer leaves once the run is over: it may be gone from the clients by now)
             "volunteers_by_stage": {
                 str(st.index): sorted(
-                    {c["device"] for d in st.servers for c in statuses[d].get("clients", {}).values()} - self.server_ids
+                    (
+                        {c["device"] for d in st.servers for c in statuses[d].get("clients", {}).values()}
+                        | {w for d in st.servers for w in statuses[d].get("tasks_by_device", {})}
+                    )
+                    - self.server_ids
                 )
                 for st in self.layout.stages
             },
