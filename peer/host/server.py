@@ -384,8 +384,12 @@ class ServerHost:
         """Every server of the current layout has announced the run's last version."""
         steps = self.run_cfg.steps
         devices = [d for s in self.server.layout.stages for d in s.servers]
+        # (records of the current layout epoch only: a record read before a failover can show a
+        # version that the failover's re-run has not reached yet)
         return self.server.version >= steps and all(
-            d == self.device or self.directory.versions.get(d, 0) >= steps for d in devices
+            d == self.device
+            or (self.directory.versions.get(d, 0) >= steps and self.directory.epochs.get(d, -1) == self.server.epoch)
+            for d in devices
         )
 
     def loss_at_end(self) -> float | None:
@@ -415,8 +419,11 @@ class ServerHost:
         if self.finished.is_set() or self.stopping:
             return
         if self.run_finished():
-            self.finish()
+            self._finished_looks += 1
+            if self._finished_looks >= 2:  # on two looks a period apart: no stale read ends the run
+                self.finish()
             return
+        self._finished_looks = 0
         missing = self.missing_servers()
         if missing:
             self.state.say(PeerState.WAITING, f"for the run's servers {' '.join(missing)} to announce themselves")
@@ -429,6 +436,7 @@ class ServerHost:
 
     stopping = False
     serving_detail = ""
+    _finished_looks = 0
 
     async def wait_for_stage(self, stop: asyncio.Event) -> bool:
         """Until every server of this stage has been seen in a record (its own worker computes with
