@@ -85,8 +85,10 @@ def swarm(tmp_path_factory):
             "no",
             "--volunteer-slowdown",
             "3",
+            # (not shorter: on a loaded machine a live volunteer's heartbeat can come 2 s late, and
+            # a server that drops it counts a volunteer lost that never left)
             "--client-timeout",
-            "2",
+            "5",
             "--announce-period",
             str(PERIOD),
             "--seed",
@@ -364,5 +366,5 @@ def test_a_killed_volunteer_leaves_the_view(swarm, web):
     assert {"stage": 1, "reason": "no compute: no live volunteer and no server computes"} in snap["health"]["blocking"]
     assert snap["health"]["status"] == "blocked" and not snap["health"]["ok"]
     assert snap["stages"][0]["blocking"] == []
-    # the stage's servers dropped v1 after --client-timeout 2 s and count it as departed
+    # the stage's servers dropped v1 (its connections closed) and count it as departed
     assert snap["progress"]["volunteers_lost"] >= 1 and snap["progress"]["volunteers_live"] == 2
