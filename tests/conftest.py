@@ -5,6 +5,10 @@
 - `swarm`: real swarms of processes on 127.0.0.1, or the in-process swarm (tests/swarm, dashboard);
 - `net`: real DHT nodes and network namespaces (tests/net; the namespaces need root and skip elsewhere).
 
+The suite runs on two processes (`-n 2 --dist loadfile`, pytest-xdist: a file's tests stay together,
+so a module's swarm is started once); the files that take longest are handed out first
+(`LONGEST_FIRST`), so that neither process is left with a long file at the end.
+
 The reference run every equality test compares with is computed once per test run and argument set
 (tests/swarm/harness.py `reference_state`)."""
 
@@ -24,6 +28,17 @@ TIERS = {
 }
 
 
+# the files that take a minute or more on a 2-core machine, longest first
+LONGEST_FIRST = [
+    "swarm/test_faults.py",
+    "net/test_deploy_doc.py",
+    "swarm/test_lifecycle.py",
+    "dashboard/test_live.py",
+    "swarm/test_e2e.py",
+    "swarm/test_inprocess.py",
+]
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "unit: one process, no swarm (about a minute in all)")
     config.addinivalue_line("markers", "swarm: a swarm of real processes, or the in-process swarm")
@@ -40,3 +55,9 @@ def pytest_collection_modifyitems(config, items):
         rel = Path(str(item.fspath)).relative_to(root)
         tier = TIERS.get(rel.parts[0], "unit") if len(rel.parts) > 1 else "unit"
         item.add_marker(getattr(pytest.mark, tier))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def order(item) -> int:
+        return rank.get(Path(str(item.fspath)).relative_to(root).as_posix(), len(rank))
+
+    items.sort(key=order)  # (stable: each file keeps its own order)
