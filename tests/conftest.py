@@ -5,9 +5,9 @@
 - `swarm`: real swarms of processes on 127.0.0.1, or the in-process swarm (tests/swarm, dashboard);
 - `net`: real DHT nodes and network namespaces (tests/net; the namespaces need root and skip elsewhere).
 
-The suite runs on two processes (`-n 2 --dist loadfile`, pytest-xdist: a file's tests stay together,
-so a module's swarm is started once); the files that take longest are handed out first
-(`LONGEST_FIRST`), so that neither process is left with a long file at the end.
+The suite runs on two processes (`-n 2 --dist loadgroup`, pytest-xdist): tests are handed out one by
+one, the files that take longest first (`LONGEST_FIRST`), except that the tests of a file with a
+module- or session-wide fixture (`TOGETHER`: a swarm started once for the file) stay in one process.
 
 The reference run every equality test compares with is computed once per test run and argument set
 (tests/swarm/harness.py `reference_state`)."""
@@ -39,6 +39,15 @@ LONGEST_FIRST = [
 ]
 
 
+# files whose tests share a fixture wider than a test: their tests run in one process
+TOGETHER = {
+    "dashboard/test_live.py",
+    "hf/test_hf.py",
+    "protocol/test_fuzz.py",
+    "swarm/test_e2e.py",
+}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "unit: one process, no swarm (about a minute in all)")
     config.addinivalue_line("markers", "swarm: a swarm of real processes, or the in-process swarm")
@@ -55,6 +64,10 @@ def pytest_collection_modifyitems(config, items):
         rel = Path(str(item.fspath)).relative_to(root)
         tier = TIERS.get(rel.parts[0], "unit") if len(rel.parts) > 1 else "unit"
         item.add_marker(getattr(pytest.mark, tier))
+    for item in items:
+        rel = Path(str(item.fspath)).relative_to(root).as_posix()
+        if rel in TOGETHER:
+            item.add_marker(pytest.mark.xdist_group(name=rel))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
 
     def order(item) -> int:
