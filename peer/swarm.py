@@ -37,7 +37,14 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["lr"])
     p.add_argument("--churn", type=float, default=0.0, help="fraction of volunteers SIGKILLed (and replaced) each step")
     p.add_argument("--no-requeue", action="store_true", help="drop a departed volunteer's work (SWARM-like baseline)")
-    p.add_argument("--servers-compute", choices=["yes", "no"], default="yes", help="servers run a local worker too")
+    p.add_argument(
+        "--servers-compute",
+        choices=["yes", "no"],
+        default="no",
+        help="'yes': the servers run a local worker too (on one machine they then take most tasks: a "
+        "batch goes to a free server's worker first); by default the volunteers compute, as in a "
+        "deployment whose committed hosts keep the parameters",
+    )
     p.add_argument(
         "--volunteer-slowdown",
         type=float,
@@ -200,6 +207,19 @@ def validate(args):
         raise UsageError(str(e)) from None
     frontal = max(len(st.frontal) for st in layout.stages)
     backward = max(len(st.backward) for st in layout.stages)
+    n = layout.num_stages
+    if args.servers_compute == "no" and args.volunteers < n:
+        raise UsageError(
+            f"--volunteers {args.volunteers} for {n} stages with servers that do not compute: a stage "
+            f"without a volunteer has no one to run its tasks (give --volunteers {n} or more, or "
+            "--servers-compute yes)"
+        )
+    if args.servers_compute == "no" and n > 1 and args.volunteer_stage not in ("spread", "auto"):
+        raise UsageError(
+            f"--volunteer-stage {args.volunteer_stage} puts every volunteer on one stage, and the servers "
+            "do not compute: the other stages would have no one to run their tasks (give 'spread', "
+            "'auto', or --servers-compute yes)"
+        )
     if args.link_profile:
         from scheduler import PlanInputError, load_cluster
 
@@ -268,13 +288,32 @@ def run(args) -> int:
 
 def summary_line(summary: dict) -> str:
     """The summary in one plain line: steps, loss first -> last, tokens/s, micro-batches applied of
-    expected, and who computed the tasks."""
-    who = ", ".join(f"{w} {n}" for w, n in sorted(summary.get("tasks_by_worker", {}).items()))
+    expected, and who computed the tasks: the volunteers' share and the servers' own workers'."""
     return (
         f"{summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
         f"{summary['tokens_per_second']:,.0f} tokens/s, micro-batches {summary['microbatches_applied']}/"
-        f"{summary['microbatches_expected']}, tasks computed: {who or 'none'}"
+        f"{summary['microbatches_expected']}, tasks computed: {who_computed(summary)}"
     )
+
+
+def who_computed(summary: dict) -> str:
+    """'volunteers 97% (v0 60, v1 58), servers 3% (s0f0 4)': each group's share of the tasks and
+    each worker's count (a server's own worker under its server's name)."""
+    by_worker = summary.get("tasks_by_worker", {})
+    total = sum(by_worker.values())
+    if not total:
+        return "none"
+    servers = set(summary.get("servers", ()))
+    parts = []
+    for group, names in (
+        ("volunteers", [w for w in by_worker if w not in servers]),
+        ("servers", [w for w in by_worker if w in servers]),
+    ):
+        n = sum(by_worker[w] for w in names)
+        if n:
+            each = ", ".join(f"{w} {by_worker[w]}" for w in sorted(names))
+            parts.append(f"{group} {100 * n / total:.0f}% ({each})")
+    return ", ".join(parts)
 
 
 async def wait_for_failovers(monitor, lost: list[str], timeout: float, stop: asyncio.Event) -> None:

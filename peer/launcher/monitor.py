@@ -158,6 +158,7 @@ class Monitor:
             "volunteers_killed": killed,
             "layout_epoch": self.epoch,
             "layout": self.layout.to_dict(),
+            "servers": sorted(self.server_ids),  # (of every epoch: a name not here is a volunteer's)
             # the volunteers (not servers) that registered with, or completed tasks at, each stage's
             # servers (a volunteer leaves once the run is over: it may be gone from the clients by now)
             "volunteers_by_stage": {

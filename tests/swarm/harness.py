@@ -64,7 +64,9 @@ REFRESH = 0.5  # s between the harness's reads of the records while it waits
 
 class LiveSwarm:
     def __init__(self, work_dir: str, argv: list[str]):
-        self.args = build_parser().parse_args(["swarm", "--work-dir", str(work_dir), "--no-progress", *argv])
+        self.args = build_parser().parse_args(
+            ["swarm", "--work-dir", str(work_dir), "--no-progress", *servers_compute(argv)]
+        )
         # HIVEPIPE_TEST_VERBOSE=1 (info) or 2 (debug) makes every process of the swarm log more
         self.args.verbose = int(os.environ.get("HIVEPIPE_TEST_VERBOSE", "0"))
         self.cfg, self.layout, frontal, backward = validate(self.args)
@@ -194,6 +196,15 @@ class LiveSwarm:
             stop_dht(self.dht)
 
 
+def servers_compute(argv) -> list[str]:
+    """`argv` with `--servers-compute yes` unless it says: these swarms were written for servers
+    whose own workers compute (a stage trains with its volunteers killed, a failover test needs no
+    volunteer), where `peer swarm` by default leaves the compute to its volunteers (tested in
+    tests/swarm/test_cli.py)."""
+    argv = list(argv)
+    return argv if "--servers-compute" in argv else ["--servers-compute", "yes", *argv]
+
+
 def swarm_cli(tmp_path, run_id: str, *args: str, timeout: float = 600) -> tuple[dict, dict, str]:
     """Run `peer swarm ARGS` as a process (work dir, summary and checkpoint under tmp_path); check it
     exits 0 and leaves no process behind; return (summary, final parameters, its stdout)."""
@@ -205,7 +216,7 @@ def swarm_cli(tmp_path, run_id: str, *args: str, timeout: float = 600) -> tuple[
             "-m",
             "peer.cli",
             "swarm",
-            *args,
+            *servers_compute(args),
             "--run-id",
             run_id,
             "--no-progress",

@@ -3,6 +3,8 @@ before any process starts."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from peer.cli import build_parser
@@ -101,10 +103,28 @@ def test_the_summary_line_says_steps_loss_speed_batches_and_who_computed():
             "tokens_per_second": 1656.7,
             "microbatches_applied": 64,
             "microbatches_expected": 64,
-            "tasks_by_worker": {"v1": 62, "v0": 55},
+            "tasks_by_worker": {"v1": 62, "v0": 55, "s0f0": 3},
+            "servers": ["s0b0", "s0f0"],
         }
     )
-    assert line == ("8 steps, loss 5.539 -> 4.306, 1,657 tokens/s, micro-batches 64/64, tasks computed: v0 55, v1 62")
+    assert line == (
+        "8 steps, loss 5.539 -> 4.306, 1,657 tokens/s, micro-batches 64/64, "
+        "tasks computed: volunteers 98% (v0 55, v1 62), servers 2% (s0f0 3)"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--volunteers", "1"], "--volunteers 1 for 2 stages with servers that do not compute"),
+        (["--volunteer-stage", "1"], "--volunteer-stage 1 puts every volunteer on one stage"),
+    ],
+)
+def test_a_swarm_where_a_stage_has_no_one_to_compute_is_refused(argv, words):
+    args = build_parser().parse_args(["swarm", "--model", "tiny", "--steps", "6", *argv])
+    with pytest.raises(UsageError, match=words):
+        validate(args)
+    validate(build_parser().parse_args(["swarm", "--model", "tiny", *argv, "--servers-compute", "yes"]))
 
 
 def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind(tmp_path):
@@ -126,7 +146,7 @@ def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind(tmp_path):
             "--stages",
             "1",
             "--volunteers",
-            "0",
+            "1",
             "--no-progress",
             "--run-id",
             f"tmpdir-{os.getpid()}",
@@ -137,5 +157,7 @@ def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1].startswith("2 steps, loss ")
+    last = out.stdout.strip().splitlines()[-1]
+    # by default the volunteers compute: the servers' own workers take no task
+    assert re.match(r"2 steps, loss .*, tasks computed: volunteers 100% \(v0 \d+\)$", last), last
     assert not list(tmp_path.glob("hivepipe-swarm-*")), list(tmp_path.iterdir())
