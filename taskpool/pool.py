@@ -343,6 +343,10 @@ class TaskPool:
             rec.record_completion(now, self._speed.decay)
         else:  # first completion: the set of measured clients changes
             self._speed.completed(client, now)
+            rec = self._clients.get(client)
+        if lease is not None and lease.client == client and rec is not None:
+            lo, hi = entry.task.rows
+            rec.record_busy(entry.leased_at, now, hi - lo, self._speed.decay)
         return _ACCEPTED
 
     def fail(self, task_id: str, client: str) -> None:
@@ -422,7 +426,7 @@ class TaskPool:
             entry = by_key.get(key)
             if entry is not None and entry.state == _LEASED and entry.lease.deadline == deadline:
                 holder = entry.lease.client
-                self._standing.expired(holder)
+                self._standing.expired(holder, entry.leased_at, now)
                 if self._standing.earning:
                     entry.shun, entry.shun_until = holder, now + self._grace
                     if entry.task.preferred_client == holder:
@@ -532,7 +536,8 @@ class TaskPool:
         ``added`` is there too, so that ``queued + leased + done + abandoned == added``
         can be checked from the dict alone.  ``oldest_queued_age`` (seconds since the
         oldest queued task was added) is 0.0 when nothing is queued; ``throughput`` is
-        0.0 for a client without a measurement."""
+        0.0 for a client without a measurement; so is ``capacity`` (rows a second while the client
+        holds a lease: `ClientRecord.capacity`)."""
         now = self._clock()
         oldest = self._oldest
         by_key = self._by_key
@@ -554,6 +559,7 @@ class TaskPool:
             "clients": {
                 name: {
                     "throughput": rec.rate(now, decay) or 0.0,
+                    "capacity": rec.capacity() or 0.0,
                     "done": rec.done,
                     "leases": len(rec.leases),
                     "allowance": self._standing.allowance(name),

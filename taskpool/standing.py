@@ -8,12 +8,18 @@ identities and answers nothing would else hold the run's tasks until their timeo
   lease, before the deadline) adds one, up to ``most``; each of its leases that runs out halves it
   (at least one).  A hoarder is soon down to one lease; an honest client is at ``most`` after a few
   tasks.
-* **strikes**: leases of the client that ran out in a row (an on-time completion clears them).  The
-  pool's owner drops a client with too many and makes it register again.
+* **strikes**: rounds of the client's leases that ran out in a row (an on-time completion clears
+  them).  Leases the client took before its last strike ran out under the same short deadline and
+  add no strike of their own: an honest newcomer that took two tasks at once and was slow with its
+  first is one strike, not two.  The pool's owner drops a client with too many and makes it
+  register again.
 * **probation deadline**: until a client has completed a task on time, its leases last at most
-  ``probation_factor`` x the typical lease (an exponential average of the leases completed on time
-  here, scaled by the client's own deadline factor), and never less than ``probation_floor``: an
-  unknown client cannot sit on a task for the full timeout.  None disables it.
+  ``probation_factor`` x the typical *first* lease (an exponential average of the leases that
+  unproven clients completed on time here: a newcomer's first task also fetches the parameters and
+  builds its slice, which a proven client's next one does not; the average of every lease before
+  any first one has come in), scaled by the client's own deadline factor, and never less than
+  ``probation_floor``: an unknown client cannot sit on a task for the full timeout, and an honest
+  one gets what newcomers here have needed.  None disables it.
 
 With ``start`` None a client may always hold ``most`` leases and a task whose lease ran out is
 anyone's again at once (the pool's plain behaviour); strikes are counted either way.
@@ -34,8 +40,10 @@ class Standing:
         "probation_factor",
         "probation_floor",
         "typical",
+        "typical_first",
         "_allow",
         "_strikes",
+        "_struck_at",
         "_proven",
     )
 
@@ -48,8 +56,10 @@ class Standing:
         self.probation_factor = probation_factor
         self.probation_floor = probation_floor
         self.typical: float | None = None  # seconds from lease to on-time completion, averaged
+        self.typical_first: float | None = None  # the same, of unproven clients' leases only
         self._allow: dict[str, int] = {}
         self._strikes: dict[str, int] = {}
+        self._struck_at: dict[str, float] = {}  # when each client's last strike came (the pool's clock)
         self._proven: set[str] = set()
 
     def allowance(self, client: str) -> int:
@@ -65,8 +75,11 @@ class Standing:
             self._allow[client] = allow + 1
         if client in self._strikes:
             del self._strikes[client]
-        self._proven.add(client)
         held_for = max(0.0, held_for)
+        if client not in self._proven:
+            first = self.typical_first
+            self.typical_first = held_for if first is None else first + TYPICAL_WEIGHT * (held_for - first)
+        self._proven.add(client)
         self.typical = held_for if self.typical is None else self.typical + TYPICAL_WEIGHT * (held_for - self.typical)
 
     def delivered_late(self, client: str) -> None:
@@ -74,22 +87,29 @@ class Standing:
         strikes go (it is not dropped for them); its allowance and probation stay as they are."""
         self._strikes.pop(client, None)
 
-    def expired(self, client: str) -> int:
-        """A lease of the client ran out unanswered; returns its strikes now."""
+    def expired(self, client: str, leased_at: float | None = None, now: float | None = None) -> int:
+        """A lease of the client, taken at `leased_at`, ran out unanswered at `now`; returns its strikes
+        now. A lease taken before the client's last strike adds none (the same round of short leases)."""
         if self.earning:
             self._allow[client] = max(1, self._allow.get(client, self.start) // 2)
         self._proven.discard(client)
+        last = self._struck_at.get(client)
+        if leased_at is not None and last is not None and leased_at < last and client in self._strikes:
+            return self._strikes[client]
+        if now is not None:
+            self._struck_at[client] = now
         strikes = self._strikes[client] = self._strikes.get(client, 0) + 1
         return strikes
 
     def probation_cap(self, client: str, factor: float) -> float | None:
         """The longest a new lease of `client` may last, or None (no cap: it has delivered, or nothing
         is known yet of how long a lease takes here)."""
-        if self.probation_factor is None or self.typical is None or client in self._proven:
+        typical = self.typical if self.typical_first is None else self.typical_first
+        if self.probation_factor is None or typical is None or client in self._proven:
             return None
         # doubled at each of its leases that ran out in a row: a slow honest newcomer gets a lease long
         # enough for its task after a few, a hoarder is dropped first
-        return max(self.probation_floor, self.probation_factor * self.typical * factor) * 2 ** self.strikes(client)
+        return max(self.probation_floor, self.probation_factor * typical * factor) * 2 ** self.strikes(client)
 
     def trust(self, client: str) -> None:
         """The client is trusted (a worker of the run's own servers): it may hold `most` leases, and its
@@ -109,4 +129,5 @@ class Standing:
     def forget(self, client: str) -> None:
         self._allow.pop(client, None)
         self._strikes.pop(client, None)
+        self._struck_at.pop(client, None)
         self._proven.discard(client)

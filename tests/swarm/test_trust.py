@@ -260,9 +260,9 @@ def test_a_volunteer_refused_for_good_stops_asking():
 def test_hoarders_hold_little_briefly_are_dropped_and_the_run_ends_exact():
     """Three identities that take tasks and never answer (heartbeating that they hold them), from the
     first version on: each may hold two leases at a server, cut short to the probation deadline; three
-    leases in a row run out and it is dropped, and may not register again for a while; its tasks go to
-    the honest volunteers first. The run ends equal to the reference."""
-    steps = 14
+    rounds of leases in a row run out and it is dropped, and may not register again for a while; its
+    tasks go to the honest volunteers first. The run ends equal to the reference."""
+    steps = 40
     cfg, layout, run = make_run(steps=steps, stages=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
     hoarders = [f"peer-hoard{i}" for i in range(3)]

@@ -51,7 +51,8 @@ def test_leases_that_run_out_halve_the_allowance_and_count_as_strikes_until_one_
         pool.take("h")
     clock.now = 100.0
     assert len(pool.expire()) == 8
-    assert pool.allowance("h") == 1 and pool.strikes("h") == 8  # each expiry halves: 8 -> 4 -> 2 -> 1 -> 1 ...
+    # each expiry halves: 8 -> 4 -> 2 -> 1 -> 1 ...; one round of leases run out is one strike
+    assert pool.allowance("h") == 1 and pool.strikes("h") == 1
     clock.now = 102.0  # past the shun
     lease = pool.take("h")
     pool.complete(lease.task.task_id, "h")
@@ -154,3 +155,45 @@ def test_a_slow_newcomer_that_delivers_late_is_not_dropped_and_its_probation_lea
     clock.now = 2.7
     assert pool.complete(first.task.task_id, "slow").value == "accepted"  # late, and first: it counts
     assert pool.strikes("slow") == 0 and not pool.proven("slow")  # slow, not hoarding; nothing earned
+
+
+def test_leases_taken_before_a_strike_add_none_and_each_later_round_adds_one():
+    """A newcomer that took its two leases at once and was slow with the first: both run out under the
+    same short deadline, one strike; a hoarder still gains a strike each round and is dropped after
+    three (the pool's owner drops it: parameter_server/clients.py)."""
+    clock = FakeClock()
+    pool = earning_pool(clock, probation_factor=2.0, probation_floor=0.25)
+    fill(pool, 10)
+    lease = pool.take("fast")
+    clock.now = 0.1
+    pool.complete(lease.task.task_id, "fast")
+    clock.now = 2.0
+    a, b = pool.take("hoarder"), pool.take("hoarder")
+    assert a and b and a.deadline == b.deadline == pytest.approx(2.25)
+    clock.now = 2.3
+    assert len(pool.expire()) == 2 and pool.strikes("hoarder") == 1
+    for round_ in (2, 3):
+        clock.now += 1.1  # (past the grace in which open tasks wait for proven clients)
+        lease = pool.take("hoarder")
+        assert lease.deadline == pytest.approx(clock.now + 0.25 * 2 ** (round_ - 1))  # doubled at each strike
+        clock.now = lease.deadline + 0.01
+        pool.expire()
+        assert pool.strikes("hoarder") == round_
+
+
+def test_probation_leases_follow_what_newcomers_needed_not_what_proven_clients_take():
+    """A newcomer's first task also fetches the parameters and builds its slice: its cap comes from
+    the first leases that unproven clients delivered on time, not from the proven clients' quick ones."""
+    clock = FakeClock()
+    pool = earning_pool(clock, probation_factor=2.0, probation_floor=0.25)
+    fill(pool, 20)
+    first = pool.take("a")
+    clock.now = 1.0
+    pool.complete(first.task.task_id, "a")  # a newcomer's first lease: 1 s
+    for _ in range(5):  # then a's own, proven, leases: 0.1 s each
+        lease = pool.take("a")
+        clock.now += 0.1
+        pool.complete(lease.task.task_id, "a")
+    clock.now += 2.0  # (past the grace in which open tasks wait for proven clients)
+    newcomer = pool.take("b")
+    assert newcomer.deadline == pytest.approx(clock.now + 2.0 * 1.0)  # 2 x the typical first lease, not 2 x 0.1 s
