@@ -72,14 +72,18 @@ class Frontal:
 
     def split_weights(self) -> list[tuple[str, float]]:
         """Each registered client's share of new forward tasks (paper 3.2.1, "Dynamic Client
-        Participation"): its measured throughput once it has completed tasks here, else the compute
-        power it registered, both relative to the clients' total so the two scales mix. Clients that
+        Participation"): its measured capacity once it has completed tasks here (rows a second while
+        it held a lease: taskpool's `capacity`), else the compute power it registered, both relative
+        to the clients' total so the two scales mix. Not its throughput (tasks completed a second):
+        that follows the work a client was given, so a client handed fewer batches looked slower and
+        was handed fewer still (in calm runs one volunteer of a stage computed 9 tasks to another's
+        1,185). Clients that
         have not delivered a task on time here (taskpool/standing.py) share one seat: together they
         weigh at most what the median client that has does, so that identities made by the dozen,
         registering any compute they like, draw no more batches than one newcomer would."""
         clients = sorted(self.clients.items())
         measured = self.pool.stats().get("clients", {})
-        thr = {p: measured.get(p, {}).get("throughput", 0.0) for p, _ in clients}
+        thr = {p: measured.get(p, {}).get("capacity", 0.0) for p, _ in clients}
         have = [p for p in thr if thr[p] > 0]
         if not have:
             return [(p, c.compute) for p, c in clients]

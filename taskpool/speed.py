@@ -38,7 +38,20 @@ class ClientRecord:
     (insertion ordered); it is the only place a client's leases are listed.
     """
 
-    __slots__ = ("t0", "last", "s", "done", "leases", "seed", "factor", "factor_time", "factor_version")
+    __slots__ = (
+        "t0",
+        "last",
+        "s",
+        "done",
+        "leases",
+        "seed",
+        "factor",
+        "factor_time",
+        "factor_version",
+        "busy_rows",
+        "busy_seconds",
+        "busy_until",
+    )
 
     def __init__(self, now: float) -> None:
         self.t0 = now
@@ -50,6 +63,23 @@ class ClientRecord:
         self.factor = 1.0
         self.factor_time = -math.inf
         self.factor_version = -1
+        self.busy_rows = 0.0  # rows completed, decayed like `s`
+        self.busy_seconds = 0.0  # seconds with a lease of this client open, decayed alike
+        self.busy_until = -math.inf
+
+    def record_busy(self, leased_at: float, now: float, rows: int, decay: float) -> None:
+        """A task of `rows` rows, leased at `leased_at`, completed at `now`: the time since the later
+        of its lease and the client's last completion counts as busy (time with a lease of its open,
+        counted once however many it held)."""
+        keep = math.exp(-decay * max(now - self.busy_until, 0.0)) if self.busy_until > -math.inf else 1.0
+        self.busy_seconds = self.busy_seconds * keep + max(now - max(leased_at, self.busy_until), 0.0)
+        self.busy_rows = self.busy_rows * keep + rows
+        self.busy_until = max(self.busy_until, now)
+
+    def capacity(self) -> float | None:
+        """Rows a second while the client holds work: what it can do, not what it was given (a client
+        handed one batch in ten completes a tenth of the tasks a second, at its full speed)."""
+        return self.busy_rows / self.busy_seconds if self.busy_seconds > 0 else None
 
     def record_completion(self, now: float, decay: float) -> None:
         dt = now - self.last

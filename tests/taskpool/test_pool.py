@@ -525,7 +525,7 @@ def test_stats_shape_and_json(clock):
     }
     assert (s["queued"], s["leased"], s["done"], s["added"]) == (2, 0, 1, 3)
     assert s["oldest_queued_age"] == 5.0  # b, added at 2.0
-    assert set(s["clients"]["x"]) == {"throughput", "done", "leases", "allowance"}
+    assert set(s["clients"]["x"]) == {"throughput", "capacity", "done", "leases", "allowance"}
     assert s["clients"]["x"]["done"] == 1 and s["clients"]["x"]["throughput"] > 0
     assert len(pool) == 2
 
@@ -613,3 +613,32 @@ def test_open_tasks_of_a_batch_name_holders_and_ages_longest_first_and_leave_don
     assert sorted(pool.open_tasks(0)) == [("a", "w1", 3.5), ("c", None, 3.5), ("e", None, 0.0)]
     assert pool.open_tasks(1) == [("d", None, 4.5)]
     assert pool.open_tasks(7) == []
+
+
+def test_capacity_is_rows_a_busy_second_whatever_work_the_client_was_given(clock):
+    """Two clients of the same speed (2 s an 8-row task), one handed four tasks in a row, the other
+    one: their throughputs (tasks a second) differ, their capacity (rows a second while holding a
+    lease) is the same 4 rows/s; a client holding two leases at once is busy once, not twice."""
+    pool = TaskPool(clock=clock, default_timeout=30.0, max_leases_per_client=4)
+    for i in range(6):
+        pool.add(task(f"t{i}", mb=i))
+    lease = pool.take("idle")  # its one task first, then nothing while "busy" is handed four
+    clock.now += 2.0
+    pool.complete(lease.task.task_id, "idle")
+    for _ in range(4):
+        lease = pool.take("busy")
+        clock.now += 2.0
+        pool.complete(lease.task.task_id, "busy")
+    clients = pool.stats()["clients"]
+    assert clients["busy"]["throughput"] > 2 * clients["idle"]["throughput"]
+    assert clients["busy"]["capacity"] == pytest.approx(4.0, rel=0.02)
+    assert clients["idle"]["capacity"] == pytest.approx(4.0, rel=0.02)
+    pool.add(task("u0", mb=10))
+    pool.add(task("u1", mb=11))
+    start = clock.now
+    a, b = pool.take("pair"), pool.take("pair")
+    clock.now = start + 2.0
+    pool.complete(a.task.task_id, "pair")
+    clock.now = start + 4.0
+    pool.complete(b.task.task_id, "pair")
+    assert pool.stats()["clients"]["pair"]["capacity"] == pytest.approx(16 / 4.0, rel=0.02)
