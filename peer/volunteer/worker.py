@@ -189,6 +189,9 @@ class StageWorker:
         # forward pass's outputs delivered), handed in with the next take or heartbeat to that server
         # instead of a `complete` call each; held (and listed so) until an answer says it arrived
         self.finished: dict[str, list[str]] = {}
+        # of them, the ones a call now in flight carries (a long-polled take, a heartbeat): not put in
+        # another call until it answers (both carried them, and the server counted the second a duplicate)
+        self.handing: dict[str, set[str]] = {}
         self.max_pending = 2 * run.micro_batches  # the servers lease a client 2 x micro-batches + 1 tasks
         self.current: tuple[str, str] | None = None  # (server device, task id) being worked on
         # an idle worker waits for a task at every server of its stage at once (long-polled `take`s, at
@@ -261,6 +264,7 @@ class StageWorker:
         self._set_layout(RunLayout.from_dict(record["layout"], self.cfg.layers))
         self.pending.clear()  # the old epoch's leases are gone: its tasks are run again in this one
         self.finished.clear()
+        self.handing.clear()
         # a rollback (a cheater was caught) re-makes versions after its batch, and their inputs
         self.versions.clear()
         self.models.clear()
@@ -298,7 +302,10 @@ class StageWorker:
         """One `register` at `device`, carrying the tasks finished there (quiet: a failure is logged at
         debug, and the finished tasks go with the next call)."""
         meta, done = self._handing_in(device, self._registration(device, **extra))
-        answer = await self._quiet(self.links[device].call, "register", meta, timeout=10.0)
+        try:
+            answer = await self._quiet(self.links[device].call, "register", meta, timeout=10.0)
+        finally:
+            self._release(device, done)
         if answer is not None:
             self._handed_in(device, done)
             if isinstance(answer, tuple) and isinstance(answer[0], dict) and answer[0].get("over") is True:
@@ -320,9 +327,18 @@ class StageWorker:
             self.finished.setdefault(device, []).append(task_id)
 
     def _handing_in(self, device: str, meta: dict) -> tuple[dict, list[str]]:
-        """`meta` carrying the tasks finished at `device` (and the epoch they belong to), and their ids."""
-        done = self.finished.get(device, [])[:MAX_COMPLETE]
+        """`meta` carrying the tasks finished at `device` (and the epoch they belong to) that no call
+        in flight carries, and their ids (in flight until `_release`)."""
+        busy = self.handing.setdefault(device, set())
+        done = [t for t in self.finished.get(device, []) if t not in busy][:MAX_COMPLETE]
+        busy.update(done)
         return (dict(meta, complete=done, epoch=self.epoch) if done else meta), done
+
+    def _release(self, device: str, done: list[str]) -> None:
+        """The call that carried `done` answered or failed: another call may carry what is left of them."""
+        busy = self.handing.get(device)
+        if busy is not None:
+            busy.difference_update(done)
 
     def _handed_in(self, device: str, done: list[str]) -> None:
         """The server answered a call that carried `done`: it has them."""
@@ -502,12 +518,16 @@ class StageWorker:
         try:
             meta, tensors = await self.call(link, "take", request, timeout=10.0 + wait)
         except RemoteError as e:
+            self._release(device, done)
             if "not registered" in str(e):
                 await self._quiet(link.call, "register", self._registration())
             if wait:
                 await asyncio.sleep(self.poll)  # the answer came at once: no tight loop of refused waits
             return None
-        except Exception as e:
+        except BaseException as e:
+            self._release(device, done)
+            if not isinstance(e, Exception):
+                raise  # (cancelled: a stop)
             logger.info("%s: take from %s failed: %r", self.device_id, device, e)
             leased = e.meta.get("task") if isinstance(e, StreamCut) and isinstance(e.meta, dict) else None
             if isinstance(leased, str):  # the answer was cut after naming the task: the server leased it
@@ -521,6 +541,7 @@ class StageWorker:
             if wait:
                 await asyncio.sleep(self.poll)
             return None
+        self._release(device, done)
         self._handed_in(device, done)
         self.more[device] = meta.get("more") is not False
         return (link, meta, tensors) if meta.get("task") else None
