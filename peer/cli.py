@@ -15,6 +15,10 @@ from peer.runtime import setup_logging
 COMMANDS = {
     "reference": ("peer.reference", "single-process training with the swarm's exact update rule"),
     "plan": ("peer.plan_cmd", "lay out a cluster into pipeline stages (or score a plan)"),
+    "simulate": (
+        "peer.simulate_cmd",
+        "predict a swarm of thousands of volunteers: tokens/s, the limit, servers needed",
+    ),
     "serve": ("peer.serve", "run a reliable parameter server (frontal or backward) for one stage"),
     "keygen": ("peer.keygen", "make a run key, which a run's servers share (--run-key) and which signs its records"),
     "join": ("peer.join", "join a run as a volunteer and pull tasks"),

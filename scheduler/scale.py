@@ -1,0 +1,235 @@
+"""What-if at scale: a swarm of thousands of volunteers, from the step model of a group of them and
+the load they put on the run's servers and DHT (issue 46, item 4; `peer simulate`).
+
+The step model (scheduler/stepsim.py, checked by scripts/bench_fidelity.py) plays the protocol call
+by call; it does not share a server's link or processor between callers, and its event loop grows
+with the square of the workers. At scale the run is data-parallel: a batch is cut into pieces of at
+least `--client-batch-tokens` per volunteer, so N volunteers need a batch of N such pieces, and every
+group of volunteers runs the same protocol against the same servers. So:
+
+1. the step model plays a **group** of `group` volunteers per stage (drawn from the cluster's
+   distributions, the batch cut to give each its piece): the step time when the servers are not
+   the limit, and the calls and bytes a volunteer costs per step;
+2. the **servers' resources** for all N: each server holds 1/S of its stage's parameters, every
+   volunteer of the stage fetches its slot once a version and pushes the slot's gradient once a
+   step, and the activations and their gradients of every row pass a stage's servers both ways.
+   A server's uplink and downlink (`server_mbps`) and its processor (the calibration's cost per
+   call and per byte, the re-runs of checked work on the server's own FLOP/s, its step of the
+   shard) each take a time per step; the step takes the longest of these and the group's step;
+3. the **DHT**: every peer stores its record under its stage's key every announce period and reads
+   the stage's key (all of its subkeys: one record per peer of the stage) as often; the nodes that
+   hold a key (`dht_replicas` of them, volunteers' machines like any other) answer every read of
+   it, so a stage of V peers asks V x V x record bytes per period of them;
+4. **churn** (a fraction of the volunteers lost and replaced each step): `churn_factor`.
+
+The first resource to saturate is the one whose time per step passes the group's step first as N
+grows; the servers a stage needs to go on scaling are S x (its time / the group's step).
+
+Pure Python (the planner's floor): no torch, no network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass
+
+from scheduler.files import ModelSpec, load_cluster, load_plan
+from scheduler.stepsim import Calibration, Workload, simulate
+
+
+def churn_factor(
+    churn: float, step_s: float, rejoin_s: float, requeue: bool = True, task_timeout: float = 30.0, tasks: int = 4
+) -> float:
+    """Calm seconds per step / seconds per step when a fraction `churn` of the volunteers is killed
+    (at a random moment of each step) and replaced, the replacement taking `rejoin_s` to join.
+
+    With the task pool a killed volunteer's leases go back at once: the run loses the volunteer's
+    time until its replacement joins and, on average, half a task of work (a volunteer runs `tasks`
+    tasks a step). The volunteers' capacity per step is then short by churn x (rejoin + step /
+    (2 tasks)) / step, and the step stretches until the work fits: s = (s0 + c R) / (1 - c / 2T).
+    With `--no-requeue` a lost lease is waited out: a step that loses a task (nearly every one at
+    any real churn) waits a lease's time (`task_timeout`) on top."""
+    if not 0 <= churn < 1:
+        raise ValueError(f"churn is a fraction in [0, 1), got {churn}")
+    if churn == 0:
+        return 1.0
+    stretched = (step_s + churn * rejoin_s) / (1 - churn / (2 * tasks))
+    if not requeue:
+        stretched += task_timeout
+    return step_s / stretched
+
+
+@dataclass
+class Swarm:
+    """A swarm to predict: `volunteers` split evenly over the stages; devices drawn uniformly from the
+    given ranges (seeded)."""
+
+    volunteers: int
+    stages: int = 2
+    servers_per_stage: int = 2
+    volunteer_tflops: tuple = (0.005, 0.02)
+    volunteer_mbps: tuple = (20.0, 100.0)
+    volunteer_delay_ms: tuple = (20.0, 80.0)
+    server_tflops: float = 0.1  # a server's processor, for the re-runs of checked work
+    server_mbps: float = 1000.0  # each server's uplink and downlink
+    server_delay_ms: float = 0.5  # between the servers (one data centre)
+    client_batch_tokens: int = 1024  # the piece of a batch each volunteer computes a step
+    task_tokens: int = 512  # the fewest tokens a forward task carries (peer serve --task-tokens)
+    churn: float = 0.0
+    rejoin_s: float = 10.0
+    requeue: bool = True
+    task_timeout: float = 30.0
+    verify_rate: float = 0.05
+    announce_period: float = 5.0
+    record_bytes: float = 1500.0  # a signed record as stored (envelope, two signatures)
+    dht_replicas: int = 5
+    seed: int = 0
+
+
+@dataclass
+class Prediction:
+    volunteers: int
+    batch_tokens: int
+    group_step_s: float  # the step model's step of a group, servers not the limit
+    resource_s: dict  # seconds per step each server resource needs
+    step_s: float
+    tokens_per_second: float
+    calm_tokens_per_second: float
+    bottleneck: str  # 'volunteers' when no server resource is the limit
+    servers_per_stage_needed: int
+    dht_mbps_per_holder: float  # what the nodes holding a stage's key serve
+    dht_share: float  # of a median volunteer's bandwidth
+
+
+def group_cluster(s: Swarm, per_stage: int) -> dict:
+    """The cluster file of one group: the stages' servers in one data centre and `per_stage`
+    volunteers a stage, drawn from the swarm's ranges."""
+    servers = [f"s{k}{r}{i}" for k in range(s.stages) for r in "fb" for i in range(1)]
+    rng = random.Random(s.seed)
+    n = per_stage * s.stages
+    vols = [
+        (rng.uniform(*s.volunteer_tflops), rng.uniform(*s.volunteer_delay_ms), rng.uniform(*s.volunteer_mbps))
+        for _ in range(n)
+    ]
+    return {
+        "reliable": [{"id": d, "tflops": s.server_tflops} for d in servers],
+        "unreliable": [{"id": f"v{u}", "tflops": f} for u, (f, _, _) in enumerate(vols)],
+        "delay_ms": {
+            "reliable": [[0.0 if a == b else s.server_delay_ms for b in servers] for a in servers],
+            "unreliable": [[round(d, 1)] * len(servers) for _, d, _ in vols],
+        },
+        "bandwidth_mbps": {
+            "reliable": [[0.0 if a == b else s.server_mbps for b in servers] for a in servers],
+            "unreliable": [[round(b, 1)] * len(servers) for _, _, b in vols],
+        },
+    }
+
+
+def segment_layers(n: int, parts: int, i: int) -> tuple[int, int]:
+    """The i-th of `parts` even, contiguous pieces of range(n) (the layout's own rule)."""
+    return i * n // parts, (i + 1) * n // parts
+
+
+def group_plan(s: Swarm, model: ModelSpec, per_stage: int) -> dict:
+    return {
+        "stages": [
+            {
+                "frontal": [f"s{k}f0"],
+                "backward": [f"s{k}b0"],
+                "clients": [f"v{u}" for u in range(per_stage * s.stages) if u % s.stages == k],
+                "layers": list(segment_layers(model.layers, s.stages, k)),
+            }
+            for k in range(s.stages)
+        ],
+        "idle": [],
+    }
+
+
+def workload(model: ModelSpec, seq_len: int, stages: int, batch_rows: int, micro_batches: int, steps: int, s: Swarm):
+    """The step model's workload for a batch of `batch_rows` sequences (fp32 on the wire)."""
+    params = [
+        (hi - lo) * model.params_per_layer * 4
+        for lo, hi in (segment_layers(model.layers, stages, k) for k in range(stages))
+    ]
+    params[0] += 256 * model.hidden * 4  # the embedding (vocabulary of the byte-level presets)
+    params[-1] += 256 * model.hidden * 4  # the head
+    act = seq_len * model.hidden * 4
+    labels = seq_len * 8
+    return Workload(
+        steps=steps,
+        micro_batches=micro_batches,
+        rows=max(1, batch_rows // micro_batches),
+        min_task_rows=max(1, -(-s.task_tokens // seq_len)),
+        min_client_rows=max(1, -(-s.client_batch_tokens // seq_len)),
+        input_bytes=[2 * labels] + [act + labels] * (stages - 1),
+        act_bytes=act,
+        label_bytes=labels,
+        param_bytes=params,
+    )
+
+
+def predict(
+    s: Swarm, model: ModelSpec, seq_len: int, cal: Calibration, group: int = 8, steps: int = 8, warmup: int = 3
+) -> Prediction:
+    """The swarm's steady tokens/s, its limiting resource, and the servers a stage needs."""
+    per_stage = max(1, s.volunteers // s.stages)
+    g = min(per_stage, group)
+    rows_each = max(1, -(-s.client_batch_tokens // seq_len))
+    micro = 4
+    cluster = load_cluster(group_cluster(s, g))
+    plan = load_plan(group_plan(s, model, g), cluster)
+    gw = workload(model, seq_len, s.stages, g * rows_each * 1, micro, steps, s)
+    # the group's batch: a piece for each of its volunteers (rows a micro-batch a multiple of 1)
+    gw = dataclasses.replace(gw, rows=max(1, g * rows_each // micro))
+    trace = simulate(cluster, plan, gw, cal, servers_compute=False)
+    group_step = trace.seconds_per_step(warmup)
+    calls_per_volunteer = trace.calls / max(steps, 1) / (g * s.stages)
+
+    batch_rows = per_stage * rows_each
+    tokens = batch_rows * seq_len
+    S = s.servers_per_stage
+    stage_params = max(gw.param_bytes)
+    slot = stage_params / S
+    rows_stage = batch_rows  # every row of the batch passes each stage
+    act = gw.act_bytes
+    # per server per step: each volunteer of the stage fetches the slot and pushes its gradient;
+    # the activations (in from the volunteers, relayed, out to the volunteers) and their gradients
+    # split over the stage's servers, each way
+    out_bytes = per_stage * slot + 2 * rows_stage * act / S
+    in_bytes = per_stage * slot + 2 * rows_stage * act / S
+    link = s.server_mbps * 1e6 / 8
+    stage_flops = tokens * model.flops_per_token_per_layer * model.layers / s.stages
+    resource = {
+        "a server's uplink": out_bytes / link,
+        "a server's downlink": in_bytes / link,
+        "a server's processor": (
+            per_stage * calls_per_volunteer / S * cal.call_seconds
+            + (in_bytes + out_bytes) * cal.byte_seconds
+            + s.verify_rate * stage_flops / S / (s.server_tflops * 1e12)
+            + cal.apply_seconds
+        ),
+    }
+    step = max([group_step] + list(resource.values()))
+    worst = max(resource, key=resource.get)
+    bottleneck = worst if resource[worst] > group_step else "volunteers"
+    needed = S if resource[worst] <= group_step else math.ceil(S * resource[worst] / group_step)
+    peers_stage = per_stage + 2 * S // 2
+    dht_bps = peers_stage * peers_stage * s.record_bytes / s.announce_period / s.dht_replicas
+    median_vol = (s.volunteer_mbps[0] + s.volunteer_mbps[1]) / 2 * 1e6 / 8
+    calm = tokens / step
+    factor = churn_factor(s.churn, step, s.rejoin_s, s.requeue, s.task_timeout, micro) if s.churn else 1.0
+    return Prediction(
+        volunteers=s.volunteers,
+        batch_tokens=tokens,
+        group_step_s=group_step,
+        resource_s=resource,
+        step_s=step / factor,
+        tokens_per_second=calm * factor,
+        calm_tokens_per_second=calm,
+        bottleneck=bottleneck,
+        servers_per_stage_needed=needed,
+        dht_mbps_per_holder=dht_bps * 8 / 1e6,
+        dht_share=dht_bps / median_vol,
+    )
