@@ -46,6 +46,12 @@ def add_arguments(p) -> None:
         "deployment whose committed hosts keep the parameters",
     )
     p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the volunteers compute (the servers step their shards on the CPU)",
+    )
+    p.add_argument(
         "--volunteer-slowdown",
         type=float,
         default=None,
@@ -184,6 +190,11 @@ def validate(args):
             raise ValueError("a local swarm makes its own run key: give the name alone")
     except ValueError as e:
         raise UsageError(f"--run-id: {e}") from None
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: torch sees no CUDA device (the volunteers would fail at their start)")
     if args.volunteer_slowdown is not None and args.volunteer_slowdown < 1:
         raise UsageError("--volunteer-slowdown must be >= 1")
     if not 0 <= args.churn <= 1:

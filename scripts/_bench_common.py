@@ -102,6 +102,9 @@ class CpuSampler:
 
         self.pid, self.period = pid, period
         self.samples: list[tuple[float, dict]] = []
+        self.owners: dict[
+            int, str
+        ] = {}  # pid -> the training process it works for ('server', 'volunteer') or 'launcher'
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -116,11 +119,41 @@ class CpuSampler:
         cmd = " ".join(proc.cmdline())
         if proc.ppid() in training:
             return "DHT process"
-        if "peer.cli serve" in cmd:
+        words = cmd.split()
+        after = words[words.index("peer.cli") + 1 :] if "peer.cli" in words else []
+        command = next((w for w in after if not w.startswith("-")), None)  # (`peer.cli -v serve ...`)
+        if command == "serve":
             return "server"
-        if "peer.cli join" in cmd:
+        if command == "join":
             return "volunteer"
         return "launcher"
+
+    @staticmethod
+    def _owner(proc, kinds: dict) -> str:
+        """The training process a process works for: itself, or its nearest ancestor that is a server
+        or a volunteer (its DHT process, their p2p daemons); 'launcher' otherwise."""
+        for p in [proc] + proc.parents():
+            if kinds.get(p.pid) in ("server", "volunteer"):
+                return kinds[p.pid]
+        return "launcher"
+
+    def seconds_by_owner(self, begin: float, finish: float) -> dict[str, float]:
+        """seconds_by_kind, summed by whom each process works for (`_owner`)."""
+        out: dict[str, float] = {}
+        for pid, cpu in self._per_pid(begin, finish).items():
+            who = self.owners.get(pid, "launcher")
+            out[who] = out.get(who, 0.0) + cpu
+        return out
+
+    def _per_pid(self, begin: float, finish: float) -> dict[int, float]:
+        before: dict[int, float] = {}
+        last: dict[int, float] = {}
+        for t, sample in self.samples:
+            if t <= begin:
+                before.update({pid: cpu for pid, (_, cpu) in sample.items()})
+            if t <= finish:
+                last.update({pid: cpu for pid, (_, cpu) in sample.items()})
+        return {pid: max(cpu - before.get(pid, 0.0), 0.0) for pid, cpu in last.items()}
 
     def _run(self) -> None:
         import psutil
@@ -141,6 +174,8 @@ class CpuSampler:
                             kinds[proc.pid] = self._kind(proc, training)
                         t = proc.cpu_times()
                         sample[proc.pid] = (kinds[proc.pid], t.user + t.system)
+                        if self.owners.get(proc.pid, "launcher") == "launcher":
+                            self.owners[proc.pid] = self._owner(proc, kinds)
                 except psutil.Error:
                     pass
             self.samples.append((now, sample))
@@ -245,6 +280,7 @@ def run_swarm(
     if sampler is not None:
         start = summary["training_started_at"]
         summary["cpu"] = sampler.seconds_by_kind(start, start + summary["wall_seconds"])
+        summary["cpu_by_owner"] = sampler.seconds_by_owner(start, start + summary["wall_seconds"])
     return summary
 
 

@@ -127,6 +127,17 @@ def test_a_swarm_where_a_stage_has_no_one_to_compute_is_refused(argv, words):
     validate(build_parser().parse_args(["swarm", "--model", "tiny", *argv, "--servers-compute", "yes"]))
 
 
+def test_volunteers_on_cuda_need_a_cuda_device():
+    import torch
+
+    args = build_parser().parse_args(["swarm", "--model", "tiny", "--device", "cuda"])
+    if torch.cuda.is_available():
+        validate(args)
+        return
+    with pytest.raises(UsageError, match="--device cuda: torch sees no CUDA device"):
+        validate(args)
+
+
 def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind(tmp_path):
     import os
     import subprocess
