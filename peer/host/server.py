@@ -47,20 +47,22 @@ SHARED_FLAGS = {
 }
 
 
-def start_server_dht(args, run_cfg, device: str):
+def start_server_dht(args, run_cfg, device: str, initial_peers: list[str] | None = None, timeout: float | None = None):
+    """The server's DHT node, through `initial_peers` (default --initial-peers) within `timeout`
+    seconds (default --timeout, else 60)."""
     from peer.node import NetworkStartError, start_dht
 
     t0 = time.perf_counter()
     try:
         dht = start_dht(
-            args.initial_peers,
+            args.initial_peers if initial_peers is None else initial_peers,
             run_id=run_cfg.run_id,
             run_fp=args.run_fp,
             run_key=args.run_key_obj,
             identity_path=args.identity_path,
             host_maddrs=args.host_maddrs,
             announce_maddrs=args.announce_maddrs,
-            timeout=args.timeout or 60.0,
+            timeout=timeout or args.timeout or 60.0,
         )
     except NetworkStartError as e:
         raise NetworkError(str(e)) from None
@@ -96,6 +98,7 @@ class ServerHost:
         self.dht = self.p2p = self.server = self.directory = self.announcer = self.worker = None
         self.writer = None
         self.maddrs: list[str] = []
+        self.joined_through: list[str] = list(args.initial_peers or [])  # (the peers its DHT node joined through)
         self.peer_id = ""
         self.current_config: dict | None = None
         self.tasks: list[asyncio.Task] = []
@@ -129,7 +132,13 @@ class ServerHost:
         await DialBackService().add_p2p_handlers(self.p2p)
         if not args.no_reachability_check and not getattr(args, "restarted", False):
             await check_own_reachability(
-                self.dht, self.p2p, args, self.run_cfg.run_id, self.layout.num_stages, self.maddrs, self.device
+                self.dht,
+                self.p2p,
+                self.joined_through,
+                self.run_cfg.run_id,
+                self.layout.num_stages,
+                self.maddrs,
+                self.device,
             )
 
     def peers_file(self) -> str | None:
@@ -176,16 +185,14 @@ class ServerHost:
         logger.warning(
             "%s: joining the run through the %d peers it knew before (%s)", self.device, len(known), self.peers_file()
         )
-        args.initial_peers, timeout = known, args.timeout
-        args.timeout = min(args.timeout or KNOWN_PEERS_TIMEOUT, KNOWN_PEERS_TIMEOUT)
+        timeout = min(args.timeout or KNOWN_PEERS_TIMEOUT, KNOWN_PEERS_TIMEOUT)
         try:
-            return start_server_dht(args, self.run_cfg, self.device)
+            dht = start_server_dht(args, self.run_cfg, self.device, initial_peers=known, timeout=timeout)
+            self.joined_through = known
+            return dht
         except NetworkError as e:
             logger.warning("%s: none of the peers it knew answered (%s); starting alone", self.device, e)
-            args.initial_peers = []
-            return start_server_dht(args, self.run_cfg, self.device)
-        finally:
-            args.timeout = timeout
+            return start_server_dht(args, self.run_cfg, self.device, initial_peers=[])
 
     # ---- find the run ---------------------------------------------------------------------------
 
@@ -626,8 +633,11 @@ class ServerHost:
             raise
 
 
-async def check_own_reachability(dht, p2p, args, run_id: str, num_stages: int, maddrs: list[str], device: str) -> None:
-    """Ask a server of the run (for a new run: an initial peer) to dial us back at `maddrs`.
+async def check_own_reachability(
+    dht, p2p, initial_peers: list[str], run_id: str, num_stages: int, maddrs: list[str], device: str
+) -> None:
+    """Ask a server of the run (for a new run: one of `initial_peers`, the peers this server joined
+    the DHT through) to dial us back at `maddrs`.
     NetworkError when nobody can, saying what failed and the fix that fits it; a first server on
     private addresses only gets one warning."""
     from peer.node import is_public
@@ -636,7 +646,7 @@ async def check_own_reachability(dht, p2p, args, run_id: str, num_stages: int, m
 
     peer_id = str(dht.peer_id)
     private = [m for m in maddrs if not is_public(m)]
-    if not args.initial_peers:
+    if not initial_peers:
         if len(private) == len(maddrs):
             logger.warning(
                 "%s announces only private or loopback addresses (%s): hosts outside this network "
@@ -650,7 +660,7 @@ async def check_own_reachability(dht, p2p, args, run_id: str, num_stages: int, m
         for peer, rec, _ in await records.read_stage(dht, run_id, k):
             if rec is not None and rec["kind"] == "server" and peer != peer_id and rec["state"] != "offline":
                 servers.append((peer, [m for m in rec["maddrs"] if isinstance(m, str)]))
-    initial = [(split_peer(m)[1], [m]) for m in args.initial_peers if split_peer(m)[1] not in (None, peer_id)]
+    initial = [(split_peer(m)[1], [m]) for m in initial_peers if split_peer(m)[1] not in (None, peer_id)]
     t0 = time.perf_counter()
     ok, detail = await check_reachable(p2p, maddrs, servers or initial, timeout=30.0)
     if ok:

@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.lines import LineProcess
 from tests.net import netns
 
 REASON = netns.unavailable()
@@ -72,56 +71,14 @@ def test_the_page_has_the_walk():
     assert "--initial-peers" not in serves[0] and all("--initial-peers" in ln for ln in serves[1:])
 
 
-class Proc:
-    """A background command of the page, its stdout read line by line."""
+class Proc(LineProcess):
+    """A background command of the page, its stdout read line by line (a line seen before counts)."""
 
     def __init__(self, name: str, argv: list[str], env: dict, log: Path):
-        self.name = name
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=open(log, "a"),
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=env,
-            cwd=REPO,
-            start_new_session=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-
-    def drain(self) -> None:
-        while not self.lines.empty():
-            self.seen.append(self.lines.get())
+        super().__init__(argv, name=name, stderr=open(log, "a"), env=env, cwd=REPO)
 
     def wait_line(self, pattern: str, timeout: float) -> str:
-        for line in self.seen:
-            if re.search(pattern, line):
-                return line
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None and self.lines.empty():
-                    break
-                continue
-            self.seen.append(line)
-            if re.search(pattern, line):
-                return line
-        raise AssertionError(f"{self.name}: no line matching {pattern!r} in {timeout:.0f} s; saw {self.seen[-15:]}")
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=30)
+        return super().wait_line(pattern, timeout, seen_too=True)
 
 
 class Walk:

@@ -10,70 +10,31 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from peer.cli import main
+from tests.lines import LineProcess
 
 STEPS = 3
 REPO = Path(__file__).resolve().parents[2]
 
 
-class Peer:
-    """A `peer` command in its own session, its stdout read line by line on a thread."""
+class Peer(LineProcess):
+    """A `peer` command in its own session, its stdout read line by line."""
 
     def __init__(self, *argv: str, log=None):
-        self.proc = subprocess.Popen(
+        super().__init__(
             [sys.executable, "-m", "peer.cli", *argv],
-            stdout=subprocess.PIPE,
+            name=argv[0],
             stderr=open(log, "w") if log else subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
         )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-
-    def wait_line(self, pattern: str, timeout: float = 120.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None and self.lines.empty():
-                    break
-                continue
-            self.seen.append(line)
-            if re.search(pattern, line):
-                return line
-        raise AssertionError(f"no line matching {pattern!r} within {timeout} s; saw: {self.seen[-20:]}")
-
-    def gone(self) -> bool:
-        """No process of its session is left (its DHT process and p2p daemon included)."""
-        try:
-            os.killpg(self.proc.pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=30)
 
 
 def serve(key, role: str, tmp_path, *extra: str) -> list[str]:
