@@ -49,15 +49,17 @@ def churn_factor(
     time until its replacement joins and, on average, half a task of work (a volunteer runs `tasks`
     tasks a step). The volunteers' capacity per step is then short by churn x (rejoin + step /
     (2 tasks)) / step, and the step stretches until the work fits: s = (s0 + c R) / (1 - c / 2T).
-    With `--no-requeue` a lost lease is waited out: a step that loses a task (nearly every one at
-    any real churn) waits a lease's time (`task_timeout`) on top."""
+    With `--no-requeue` a lost lease is waited out: its batch cannot end before the lease runs out
+    (`task_timeout`), while the pipeline (the first stage cuts up to two batches ahead) goes on with
+    the next batches, so a step waits what is left of a lease beyond two steps, at any real churn
+    (a step that loses no task is rare) once a step."""
     if not 0 <= churn < 1:
         raise ValueError(f"churn is a fraction in [0, 1), got {churn}")
     if churn == 0:
         return 1.0
     stretched = (step_s + churn * rejoin_s) / (1 - churn / (2 * tasks))
     if not requeue:
-        stretched += task_timeout
+        stretched += max(0.0, task_timeout - 2 * stretched)
     return step_s / stretched
 
 

@@ -153,8 +153,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "docs")
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--run-timeout", type=float, default=900.0)
+    p.add_argument(
+        "--from-results",
+        type=Path,
+        metavar="WORK",
+        help="write the report from a finished run's work folder (its measurements and calibration), "
+        "with the model as it is now",
+    )
     args = p.parse_args(argv)
     out_folder(p, args.out)
+    if args.from_results:
+        return rewrite(args)
     counts = [2, 4] if args.quick else [int(c) for c in args.counts.split(",")]
     steps = args.steps or (6 if args.quick else 10)
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-scale-"))
@@ -276,6 +285,36 @@ def main(argv=None) -> int:
                 flush=True,
             )
     write_report(args, cfg, cal, results, work, time.perf_counter() - t_start)
+    return 0
+
+
+def rewrite(args) -> int:
+    """The report of a finished run again: its measurements as they are, each churn point's
+    prediction from its calm point's and the churn factor as the model now says."""
+    work = args.from_results
+    data = json.loads((work / "results.json").read_text())
+    cal = Calibration(**json.loads((work / "calibration.json").read_text()))
+    cfg = get_preset(data["setup"].get("model", args.model))
+    results = data["results"]
+    calm = {r["volunteers"]: r["predicted_seconds_per_step"] for r in results if r["kind"] == "calm"}
+    tokens = BATCH * cfg.seq_len
+    for r in results:
+        if r["churn"]:
+            s0 = calm[r["volunteers"]]
+            factor = churn_factor(
+                r["churn"],
+                s0,
+                r["rejoin_seconds"] or 10.0,
+                requeue=r["mode"] == "pool",
+                task_timeout=TASK_TIMEOUT,
+                tasks=MICRO,
+            )
+            r["predicted_seconds_per_step"] = s0 / factor
+            r["predicted_tokens_per_second"] = tokens / r["predicted_seconds_per_step"]
+    args.work, args.churn = work, next((r["churn"] for r in results if r["churn"]), args.churn)
+    # (the run's length: from its calibration to its last point)
+    seconds = (work / "results.json").stat().st_mtime - (work / "calibration.json").stat().st_mtime
+    write_report(args, cfg, cal, results, work, seconds)
     return 0
 
 

@@ -28,7 +28,7 @@ CAL = Calibration(
 )
 
 
-def test_churn_costs_the_rejoin_and_half_a_task_and_no_requeue_waits_a_lease_on_top():
+def test_churn_costs_the_rejoin_and_half_a_task_and_no_requeue_waits_what_the_pipeline_cannot_hide():
     assert churn_factor(0.0, 2.0, 10.0) == 1.0
     # s = (s0 + c R) / (1 - c / 2T): 2 s steps, half the volunteers lost, 4 s to rejoin, 4 tasks a step
     assert churn_factor(0.5, 2.0, 4.0, tasks=4) == pytest.approx(2.0 / ((2.0 + 2.0) / (1 - 0.5 / 8)))
@@ -36,6 +36,8 @@ def test_churn_costs_the_rejoin_and_half_a_task_and_no_requeue_waits_a_lease_on_
     waited = churn_factor(0.5, 2.0, 4.0, requeue=False, task_timeout=20.0)
     assert 0 < waited < pool < 1
     assert churn_factor(0.1, 2.0, 4.0) > churn_factor(0.5, 2.0, 4.0)  # more churn, less left
+    # a lease shorter than two (stretched) steps is waited out while the pipeline works on: no cost
+    assert churn_factor(0.5, 10.0, 4.0, requeue=False, task_timeout=5.0) == churn_factor(0.5, 10.0, 4.0)
     with pytest.raises(ValueError, match="churn is a fraction"):
         churn_factor(1.0, 2.0, 4.0)
 
