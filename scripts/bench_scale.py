@@ -322,6 +322,32 @@ def by(results, kind, mode):
     return {r["volunteers"]: r for r in results if r["kind"] == kind and r["mode"] == mode}
 
 
+def cores_busy(r: dict, work: Path) -> float | None:
+    """Cores the swarm's processes kept busy during the training (processor seconds of the whole
+    tree / wall seconds, from the run's summary)."""
+    path = work / f"n{r['volunteers']}-{r['kind']}-{r['mode']}.json"
+    by_owner = r["cost"].get("by_kind") or {}
+    if not path.exists() or not by_owner:
+        return None
+    wall = json.loads(path.read_text())["wall_seconds"]
+    return sum(by_owner.values()) / max(wall, 1e-9)
+
+
+def short_of(r: dict, work: Path, cores: int = 2) -> str:
+    """Which resource ran out in a run: this machine's cores when the swarm kept nearly all busy,
+    else the volunteers' fixed work a step (each pulls its stage's parameters and pushes their
+    gradient every step, however few rows it computes)."""
+    busy = cores_busy(r, work)
+    if busy is not None and busy >= 0.85 * cores:
+        return f"this machine's {cores} cores ({busy:.2f} busy)"
+    return (
+        f"the volunteers' fixed work a step ({r['bytes_per_step'] / 1e6 / max(r['volunteers'], 1):.1f} MB "
+        f"through the servers per volunteer a step; {busy:.2f} of {cores} cores busy)"
+        if busy is not None
+        else "not measured"
+    )
+
+
 def write_report(args, cfg, cal, results, work: Path, seconds: float) -> None:
     calm, pool, nore = by(results, "calm", "pool"), by(results, "churn", "pool"), by(results, "churn", "no-requeue")
     counts = sorted(calm)
@@ -355,6 +381,7 @@ and replaced each step). {seconds / 60:.0f} minutes in all. The script's docstri
                 if n in pool and n in nore
                 else "-",
                 f"{c['bytes_per_step'] / 1e6:.1f}",
+                "-" if cores_busy(c, work) is None else f"{cores_busy(c, work):.2f}",
                 " / ".join(r["applied"] for r in (c, pool.get(n), nore.get(n)) if r),
                 c["load"],
             ]
@@ -374,6 +401,7 @@ and replaced each step). {seconds / 60:.0f} minutes in all. The script's docstri
                 "predicted",
                 "pool / no-requeue",
                 "MB a step (calm)",
+                "cores busy (calm, of 2)",
                 "micro-batches",
                 "load",
             ],
@@ -417,10 +445,16 @@ and replaced each step). {seconds / 60:.0f} minutes in all. The script's docstri
     goals = []
     top = counts[-1]
     eff = calm[top]["tokens_per_second"] / (per_volunteer * top)
-    goals.append(f"- {top} volunteers calm: {eff:.0%} of linear (goal: at least 90%).")
+    goals.append(
+        f"- {top} volunteers calm: {eff:.0%} of linear (goal: at least 90%)"
+        + ("." if eff >= 0.9 else f"; short of: {short_of(calm[top], work)}.")
+    )
     if top in pool and top in nore:
         ratio = pool[top]["tokens_per_second"] / nore[top]["tokens_per_second"]
-        goals.append(f"- churn {args.churn:g}, {top} volunteers: the task pool {ratio:.2f}x --no-requeue (goal: 1.3x).")
+        goals.append(
+            f"- churn {args.churn:g}, {top} volunteers: the task pool {ratio:.2f}x --no-requeue (goal: 1.3x)"
+            + ("." if ratio >= 1.3 else f"; the pool's run was short of: {short_of(pool[top], work)}.")
+        )
     dup = max(c["duplicates"] / max(c["tasks_completed"], 1) for c in calm.values())
     goals.append(f"- duplicate work with no churn: at most {dup:.1%} of tasks (goal: at most 5%).")
     report.section("Goals", "\n".join(goals))
