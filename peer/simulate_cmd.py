@@ -219,6 +219,7 @@ def check(args, cfg, model, cal) -> int:
             rejoin_s=r.get("rejoin_seconds") or args.rejoin_seconds,
             task_timeout=setup["task_timeout"],
             client_batch_tokens=setup["client_batch_tokens"],
+            batch_rows=setup.get("batch_rows"),
             volunteer_tflops=(setup["volunteer_tflops"],) * 2,
             volunteer_mbps=tuple(setup["volunteer_mbps"]),
             volunteer_delay_ms=tuple(setup["volunteer_delay_ms"]),

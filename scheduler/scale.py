@@ -30,7 +30,6 @@ Pure Python (the planner's floor): no torch, no network.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -79,6 +78,7 @@ class Swarm:
     server_delay_ms: float = 0.5  # between the servers (one data centre)
     client_batch_tokens: int = 1024  # the piece of a batch each volunteer computes a step
     task_tokens: int = 512  # the fewest tokens a forward task carries (peer serve --task-tokens)
+    batch_rows: int | None = None  # a fixed batch (a measured run's); else a piece for every volunteer
     churn: float = 0.0
     rejoin_s: float = 10.0
     requeue: bool = True
@@ -177,19 +177,19 @@ def predict(
 ) -> Prediction:
     """The swarm's steady tokens/s, its limiting resource, and the servers a stage needs."""
     per_stage = max(1, s.volunteers // s.stages)
-    g = min(per_stage, group)
     rows_each = max(1, -(-s.client_batch_tokens // seq_len))
     micro = 4
+    # a fixed batch (a measured run's) is played whole; a batch that grows with the volunteers, by a group
+    g = per_stage if s.batch_rows else min(per_stage, group)
     cluster = load_cluster(group_cluster(s, g))
     plan = load_plan(group_plan(s, model, g), cluster)
-    gw = workload(model, seq_len, s.stages, g * rows_each * 1, micro, steps, s)
-    # the group's batch: a piece for each of its volunteers (rows a micro-batch a multiple of 1)
-    gw = dataclasses.replace(gw, rows=max(1, g * rows_each // micro))
+    group_rows = s.batch_rows or g * rows_each  # the group's batch: a piece for each of its volunteers
+    gw = workload(model, seq_len, s.stages, group_rows, micro, steps, s)
     trace = simulate(cluster, plan, gw, cal, servers_compute=False)
     group_step = trace.seconds_per_step(warmup)
     calls_per_volunteer = trace.calls / max(steps, 1) / (g * s.stages)
 
-    batch_rows = per_stage * rows_each
+    batch_rows = s.batch_rows or per_stage * rows_each
     tokens = batch_rows * seq_len
     S = s.servers_per_stage
     stage_params = max(gw.param_bytes)

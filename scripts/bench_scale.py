@@ -276,6 +276,7 @@ def main(argv=None) -> int:
                 "server_delay_ms": 0.5 * args.link_scale,
                 "task_timeout": TASK_TIMEOUT,
                 "client_batch_tokens": CLIENT_TOKENS,
+                "batch_rows": BATCH,
                 "compute_factor": statistics.median(x["compute_factor"] for x in results),
             }
             (work / "results.json").write_text(json.dumps({"setup": setup, "results": results}, indent=1))
@@ -408,7 +409,7 @@ and replaced each step). {seconds / 60:.0f} minutes in all. The script's docstri
             rows,
         )
         + f"\n\nLinear: {base_n} volunteers' calm tokens/s per volunteer x N. Duplicates: tasks whose result "
-        "was dropped because another copy was credited first, of the tasks completed.",
+        "was dropped because another copy was credited first, of the tasks completed.\n\n![throughput and efficiency](scale.png)",
     )
     cost_rows = []
     for r in results:
@@ -486,6 +487,7 @@ def whatif(report: Report, cfg, cal, results, work: Path, path: Path) -> None:
             server_mbps=setup["server_mbps"],
             server_delay_ms=setup["server_delay_ms"],
             client_batch_tokens=CLIENT_TOKENS,
+            batch_rows=setup.get("batch_rows", BATCH),
             churn=r["churn"],
             rejoin_s=r["rejoin_seconds"] or 10.0,
             requeue=r["mode"] == "pool",
@@ -550,7 +552,9 @@ def whatif(report: Report, cfg, cal, results, work: Path, path: Path) -> None:
     )
     for what, n in first.items():
         ax.axvline(n, color="grey", ls=":", lw=0.8)
-        ax.annotate(what, (n, ax.get_ylim()[0]), rotation=90, fontsize=7, va="bottom", ha="right")
+        ax.text(
+            n, 0.03, f" {what}", rotation=90, fontsize=7, va="bottom", ha="right", transform=ax.get_xaxis_transform()
+        )
     ax.set(xscale="log", yscale="log", xlabel="volunteers", ylabel="tokens/s (predicted)", title="peer simulate")
     ax.legend(fontsize=8)
     fig.tight_layout()
