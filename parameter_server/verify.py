@@ -83,6 +83,9 @@ class Verification:
         # (Verification.forget_departed; a run of days sees tens of thousands of volunteers come and go)
         self.checks_passed: dict[str, int] = {}  # peer id -> its checks passed here (probation ends at `probation`)
         self.contributed: dict[str, set[int]] = {}  # peer id -> batches it sent work of (kept window)
+        # peer id -> the first batch it ever sent work of here, kept past the window: a ban then says
+        # which of its work stays applied instead of rolling back to the window's start in silence
+        self.first_contributed: dict[str, int] = {}
         self.verify_counts = {"checked": 0, "passed": 0, "caught": 0, "skipped": 0, "tasks_rerun": 0}
         self.passed_distance: dict[str, float] = {}  # peer -> the largest distance of a check it passed
         self.departed_distance = 0.0  # the same, of volunteers forgotten (forget_departed) and never banned
@@ -122,6 +125,7 @@ class Verification:
         kept = self._kept_from()
         batches = self.contributed.setdefault(sender, set())
         batches.add(t)
+        self.first_contributed[sender] = min(t, self.first_contributed.get(sender, t))
         batches.difference_update([b for b in batches if b < kept])
         # on probation until `probation` checks passed (a check skipped for want of its rows does not count),
         # and again while its differences drift one way (drift.py)
@@ -142,6 +146,7 @@ class Verification:
         for peer in [p for p in self.contributed if p not in self.clients]:
             if all(b < kept for b in self.contributed[peer]):
                 del self.contributed[peer]
+                self.first_contributed.pop(peer, None)
         for peer in [p for p in self.checks_passed if p not in self.clients and p not in self.contributed]:
             del self.checks_passed[peer]
             self.drift.forget(peer)
@@ -389,16 +394,18 @@ class Verification:
         return {"ok": True}
 
     async def on_ban(self, meta, tensors, sender):
-        """Ban `peer` here; answer the first batch it contributed to that this server still keeps and
-        the versions of the slots hosted here."""
+        """Ban `peer` here; answer the first batch it ever contributed to here (one already out of the
+        kept window too: the coordinator then says which of its work stays applied), the oldest version
+        kept and the versions of the slots hosted here."""
         peer, why = mfield(meta, "peer", str), mfield(meta, "why", str)
         self._ban_here(peer, why)
         # no step until the rollback's epoch arrives: a step now would apply the liar's work and could
         # push the version to roll back to out of the kept window (bounded, should the coordinator die)
         self.hold_steps_until = self.clock() + HOLD_SECONDS
         batches = self.contributed.get(peer)
+        first = min(batches) if batches else -1
         return {
-            "first_batch": min(batches) if batches else -1,
+            "first_batch": min(first, self.first_contributed.get(peer, first)) if batches else -1,
             "versions": [sh.version for sh in self.hosted.values()],
             "kept_from": max(sh.version - sh.keep_versions + 1 for sh in self.hosted.values()),
         }
