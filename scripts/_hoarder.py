@@ -31,7 +31,7 @@ async def hoard(a) -> dict:
     dht = start_dht([a.initial_peers], run_id=run_id, run_fp=run_fp, client_mode=True, timeout=60.0)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    got = {"taken": 0, "refused": {}, "identities": a.identities, "most_held": 0, "versions": []}
+    got = {"taken": 0, "refused": {}, "identities": a.identities, "most_held": 0, "versions": [], "calls": 0}
     peers = []
     try:
         run = None
@@ -56,10 +56,12 @@ async def hoard(a) -> dict:
         ]
         held: dict[tuple[int, str], list[str]] = {(i, d): [] for i, d, _ in links}
         deadline = time.monotonic() + a.seconds
+        got["started"] = time.monotonic()
         got["versions"].append((time.time(), await version()))
         last_read = time.monotonic()
 
         async def one(i, d, link):
+            got["calls"] += 1  # (a round of register + take, answered or not)
             try:
                 await link.call(
                     "register",
@@ -89,6 +91,7 @@ async def hoard(a) -> dict:
                 await asyncio.wait_for(stop.wait(), a.period)
             except asyncio.TimeoutError:
                 pass
+        got["seconds"] = time.monotonic() - got.get("started", time.monotonic())
     finally:
         for p2p in peers:
             await p2p.shutdown()
