@@ -34,6 +34,12 @@ NOT_ALLOWED = "is not on this run's --volunteers-allow list"  # (a refusal a wor
 # and may register again only after STRUCK_OUT_S, doubled at each further drop (a hoarder's cost)
 STRIKES_TO_DROP = 3
 STRUCK_OUT_S = 10.0
+# ... and, while its leases are cut short (probation), not before the cut has doubled up to this:
+# at 0.25, 0.5 and 1 s an honest newcomer slowed by a loaded machine was dropped before its first
+# task was done (a dashboard test's volunteer, within 2 s of joining); a hoarder now holds its short
+# leases for about 8 s in all (0.25 + 0.5 + 1 + 2 + 4) before it goes, its tasks going to others
+# first each time one runs out
+DROP_CAP_S = 8.0
 # new clients a server admits: REGISTER_RATE a second, in bursts of REGISTER_BURST (heartbeats of
 # known clients are not counted): identities are free to make, a server's pools and checks are not
 REGISTER_RATE, REGISTER_BURST = 5.0, 20
@@ -150,9 +156,16 @@ class Clients:
             raise PayloadError(f"{TOO_MANY_NEW}: register again in a second")
 
     def drop_struck_clients(self) -> list[str]:
-        """Drop the clients (not servers' workers) whose last STRIKES_TO_DROP leases here ran out
-        unanswered: their leases go back, and they may register again after a while."""
-        struck = [p for p in self.clients if self.pool.strikes(p) >= STRIKES_TO_DROP and not self._is_server(p)]
+        """Drop the clients (not servers' workers) whose last STRIKES_TO_DROP rounds of leases here ran
+        out unanswered, once their probation cut (if any) has doubled up to DROP_CAP_S: their leases go
+        back, and they may register again after a while."""
+        struck = [
+            p
+            for p in self.clients
+            if self.pool.strikes(p) >= STRIKES_TO_DROP
+            and (self.pool.probation_cap(p) or DROP_CAP_S) >= DROP_CAP_S
+            and not self._is_server(p)
+        ]
         for p in struck:
             drops = self.struck_out.get(p, (0, 0.0))[0] + 1
             self.struck_out.put(p, (drops, self.clock() + STRUCK_OUT_S * 2 ** (drops - 1)))

@@ -487,6 +487,11 @@ class TaskPool:
         """Leases of `client` that ran out in a row, unanswered (:mod:`taskpool.standing`)."""
         return self._standing.strikes(client)
 
+    def probation_cap(self, client: str) -> float | None:
+        """The longest a new lease of `client` may last now (its probation deadline at a deadline
+        factor of 1), or None when its leases are not cut short (:mod:`taskpool.standing`)."""
+        return self._standing.probation_cap(client, 1.0)
+
     def allowance(self, client: str) -> int:
         """How many leases `client` may hold at once now."""
         return self._standing.allowance(client)
