@@ -236,9 +236,13 @@ def device_factors(measured: dict[str, float], plan, cluster, cal: Calibration) 
     return out
 
 
-def workload(cfg, steps: int) -> Workload:
+def workload(cfg, steps: int, batch: int = BATCH, micro: int = MICRO, client_tokens: int | None = None) -> Workload:
+    """The step model's workload of `steps` batches of `batch` rows in `micro` micro-batches, each
+    volunteer computing at least `client_tokens` of a batch (default: peer serve's)."""
     from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, segment
     from peer.model.transformer import init_state
+
+    client_tokens = client_tokens or DEFAULT_CLIENT_BATCH_TOKENS
 
     params = []
     for k in range(STAGES):
@@ -248,10 +252,10 @@ def workload(cfg, steps: int) -> Workload:
     labels = cfg.seq_len * 8
     return Workload(
         steps=steps,
-        micro_batches=MICRO,
-        rows=BATCH // MICRO,
+        micro_batches=micro,
+        rows=batch // micro,
         min_task_rows=max(1, -(-DEFAULT_TASK_TOKENS // cfg.seq_len)),
-        min_client_rows=max(1, -(-DEFAULT_CLIENT_BATCH_TOKENS // cfg.seq_len)),
+        min_client_rows=max(1, -(-client_tokens // cfg.seq_len)),
         input_bytes=[2 * labels] + [act + labels] * (STAGES - 1),
         act_bytes=act,
         label_bytes=labels,

@@ -57,39 +57,17 @@ from bench_fidelity import (  # noqa: E402
     measured_compute,
     one_site_cluster,
     version_times,
+    workload,
 )
 
 from peer.model.config import get_preset  # noqa: E402
 from scheduler import load_cluster, load_plan  # noqa: E402
 from scheduler.scale import churn_factor  # noqa: E402
-from scheduler.stepsim import Calibration, Workload, simulate, steady_seconds_per_step  # noqa: E402
+from scheduler.stepsim import Calibration, simulate, steady_seconds_per_step  # noqa: E402
 
 BATCH, MICRO, STAGES, CLIENT_TOKENS = 64, 4, 2, 1024
 WARMUP = 3
 TASK_TIMEOUT = 20.0  # peer swarm's default lease of an unproven client is shorter; this bounds --no-requeue's wait
-
-
-def workload(cfg, steps: int) -> Workload:
-    from parameter_server.layout import DEFAULT_TASK_TOKENS, segment
-    from peer.model.transformer import init_state
-
-    params = []
-    for k in range(STAGES):
-        lo, hi = segment(cfg.layers, STAGES, k)
-        params.append(sum(t.numel() for t in init_state(cfg, lo, hi, 0).values()) * 4)
-    act = cfg.seq_len * cfg.hidden * 4
-    labels = cfg.seq_len * 8
-    return Workload(
-        steps=steps,
-        micro_batches=MICRO,
-        rows=BATCH // MICRO,
-        min_task_rows=max(1, -(-DEFAULT_TASK_TOKENS // cfg.seq_len)),
-        min_client_rows=max(1, -(-CLIENT_TOKENS // cfg.seq_len)),
-        input_bytes=[2 * labels] + [act + labels] * (STAGES - 1),
-        act_bytes=act,
-        label_bytes=labels,
-        param_bytes=params,
-    )
 
 
 JOINED = re.compile(r"^(\S+ \S+) .*hivepipe\.server: (\S+): client \S+ \((v\d+)\) registered")
@@ -177,7 +155,7 @@ def main(argv=None) -> int:
     apply_s = calibrate_apply(cfg, 5)
     call_s, byte_s, _ = calibrate_calls(20)
     cal = Calibration(call_seconds=call_s, byte_seconds=byte_s, ref_flops=flops, apply_seconds=apply_s, **compute)
-    work_model = workload(cfg, steps)
+    work_model = workload(cfg, steps, BATCH, MICRO, CLIENT_TOKENS)
     (work / "calibration.json").write_text(json.dumps(dataclasses.asdict(cal), indent=1))
 
     results = []
