@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
 def check(args, cfg, model, cal) -> int:
     """bench_scale's measured points beside this model's prediction for each."""
-    from scheduler.scale import predict
+    from scheduler.scale import predict_measured
 
     try:
         with open(args.check) as f:
@@ -203,30 +203,10 @@ def check(args, cfg, model, cal) -> int:
         measured = points["results"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise UsageError(f"--check {args.check}: not bench_scale's results ({e})") from None
-    import dataclasses
-
-    # the run's processes computed slower than the calibration alone (they share two cores): the
-    # factor its volunteers measured of themselves at their start, as bench_scale's own prediction
-    cal = dataclasses.replace(cal, compute_factor=setup.get("compute_factor", 1.0))
     print("volunteers  run                  measured tokens/s  model  model/measured")
     worst = 0.0
     for r in measured:
-        s = swarm_for(
-            args,
-            r["volunteers"],
-            churn=r["churn"],
-            requeue=r["mode"] == "pool",
-            rejoin_s=r.get("rejoin_seconds") or args.rejoin_seconds,
-            task_timeout=setup["task_timeout"],
-            client_batch_tokens=setup["client_batch_tokens"],
-            batch_rows=setup.get("batch_rows"),
-            volunteer_tflops=(setup["volunteer_tflops"],) * 2,
-            volunteer_mbps=tuple(setup["volunteer_mbps"]),
-            volunteer_delay_ms=tuple(setup["volunteer_delay_ms"]),
-            server_mbps=setup["server_mbps"],
-            server_delay_ms=setup["server_delay_ms"],
-        )
-        p = predict(s, model, cfg.seq_len, cal, group=max(r["volunteers"] // args.stages, 1))
+        p = predict_measured(swarm_for(args, r["volunteers"]), setup, r, model, cfg.seq_len, cal)
         ratio = p.tokens_per_second / r["tokens_per_second"]
         worst = max(worst, abs(ratio - 1))
         run_name = f"{r['kind']} {r['mode']}"

@@ -30,6 +30,7 @@ Pure Python (the planner's floor): no torch, no network.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -235,3 +236,29 @@ def predict(
         dht_mbps_per_holder=dht_bps * 8 / 1e6,
         dht_share=dht_bps / median_vol,
     )
+
+
+def predict_measured(
+    base: Swarm, setup: dict, point: dict, model: ModelSpec, seq_len: int, cal: Calibration
+) -> Prediction:
+    """The prediction for one point scripts/bench_scale.py measured (`setup`: its results file's,
+    `point`: one of its results), the rest of the swarm as in `base`: the run's devices, links, batch
+    and lease, its churn and measured re-join time, and the slowdown its volunteers measured of
+    themselves against the calibration (they share two cores)."""
+    s = dataclasses.replace(
+        base,
+        volunteers=point["volunteers"],
+        volunteer_tflops=(setup["volunteer_tflops"],) * 2,
+        volunteer_mbps=tuple(setup["volunteer_mbps"]),
+        volunteer_delay_ms=tuple(setup["volunteer_delay_ms"]),
+        server_mbps=setup["server_mbps"],
+        server_delay_ms=setup["server_delay_ms"],
+        client_batch_tokens=setup["client_batch_tokens"],
+        batch_rows=setup.get("batch_rows"),
+        task_timeout=setup["task_timeout"],
+        churn=point["churn"],
+        rejoin_s=point.get("rejoin_seconds") or base.rejoin_s,
+        requeue=point["mode"] == "pool",
+    )
+    cal = dataclasses.replace(cal, compute_factor=setup.get("compute_factor", 1.0))
+    return predict(s, model, seq_len, cal, group=max(s.volunteers // s.stages, 1))

@@ -450,28 +450,14 @@ def whatif(report: Report, cfg, cal, results, work: Path, path: Path) -> None:
     to 10,000 volunteers at home (peer simulate's defaults) with this machine's calibration."""
     from peer.model.config import planner_model_file
     from scheduler import load_model
-    from scheduler.scale import Swarm, predict
+    from scheduler.scale import Swarm, predict, predict_measured
 
     model = load_model(planner_model_file(cfg, BATCH, MICRO, bytes_per_value=4))
     setup = json.loads((work / "results.json").read_text())["setup"]
-    mcal = dataclasses.replace(cal, compute_factor=setup["compute_factor"])
+    setup.setdefault("batch_rows", BATCH)  # (a results file from before it was written there)
     rows = []
     for r in results:
-        s = Swarm(
-            volunteers=r["volunteers"],
-            volunteer_tflops=(setup["volunteer_tflops"],) * 2,
-            volunteer_mbps=tuple(setup["volunteer_mbps"]),
-            volunteer_delay_ms=tuple(setup["volunteer_delay_ms"]),
-            server_mbps=setup["server_mbps"],
-            server_delay_ms=setup["server_delay_ms"],
-            client_batch_tokens=CLIENT_TOKENS,
-            batch_rows=setup.get("batch_rows", BATCH),
-            churn=r["churn"],
-            rejoin_s=r["rejoin_seconds"] or 10.0,
-            requeue=r["mode"] == "pool",
-            task_timeout=TASK_TIMEOUT,
-        )
-        p = predict(s, model, cfg.seq_len, mcal, group=max(r["volunteers"] // STAGES, 1))
+        p = predict_measured(Swarm(volunteers=1), setup, r, model, cfg.seq_len, cal)
         rows.append(
             [
                 r["volunteers"],
