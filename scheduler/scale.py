@@ -74,7 +74,7 @@ class Swarm:
     volunteer_tflops: tuple = (0.005, 0.02)
     volunteer_mbps: tuple = (20.0, 100.0)
     volunteer_delay_ms: tuple = (20.0, 80.0)
-    server_tflops: float = 0.1  # a server's processor, for the re-runs of checked work
+    server_tflops: float = 10.0  # a server's processor, for the re-runs of checked work (peer simulate's default)
     server_mbps: float = 1000.0  # each server's uplink and downlink
     server_delay_ms: float = 0.5  # between the servers (one data centre)
     client_batch_tokens: int = 1024  # the piece of a batch each volunteer computes a step
