@@ -34,7 +34,7 @@ class Backward:
             return {"result": "duplicate"}
         self.ledger.setdefault((t, m), []).append(LedgerEntry(sender, (a, b), frontal, task_id))
         if self._note_contribution(sender, t):
-            self._check_later(self._check_outputs, sender, t, m, a, b, tensors[0])
+            self._check_later(t, self._check_outputs, sender, t, m, a, b, tensors[0])
         self._make_backward_tasks(t, m)  # (the gradients can come first after a failover)
         if buf.complete:
             self._send_outputs(t, m)

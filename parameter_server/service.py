@@ -371,8 +371,8 @@ class StageServer(
             self.drop_struck_clients()
         self.drop_stale_clients()
         self.report_stall(time.time())
-        if self.hold_steps_until is not None and not self.steps_held():
-            self._maybe_step()  # a ban's hold ran out with every credit already here
+        if (self.hold_steps_until is not None and not self.steps_held()) or self.check_hold_since is not None:
+            self._maybe_step()  # a ban's hold (or a check's) ran out with every credit already here
 
     def report_stall(self, now: float) -> str | None:
         """Once per version, when the next batch has not been applied for STALL_REPORT_FACTOR x the
@@ -406,7 +406,7 @@ class StageServer(
             )
             or "none"
         )
-        why = " (steps held)" if self.steps_held() else ""
+        why = " (steps held)" if self.steps_held() else " (waiting for checks)" if self.check_hold_since else ""
         line = (
             f"no step for {waited:.1f} s (median {median:.2f} s){why}: {'; '.join(missing)}; "
             f"its open tasks here: {held}"

@@ -121,6 +121,7 @@ class Updates:
         if result == "credited":
             if self._note_contribution(sender, t, shared_by=len(self.st.hosts)):
                 self._check_later(
+                    t,
                     self._check_push,
                     sender,
                     t,
@@ -137,7 +138,7 @@ class Updates:
             return
         stepped = False
         for slot, shard in sorted(self.hosted.items()):
-            while shard.ready_to_step():
+            while shard.ready_to_step() and not self.checks_hold(shard.version):
                 before = self.version
                 v = shard.step()
                 stepped = True

@@ -30,6 +30,7 @@ import torch
 
 from parameter_server.drift import DriftTest
 from parameter_server.layout import owners
+from parameter_server.updates import RETAIN
 from peer.model.task_math import backward_rows, forward_rows
 from peer.model.update_rule import version_for_batch
 from peer.protocol.params import NotReady, fetch_slot
@@ -46,6 +47,9 @@ TOLERANCE = 1e-3
 DEFAULT_VERIFY_RATE = 0.1
 DEFAULT_PROBATION = 4
 HOLD_SECONDS = 60.0  # the longest a server holds its steps between a ban and the rollback's epoch
+# The longest a step waits for a check of work it would put beyond a rollback's reach (a check runs
+# about as long as the task it re-runs; this bounds a check stuck on a lost server's answers).
+CHECK_HOLD_SECONDS = 120.0
 
 
 def rollback_target(first: int, kept_from: int, versions: list[int]) -> int:
@@ -95,6 +99,8 @@ class Verification:
         self._verify_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.ban_lock = asyncio.Lock()
         self.hold_steps_until: float | None = None  # set by a ban, cleared by the next layout epoch
+        self.checks_pending: dict[int, int] = {}  # batch -> checks of its work not judged yet
+        self.check_hold_since: float | None = None  # when a step began to wait for a check (checks_hold)
 
     def steps_held(self) -> bool:
         """True while a ban's rollback epoch is awaited (Updates._maybe_step does not step)."""
@@ -104,6 +110,35 @@ class Verification:
             return True
         logger.warning("%s: no layout epoch came within %.0f s of a ban: stepping again", self.device_id, HOLD_SECONDS)
         self.hold_steps_until = None
+        return False
+
+    def checks_hold(self, version: int) -> bool:
+        """True while making version `version + 1` here would put work still being checked beyond a
+        rollback's reach. A ban rolls back to the liar's first batch t, re-run on version_for_batch(t),
+        which every server of the run must still keep; once this one has made `version + 1`, the others
+        (at most two versions ahead of it per stage boundary, which is what snapshots_kept allows for)
+        keep every version from `version + 2 - RETAIN` on. So a check of work of such a batch is waited
+        for: a lying volunteer's work cannot outrun its checks, however far behind they fall (on a loaded
+        machine they lagged a dozen tasks behind, and a liar's first batches then stayed applied). Bounded
+        by CHECK_HOLD_SECONDS, should a check hang on a lost server."""
+        reach = version + 2 - RETAIN
+        late = [t for t in self.checks_pending if version_for_batch(t) < reach]
+        if not late:
+            self.check_hold_since = None
+            return False
+        now = self.clock()
+        if self.check_hold_since is None:
+            self.check_hold_since = now
+            self.verify_counts["steps_held_for_checks"] = self.verify_counts.get("steps_held_for_checks", 0) + 1
+            logger.debug("%s: version %d waits for the checks of batch %d", self.device_id, version + 1, min(late))
+        if now - self.check_hold_since < CHECK_HOLD_SECONDS:
+            return True
+        logger.warning(
+            "%s: a check of batch %d has run for %.0f s: stepping on (a ban from it may not reach all of that work)",
+            self.device_id,
+            min(late),
+            now - self.check_hold_since,
+        )
         return False
 
     # what arrives ------------------------------------------------------------------------------
@@ -155,10 +190,12 @@ class Verification:
                 self.departed_distance = max(self.departed_distance, self.passed_distance[peer])
             del self.passed_distance[peer]
 
-    def _check_later(self, check, *args) -> None:
-        self._spawn(self._guarded(check(self.epoch, *args)))
+    def _check_later(self, t: int, check, *args) -> None:
+        """Check work of batch t beside the step (`check(epoch, *args)`), counted in checks_pending."""
+        self.checks_pending[t] = self.checks_pending.get(t, 0) + 1
+        self._spawn(self._guarded(t, check(self.epoch, *args)))
 
-    async def _guarded(self, coro) -> None:
+    async def _guarded(self, t: int, coro) -> None:
         try:
             await coro
         except (PayloadError, RemoteError, ConnectionError, asyncio.TimeoutError, KeyError) as e:
@@ -168,6 +205,14 @@ class Verification:
         except Exception:  # a bug in a check is no evidence against anyone: said, and the server goes on
             self.verify_counts["skipped"] += 1
             logger.exception("%s: a check failed", self.device_id)
+        finally:
+            left = self.checks_pending.get(t, 0) - 1
+            if left > 0:
+                self.checks_pending[t] = left
+            else:
+                self.checks_pending.pop(t, None)
+            if self.check_hold_since is not None:
+                self._maybe_step()  # a step waited for this check
 
     # re-running --------------------------------------------------------------------------------
     async def _server_call(self, device: str, method: str, meta: dict) -> tuple[dict, list]:
@@ -296,11 +341,14 @@ class Verification:
         total = {n: torch.zeros_like(g) for n, g in zip(names, grads)}
         loss_sum, gins = 0.0, []
         tokens = self.run.batch_size * self.cfg.seq_len
+        held = []  # every task's rows first: the re-runs may queue behind other checks, the rows do not wait
         for task in ids:
             tid = TaskId.parse(task)
             (a, b), m = tid.rows, tid.micro
             x, labels = await self._held_rows("inputs", t, m, a, b)
             g = None if self.last else (await self._held_rows("output_grads", t, m, a, b))[0]
+            held.append((m, a, b, x, labels, g))
+        for m, a, b, x, labels, g in held:
             gin, ls, full = await self._recompute(
                 version_for_batch(t),
                 lambda model: backward_rows(
@@ -365,6 +413,7 @@ class Verification:
             return
         self.verify_counts["caught"] += 1
         self._ban_here(peer, why)
+        self.hold_steps_until = self.clock() + HOLD_SECONDS  # no step until the ban's rollback (on_ban)
         self._spawn(self._report(peer, why))
 
     def coordinator(self) -> str:

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -325,6 +326,34 @@ def test_a_volunteer_biased_under_the_tolerance_is_banned_and_its_work_rolled_ba
     assert caught >= 1 and all(
         n <= 20 for s in swarm.servers.values() for (p, _), (_, n) in s.drift.sums.items() if p == "peer-u01"
     ), checks
+
+
+def test_a_liar_cannot_outrun_checks_that_fall_behind(monkeypatch):
+    """On a loaded machine a server's checks queue behind each other (one thread) and fall behind the
+    run: the same biased liar, with every re-run made 0.3 s slower, is still rolled back entirely,
+    because a step waits for the checks of work it would otherwise put beyond a rollback's reach."""
+    from peer.volunteer.cheat import Cheat
+
+    original = StageServer._recompute
+
+    async def loaded(self, version, fn):
+        def slow(model):
+            time.sleep(0.3)
+            return fn(model)
+
+        return await original(self, version, slow)
+
+    monkeypatch.setattr(StageServer, "_recompute", loaded)
+    steps = 10
+    cfg, layout, run = make_run(steps=steps, stages=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    next(w for w in swarm.workers if w.device_id == "u01").cheat = Cheat("bias")
+    state = asyncio.run(swarm.train(timeout=300))
+    bans = {p for s in swarm.servers.values() for p in s.banned}
+    assert bans == {"peer-u01"}, bans
+    held = sum(s.verify_counts.get("steps_held_for_checks", 0) for s in swarm.servers.values())
+    assert held >= 1
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
 
 
 def test_a_ban_whose_liar_worked_before_the_kept_versions_rolls_back_as_far_as_a_rerun_can_start():
