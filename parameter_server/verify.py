@@ -25,6 +25,7 @@ import concurrent.futures
 import functools
 import logging
 import random
+import time
 
 import torch
 
@@ -50,6 +51,7 @@ HOLD_SECONDS = 60.0  # the longest a server holds its steps between a ban and th
 # The longest a step waits for a check of work it would put beyond a rollback's reach (a check runs
 # about as long as the task it re-runs; this bounds a check stuck on a lost server's answers).
 CHECK_HOLD_SECONDS = 120.0
+BAN_PATIENCE = 30.0  # how long the coordinator tries to reach each server with a ban
 
 
 def rollback_target(first: int, kept_from: int, versions: list[int]) -> int:
@@ -433,13 +435,33 @@ class Verification:
                 logger.info("%s: reporting %s failed (%r); trying again", self.device_id, peer[-8:], e)
                 await asyncio.sleep(0.5)
 
+    async def _server_call_patiently(self, device: str, method: str, meta: dict) -> tuple[dict, list]:
+        """_server_call, tried again for up to BAN_PATIENCE seconds while `device` cannot be reached
+        (a ban early in a run met a coordinator whose directory did not list a server of another stage
+        yet: the ban's epoch was never made, and the liar's work stayed applied)."""
+        deadline = time.monotonic() + BAN_PATIENCE
+        while True:
+            try:
+                return await self._server_call(device, method, meta)
+            except (ConnectionError, asyncio.TimeoutError) as e:
+                if time.monotonic() >= deadline:
+                    raise
+                logger.info("%s: %s to %s: %r; trying again", self.device_id, method, device, e)
+                await asyncio.sleep(0.5)
+
+    async def _ban_reported(self, peer: str, why: str) -> None:
+        try:
+            await self.ban_and_roll_back(peer, why)
+        except Exception as e:  # said, not lost in a task nobody awaits; the servers step again after HOLD_SECONDS
+            logger.error("%s: the ban of %s could not be ordered: %r", self.device_id, peer[-8:], e)
+
     async def on_report_cheat(self, meta, tensors, sender):
         peer, why = mfield(meta, "peer", str), mfield(meta, "why", str)
         if self.coordinator() != self.device_id:
             raise PayloadError(f"{self.device_id} does not coordinate this run's bans ({self.coordinator()} does)")
         if self._is_server(peer):
             raise PayloadError(f"{peer[-8:]} is a server of this run: servers are trusted, not banned")
-        self._spawn(self.ban_and_roll_back(peer, why))
+        self._spawn(self._ban_reported(peer, why))
         return {"ok": True}
 
     async def on_ban(self, meta, tensors, sender):
@@ -470,7 +492,7 @@ class Verification:
             answers = []
             for st in self.layout.stages:
                 for d in st.servers:
-                    answers.append(await self._server_call(d, "ban", {"peer": peer, "why": why}))
+                    answers.append(await self._server_call_patiently(d, "ban", {"peer": peer, "why": why}))
             firsts = [a["first_batch"] for a, _ in answers if a["first_batch"] >= 0]
             versions = [v for a, _ in answers for v in a["versions"]]
             kept_from = max(a["kept_from"] for a, _ in answers)

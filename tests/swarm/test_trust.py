@@ -356,6 +356,35 @@ def test_a_liar_cannot_outrun_checks_that_fall_behind(monkeypatch):
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
 
 
+def test_a_ban_waits_for_a_server_the_coordinator_cannot_reach_yet():
+    """Early in a run the coordinator's directory may not list a server of another stage yet: the ban
+    is tried again until it can be sent (it was lost before, the liar's work staying applied), and the
+    run (its banned volunteer honest here) still ends equal to the reference."""
+    steps = 8
+    cfg, layout, run = make_run(steps=steps, stages=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    records, refused = [], []
+
+    async def ban():
+        coordinator = swarm.servers[layout.stages[0].frontal[0]]
+        connect, other = coordinator.connector, layout.stages[1].frontal[0]
+
+        def not_yet(d):
+            if d == other and len(refused) < 3:
+                refused.append(d)
+                return None
+            return connect(d)
+
+        coordinator.connector = not_yet
+        records.append(await coordinator.ban_and_roll_back("peer-u01", "a test's ban"))
+
+    state = asyncio.run(swarm.train(timeout=240, at_version={3: ban}))
+    (record,) = records
+    assert len(refused) == 3 and record["banned"] == ["peer-u01"] and "rollback_to" in record, record
+    assert all("peer-u01" in s.banned for s in swarm.servers.values())
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+
+
 def test_a_ban_whose_liar_worked_before_the_kept_versions_rolls_back_as_far_as_a_rerun_can_start():
     """The ban of a volunteer whose first work is older than every version kept rolls back to the oldest
     version a re-run can start from: batch t re-runs on version t - 1, so the oldest version kept is the
