@@ -56,6 +56,9 @@ class BatchCredit:
         )
 
 
+# a pin (a volunteer still on probation, verify.py) keeps up to this many times keep_versions more
+# versions: each costs 3 x the shard's parameters in memory (snapshot and AdamW's two moments)
+PIN_EXTRA = 2
 LOSS_HISTORY = 4096  # batches whose loss a shard keeps (status, dashboard, replicas, checkpoints)
 
 
@@ -89,6 +92,9 @@ class ShardState:
         self.steps = steps
         self.version = 0
         self.keep_versions = keep_versions
+        # the oldest version a ban may still have to roll back to (its server's pin: verify.py), kept
+        # beyond keep_versions, up to PIN_EXTRA x keep_versions more; None: no pin
+        self.pinned_from: int | None = None
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
         # AdamW's state at each kept version (step count, exp_avg, exp_avg_sq per parameter): with the
         # parameter snapshot, what a rollback to that version restores
@@ -144,8 +150,20 @@ class ShardState:
         self.moments[version] = self._moments()
         self.tokens[version] = _token()
         for store in (self.snapshots, self.moments, self.tokens):
-            for v in [v for v in store if v <= version - self.keep_versions]:
+            for v in [v for v in store if self._forgotten(v, version)]:
                 del store[v]
+
+    def _forgotten(self, v: int, version: int) -> bool:
+        """Whether kept version `v` is dropped once `version` is made: beyond keep_versions and not
+        pinned, or beyond the pin's bound (PIN_EXTRA x keep_versions more)."""
+        if v > version - self.keep_versions:
+            return False
+        pinned = self.pinned_from is not None and v >= self.pinned_from
+        return not pinned or v <= version - (1 + PIN_EXTRA) * self.keep_versions
+
+    def kept_from(self) -> int:
+        """The oldest version a rollback can go back to here (parameters and AdamW state both kept)."""
+        return min(v for v in self.snapshots if v in self.moments)
 
     def _restore(self, version: int) -> None:
         """Parameters and AdamW state as they were right after `version` was made: its kept snapshot

@@ -136,6 +136,8 @@ class Updates:
     def _maybe_step(self) -> None:
         if self.steps_held():
             return
+        if any(shard.ready_to_step() for shard in self.hosted.values()):
+            self.update_pins()  # before a step forgets a version a ban may still need
         stepped = False
         for slot, shard in sorted(self.hosted.items()):
             while shard.ready_to_step() and not self.checks_hold(shard.version):

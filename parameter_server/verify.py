@@ -52,6 +52,7 @@ HOLD_SECONDS = 60.0  # the longest a server holds its steps between a ban and th
 # about as long as the task it re-runs; this bounds a check stuck on a lost server's answers).
 CHECK_HOLD_SECONDS = 120.0
 BAN_PATIENCE = 30.0  # how long the coordinator tries to reach each server with a ban
+PIN_REFRESH, PIN_EXPIRY = 5.0, 15.0  # a server's pin is said again this often, and forgotten unsaid this long
 
 
 def rollback_target(first: int, kept_from: int, versions: list[int]) -> int:
@@ -101,6 +102,12 @@ class Verification:
         self._verify_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.ban_lock = asyncio.Lock()
         self.hold_steps_until: float | None = None  # set by a ban, cleared by the next layout epoch
+        # pins: the oldest batch each server of the run (by peer id, this one's included) asks every
+        # server to keep within a rollback's reach, with when it last said so (pins_at)
+        self.pins: dict[str, int] = {}
+        self.pins_heard: dict[str, float] = {}
+        self.pin_sent: tuple[int | None, float] = (None, float("-inf"))
+        self.pin_seq, self.pin_seqs = 0, {}  # the last pin sent here; the last heard from each server
         self.checks_pending: dict[int, int] = {}  # batch -> checks of its work not judged yet
         self.check_hold_since: float | None = None  # when a step began to wait for a check (checks_hold)
 
@@ -142,6 +149,72 @@ class Verification:
             now - self.check_hold_since,
         )
         return False
+
+    # pins ----------------------------------------------------------------------------------------
+    def unsettled_first(self) -> int | None:
+        """The oldest batch of work sent here by a registered volunteer not yet past its checks: on
+        probation (its first work on), or its differences drifting one way (drift.suspicious: its work
+        in the kept window on). A ban of it would roll back there."""
+        firsts = []
+        for peer, batches in self.contributed.items():
+            if peer not in self.clients or peer in self.banned or not batches:
+                continue
+            if self.checks_passed.get(peer, 0) < self.probation:
+                firsts.append(self.first_contributed.get(peer, min(batches)))
+            elif self.drift.suspicious(peer):
+                firsts.append(min(batches))
+        return min(firsts, default=None)
+
+    def update_pins(self) -> None:
+        """Pin the versions a ban may still need: this server's pin (unsettled_first) goes to every
+        server of the run when it changes (and every PIN_REFRESH seconds), and every shard kept here
+        keeps the versions from the run's oldest pin on (ShardState.pinned_from, bounded by PIN_EXTRA).
+        Without it a liar whose checked work came a task every few steps was banned with its first
+        batches beyond the kept versions (the drift test needs 5 checks), its work staying applied."""
+        now = self.clock()
+        for peer in [p for p, at in self.pins_heard.items() if now - at > PIN_EXPIRY]:
+            del self.pins_heard[peer]
+            self.pins.pop(peer, None)
+        mine = self.unsettled_first()
+        if mine is None:
+            self.pins.pop(self.peer_id, None)
+        else:
+            self.pins[self.peer_id] = mine
+        if mine != self.pin_sent[0] or now - self.pin_sent[1] > PIN_REFRESH:
+            self.pin_sent = (mine, now)
+            self._spawn(self._send_pin(mine))
+        self._apply_pins()
+
+    def _apply_pins(self) -> None:
+        oldest = min(self.pins.values(), default=None)
+        pinned = None if oldest is None else version_for_batch(oldest)
+        for shard in [*self.hosted.values(), *self.replicas.values()]:
+            shard.pinned_from = pinned
+
+    async def _send_pin(self, batch: int | None) -> None:
+        self.pin_seq += 1
+        meta = {"batch": -1 if batch is None else batch, "seq": self.pin_seq}
+        for d in [d for st in self.layout.stages for d in st.servers if d != self.device_id]:
+            try:
+                await self._server_call(d, "pin", meta)
+            except (ConnectionError, RemoteError, PayloadError, asyncio.TimeoutError) as e:
+                logger.debug("%s: pin to %s: %r", self.device_id, d, e)  # (sent again within PIN_REFRESH)
+
+    async def on_pin(self, meta, tensors, sender):
+        """A server's pin (update_pins): -1 for none. `seq` orders a server's pins (sent concurrently)."""
+        batch, seq = mfield(meta, "batch", int), mfield(meta, "seq", int)
+        if batch < -1:
+            raise PayloadError(f"field 'batch' must be a batch or -1, got {batch}")
+        if seq < self.pin_seqs.get(sender, 0):
+            return {"ok": True}
+        self.pin_seqs[sender] = seq
+        self.pins_heard[sender] = self.clock()
+        if batch < 0:
+            self.pins.pop(sender, None)
+        else:
+            self.pins[sender] = batch
+        self._apply_pins()
+        return {"ok": True}
 
     # what arrives ------------------------------------------------------------------------------
     def honest_distance(self) -> float:
@@ -478,7 +551,7 @@ class Verification:
         return {
             "first_batch": min(first, self.first_contributed.get(peer, first)) if batches else -1,
             "versions": [sh.version for sh in self.hosted.values()],
-            "kept_from": max(sh.version - sh.keep_versions + 1 for sh in self.hosted.values()),
+            "kept_from": max(sh.kept_from() for sh in self.hosted.values()),
         }
 
     async def ban_and_roll_back(self, peer: str, why: str) -> dict | None:

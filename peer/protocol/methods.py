@@ -47,6 +47,8 @@ METHODS: dict[str, Method] = {
         Method("get_held", epoched=False, retry=True, logged=False, caller="server"),
         Method("report_cheat", epoched=False, retry=True, logged=False, caller="server"),
         Method("ban", epoched=False, retry=True, logged=False, caller="server"),
+        # the oldest batch a server's volunteers on probation sent work of: every server keeps its version
+        Method("pin", epoched=False, retry=True, logged=False, caller="server"),
     )
 }
 

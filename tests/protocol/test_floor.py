@@ -517,7 +517,31 @@ def test_the_method_table_is_what_the_server_offers():
         "get_held",
         "report_cheat",
         "ban",
+        "pin",
     }
+
+
+def test_a_pin_keeps_versions_beyond_the_window_up_to_its_bound():
+    """A shard keeps keep_versions versions, and those from its pin on (a volunteer on probation whose
+    ban would roll back there) up to PIN_EXTRA x keep_versions more; unpinned, the window alone."""
+    from parameter_server.shard import PIN_EXTRA, ShardState
+
+    shard = ShardState({"w": torch.zeros(3)}, lr=1e-2, rows_per_micro=1, micro_batches=1, steps=40, keep_versions=3)
+
+    def step_to(version):
+        while shard.version < version:
+            t = shard.version
+            shard.credit(batch=t, pieces=[(f"B{t}.0.0.0-1", 0, (0, 1))], grads=[torch.ones(3)], loss_sum=1.0)
+            shard.step()
+
+    shard.pinned_from = 2
+    step_to(8)
+    assert shard.kept_from() == 2 and sorted(shard.snapshots) == list(range(2, 9))
+    step_to(12)  # the bound: versions more than (1 + PIN_EXTRA) x keep_versions old go
+    assert shard.kept_from() == 12 - (1 + PIN_EXTRA) * 3 + 1 == 4
+    shard.pinned_from = None
+    step_to(13)
+    assert shard.kept_from() == 11 and sorted(shard.moments) == [11, 12, 13]
 
 
 def test_a_shard_keeps_a_bounded_loss_history(monkeypatch):

@@ -385,6 +385,32 @@ def test_a_ban_waits_for_a_server_the_coordinator_cannot_reach_yet():
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
 
 
+def test_work_on_probation_stays_within_a_rollbacks_reach():
+    """Every server keeps the versions back to the first work of any volunteer still on probation at
+    any server of the run (its pin, sent to every server): a ban late in the run still rolls back to
+    that volunteer's first batch, far beyond the kept versions. (Probation here lasts the whole run at
+    stage 0 and is off at stage 1; the banned volunteer was honest, so the run still ends equal to the
+    reference.)"""
+    steps = 14
+    cfg, layout, run = make_run(steps=steps, stages=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    for server in swarm.servers.values():  # stage 1's servers keep the old versions for stage 0's pins
+        server.probation = 10_000 if server.stage == 0 else 0
+    records, kept = [], []
+
+    async def ban():
+        coordinator = swarm.servers[layout.stages[0].frontal[0]]
+        kept.append({d: min(sh.kept_from() for sh in s.hosted.values()) for d, s in swarm.servers.items()})
+        records.append(await coordinator.ban_and_roll_back("peer-u01", "a test's ban"))
+
+    state = asyncio.run(swarm.train(timeout=240, at_version={10: ban}))
+    (record,), (oldest,) = records, kept
+    keep = next(iter(swarm.servers.values())).shard.keep_versions
+    assert 10 - keep > 1 and all(v <= 1 for v in oldest.values()), (keep, oldest)  # pinned on every stage
+    assert record["rollback_to"] <= 1, record
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+
+
 def test_a_ban_whose_liar_worked_before_the_kept_versions_rolls_back_as_far_as_a_rerun_can_start():
     """The ban of a volunteer whose first work is older than every version kept rolls back to the oldest
     version a re-run can start from: batch t re-runs on version t - 1, so the oldest version kept is the
