@@ -89,6 +89,9 @@ class Verification:
         # per volunteer, forgotten once it has left and its batches are out of the kept window
         # (Verification.forget_departed; a run of days sees tens of thousands of volunteers come and go)
         self.checks_passed: dict[str, int] = {}  # peer id -> its checks passed here (probation ends at `probation`)
+        # peer ids whose probation ended with their differences not drifting (drift.suspicious): until
+        # then a ban would roll back to their first work (unsettled_first)
+        self.cleared: set[str] = set()
         self.contributed: dict[str, set[int]] = {}  # peer id -> batches it sent work of (kept window)
         # peer id -> the first batch it ever sent work of here, kept past the window: a ban then says
         # which of its work stays applied instead of rolling back to the window's start in silence
@@ -152,14 +155,16 @@ class Verification:
 
     # pins ----------------------------------------------------------------------------------------
     def unsettled_first(self) -> int | None:
-        """The oldest batch of work sent here by a registered volunteer not yet past its checks: on
-        probation (its first work on), or its differences drifting one way (drift.suspicious: its work
-        in the kept window on). A ban of it would roll back there."""
+        """The oldest batch of work sent here by a registered volunteer not yet past its checks: its
+        first work on while its probation has not ended with differences that do not drift (a liar
+        under the tolerance drifts from its 3rd check: it stays there until banned), its work in the
+        kept window on while its differences drift after that (drift.suspicious). A ban of it would
+        roll back there."""
         firsts = []
         for peer, batches in self.contributed.items():
             if peer not in self.clients or peer in self.banned or not batches:
                 continue
-            if self.checks_passed.get(peer, 0) < self.probation:
+            if self.probation > 0 and peer not in self.cleared:
                 firsts.append(self.first_contributed.get(peer, min(batches)))
             elif self.drift.suspicious(peer):
                 firsts.append(min(batches))
@@ -259,6 +264,7 @@ class Verification:
                 self.first_contributed.pop(peer, None)
         for peer in [p for p in self.checks_passed if p not in self.clients and p not in self.contributed]:
             del self.checks_passed[peer]
+            self.cleared.discard(peer)
             self.drift.forget(peer)
         for peer in [p for p in self.passed_distance if p not in self.clients and p not in self.contributed]:
             if peer not in self.banned:  # (gone for good, never banned: its distances were honest)
@@ -394,6 +400,8 @@ class Verification:
         self.passed_distance[sender] = max([self.passed_distance.get(sender, 0.0), *seen])
         self.verify_counts["passed"] += 1
         self.checks_passed[sender] = self.checks_passed.get(sender, 0) + 1
+        if self.checks_passed[sender] >= self.probation and not self.drift.suspicious(sender):
+            self.cleared.add(sender)
 
     async def _check_outputs(self, epoch: int, sender: str, t: int, m: int, a: int, b: int, out: torch.Tensor) -> None:
         (x, _) = await self._held_rows("inputs", t, m, a, b)

@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+import torch
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
@@ -409,6 +410,36 @@ def test_work_on_probation_stays_within_a_rollbacks_reach():
     assert 10 - keep > 1 and all(v <= 1 for v in oldest.values()), (keep, oldest)  # pinned on every stage
     assert record["rollback_to"] <= 1, record
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+
+
+def test_a_volunteer_whose_probation_ends_drifting_stays_pinned_to_its_first_work():
+    """A pin holds a volunteer's first batch while it is on probation, and after its probation too if
+    its differences drift one way by then (a liar under the tolerance drifts from its 3rd check: it
+    passed 4 checks and was banned at its 5th with its first batches unpinned); one whose probation
+    ends clean is pinned again only by its work in the kept window, and only while it drifts."""
+    from parameter_server.clients import ClientInfo
+
+    cfg, layout, run = make_run(steps=30, stages=1)
+    server = next(iter(InProcessSwarm(cfg, layout, run, servers_compute=False).servers.values()))
+    want = torch.ones(64)
+    bias = torch.zeros(64)
+    bias[3] = 3e-4 * float(want.norm())
+    for peer in ("peer-liar", "peer-honest"):
+        server.clients[peer] = ClientInfo(peer, 1.0, server.clock())
+        server._note_contribution(peer, 2)
+    assert server.unsettled_first() == 2
+    gen = torch.Generator().manual_seed(0)
+    for n in range(server.probation):
+        for peer, got in (("peer-liar", want + bias), ("peer-honest", want + 1e-8 * torch.randn(64, generator=gen))):
+            server._note_contribution(peer, 3 + n)
+            server.drift.add(peer, "outputs", got, want)
+            server._passed(peer, [])
+    assert server.cleared == {"peer-honest"} and server.drift.suspicious("peer-liar")
+    for batches in server.contributed.values():
+        batches.discard(2)  # (the kept window moved past batch 2: its first work is remembered apart)
+    assert server.unsettled_first() == 2  # the liar's first batch, though its probation is over
+    del server.clients["peer-liar"]
+    assert server.unsettled_first() is None  # gone: nothing to ban; the honest one is cleared
 
 
 def test_a_ban_whose_liar_worked_before_the_kept_versions_rolls_back_as_far_as_a_rerun_can_start():
