@@ -219,6 +219,9 @@ class StageServer(
             start_leases=START_LEASES,
             probation_factor=PROBATION_FACTOR,
             probation_floor=PROBATION_FLOOR,
+            # a proven client with nothing to do backs up a lease an unproven one holds past the typical
+            # time (the first result wins): a hoarder holds up no batch while others are idle
+            backups=self.requeue,
         )
         for peer, c in self.clients.items():
             self.pool.set_client_speed(peer, c.compute)
@@ -363,7 +366,7 @@ class StageServer(
         if expired:  # a lease that ran out its deadline: its client kept it without an answer
             self.counters["leases_expired"] = self.counters.get("leases_expired", 0) + len(expired)
             logger.info(
-                "%s: %d lease(s) ran out and went back to the pool: %s",
+                "%s: %d lease(s) ran out unanswered (their tasks queued again unless done or backed up): %s",
                 self.device_id,
                 len(expired),
                 " ".join(str(t.task_id) for t in expired[:8]),

@@ -109,7 +109,7 @@ class Verification:
         # server to keep within a rollback's reach, with when it last said so (pins_at)
         self.pins: dict[str, int] = {}
         self.pins_heard: dict[str, float] = {}
-        self.pin_sent: tuple[int | None, float] = (None, float("-inf"))
+        self.pin_sent: tuple[int | None, float] = (None, float("-inf"))  # (none said yet: nothing to clear)
         self.pin_seq, self.pin_seqs = 0, {}  # the last pin sent here; the last heard from each server
         self.checks_pending: dict[int, int] = {}  # batch -> checks of its work not judged yet
         self.check_hold_since: float | None = None  # when a step began to wait for a check (checks_hold)
@@ -172,7 +172,7 @@ class Verification:
 
     def update_pins(self) -> None:
         """Pin the versions a ban may still need: this server's pin (unsettled_first) goes to every
-        server of the run when it changes (and every PIN_REFRESH seconds), and every shard kept here
+        server of the run when it changes (and every PIN_REFRESH seconds while there is one), and every shard kept here
         keeps the versions from the run's oldest pin on (ShardState.pinned_from, bounded by PIN_EXTRA).
         Without it a liar whose checked work came a task every few steps was banned with its first
         batches beyond the kept versions (the drift test needs 5 checks), its work staying applied."""
@@ -185,7 +185,7 @@ class Verification:
             self.pins.pop(self.peer_id, None)
         else:
             self.pins[self.peer_id] = mine
-        if mine != self.pin_sent[0] or now - self.pin_sent[1] > PIN_REFRESH:
+        if mine != self.pin_sent[0] or (mine is not None and now - self.pin_sent[1] > PIN_REFRESH):
             self.pin_sent = (mine, now)
             self._spawn(self._send_pin(mine))
         self._apply_pins()

@@ -93,6 +93,9 @@ class _Entry:
         "leased_at",
         "shun",
         "shun_until",
+        "backup",
+        "backup_since",
+        "backup_at",
     )
 
     def __init__(self, task: Task, key: int, timeout: float, now: float, grace: float) -> None:
@@ -108,6 +111,9 @@ class _Entry:
         self.leased_at = now
         self.shun: str | None = None  # the client whose lease of it ran out: others take it first
         self.shun_until = 0.0
+        self.backup: Lease | None = None  # a second lease, of a proven client, beside an unproven one's
+        self.backup_since = 0.0  # when the backup was leased
+        self.backup_at: float | None = None  # from when a backup may be leased (the lease is an unproven client's)
 
 
 class TaskPool:
@@ -122,6 +128,11 @@ class TaskPool:
     ``max_leases_per_client`` leases, and fewer while it has not earned them (``start_leases``,
     :mod:`taskpool.standing`); a task whose lease ran out goes to another client first (for
     ``preference_grace``), and an unproven client's leases are cut short (``probation_factor``).
+    With ``backups``, a proven client that finds nothing to take gets a task kept for an unproven
+    client that has not taken it within the typical lease, or else a *backup* lease of a task that
+    an unproven client has held longer than that (one per task): the first result wins, as always,
+    so a stranger that takes tasks and never answers holds up no batch while a proven client is
+    idle (the original lease runs on and expires as before, with its strike).
     A lease's deadline is ``now + timeout * factor``,
     where the factor (in [0.5, 4], 1.0 when unknown) compares the client's speed with
     the median client's; see :mod:`taskpool.speed`.
@@ -138,6 +149,7 @@ class TaskPool:
         start_leases: int | None = None,
         probation_factor: float | None = None,
         probation_floor: float = 1.0,
+        backups: bool = False,
     ) -> None:
         if not callable(clock):
             raise TaskPoolError(f"clock must be callable, got {clock!r}")
@@ -165,6 +177,13 @@ class TaskPool:
             probation_floor=check_positive("probation_floor", probation_floor),
         )
         self._grace = float(preference_grace)
+        self._backups = bool(backups)
+        self._unproven: list[tuple[float, int]] = []  # (backup_at, key) of leases held by unproven clients
+        # leases whose task another holder completed first, each still its holder's to deliver by its
+        # deadline: (task id, client) -> (deadline, leased at, task); ran out there, a strike like any
+        self._ghosts: dict[tuple[str, str], tuple[float, float, Task]] = {}
+        self._ghost_deadlines: list[tuple[float, str, str]] = []
+        self._nbackups = 0
         self._speed = SpeedBook(check_positive("throughput_halflife", throughput_halflife))
         self._clients = self._speed.clients
 
@@ -251,9 +270,63 @@ class TaskPool:
                 heappop(pref)
                 self._pref_items -= 1
         if entry is None:
+            if self._backups and self._standing.proven(client) and (self._unproven or self._pending):
+                return self._backup_for(client, rec, now)
             return None
         heappop(heap)
         return self._lease(entry, client, rec, now)
+
+    def _patience(self) -> float:
+        """How long an unproven client has for a task before a proven one may stand in: the typical
+        lease (on-time completions here), or the probation floor while none is known."""
+        typical = self._standing.typical
+        return self._standing.probation_floor if typical is None else typical
+
+    def _backup_for(self, client: str, rec, now: float) -> Lease | None:
+        """For proven `client` that found nothing: the best task kept for an unproven client that
+        has not taken it within the typical lease (a hoarder at its allowance never does), else a
+        backup lease of the task an unproven client has held longest past the typical lease, else
+        None."""
+        by_key, standing, patience = self._by_key, self._standing, self._patience()
+        kept = None
+        for open_at, key in self._pending:  # (tasks in their grace: two batches' worth at most)
+            entry = by_key.get(key)
+            if entry is None or entry.state != _PREF or entry.open_at != open_at:
+                continue
+            waiting_for = entry.task.preferred_client
+            if waiting_for == client or standing.proven(waiting_for) or now < open_at - self._grace + patience:
+                continue
+            if kept is None or entry.key < kept.key:
+                kept = entry
+        if kept is not None:
+            self._nbackups += 1
+            return self._lease(kept, client, rec, now)
+        heap = self._unproven
+        while heap:
+            ready, key = heap[0]
+            entry = by_key.get(key)
+            if (
+                entry is None
+                or entry.state != _LEASED
+                or entry.backup is not None
+                or entry.backup_at != ready
+                or standing.proven(entry.lease.client)
+            ):
+                heappop(heap)  # stale: closed, re-queued, backed up already, or its holder proven since
+                continue
+            if ready > now:
+                return None
+            heappop(heap)
+            entry.attempts += 1
+            entry.holders.add(client)
+            lease = entry.backup = self._new_lease(
+                entry, client, self._deadline(entry, client, rec, now), entry.attempts
+            )
+            entry.backup_since = now
+            rec.leases[entry.task.task_id] = entry
+            self._nbackups += 1
+            return lease
+        return None
 
     def adopt(self, client: str, task_id: str) -> Lease | None:
         """Lease a queued task to the client that says it already holds it: a server that restarted
@@ -285,6 +358,20 @@ class TaskPool:
             entry.holders = {client}
         else:
             entry.holders.add(client)
+        deadline = self._deadline(entry, client, rec, now)
+        lease = entry.lease = self._new_lease(entry, client, deadline, attempt)
+        rec.leases[entry.task.task_id] = entry
+        deadlines = self._deadlines
+        heappush(deadlines, (deadline, entry.key))
+        if len(deadlines) > _SLACK * self._leased + self._min_stale:
+            self._compact_deadlines()
+        entry.backup_at = None
+        if self._backups and self._standing.earning and not self._standing.proven(client):
+            entry.backup_at = now + self._patience()
+            heappush(self._unproven, (entry.backup_at, entry.key))
+        return lease
+
+    def _deadline(self, entry: _Entry, client: str, rec, now: float) -> float:
         speed = self._speed
         if not speed.any_speed:
             deadline = now + entry.timeout
@@ -295,17 +382,15 @@ class TaskPool:
         cap = self._standing.probation_cap(client, (deadline - now) / entry.timeout)
         if cap is not None and deadline > now + cap:
             deadline = now + cap
-        task = entry.task
-        lease = entry.lease = _new_lease(Lease)
-        _set_task(lease, task)
+        return deadline
+
+    @staticmethod
+    def _new_lease(entry: _Entry, client: str, deadline: float, attempt: int) -> Lease:
+        lease = _new_lease(Lease)
+        _set_task(lease, entry.task)
         _set_client(lease, client)
         _set_deadline(lease, deadline)
         _set_attempt(lease, attempt)
-        rec.leases[task.task_id] = entry
-        deadlines = self._deadlines
-        heappush(deadlines, (deadline, entry.key))
-        if len(deadlines) > _SLACK * self._leased + self._min_stale:
-            self._compact_deadlines()
         return lease
 
     # ------------------------------------------------------------------ results
@@ -320,17 +405,32 @@ class TaskPool:
         if entry is None:
             if task_id in self._done or task_id in self._abandoned:
                 self._duplicates += 1
+                ghost = self._ghosts.pop((task_id, client), None)
+                if ghost is not None and self._clock() <= ghost[0]:
+                    # its own lease, on time, second only to a backup: it delivered as asked
+                    self._standing.on_time(client, self._clock() - ghost[1])
                 return _DUPLICATE
             raise TaskPoolError(f"complete: unknown task id {task_id!r}")
         # _close(entry), inlined: this is half of the hot path
         now = self._clock()
         lease = entry.lease if entry.state == _LEASED else None
+        backup = entry.backup
+        if backup is not None and backup.client == client:  # the backup's holder was first
+            lease, since = backup, entry.backup_since
+        else:
+            since = entry.leased_at
         if lease is not None and lease.client == client and now <= lease.deadline:
-            self._standing.on_time(client, now - entry.leased_at)
+            self._standing.on_time(client, now - since)
         elif entry.holders is not None and client in entry.holders:
             self._standing.delivered_late(client)
-        if lease is not None:
-            del self._clients[lease.client].leases[task_id]
+        if backup is not None:
+            if backup.client != client and now < backup.deadline:
+                self._ghost(entry, backup, entry.backup_since)
+            self._drop_backup(entry)
+        if entry.state == _LEASED:
+            if entry.lease.client != client and now < entry.lease.deadline:
+                self._ghost(entry, entry.lease, entry.leased_at)
+            del self._clients[entry.lease.client].leases[task_id]
             self._leased -= 1
             entry.lease = None
         entry.state = _CLOSED
@@ -346,7 +446,7 @@ class TaskPool:
             rec = self._clients.get(client)
         if lease is not None and lease.client == client and rec is not None:
             lo, hi = entry.task.rows
-            rec.record_busy(entry.leased_at, now, hi - lo, self._speed.decay)
+            rec.record_busy(since, now, hi - lo, self._speed.decay)
         return _ACCEPTED
 
     def fail(self, task_id: str, client: str) -> None:
@@ -357,9 +457,9 @@ class TaskPool:
         lease = entry.lease
         if lease is None:
             raise TaskPoolError(f"fail: task {task_id!r} is queued, {client!r} holds no lease of it")
-        if lease.client != client:
+        if lease.client != client and (entry.backup is None or entry.backup.client != client):
             raise TaskPoolError(f"fail: task {task_id!r} is leased to {lease.client!r}, not to {client!r}")
-        self._requeue(entry, self._clock())
+        self._release(entry, client, self._clock())
 
     def reclaim(self, client: str, holding, min_age: float) -> list[Task]:
         """Re-queue now the leases of ``client`` that it says it does not hold (``holding``: the
@@ -371,9 +471,9 @@ class TaskPool:
             return []
         now = self._clock()
         keep = set(holding)
-        lost = [e for tid, e in rec.leases.items() if tid not in keep and now - e.leased_at >= min_age]
+        lost = [e for tid, e in rec.leases.items() if tid not in keep and now - self._since(e, client) >= min_age]
         for entry in lost:
-            self._requeue(entry, now)
+            self._release(entry, client, now)
         return [e.task for e in lost]
 
     def abandon(self, task_id: str) -> None:
@@ -414,8 +514,11 @@ class TaskPool:
     # ------------------------------------------------------------------ time and churn
 
     def expire(self, now: float | None = None) -> list[Task]:
-        """Re-queue every lease whose deadline is <= ``now`` (default: the clock);
-        return the re-queued tasks, earliest deadline first."""
+        """Re-queue every lease whose deadline is <= ``now`` (default: the clock; a lease with
+        a backup passes to the backup's holder instead); return the tasks whose lease ran
+        out, earliest deadline first, then those of leases that ran out unanswered after
+        another client completed their task (each a strike for its holder, as any lease
+        that runs out)."""
         if now is None:
             now = self._clock()
         deadlines = self._deadlines
@@ -431,8 +534,15 @@ class TaskPool:
                     entry.shun, entry.shun_until = holder, now + self._grace
                     if entry.task.preferred_client == holder:
                         entry.open_at = now  # no longer kept for it
-                self._requeue(entry, now)
+                self._release(entry, holder, now)
                 out.append(entry.task)
+        ghosts = self._ghost_deadlines
+        while ghosts and ghosts[0][0] <= now:
+            _, tid, client = heappop(ghosts)
+            ghost = self._ghosts.pop((tid, client), None)
+            if ghost is not None and client in self._clients:  # (not delivered, not gone)
+                self._standing.expired(client, ghost[1], now)
+                out.append(ghost[2])
         return out
 
     def client_left(self, client: str) -> list[Task]:
@@ -443,7 +553,7 @@ class TaskPool:
         held = list(rec.leases.values()) if rec is not None else []
         now = self._clock()
         for entry in held:
-            self._requeue(entry, now)
+            self._release(entry, client, now)
         self._speed.forget(client)
         self._standing.forget(client)
         pref = self._pref.pop(client, None)
@@ -512,7 +622,11 @@ class TaskPool:
 
     def leases_of(self, client: str) -> list[Lease]:
         rec = self._clients.get(client)
-        return [entry.lease for entry in rec.leases.values()] if rec is not None else []
+        if rec is None:
+            return []
+        return [
+            e.backup if e.backup is not None and e.backup.client == client else e.lease for e in rec.leases.values()
+        ]
 
     def open_tasks(self, batch: int) -> list[tuple[str, str | None, float]]:
         """The tasks of ``batch`` not done yet: (task id, holder or None when queued, seconds
@@ -558,6 +672,7 @@ class TaskPool:
             "done": self._ndone,
             "requeued": self._requeued,
             "duplicates": self._duplicates,
+            "backups": self._nbackups,
             "abandoned": self._nabandoned,
             "added": self._added,
             "oldest_queued_age": max(0.0, now - oldest[0][0]) if oldest else 0.0,
@@ -608,6 +723,39 @@ class TaskPool:
             if entry is not None and entry.state == _PREF:
                 self._push_open(entry)
 
+    def _ghost(self, entry: _Entry, lease: Lease, since: float) -> None:
+        """`lease`'s task was completed by another client: its holder still has until its deadline."""
+        if not self._standing.earning:
+            return
+        tid = entry.task.task_id
+        self._ghosts[(tid, lease.client)] = (lease.deadline, since, entry.task)
+        heappush(self._ghost_deadlines, (lease.deadline, tid, lease.client))
+
+    def _since(self, entry: _Entry, client: str) -> float:
+        """When `client`'s lease of the task began (its backup's, if it holds that)."""
+        return entry.backup_since if entry.backup is not None and entry.backup.client == client else entry.leased_at
+
+    def _drop_backup(self, entry: _Entry) -> None:
+        rec = self._clients.get(entry.backup.client)
+        if rec is not None:
+            rec.leases.pop(entry.task.task_id, None)
+        entry.backup = None
+
+    def _release(self, entry: _Entry, client: str, now: float) -> None:
+        """`client` lets go of its lease of a leased task (it ran out, failed, was lost, or the client
+        left): a backup's holder just drops its backup; the holder of a lease with a backup passes the
+        task to the backup's holder (whose lease it becomes); else the task is queued again."""
+        backup = entry.backup
+        if backup is None:
+            self._requeue(entry, now)
+            return
+        if backup.client == client:
+            self._drop_backup(entry)
+            return
+        del self._clients[entry.lease.client].leases[entry.task.task_id]
+        entry.lease, entry.leased_at, entry.backup, entry.backup_at = backup, entry.backup_since, None, None
+        heappush(self._deadlines, (backup.deadline, entry.key))
+
     def _requeue(self, entry: _Entry, now: float) -> None:
         del self._clients[entry.lease.client].leases[entry.task.task_id]
         self._leased -= 1
@@ -616,6 +764,8 @@ class TaskPool:
 
     def _close(self, entry: _Entry) -> None:
         """Take a task, already out of ``_tasks``, out of the queue or its lease."""
+        if entry.backup is not None:
+            self._drop_backup(entry)
         if entry.state == _LEASED:
             del self._clients[entry.lease.client].leases[entry.task.task_id]
             self._leased -= 1

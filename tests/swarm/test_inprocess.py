@@ -196,7 +196,10 @@ def test_a_lease_that_runs_out_its_deadline_is_requeued_counted_and_logged(caplo
         with caplog.at_level(logging.INFO, logger="hivepipe.server"):
             fs.maintenance()
         assert fs.pool.lease_of(held.task.task_id) is None and fs.counters["leases_expired"] == 1
-        assert f"1 lease(s) ran out and went back to the pool: {held.task.task_id}" in caplog.text
+        assert (
+            f"1 lease(s) ran out unanswered (their tasks queued again unless done or backed up): {held.task.task_id}"
+            in caplog.text
+        )
 
     asyncio.run(scenario())
 

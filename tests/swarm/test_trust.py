@@ -259,12 +259,18 @@ def test_a_volunteer_refused_for_good_stops_asking():
     assert len(calls) <= 2 * len(layout.stages[0].servers), calls  # its first registration, and no loop
 
 
-def test_hoarders_hold_little_briefly_are_dropped_and_the_run_ends_exact():
+def test_hoarders_hold_little_briefly_are_dropped_and_the_run_ends_exact(monkeypatch):
     """Three identities that take tasks and never answer (heartbeating that they hold them), from the
     first version on: each may hold two leases at a server, cut short to the probation deadline; three
     rounds of leases in a row run out and it is dropped, and may not register again for a while; its
-    tasks go to the honest volunteers first. The run ends equal to the reference."""
-    steps = 40
+    tasks go to the honest volunteers first, and an idle honest volunteer takes what a hoarder was
+    given and does not answer (a backup: the first result wins). The run ends equal to the reference.
+    (A client is dropped once its cut-short leases have doubled up to DROP_CAP_S, 8 s: 2 s here, so
+    that a run of seconds sees it.)"""
+    import parameter_server.clients
+
+    monkeypatch.setattr(parameter_server.clients, "DROP_CAP_S", 2.0)
+    steps = 60
     cfg, layout, run = make_run(steps=steps, stages=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
     hoarders = [f"peer-hoard{i}" for i in range(3)]
@@ -304,6 +310,7 @@ def test_hoarders_hold_little_briefly_are_dropped_and_the_run_ends_exact():
     assert most_held[0] <= 2  # START_LEASES: never earned more
     struck = sum(s.counters.get("clients_struck_out", 0) for s in swarm.servers.values())
     assert struck >= len(hoarders), struck
+    assert sum(s.pool.stats()["backups"] for s in swarm.servers.values()) > 0
     assert any("may register again" in r for r in refused), refused[:3]
 
 

@@ -497,6 +497,7 @@ def test_stats_shape_and_json(clock):
         "done": 0,
         "requeued": 0,
         "duplicates": 0,
+        "backups": 0,
         "abandoned": 0,
         "added": 0,
         "oldest_queued_age": 0.0,
@@ -517,6 +518,7 @@ def test_stats_shape_and_json(clock):
         "leased",
         "done",
         "requeued",
+        "backups",
         "duplicates",
         "abandoned",
         "added",
@@ -642,3 +644,150 @@ def test_capacity_is_rows_a_busy_second_whatever_work_the_client_was_given(clock
     clock.now = start + 4.0
     pool.complete(b.task.task_id, "pair")
     assert pool.stats()["clients"]["pair"]["capacity"] == pytest.approx(16 / 4.0, rel=0.02)
+
+
+# ------------------------------------------------------------------------ backups
+
+
+def backup_pool(clock: FakeClock) -> TaskPool:
+    """A pool where 'p' is proven (it delivered on time, 2 s a task: the typical lease) and a backup
+    of an unproven client's lease may be leased once that lease is older than the typical one."""
+    pool = make_pool(
+        clock, default_timeout=30.0, max_leases_per_client=3, start_leases=1, probation_factor=3.0, backups=True
+    )
+    pool.add(task("warm"))
+    assert take_id(pool, "p") == "warm"
+    clock.now += 2.0
+    assert pool.complete("warm", "p") is Completion.ACCEPTED and pool.proven("p")
+    return pool
+
+
+def counts_add_up(pool: TaskPool) -> None:
+    st = pool.stats()
+    assert st["queued"] + st["leased"] + st["done"] + st["abandoned"] == st["added"]
+
+
+def test_an_idle_proven_client_backs_up_a_strangers_lease_and_the_first_result_wins(clock):
+    pool = backup_pool(clock)
+    pool.add(task("t"))
+    clock.now += 1.5  # (a new task waits its grace for the proven clients first)
+    assert take_id(pool, "stranger") == "t" and not pool.proven("stranger")
+    assert pool.take("p") is None  # not before the stranger has had the typical lease (2 s)
+    clock.now += 2.5
+    backup = pool.take("p")
+    assert backup is not None and backup.task.task_id == "t" and backup.client == "p" and backup.attempt == 2
+    assert pool.take("q") is None  # one backup a task
+    assert [lease.task.task_id for lease in pool.leases_of("p")] == ["t"]
+    assert pool.complete("t", "p") is Completion.ACCEPTED
+    assert pool.leases_of("p") == [] and pool.leases_of("stranger") == []
+    assert pool.complete("t", "stranger") is Completion.DUPLICATE
+    assert pool.stats()["backups"] == 1
+    counts_add_up(pool)
+
+
+def test_a_lease_that_runs_out_passes_to_its_backups_holder_with_the_strike(clock):
+    pool = backup_pool(clock)
+    pool.add(task("t"))
+    clock.now += 1.5
+    stranger = pool.take("stranger")
+    clock.now += 2.5
+    assert pool.take("p") is not None
+    clock.now = stranger.deadline + 0.1
+    assert [t.task_id for t in pool.expire()] == ["t"]
+    assert pool.strikes("stranger") == 1 and pool.leases_of("stranger") == []
+    assert pool.lease_of("t").client == "p" and pool.stats()["queued"] == 0  # not queued again
+    assert pool.complete("t", "p") is Completion.ACCEPTED
+    counts_add_up(pool)
+
+
+def test_the_strangers_result_first_drops_the_backup_and_a_backup_holder_that_leaves_drops_only_it(clock):
+    pool = backup_pool(clock)
+    pool.add(task("a"))
+    pool.add(task("b"))
+    clock.now += 1.5
+    assert take_id(pool, "s1") == "a" and take_id(pool, "s2") == "b"
+    clock.now += 2.5
+    assert take_id(pool, "p") == "a"
+    assert pool.complete("a", "s1") is Completion.ACCEPTED  # the slow newcomer was first after all
+    assert pool.leases_of("p") == [] and pool.proven("s1")
+    assert pool.complete("a", "p") is Completion.DUPLICATE
+    assert take_id(pool, "p") == "b"
+    assert pool.client_left("p") == [pool.lease_of("b").task]  # its backup goes; s2's lease runs on
+    assert pool.lease_of("b").client == "s2" and pool.stats()["queued"] == 0
+    assert pool.complete("b", "s2") is Completion.ACCEPTED
+    counts_add_up(pool)
+
+
+def test_no_backups_unless_asked_for_and_none_of_a_proven_clients_lease(clock):
+    pool = backup_pool(clock)
+    pool.add(task("warm2"))
+    clock.now += 1.5
+    assert take_id(pool, "r") == "warm2" and pool.complete("warm2", "r") is Completion.ACCEPTED
+    pool.add(task("t"))
+    assert take_id(pool, "p") == "t"
+    clock.now += 10.0
+    assert pool.proven("r") and pool.take("r") is None  # p is proven: no backup of its lease
+    plain = make_pool(clock, start_leases=1, probation_factor=3.0, max_leases_per_client=3)
+    plain.add(task("warm"))
+    take_id(plain, "p")
+    clock.now += 2.0
+    plain.complete("warm", "p")
+    plain.add(task("u"))
+    clock.now += 1.5
+    assert take_id(plain, "stranger") == "u"
+    clock.now += 5.0
+    assert plain.take("p") is None
+
+
+def test_a_task_kept_for_a_stranger_that_does_not_take_it_goes_to_an_idle_proven_client(clock):
+    """A task cut for an unproven client waits its grace for it; one that does not take it within the
+    typical lease (a hoarder at its allowance cannot) loses it to a proven client with nothing to do.
+    One kept for a proven client waits its whole grace."""
+    pool = make_pool(
+        clock,
+        default_timeout=30.0,
+        max_leases_per_client=3,
+        start_leases=1,
+        probation_factor=3.0,
+        preference_grace=5.0,
+        backups=True,
+    )
+    pool.add(task("warm"))
+    assert take_id(pool, "p") == "warm"
+    clock.now += 2.0
+    pool.complete("warm", "p")
+    pool.add(task("held"))
+    clock.now += 5.1
+    assert take_id(pool, "stranger") == "held"  # its allowance: one lease
+    pool.add(task("kept", preferred_client="stranger"))
+    pool.add(task("mine", preferred_client="q"))
+    pool.set_client_speed("q", 1.0)
+    assert take_id(pool, "stranger") is None
+    clock.now += 1.0
+    assert take_id(pool, "p") is None  # within the typical lease (2 s): still the stranger's
+    clock.now += 1.5
+    assert take_id(pool, "p") == "kept"
+    assert pool.stats()["backups"] == 1 and pool.lease_of("mine") is None
+    counts_add_up(pool)
+
+
+def test_a_lease_beaten_by_its_backup_still_runs_out_for_its_holder_unless_it_delivers_in_time(clock):
+    """When a backup's result comes first, the original holder still owes its result until its own
+    deadline: delivered by then (a slow newcomer) it counts on time and proves the client; never
+    delivered (a hoarder) it runs out, a strike as any lease that runs out."""
+    pool = backup_pool(clock)
+    for tid in ("a", "b"):
+        pool.add(task(tid))
+    clock.now += 1.5
+    slow, hoarder = pool.take("slow"), pool.take("hoarder")
+    clock.now += 2.5
+    for _ in range(2):
+        backup = pool.take("p")
+        assert pool.complete(backup.task.task_id, "p") is Completion.ACCEPTED
+    assert pool.complete(slow.task.task_id, "slow") is Completion.DUPLICATE
+    assert pool.proven("slow") and pool.strikes("slow") == 0
+    clock.now = hoarder.deadline + 0.1
+    assert [t.task_id for t in pool.expire()] == [hoarder.task.task_id]
+    assert pool.strikes("hoarder") == 1 and not pool.proven("hoarder")
+    assert pool.expire() == []
+    counts_add_up(pool)
