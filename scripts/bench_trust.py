@@ -322,8 +322,9 @@ def hoarding(a, work: Path, report: Report) -> dict:
     }
 
 
-def bounded_read(a, work: Path, report: Report) -> dict:
-    """One `peer swarm`; an outsider sends s0f0 a single message claiming 1 GiB; s0f0's RSS is sampled."""
+def _s0f0_rss(work: Path, name: str, a, attack: bool) -> tuple[list[float], dict]:
+    """One `peer swarm` (ATTACK_SWARM) with s0f0's resident memory sampled every 0.1 s from 3 s after
+    its lines were printed; with `attack`, an outsider sends s0f0 one message claiming 1 GiB."""
     import threading
 
     import psutil
@@ -332,7 +333,6 @@ def bounded_read(a, work: Path, report: Report) -> dict:
     stop = threading.Event()
 
     def sample(log: Path):
-        res = work / "bigmsg-attacker.json"
         _lines_of(log)
         time.sleep(3.0)
         server = next(
@@ -340,6 +340,7 @@ def bounded_read(a, work: Path, report: Report) -> dict:
             for p in psutil.process_iter(["cmdline"])  # s0f0, as peer swarm starts it
             if "serve" in (p.info["cmdline"] or [])
             and "--stage 0 --role frontal --index 0" in " ".join(p.info["cmdline"] or [])
+            and f"bt-{name}@" in " ".join(p.info["cmdline"] or [])
         )
 
         def loop():
@@ -351,24 +352,36 @@ def bounded_read(a, work: Path, report: Report) -> dict:
                 time.sleep(0.1)
 
         threading.Thread(target=loop, daemon=True).start()
-        return _attacker("_big_message.py", res, "--device", "s0f0")(log)
+        if attack:
+            return _attacker("_big_message.py", work / f"{name}-attacker.json", "--device", "s0f0")(log)
+        return None
 
-    print(f"[{time.strftime('%H:%M:%S')}] bounded read (load {loadavg()})", flush=True)
     s = run_swarm(
-        "bigmsg",
-        ATTACK_SWARM + ["--steps", str(a.hoard_steps // 2), "--run-id", "bt-bigmsg"],
+        name,
+        ATTACK_SWARM + ["--steps", str(a.hoard_steps // 2), "--run-id", f"bt-{name}"],
         work,
         timeout=a.run_timeout,
         alongside=sample,
     )
     stop.set()
+    return samples, s
+
+
+def bounded_read(a, work: Path, report: Report) -> dict:
+    """The same swarm twice: s0f0's resident memory without an attack, and with an outsider's single
+    message that claims 1 GiB (the rise of the first is the server's own warm-up)."""
+    print(f"[{time.strftime('%H:%M:%S')}] bounded read (load {loadavg()})", flush=True)
+    calm, _ = _s0f0_rss(work, "bigmsg-calm", a, attack=False)
+    samples, s = _s0f0_rss(work, "bigmsg", a, attack=True)
     got = json.loads((work / "bigmsg-attacker.json").read_text().strip().splitlines()[-1])
     rise = max(samples) - samples[0] if samples else float("nan")
+    calm_rise = max(calm) - calm[0] if calm else float("nan")
     report.section(
         "A single oversized message",
         "The same swarm; an outsider (scripts/_big_message.py) opens a "
         "stream to s0f0's push_grads and sends one message whose length header says 1 GiB, then its "
-        "body in 1 MiB pieces. s0f0's resident memory sampled every 0.1 s from 3 s after start.",
+        "body in 1 MiB pieces. s0f0's resident memory sampled every 0.1 s from 3 s after start, and the "
+        "same in a run without the attack (what the server grows by itself as the run warms up).",
     )
     report.add(
         md_table(
@@ -379,6 +392,7 @@ def bounded_read(a, work: Path, report: Report) -> dict:
                 "s0f0 RSS at start (MiB)",
                 "peak (MiB)",
                 "rise (MiB)",
+                "rise without the attack (MiB)",
                 "micro-batches",
             ],
             [
@@ -389,46 +403,61 @@ def bounded_read(a, work: Path, report: Report) -> dict:
                     samples[0] if samples else "-",
                     max(samples) if samples else "-",
                     rise,
+                    calm_rise,
                     exactly_once(s),
                 ]
             ],
         )
     )
-    return {"rise_mib": rise, **got}
+    return {"rise_mib": rise, "calm_rise_mib": calm_rise, **got}
 
 
 def biased(a, work: Path, report: Report, refs: dict) -> dict:
-    print(f"[{time.strftime('%H:%M:%S')}] biased liar (load {loadavg()})", flush=True)
-    ckpt = work / "bias-ckpt"
-    s = run_swarm(
-        "bias",
-        SWARM + ["--steps", str(a.steps), "--run-id", "bt-bias", "--cheater", "bias", "--checkpoint-out", str(ckpt)],
-        work,
-        timeout=a.run_timeout,
-    )
-    text = "\n".join(p.read_text() for p in (work / "bias").glob("cheat*.log"))
-    line = re.search(r"banned from run .*$", text, re.M)
-    checks = re.search(r"after (\d+) checks\)", line.group(0)) if line else None
-    d = {
-        "banned": bool(line),
-        "checks": int(checks.group(1)) if checks else None,
-        "distance": reference_distance(ckpt / "model.safetensors", a.steps, refs),
-        "applied": exactly_once(s),
-    }
+    runs = []
+    for i in range(a.bias_runs):
+        print(f"[{time.strftime('%H:%M:%S')}] biased liar #{i + 1} (load {loadavg()})", flush=True)
+        ckpt = work / f"bias-ckpt-{i}"
+        s = run_swarm(
+            f"bias-{i}",
+            SWARM
+            + ["--steps", str(a.steps), "--run-id", f"bt-bias-{i}", "--cheater", "bias", "--checkpoint-out", str(ckpt)],
+            work,
+            timeout=a.run_timeout,
+        )
+        logs = list((work / f"bias-{i}").glob("*.log"))
+        text = "\n".join(p.read_text() for p in logs if p.name.startswith("cheat"))
+        line = re.search(r"banned from run .*$", text, re.M)
+        checks = re.search(r"after (\d+) checks\)", line.group(0)) if line else None
+        stays = any("stays applied" in p.read_text() for p in logs if not p.name.startswith("cheat"))
+        runs.append(
+            {
+                "banned": bool(line),
+                "checks": int(checks.group(1)) if checks else None,
+                "stays_applied": stays,
+                "distance": reference_distance(ckpt / "model.safetensors", a.steps, refs),
+                "applied": exactly_once(s),
+            }
+        )
+    equal = sum(1 for r in runs if r["distance"] < 1e-5)
     report.section(
         "A liar under the tolerance",
-        f"The checked-work swarm ({a.steps} steps) plus `--cheater bias`: "
-        "one coordinate of every result biased by 3e-4 of its norm (relative L2 3e-4, under the 1e-3 "
-        "tolerance of each check). Banned by the drift test (parameter_server/drift.py) after the "
-        "checks named in its ban; the final parameters' distance from `peer reference --delay 1`.",
+        f"The checked-work swarm ({a.steps} steps) plus `--cheater bias`, {a.bias_runs} runs: one coordinate "
+        "of every result biased by 3e-4 of its norm (relative L2 3e-4, under the 1e-3 tolerance of each "
+        "check). Banned by the drift test (parameter_server/drift.py) after the checks named in its ban; "
+        "'work left applied': the coordinator logged batches of its work beyond the kept versions; the final "
+        "parameters' distance from `peer reference --delay 1` (honest runs end within 5e-8). "
+        f"**{equal} of {len(runs)}** runs ended equal to the reference (distance under 1e-5).",
     )
     report.add(
         md_table(
-            ["banned", "checks at the server that banned it", "distance from reference", "micro-batches"],
-            [[d["banned"], d["checks"], d["distance"], d["applied"]]],
+            ["run", "banned", "checks at the server that banned it", "work left applied", "distance", "micro-batches"],
+            [
+                [i + 1, r["banned"], r["checks"], r["stays_applied"], r["distance"], r["applied"]]
+                for i, r in enumerate(runs)
+            ],
         )
     )
-    return d
+    return {"runs": runs, "equal": equal}
 
 
 def attacks(a, work: Path, out: Path, refs: dict) -> None:
@@ -461,6 +490,7 @@ def main(argv=None) -> int:
     p.add_argument("--hoarders", type=int, default=20)
     p.add_argument("--hoard-steps", type=int, default=300)
     p.add_argument("--hoard-period", type=float, default=0.5)
+    p.add_argument("--bias-runs", type=int, default=5, help="runs of the biased liar")
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.rates, a.repeat = 8, "0.25,1", 1
