@@ -78,6 +78,7 @@ class DriftTest:
         self.secret = os.urandom(16) if secret is None else secret
         self.k, self.floor, self.alpha = directions, floor, alpha
         self.sums: dict[tuple[str, str], tuple[torch.Tensor, int]] = {}  # (peer, kind) -> (S_k, N)
+        self.kinds: dict[str, set[str]] = {}  # peer -> its kinds in `sums` (a peer's sums without a scan)
         # `add` runs in a server's checks thread, the other methods in its event loop
         self._lock = threading.Lock()
 
@@ -112,6 +113,7 @@ class DriftTest:
             s, n = self.sums.get((peer, kind), (torch.zeros(self.k, dtype=torch.float64), 0))
             s, n = s + v, n + 1
             self.sums[(peer, kind)] = (s, n)
+            self.kinds.setdefault(peer, set()).add(kind)
         q, b = float((s * s).sum()) / n, bound(n, self.k, self.alpha)
         return (q, b) if q > b else None
 
@@ -119,10 +121,16 @@ class DriftTest:
         """Whether some sum of `peer`'s has drifted past twice its honest mean (Q_N > 2K): its work is
         then checked every time, so that a bias is caught while a rollback can still undo it."""
         with self._lock:
-            mine = [(s, n) for (p, _), (s, n) in self.sums.items() if p == peer]
+            mine = [self.sums[(peer, kind)] for kind in self.kinds.get(peer, ())]
         return any(float((s * s).sum()) / n > 2 * self.k for s, n in mine)
+
+    def suspects(self) -> set[str]:
+        """Every peer `suspicious` holds for, in one pass over the sums (a server asks for each of
+        its volunteers every maintenance tick: one `suspicious` call each would read every sum each)."""
+        with self._lock:
+            return {p for (p, _), (s, n) in self.sums.items() if float((s * s).sum()) / n > 2 * self.k}
 
     def forget(self, peer: str) -> None:
         with self._lock:
-            for key in [key for key in self.sums if key[0] == peer]:
-                del self.sums[key]
+            for kind in self.kinds.pop(peer, ()):
+                del self.sums[(peer, kind)]

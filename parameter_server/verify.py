@@ -160,13 +160,13 @@ class Verification:
         under the tolerance drifts from its 3rd check: it stays there until banned), its work in the
         kept window on while its differences drift after that (drift.suspicious). A ban of it would
         roll back there."""
-        firsts = []
+        firsts, suspects = [], self.drift.suspects()
         for peer, batches in self.contributed.items():
             if peer not in self.clients or peer in self.banned or not batches:
                 continue
             if self.probation > 0 and peer not in self.cleared:
                 firsts.append(self.first_contributed.get(peer, min(batches)))
-            elif self.drift.suspicious(peer):
+            elif peer in suspects:
                 firsts.append(min(batches))
         return min(firsts, default=None)
 

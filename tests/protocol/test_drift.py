@@ -54,8 +54,10 @@ def test_a_consistent_small_bias_is_banned_within_twenty_checks():
             caught_at = i
             break
     assert caught_at is not None and caught_at <= 20, caught_at
-    assert test.suspicious("liar")
+    test.add("honest", "outputs", want + 1e-7 * torch.randn(want.shape, generator=gen), want)
+    assert test.suspicious("liar") and not test.suspicious("honest") and test.suspects() == {"liar"}
     test.forget("liar")
+    test.forget("honest")
     assert not test.sums
 
 
