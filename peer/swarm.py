@@ -435,6 +435,11 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
         summary = monitor.summary(args, cfg, statuses, swarm.killed, wall)
         summary["startup_seconds"] = (t_start or t_launch) - t_launch
         summary["training_started_at"] = t_start or t_launch  # (unix time: what a benchmark lines up with)
+        # when the run reached each version, seconds from the start of training (the servers' clocks;
+        # an exact run's parameters at version v are the reference's after v steps: its loss curve)
+        summary["version_seconds"] = {
+            str(v): round(t - (t_start or t_launch), 3) for v, t in monitor.reached.completed().items()
+        }
         if args.checkpoint_out:
             from peer.hf.init import model_record
             from peer.reference import save_checkpoint

@@ -7,7 +7,8 @@ by all-reduce, then the same AdamW (peer/model/optim.py) on every peer.
     python scripts/_hivemind_dp.py --run-id R --index I --out DIR [--initial-peers MADDR ...]
 
 The peer of --index 0 prints `initial_peers=<multiaddr>` and, once the collaboration reaches epoch
---steps, writes DIR/model.pt (its parameters) and DIR/summary.json (wall time from its first epoch
+--steps, writes DIR/model.pt (its parameters), DIR/epochs.pt (its parameters at the end of each epoch,
+with the seconds since its first local step) and DIR/summary.json (wall time from its first epoch
 to the last, tokens/s, its loss per epoch), then exits; the others train until they are stopped.
 Each peer draws its own rows from the corpus (batches of its own stream, seeded by --index and
 its restart count), so peers that die and are replaced never repeat a stream.
@@ -98,6 +99,8 @@ def main() -> int:
     stream = 1_000_003 * (args.index + 1) + 10_007 * args.incarnation
     epochs: list[dict] = []
     started = None
+    began = time.perf_counter()  # the first local step: what a time to a loss counts from
+    snapshots: list[dict] = []  # peer 0: its parameters at each epoch's end, for their held-out loss
     local_step = 0
     while opt.local_epoch < args.steps:
         x, y = make_batch(corpus, args.seed + stream, local_step, args.local_rows, cfg.seq_len)
@@ -115,10 +118,18 @@ def main() -> int:
                 started = now
             epochs.append({"epoch": opt.local_epoch, "t": now - started, "loss": loss.item()})
             print(json.dumps(epochs[-1]), flush=True)
+            snapshots.append(
+                {
+                    "epoch": opt.local_epoch,
+                    "since_start": now - began,
+                    "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                }
+            )
     if args.index == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / "model.pt")
+        torch.save(snapshots, out / "epochs.pt")
         wall = epochs[-1]["t"] if len(epochs) > 1 else float("nan")
         timed = len(epochs) - 1  # epochs after the first one's end
         summary = {

@@ -24,6 +24,9 @@ bridge (tests/net/netns.py), each volunteer (and each hivemind peer) on a host o
 centre). The kernel adds no delay (netem is not available here): these rows measure bandwidth, not
 latency.
 
+A second table gives each run's wall time to the same held-out loss (the highest final held-out
+loss among the runs): tokens/s alone does not say which trains a model sooner.
+
 Columns: tokens/s over the training (from the end of the first step/epoch for hivemind, whose peers
 start by matchmaking; from the moment every server is online for the swarm), and the mean token loss
 of the final parameters on 4 batches of the held-out split (the same batches for every row), with
@@ -106,6 +109,47 @@ def run_reference(model: str, steps: int, work: Path) -> dict:
     }
 
 
+def reference_curve(model: str, steps: int) -> dict[int, float]:
+    """The held-out loss of `peer reference`'s parameters after each of its updates (version ->
+    loss): an exact run's parameters at version v are these, so its loss at a time is this curve at
+    the version it had reached by then."""
+    from peer.model.data import load_corpus
+    from peer.reference import train_reference
+
+    cfg = get_preset(model)
+    curve: dict[int, float] = {}
+
+    def note(info) -> None:
+        if info.updates_applied not in curve:
+            curve[info.updates_applied] = eval_loss(model, info.model.state_dict())
+
+    final, _ = train_reference(
+        cfg,
+        load_corpus(None, seq_len=cfg.seq_len),
+        steps=steps,
+        seed=0,
+        batch_size=BATCH,
+        micro_batches=MICRO_BATCHES,
+        delay=1,
+        lr=2e-3,
+        progress=False,
+        on_step=note,
+    )
+    curve[steps] = eval_loss(model, final)
+    return curve
+
+
+def time_to_loss(row: dict, target: float, curve: dict[int, float]) -> float | None:
+    """Seconds from the start of training until the run's parameters first had a held-out loss at or
+    under `target` (None: never): for the exact systems the first version whose reference loss is
+    that low (`version_seconds`), for hivemind the first epoch whose parameters are."""
+    if "epoch_losses" in row:
+        return next((t for t, loss in row["epoch_losses"] if loss <= target), None)
+    times = row.get("version_seconds") or {}
+    v = next((v for v in sorted(curve) if curve[v] <= target), None)
+    return None if v is None or str(v) not in times else times[str(v)]
+
+
 def run_peer_swarm(
     name: str, model: str, steps: int, volunteers: int, churn: float, extra: list[str], work: Path
 ) -> dict:
@@ -133,6 +177,7 @@ def run_peer_swarm(
         "applied": exactly_once(s),
         "killed": s.get("volunteers_killed", 0),
         "load": s["load"],
+        "version_seconds": s.get("version_seconds", {}),
     }
 
 
@@ -243,7 +288,9 @@ def run_hivemind(
             log.close()
     summary = json.loads((out / "summary.json").read_text())
     state = torch.load(out / "model.pt")
+    epochs = torch.load(out / "epochs.pt")
     return {
+        "epoch_losses": [(e["since_start"], eval_loss(model, e["state"])) for e in epochs],
         "tokens_per_second": summary["tokens_per_second"],
         "final_loss": summary["losses"][-1],
         "eval_loss": eval_loss(model, state),
@@ -520,6 +567,36 @@ def main() -> int:
         f"(loadavg at start {loadavg()})",
         table,
     )
+    timed = [(s, c, r) for s, c, r in rows if "version_seconds" in r or "epoch_losses" in r]
+    if timed:
+        curve = reference_curve(args.model, args.steps)
+        # the loss every system reaches: the worst of their final held-out losses
+        target = max(r["eval_loss"] for _, _, r in timed)
+        report.section(
+            "Time to the same held-out loss",
+            f"Seconds from the start of training until the parameters' held-out loss (the table's 4 batches) "
+            f"was first at or under **{target:.3f}**, the highest final held-out loss among these runs (so every "
+            "run reaches it). hivepipe and `--no-requeue` are exact: their parameters at version v are "
+            "`peer reference`'s after v updates, so their loss at a time is the reference's at the version "
+            "the servers had reached by then (the summary's `version_seconds`, from the moment every server "
+            "was online); hivemind's first peer keeps its parameters at the end of every epoch, each "
+            "evaluated the same way, timed from its first local step (its matchmaking included, as the "
+            "swarm's joining is).",
+        )
+        report.add(
+            md_table(
+                ["system", "volunteers", "seconds to the loss", "held-out loss (final params)"],
+                [
+                    [
+                        s,
+                        c,
+                        "never" if (t := time_to_loss(r, target, curve)) is None else round(t, 1),
+                        round(r["eval_loss"], 3),
+                    ]
+                    for s, c, r in timed
+                ],
+            )
+        )
     out = Path(args.out)
     report.write(out)
     plot(rows, out.parent / ("peers_netns.png" if args.only_netns else "peers.png"))

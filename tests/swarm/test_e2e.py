@@ -60,6 +60,9 @@ def test_peer_swarm_cli_matches_reference(tmp_path):
     # dated by the servers' own clocks at both ends: the last server's first "online" record (sent
     # at once, not an announce period later) and the last server's final version
     assert summary["wall_seconds"] > 0, summary
+    # and each version's time on the same clock: the run's loss curve against wall time
+    times = [summary["version_seconds"][str(v)] for v in range(1, 4)]
+    assert times == sorted(times) and abs(times[-1] - summary["wall_seconds"]) < 1e-3 + 1e-6 * times[-1], summary
     # every call of the run went over a session (one stream per caller and server, the calls
     # multiplexed on it: peer/protocol/session.py): the parameters below match the reference through them
     over_session, calls = summary["rpc_session_calls"], summary["rpc_calls"]
