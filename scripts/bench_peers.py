@@ -2,7 +2,7 @@
 """hivepipe against what a user would pick instead, on one machine: the same model, corpus, global
 batch and number of steps trained by
 
-  (a) `peer swarm` (2 stages x 2 servers, which compute too, and --volunteers volunteers);
+  (a) `peer swarm` (2 stages x 2 servers, which leave the compute to the --volunteers volunteers: its default);
   (b) hivemind's own collaborative data-parallel training (`hivemind.Optimizer`, as in DeDLOC and the
       hivemind quickstart; matchmaking 1 s, averaging timeout 10 s, progress re-read every 0.5 s: this
       run's epochs are short) with the same number of volunteer
