@@ -415,7 +415,7 @@ class TaskPool:
         now = self._clock()
         lease = entry.lease if entry.state == _LEASED else None
         backup = entry.backup
-        if backup is not None and backup.client == client:  # the backup's holder was first
+        if self._holds_backup(entry, client):  # the backup's holder was first
             lease, since = backup, entry.backup_since
         else:
             since = entry.leased_at
@@ -457,7 +457,7 @@ class TaskPool:
         lease = entry.lease
         if lease is None:
             raise TaskPoolError(f"fail: task {task_id!r} is queued, {client!r} holds no lease of it")
-        if lease.client != client and (entry.backup is None or entry.backup.client != client):
+        if lease.client != client and not self._holds_backup(entry, client):
             raise TaskPoolError(f"fail: task {task_id!r} is leased to {lease.client!r}, not to {client!r}")
         self._release(entry, client, self._clock())
 
@@ -624,9 +624,7 @@ class TaskPool:
         rec = self._clients.get(client)
         if rec is None:
             return []
-        return [
-            e.backup if e.backup is not None and e.backup.client == client else e.lease for e in rec.leases.values()
-        ]
+        return [e.backup if self._holds_backup(e, client) else e.lease for e in rec.leases.values()]
 
     def open_tasks(self, batch: int) -> list[tuple[str, str | None, float]]:
         """The tasks of ``batch`` not done yet: (task id, holder or None when queued, seconds
@@ -731,9 +729,14 @@ class TaskPool:
         self._ghosts[(tid, lease.client)] = (lease.deadline, since, entry.task)
         heappush(self._ghost_deadlines, (lease.deadline, tid, lease.client))
 
+    @staticmethod
+    def _holds_backup(entry: _Entry, client: str) -> bool:
+        """Whether `client`'s lease of the task is its backup (not the lease it was first given)."""
+        return entry.backup is not None and entry.backup.client == client
+
     def _since(self, entry: _Entry, client: str) -> float:
         """When `client`'s lease of the task began (its backup's, if it holds that)."""
-        return entry.backup_since if entry.backup is not None and entry.backup.client == client else entry.leased_at
+        return entry.backup_since if self._holds_backup(entry, client) else entry.leased_at
 
     def _drop_backup(self, entry: _Entry) -> None:
         rec = self._clients.get(entry.backup.client)
@@ -749,7 +752,7 @@ class TaskPool:
         if backup is None:
             self._requeue(entry, now)
             return
-        if backup.client == client:
+        if self._holds_backup(entry, client):
             self._drop_backup(entry)
             return
         del self._clients[entry.lease.client].leases[entry.task.task_id]
