@@ -106,11 +106,12 @@ class Verification:
         self.ban_lock = asyncio.Lock()
         self.hold_steps_until: float | None = None  # set by a ban, cleared by the next layout epoch
         # pins: the oldest batch each server of the run (by peer id, this one's included) asks every
-        # server to keep within a rollback's reach, with when it last said so (pins_at)
+        # server to keep within a rollback's reach; of each other server, its last pin's seq and when
+        # it came (pins_heard: a pin not said again for PIN_EXPIRY is forgotten)
         self.pins: dict[str, int] = {}
-        self.pins_heard: dict[str, float] = {}
+        self.pins_heard: dict[str, tuple[int, float]] = {}
         self.pin_sent: tuple[int | None, float] = (None, float("-inf"))  # (none said yet: nothing to clear)
-        self.pin_seq, self.pin_seqs = 0, {}  # the last pin sent here; the last heard from each server
+        self.pin_seq = 0  # the last pin sent from here
         self.checks_pending: dict[int, int] = {}  # batch -> checks of its work not judged yet
         self.check_hold_since: float | None = None  # when a step began to wait for a check (checks_hold)
 
@@ -177,9 +178,9 @@ class Verification:
         Without it a liar whose checked work came a task every few steps was banned with its first
         batches beyond the kept versions (the drift test needs 5 checks), its work staying applied."""
         now = self.clock()
-        for peer in [p for p, at in self.pins_heard.items() if now - at > PIN_EXPIRY]:
-            del self.pins_heard[peer]
-            self.pins.pop(peer, None)
+        for peer, (_, at) in self.pins_heard.items():  # (its seq stays: a late, older pin is still refused)
+            if now - at > PIN_EXPIRY:
+                self.pins.pop(peer, None)
         mine = self.unsettled_first()
         if mine is None:
             self.pins.pop(self.peer_id, None)
@@ -210,10 +211,9 @@ class Verification:
         batch, seq = mfield(meta, "batch", int), mfield(meta, "seq", int)
         if batch < -1:
             raise PayloadError(f"field 'batch' must be a batch or -1, got {batch}")
-        if seq < self.pin_seqs.get(sender, 0):
+        if seq < self.pins_heard.get(sender, (0, 0.0))[0]:
             return {"ok": True}
-        self.pin_seqs[sender] = seq
-        self.pins_heard[sender] = self.clock()
+        self.pins_heard[sender] = (seq, self.clock())
         if batch < 0:
             self.pins.pop(sender, None)
         else:
