@@ -252,6 +252,30 @@ def run_reference(model: str, steps: int, work: Path, timeout: float = 900) -> d
     return summary
 
 
+def train_run_reference(model: str, steps: int, on_step=None) -> dict:
+    """`peer reference`'s final parameters, in this process, with the settings every benchmark's
+    swarm runs with (batch 16 in 4 micro-batches, the delayed update, lr 2e-3, seed 0); `on_step`
+    as peer.reference.train_reference takes it."""
+    from peer.model.config import get_preset
+    from peer.model.data import load_corpus
+    from peer.reference import train_reference
+
+    cfg = get_preset(model)
+    state, _ = train_reference(
+        cfg,
+        load_corpus(None, seq_len=cfg.seq_len),
+        steps=steps,
+        seed=0,
+        batch_size=16,
+        micro_batches=4,
+        delay=1,
+        lr=2e-3,
+        progress=False,
+        on_step=on_step,
+    )
+    return state
+
+
 def run_swarm(
     name: str, args: list[str], work: Path, timeout: float = 900, sample_cpu: bool = False, alongside=None
 ) -> dict:

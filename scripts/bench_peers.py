@@ -49,7 +49,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
-from _bench_common import REPO, Report, exactly_once, loadavg, md_table, run_peer, run_swarm  # noqa: E402
+from _bench_common import (  # noqa: E402
+    REPO,
+    Report,
+    exactly_once,
+    loadavg,
+    md_table,
+    run_peer,
+    run_swarm,
+    train_run_reference,
+)
 
 from parameter_server import blob  # noqa: E402
 from peer.model.config import get_preset  # noqa: E402
@@ -113,28 +122,13 @@ def reference_curve(model: str, steps: int) -> dict[int, float]:
     """The held-out loss of `peer reference`'s parameters after each of its updates (version ->
     loss): an exact run's parameters at version v are these, so its loss at a time is this curve at
     the version it had reached by then."""
-    from peer.model.data import load_corpus
-    from peer.reference import train_reference
-
-    cfg = get_preset(model)
     curve: dict[int, float] = {}
 
     def note(info) -> None:
         if info.updates_applied not in curve:
             curve[info.updates_applied] = eval_loss(model, info.model.state_dict())
 
-    final, _ = train_reference(
-        cfg,
-        load_corpus(None, seq_len=cfg.seq_len),
-        steps=steps,
-        seed=0,
-        batch_size=BATCH,
-        micro_batches=MICRO_BATCHES,
-        delay=1,
-        lr=2e-3,
-        progress=False,
-        on_step=note,
-    )
+    final = train_run_reference(model, steps, on_step=note)
     curve[steps] = eval_loss(model, final)
     return curve
 

@@ -36,7 +36,7 @@ import re
 import time
 from pathlib import Path
 
-from _bench_common import REPO, Report, exactly_once, loadavg, md_table, run_swarm
+from _bench_common import REPO, Report, exactly_once, loadavg, md_table, run_swarm, train_run_reference
 
 SWARM = [
     "--model",
@@ -105,23 +105,8 @@ def tolerance_rows() -> list[list]:
 def reference_distance(state_path: Path, steps: int, ref_cache: dict) -> float:
     from safetensors.torch import load_file
 
-    from peer.model.config import get_preset
-    from peer.model.data import load_corpus
-    from peer.reference import train_reference
-
     if steps not in ref_cache:
-        cfg = get_preset("tiny")
-        ref_cache[steps], _ = train_reference(
-            cfg,
-            load_corpus(None, seq_len=cfg.seq_len),
-            steps=steps,
-            seed=0,
-            batch_size=16,
-            micro_batches=4,
-            delay=1,
-            lr=2e-3,
-            progress=False,
-        )
+        ref_cache[steps] = train_run_reference("tiny", steps)
     ref, got = ref_cache[steps], load_file(str(state_path))
     num = sum(float(((got[k].float() - ref[k].float()) ** 2).sum()) for k in ref)
     den = sum(float((ref[k].float() ** 2).sum()) for k in ref)
