@@ -121,7 +121,8 @@ def run_reference(model: str, steps: int, work: Path) -> dict:
 def reference_curve(model: str, steps: int) -> dict[int, float]:
     """The held-out loss of `peer reference`'s parameters after each of its updates (version ->
     loss): an exact run's parameters at version v are these, so its loss at a time is this curve at
-    the version it had reached by then."""
+    the version it had reached by then. (Under the delayed update no step computes on version
+    steps - 1, so the curve skips it: a run that got under the target there is timed at the last.)"""
     curve: dict[int, float] = {}
 
     def note(info) -> None:
