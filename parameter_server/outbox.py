@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from peer.protocol.aio import check_cancelled
 from peer.protocol.methods import EPOCHED
 from peer.protocol.wire import RemoteError
 
@@ -45,11 +46,9 @@ class Outbox:
                     logger.debug("%s: %s to %s refused: %s", self.device_id, method, device, e)
                 except Exception as e:
                     logger.debug("%s: %s to %s failed: %r", self.device_id, method, device, e)
-            task = asyncio.current_task()
-            if task is not None and getattr(task, "cancelling", lambda: 0)():  # (Python >= 3.11)
-                # cancelled (the server is stopping) while a call turned the cancellation into an error
-                # of its own: stop here, else the retries (up to ~10 minutes) keep the process alive
-                raise asyncio.CancelledError
+            # cancelled (the server is stopping) while a call turned the cancellation into an error of
+            # its own: stop here, else the retries (up to ~10 minutes) keep the process alive
+            check_cancelled()
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
         logger.warning("%s: gave up delivering %s to %s", self.device_id, method, device)

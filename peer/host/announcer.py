@@ -11,6 +11,7 @@ from typing import Callable
 
 from parameter_server.layout import RunLayout
 from peer.protocol import records
+from peer.protocol.aio import check_cancelled
 from peer.protocol.records import JOINING_PERIOD
 
 logger = logging.getLogger("hivepipe.serve")
@@ -90,6 +91,7 @@ class Announcer:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            check_cancelled()
             try:
                 why = await self.failed_over_meanwhile()
                 if why is not None:

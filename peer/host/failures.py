@@ -14,6 +14,7 @@ from typing import Awaitable, Callable
 
 from parameter_server.layout import halt_reason
 from peer.protocol import records
+from peer.protocol.aio import check_cancelled
 
 logger = logging.getLogger("hivepipe.serve")
 
@@ -97,6 +98,7 @@ class FailureDetector:
         records must not wait for the calls of a liveness check or a failover."""
         await online.wait()
         while not stop.is_set():
+            check_cancelled()
             try:
                 await self.check()
             except Exception as e:

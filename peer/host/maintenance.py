@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 
+from peer.protocol.aio import check_cancelled
 from peer.runtime import trim_heap
 
 logger = logging.getLogger("hivepipe.serve")
@@ -48,6 +49,7 @@ class Maintenance:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            check_cancelled()
             await self.once()
             try:
                 await asyncio.wait_for(stop.wait(), self.period)

@@ -31,6 +31,7 @@ from peer.runtime import Interrupted, freeze_startup_objects, interruptible, lin
 logger = logging.getLogger("hivepipe.serve")
 
 FAREWELL_S = 10.0  # seconds a finished server waits at most for its volunteers to learn the run is over
+TASKS_END_S = 5.0  # seconds a stopping server waits for its tasks to end once cancelled
 KNOWN_PEERS_TIMEOUT = 15.0  # seconds a restart waits for the peers it knew before it starts alone
 # the run's flags every server must share, as the config record names them -> the flag that sets it
 SHARED_FLAGS = {
@@ -584,7 +585,12 @@ class ServerHost:
                 pass
         for t in self.tasks:
             t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.tasks:
+            _, stuck = await asyncio.wait(self.tasks, timeout=TASKS_END_S)
+            if stuck:  # (each loop checks for a cancellation a call swallowed: peer.protocol.aio)
+                logger.warning(
+                    "%s: %d of its tasks did not end when cancelled; leaving without them", self.device, len(stuck)
+                )
         if self.writer is not None:
             self.writer.close()  # the last step's checkpoint is on disk before the process ends
         if self.held is None and self.dht is not None:

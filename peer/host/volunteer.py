@@ -20,6 +20,7 @@ import time
 
 from peer.errors import UsageError
 from peer.host.state import PeerState, StateLine
+from peer.protocol.aio import check_cancelled
 from peer.runtime import freeze_startup_objects, interruptible, link_emulator, until_stopped
 
 logger = logging.getLogger("hivepipe.join")
@@ -47,6 +48,7 @@ class VolunteerSession:
         from peer.protocol.trust import AmbiguousRunKey
 
         while not stop.is_set():
+            check_cancelled()
             try:
                 value = await check()
             except UsageError:
@@ -224,6 +226,7 @@ class VolunteerSession:
         directory (and the servers' addresses, which a restarted server may have changed) stays
         fresh meanwhile."""
         while not stop.is_set():
+            check_cancelled()
             await self.look_at_run()
             if self.over:
                 over.set()
@@ -297,6 +300,7 @@ class VolunteerSession:
 
         async def announce():
             while not leave.is_set():
+                check_cancelled()
                 try:
                     await self._publish(stage, worker, "online")
                 except Exception as e:
@@ -319,6 +323,7 @@ class VolunteerSession:
             # the first look comes soon: volunteers that joined together saw the same records
             wait = min(period, 3 * run.announce_period + self.rng.uniform(0.0, 2.0))
             while not await pause(wait):
+                check_cancelled()
                 try:
                     decision = await picker.decide(stage)
                     # while some stage has no compute at all, look again within seconds

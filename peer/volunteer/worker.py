@@ -30,6 +30,7 @@ from parameter_server.shard import assign_shards
 from parameter_server.verify import BANNED
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
 from peer.model.transformer import StageSlice, build_slice, slice_from_state
+from peer.protocol.aio import check_cancelled
 from peer.protocol.params import NotReady, fetch_slot
 from peer.protocol.wire import RemoteError, StreamCut, wait_to_redial
 from peer.volunteer.faults import KILL_POINTS
@@ -233,6 +234,7 @@ class StageWorker:
         give_up = time.monotonic() + (AWAY_GRACE_S if method in WAITS_FOR_RESTART else 0.0)
         registered = False
         while True:
+            check_cancelled()
             try:
                 return await link.call(
                     method, dict(meta, epoch=self.epoch if epoch is None else epoch), list(tensors), timeout=timeout
@@ -388,6 +390,7 @@ class StageWorker:
         beats: dict[str, asyncio.Future] = {}
         try:
             while not stop.is_set():
+                check_cancelled()
                 devices = {d for d in self.st.servers if d in self.links}
                 for d in [d for d, b in beats.items() if d not in devices or b.done()]:
                     beats.pop(d).cancel()
@@ -401,6 +404,7 @@ class StageWorker:
 
     async def _beat(self, device: str, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            check_cancelled()
             link = self.links.get(device)
             if link is None or device not in self.st.servers:
                 return
@@ -424,6 +428,7 @@ class StageWorker:
         beat = asyncio.ensure_future(self.heartbeat_loop(stop))
         try:
             while not stop.is_set() and self.banned is None and not self.over:
+                check_cancelled()
                 got = await self.take_one()
                 if got is None:  # idle: push what it holds, then wait for work at every server at once
                     await self.flush(self._flush_due(None))
