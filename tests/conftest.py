@@ -2,7 +2,10 @@
 
 - `unit`: one process, no swarm (tests/taskpool, scheduler, model, protocol, hf, and the docs' checks):
   `python -m pytest -m unit` runs them in about a minute;
-- `swarm`: real swarms of processes on 127.0.0.1, or the in-process swarm (tests/swarm, dashboard);
+- `swarm`: a run's peers (tests/swarm, dashboard): as real processes on 127.0.0.1 where a test needs
+  what only a process has (a command's exit code, SIGKILL, SIGSTOP, a supervisor); else as the objects
+  `peer serve` and `peer join` run, in one event loop with real DHT nodes (tests/swarm/hosts.py), or
+  as stage servers and workers wired without a network (tests/swarm/inprocess.py);
 - `net`: real DHT nodes and network namespaces (tests/net; the namespaces need root and skip elsewhere).
 
 The suite runs on two processes (`-n 2 --dist loadgroup`, pytest-xdist): tests are handed out one by
@@ -32,6 +35,7 @@ TIERS = {
 LONGEST_FIRST = [
     "swarm/test_faults.py",
     "net/test_deploy_doc.py",
+    "swarm/test_hosts.py",
     "swarm/test_lifecycle.py",
     "dashboard/test_live.py",
     "swarm/test_e2e.py",

@@ -138,7 +138,11 @@ def test_volunteers_on_cuda_need_a_cuda_device():
         validate(args)
 
 
-def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind(tmp_path):
+def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind_and_a_server_it_loses_is_failed_over(tmp_path):
+    """`peer swarm` without --work-dir removes its temporary folder; `--lose-server` (here a backward
+    server of the only stage, at step 1) is failed over by the others and the run applies every
+    micro-batch (the failover's guarantees are tested in tests/swarm/test_hosts.py)."""
+    import json
     import os
     import subprocess
     import sys
@@ -153,10 +157,18 @@ def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind(tmp_path):
             "--model",
             "tiny",
             "--steps",
-            "2",
+            "3",
             "--stages",
             "1",
+            "--servers-per-stage",
+            "4",
             "--volunteers",
+            "1",
+            "--lose-server",
+            "s0b1@1",
+            "--failover-after",
+            "3",
+            "--announce-period",
             "1",
             "--no-progress",
             "--run-id",
@@ -168,7 +180,8 @@ def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    last = out.stdout.strip().splitlines()[-1]
+    *_, summary, last = out.stdout.strip().splitlines()
+    assert json.loads(summary)["layout_epoch"] == 1, summary
     # by default the volunteers compute: the servers' own workers take no task
-    assert re.match(r"2 steps, loss .*, tasks computed: volunteers 100% \(v0 \d+\)$", last), last
+    assert re.match(r"3 steps, loss .*, micro-batches 12/12, tasks computed: volunteers 100% \(v0 \d+\)$", last), last
     assert not list(tmp_path.glob("hivepipe-swarm-*")), list(tmp_path.iterdir())
