@@ -79,10 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout",
         type=_positive,
-        default=10.0,
+        default=30.0,
         metavar="S",
         help="seconds to keep trying initial peers that do not answer yet, and (--json) to wait for the run to "
-        "appear, before exiting with code 2 (default 10)",
+        "appear, before exiting with code 2 (default 30: a join across slow links, or on a busy machine, "
+        "can take more than 10)",
     )
     p.add_argument(
         "--stale-periods",
