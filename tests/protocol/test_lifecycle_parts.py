@@ -212,3 +212,50 @@ def test_a_halt_notice_with_a_state_line_says_each_change_once():
         "v1: stopped: run stopped: stage 1 has no backward server (s1b0 gone)",
         "v1: serving: the run goes on again after 10 s stopped",
     ]
+
+
+def test_a_stopping_server_does_not_wait_for_ever_for_a_task_that_ignores_its_cancellation(tmp_path, caplog):
+    """A task that swallows its cancellation (the loops check for that: peer.protocol.aio) cannot
+    hold a server's stop: it waits TASKS_END_S for its tasks, says how many did not end, and goes."""
+    from peer import serve
+    from peer.cli import build_parser
+    from peer.host import server as host_module
+    from peer.host.server import ServerHost
+    from peer.runtime import check_common
+
+    args = build_parser().parse_args(
+        ["serve", "--reliable", "--stages", "1", "--stage", "0", "--role", "frontal", "--model", "tiny"]
+        + ["--run-key", str(tmp_path / "run.key")]
+    )
+    check_common(args)
+    cfg, layout, device, run_cfg = serve.resolve(args)
+    said = io.StringIO()
+    host = ServerHost(args, cfg, layout, device, run_cfg, out=said)
+
+    async def stubborn(release: asyncio.Event):
+        while not release.is_set():
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                pass
+
+    async def scenario():
+        release = asyncio.Event()
+        host.tasks = [asyncio.ensure_future(stubborn(release))]
+        await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await host.stop("stopped")
+        took = loop.time() - t0
+        release.set()
+        await asyncio.gather(*host.tasks, return_exceptions=True)
+        return took
+
+    host_module.TASKS_END_S, before = 0.3, host_module.TASKS_END_S
+    try:
+        took = asyncio.run(scenario())
+    finally:
+        host_module.TASKS_END_S = before
+    assert 0.3 <= took < 2.0, took
+    assert "1 of its tasks did not end when cancelled" in caplog.text
+    assert said.getvalue() == "s0f0: leaving: stopped\n"
