@@ -1,8 +1,10 @@
 """All servers and workers of a run in one event loop, wired by LocalLinks (the same handlers and
-checks as over P2P, without the network). For fast logic tests; the end-to-end tests use real
-processes and real hivemind P2P. The servers' periodic work and the detection of a lost server are
-the very parts a server process runs (peer.host.Maintenance and peer.host.FailureDetector), fed
-by what this swarm knows: which peers are connected, which servers are gone."""
+checks as over P2P, without the network). For fast logic tests of the servers and workers; a run's
+life as a server process lives it (peer.host.ServerHost: finding the run, waiting, the end, restarts)
+is tested in tests/swarm/hosts.py, on real DHT nodes. The servers' periodic work and the detection of
+a lost server here are the very parts a server process runs (peer.host.Maintenance and
+peer.host.FailureDetector), fed by what this swarm knows: which peers are connected, which servers
+are gone."""
 
 from __future__ import annotations
 
