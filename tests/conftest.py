@@ -8,9 +8,8 @@
   as stage servers and workers wired without a network (tests/swarm/inprocess.py);
 - `net`: real DHT nodes and network namespaces (tests/net; the namespaces need root and skip elsewhere).
 
-The suite runs on two processes (`-n 2 --dist loadgroup`, pytest-xdist; three on two cores took
-470-600 s against about 640, but the deploy page's dashboard then failed to join its run in 2 of 4
-runs): tests are handed out one by
+The suite runs on two processes (`-n 2 --dist loadgroup`, pytest-xdist; three on two cores were no
+faster than two, and the deploy page's dashboard then failed to join its run in 2 of 4 runs): tests are handed out one by
 one, the files that take longest first (`LONGEST_FIRST`), except that the tests of a file with a
 module- or session-wide fixture (`TOGETHER`: a swarm started once for the file) stay in one process.
 
