@@ -135,6 +135,13 @@ class HostRun:
         self.initial = list(host.maddrs)
         return host
 
+    async def start_servers(self, all_flags: list[list[str]]) -> ServerHost:
+        """The first of `all_flags` as the run's first server, then the others through it; the first."""
+        first = await self.first_server(all_flags[0])
+        for flags in all_flags[1:]:
+            self.start_server(flags)
+        return first
+
     def _launch(self, name: str, peer, run) -> None:
         stop = self.stops[name] = asyncio.Event()
 

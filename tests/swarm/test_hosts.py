@@ -98,9 +98,7 @@ def test_servers_crashed_and_restarted_with_their_own_command_resume_without_los
 
     async def scenario():
         try:
-            await run.first_server(device(0, "frontal"))
-            for flags in servers_of(1)[1:]:
-                run.start_server(flags)
+            await run.start_servers(servers_of(1))
             for name, flags, at in (("s0b0", device(0, "backward"), 2), ("s1f0", device(1, "frontal"), 4)):
                 await run.wait_version(name, at)
                 await run.crash(name)
@@ -133,9 +131,7 @@ def test_the_loss_of_a_roles_last_server_stops_the_run_until_it_comes_back(tmp_p
 
     async def scenario():
         try:
-            await run.first_server(device(0, "frontal"))
-            for flags in servers_of(1)[1:]:
-                run.start_server(flags)
+            await run.start_servers(servers_of(1))
             run.join("v0", "1")
             await run.wait_version("s1b0", 2)
             await run.crash("s1b0")
@@ -192,9 +188,7 @@ def test_servers_lost_before_the_first_step_and_mid_run_are_failed_over(tmp_path
 
     async def scenario():
         try:
-            first = await run.first_server(device(0, "frontal"))
-            for flags in servers_of(2)[1:]:
-                run.start_server(flags)
+            first = await run.start_servers(servers_of(2))
             await run.wait(lambda: online(run), 120, "the servers to come online")
             await run.wait(lambda: first.server.replicas.get(3) is not None, 60, "s0f0 to hold s0b1's slot")
             await run.crash("s0b1")
@@ -238,9 +232,7 @@ def test_a_failed_over_server_that_comes_back_is_refused_and_its_successor_resta
 
     async def scenario():
         try:
-            await run.first_server(device(0, "frontal"))
-            for flags in servers_of(2)[1:]:
-                run.start_server(flags)
+            await run.start_servers(servers_of(2))
             await run.wait_version("s0b0", 2)
             await run.crash("s0b0")
             successor = run.servers["s0b1"]
