@@ -119,9 +119,35 @@ class Walk:
         out = subprocess.run(
             self.argv(host, line), capture_output=True, text=True, env=self.env[host], cwd=REPO, timeout=timeout
         )
-        assert out.returncode == 0, f"{host}$ {line}\nexit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+        assert out.returncode == 0, (
+            f"{host}$ {line}\nexit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}\n{self.diagnose(host, line)}"
+        )
         assert "Traceback" not in out.stderr, out.stderr[-3000:]
         return out
+
+    def diagnose(self, host: str, line: str) -> str:
+        """What a failed command met: the tail of every background command's log, each host's TCP
+        sockets, and a failed peer or dashboard command again with -vv (hivemind's debug log too)."""
+        parts = []
+        for p in self.procs:
+            log = self.tmp / f"{p.name}.log"
+            tail = log.read_text(errors="replace").splitlines()[-12:] if log.exists() else []
+            alive = "running" if p.proc.poll() is None else f"exited {p.proc.returncode}"
+            parts.append(f"--- {p.name} ({alive}): stdout {p.seen[-4:]}\n" + "\n".join(tail))
+        for name in self.bed.hosts:
+            ss = subprocess.run([*self.bed.prefix(name), "ss", "-tan"], capture_output=True, text=True)
+            parts.append(f"--- sockets on {name}\n{ss.stdout[-3000:]}")
+        if line.startswith("peer ") or "dashboard.py" in line:
+            again = subprocess.run(
+                self.argv(host, line + " -vv"),
+                capture_output=True,
+                text=True,
+                env=self.env[host],
+                cwd=REPO,
+                timeout=120,
+            )
+            parts.append(f"--- {host}$ {line} -vv: exit {again.returncode}\n{again.stderr[-6000:]}")
+        return "\n".join(parts)
 
     def start(self, host: str, line: str, name: str) -> Proc:
         p = Proc(name, self.argv(host, line), self.env[host], self.tmp / f"{name}.log")
