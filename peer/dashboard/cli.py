@@ -113,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         reader = DhtReader(args.initial_peers, args.run_id, args.run_fp, timeout=args.timeout)
     except Exception as e:
         logger.debug("joining the DHT failed", exc_info=True)
-        print(f"dashboard: error: cannot join the DHT through {' '.join(args.initial_peers)}: {e}", file=sys.stderr)
+        hint = ""
+        if "none of the initial peers answered" in str(e):  # a run that ended has no peer left to answer
+            hint = "; is the run still on? its servers leave at its last step unless started with --hold"
+        print(
+            f"dashboard: error: cannot join the DHT through {' '.join(args.initial_peers)}: {e}{hint}", file=sys.stderr
+        )
         return 2
 
     def on_sigterm(signum, frame):  # SIGTERM stops the dashboard as Ctrl-C does

@@ -164,6 +164,7 @@ def test_a_dht_that_cannot_be_joined_is_a_clear_error():
     assert out.returncode == 2 and out.stdout == ""
     last = out.stderr.strip().splitlines()[-1]  # (after a line saying it tries again until --timeout)
     assert last.startswith(f"dashboard: error: cannot join the DHT through {dead}: "), out.stderr[-2000:]
+    assert last.endswith("is the run still on? its servers leave at its last step unless started with --hold"), last
     assert "Traceback" not in out.stderr
 
 

@@ -5,10 +5,11 @@ drift apart. A line that sets INITIAL or RUN is where an operator pastes what a 
 test pastes what this run's servers printed. Other assignments are the page's own.
 
 The walk: the run key and the training flags; the first server alone for longer than two minutes
-(the old start-up limit), saying that it waits; the three other servers one by one; two volunteers
-on links shaped to 50 and 20 Mbit/s (tc tbf), each given ONE initial peer; the dashboard's snapshot
-from a volunteer's host; the first server stopped and restarted with its own command (no
---initial-peers: it rejoins through the peers it kept); the run finishing with every server and
+(the old start-up limit), saying that it waits; the three other servers one by one; the
+dashboard's snapshot from host C once they serve (all four online, the run blocked on no compute:
+it cannot have ended yet); two volunteers on links shaped to 50 and 20 Mbit/s (tc tbf), each given
+ONE initial peer; the first server stopped and restarted with its own command (no --initial-peers:
+it rejoins through the peers it kept); the run finishing with every server and
 volunteer exiting 0 by itself, both stages computed by volunteers, and the servers' parameters equal
 to the single-process reference's; `peer export --checkpoint-dirs` and `peer generate` on the result.
 
@@ -205,16 +206,32 @@ def test_the_deploy_page_runs_as_written(tmp_path):
                         equals_the_reference(walk, tmp_path, volunteers)
                         walk.run(host, line)
                     else:
+                        if "dashboard.py" in line:  # "once all four are up", as the page says
+                            for p in servers.values():
+                                p.wait_line(r": serving: ", 120)
                         out = walk.run(host, line)
                         if line.startswith("peer keygen"):
                             walk.pasted["RUN"] = re.search(r"^run=(\S+)$", out.stdout, re.M).group(1)
                         if line.startswith("peer generate"):
                             assert len(out.stdout.strip()) > 0
                         if "dashboard.py" in line:
-                            snap = json.loads(out.stdout)
-                            assert snap["health"]["status"] in ("ok", "blocked", "finished"), snap["health"]
+                            servers_seen(json.loads(out.stdout), servers)
     finally:
         walk.close()
+
+
+def servers_seen(snap: dict, servers: dict) -> None:
+    """The dashboard, run once the servers are up and before any volunteer joins (the run cannot
+    have ended): every server started so far online, and the run blocked on no compute."""
+    seen = {e["device"]: e["state"] for st in snap["stages"] for role in ("frontal", "backward") for e in st[role]}
+    assert seen == dict.fromkeys(servers, "online"), seen
+    assert snap["health"]["status"] == "blocked", snap["health"]
+    assert {b["stage"] for b in snap["health"]["blocking"] if "no compute" in b["reason"]} == {0, 1}, snap["health"]
+
+
+def train_steps(walk: Walk) -> int:
+    train = walk.env["A"]["TRAIN"].split()
+    return int(train[train.index("--steps") + 1])
 
 
 def restart_first(walk: Walk, servers: dict, lines: dict, tmp_path: Path) -> None:
@@ -235,7 +252,7 @@ def restart_first(walk: Walk, servers: dict, lines: dict, tmp_path: Path) -> Non
     servers["s0f0"] = again
     again.wait_line(r"^initial_peers=" + re.escape(walk.pasted["INITIAL"].split()[0]), 120)
     again.wait_line(r"^s0f0: serving: ", 120)
-    assert _version(ckpt, "s0f0") < 24, "the run had ended before the restart"
+    assert _version(ckpt, "s0f0") < train_steps(walk), "the run had ended before the restart"
     assert time.monotonic() - t0 < 180
 
 
