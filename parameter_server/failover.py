@@ -334,7 +334,9 @@ class Failover:
             "layout": layout.to_dict(),
             "from_batch": min(from_batch, self.run.steps - 1),
             "lost": sorted(lost),
-            "banned": sorted(self.banned),
+            # the bans ordered by earlier epochs only: a ban made here and not yet ordered (its rollback
+            # computed) must not read as done when its turn comes (verify.py, ban_and_roll_back)
+            "banned": list((self.epoch_record or {}).get("banned", [])),
         }
         await self.send_epoch(record, alive)
         self.adopt(record)

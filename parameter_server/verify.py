@@ -237,11 +237,7 @@ class Verification:
         on average; on probation every server checks it."""
         if self.replaying or self._is_server(sender):
             return False
-        kept = self._kept_from()
-        batches = self.contributed.setdefault(sender, set())
-        batches.add(t)
-        self.first_contributed[sender] = min(t, self.first_contributed.get(sender, t))
-        batches.difference_update([b for b in batches if b < kept])
+        self._note_work(sender, t)
         # on probation until `probation` checks passed (a check skipped for want of its rows does not count),
         # and again while its differences drift one way (drift.py)
         return (
@@ -249,6 +245,18 @@ class Verification:
             or self.drift.suspicious(sender)
             or self.verify_rng.random() < self.verify_rate / shared_by
         )
+
+    def _note_work(self, sender: str, t: int) -> None:
+        """Remember that `sender` (a volunteer) sent work of batch t, which a ban's rollback must reach:
+        also work checked with another message (an input gradient, relayed to the previous stage at
+        once and checked with its sender's gradient push, which may never come)."""
+        if self.replaying or self._is_server(sender):
+            return
+        kept = self._kept_from()
+        batches = self.contributed.setdefault(sender, set())
+        batches.add(t)
+        self.first_contributed[sender] = min(t, self.first_contributed.get(sender, t))
+        batches.difference_update([b for b in batches if b < kept])
 
     def _kept_from(self) -> int:
         return self.version - self.shard.keep_versions
@@ -580,7 +588,10 @@ class Verification:
             record = {
                 "epoch": self.epoch + 1,
                 "layout": self.layout.to_dict(),
-                "banned": sorted(set(self.banned) | {peer}),
+                # the bans ordered so far and this one; not every ban made here: a peer this server
+                # caught meanwhile waits for the lock, and would find itself listed as done, its work
+                # before this rollback's version staying applied without a word
+                "banned": sorted(set((self.epoch_record or {}).get("banned", [])) | {peer}),
                 "lost": list((self.epoch_record or {}).get("lost", [])),
             }
             first = min(firsts) if firsts else None
