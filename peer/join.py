@@ -55,7 +55,8 @@ def add_arguments(p) -> None:
     add_common_arguments(p)
 
 
-def run(args) -> int:
+def check(args) -> None:
+    """Every argument of `peer join` checked, and --cheat parsed; raises UsageError naming the bad one."""
     check_common(args)
     if args.stage != "auto":
         try:
@@ -83,6 +84,10 @@ def run(args) -> int:
         raise UsageError(f"--probe-bytes must be >= 4, got {args.probe_bytes}")
     if not args.initial_peers:
         raise UsageError("--initial-peers is required: the initial_peers= line printed by `peer serve` or `peer swarm`")
+
+
+def run(args) -> int:
+    check(args)
     import secrets
 
     from peer.host.state import PeerState, StateLine

@@ -20,6 +20,7 @@ import signal
 import time
 from pathlib import Path
 
+from peer import join
 from peer.cli import build_parser
 from peer.errors import NetworkError, UsageError
 from peer.host.server import ServerHost
@@ -161,7 +162,8 @@ class HostRun:
     def join(self, name: str, stage: str = "auto", *extra: str) -> VolunteerSession:
         """`peer join --stage STAGE --device-id NAME` through the first server's addresses."""
         argv = ["join", "--stage", stage, "--device-id", name, "--run-id", f"{self.run_id}@{self.run_fp}"]
-        args = self.parse([*argv, "--initial-peers", *self.initial, *extra])
+        args = build_parser().parse_args([*argv, "--initial-peers", *self.initial, *extra])
+        join.check(args)  # (as `peer join` checks them: --cheat parsed, for one)
         said = self.said[name] = Said()
         session = VolunteerSession(args, name, StateLine(name, out=said))
         self._launch(name, session, session.run)
