@@ -3,23 +3,38 @@ every peer in this test's event loop on a real DHT node and p2p daemon of its ow
 (tests/swarm/hosts.py): volunteers that lie (`peer join --cheat`) are caught by the servers' re-runs
 and banned, each told the check it failed, their work undone by a rollback epoch, and the run ends
 equal to the reference as if they had never joined; with `--compress 8bit` the tensors travel in
-about a byte per value and a liar is still caught."""
+about a byte per value and a liar is still caught. And an outsider, with plain hivemind, can neither
+forge the run's records nor call the servers' server-only methods."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import re
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
 
 import pytest
+from hivemind.dht import DHT
+from hivemind.utils import get_dht_time
 
+from parameter_server.service import StageServer
 from peer.model.config import get_preset
+from peer.node import P2PLink, stop_dht
+from peer.protocol import records
 from peer.protocol.traffic import TRAFFIC, VALUES
+from peer.protocol.trust import SigningKey, config_name, seal, stage_name
+from peer.protocol.wire import RemoteError
 from peer.reference import DEFAULTS
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.hosts import HostRun
 
 pytestmark = pytest.mark.swarm
+DASHBOARD = Path(__file__).resolve().parents[2] / "scripts" / "dashboard.py"
 
 TWO_STAGES = ["--stages", "2", "--frontal-per-stage", "1", "--backward-per-stage", "1"]
 SERVERS = [["--stage", str(k), "--role", r, "--index", "0"] for k in (0, 1) for r in ("frontal", "backward")]
@@ -115,3 +130,145 @@ def test_an_8bit_run_moves_about_a_byte_per_activation_value_and_still_catches_a
     # ~0.5 of their norm here; measured 0.028-0.052 with processes, depending on which rows the
     # caught liar's re-runs round to 8 bits again)
     assert 1e-6 < rel_diff(out["state"], reference_state("tiny", steps)) < 0.08
+
+
+def forge(
+    outsider: DHT, key: SigningKey, real_server: dict, real_config: dict, run_fp: str, run_id: str, keep: bool = False
+) -> list:
+    """The forged stores of the issue, each as (what, store result); `keep`: the outsider also keeps them
+    in its own storage, as a malicious full node would."""
+    me = str(outsider.peer_id)
+    t = get_dht_time()
+    stage0 = stage_name(run_id, 0)
+    attempts = [
+        # a live server's record under the outsider's own peer id: plain, and signed by the outsider
+        ("s0f0 as plain map", stage0, me, dict(real_server)),
+        ("s0f0 signed by the outsider", stage0, me, seal(stage0, me, dict(real_server), 60.0, key)),
+        # a made-up frontal server of stage 0, signed by a run key of the outsider's own
+        ("s0f9", stage0, me, seal(stage0, me, dict(real_server, device="s0f9"), 60.0, key, run_key=key)),
+        # the run's config with steps 1, under the run's fingerprint
+        (
+            "config, steps 1",
+            config_name(run_id),
+            run_fp,
+            seal(config_name(run_id), run_fp, dict(real_config, steps=1), 60.0, key),
+        ),
+        ("config as plain map", config_name(run_id), run_fp, dict(real_config, steps=1)),
+    ]
+    results = [
+        (what, outsider.store(k, value, expiration_time=t + 60.0, subkey=subkey)) for what, k, subkey, value in attempts
+    ]
+    if keep:
+        outsider.run_coroutine(
+            partial(_keep_locally, [(k, subkey, value, t + 60.0) for _, k, subkey, value in attempts])
+        )
+    return results
+
+
+async def _keep_locally(records: list, dht, node) -> None:
+    """(run in the outsider's DHT process) A malicious node keeps its forgeries in its own storage
+    whether or not it is among the nearest nodes of their keys, which `store` alone leaves to chance
+    (hivemind stores on the num_replicas nodes nearest the key, the storing node only if it is one)."""
+    from hivemind.dht.routing import DHTID
+
+    for key, subkey, value, expiration in records:
+        node.protocol.storage.store(
+            DHTID.generate(source=key), node.protocol.serializer.dumps(value), expiration, subkey=subkey
+        )
+
+
+def test_an_outsider_cannot_forge_records_or_call_server_methods(tmp_path):
+    """An outsider that knows only the run's initial_peers= line, with plain hivemind, tries what an
+    attacker would (a live server's record re-published under its own peer id, a made-up server, an
+    overwritten config) and calls the servers' server-only methods. Every node of the run refuses the
+    forged stores, a malicious DHT node that keeps them serves them to readers that drop them (a
+    dashboard process lists them with the reason), the server-only calls are refused, and the run
+    ends equal to the reference."""
+    steps = 5
+    # (the servers compute too, and hold their final state: the dashboard may come after the last step)
+    run = HostRun(tmp_path, f"trust-{os.getpid()}", steps, TWO_STAGES, ["--hold"], 0.5)
+    out: dict = {}
+
+    async def scenario():
+        try:
+            first = await run.start_servers(SERVERS)
+            run.join("v0", "0")
+            run.join("v1", "1")
+            await run.wait_version("s0f0", 1, timeout=180)
+            run_id, run_fp, maddrs = run.run_id, run.run_fp, run.initial
+            real_config = await records.read_config_value(first.dht)
+            found = await records.read_stage(first.dht, run_id, 0)
+            ((real_peer, real_server),) = [(p, r) for p, r, _ in found if r and r.get("device") == "s0f0"]
+            # 1. a client-mode outsider (it stores nothing itself): every node of the run refuses each forgery
+            client = DHT(initial_peers=maddrs, start=True, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            key = SigningKey.generate()
+            keeper = None
+            try:
+                out["client"] = forge(client, key, real_server, real_config, run_fp, run_id)
+                # 2. a full DHT node without validators: it keeps its forgeries and serves them to readers
+                keeper = DHT(initial_peers=maddrs, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+                out["keeper"] = forge(keeper, key, real_server, real_config, run_fp, run_id, keep=True)
+                out["keeper_id"] = str(keeper.peer_id)
+                # what every reader of the run sees: the real config and the real servers only
+                out["config"] = await records.read_config_value(first.dht)
+                out["stage0"] = await records.read_stage(first.dht, run_id, 0)
+                # a dashboard on another process, with the run's fingerprint
+                dash = await asyncio.to_thread(
+                    subprocess.run,
+                    [sys.executable, str(DASHBOARD), "--json", "--run-id", f"{run_id}@{run_fp}", "--initial-peers"]
+                    + maddrs,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                assert dash.returncode == 0, dash.stderr[-2000:]
+                out["dashboard"] = json.loads(dash.stdout)
+                # 3. server-only methods from the outsider's authenticated peer id
+                p2p = await keeper.replicate_p2p()
+                link = P2PLink(
+                    p2p, real_peer, "s0f0", StageServer, addresses=lambda: real_server["maddrs"], backoff=False
+                )
+                out["calls"] = {}
+                for method, meta in (
+                    ("adopt_epoch", {"epoch": 5, "from_batch": 0, "layout": {}}),
+                    ("push_replica", {"slot": 1, "version": 1}),
+                    ("push_inputs", {"batch": 1, "micro": 0, "rows": [0, 1], "epoch": 0}),
+                    ("push_output_grads", {"batch": 1, "micro": 0, "rows": [0, 1], "epoch": 0}),
+                ):
+                    try:
+                        await link.call(method, meta, timeout=30)
+                        out["calls"][method] = None
+                    except RemoteError as e:
+                        out["calls"][method] = str(e)
+            finally:
+                client.shutdown()
+                if keeper is not None:
+                    stop_dht(keeper)
+            out["codes"] = await run.ended(["v0", "v1"], timeout=300)
+            for device in run.servers:
+                said = run.said[device]
+                await run.wait(lambda: "holding its final state" in said.getvalue(), 60, f"{device} to hold")
+            out["state"] = run.state()
+            for stop in run.stops.values():
+                stop.set()  # (SIGTERM)
+            out["codes"].update(await run.ended(list(run.servers), timeout=60))
+        finally:
+            await run.close()
+
+    play(scenario)
+    assert out["codes"] == dict.fromkeys(["v0", "v1", "s0f0", "s0b0", "s1f0", "s1b0"], 0), out["codes"]
+    assert all(ok is False for _, ok in out["client"]), out["client"]
+    assert out["config"]["steps"] == steps
+    devices = sorted(r["device"] for _, r, _ in out["stage0"] if r and r["kind"] == "server")
+    assert devices == ["s0b0", "s0f0"], out["stage0"]
+    assert not any(p == out["keeper_id"] and r is not None for p, r, _ in out["stage0"])
+    dash = out["dashboard"]
+    assert dash["config"]["steps"] == steps
+    shown = sorted((e["device"], e["peer"]) for e in dash["stages"][0]["frontal"] + dash["stages"][0]["backward"])
+    assert [d for d, _ in shown] == ["s0b0", "s0f0"] and out["keeper_id"] not in [p for _, p in shown], shown
+    # the keeper's forgeries reached the dashboard's node and were dropped there, with the reason
+    mine = [m for m in dash["malformed"] if m["peer"] in (out["keeper_id"], run.run_fp)]
+    assert mine and all("dropped" in m["reason"] for m in mine), dash["malformed"]
+    for method, answer in out["calls"].items():
+        assert answer is not None and "not a server of this run" in answer, (method, answer)
+    assert rel_diff(out["state"], reference_state("tiny", steps)) < 1e-5
