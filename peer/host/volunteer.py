@@ -37,6 +37,7 @@ class VolunteerSession:
         self.stages_worked: list[int] = []
         self.banned: str | None = None
         self.over = False  # the run reached its last step
+        self.worker = None  # the StageWorker of the stage it works on now (None between stages)
         self.halt = None
 
     # ---- waiting, said once and once a minute --------------------------------------------------
@@ -284,6 +285,7 @@ class VolunteerSession:
             epoch=self.epoch,
         )
         worker.compute = args.compute or worker.measure_compute()
+        self.worker = worker
         stretched = f" (compute stretched x{slowdown:g} by the link profile)" if slowdown > 1 else ""
         verb = "moved in run" if self.stages_worked else "joined run"
         self.working_on = (
@@ -367,6 +369,7 @@ class VolunteerSession:
         except Exception as e:
             logger.debug("offline announce failed: %r", e)
         worker.executor.shutdown(wait=False)
+        self.worker = None
         for kind in self.done:
             self.done[kind] += worker.stats[kind]
         self.stages_worked.append(stage)

@@ -118,52 +118,6 @@ def test_random_churn_equals_the_reference(tmp_path):
     assert rel_diff(state, reference_state("tiny", STEPS)) < 1e-5
 
 
-def test_a_volunteer_killed_holding_a_task_is_noticed_when_its_connection_closes(tmp_path):
-    """With --client-timeout 600 (silence would not do it), a volunteer that SIGKILLs itself (with
-    its DHT process and p2p daemon) in the middle of a forward task is dropped once its connection
-    closes, its lease re-queued at once, and the run ends equal to the reference."""
-    steps = 3
-    live = tiny_swarm(
-        tmp_path,
-        "disconnect",
-        steps,
-        "--servers-compute",
-        "no",
-        "--volunteer-slowdown",
-        "5",
-        "--client-timeout",
-        "600",
-        "--task-timeout",
-        "600",
-    )
-    died = {}
-
-    async def scenario():
-        await live.start(volunteers=False)
-        # the doomed volunteer is stage 0's only compute until it dies, so it takes the first task
-        # (started beside it, v0 once did all 12 tasks of the run first)
-        live.swarm.start_volunteer("0", name="die-mid-forward", extra=["--die-at", "during_forward"])
-        live.swarm.start_volunteer("1", name="v1")
-
-        def dead():
-            proc, _ = live.swarm.volunteers["die-mid-forward"]
-            if proc.poll() is not None:
-                died["code"] = proc.returncode
-            return "code" in died
-
-        await live.wait(dead, 300, "the doomed volunteer to die", poll=0.2)
-        live.swarm.start_volunteer("0", name="v0")
-        return await live.finish(steps)
-
-    statuses, state = live.run(scenario)
-    assert died["code"] == -9
-    stage0 = [statuses[d]["counters"] for d in live.layout.stages[0].servers]
-    assert sum(c.get("clients_disconnected", 0) for c in stage0) >= 1, stage0
-    assert sum(c.get("clients_timed_out", 0) for c in stage0) == 0, stage0
-    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
-    assert no_children_left(live.args.run_id) == []
-
-
 def test_a_supervised_server_killed_is_forked_again_by_its_supervisor_and_loses_nothing(tmp_path):
     """`--supervise-servers`: the server process of s0b0 (not its supervisor) is SIGKILLed mid-run;
     the supervisor, which kept torch and hivemind imported and holds the DHT node, forks a new one,

@@ -1,8 +1,9 @@
 """A run's life with the objects `peer serve` and `peer join` run (peer.host.ServerHost and
 VolunteerSession), every peer in this test's event loop on a real DHT node and p2p daemon of its own
 (tests/swarm/hosts.py): the end said by every peer, a restart that finds the run through the peers it
-kept, a server lost for good failed over, a failed-over server that comes back refused, and the loss
-of a role's last server stopping the run until it is back. Each run ends equal to the reference."""
+kept, a server lost for good failed over, a failed-over server that comes back refused, the loss
+of a role's last server stopping the run until it is back, and a volunteer crashed while it holds a
+task dropped when its connection closes. Each run ends equal to the reference."""
 
 from __future__ import annotations
 
@@ -256,4 +257,41 @@ def test_a_failed_over_server_that_comes_back_is_refused_and_its_successor_resta
     assert out["codes"] == dict.fromkeys(("s0f0", "s0f1", "s1f0", "s1f1", "s1b0", "s1b1", "s0b1", "s0b0"), 0) | {
         "s0b0": 2
     }
+    assert rel_diff(out["state"], reference_state("tiny", steps)) < 1e-5
+
+
+def test_a_volunteer_crashed_holding_a_task_is_noticed_when_its_connection_closes(tmp_path):
+    """With --client-timeout and --task-timeout 600 (silence would not do it), a volunteer whose host
+    dies (its DHT process SIGKILLed, its p2p daemon with it) while it holds a forward task is dropped
+    once its connection closes, its lease re-queued at once, and the run ends equal to the reference."""
+    steps = 3
+    flags = ["--no-compute", "--client-timeout", "600", "--task-timeout", "600"]
+    run = HostRun(tmp_path, "disconnect", steps, TWO_STAGES, flags, 0.5)
+    out = {}
+
+    async def scenario():
+        try:
+            await run.start_servers(servers_of(1))
+            # the doomed volunteer is stage 0's only compute until it dies, so it takes the first task
+            doomed = run.join("doomed", "0", "--slowdown", "5")
+            run.join("v1", "1", "--slowdown", "5")
+
+            def holding():
+                worker = doomed.worker
+                return worker is not None and worker.current is not None and worker.current[1].startswith("F")
+
+            await run.wait(holding, 180, "the doomed volunteer to hold a forward task")
+            await run.crash("doomed")
+            run.join("v0", "0")
+            out["codes"] = await run.ended(timeout=300)
+            out["counters"] = {d: dict(h.server.counters) for d, h in run.servers.items()}
+            out["state"] = run.state()
+        finally:
+            await run.close()
+
+    play(scenario)
+    assert out["codes"] == dict.fromkeys(["s0f0", "s0b0", "s1f0", "s1b0", "v1", "v0"], 0), out["codes"]
+    stage0 = [out["counters"][d] for d in ("s0f0", "s0b0")]
+    assert sum(c.get("clients_disconnected", 0) for c in stage0) >= 1, stage0
+    assert sum(c.get("clients_timed_out", 0) for c in stage0) == 0, stage0
     assert rel_diff(out["state"], reference_state("tiny", steps)) < 1e-5
