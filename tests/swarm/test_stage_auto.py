@@ -1,18 +1,19 @@
 """`peer join --stage auto` measures its links to every stage's servers with real P2P calls and
-picks the stage the planner's rule predicts from the emulated link profile."""
+picks the stage the planner's rule predicts from the emulated link profile (the objects of `peer
+serve` and `peer join` in one event loop, each on a real DHT node: tests/swarm/hosts.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 
 from peer.model.config import get_preset
 from scheduler import choose_stage_for_volunteer, load_cluster
-from tests.swarm.harness import LiveSwarm
+from tests.swarm.hosts import HostRun
 
 SERVERS = ["s0f0", "s0b0", "s1f0", "s1b0"]
+TWO_STAGES = ["--stages", "2", "--frontal-per-stage", "1", "--backward-per-stage", "1"]
 NEAR = (4.0, 1000.0)  # delay ms, bandwidth Mb/s
 FAR = (120.0, 20.0)
 
@@ -48,40 +49,28 @@ def test_stage_auto_follows_the_rule_under_emulated_links(tmp_path):
     cluster = load_cluster(str(path))
     expected = {v: predicted_stage(cluster, v) for v in ("va", "vb")}
     assert expected == {"va": 0, "vb": 1}
-    live = LiveSwarm(
-        tmp_path / "work",
-        [
-            "--model",
-            "tiny",
-            "--steps",
-            "2",
-            "--volunteers",
-            "0",
-            "--link-profile",
-            str(path),
-            "--run-id",
-            f"auto-{os.getpid()}",
-        ],
-    )
+    links = ["--link-profile", str(path)]
+    # the servers compute (each stage has compute when a volunteer chooses), and the run is long enough
+    # not to end before the volunteers have measured their links: it is stopped once they have chosen
+    run = HostRun(tmp_path, "auto", 10_000, TWO_STAGES, links)
     chosen = {}
 
     async def scenario():
-        await live.start(volunteers=False)
-        for v in expected:
-            live.swarm.start_volunteer("auto", name=v, extra=["--probe-bytes", str(1 << 18)])
-
-        def joined():
+        try:
+            await run.start_servers([["--stage", str(k), "--role", r] for k in (0, 1) for r in ("frontal", "backward")])
             for v in expected:
-                log = (tmp_path / "work" / f"{v}.log").read_text(errors="replace")
-                found = re.search(r"on stage (\d+)", log)
-                if found:
-                    chosen[v] = int(found.group(1))
-            return len(chosen) == len(expected)
+                run.join(v, "auto", "--probe-bytes", str(1 << 18), *links)
 
-        await live.wait(joined, 180, "the volunteers to choose a stage", poll=0.5)
+            def joined():
+                for v in expected:
+                    found = re.search(r"on stage (\d+)", run.said[v].getvalue())
+                    if found:
+                        chosen[v] = int(found.group(1))
+                return len(chosen) == len(expected)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        live.close()
+            await run.wait(joined, 180, "the volunteers to choose a stage", poll=0.2)
+        finally:
+            await run.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 600))
     assert chosen == expected
