@@ -10,7 +10,7 @@
 
 The suite runs on two processes (`-n 2 --dist loadgroup`, pytest-xdist; three on two cores were no
 faster than two, and slowed each swarm test 1.5-3x): tests are handed out one by one, the files that
-take longest first (`LONGEST_FIRST`: the deploy page's walk alone takes over three minutes), except that the tests of a file with a
+take longest first (`LONGEST_FIRST`), except that the tests of a file with a
 module- or session-wide fixture (`TOGETHER`: a swarm started once for the file) stay in one process.
 
 The reference run every equality test compares with is computed once per test run and argument set
@@ -34,8 +34,8 @@ TIERS = {
 
 # the files that take a minute or more on a 2-core machine, longest first
 LONGEST_FIRST = [
-    "net/test_deploy_doc.py",
     "swarm/test_faults.py",
+    "net/test_deploy_doc.py",
     "swarm/test_hosts.py",
     "swarm/test_lifecycle.py",
     "dashboard/test_live.py",

@@ -238,10 +238,11 @@ class HostRun:
         return {n: self.codes[n] for n in names}
 
     def state(self) -> dict:
-        """The run's parameters at its last step, from the live servers."""
+        """The run's parameters at its last step, from the live servers (not one refused, whose run
+        returned another code than 0: a failed-over server that came back, say)."""
         out = {}
-        for host in self.servers.values():
-            if host.server is not None:
+        for name, host in self.servers.items():
+            if host.server is not None and self.codes.get(name, 0) == 0:
                 for shard in host.server.hosted.values():
                     out.update(shard.params_at(self.steps))
         return out

@@ -1071,24 +1071,24 @@ def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the
     cfg, layout, run = make_run(steps=steps, stages=1, frontal=1, backward=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
     fs, bs = (swarm.servers[d] for d in layout.stages[0].servers)
-    forms = []
+    forms, told = [], []
     handle = bs.handle
 
     async def recorded(method, meta, *args, **kwargs):
         answer = await handle(method, meta, *args, **kwargs)
         if method == "push_replica" and meta.get("slot") == fs.slot:
             forms.append((meta.get("form", "state"), meta["version"], "error" not in answer[0]))
+            if meta["version"] == 3 and not told:  # step 3 taken: the replica is told another lineage
+                told.append(True)
+                replica = bs.replicas[fs.slot]
+                replica.mirror = (replica.version, "another lineage")
         return answer
 
     bs.handle = recorded
 
-    async def other_lineage():
-        replica = bs.replicas[fs.slot]
-        replica.mirror = (replica.version, "another lineage")
-
     async def scenario():
         fs.replicate_hosted()  # what a server does when the run comes online
-        await swarm.train(timeout=120, at_version={3: other_lineage})
+        await swarm.train(timeout=120)
         for _ in range(500):
             if bs.replicas[fs.slot].version == steps:
                 break
