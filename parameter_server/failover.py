@@ -178,6 +178,12 @@ class Failover:
             except asyncio.TimeoutError:
                 return None
 
+    def ordered_bans(self) -> list[str]:
+        """The bans the layout epochs so far have ordered, each with its rollback: what a new epoch
+        lists as banned. Not every ban made here: a peer this server caught waits for its own turn
+        (verify.py, ban_and_roll_back), and listed as done before it, its rollback would never come."""
+        return list((self.epoch_record or {}).get("banned", []))
+
     async def on_get_layout(self, meta, tensors, sender):
         """The current layout epoch: {"epoch", "layout", "from_batch"} (epoch 0 is the first layout)."""
         return self.epoch_record or {"epoch": 0, "layout": self.layout.to_dict(), "from_batch": 0}
@@ -334,9 +340,7 @@ class Failover:
             "layout": layout.to_dict(),
             "from_batch": min(from_batch, self.run.steps - 1),
             "lost": sorted(lost),
-            # the bans ordered by earlier epochs only: a ban made here and not yet ordered (its rollback
-            # computed) must not read as done when its turn comes (verify.py, ban_and_roll_back)
-            "banned": list((self.epoch_record or {}).get("banned", [])),
+            "banned": self.ordered_bans(),
         }
         await self.send_epoch(record, alive)
         self.adopt(record)

@@ -235,9 +235,8 @@ class Verification:
         Work that `shared_by` servers receive (a gradient push goes to every shard server) is checked by
         each with probability verify_rate / shared_by, so that a push is re-run about verify_rate times
         on average; on probation every server checks it."""
-        if self.replaying or self._is_server(sender):
+        if not self._note_work(sender, t):
             return False
-        self._note_work(sender, t)
         # on probation until `probation` checks passed (a check skipped for want of its rows does not count),
         # and again while its differences drift one way (drift.py)
         return (
@@ -246,17 +245,19 @@ class Verification:
             or self.verify_rng.random() < self.verify_rate / shared_by
         )
 
-    def _note_work(self, sender: str, t: int) -> None:
+    def _note_work(self, sender: str, t: int) -> bool:
         """Remember that `sender` (a volunteer) sent work of batch t, which a ban's rollback must reach:
         also work checked with another message (an input gradient, relayed to the previous stage at
-        once and checked with its sender's gradient push, which may never come)."""
+        once and checked with its sender's gradient push, which may never come). False when there is
+        nothing to remember: a replayed request, or a server's work."""
         if self.replaying or self._is_server(sender):
-            return
+            return False
         kept = self._kept_from()
         batches = self.contributed.setdefault(sender, set())
         batches.add(t)
         self.first_contributed[sender] = min(t, self.first_contributed.get(sender, t))
         batches.difference_update([b for b in batches if b < kept])
+        return True
 
     def _kept_from(self) -> int:
         return self.version - self.shard.keep_versions
@@ -576,7 +577,7 @@ class Verification:
         as the kept versions allow), then runs again from there. Returns the epoch record (None if the
         peer was banned by an earlier epoch)."""
         async with self.ban_lock:
-            if peer in (self.epoch_record or {}).get("banned", []):
+            if peer in self.ordered_bans():
                 return None
             answers = []
             for st in self.layout.stages:
@@ -588,10 +589,7 @@ class Verification:
             record = {
                 "epoch": self.epoch + 1,
                 "layout": self.layout.to_dict(),
-                # the bans ordered so far and this one; not every ban made here: a peer this server
-                # caught meanwhile waits for the lock, and would find itself listed as done, its work
-                # before this rollback's version staying applied without a word
-                "banned": sorted(set((self.epoch_record or {}).get("banned", [])) | {peer}),
+                "banned": sorted(set(self.ordered_bans()) | {peer}),
                 "lost": list((self.epoch_record or {}).get("lost", [])),
             }
             first = min(firsts) if firsts else None

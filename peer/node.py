@@ -36,6 +36,7 @@ IDENTITY_DIR_PREFIX = "hivepipe-id-"
 # how long one DHT call waits for its peer: a request is a few kB, which crosses the slowest link
 # supported (300 ms, 10 Mbit/s) in well under a second; hivemind's default is 3 s
 DHT_CALL_TIMEOUT = 5.0
+NOBODY_ANSWERED = "none of the initial peers answered"  # (a NetworkStartError's reason, which the dashboard explains)
 
 
 def _sweep_identity_dirs(tmp: str) -> None:
@@ -365,7 +366,7 @@ def _daemon_problem(e: Exception) -> str:
 
     text = str(e).strip() or type(e).__name__
     if "none of the initial_peers responded" in text or "failed to connect to bootstrap peers" in text:
-        return "none of the initial peers answered"
+        return NOBODY_ANSWERED
     text = re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", text.splitlines()[-1])
     if "failed to listen" in text or "cannot assign requested address" in text or "address already in use" in text:
         return f"cannot listen on the given address: {text[:300]}"

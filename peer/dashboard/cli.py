@@ -113,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         reader = DhtReader(args.initial_peers, args.run_id, args.run_fp, timeout=args.timeout)
     except Exception as e:
         logger.debug("joining the DHT failed", exc_info=True)
+        from peer.node import NOBODY_ANSWERED
+
         hint = ""
-        if "none of the initial peers answered" in str(e):  # a run that ended has no peer left to answer
+        if NOBODY_ANSWERED in str(e):  # a run that ended has no peer left to answer
             hint = "; is the run still on? its servers leave at its last step unless started with --hold"
         print(
             f"dashboard: error: cannot join the DHT through {' '.join(args.initial_peers)}: {e}{hint}", file=sys.stderr
