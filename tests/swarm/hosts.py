@@ -29,6 +29,24 @@ from peer.host.volunteer import VolunteerSession
 from peer.runtime import check_common
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+# two stages of the tiny model, one server of each role a stage, or two
+TWO_STAGES = ["--stages", "2", "--frontal-per-stage", "1", "--backward-per-stage", "1"]
+FOUR_A_STAGE = ["--stages", "2", "--frontal-per-stage", "2", "--backward-per-stage", "2"]
+
+
+def device(stage: int, role: str, index: int = 0) -> list[str]:
+    """`peer serve`'s flags for one server of the layout."""
+    return ["--stage", str(stage), "--role", role, "--index", str(index)]
+
+
+def servers_of(per_role: int) -> list[list[str]]:
+    """Every server of a two-stage layout with `per_role` servers of each role a stage, stage by stage."""
+    return [device(k, r, i) for k in (0, 1) for r in ("frontal", "backward") for i in range(per_role)]
+
+
+def play(scenario, timeout: float):
+    """Run `scenario()` (a coroutine function) in a fresh event loop, for at most `timeout` seconds."""
+    return asyncio.run(asyncio.wait_for(scenario(), timeout))
 
 
 def awaiting(task: asyncio.Task) -> list[str]:

@@ -16,26 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.swarm import hosts
 from tests.swarm.harness import reference_state, rel_diff
-from tests.swarm.hosts import HostRun
+from tests.swarm.hosts import FOUR_A_STAGE, TWO_STAGES, HostRun, device, servers_of
 
 pytestmark = pytest.mark.swarm
 REPO = Path(__file__).resolve().parents[2]
 
-TWO_STAGES = ["--stages", "2", "--frontal-per-stage", "1", "--backward-per-stage", "1"]
-FOUR_A_STAGE = ["--stages", "2", "--frontal-per-stage", "2", "--backward-per-stage", "2"]
-
-
-def device(stage: int, role: str, index: int = 0) -> list[str]:
-    return ["--stage", str(stage), "--role", role, "--index", str(index)]
-
-
-def servers_of(per_role: int) -> list[list[str]]:
-    return [device(k, r, i) for k in (0, 1) for r in ("frontal", "backward") for i in range(per_role)]
-
 
 def play(scenario, timeout: float = 900.0):
-    return asyncio.run(asyncio.wait_for(scenario(), timeout))
+    return hosts.play(scenario, timeout)
 
 
 def test_every_peer_says_the_end_and_returns_by_itself(tmp_path):

@@ -30,14 +30,13 @@ from peer.protocol.traffic import TRAFFIC, VALUES
 from peer.protocol.trust import SigningKey, config_name, seal, stage_name
 from peer.protocol.wire import RemoteError
 from peer.reference import DEFAULTS
+from tests.swarm import hosts
 from tests.swarm.harness import reference_state, rel_diff
-from tests.swarm.hosts import HostRun
+from tests.swarm.hosts import TWO_STAGES, HostRun, servers_of
 
 pytestmark = pytest.mark.swarm
 DASHBOARD = Path(__file__).resolve().parents[2] / "scripts" / "dashboard.py"
 
-TWO_STAGES = ["--stages", "2", "--frontal-per-stage", "1", "--backward-per-stage", "1"]
-SERVERS = [["--stage", str(k), "--role", r, "--index", "0"] for k in (0, 1) for r in ("frontal", "backward")]
 # the servers do not compute and the honest volunteers are slowed down, so that every volunteer, the
 # liars too, takes work from the first steps on
 CHECKED = ["--no-compute", "--client-timeout", "3"]
@@ -45,14 +44,14 @@ SLOW = ("--slowdown", "8")
 
 
 def play(scenario, timeout: float = 600.0):
-    return asyncio.run(asyncio.wait_for(scenario(), timeout))
+    return hosts.play(scenario, timeout)
 
 
 async def run_with(run: HostRun, volunteers: dict[str, tuple[str, ...]]) -> dict:
     """The four servers, then `volunteers` (name -> stage and flags); the servers' statuses once every
     peer has ended by itself."""
     try:
-        await run.start_servers(SERVERS)
+        await run.start_servers(servers_of(1))
         for name, (stage, *flags) in volunteers.items():
             run.join(name, stage, *flags)
         codes = await run.ended(timeout=400)
@@ -191,7 +190,7 @@ def test_an_outsider_cannot_forge_records_or_call_server_methods(tmp_path):
 
     async def scenario():
         try:
-            first = await run.start_servers(SERVERS)
+            first = await run.start_servers(servers_of(1))
             run.join("v0", "0")
             run.join("v1", "1")
             await run.wait_version("s0f0", 1, timeout=180)

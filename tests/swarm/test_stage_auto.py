@@ -4,16 +4,14 @@ serve` and `peer join` in one event loop, each on a real DHT node: tests/swarm/h
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
 from peer.model.config import get_preset
 from scheduler import choose_stage_for_volunteer, load_cluster
-from tests.swarm.hosts import HostRun
+from tests.swarm.hosts import TWO_STAGES, HostRun, play, servers_of
 
 SERVERS = ["s0f0", "s0b0", "s1f0", "s1b0"]
-TWO_STAGES = ["--stages", "2", "--frontal-per-stage", "1", "--backward-per-stage", "1"]
 NEAR = (4.0, 1000.0)  # delay ms, bandwidth Mb/s
 FAR = (120.0, 20.0)
 
@@ -57,7 +55,7 @@ def test_stage_auto_follows_the_rule_under_emulated_links(tmp_path):
 
     async def scenario():
         try:
-            await run.start_servers([["--stage", str(k), "--role", r] for k in (0, 1) for r in ("frontal", "backward")])
+            await run.start_servers(servers_of(1))
             for v in expected:
                 run.join(v, "auto", "--probe-bytes", str(1 << 18), *links)
 
@@ -72,5 +70,5 @@ def test_stage_auto_follows_the_rule_under_emulated_links(tmp_path):
         finally:
             await run.close()
 
-    asyncio.run(asyncio.wait_for(scenario(), 600))
+    play(scenario, 600)
     assert chosen == expected
