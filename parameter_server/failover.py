@@ -13,10 +13,14 @@ import time
 from parameter_server.layout import RunLayout
 from parameter_server.shard import tensors_digest
 from parameter_server.updates import snapshots_kept
+from peer.model.update_rule import version_for_batch
 from peer.protocol.wire import PayloadError
 from peer.protocol.wire import field as mfield
 
 logger = logging.getLogger("hivepipe.server")
+
+# how many versions a slot may step ahead of the copy its replica has taken (Failover.replica_behind)
+REPLICA_LAG = 1
 
 
 def _in_event_loop() -> bool:
@@ -38,10 +42,9 @@ class Failover:
         hold (when steps came faster than the copies, the sender used to skip to the newest version,
         and a takeover then asked every worker for a version its host never had: the run re-queued
         the same tasks forever)."""
-        servers = list(self.st.servers)
-        if len(servers) < 2 or self.replaying:
+        if len(self.st.servers) < 2 or self.replaying:
             return
-        buddy = servers[(servers.index(self.device_id) + 1) % len(servers)]
+        buddy = self.replica_buddy()
         lock = self.replica_locks.setdefault(slot, asyncio.Lock())
         async with lock:
             shard = self.hosted.get(slot)
@@ -55,12 +58,56 @@ class Failover:
                 if version not in shard.snapshots:  # forgotten meanwhile (the shard stepped on)
                     continue
                 step = shard.export_step(version) if version - 1 == getattr(lock, "sent", -1) else None
-                if step is None or not await self._replica_step(
+                taken = step is not None and await self._replica_step(
                     buddy, slot, *step, by_reference=self._buddy_made(shard, version, buddy)
-                ):
+                )
+                if not taken:
                     meta, tensors = shard.export(version)
-                    await self._deliver(buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60)
+                    taken = await self._deliver(buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60)
                 lock.sent = version
+                if taken and buddy in self.st.servers:  # (a buddy failed over meanwhile took nothing)
+                    self._replica_taken(slot, buddy, version)
+
+    def _replica_taken(self, slot: int, buddy: str, version: int) -> None:
+        """`buddy` holds `version` of `slot` now: a step this slot held for it (`replica_behind`) goes on."""
+        acked_by, acked = self.replica_acked.get(slot, (None, -1))
+        self.replica_acked[slot] = (buddy, version if acked_by != buddy else max(acked, version))
+        self._maybe_step()
+
+    def replica_behind(self, slot: int, version: int) -> bool:
+        """True while stepping `slot` from `version` would put it more than REPLICA_LAG versions ahead
+        of the copy its replica (the stage's next server) has taken: the step waits for the copy. So a
+        failover always finds the lost slot's replica within REPLICA_LAG versions of where its host
+        was, inside what every other shard still keeps; unbounded, a loaded server's copies fell
+        versions behind, and a takeover from version 0 then re-ran batches the other shards no longer
+        kept the versions of (the run never finished). A stage of one server, a replay of the request
+        log, or a server without links to the others (no one to copy to) holds nothing."""
+        if self.replaying or self.connector is None or len(self.st.servers) < 2:
+            return False
+        buddy = self.replica_buddy()
+        acked_by, acked = self.replica_acked.get(slot, (None, -1))
+        if acked_by == buddy and acked >= version - (REPLICA_LAG - 1):
+            return False
+        if slot not in self.replica_catching_up:  # (one catch-up at a time: this is asked at every credit)
+            self.replica_catching_up.add(slot)
+            self._spawn(self._catch_up_replica(slot, buddy, acked if acked_by == buddy else -1))
+        return True
+
+    async def _catch_up_replica(self, slot: int, buddy: str, acked: int) -> None:
+        """Send `slot`'s replica whatever `buddy` has not taken (everything after `acked`): a step
+        holds for it. The copies sent after each step do it too; this one starts the first copy (and
+        one after a copy was given up on), which no step would start."""
+        try:
+            lock = self.replica_locks.setdefault(slot, asyncio.Lock())
+            lock.sent = min(getattr(lock, "sent", -1), acked)
+            await self._send_replica(slot)
+        finally:
+            self.replica_catching_up.discard(slot)
+
+    def replica_buddy(self) -> str:
+        """The server that keeps the replicas of the slots hosted here: the stage's next in shard order."""
+        servers = list(self.st.servers)
+        return servers[(servers.index(self.device_id) + 1) % len(servers)]
 
     def _buddy_made(self, shard, version: int, buddy: str) -> bool:
         """Whether `version`'s summed gradient is one push from `buddy`'s own worker, which `buddy`
@@ -271,6 +318,7 @@ class Failover:
         self.epoch, self.epoch_record, self.layout = epoch, dict(record), layout
         self.st, self.index, self.reflow_from = st, index, from_batch
         self.run_versions = {}  # readings of the old epoch no longer say what is applied
+        self.replica_acked = {}  # (the ring of replicas changed, or a rollback undid what they took)
         self._reset_datapath()
         if not self.replaying and _in_event_loop():
             # the stage's ring of replicas changed: every slot hosted here goes to its new next server
@@ -330,6 +378,16 @@ class Failover:
         if max(versions) - from_batch >= snapshots_kept(self.layout.num_stages) - 1:
             raise PayloadError(
                 f"shards are at versions {min(versions)}..{max(versions)}: too far apart to run again from the lowest"
+            )
+        # the re-run computes batch from_batch on version_for_batch(from_batch) of every shard: a
+        # replica older than what a shard still keeps would take over a slot that never steps again
+        kept = {(d, s): v for d in alive for s, v in statuses[d].get("kept_from", {}).items()}
+        gone = {k: v for k, v in kept.items() if v > version_for_batch(from_batch)}
+        if gone:
+            (d, s), v = max(gone.items(), key=lambda kv: kv[1])
+            raise PayloadError(
+                f"a re-run from batch {from_batch} needs version {version_for_batch(from_batch)}, and slot {s} "
+                f"of {d} keeps versions from {v} on: the lost slots' replicas are too old"
             )
         try:
             layout = self.layout.without(moves)

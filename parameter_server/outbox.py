@@ -30,19 +30,20 @@ class Outbox:
             meta = dict(meta, epoch=self.epoch)
         return self._deliver_loop(device, method, meta, tensors, attempts)
 
-    async def _deliver_loop(self, device: str, method: str, meta: dict, tensors: list, attempts: int) -> None:
+    async def _deliver_loop(self, device: str, method: str, meta: dict, tensors: list, attempts: int) -> bool:
+        """True when `device` took the message; False when it is not owed any more or not taken."""
         delay = 0.05
         for _ in range(attempts):
             if not any(device in st.servers for st in self.layout.stages):
-                return  # failed over: whatever it was owed is run again in the new epoch
+                return False  # failed over: whatever it was owed is run again in the new epoch
             link = self.connector(device) if self.connector else None
             if link is not None:
                 try:
                     await link.call(method, meta, tensors, timeout=30.0)
-                    return
+                    return True
                 except RemoteError as e:
                     if "already applied" in str(e) or "stale epoch" in str(e):
-                        return
+                        return False
                     logger.debug("%s: %s to %s refused: %s", self.device_id, method, device, e)
                 except Exception as e:
                     logger.debug("%s: %s to %s failed: %r", self.device_id, method, device, e)
@@ -52,3 +53,4 @@ class Outbox:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
         logger.warning("%s: gave up delivering %s to %s", self.device_id, method, device)
+        return False

@@ -151,6 +151,9 @@ class StageServer(
         self.hosted: dict[int, ShardState] = {self.slot: self.shard}
         self.replicas: dict[int, ShardState] = {}  # slots of other servers of the stage copied here after each step
         self.replica_locks: dict[int, asyncio.Lock] = {}
+        # slot -> (server, version): the newest version of the slot that its replica there has taken
+        self.replica_acked: dict[int, tuple[str, int]] = {}
+        self.replica_catching_up: set[int] = set()  # slots whose replica a held step sends (failover.py)
         # (slot, batch) -> the gradient sum this server's own worker pushed to the slot's host (failover.py)
         self.own_pushes: dict[tuple[int, int], list | None] = {}
         self.run_versions: dict[str, int] = {}  # versions every server of the run announced

@@ -42,6 +42,8 @@ class Status:
             "epoch": self.epoch,
             "hosted": {str(k): sh.version for k, sh in self.hosted.items()},
             "replicas": {str(k): sh.version for k, sh in self.replicas.items()},
+            # the oldest version each hosted slot still keeps: where a failover's re-run can start
+            "kept_from": {str(k): sh.kept_from() for k, sh in self.hosted.items()},
             "losses": {str(k): v for k, v in (losses if recent is None else losses[-recent:])},
             "microbatches_applied": min(sh.microbatches_applied for sh in self.hosted.values()),
             "duplicates": self.shard.duplicates

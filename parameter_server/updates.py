@@ -140,7 +140,11 @@ class Updates:
             self.update_pins()  # before a step forgets a version a ban may still need
         stepped = False
         for slot, shard in sorted(self.hosted.items()):
-            while shard.ready_to_step() and not self.checks_hold(shard.version):
+            while (
+                shard.ready_to_step()
+                and not self.checks_hold(shard.version)
+                and not self.replica_behind(slot, shard.version)
+            ):
                 before = self.version
                 v = shard.step()
                 stepped = True

@@ -113,6 +113,8 @@ class ServerHost:
 
         args = self.args
         if self.held is None:
+            # (an identity on disk before the start may be a live server's: refuse_a_live_twin)
+            existed = bool(args.identity_path) and os.path.exists(args.identity_path)
             with interruptible(stop):  # (it waits for the initial peers without giving the loop a turn)
                 self.dht = self._start_dht()
             self.p2p = await self.dht.replicate_p2p()
@@ -125,6 +127,8 @@ class ServerHost:
             self.p2p = await self.held.replicate()
             logger.info("%s: attached to its supervisor's DHT node in %.1f s", self.device, time.perf_counter() - t0)
         self.peer_id = str(self.dht.peer_id)
+        if self.held is None and existed:
+            await self.refuse_a_live_twin()
         # the first line on stdout: what a volunteer (or another server) passes to --initial-peers
         print("initial_peers=" + " ".join(self.maddrs), flush=True)
         # the second: what a volunteer passes to --run-id, so that it believes only this run's servers
@@ -140,6 +144,24 @@ class ServerHost:
                 self.layout.num_stages,
                 self.maddrs,
                 self.device,
+            )
+
+    async def refuse_a_live_twin(self) -> None:
+        """UsageError when a live server of the run holds this server's identity (peer.host.twin):
+        backs hivemind's best-effort check at start with the run's own records."""
+        from peer.host.twin import live_holder, read_servers
+
+        read = read_servers(self.dht, self.run_cfg.run_id, self.layout.num_stages)
+        try:
+            holder = await live_holder(read, self.peer_id, self.run_cfg.announce_period, who=self.device)
+        except Exception as e:  # (the run's records unreadable: hivemind's check at start is all there is)
+            logger.info("%s: could not read the run's records to check its identity: %r", self.device, e)
+            return
+        if holder is not None:
+            raise UsageError(
+                f"identity {self.args.identity_path} ({self.peer_id}) is held by a live server of run "
+                f"{self.run_cfg.run_id!r} ({holder.get('device')}, announcing at {' '.join(holder.get('maddrs', []))}): "
+                "stop that server first, or give this one another --identity-path"
             )
 
     def peers_file(self) -> str | None:
@@ -597,8 +619,9 @@ class ServerHost:
             stop_dht(self.dht)
 
     async def run(self, stop: asyncio.Event) -> int:
-        """The whole life: 0 when the run finished (or a signal stopped it), 2 when this server is
-        not part of the run (another run key, other flags, failed over)."""
+        """The whole life: 0 when the run finished (or a signal stopped it). UsageError (the command's
+        exit 2) when this server is not part of the run: another run key, other flags, a live server
+        holding its identity, or failed over (found at the start, or while it was away)."""
         try:
             # each phase ends as soon as a signal comes, whatever it waits for
             await until_stopped(self.start(stop), stop)
@@ -626,7 +649,9 @@ class ServerHost:
                     await stop.wait()
             fenced = self.announcer.fenced if self.announcer is not None else []
             await self.stop(fenced[0] if fenced else "stopped")
-            return 2 if fenced else 0
+            if fenced:  # (as when find_run finds the layout without it: the command says why, exit 2)
+                raise UsageError(fenced[0])
+            return 0
         except BaseException as e:
             if not self.stopping:
                 if isinstance(e, Interrupted):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import warnings
 from typing import AsyncIterator, Iterable, Sequence
 
 import msgpack
@@ -20,6 +21,13 @@ import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
+
+# hivemind's 8-bit codecs (hivemind.compression.quantization, our --compress 8bit) call torch's
+# quantized-tensor functions and a numpy conversion that warn at every use under torch 2.13 and numpy 2
+# (deprecations, not wrong values: the round trip is tested in tests/protocol/test_compression.py).
+# Silenced for that module alone, so that the warnings a user or the suite sees are about our code.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"hivemind\.compression\.quantization")
+warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"hivemind\.compression\.quantization")
 
 CHUNK_BYTES = 1 << 20  # tensor parts of 1 MiB: far under the 4 MiB unary cap
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30

@@ -285,3 +285,42 @@ def test_a_volunteer_crashed_holding_a_task_is_noticed_when_its_connection_close
     assert sum(c.get("clients_disconnected", 0) for c in stage0) >= 1, stage0
     assert sum(c.get("clients_timed_out", 0) for c in stage0) == 0, stage0
     assert rel_diff(out["state"], reference_state("tiny", steps)) < 1e-5
+
+
+def test_a_second_server_with_a_live_servers_identity_is_refused_even_when_hivemind_misses_it(tmp_path, monkeypatch):
+    """s0b0 serves (waiting for the rest of the run); a second `peer serve` of s0b0 with the same
+    identity file joins through s0f0 while hivemind's own check at start misses the holder (patched to
+    say the identity is free, as it sometimes does under load): the run's records show the live
+    holder re-announcing, and the second one ends with the reason (exit 2) before it announces
+    anything."""
+    from hivemind.p2p import P2P
+
+    async def missed(cls, identity_path, **kwargs):  # (runs in the DHT's forked process)
+        return False
+
+    monkeypatch.setattr(P2P, "is_identity_taken", classmethod(missed))
+    run = HostRun(tmp_path, "twin", 3, TWO_STAGES)
+    twin_run = HostRun(tmp_path, "twin", 3, TWO_STAGES)
+    out = {}
+
+    async def scenario():
+        try:
+            first = await run.first_server(device(0, "frontal"))
+            holder = run.start_server(device(0, "backward"))
+            await run.wait(
+                lambda: getattr(first, "directory", None) is not None and "s0b0" in first.directory.known,
+                120,
+                "s0f0 to see s0b0's record",
+            )
+            twin_run.initial, twin_run.run_fp = run.initial, run.run_fp
+            twin_run.start_server(device(0, "backward"))
+            out["twin"] = await twin_run.ended(["s0b0"], timeout=120)
+            out["holder_alive"] = not run.runs["s0b0"].done() and holder.peer_id
+        finally:
+            await twin_run.close()
+            await run.close()
+
+    play(scenario, timeout=300)
+    assert out["twin"] == {"s0b0": 2}, (out, twin_run.errors)
+    assert "is held by a live server of run 'twin' (s0b0" in twin_run.errors["s0b0"], twin_run.errors
+    assert out["holder_alive"]
