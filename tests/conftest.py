@@ -8,6 +8,10 @@
   as stage servers and workers wired without a network (tests/swarm/inprocess.py);
 - `net`: real DHT nodes and network namespaces (tests/net; the namespaces need root and skip elsewhere).
 
+Across the tiers, `stress` marks the tests of the riskiest paths (failover, comeback, replicas,
+hoarders, checked work, the operator's run, a live identity): scripts/stress.py runs them many times
+under CPU load (`--count`, pytest-repeat).
+
 The suite runs on two processes (`-n 2 --dist loadgroup`, pytest-xdist; three on two cores were no
 faster than two, and slowed each swarm test 1.5-3x): tests are handed out one by one, the files that
 take longest first (`LONGEST_FIRST`), except that the tests of a file with a
@@ -57,6 +61,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "unit: one process, no swarm (about a minute in all)")
     config.addinivalue_line("markers", "swarm: a swarm of real processes, or the in-process swarm")
     config.addinivalue_line("markers", "net: real DHT nodes and network namespaces")
+    config.addinivalue_line(
+        "markers", "stress: a risky path's test that scripts/stress.py runs many times under load (docs/stress.md)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -165,6 +165,7 @@ def test_volunteers_on_cuda_need_a_cuda_device():
         validate(args)
 
 
+@pytest.mark.stress
 def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind_and_a_server_it_loses_is_failed_over(tmp_path):
     """`peer swarm` without --work-dir removes its temporary folder; `--lose-server` (here a backward
     server of the only stage, at step 1) is failed over by the others and the run applies every

@@ -76,6 +76,7 @@ def logged(caplog, *words: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if all(w in r.getMessage() for w in words)]
 
 
+@pytest.mark.stress
 def test_servers_crashed_and_restarted_with_their_own_command_resume_without_losing_a_step(tmp_path, caplog):
     """s0b0 at step 2 and s1f0 at step 4 crash (their DHT processes SIGKILLed) and are started again
     with the command they were started with, less --initial-peers, as an operator would: each joins
@@ -163,6 +164,7 @@ def online(run: HostRun) -> bool:
     return all(h.announcer is not None and h.announcer.online.is_set() for h in run.servers.values())
 
 
+@pytest.mark.stress
 def test_servers_lost_before_the_first_step_and_mid_run_are_failed_over(tmp_path, caplog):
     """Two frontal and two backward servers a stage, the servers not computing. s0b1 is lost before
     any volunteer joins (its next server holds its slot from when the run came online): s0f0 takes it
@@ -210,6 +212,7 @@ def test_servers_lost_before_the_first_step_and_mid_run_are_failed_over(tmp_path
     assert rel_diff(out["state"], reference_state("tiny", steps)) < 1e-5
 
 
+@pytest.mark.stress
 def test_a_failed_over_server_that_comes_back_is_refused_and_its_successor_restarts_with_the_slot(tmp_path, caplog):
     """s0b0 is lost at step 2; as soon as s0b1 (which held its replica) has taken its slot over, s0b1
     crashes too, before a step of the new epoch, and is restarted with its own command: its checkpoint
@@ -287,6 +290,7 @@ def test_a_volunteer_crashed_holding_a_task_is_noticed_when_its_connection_close
     assert rel_diff(out["state"], reference_state("tiny", steps)) < 1e-5
 
 
+@pytest.mark.stress
 def test_a_second_server_with_a_live_servers_identity_is_refused_even_when_hivemind_misses_it(tmp_path, monkeypatch):
     """s0b0 serves (waiting for the rest of the run); a second `peer serve` of s0b0 with the same
     identity file joins through s0f0 while hivemind's own check at start misses the holder (patched to

@@ -72,6 +72,7 @@ def totals(statuses: dict) -> dict:
     }
 
 
+@pytest.mark.stress
 def test_liars_of_every_kind_are_banned_and_the_run_equals_the_clean_one(tmp_path, caplog):
     """One liar of each kind from its first task, and one that lies only after 6 honest tasks, past a
     probation of 1 passed check per server (then half of its work is checked): all banned, each told
