@@ -342,6 +342,7 @@ def run(args) -> int:
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
     from peer.host.server import start_server_dht
 
+    args.identity_existed = os.path.exists(args.identity_path)  # (its first server process checks it)
     dht = start_server_dht(args, run_cfg, device)
     dht_leaves_with(dht, os.getpid())
     held = HeldNode.of(dht, os.path.join(tempfile.gettempdir(), f"hivepipe-{os.getpid()}-{device[:40]}.sock"))

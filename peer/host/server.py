@@ -122,12 +122,15 @@ class ServerHost:
 
             self.maddrs = announced_maddrs(self.dht)
         else:
+            # (a supervised server's first process checks what its supervisor's start found; a
+            # restarted one is the supervisor's own, under the identity it already holds)
+            existed = getattr(args, "identity_existed", False) and not getattr(args, "restarted", False)
             t0 = time.perf_counter()
             self.dht, self.maddrs = self.held.dht, self.held.maddrs
             self.p2p = await self.held.replicate()
             logger.info("%s: attached to its supervisor's DHT node in %.1f s", self.device, time.perf_counter() - t0)
         self.peer_id = str(self.dht.peer_id)
-        if self.held is None and existed:
+        if existed:
             await self.refuse_a_live_twin()
         # the first line on stdout: what a volunteer (or another server) passes to --initial-peers
         print("initial_peers=" + " ".join(self.maddrs), flush=True)
