@@ -116,7 +116,18 @@ class ServerHost:
             # (an identity on disk before the start may be a live server's: refuse_a_live_twin)
             existed = bool(args.identity_path) and os.path.exists(args.identity_path)
             with interruptible(stop):  # (it waits for the initial peers without giving the loop a turn)
-                self.dht = self._start_dht()
+                try:
+                    self.dht = self._start_dht()
+                except NetworkError as e:
+                    if not existed:
+                        raise
+                    # (a second process under a live server's peer id can fail here: the peers it joins
+                    # through dial that peer id back and reach the other one)
+                    raise NetworkError(
+                        f"{e}. If the identity {args.identity_path} is held by a live server of the run, that "
+                        "alone makes this start fail: stop that server first, or give this one another "
+                        "--identity-path"
+                    ) from None
             self.p2p = await self.dht.replicate_p2p()
             from peer.node import announced_maddrs
 
