@@ -170,13 +170,13 @@ def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_r
 
 
 @pytest.mark.stress
-def test_a_slot_steps_only_a_version_ahead_of_its_slow_replica_and_its_loss_reruns_one_batch():
-    """The stage's next server takes every copy of s0b1's slot 0.3 s late (a loaded machine, a slow
-    link): s0b1 steps from version v only once its replica holds v, so the replica is never more than
-    one version behind it; unbounded, the copies fell versions behind and a takeover had to re-run
-    from far back (once from version 0, with the other shards at 2-3, and the run never finished).
-    s0b1 is then lost: the failover re-runs from no earlier than one batch before where s0b1 was, and
-    the run equals the reference."""
+def test_a_slot_steps_at_most_two_versions_ahead_of_its_slow_replica_and_its_loss_reruns_little():
+    """The stage's next server takes every copy of s0b1's slot 0.8 s late (a loaded machine, a slow
+    link): s0b1 steps from version v only once its replica holds v - 1, so the replica is never more
+    than two versions behind it; unbounded, the copies fell versions behind and a takeover had to
+    re-run from far back (once from version 0, with the other shards at 2-3, and the run never
+    finished). s0b1 is then lost: the failover re-runs from no earlier than two batches before where
+    s0b1 was, and the run equals the reference."""
     steps = 6
     cfg, layout, run = make_run(steps=steps, stages=1, frontal=2, backward=2)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1)
@@ -189,7 +189,7 @@ def test_a_slot_steps_only_a_version_ahead_of_its_slow_replica_and_its_loss_reru
 
     async def late(method, meta, tensors, sender):
         if method == "push_replica" and meta.get("slot") == slot:
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.8)
         return await handle(method, meta, tensors, sender)
 
     buddy.handle = late
@@ -202,9 +202,9 @@ def test_a_slot_steps_only_a_version_ahead_of_its_slow_replica_and_its_loss_reru
         records.append(await swarm.lose(lost))
 
     state = asyncio.run(swarm.train(timeout=240, at_version={3: lose}))
-    assert behind and max(behind) <= 1, behind  # (the step to v waits for the copy of v - 1)
+    assert behind and max(behind) <= 2, behind  # (the step to v waits for the copy of v - 2)
     (record,) = records
-    assert record["from_batch"] >= where[0] - 1, (record["from_batch"], where)
+    assert record["from_batch"] >= where[0] - 2, (record["from_batch"], where)
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
 
 
