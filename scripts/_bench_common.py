@@ -32,6 +32,12 @@ def out_folder(parser, path: Path) -> Path:
     return path
 
 
+def spin() -> None:
+    """A process that only burns a core: CPU load beside a benchmark or the stress tier."""
+    while True:
+        pass
+
+
 def loadavg() -> str:
     """The 1, 5 and 15-minute load averages, as '1.02/2.10/3.00'."""
     return "/".join(f"{x:.2f}" for x in os.getloadavg())

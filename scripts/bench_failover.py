@@ -27,14 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from _bench_common import Report, loadavg, md_table  # noqa: E402
+from _bench_common import Report, loadavg, md_table, spin  # noqa: E402
 
 STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
-
-
-def spin() -> None:
-    while True:
-        pass
 
 
 def stamp(text: str) -> float:

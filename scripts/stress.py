@@ -26,12 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from _bench_common import Report, loadavg, md_table  # noqa: E402
-
-
-def spin() -> None:
-    while True:
-        pass
+from _bench_common import Report, loadavg, md_table, spin  # noqa: E402
 
 
 def base_name(nodeid: str) -> str:
