@@ -46,8 +46,10 @@ class Checks:
     ) -> None:
         """A result for task `task_id` is accepted only from a holder of its lease (the `ticket` it got
         with `take`, peer/protocol/leases.py), and only for what the task covers: a `kind` task of this
-        stage, batch `t` (and micro-batch `m`), whose rows hold `rows` (are them, with `exact`). A
-        restart's replay of its request log re-applies what was accepted before."""
+        stage, batch `t` (and micro-batch `m`), whose rows are `rows` where they meet this server's
+        segment (with `exact`: are `rows`), never a part of them: a part pushed and the task handed back
+        would make every whole re-run overlap it, and be refused. A restart's replay of its request log
+        re-applies what was accepted before."""
         if self.replaying:
             return
         tid = TaskId.parse(task_id)
@@ -56,10 +58,10 @@ class Checks:
             raise PayloadError(f"task {task_id} is not a {kind} task of {where} of stage {self.stage}")
         if rows is not None:
             (a, b), (lo, hi) = rows, tid.rows
-            if (a, b) != (lo, hi) if exact else not (lo <= a and b <= hi):
-                raise PayloadError(
-                    f"rows [{a}, {b}) are not {'the' if exact else 'within the'} rows [{lo}, {hi}) of task {task_id}"
-                )
+            if not exact:  # the task's rows that this server holds
+                lo, hi = max(lo, self.seg[0]), min(hi, self.seg[1])
+            if (a, b) != (lo, hi):
+                raise PayloadError(f"rows [{a}, {b}) are not the rows [{lo}, {hi}) of task {task_id} held here")
         self.lease_tickets.check(ticket, task_id, sender, self.epoch)
 
     def _batch_micro(self, meta: dict, check_applied: bool = True) -> tuple[int, int]:

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 
 from parameter_server.leases import carried_completes
+from peer.protocol.leases import MAX_TICKET
 from peer.protocol.wire import PayloadError
 from peer.protocol.wire import field as mfield
 
@@ -92,6 +93,14 @@ class Clients:
             or not all(isinstance(t, str) and len(t) <= 64 for t in holding)
         ):
             raise PayloadError("field 'holding' must list the task ids the client holds")
+        # each held task's lease ticket (None where the client has none): what proves a lease to adopt
+        tickets = mfield(meta, "leases", list, optional=True)
+        if tickets is not None and (
+            holding is None
+            or len(tickets) != len(holding)
+            or not all(t is None or (isinstance(t, str) and len(t) <= MAX_TICKET) for t in tickets)
+        ):
+            raise PayloadError("field 'leases' must give one lease ticket (or null) per task in 'holding'")
         # the client's last take here failed without an answer (it has one take in flight per server
         # at most): no lease of it here is on its way, so those it does not hold are lost now
         take_lost = mfield(meta, "take_lost", bool, optional=True)
@@ -120,7 +129,8 @@ class Clients:
                 # on with them; leased back to it, nobody else does them a second time (seen in the
                 # a soak after a 1 s restart: a worker took such tasks again and summed them twice);
                 # before its carried completions, which this server takes only from a task's holder
-                adopted = [t for t in holding if self.pool.adopt(sender, t) is not None]
+                proven = self._proven_leases(sender, holding, tickets or [None] * len(holding))
+                adopted = [t for t in proven if self.pool.adopt(sender, t) is not None]
                 if adopted:
                     self.counters["leases_adopted"] = self.counters.get("leases_adopted", 0) + len(adopted)
                     logger.info("%s: %s holds %s: leased to it again", self.device_id, sender[-8:], ", ".join(adopted))
@@ -140,6 +150,27 @@ class Clients:
                 )
         answer = {"ok": True, "version": self.version, "epoch": self.epoch}
         return (answer | {"over": True}) if self.run_over else answer
+
+    def _proven_leases(self, sender: str, holding: list[str], tickets: list) -> list[str]:
+        """Of the tasks a client new here says it holds, those whose lease it proves with its ticket
+        (issued to it, in this layout epoch, by a server of the run): a client's word alone would let it
+        take queued tasks by naming them, and then complete them without computing anything."""
+        proven = []
+        for task_id, ticket in zip(holding, tickets):
+            try:
+                self.lease_tickets.check(ticket, task_id, sender, self.epoch)
+            except PayloadError:
+                continue
+            proven.append(task_id)
+        if len(proven) < len(holding):
+            self.counters["holding_unproven"] = self.counters.get("holding_unproven", 0) + len(holding) - len(proven)
+            logger.info(
+                "%s: %s says it holds %d task(s) it proves no lease of: not leased to it",
+                self.device_id,
+                sender[-8:],
+                len(holding) - len(proven),
+            )
+        return proven
 
     def _admit(self, sender: str) -> None:
         """A new client's registration, within the limits: a peer dropped for leases it let run out

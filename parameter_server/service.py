@@ -27,6 +27,7 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 
 from parameter_server.backward import Backward
+from parameter_server.budget import RequestBudget
 from parameter_server.checks import Checks
 from parameter_server.clients import REGISTER_BURST, REGISTER_RATE, ClientInfo, Clients, TokenBucket
 from parameter_server.failover import Failover
@@ -148,6 +149,8 @@ class StageServer(
         self.slot = self.st.hosts.index(device_id)
         self.shard = self._new_shard(self.slot)
         self.max_request_bytes = max_request_bytes or default_max_request_bytes(stage_params, self.rows, cfg)
+        # unanswered requests' bytes, per volunteer and in all (parameter_server/budget.py)
+        self.request_budget = RequestBudget.for_requests(self.max_request_bytes)
         self.hosted: dict[int, ShardState] = {self.slot: self.shard}
         self.replicas: dict[int, ShardState] = {}  # slots of other servers of the stage copied here after each step
         self.replica_locks: dict[int, asyncio.Lock] = {}
@@ -194,7 +197,7 @@ class StageServer(
         # them to tell a new one from one seen before (one that returns after that many others counts again)
         self.volunteers_joined = 0
         self.seen_volunteers = Remembered(SEEN_VOLUNTEERS)
-        self._init_verification(verify_rate, probation, run.seed, verify_device)
+        self._init_verification(verify_rate, probation, verify_device)
 
     def _new_shard(self, slot: int) -> ShardState:
         names = self.slot_names[slot]
@@ -237,6 +240,7 @@ class StageServer(
         self.grad_buffers: dict[tuple[int, int], "RowBuffer"] = {}  # BS: output grads; FS: relayed input grads
         self.ledger: dict[tuple[int, int], list["LedgerEntry"]] = {}
         self.gin_senders: dict[tuple, str] = {}  # FS: (t, m, a, b) -> who handed in that input gradient
+        self.gin_orphans: set[tuple] = set()  # FS: those of them re-run on their own (verify._back_input_grads)
         self.batch_members: dict[int, list[str]] = {}  # FS: batch -> the clients its forward tasks are cut for
         # FS: batch -> (how many of its micro-batches were cut into tasks, the clients that got a piece of each)
         self.batch_cut: dict[int, tuple[int, set]] = {}
@@ -263,29 +267,46 @@ class StageServer(
     async def _serve(
         self, method: str, requests: AsyncIterator[ExpertRequest], context: P2PContext, answer_type=ExpertResponse
     ):
+        peer = str(context.remote_id)
+        budget = None if self._is_server(peer) else self.request_budget
+        held = [0]  # bytes of this request counted in the budget, given back once it is answered
+
         async def counted():
             async for message in requests:
-                TRAFFIC[f"{method}.request"] += message.ByteSize()
+                n = message.ByteSize()
+                TRAFFIC[f"{method}.request"] += n
+                if budget is not None:
+                    budget.take(peer, n)
+                    held[0] += n
                 yield message
 
         CALLS[method] += 1
         try:
+            async for message in self._serve_counted(method, counted(), peer, answer_type):
+                yield message
+        finally:
+            if budget is not None:
+                budget.give(peer, held[0])
+
+    async def _serve_counted(self, method: str, requests: AsyncIterator, peer: str, answer_type):
+        """Read the request, run it, and yield its answer's messages."""
+        try:
             # a request beyond the limit is refused while its bytes arrive, before any tensor is built
             meta, tensors = await unpack(
-                counted(), max_bytes=self.max_request_bytes, stall=STALL_SECONDS, accept=self.compress
+                requests, max_bytes=self.max_request_bytes, stall=STALL_SECONDS, accept=self.compress
             )
         except (PayloadError, StreamCut) as e:
-            logger.debug("%s: %s request from %s refused: %s", self.device_id, method, str(context.remote_id)[-8:], e)
+            logger.debug("%s: %s request from %s refused: %s", self.device_id, method, peer[-8:], e)
             rmeta, rtensors = {"error": str(e)}, []
         else:
             VALUES[method] += sum(t.numel() for t in tensors)
-            rmeta, rtensors = await self.handle(method, meta, tensors, str(context.remote_id))
+            rmeta, rtensors = await self.handle(method, meta, tensors, peer)
         out = pack(
             rmeta, rtensors, answer_type, compress=self.compress if method in methods.COMPRESSED_ANSWERS else "none"
         )
         nbytes = sum(m.ByteSize() for m in out)
         TRAFFIC[f"{method}.response"] += nbytes
-        await self.links.send(self._device_of(str(context.remote_id)), nbytes)
+        await self.links.send(self._device_of(peer), nbytes)
         for message in out:
             yield message
 

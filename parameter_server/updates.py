@@ -119,6 +119,7 @@ class Updates:
             batch=t, pieces=pieces, grads=tensors, loss_sum=loss, sender=sender, authorize=leased
         )
         if result == "credited":
+            self._back_input_grads(sender, t, pieces)
             if self._note_contribution(sender, t, shared_by=len(self.st.hosts)):
                 self._check_later(
                     t,
@@ -172,6 +173,7 @@ class Updates:
         for store in (self.buffers, self.grad_buffers, self.ledger, self.gin_senders):
             for key in [k for k in store if k[0] < batch]:
                 del store[key]
+        self.gin_orphans.difference_update([k for k in self.gin_orphans if k[0] < batch])
         for store in (self.batch_members, self.batch_cut):
             for t in [t for t in store if t < batch]:
                 del store[t]

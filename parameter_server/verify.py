@@ -11,7 +11,9 @@ What is checked, where it arrives:
 - a forward task's outputs (a backward server of a stage that is not the last).
 
 A volunteer's first `probation` contributions at a server are all checked; after that each one with
-probability `verify_rate`. Checks run beside the step (spawned, the compute in a thread of their
+probability `verify_rate`, drawn when the work arrives from a secret of this server's own (os.urandom
+at start, never sent): the run's seed and the server's name are public, and a liar that could compute
+the draws would lie only on the contributions not drawn. Checks run beside the step (spawned, the compute in a thread of their
 own): an honest run pays only the recomputed share. A mismatch bans the volunteer: the server refuses
 it at once and reports it to the run's first server, which bans it on every server and starts a layout
 epoch that rolls every shard back to the first batch the volunteer contributed to (within the kept
@@ -24,6 +26,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import os
 import random
 import time
 
@@ -77,14 +80,15 @@ def distance(got: torch.Tensor, want: torch.Tensor) -> float:
 class Verification:
     """StageServer's checks of volunteers' work and bans (a part of parameter_server.service.StageServer)."""
 
-    def _init_verification(self, verify_rate: float, probation: int, seed: int, device: str = "cpu") -> None:
+    def _init_verification(self, verify_rate: float, probation: int, device: str = "cpu") -> None:
         if not 0.0 <= verify_rate <= 1.0:
             raise ValueError(f"verify rate must be in [0, 1], got {verify_rate}")
         if probation < 0:
             raise ValueError(f"probation must be >= 0 contributions, got {probation}")
         self.verify_rate, self.probation = verify_rate, probation
         self.verify_device = torch.device(device)  # where re-runs compute (the server's --device)
-        self.verify_rng = random.Random(f"{seed}:{self.device_id}:verify")
+        secret = os.urandom(32)  # which contributions are re-run, and the drift test's directions
+        self.verify_rng = random.Random(secret[:16])
         self.banned: dict[str, str] = {}  # peer id -> why (kept across layout epochs)
         # per volunteer, forgotten once it has left and its batches are out of the kept window
         # (Verification.forget_departed; a run of days sees tens of thousands of volunteers come and go)
@@ -99,7 +103,7 @@ class Verification:
         self.verify_counts = {"checked": 0, "passed": 0, "caught": 0, "skipped": 0, "tasks_rerun": 0}
         self.passed_distance: dict[str, float] = {}  # peer -> the largest distance of a check it passed
         self.departed_distance = 0.0  # the same, of volunteers forgotten (forget_departed) and never banned
-        self.drift = DriftTest()  # consistent small lies, along directions secret to this server (drift.py)
+        self.drift = DriftTest(secret[16:])  # consistent small lies, along directions secret to this server (drift.py)
         self._verify_model = None
         self._verify_params: dict[int, dict[str, torch.Tensor]] = {}
         self._verify_executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -490,6 +494,48 @@ class Verification:
                     ) or await self._drifts(epoch, sender, "input gradients", theirs, mine, t):
                         return
         self._passed(sender, seen)
+
+    def _back_input_grads(self, sender: str, t: int, pieces: list) -> None:
+        """A gradient push from `sender` credited here (a frontal server of a stage > 0) for `pieces`
+        (task id, micro-batch, rows): an input gradient of the same rows handed in by someone else was
+        relayed with no push of its own behind it (its task handed back or let run out, and run again):
+        it is re-run on its own, whatever the sample says (a liar that relays a lie and never pushes
+        the gradient that would check it is caught, and the ban's rollback reaches batch t)."""
+        if self.role != "frontal" or self.stage == 0 or self.replaying:
+            return
+        for _, m, (a, b) in pieces:
+            key = (t, m, a, b)
+            first = self.gin_senders.get(key)
+            if first is None or first == sender or key in self.gin_orphans or self._is_server(first):
+                continue
+            self.gin_orphans.add(key)
+            self.counters["input_grads_orphaned"] = self.counters.get("input_grads_orphaned", 0) + 1
+            self._check_later(t, self._check_input_grad, first, t, m, a, b)
+
+    async def _check_input_grad(self, epoch: int, sender: str, t: int, m: int, a: int, b: int) -> None:
+        """Re-run rows [a, b) of micro-batch m of batch t and compare the input gradient `sender` handed
+        in for them (held here) with the re-run's."""
+        x, labels = await self._held_rows("inputs", t, m, a, b)
+        g = None if self.last else (await self._held_rows("output_grads", t, m, a, b))[0]
+        tokens = self.run.batch_size * self.cfg.seq_len
+        gin, _, _ = await self._recompute(
+            version_for_batch(t),
+            lambda model: backward_rows(
+                model, x, self.verify_device, tokens, out_grad=g, labels=labels if self.last else None
+            ),
+        )
+        buf = self.grad_buffers.get((t, m))
+        if buf is None or not buf.has(a, b) or self.gin_senders.get((t, m, a, b)) != sender:
+            raise KeyError(f"the input gradient of rows {a}-{b} of batch {t} micro-batch {m} is gone")
+        self.verify_counts["checked"] += 1
+        self.verify_counts["tasks_rerun"] += 1
+        theirs, mine = buf.slice(a, b)[0], roundtrip(gin, self.compress)
+        seen: list[float] = []
+        what = f"its input gradient of rows {a}-{b} of micro-batch {m} (with no gradient push of its own)"
+        if self._judge(epoch, sender, what, distance(theirs, mine), t, seen) and not await self._drifts(
+            epoch, sender, "input gradients", theirs, mine, t
+        ):
+            self._passed(sender, seen)
 
     # bans --------------------------------------------------------------------------------------
     def _ban_here(self, peer: str, why: str) -> None:

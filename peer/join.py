@@ -49,7 +49,8 @@ def add_arguments(p) -> None:
         default=None,
         metavar="KIND[@AFTER]",
         help="TEST TOOL, never for real runs: after AFTER honest tasks (default 0) hand in wrong results "
-        "(scale: x1e4, signflip, noise: +0.1 x RMS, zeros) to exercise the servers' checks; the "
+        "(scale: x1e4, signflip, noise: +0.1 x RMS, zeros, bias: +3e-4 of the norm on one value, relay: "
+        "input gradients x100 and the task handed back) to exercise the servers' checks; the "
         "servers ban such a volunteer",
     )
     add_common_arguments(p)

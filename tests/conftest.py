@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 TIERS = {
     "taskpool": "unit",
     "scheduler": "unit",
@@ -66,8 +68,8 @@ def pytest_configure(config):
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    import pytest
 
     root = Path(__file__).parent
     for item in items:
@@ -86,3 +88,16 @@ def pytest_collection_modifyitems(config, items):
         return rank.get(Path(str(item.fspath)).relative_to(root).as_posix(), len(rank))
 
     items.sort(key=order)  # (stable: each file keeps its own order)
+
+
+def pytest_collection_finish(session):
+    """With `--dist loadgroup`, a worker's grouped tests carry their group in their ids (pytest-xdist
+    renames them): a pytest that does not let it (9.2 with xdist 3.8) would spread a file's tests,
+    and its module-wide swarm with them, over both processes, each starting it again."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist did not group {lost[0]} (and {len(lost) - 1} more): see pyproject's pytest pin"
+        )

@@ -192,6 +192,7 @@ async def serve(
     out: asyncio.Queue = asyncio.Queue()
     inboxes: dict[int, tuple[str, asyncio.Queue, list]] = {}  # open requests: method, messages, [bytes]
     running: set[asyncio.Task] = set()
+    answered: set[int] = set()  # calls whose handler has answered while their request still arrives
     done, cut_short = object(), object()
 
     async def one(call: int, method: str, inbox: asyncio.Queue) -> None:
@@ -206,6 +207,11 @@ async def serve(
         except Exception:  # (the handler answers every error of the call; this is a bug, the caller times out)
             logger.exception("session call %d (%s) failed", call, method)
             return
+        finally:
+            if call in inboxes:  # answered before its last message (refused): the rest is dropped
+                answered.add(call)
+                while not inbox.empty():
+                    inbox.get_nowait()
         for i, message in enumerate(answer):
             out.put_nowait(tag(message, call, method, i == len(answer) - 1))
 
@@ -223,12 +229,14 @@ async def serve(
                 opened, inbox, size = inboxes[call]
                 if method != opened:
                     raise PayloadError(f"session call {call} is a {opened} call, a message of it says {method}")
-                if size[0] <= max_call_bytes:  # (past it the handler has refused the call: the rest is dropped)
+                # past max_call_bytes, or once answered (refused early), the rest of a call is dropped
+                if size[0] <= max_call_bytes and call not in answered:
                     size[0] += message.ByteSize()
                     inbox.put_nowait(message)
                 if last:
                     inbox.put_nowait(None)
                     del inboxes[call]
+                    answered.discard(call)
         except Exception as e:
             out.put_nowait(e)
         else:

@@ -193,6 +193,9 @@ class StageWorker:
         # of them, the ones a call now in flight carries (a long-polled take, a heartbeat): not put in
         # another call until it answers (both carried them, and the server counted the second a duplicate)
         self.handing: dict[str, set[str]] = {}
+        # task id -> the ticket of its lease, while this worker holds it: a `register` that lists what it
+        # holds proves each lease with its ticket (a server that restarted adopts only proven leases)
+        self.held_tickets: dict[str, str | None] = {}
         self.max_pending = 2 * run.micro_batches  # the servers lease a client 2 x micro-batches + 1 tasks
         self.current: tuple[str, str] | None = None  # (server device, task id) being worked on
         # an idle worker waits for a task at every server of its stage at once (long-polled `take`s, at
@@ -266,6 +269,7 @@ class StageWorker:
         self._set_layout(RunLayout.from_dict(record["layout"], self.cfg.layers))
         self.pending.clear()  # the old epoch's leases are gone: its tasks are run again in this one
         self.finished.clear()
+        self.held_tickets.clear()
         self.handing.clear()
         # a rollback (a cheater was caught) re-makes versions after its batch, and their inputs
         self.versions.clear()
@@ -298,7 +302,14 @@ class StageWorker:
         `first`: this worker just started, so any lease under its peer id is a predecessor's (a
         supervised server forked again) and goes back at once, however young."""
         extra = {"first": True} if first else {}
+        self._forget_tickets()
         await asyncio.gather(*(self._heartbeat(d, **extra) for d in self.st.servers if d in self.links))
+
+    def _forget_tickets(self) -> None:
+        """Forget the tickets of tasks no longer held anywhere (done, handed back, or an old epoch's)."""
+        held = {t for d in self.st.servers if d in self.links for t in self.holding(d)}
+        for task in [t for t in self.held_tickets if t not in held]:
+            del self.held_tickets[task]
 
     async def _heartbeat(self, device: str, **extra) -> None:
         """One `register` at `device`, carrying the tasks finished there (quiet: a failure is logged at
@@ -320,6 +331,7 @@ class StageWorker:
         meta = {"device": self.device_id, "compute": float(self.compute), "stage": self.stage, **extra}
         if device is not None:
             meta["holding"] = self.holding(device)
+            meta["leases"] = [self.held_tickets.get(t) for t in meta["holding"]]
         return meta
 
     def _finish_later(self, device: str, task_id: str, epoch: int) -> None:
@@ -408,6 +420,7 @@ class StageWorker:
             link = self.links.get(device)
             if link is None or device not in self.st.servers:
                 return
+            self._forget_tickets()
             await self._heartbeat(device)
             await self._pause(stop, self.heartbeat)
 
@@ -549,7 +562,10 @@ class StageWorker:
         self._release(device, done)
         self._handed_in(device, done)
         self.more[device] = meta.get("more") is not False
-        return (link, meta, tensors) if meta.get("task") else None
+        if not meta.get("task"):
+            return None
+        self.held_tickets[meta["task"]] = meta.get("lease")
+        return link, meta, tensors
 
     def _harvest(self) -> None:
         """Move the tasks that waiting takes brought into `ready`."""
@@ -1017,6 +1033,9 @@ class StageWorker:
                 epoch=meta["epoch"],
             )
             self._point("after_input_grads")
+            if self.cheat is not None and self.cheat.kind == "relay" and self._lying(meta["batch"]):
+                await self._hand_back(link, meta["task"], meta["epoch"])  # (no push would check the lie)
+                return
         if meta["epoch"] != self.epoch:  # a failover voided it: it is run again in the new epoch
             raise RemoteError(
                 f"task {meta['task']} belongs to layout epoch {meta['epoch']}, the run is at {self.epoch}"

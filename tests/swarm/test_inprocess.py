@@ -692,6 +692,76 @@ def test_a_restarted_server_leases_back_what_its_clients_still_hold():
         assert lease.task.task_id != task
 
 
+def test_a_client_that_names_queued_tasks_as_held_gets_none_of_them():
+    """A `register` from a client new to the server may list tasks it holds (after the server's
+    restart, leases it still works on): only leases it proves with their tickets are leased back. A
+    stranger naming queued task ids, with no ticket, another's ticket or one of its own for another
+    task, gets none of them, and the `complete` it carries completes nothing; the worker that holds a
+    ticket of one gets it back."""
+    from peer.protocol.tasks import task_id
+    from peer.protocol.wire import RemoteError
+
+    fs, (a,) = one_stage(volunteers=1)
+    pa = a.links[fs.device_id].sender
+    stranger = LocalLink(fs, "peer-stranger")
+
+    async def scenario():
+        fs.maybe_start_batches()
+        queued = [t for t in fs.issued if fs.pool.lease_of(t) is None and not fs.pool.is_done(t)]
+        assert len(queued) >= 3, queued
+        hello = {"device": "x", "compute": 1.0, "stage": 0}
+        own = fs.lease_tickets.issue(task_id("forward", 99, 0, 0, (0, 1)), "peer-stranger", 1, fs.epoch)
+        others = fs.lease_tickets.issue(queued[1], pa, 1, fs.epoch)
+        claims = {"holding": queued[:3], "leases": [None, others, own], "complete": queued[:3]}
+        await stranger.call("register", hello | claims)
+        assert all(fs.pool.lease_of(t) is None and not fs.pool.is_done(t) for t in queued[:3])
+        assert fs.counters["holding_unproven"] == 3
+        with pytest.raises(RemoteError, match="one lease ticket"):  # malformed: refused whole
+            await LocalLink(fs, "peer-other").call("register", hello | {"holding": queued[:2], "leases": [None]})
+        await a.register()
+        link, meta, _ = await a.take_one()
+        a.current = (link.device, meta["task"])
+        fs.pool.client_left(pa)  # the restart: the lease is gone, the task queued again, the client unknown
+        del fs.clients[pa]
+        await a.register()  # its ticket proves the lease
+        return meta["task"]
+
+    task = asyncio.run(scenario())
+    assert fs.pool.lease_of(task).client == pa and fs.counters.get("leases_adopted") == 1
+
+
+def test_outputs_are_pushed_for_all_of_a_tasks_rows_or_refused():
+    """A forward task's outputs reach a backward server for all of the task's rows that server holds,
+    or not at all: a holder that pushed its first row alone and handed the task back made every
+    whole re-run overlap that row, refused for ever (the run hung). The whole push is accepted."""
+    from peer.protocol.wire import RemoteError
+
+    cfg, layout, run = make_run(steps=1, stages=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    fs, bs = (swarm.servers[d] for d in (layout.stages[0].frontal[0], layout.stages[0].backward[0]))
+    worker = next(w for w in swarm.workers if w.stage == 0)
+
+    async def scenario():
+        await worker.register()
+        fs.maybe_start_batches()
+        link, meta, _ = await worker.take_one()
+        a, b = TaskId.parse(meta["task"]).rows
+        push = {k: meta[k] for k in ("task", "batch", "micro", "frontal", "lease")}
+        with pytest.raises(RemoteError, match=rf"rows \[{a}, {a + 1}\) are not the rows \[{a}, {b}\)"):
+            await worker.links[bs.device_id].call(
+                "push_outputs", push | {"rows": [a, a + 1]}, [torch.zeros(1, cfg.seq_len, cfg.hidden)]
+            )
+        assert (meta["batch"], meta["micro"]) not in bs.buffers or not bs.buffers[
+            (meta["batch"], meta["micro"])
+        ].covered
+        answer, _ = await worker.links[bs.device_id].call(
+            "push_outputs", push | {"rows": [a, b]}, [torch.zeros(b - a, cfg.seq_len, cfg.hidden)]
+        )
+        return answer
+
+    assert asyncio.run(scenario())["result"] == "accepted"
+
+
 @pytest.mark.parametrize("away_s,handed_back", [(1.0, False), (8.0, True)])
 def test_a_server_away_for_a_moment_gets_the_work_when_back_not_a_rerun(away_s, handed_back, monkeypatch):
     """A supervised server restarted after a crash answers again within about a second. A worker

@@ -220,6 +220,25 @@ def test_a_volunteer_biased_under_the_tolerance_is_banned_and_its_work_rolled_ba
     ), checks
 
 
+def test_an_input_gradient_sent_without_its_gradient_push_is_checked_on_its_own():
+    """A last-stage volunteer sends its input gradient x100 (relayed to the previous stage at once) and
+    hands the task back: the gradient push that would have checked it never comes, and the honest
+    re-run's input gradient is a duplicate. When the re-run's push is credited, the frontal server
+    re-runs the orphaned input gradient on its own: the liar is banned, its work rolled back, and the
+    run ends equal to the reference (0.13 from it before)."""
+    from peer.volunteer.cheat import Cheat
+
+    steps = 6
+    cfg, layout, run = make_run(steps=steps, stages=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    liar = next(w for w in swarm.workers if w.device_id == "u11")
+    liar.cheat = Cheat("relay")
+    state = asyncio.run(swarm.train(timeout=240))
+    bans = {p: why for s in swarm.servers.values() for p, why in s.banned.items()}
+    assert list(bans) == ["peer-u11"] and "with no gradient push of its own" in bans["peer-u11"], bans
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
+
+
 def test_a_liar_cannot_outrun_checks_that_fall_behind(monkeypatch):
     """On a loaded machine a server's checks queue behind each other (one thread) and fall behind the
     run: the same biased liar, with every re-run made 0.3 s slower, is still rolled back entirely,
@@ -381,6 +400,24 @@ def test_a_volunteer_whose_probation_ends_drifting_stays_pinned_to_its_first_wor
     assert server.unsettled_first() == 2  # the liar's first batch, though its probation is over
     del server.clients["peer-liar"]
     assert server.unsettled_first() is None  # gone: nothing to ban; the honest one is cleared
+
+
+def test_which_work_is_checked_cannot_be_computed_from_what_a_volunteer_knows():
+    """The sample past probation is drawn from a secret of the server's own: two servers started with
+    the same run (seed, layout, name) check different contributions of the same volunteer, so a liar
+    that knows everything public cannot tell which of its pushes will be re-run."""
+    from parameter_server.clients import ClientInfo
+
+    cfg, layout, run = make_run(steps=30, stages=1)
+    device = layout.stages[0].frontal[0]
+    drawn = []
+    for _ in range(2):
+        server = InProcessSwarm(cfg, layout, run, servers_compute=False).servers[device]
+        server.clients["peer-x"] = ClientInfo("peer-x", 1.0, server.clock())
+        server.checks_passed["peer-x"] = server.probation  # past probation: the sample decides
+        drawn.append([server._note_contribution("peer-x", 2) for _ in range(200)])
+    assert drawn[0] != drawn[1]
+    assert all(0.01 < sum(d) / len(d) < 0.3 for d in drawn), [sum(d) for d in drawn]  # about verify_rate (0.1)
 
 
 def test_a_ban_whose_liar_worked_before_the_kept_versions_rolls_back_as_far_as_a_rerun_can_start():
