@@ -37,6 +37,7 @@ from parameter_server.leases import Leases
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.outbox import Outbox
 from parameter_server.recovery import Recovery
+from parameter_server.rescue import Rescue
 from parameter_server.shard import ShardState, assign_shards
 from parameter_server.status import SEEN_VOLUNTEERS, Status
 from parameter_server.updates import RETAIN, Updates, snapshots_kept
@@ -81,7 +82,19 @@ def default_max_request_bytes(stage_params: dict, rows: int, cfg) -> int:
 
 
 class StageServer(
-    Clients, Checks, Leases, Updates, Frontal, Backward, Verification, Outbox, Failover, Recovery, Status, ServicerBase
+    Clients,
+    Checks,
+    Leases,
+    Updates,
+    Frontal,
+    Backward,
+    Verification,
+    Rescue,
+    Outbox,
+    Failover,
+    Recovery,
+    Status,
+    ServicerBase,
 ):
     def __init__(
         self,
@@ -399,6 +412,7 @@ class StageServer(
         self.drop_stale_clients()
         self.update_pins()
         self.report_stall(time.time())
+        self.maybe_rescue()
         if (self.hold_steps_until is not None and not self.steps_held()) or self.check_hold_since is not None:
             self._maybe_step()  # a ban's hold (or a check's) ran out with every credit already here
 

@@ -207,6 +207,7 @@ class TaskPool:
         self._nabandoned = 0
         self._added = 0
         self._requeued = 0
+        self._reopened = 0  # done tasks queued again: their results never arrived (reopen)
         self._duplicates = 0
 
     # ------------------------------------------------------------------ adding and taking
@@ -497,6 +498,23 @@ class TaskPool:
             self.abandon(tid)
         return ids
 
+    def reopen(self, task: Task) -> bool:
+        """Queue again a task that was completed: its owner found that the results it owes never
+        arrived (completed without them, or they were lost). False when the task is not done here
+        (queued, leased, abandoned, forgotten or unknown): there is nothing to reopen."""
+        tid = task.task_id
+        if tid not in self._done:
+            return False
+        self._done.discard(tid)
+        closed = self._closed_by_batch.get(task.batch)
+        if closed is not None and tid in closed:
+            closed.remove(tid)
+        self._ndone -= 1
+        self._reopened += 1
+        self.add(task)
+        self._added -= 1  # (counted once, when it was first added)
+        return True
+
     def forget_closed(self, before_batch: int) -> list[str]:
         """Forget the ids of the done and abandoned tasks of batches < ``before_batch``: the
         counters stay, but a later result for one of them is then an unknown id (misuse) and the
@@ -669,6 +687,7 @@ class TaskPool:
             "leased": self._leased,
             "done": self._ndone,
             "requeued": self._requeued,
+            "reopened": self._reopened,
             "duplicates": self._duplicates,
             "backups": self._nbackups,
             "abandoned": self._nabandoned,

@@ -49,6 +49,8 @@ METHODS: dict[str, Method] = {
         Method("ban", epoched=False, retry=True, logged=False, caller="server"),
         # the oldest batch a server's volunteers on probation sent work of: every server keeps its version
         Method("pin", epoched=False, retry=True, logged=False, caller="server"),
+        # done tasks whose results never reached the server asking: queued again (parameter_server/rescue.py)
+        Method("requeue_missing", epoched=True, retry=True, logged=False, caller="server"),
     )
 }
 

@@ -1,8 +1,8 @@
 """A volunteer that lies, for tests and benchmarks of the servers' checks (`peer join --cheat
 KIND[@AFTER]`): after AFTER honest tasks, every result it hands in (a forward task's outputs, an input
 gradient, its parameter gradients and loss) is corrupted the same way; `relay` sends only a task's input
-gradient (x100) and hands the task back, so that no gradient push of its own would check it. Not a
-feature for users."""
+gradient (x100) and hands the task back, so that no gradient push of its own would check it; `unsent`
+hands its forward tasks in as done without pushing their outputs. Not a feature for users."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-KINDS = ("scale", "signflip", "noise", "zeros", "bias", "relay")
+KINDS = ("scale", "signflip", "noise", "zeros", "bias", "relay", "unsent")
 SCALE = 1e4  # "multiplies its gradients by 1e4"
 BIAS = 3e-4  # "biases one coordinate by 3e-4 of its result's norm": under the checks' 1e-3 tolerance
 NOISE = 0.1  # Gaussian noise of 0.1 x the tensor's RMS: a relative L2 error of about 0.1
@@ -45,6 +45,8 @@ class Cheat:
             return t * SCALE
         if self.kind == "relay":
             return t * RELAY
+        if self.kind == "unsent":
+            return t
         if self.kind == "signflip":
             return -t
         if self.kind == "zeros":
@@ -61,4 +63,6 @@ class Cheat:
     def loss(self, x: float | None) -> float | None:
         if x is None:
             return None
-        return {"scale": x * SCALE, "signflip": -x, "zeros": 0.0, "bias": x, "relay": x}.get(self.kind, x * (1 + NOISE))
+        if self.kind in ("bias", "relay", "unsent"):
+            return x
+        return {"scale": x * SCALE, "signflip": -x, "zeros": 0.0}.get(self.kind, x * (1 + NOISE))

@@ -973,6 +973,10 @@ class StageWorker:
         if self._lying(t):
             outs = [(self.cheat.tensor(out), kept) for out, kept in outs]
         self.input_cache.setdefault((t, m), []).append((a, b, x))
+        if self.cheat is not None and self.cheat.kind == "unsent" and self._lying(t):
+            self._finish_later(link.device, meta["task"], meta["epoch"])  # done, it says; nothing was sent
+            self.stats["forward"] += 1
+            return
         await asyncio.gather(
             *(
                 self.call(

@@ -518,6 +518,7 @@ def test_the_method_table_is_what_the_server_offers():
         "report_cheat",
         "ban",
         "pin",
+        "requeue_missing",
     }
 
 

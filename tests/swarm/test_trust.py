@@ -239,6 +239,26 @@ def test_an_input_gradient_sent_without_its_gradient_push_is_checked_on_its_own(
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
 
 
+def test_forward_tasks_handed_in_without_their_outputs_are_run_again(monkeypatch):
+    """A volunteer hands its forward tasks in as done without ever pushing their outputs: the backward
+    server lacks those rows for good, and the run hung. A batch that waits asks the frontal server to
+    reopen the done tasks owing them; others run them, and the run ends equal to the reference."""
+    from parameter_server import rescue
+    from peer.volunteer.cheat import Cheat
+
+    monkeypatch.setattr(rescue, "RESCUE_MIN", 1.0)
+    monkeypatch.setattr(rescue, "RESCUE_PERIOD", 0.5)
+    steps = 4
+    cfg, layout, run = make_run(steps=steps, stages=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    liar = next(w for w in swarm.workers if w.device_id == "u01")
+    liar.cheat = Cheat("unsent")
+    state = asyncio.run(swarm.train(timeout=240))
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    assert fs.counters.get("tasks_reopened", 0) >= 1 and liar.stats["forward"] >= 1, fs.counters
+
+
 def test_a_liar_cannot_outrun_checks_that_fall_behind(monkeypatch):
     """On a loaded machine a server's checks queue behind each other (one thread) and fall behind the
     run: the same biased liar, with every re-run made 0.3 s slower, is still rolled back entirely,

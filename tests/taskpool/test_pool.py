@@ -496,6 +496,7 @@ def test_stats_shape_and_json(clock):
         "leased": 0,
         "done": 0,
         "requeued": 0,
+        "reopened": 0,
         "duplicates": 0,
         "backups": 0,
         "abandoned": 0,
@@ -518,6 +519,7 @@ def test_stats_shape_and_json(clock):
         "leased",
         "done",
         "requeued",
+        "reopened",
         "backups",
         "duplicates",
         "abandoned",
@@ -791,3 +793,19 @@ def test_a_lease_beaten_by_its_backup_still_runs_out_for_its_holder_unless_it_de
     assert pool.strikes("hoarder") == 1 and not pool.proven("hoarder")
     assert pool.expire() == []
     counts_add_up(pool)
+
+
+def test_a_done_task_whose_results_never_arrived_is_reopened_once(clock):
+    """reopen: a completed task goes back to the queue (its owner found its results missing) and is
+    leased and completed again; a task that is not done (queued, leased, unknown) is not reopened."""
+    pool = make_pool(clock)
+    a, b = task("a"), task("b", batch=1)
+    pool.add(a)
+    pool.add(b)
+    assert take_id(pool, "x") == "a" and pool.complete("a", "x") is Completion.ACCEPTED
+    assert not pool.reopen(b) and not pool.reopen(task("never"))  # queued; unknown
+    assert pool.reopen(a) and not pool.reopen(a)  # (queued again now: once)
+    s = pool.stats()
+    assert (s["done"], s["reopened"], s["added"], s["queued"]) == (0, 1, 2, 2)
+    assert take_id(pool, "y") == "a" and pool.complete("a", "y") is Completion.ACCEPTED
+    assert pool.is_done("a") and pool.forget_closed(1) == ["a"]

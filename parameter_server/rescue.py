@@ -1,0 +1,179 @@
+"""Work handed in as done whose results never arrived is run again.
+
+A task is done at the server that leased it when its holder says so (`complete`, or the `complete`
+field of its next take or heartbeat); the results it owes go elsewhere: a forward task's outputs to
+the stage's backward servers, a backward task's gradient push (a forward task's, on the last stage)
+to every server of the stage. An honest worker says done only once they were accepted. A client that
+says done without them (or whose results a server lost) left a batch that could never be applied:
+the task was closed, never re-queued, and the run hung (at versions 0 and 2 in the attacks of the
+third trust pass).
+
+So a server whose next batch has waited RESCUE_FACTOR x the median step (at least RESCUE_MIN
+seconds) asks, every RESCUE_PERIOD while it waits, the servers that leased the work it lacks to
+reopen their done tasks of those rows (`requeue_missing`, a server-only method): the gradient rows
+its shard slots have not been credited for that batch, and, on a backward server of a stage before
+the last, the output rows of its segment not received. The leasing server queues again each done
+task of that kind, batch and micro-batch whose rows meet the missing ones; a task still queued or
+leased is left alone (its lease runs out as any other). Must not step parameters itself."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from parameter_server.layout import owners
+from peer.protocol.tasks import TaskId
+from peer.protocol.wire import PayloadError, RemoteError
+from peer.protocol.wire import field as mfield
+from taskpool import Task
+
+logger = logging.getLogger("hivepipe.server")
+
+RESCUE_FACTOR, RESCUE_MIN = 3.0, 10.0  # a batch waits this long before its missing work is asked for
+RESCUE_PERIOD = 5.0  # and then asked for again this often while it waits
+MAX_PIECES = 4096  # (micro-batch, rows) pieces one request may name
+
+
+def gaps(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of [lo, hi) that no interval of `covered` covers, in order."""
+    out, at = [], lo
+    for a, b in sorted(covered):
+        if b <= at or a >= hi:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < hi:
+        out.append((at, hi))
+    return out
+
+
+class Rescue:
+    """StageServer's re-queueing of done work whose results never came (a part of
+    parameter_server.service.StageServer)."""
+
+    _rescued_at = float("-inf")
+    _rescuing = False  # an ask is on its way (one at a time: a lost server answers in 30 s)
+    _waiting_since: tuple[int, float] | None = None  # (version, since when) the next batch waits
+
+    def missing_work(self) -> dict[str, tuple[str, int, list[tuple[int, int, int]]]]:
+        """Device -> (task kind, batch, [(micro, lo, hi)]): the work this server lacks for its next
+        batch, by the server that leased it."""
+        asks: dict[str, tuple[str, int, list]] = {}
+
+        def ask(role: str, kind: str, t: int, m: int, lo: int, hi: int) -> None:
+            servers = self.st.frontal if role == "frontal" else self.st.backward
+            for j, x, y in owners(self.rows, len(servers), lo, hi):
+                asks.setdefault(servers[j], (kind, t, []))[2].append((m, x, y))
+
+        for shard in self.hosted.values():
+            t = shard.version
+            if t >= self.run.steps:
+                continue
+            bc = shard.batches.get(t)
+            for m in range(shard.micro_batches):
+                covered = [] if bc is None else bc.intervals.get(m, [])
+                for lo, hi in gaps(covered, 0, shard.rows_per_micro):
+                    if self.last:
+                        ask("frontal", "forward", t, m, lo, hi)
+                    else:
+                        ask("backward", "backward", t, m, lo, hi)
+        if self.role == "backward" and not self.last and self.version < self.run.steps:
+            t = self.version
+            for m in range(self.run.micro_batches):
+                buf = self.buffers.get((t, m))
+                for lo, hi in gaps([] if buf is None else buf.covered, *self.seg):
+                    ask("frontal", "forward", t, m, lo, hi)
+        return asks
+
+    def rescue_due(self, now: float) -> bool:
+        """Whether the next batch has waited long enough for its missing work to be asked for again."""
+        if self.version >= self.run.steps or self.replaying or self.steps_held():
+            return False
+        if self._waiting_since is None or self._waiting_since[0] != self.version:
+            self._waiting_since = (self.version, now)
+        times = sorted(self.step_times.values())
+        step_gaps = sorted(b - a for a, b in zip(times, times[1:]))
+        median = step_gaps[len(step_gaps) // 2] if step_gaps else 0.0
+        if now - self._waiting_since[1] < max(RESCUE_MIN, RESCUE_FACTOR * median):
+            return False
+        return now - self._rescued_at >= RESCUE_PERIOD
+
+    def maybe_rescue(self) -> None:
+        """Periodic (maintenance): ask for the missing work of a batch that has waited too long."""
+        now = time.monotonic()
+        if not self._rescuing and self.rescue_due(now):
+            self._rescued_at, self._rescuing = now, True
+            self._spawn(self._rescue())
+
+    async def _rescue(self) -> int:
+        """Ask each leasing server to reopen the done tasks owing what this one lacks; how many were."""
+        try:
+            return await self._ask_for_missing()
+        finally:
+            self._rescuing = False
+
+    async def _ask_for_missing(self) -> int:
+        epoch, reopened = self.epoch, 0
+        for device, (kind, t, pieces) in sorted(self.missing_work().items()):
+            meta = {"kind": kind, "batch": t, "pieces": [list(p) for p in pieces[:MAX_PIECES]], "epoch": epoch}
+            try:
+                answer, _ = await self._server_call(device, "requeue_missing", meta)
+            except (RemoteError, ConnectionError, asyncio.TimeoutError) as e:
+                logger.debug("%s: asking %s for missing work failed: %r", self.device_id, device, e)
+                continue
+            got = answer.get("reopened") or []
+            if got:
+                reopened += len(got)
+                logger.info(
+                    "%s: %s had %d task(s) of batch %d done whose results never came: queued again (%s)",
+                    self.device_id,
+                    device,
+                    len(got),
+                    t,
+                    " ".join(got[:8]),
+                )
+        return reopened
+
+    async def on_requeue_missing(self, meta, tensors, sender):
+        """A server of this stage lacks the results of rows of batch `batch`: the done tasks of `kind`
+        leased here that owe them are queued again."""
+        kind = mfield(meta, "kind", str)
+        want = {"frontal": "forward", "backward": "backward"}[self.role]
+        if kind != want:
+            raise PayloadError(f"a {self.role} server leases {want} tasks, not {kind} tasks")
+        self._server_sender(sender, self.stage, "frontal", "backward")
+        t = mfield(meta, "batch", int)
+        pieces = mfield(meta, "pieces", list)
+        if len(pieces) > MAX_PIECES or not all(
+            isinstance(p, list) and len(p) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in p)
+            for p in pieces
+        ):
+            raise PayloadError(f"field 'pieces' must list at most {MAX_PIECES} [micro, lo, hi] triples")
+        reopened = []
+        for task_id in sorted(self.issued):
+            tid = TaskId.parse(task_id)
+            if tid.kind != kind or tid.batch != t or not self.pool.is_done(task_id):
+                continue
+            lo, hi = tid.rows
+            if not any(m == tid.micro and x < hi and lo < y for m, x, y in pieces):
+                continue
+            task = Task(
+                task_id=task_id,
+                kind=kind,
+                batch=t,
+                micro_batch=tid.micro,
+                stage=self.stage,
+                rows=(lo, hi),
+                payload_ref=self._ledger_entry(t, tid.micro, task_id) if kind == "backward" else None,
+            )
+            if self.pool.reopen(task):
+                reopened.append(task_id)
+        if reopened:
+            self.counters["tasks_reopened"] = self.counters.get("tasks_reopened", 0) + len(reopened)
+            self._signal_tasks()
+        return {"reopened": reopened}
+
+    def _ledger_entry(self, t: int, m: int, task_id: str):
+        return next((e for e in self.ledger.get((t, m), []) if e.backward_task == task_id), None)
