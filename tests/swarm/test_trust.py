@@ -198,20 +198,25 @@ def test_hoarders_hold_little_briefly_are_dropped_and_the_run_ends_exact(monkeyp
     assert any("may register again" in r for r in refused), refused[:3]
 
 
+def run_with_a_liar(steps: int, liar: str, kind: str):
+    """A 2-stage in-process run of `steps` steps, two volunteers a stage, servers not computing, the
+    volunteer `liar` lying as `kind` (peer/volunteer/cheat.py): (final state, swarm, bans by peer)."""
+    from peer.volunteer.cheat import Cheat
+
+    cfg, layout, run = make_run(steps=steps, stages=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    next(w for w in swarm.workers if w.device_id == liar).cheat = Cheat(kind)
+    state = asyncio.run(swarm.train(timeout=240))
+    return state, swarm, {p: why for s in swarm.servers.values() for p, why in s.banned.items()}
+
+
 def test_a_volunteer_biased_under_the_tolerance_is_banned_and_its_work_rolled_back():
     """A volunteer that biases one coordinate of every result by 3e-4 of its norm passes every L2 check
     (tolerance 1e-3); its differences point the same way each time, and the drift test bans it within
     a few checks. The run rolls back its work and ends equal to the reference."""
-    from peer.volunteer.cheat import Cheat
-
     steps = 8
-    cfg, layout, run = make_run(steps=steps, stages=2)
-    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
-    liar = next(w for w in swarm.workers if w.device_id == "u01")
-    liar.cheat = Cheat("bias")
-    state = asyncio.run(swarm.train(timeout=240))
+    state, swarm, bans = run_with_a_liar(steps, "u01", "bias")
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
-    bans = {p: why for s in swarm.servers.values() for p, why in s.banned.items()}
     assert list(bans) == ["peer-u01"] and "the same way check after check" in bans["peer-u01"], bans
     checks = sum(n for s in swarm.servers.values() for (p, _), (_, n) in s.drift.sums.items() if p == "peer-u01")
     caught = sum(s.verify_counts.get("drift_caught", 0) for s in swarm.servers.values())
@@ -226,15 +231,8 @@ def test_an_input_gradient_sent_without_its_gradient_push_is_checked_on_its_own(
     re-run's input gradient is a duplicate. When the re-run's push is credited, the frontal server
     re-runs the orphaned input gradient on its own: the liar is banned, its work rolled back, and the
     run ends equal to the reference (0.13 from it before)."""
-    from peer.volunteer.cheat import Cheat
-
     steps = 6
-    cfg, layout, run = make_run(steps=steps, stages=2)
-    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
-    liar = next(w for w in swarm.workers if w.device_id == "u11")
-    liar.cheat = Cheat("relay")
-    state = asyncio.run(swarm.train(timeout=240))
-    bans = {p: why for s in swarm.servers.values() for p, why in s.banned.items()}
+    state, _, bans = run_with_a_liar(steps, "u11", "relay")
     assert list(bans) == ["peer-u11"] and "with no gradient push of its own" in bans["peer-u11"], bans
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
 
@@ -244,18 +242,14 @@ def test_forward_tasks_handed_in_without_their_outputs_are_run_again(monkeypatch
     server lacks those rows for good, and the run hung. A batch that waits asks the frontal server to
     reopen the done tasks owing them; others run them, and the run ends equal to the reference."""
     from parameter_server import rescue
-    from peer.volunteer.cheat import Cheat
 
     monkeypatch.setattr(rescue, "RESCUE_MIN", 1.0)
     monkeypatch.setattr(rescue, "RESCUE_PERIOD", 0.5)
     steps = 4
-    cfg, layout, run = make_run(steps=steps, stages=2)
-    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
-    liar = next(w for w in swarm.workers if w.device_id == "u01")
-    liar.cheat = Cheat("unsent")
-    state = asyncio.run(swarm.train(timeout=240))
+    state, swarm, _ = run_with_a_liar(steps, "u01", "unsent")
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
-    fs = swarm.servers[layout.stages[0].frontal[0]]
+    fs = swarm.servers[swarm.layout.stages[0].frontal[0]]
+    liar = next(w for w in swarm.workers if w.device_id == "u01")
     assert fs.counters.get("tasks_reopened", 0) >= 1 and liar.stats["forward"] >= 1, fs.counters
 
 
