@@ -48,6 +48,13 @@ BANNED = "banned from this run"  # the refusal's wording, which a worker recogni
 # Relative L2 distance above which a re-run disagrees. Honest re-runs differ by summation order only:
 # scripts/bench_trust.py measures at most ~1e-6 on one CPU; CPU against GPU (TF32 off) stays below 1e-4.
 TOLERANCE = 1e-3
+# Where a gradient's re-run is exactly zero (an embedding row of a token not in the batch, in every
+# codec that keeps zeros exact: none, bf16), the push must be zero too: AdamW divides by the
+# coordinate's own running scale, so noise far under TOLERANCE there moves the parameter by about a
+# learning-rate step. The pushed mass off the re-run's support, relative to the re-run's norm, must not
+# pass this (honest: exactly 0).
+SUPPORT_TOLERANCE = 1e-6
+EXACT_ZEROS = ("none", "bf16")
 DEFAULT_VERIFY_RATE = 0.1
 DEFAULT_PROBATION = 4
 HOLD_SECONDS = 60.0  # the longest a server holds its steps between a ban and the rollback's epoch
@@ -372,15 +379,18 @@ class Verification:
 
         return await asyncio.get_running_loop().run_in_executor(self._verify_executor, work)
 
-    def _judge(self, epoch: int, sender: str, what: str, d: float, t: int, seen: list) -> bool:
+    def _judge(
+        self, epoch: int, sender: str, what: str, d: float, t: int, seen: list, tolerance: float = TOLERANCE
+    ) -> bool:
         """True if the distance `d` is within tolerance (it joins `seen`, the check's distances, which
         count as honest once the whole check has passed). A check that outlived its layout epoch judges
         nothing: a rollback may have re-made the rows it read (an honest worker's result on a liar's
         activations would then differ from a re-run on the clean ones)."""
         if self.epoch != epoch:
             raise PayloadError(f"the check began in layout epoch {epoch}, the run is at {self.epoch}")
-        if d <= TOLERANCE:
-            seen.append(d)
+        if d <= tolerance:
+            if tolerance == TOLERANCE:
+                seen.append(d)
             return True
         self._caught(sender, f"{what} of batch {t} is {d:.3g} (relative L2) from this server's re-run", t)
         return False
@@ -464,6 +474,14 @@ class Verification:
             epoch, sender, f"its gradient of shard slot {slot} over {len(ids)} tasks", distance(got, want), t, seen
         ):
             return
+        if self.compress in EXACT_ZEROS:
+            off = want == 0
+            leak = float(torch.linalg.vector_norm(got[off].float())) / max(
+                float(torch.linalg.vector_norm(want.float())), 1e-30
+            )
+            what = f"its gradient of shard slot {slot} where the re-run's is zero ({int((got[off] != 0).sum())} values)"
+            if not self._judge(epoch, sender, what, leak, t, seen, SUPPORT_TOLERANCE):
+                return
         if await self._drifts(epoch, sender, f"gradients of shard slot {slot}", got, want, t):
             return
         if (

@@ -2,7 +2,10 @@
 KIND[@AFTER]`): after AFTER honest tasks, every result it hands in (a forward task's outputs, an input
 gradient, its parameter gradients and loss) is corrupted the same way; `relay` sends only a task's input
 gradient (x100) and hands the task back, so that no gradient push of its own would check it; `unsent`
-hands its forward tasks in as done without pushing their outputs. Not a feature for users."""
+hands its forward tasks in as done without pushing their outputs; `support` adds noise under the
+checks' tolerance (5e-4 of the norm) on 200 coordinates of each gradient whose true value is zero (an
+embedding row of a token not in the batch: AdamW would move each by about a learning-rate step).
+Not a feature for users."""
 
 from __future__ import annotations
 
@@ -12,11 +15,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-KINDS = ("scale", "signflip", "noise", "zeros", "bias", "relay", "unsent")
+KINDS = ("scale", "signflip", "noise", "zeros", "bias", "relay", "unsent", "support")
 SCALE = 1e4  # "multiplies its gradients by 1e4"
 BIAS = 3e-4  # "biases one coordinate by 3e-4 of its result's norm": under the checks' 1e-3 tolerance
 NOISE = 0.1  # Gaussian noise of 0.1 x the tensor's RMS: a relative L2 error of about 0.1
 RELAY = 100.0  # "sends its input gradient x100 ... then hands the task back"
+SUPPORT_NOISE, SUPPORT_COORDS = 5e-4, 200  # "noise under the 1e-3 tolerance on 200 ... coordinates"
 
 
 @dataclass
@@ -45,24 +49,42 @@ class Cheat:
             return t * SCALE
         if self.kind == "relay":
             return t * RELAY
-        if self.kind == "unsent":
+        if self.kind in ("unsent", "support"):
             return t
         if self.kind == "signflip":
             return -t
         if self.kind == "zeros":
             return torch.zeros_like(t)
-        if self.kind == "bias":
+        if self.kind == "bias":  # (where the value is not zero: a lie there is `support`'s, checked apart)
             out = t.clone()
-            out.view(-1)[0] += BIAS * float(torch.linalg.vector_norm(t.float()))
+            if out.view(-1)[0] != 0:
+                out.view(-1)[0] += BIAS * float(torch.linalg.vector_norm(t.float()))
             return out
         gen = torch.Generator().manual_seed(self.seed)
         self.seed += 1
         rms = t.float().pow(2).mean().sqrt()
         return t + NOISE * rms * torch.randn(t.shape, generator=gen, dtype=t.dtype)
 
+    def gradient(self, g: "torch.Tensor") -> "torch.Tensor":
+        """A parameter gradient as handed in: `tensor`'s lie, or for `support` the noise on zeros."""
+        if self.kind != "support":
+            return self.tensor(g)
+        import torch
+
+        zero = (g.flatten() == 0).nonzero().flatten()
+        if zero.numel() == 0:
+            return g
+        gen = torch.Generator().manual_seed(self.seed)
+        self.seed += 1
+        pick = zero[torch.randperm(zero.numel(), generator=gen)[:SUPPORT_COORDS]]
+        signs = torch.randint(0, 2, (pick.numel(),), generator=gen).to(g.dtype) * 2 - 1
+        out = g.clone().flatten()
+        out[pick] = signs * SUPPORT_NOISE * float(torch.linalg.vector_norm(g.float())) / pick.numel() ** 0.5
+        return out.view_as(g)
+
     def loss(self, x: float | None) -> float | None:
         if x is None:
             return None
-        if self.kind in ("bias", "relay", "unsent"):
+        if self.kind in ("bias", "relay", "unsent", "support"):
             return x
         return {"scale": x * SCALE, "signflip": -x, "zeros": 0.0}.get(self.kind, x * (1 + NOISE))

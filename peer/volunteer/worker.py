@@ -918,7 +918,7 @@ class StageWorker:
             return gin, grads, loss
         return (
             None if gin is None else self.cheat.tensor(gin),
-            {n: self.cheat.tensor(g) for n, g in grads.items()},
+            {n: self.cheat.gradient(g) for n, g in grads.items()},
             self.cheat.loss(loss),
         )
 

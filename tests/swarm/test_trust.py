@@ -253,6 +253,17 @@ def test_forward_tasks_handed_in_without_their_outputs_are_run_again(monkeypatch
     assert fs.counters.get("tasks_reopened", 0) >= 1 and liar.stats["forward"] >= 1, fs.counters
 
 
+def test_noise_under_the_tolerance_where_the_gradient_is_zero_is_caught():
+    """A volunteer adds noise of 5e-4 of the norm (under the 1e-3 tolerance) on 200 coordinates of its
+    gradients whose true value is zero, random signs each push: AdamW would move each such coordinate
+    by about a learning-rate step (0.018 from the reference after a short run). The check compares
+    the push with the re-run where the re-run is zero: banned, and the run equal to the reference."""
+    steps = 6
+    state, _, bans = run_with_a_liar(steps, "u01", "support")
+    assert list(bans) == ["peer-u01"] and "where the re-run's is zero" in bans["peer-u01"], bans
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
+
+
 def test_a_liar_cannot_outrun_checks_that_fall_behind(monkeypatch):
     """On a loaded machine a server's checks queue behind each other (one thread) and fall behind the
     run: the same biased liar, with every re-run made 0.3 s slower, is still rolled back entirely,
