@@ -413,6 +413,7 @@ class StageServer(
         self.update_pins()
         self.report_stall(time.time())
         self.maybe_rescue()
+        self.order_pending_bans()
         if (self.hold_steps_until is not None and not self.steps_held()) or self.check_hold_since is not None:
             self._maybe_step()  # a ban's hold (or a check's) ran out with every credit already here
 

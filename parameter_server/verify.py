@@ -97,6 +97,10 @@ class Verification:
         secret = os.urandom(32)  # which contributions are re-run, and the drift test's directions
         self.verify_rng = random.Random(secret[:16])
         self.banned: dict[str, str] = {}  # peer id -> why (kept across layout epochs)
+        # bans heard of (made here, or ordered by a coordinator) whose rollback epoch has not come yet:
+        # the ban log a new coordinator orders itself, should the one that banned die before its epoch
+        self.pending_bans: dict[str, str] = {}
+        self._ordering_ban = False
         # per volunteer, forgotten once it has left and its batches are out of the kept window
         # (Verification.forget_departed; a run of days sees tens of thousands of volunteers come and go)
         self.checks_passed: dict[str, int] = {}  # peer id -> its checks passed here (probation ends at `probation`)
@@ -569,8 +573,33 @@ class Verification:
             return
         self.verify_counts["caught"] += 1
         self._ban_here(peer, why)
+        self.pending_bans.setdefault(peer, why)
         self.hold_steps_until = self.clock() + HOLD_SECONDS  # no step until the ban's rollback (on_ban)
         self._spawn(self._report(peer, why))
+
+    def order_pending_bans(self) -> None:
+        """Periodic (maintenance): the run's coordinator orders, one at a time, the bans it heard of
+        whose rollback epoch never came: a coordinator that died (or froze and was failed over) after
+        every server heard its ban and before its epoch left the liar's work applied (0.27 from the
+        reference in the third trust pass); the next coordinator holds the same ban log."""
+        for peer in [p for p in self.pending_bans if p in self.ordered_bans()]:
+            del self.pending_bans[peer]
+        if not self.pending_bans or self._ordering_ban or self.ban_lock.locked() or self.replaying:
+            return
+        if self.coordinator() != self.device_id:
+            return
+        peer, why = next(iter(self.pending_bans.items()))
+        self._ordering_ban = True
+
+        async def order():
+            try:
+                await self.ban_and_roll_back(peer, why)
+            except Exception as e:  # (a server not reachable yet: tried again at the next maintenance)
+                logger.info("%s: ordering the ban of %s failed: %r", self.device_id, peer[-8:], e)
+            finally:
+                self._ordering_ban = False
+
+        self._spawn(order())
 
     def coordinator(self) -> str:
         """The server that orders bans (and their rollbacks) into layout epochs: the run's first."""
@@ -624,6 +653,8 @@ class Verification:
         kept and the versions of the slots hosted here."""
         peer, why = mfield(meta, "peer", str), mfield(meta, "why", str)
         self._ban_here(peer, why)
+        if peer not in self.ordered_bans():
+            self.pending_bans.setdefault(peer, why)
         # no step until the rollback's epoch arrives: a step now would apply the liar's work and could
         # push the version to roll back to out of the kept window (bounded, should the coordinator die)
         self.hold_steps_until = self.clock() + HOLD_SECONDS

@@ -264,6 +264,31 @@ def test_noise_under_the_tolerance_where_the_gradient_is_zero_is_caught():
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
 
 
+def test_a_ban_outlives_the_coordinator_that_ordered_it():
+    """The run's first server bans a volunteer on every server and is lost before it sends the ban's
+    rollback epoch (frozen there in the third trust pass, the liar's work stayed applied: 0.27 from the
+    reference). Every server kept the ban in its log; the failover makes another server the run's
+    first, which orders the ban's epoch itself: banned everywhere, rolled back to the volunteer's
+    first batch, and the run (the banned volunteer was honest here) ends equal to the reference."""
+    steps = 8
+    cfg, layout, run = make_run(steps=steps, stages=2, frontal=2, backward=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    first = layout.stages[0].frontal[0]
+    records = []
+
+    async def ban_then_die():
+        for d, server in list(swarm.servers.items()):
+            await server.on_ban({"peer": "peer-u01", "why": "a test's ban"}, [], f"peer-{first}")
+        records.append(await swarm.lose(first))
+
+    state = asyncio.run(swarm.train(timeout=240, at_version={3: ban_then_die}))
+    assert records[0]["lost"] == [first] and "peer-u01" not in records[0].get("banned", [])
+    for server in swarm.servers.values():
+        assert "peer-u01" in server.ordered_bans() and server.epoch >= 2 and not server.pending_bans
+        assert server.epoch_record.get("rollback_to") is not None or server.epoch_record["epoch"] > 2
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
+
+
 def test_a_liar_cannot_outrun_checks_that_fall_behind(monkeypatch):
     """On a loaded machine a server's checks queue behind each other (one thread) and fall behind the
     run: the same biased liar, with every re-run made 0.3 s slower, is still rolled back entirely,
