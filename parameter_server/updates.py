@@ -120,7 +120,11 @@ class Updates:
         )
         if result == "credited":
             self._back_input_grads(sender, t, pieces)
-            if self._note_contribution(sender, t, shared_by=len(self.st.hosts)):
+            rows = sum(hi - lo for _, _, (lo, hi) in pieces)
+            unusual = not self._is_server(sender) and self.unusual_norm(
+                self.slot if slot is None else slot, tensors, rows
+            )
+            if self._note_contribution(sender, t, shared_by=len(self.st.hosts)) or (unusual and not self.replaying):
                 self._check_later(
                     t,
                     self._check_push,

@@ -23,6 +23,7 @@ Must not step parameters itself."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import logging
@@ -57,6 +58,10 @@ SUPPORT_TOLERANCE = 1e-6
 EXACT_ZEROS = ("none", "bf16")
 DEFAULT_VERIFY_RATE = 0.1
 DEFAULT_PROBATION = 4
+# A gradient push whose norm per row passes NORM_FACTOR x the median of the last NORM_HISTORY pushes of
+# its shard slot (anyone's) is re-run whatever the sample says: a patient liar that scales a few
+# percent of its pushes after probation is caught at its first such lie, not after 1 / verify_rate
+NORM_FACTOR, NORM_HISTORY = 4.0, 64
 HOLD_SECONDS = 60.0  # the longest a server holds its steps between a ban and the rollback's epoch
 # The longest a step waits for a check of work it would put beyond a rollback's reach (a check runs
 # about as long as the task it re-runs; this bounds a check stuck on a lost server's answers).
@@ -100,6 +105,7 @@ class Verification:
         # bans heard of (made here, or ordered by a coordinator) whose rollback epoch has not come yet:
         # the ban log a new coordinator orders itself, should the one that banned die before its epoch
         self.pending_bans: dict[str, str] = {}
+        self.push_norms: dict[int, collections.deque] = {}  # slot -> recent pushes' norms per row
         self._ordering_ban = False
         # per volunteer, forgotten once it has left and its batches are out of the kept window
         # (Verification.forget_departed; a run of days sees tens of thousands of volunteers come and go)
@@ -259,6 +265,18 @@ class Verification:
             or self.drift.suspicious(sender)
             or self.verify_rng.random() < self.verify_rate / shared_by
         )
+
+    def unusual_norm(self, slot: int, grads: list[torch.Tensor], rows: int) -> bool:
+        """Whether a gradient push of `rows` rows is far larger than the slot's recent pushes (NORM_FACTOR
+        x their median norm per row); the push joins the slot's history either way."""
+        norm = float(torch.sqrt(sum(g.float().pow(2).sum() for g in grads))) / max(rows, 1)
+        history = self.push_norms.setdefault(slot, collections.deque(maxlen=NORM_HISTORY))
+        typical = sorted(history)[len(history) // 2] if len(history) >= 8 else None
+        history.append(norm)
+        if typical is None or norm <= NORM_FACTOR * typical:
+            return False
+        self.verify_counts["unusual_norms"] = self.verify_counts.get("unusual_norms", 0) + 1
+        return True
 
     def _note_work(self, sender: str, t: int) -> bool:
         """Remember that `sender` (a volunteer) sent work of batch t, which a ban's rollback must reach:

@@ -289,6 +289,28 @@ def test_a_ban_outlives_the_coordinator_that_ordered_it():
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
 
 
+def test_a_patient_liar_past_probation_is_checked_at_its_first_outsized_push():
+    """A volunteer honest through its probation, then scaling its results x1e4, with a sample rate of
+    0 past probation: no draw would ever check it again. A push whose norm per row passes 4x the median
+    of its slot's recent pushes is re-run whatever the sample says: the liar is banned at its first
+    lie, and its work rolled back (a patient liar at 1-5% of its tasks stayed applied before)."""
+    from peer.volunteer.cheat import Cheat
+
+    steps = 12
+    cfg, layout, run = make_run(steps=steps, stages=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    for server in swarm.servers.values():
+        server.verify_rate = 0.0
+    liar = next(w for w in swarm.workers if w.device_id == "u11")
+    liar.cheat = Cheat("scale", after=12)
+    state = asyncio.run(swarm.train(timeout=240))
+    bans = {p: why for s in swarm.servers.values() for p, why in s.banned.items()}
+    assert list(bans) == ["peer-u11"], bans
+    assert liar.stats["forward"] + liar.stats["backward"] >= 12  # (honest through its probation)
+    assert sum(s.verify_counts.get("unusual_norms", 0) for s in swarm.servers.values()) >= 1
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
+
+
 def test_a_liar_cannot_outrun_checks_that_fall_behind(monkeypatch):
     """On a loaded machine a server's checks queue behind each other (one thread) and fall behind the
     run: the same biased liar, with every re-run made 0.3 s slower, is still rolled back entirely,
