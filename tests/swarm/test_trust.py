@@ -296,18 +296,28 @@ def test_a_patient_liar_past_probation_is_checked_at_its_first_outsized_push():
     lie, and its work rolled back (a patient liar at 1-5% of its tasks stayed applied before)."""
     from peer.volunteer.cheat import Cheat
 
-    steps = 12
+    steps = 14
     cfg, layout, run = make_run(steps=steps, stages=2)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
     for server in swarm.servers.values():
         server.verify_rate = 0.0
     liar = next(w for w in swarm.workers if w.device_id == "u11")
-    liar.cheat = Cheat("scale", after=12)
-    state = asyncio.run(swarm.train(timeout=240))
+    judges = [s for s in swarm.servers.values() if s.stage == 1]
+    armed = []
+
+    async def lie_once_past_probation():  # (the event the test means: its probation over at both servers)
+        deadline = asyncio.get_running_loop().time() + 120
+        while not all(s.checks_passed.get("peer-u11", 0) >= s.probation for s in judges):
+            assert asyncio.get_running_loop().time() < deadline, {s.device_id: s.checks_passed for s in judges}
+            await asyncio.sleep(0.01)
+        liar.cheat = Cheat("scale", after=liar.stats["forward"] + liar.stats["backward"])
+        armed.append(min(swarm.versions()))
+
+    state = asyncio.run(swarm.train(timeout=240, at_version={1: lie_once_past_probation}))
     bans = {p: why for s in swarm.servers.values() for p, why in s.banned.items()}
-    assert list(bans) == ["peer-u11"], bans
-    assert liar.stats["forward"] + liar.stats["backward"] >= 12  # (honest through its probation)
-    assert sum(s.verify_counts.get("unusual_norms", 0) for s in swarm.servers.values()) >= 1
+    assert armed and armed[0] < steps - 2, armed  # (lies began with batches left to lie on)
+    assert list(bans) == ["peer-u11"] and "(relative L2) from this server's re-run" in bans["peer-u11"], bans
+    assert sum(s.verify_counts.get("unusual_norms", 0) for s in judges) >= 1
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
 
 
