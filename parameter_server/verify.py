@@ -468,21 +468,13 @@ class Verification:
         names = self.slot_names[slot]
         total = {n: torch.zeros_like(g) for n, g in zip(names, grads)}
         loss_sum, gins = 0.0, []
-        tokens = self.run.batch_size * self.cfg.seq_len
         held = []  # every task's rows first: the re-runs may queue behind other checks, the rows do not wait
         for task in ids:
             tid = TaskId.parse(task)
             (a, b), m = tid.rows, tid.micro
-            x, labels = await self._held_rows("inputs", t, m, a, b)
-            g = None if self.last else (await self._held_rows("output_grads", t, m, a, b))[0]
-            held.append((m, a, b, x, labels, g))
-        for m, a, b, x, labels, g in held:
-            gin, ls, full = await self._recompute(
-                version_for_batch(t),
-                lambda model: backward_rows(
-                    model, x, self.verify_device, tokens, out_grad=g, labels=labels if self.last else None
-                ),
-            )
+            held.append((m, a, b, await self._backward_rows_held(t, m, a, b)))
+        for m, a, b, rows in held:
+            gin, ls, full = await self._rerun_backward(t, rows)
             for n in names:
                 total[n].add_(full[n])
             loss_sum += ls or 0.0
@@ -535,6 +527,25 @@ class Verification:
                         return
         self._passed(sender, seen)
 
+    async def _backward_rows_held(self, t: int, m: int, a: int, b: int) -> tuple:
+        """What re-running rows [a, b) of micro-batch m of batch t backward needs: (inputs, labels,
+        output gradient or None on the last stage)."""
+        x, labels = await self._held_rows("inputs", t, m, a, b)
+        g = None if self.last else (await self._held_rows("output_grads", t, m, a, b))[0]
+        return x, labels, g
+
+    async def _rerun_backward(self, t: int, rows: tuple):
+        """(input gradient, loss sum, parameter gradients) of a backward re-run of `rows` on the
+        version batch t computes on."""
+        x, labels, g = rows
+        tokens = self.run.batch_size * self.cfg.seq_len
+        return await self._recompute(
+            version_for_batch(t),
+            lambda model: backward_rows(
+                model, x, self.verify_device, tokens, out_grad=g, labels=labels if self.last else None
+            ),
+        )
+
     def _back_input_grads(self, sender: str, t: int, pieces: list) -> None:
         """A gradient push from `sender` credited here (a frontal server of a stage > 0) for `pieces`
         (task id, micro-batch, rows): an input gradient of the same rows handed in by someone else was
@@ -555,15 +566,7 @@ class Verification:
     async def _check_input_grad(self, epoch: int, sender: str, t: int, m: int, a: int, b: int) -> None:
         """Re-run rows [a, b) of micro-batch m of batch t and compare the input gradient `sender` handed
         in for them (held here) with the re-run's."""
-        x, labels = await self._held_rows("inputs", t, m, a, b)
-        g = None if self.last else (await self._held_rows("output_grads", t, m, a, b))[0]
-        tokens = self.run.batch_size * self.cfg.seq_len
-        gin, _, _ = await self._recompute(
-            version_for_batch(t),
-            lambda model: backward_rows(
-                model, x, self.verify_device, tokens, out_grad=g, labels=labels if self.last else None
-            ),
-        )
+        gin, _, _ = await self._rerun_backward(t, await self._backward_rows_held(t, m, a, b))
         buf = self.grad_buffers.get((t, m))
         if buf is None or not buf.has(a, b) or self.gin_senders.get((t, m, a, b)) != sender:
             raise KeyError(f"the input gradient of rows {a}-{b} of batch {t} micro-batch {m} is gone")
