@@ -8,9 +8,12 @@ through these states; each change prints one line on stdout, and a state that wa
 from __future__ import annotations
 
 import enum
+import os
 import sys
 import time
 from typing import Callable, TextIO
+
+from peer.errors import UsageError
 
 
 class PeerState(enum.Enum):
@@ -23,6 +26,22 @@ class PeerState(enum.Enum):
 
 
 REMIND_EVERY = 60.0  # seconds between two reminders of a waiting or stopped state
+REMIND_ENV = "HIVEPIPE_REMIND_EVERY"  # overrides REMIND_EVERY (seconds) for every peer of a machine
+
+
+def remind_every_default() -> float:
+    """REMIND_EVERY, or the positive number of seconds in $HIVEPIPE_REMIND_EVERY (a bad value is an
+    error naming the variable, not a silent default)."""
+    raw = os.environ.get(REMIND_ENV)
+    if raw is None or raw == "":
+        return REMIND_EVERY
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise UsageError(f"{REMIND_ENV}={raw!r} is not a positive number of seconds")
+    return value
 
 
 class StateLine:
@@ -37,9 +56,10 @@ class StateLine:
         who: str,
         out: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
-        remind_every: float = REMIND_EVERY,
+        remind_every: float | None = None,
     ):
-        self.who, self._out, self.clock, self.remind_every = who, out, clock, remind_every
+        self.who, self._out, self.clock = who, out, clock
+        self.remind_every = remind_every_default() if remind_every is None else remind_every
         self.state: PeerState | None = None
         self.detail = ""
         self.since = clock()

@@ -5,7 +5,7 @@ drift apart. A line that sets INITIAL or RUN is where an operator pastes what a 
 test pastes what this run's servers printed. Other assignments are the page's own.
 
 The walk: the run key and the training flags; the first server alone past its first
-reminder (a minute), saying that it waits; the three other servers one by one; the
+reminder (REMIND_S here, a minute by default), saying that it waits; the three other servers one by one; the
 dashboard's snapshot from host C once they serve (all four online, the run blocked on no compute:
 it cannot have ended yet); two volunteers on links shaped to 50 and 20 Mbit/s (tc tbf), each given
 ONE initial peer; the first server stopped and restarted with its own command (no --initial-peers:
@@ -37,7 +37,10 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"deploy-doc test: {R
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "deploy.md"
-ALONE_S = 65.0  # the first server waits alone past its first reminder (a minute), saying that it waits
+# the peers' reminder of a wait comes every REMIND_S seconds here ($HIVEPIPE_REMIND_EVERY; a minute
+# by default), so that the first server's wait past its first reminder takes ALONE_S, not a minute
+REMIND_S = 10
+ALONE_S = REMIND_S + 5.0
 PASTED = ("INITIAL", "RUN")  # what an operator pastes from a server's output
 
 
@@ -97,6 +100,7 @@ class Walk:
                 "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
                 "PYTHONUNBUFFERED": "1",
                 "LANG": "C.UTF-8",
+                "HIVEPIPE_REMIND_EVERY": str(REMIND_S),
             }
         self.pasted: dict[str, str] = {}
         self.procs: list[Proc] = []

@@ -53,6 +53,25 @@ def test_a_state_is_said_once_and_a_wait_is_reminded_once_a_minute():
     ]
 
 
+def test_the_reminder_period_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    from peer.errors import UsageError
+    from peer.host.state import REMIND_ENV
+
+    monkeypatch.setenv(REMIND_ENV, "5")
+    clock, out = Clock(), io.StringIO()
+    line = StateLine("s0f0", out=out, clock=clock)
+    line.say(PeerState.WAITING, "for s0b0")
+    clock.t += 4.0
+    assert not line.say(PeerState.WAITING, "for s0b0")
+    clock.t += 1.0
+    line.say(PeerState.WAITING, "for s0b0")
+    assert out.getvalue().splitlines()[-1] == "s0f0: waiting: still for s0b0 (5 s)"
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        monkeypatch.setenv(REMIND_ENV, bad)
+        with pytest.raises(UsageError, match=f"{REMIND_ENV}='{bad}' is not a positive number of seconds"):
+            StateLine("s0f0")
+
+
 class Directory:
     def __init__(self, silent: dict[str, float]):
         self.silent = silent
