@@ -216,7 +216,7 @@ class StageServer(
         names = self.slot_names[slot]
         return ShardState(
             {n: self.stage_params[n] for n in names},
-            lr=self.run.lr,
+            recipe=self.run.training_recipe(),
             rows_per_micro=self.rows,
             micro_batches=self.run.micro_batches,
             steps=self.run.steps,

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peer.model.optim import make_optimizer
+from peer.model.optim import make_optimizer, set_lr
+from peer.protocol.recipe import Recipe
 from peer.protocol.wire import PayloadError, all_finite
 
 
@@ -78,7 +79,8 @@ class ShardState:
         self,
         params: dict[str, torch.Tensor],
         *,
-        lr: float,
+        lr: float | None = None,
+        recipe: Recipe | None = None,
         rows_per_micro: int,
         micro_batches: int,
         steps: int,
@@ -86,7 +88,11 @@ class ShardState:
     ):
         self.names = sorted(params)
         self.params = {n: torch.nn.Parameter(params[n].detach().clone().float()) for n in self.names}
-        self.optimizer = make_optimizer([self.params[n] for n in self.names], lr)
+        if (lr is None) == (recipe is None):
+            raise ValueError("a shard takes a learning rate or a recipe (one of them)")
+        # the run's schedule and AdamW settings: update t (version t -> t + 1) at recipe.lr_at(t)
+        self.recipe = recipe if recipe is not None else Recipe(lr=lr)
+        self.optimizer = make_optimizer([self.params[n] for n in self.names], self.recipe)
         self.rows_per_micro = rows_per_micro
         self.micro_batches = micro_batches
         self.steps = steps
@@ -327,8 +333,7 @@ class ShardState:
         bc = self.batches.pop(t)
         for n, p in self.params.items():
             p.grad = bc.grads[n]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._optimizer_step(t)
         self.version = t + 1
         self.losses[t] = bc.loss_sum
         self._trim_losses()
@@ -337,6 +342,13 @@ class ShardState:
         self.applied = {v: c for v, c in self.applied.items() if v >= t}
         self.applied[self.version] = bc
         return self.version
+
+    def _optimizer_step(self, update: int) -> None:
+        """AdamW's step of update `update` (from version `update`) on the gradients set as .grad, at the
+        schedule's learning rate for that update."""
+        set_lr(self.optimizer, self.recipe.lr_at(update, self.steps))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def pushed_by(self, version: int) -> tuple:
         """Who pushed the gradient sums that made kept version `version`, in the order summed (empty
@@ -426,8 +438,7 @@ class ShardState:
         with torch.no_grad():
             for n, g in zip(self.names, tensors):
                 self.params[n].grad = g.clone()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._optimizer_step(version - 1)
         self.version = version
         if loss is not None:
             self.losses[version - 1] = float(loss)

@@ -2,8 +2,8 @@
 that every distributed run's parameters are compared with.
 
 Batch t is `make_batch(corpus, seed, t, ...)`; its gradient follows peer.model.optim (micro-batch
-gradients of the summed loss, added in order and divided by the batch's tokens) and the update is
-AdamW with a constant learning rate.
+gradients of the summed loss, added in order and divided by the batch's tokens) and update u is
+AdamW at the learning rate `Recipe.lr_at(u)` of the run's schedule (peer.protocol.recipe).
 
 Delayed parameter update (`delay=1`, the swarm's rule): the gradient of batch t is computed on the
 parameters that include the updates of batches 0..t-2 only, and its update is applied after batch
@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # torch stays out of `peer --help`
     import torch
 
     from peer.model.data import Corpus
+    from peer.protocol.recipe import Recipe
 
 CHECKPOINT_FILE = "model.safetensors"
 DEFAULTS = dict(model="small", steps=50, seed=0, batch_size=16, micro_batches=4, delay=1, lr=2e-3, device="cpu")
@@ -95,13 +96,15 @@ def train_reference(
     micro_batches: int,
     delay: int,
     lr: float,
+    recipe: "Recipe | None" = None,
     device: "torch.device | str" = "cpu",
     progress: bool = True,
     on_step: Callable[[StepInfo], None] | None = None,
     initial: dict | None = None,
 ) -> tuple[dict, dict]:
     """Train from `build_slice(cfg, 0, cfg.layers, seed)` (or from the full-model state `initial`)
-    on batches 0..steps-1 of (corpus, seed).
+    on batches 0..steps-1 of (corpus, seed), update u at `recipe.lr_at(u)` (None: the default recipe
+    at the constant learning rate `lr`; given, its lr must be `lr`).
 
     Returns (the final full-model state_dict as fp32 CPU tensors, a summary dict with steps,
     first_loss, last_loss, losses, wall_seconds, tokens_per_second and the run's settings). The loss
@@ -113,8 +116,13 @@ def train_reference(
     from peer.model.data import make_batch
     from peer.model.optim import apply_update, batch_gradient, make_optimizer
     from peer.model.transformer import build_slice, slice_from_state
+    from peer.protocol.recipe import Recipe
 
     check_training_args(steps=steps, batch_size=batch_size, micro_batches=micro_batches, delay=delay, lr=lr)
+    recipe = Recipe(lr=lr) if recipe is None else recipe
+    if recipe.lr != lr:
+        raise ValueError(f"the recipe's lr {recipe.lr} is not the run's {lr}")
+    recipe.check(steps)
     device = torch.device(device)
     tokens = batch_size * cfg.seq_len
     losses: list[float] = []
@@ -126,7 +134,7 @@ def train_reference(
             if initial is None
             else slice_from_state(cfg, 0, cfg.layers, initial, device)
         )
-        optimizer = make_optimizer(model.parameters(), lr)
+        optimizer = make_optimizer(model.parameters(), recipe)
         pending: deque[dict] = deque()  # gradients whose updates are not applied yet, oldest first
         applied = 0
         bar = tqdm(total=steps, desc=f"reference {cfg.name}", unit="step", file=sys.stderr, disable=not progress)
@@ -138,13 +146,14 @@ def train_reference(
                 on_step(StepInfo(step=t, loss=loss, tokens=tokens, updates_applied=applied, grads=grads, model=model))
             pending.append(grads)
             while len(pending) > delay:
-                apply_update(optimizer, model, pending.popleft())
+                apply_update(optimizer, model, pending.popleft(), recipe.lr_at(applied, steps))
                 applied += 1
             elapsed = time.perf_counter() - start
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{(t + 1) * tokens / elapsed:.0f}")
             bar.update(1)
         while pending:  # the swarm applies the last pending update too
-            apply_update(optimizer, model, pending.popleft())
+            apply_update(optimizer, model, pending.popleft(), recipe.lr_at(applied, steps))
+            applied += 1
         state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
         wall = time.perf_counter() - start
         bar.close()
@@ -162,6 +171,7 @@ def train_reference(
         "micro_batches": micro_batches,
         "delay": delay,
         "lr": lr,
+        "recipe": recipe.record(),
         "device": str(device),
         "data": corpus.source,
         "data_fingerprint": corpus.fingerprint,
@@ -215,7 +225,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d["delay"],
         help="1: delayed parameter update, as the swarm does; 0: ordinary training (default 1)",
     )
-    parser.add_argument("--lr", type=float, default=d["lr"], help=f"constant AdamW learning rate (default {d['lr']})")
+    parser.add_argument("--lr", type=float, default=d["lr"], help=f"peak AdamW learning rate (default {d['lr']})")
+    from peer.protocol import recipe as recipe_flags
+
+    recipe_flags.add_arguments(parser)
     parser.add_argument("--device", default=d["device"], help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--checkpoint-out", metavar="DIR", help=f"write DIR/{CHECKPOINT_FILE} (the full model, fp32)")
     parser.add_argument("--summary-json", metavar="PATH", help="write the run's summary (losses, timings) as JSON")
@@ -259,6 +272,12 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
+    from peer.protocol import recipe as recipe_flags
+
+    try:
+        recipe = recipe_flags.from_args(args, args.steps)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     _check_device(args.device)
     if args.summary_json and os.path.isdir(args.summary_json):
         raise UsageError(f"--summary-json {args.summary_json!r} is a folder")
@@ -281,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches,
         delay=args.delay,
         lr=args.lr,
+        recipe=recipe,
         device=args.device,
         progress=not args.no_progress,
         initial=initial,

@@ -42,7 +42,10 @@ def add_arguments(p) -> None:
     train.add_argument("--steps", type=int, default=50)
     train.add_argument("--batch-size", type=int, default=TRAIN_DEFAULTS["batch_size"])
     train.add_argument("--micro-batches", type=int, default=TRAIN_DEFAULTS["micro_batches"])
-    train.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["lr"])
+    train.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["lr"], help="peak learning rate")
+    from peer.protocol import recipe as recipe_flags
+
+    recipe_flags.add_arguments(train)
     train.add_argument(
         "--compress",
         default="none",
@@ -197,8 +200,12 @@ def resolve(args):
         raise UsageError(f"--task-tokens must be >= 1, got {args.task_tokens}")
     if args.client_batch_tokens < 1:
         raise UsageError(f"--client-batch-tokens must be >= 1, got {args.client_batch_tokens}")
-    if args.lr <= 0:
-        raise UsageError(f"--lr must be positive, got {args.lr}")
+    from peer.protocol import recipe as recipe_flags
+
+    try:
+        recipe = recipe_flags.from_args(args, args.steps)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.failover_after < 0:
         raise UsageError(f"--failover-after must be >= 0 seconds, got {args.failover_after}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1 << 16:
@@ -271,6 +278,7 @@ def resolve(args):
         announce_period=args.announce_period,
         arch=cfg.to_dict() if args.hf_model else None,
         compress=args.compress,
+        recipe=recipe.record(),
     )
     return cfg, layout, device, run
 

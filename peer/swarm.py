@@ -34,7 +34,10 @@ def add_arguments(p) -> None:
     p.add_argument("--data", default=None)
     p.add_argument("--batch-size", type=int, default=TRAIN_DEFAULTS["batch_size"])
     p.add_argument("--micro-batches", type=int, default=TRAIN_DEFAULTS["micro_batches"])
-    p.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["lr"])
+    p.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["lr"], help="peak learning rate")
+    from peer.protocol import recipe as recipe_flags
+
+    recipe_flags.add_arguments(p)
     p.add_argument("--churn", type=float, default=0.0, help="fraction of volunteers SIGKILLed (and replaced) each step")
     p.add_argument("--no-requeue", action="store_true", help="drop a departed volunteer's work (SWARM-like baseline)")
     p.add_argument(
@@ -180,6 +183,12 @@ def validate(args):
         raise UsageError("--servers-per-stage must be >= 2 (one frontal and one backward server)")
     if args.volunteers < 0 or args.steps < 1:
         raise UsageError("--volunteers must be >= 0 and --steps >= 1")
+    from peer.protocol import recipe as recipe_flags
+
+    try:
+        args.recipe = recipe_flags.from_args(args, args.steps)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     for flag in ("task_tokens", "client_batch_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")

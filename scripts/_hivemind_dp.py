@@ -67,6 +67,7 @@ def main() -> int:
     from peer.model.data import load_corpus, make_batch
     from peer.model.optim import make_optimizer
     from peer.model.transformer import build_slice, loss_sum
+    from peer.protocol.recipe import Recipe
 
     use_hivemind_log_handler("nowhere")
     cfg = get_preset(args.model)
@@ -80,7 +81,7 @@ def main() -> int:
         run_id=args.run_id,
         target_batch_size=args.batch_size,
         batch_size_per_step=args.local_rows,
-        optimizer=lambda params: make_optimizer(params, args.lr),
+        optimizer=lambda params: make_optimizer(params, Recipe(lr=args.lr)),
         params=model.parameters(),
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=args.averaging_timeout,

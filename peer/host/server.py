@@ -42,6 +42,7 @@ SHARED_FLAGS = {
     "batch_size": "--batch-size",
     "micro_batches": "--micro-batches",
     "lr": "--lr",
+    "recipe": "--lr-schedule/--warmup-steps/--min-lr/--decay-steps/--betas/--eps/--weight-decay",
     "compress": "--compress",
     "announce_period": "--announce-period",
     "layout": "--stages/--frontal-per-stage/--backward-per-stage or --plan",
@@ -80,11 +81,23 @@ def differing_flags(ours: dict, theirs: dict) -> list[str]:
         if key == "layout" and theirs.get("epoch", 0) != 0:
             continue
         if key in theirs and theirs.get(key) != ours.get(key):
-            if key in ("layout", "arch"):
+            if key == "recipe":
+                out += _recipe_differences(ours, theirs)
+            elif key in ("layout", "arch"):
                 out.append(f"{flag} (the run's {key} differs)")
             else:
                 out.append(f"{flag} {theirs[key]} (here: {ours[key]})")
     return out
+
+
+def _recipe_differences(ours: dict, theirs: dict) -> list[str]:
+    from peer.protocol.recipe import Recipe
+
+    try:
+        run = Recipe.from_record(theirs.get("lr", 0.0), theirs.get("recipe"))
+    except (TypeError, ValueError):
+        return [f"{SHARED_FLAGS['recipe']} (the run's recipe is unreadable)"]
+    return Recipe.from_record(ours.get("lr", 0.0), ours.get("recipe")).differences(run)
 
 
 class ServerHost:

@@ -147,6 +147,8 @@ class Swarm:
                         argv.append("--no-local-first")
                     if a.compress != "none":
                         argv += ["--compress", a.compress]
+                    if getattr(a, "recipe", None) is not None:  # (validate() read it from the flags)
+                        argv += a.recipe.flags()
                     if getattr(a, "supervise_servers", False):
                         argv.append("--supervise")
                     if a.verify_rate is not None:

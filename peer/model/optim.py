@@ -2,10 +2,10 @@
 
 - Gradient of a batch: the sum over its d micro-batches of d loss_sum(micro-batch) / d params,
   divided by the batch's total token count (so micro-batch gradients average by token count).
-- Update: torch.optim.AdamW (OPTIMIZER's hyper-parameters, foreach=False) on fp32 master weights,
-  with a constant learning rate: no schedule, no warm-up, no gradient clipping. AdamW is applied
-  parameter by parameter, so a server holding a shard of the parameters with its own AdamW steps
-  them exactly as one AdamW over all of them would.
+- Update: torch.optim.AdamW (the run's peer.protocol.recipe.Recipe: betas, eps, weight decay;
+  foreach=False) on fp32 master weights, update t at the learning rate `Recipe.lr_at(t)` of the
+  run's schedule. AdamW is applied parameter by parameter, so a server holding a shard of the
+  parameters with its own AdamW steps them exactly as one AdamW over all of them would.
 """
 
 from __future__ import annotations
@@ -18,12 +18,17 @@ from torch import nn
 from peer.model.data import split_micro_batches
 from peer.model.transformer import loss_sum
 
-OPTIMIZER = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], recipe) -> torch.optim.AdamW:
+    """AdamW over fp32 master weights with the settings of `recipe` (a peer.protocol.recipe.Recipe: its
+    `lr` and `adamw()`), at its peak learning rate until `set_lr` says otherwise."""
+    return torch.optim.AdamW(params, lr=recipe.lr, foreach=False, **recipe.adamw())
 
 
-def make_optimizer(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
-    """AdamW over fp32 master weights, constant learning rate `lr` (no schedule, no clipping)."""
-    return torch.optim.AdamW(params, lr=lr, foreach=False, **OPTIMIZER)
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The learning rate of the optimizer's next step (the schedule's value for that update)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def batch_gradient(
@@ -48,8 +53,13 @@ def batch_gradient(
     return float(total) / tokens, grads
 
 
-def apply_update(optimizer: torch.optim.Optimizer, model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
-    """One optimizer step of `model`'s parameters with the batch gradient `grads` (by name)."""
+def apply_update(
+    optimizer: torch.optim.Optimizer, model: nn.Module, grads: dict[str, torch.Tensor], lr: float | None = None
+) -> None:
+    """One optimizer step of `model`'s parameters with the batch gradient `grads` (by name), at
+    learning rate `lr` (None: the optimizer's current one)."""
+    if lr is not None:
+        set_lr(optimizer, lr)
     params = dict(model.named_parameters())
     for name, p in params.items():
         p.grad = grads[name]

@@ -79,9 +79,17 @@ class RunConfig:
     arch: dict | None = None
     # activations, their gradients and gradient pushes on the wire: none (exact) | fp16 | bf16 | 8bit
     compress: str = "none"
+    # the learning-rate schedule and AdamW's settings (peer.protocol.recipe.Recipe.record(); None: defaults)
+    recipe: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def training_recipe(self):
+        """The run's peer.protocol.recipe.Recipe (lr and the recipe map)."""
+        from peer.protocol.recipe import Recipe
+
+        return Recipe.from_record(self.lr, self.recipe)
 
     @classmethod
     def from_dict(cls, d: Any) -> "RunConfig":
@@ -113,7 +121,14 @@ class RunConfig:
             raise ValueError(
                 f"run config record: field 'compress' must be one of {', '.join(COMPRESSION)}, got {compress!r}"
             )
-        return cls(**{k: d[k] for k in kinds}, arch=arch, compress=compress)
+        from peer.protocol.recipe import Recipe
+
+        try:
+            recipe = Recipe.from_record(d["lr"], d.get("recipe"))
+            recipe.check(d["steps"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"run config record: field 'recipe': {e}") from None
+        return cls(**{k: d[k] for k in kinds}, arch=arch, compress=compress, recipe=recipe.record())
 
 
 def _kinds(*types) -> dict:

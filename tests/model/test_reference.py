@@ -12,8 +12,9 @@ import torch
 
 from peer.model.config import get_preset
 from peer.model.data import make_batch
-from peer.model.optim import OPTIMIZER, apply_update, batch_gradient, make_optimizer
+from peer.model.optim import apply_update, batch_gradient, make_optimizer
 from peer.model.transformer import StageSlice, build_slice
+from peer.protocol.recipe import Recipe
 from peer.reference import train_reference
 
 CFG = get_preset("tiny")
@@ -32,11 +33,15 @@ def _assert_states_equal(a, b):
 
 def test_optimizer_is_the_shared_rule():
     p = torch.nn.Parameter(torch.zeros(3))
-    opt = make_optimizer([p], lr=0.5)
+    opt = make_optimizer([p], Recipe(lr=0.5))
     group = opt.param_groups[0]
-    assert group["lr"] == 0.5 and group["betas"] == OPTIMIZER["betas"]
-    assert group["eps"] == OPTIMIZER["eps"] and group["weight_decay"] == OPTIMIZER["weight_decay"]
+    d = Recipe()
+    assert group["lr"] == 0.5 and group["betas"] == d.betas == (0.9, 0.95)
+    assert group["eps"] == d.eps == 1e-8 and group["weight_decay"] == d.weight_decay == 0.01
     assert group["foreach"] is False and isinstance(opt, torch.optim.AdamW)
+    opt = make_optimizer([p], Recipe(lr=0.1, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0))
+    group = opt.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (0.1, (0.8, 0.99), 1e-6, 0.0)
 
 
 def test_micro_batch_gradients_average_by_token_count(default_corpus):
@@ -71,7 +76,7 @@ def test_delay_1_follows_the_rule_step_by_step(default_corpus):
     """Unrolled by hand: g0, g1 on θ0; apply u0; g2 on θ0+u0; apply u1; g3; apply u2; then u3."""
     state, summary = _train(default_corpus, 4, 1)
     model = build_slice(CFG, 0, CFG.layers, seed=RUN["seed"])
-    opt = make_optimizer(model.parameters(), RUN["lr"])
+    opt = make_optimizer(model.parameters(), Recipe(lr=RUN["lr"]))
 
     def grad(t):
         x, y = make_batch(default_corpus, RUN["seed"], t, RUN["batch_size"], CFG.seq_len)
@@ -86,6 +91,31 @@ def test_delay_1_follows_the_rule_step_by_step(default_corpus):
     apply_update(opt, model, g3)
     assert summary["losses"] == [l0, l1, l2, l3]
     _assert_states_equal(state, model.state_dict())
+
+
+def test_each_update_takes_the_schedules_learning_rate_and_the_recipes_adamw(default_corpus):
+    """Unrolled by hand with the cosine schedule after a warm-up: update u at lr_at(u), AdamW with the
+    recipe's betas, eps and weight decay; and not the constant-rate run."""
+    recipe = Recipe(lr=RUN["lr"], schedule="cosine", warmup_steps=1, min_lr=1e-3, betas=(0.8, 0.9), weight_decay=0.1)
+    state, summary = _train(default_corpus, 4, 1, recipe=recipe)
+    assert summary["recipe"] == recipe.record()
+    model = build_slice(CFG, 0, CFG.layers, seed=RUN["seed"])
+    opt = make_optimizer(model.parameters(), recipe)
+
+    def grad(t):
+        x, y = make_batch(default_corpus, RUN["seed"], t, RUN["batch_size"], CFG.seq_len)
+        return batch_gradient(model, x, y, RUN["micro_batches"])
+
+    (_, g0), (_, g1) = grad(0), grad(1)
+    apply_update(opt, model, g0, recipe.lr_at(0, 4))
+    _, g2 = grad(2)
+    apply_update(opt, model, g1, recipe.lr_at(1, 4))
+    _, g3 = grad(3)
+    apply_update(opt, model, g2, recipe.lr_at(2, 4))
+    apply_update(opt, model, g3, recipe.lr_at(3, 4))
+    _assert_states_equal(state, model.state_dict())
+    constant, _ = _train(default_corpus, 4, 1)
+    assert any(not torch.equal(state[k], constant[k]) for k in state)
 
 
 def test_delay_0_and_1_differ_after_the_first_step(default_corpus):

@@ -150,6 +150,22 @@ def test_the_flags_a_server_disagrees_on_are_named_with_both_values():
     assert differing_flags(ours, dict(other_layout, epoch=1)) == []  # a failover changed it: not compared
 
 
+def test_a_server_with_another_recipe_names_each_setting_with_both_values():
+    from peer.protocol.recipe import Recipe
+
+    mine = Recipe(lr=0.002)
+    ours = {"model": "tiny", "steps": 20, "lr": 0.002, "recipe": mine.record()}
+    run = Recipe(lr=0.002, schedule="cosine", warmup_steps=5, betas=(0.9, 0.99), weight_decay=0.1)
+    theirs = dict(ours, recipe=run.record(), epoch=0)
+    assert differing_flags(ours, theirs) == [
+        "--lr-schedule cosine (here: constant)",
+        "--warmup-steps 5 (here: 0)",
+        "--betas 0.9,0.99 (here: 0.9,0.95)",
+        "--weight-decay 0.1 (here: 0.01)",
+    ]
+    assert differing_flags(ours, dict(ours, epoch=0)) == []
+
+
 @pytest.mark.parametrize(
     "problem, words",
     [

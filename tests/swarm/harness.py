@@ -31,15 +31,22 @@ def rel_diff(a: dict, b: dict) -> float:
 
 
 def reference_state(
-    model: str, steps: int, seed: int = 0, batch_size: int = 16, micro_batches: int = 4, lr: float = 2e-3
+    model: str,
+    steps: int,
+    seed: int = 0,
+    batch_size: int = 16,
+    micro_batches: int = 4,
+    lr: float = 2e-3,
+    recipe=None,
 ):
-    """`peer reference --delay 1`'s parameters after `steps`: computed once per test run and arguments,
-    each caller given its own copy."""
-    return {k: v.clone() for k, v in _reference_state(model, steps, seed, batch_size, micro_batches, lr).items()}
+    """`peer reference --delay 1`'s parameters after `steps` (with a peer.protocol.recipe.Recipe, or the
+    default one at `lr`): computed once per test run and arguments, each caller given its own copy."""
+    state = _reference_state(model, steps, seed, batch_size, micro_batches, lr, recipe)
+    return {k: v.clone() for k, v in state.items()}
 
 
 @functools.lru_cache(maxsize=None)
-def _reference_state(model: str, steps: int, seed: int, batch_size: int, micro_batches: int, lr: float):
+def _reference_state(model: str, steps: int, seed: int, batch_size: int, micro_batches: int, lr: float, recipe):
     from peer.model.config import get_preset
     from peer.model.data import load_corpus
     from peer.reference import train_reference
@@ -53,7 +60,8 @@ def _reference_state(model: str, steps: int, seed: int, batch_size: int, micro_b
         batch_size=batch_size,
         micro_batches=micro_batches,
         delay=1,
-        lr=lr,
+        lr=lr if recipe is None else recipe.lr,
+        recipe=recipe,
         progress=False,
     )
     return state

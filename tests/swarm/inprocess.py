@@ -27,10 +27,26 @@ from peer.volunteer.worker import StageWorker
 TICKETS = LeaseTickets(b"in-process swarm lease key!")
 
 
-def make_run(model="tiny", stages=2, frontal=1, backward=1, steps=3, seed=0, batch_size=16, micro_batches=4, lr=2e-3):
+def make_run(
+    model="tiny", stages=2, frontal=1, backward=1, steps=3, seed=0, batch_size=16, micro_batches=4, lr=2e-3, recipe=None
+):
+    """(cfg, layout, run config) of a run; `recipe`: a peer.protocol.recipe.Recipe (its lr is the run's)."""
     cfg = get_preset(model)
     layout = RunLayout.even(stages, cfg.layers, frontal, backward)
-    run = RunConfig("test", model, seed, steps, batch_size, micro_batches, lr, layout.to_dict(), announce_period=1.0)
+    if recipe is not None:
+        lr = recipe.lr
+    run = RunConfig(
+        "test",
+        model,
+        seed,
+        steps,
+        batch_size,
+        micro_batches,
+        lr,
+        layout.to_dict(),
+        announce_period=1.0,
+        recipe=None if recipe is None else recipe.record(),
+    )
     return cfg, layout, run
 
 

@@ -119,9 +119,12 @@ def test_an_operators_run_from_first_server_to_the_end(tmp_path, capsys):
         other_key = peer(*serve(key_b, "backward", tmp_path, "--initial-peers", *initial))
         assert other_key.returncode == 2, other_key.stderr[-3000:]
         assert fp_a in other_key.stderr and fp_b in other_key.stderr and "Traceback" not in other_key.stderr
-        other_flags = peer(*serve(key_a, "backward", tmp_path, "--initial-peers", *initial, "--steps", "5"))
+        other_flags = peer(
+            *serve(key_a, "backward", tmp_path, "--initial-peers", *initial, "--steps", "5", "--lr-schedule", "cosine")
+        )
         assert other_flags.returncode == 2, other_flags.stderr[-3000:]
         assert f"--steps {STEPS} (here: 5)" in other_flags.stderr
+        assert "--lr-schedule constant (here: cosine)" in other_flags.stderr
         wrong_fp = peer("join", "--run-id", f"life@{fp_b}", "--initial-peers", *initial, "--stage", "0")
         assert wrong_fp.returncode == 2, wrong_fp.stderr[-3000:]
         assert fp_a in wrong_fp.stderr and fp_b in wrong_fp.stderr
