@@ -55,6 +55,7 @@ class Recovery:
         # inputs whose tasks were cut before the crash must not be cut again (differently)
         self.waiting_inputs = [key for key in self.waiting_inputs if key not in cut]
         self.release_waiting()
+        self._maybe_step()  # (a step held during the replay for the run's gradient norm asks for it now)
         if self.role == "backward" and not self.last:
             for (t, m), buf in list(self.buffers.items()):
                 if buf.complete:

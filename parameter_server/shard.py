@@ -17,6 +17,7 @@ batches 0..t-2), and update t is applied when version == t, producing version t 
 from __future__ import annotations
 
 import hashlib
+import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ class BatchCredit:
     loss_sum: float = 0.0
     grads: dict | None = None
     senders: list = field(default_factory=list)  # who pushed each credited sum, in the order summed
+    sumsq: float | None = None  # the sum of squares of the complete sum (float64), once asked for
+    scale: float = 1.0  # what the step multiplied the sum by (gradient clipping; 1: not clipped)
 
     def complete(self) -> bool:
         return len(self.rows_done) == self.micro_batches and all(
@@ -111,6 +114,10 @@ class ShardState:
         self.rollback_epoch = 0  # the last layout epoch whose rollback this shard applied
         self.batches: dict[int, BatchCredit] = {}
         self.losses: dict[int, float] = {}
+        # batch -> the run's sum of squares of batch's gradient over every shard of every stage, for
+        # the batches whose step was clipped by it (--clip-grad-norm): what a server that lost its
+        # peers' sums asks the slot's host (or its replica) for (parameter_server/clipping.py)
+        self.totals: dict[int, float] = {}
         self.duplicates = 0
         self.microbatches_applied = 0
         # the credit that made each of the last two versions (version -> its summed gradient and who
@@ -205,6 +212,7 @@ class ShardState:
                 del store[v]
         self.microbatches_applied -= (self.version - version) * self.micro_batches
         self.losses = {t: v for t, v in self.losses.items() if t < version}
+        self.totals = {t: v for t, v in self.totals.items() if t < version}
         self.version = version
         self.batches = {}
         self.applied = {}
@@ -326,16 +334,30 @@ class ShardState:
         if len(self.losses) > LOSS_HISTORY:
             for t in sorted(self.losses)[: len(self.losses) - LOSS_HISTORY]:
                 del self.losses[t]
+        if len(self.totals) > LOSS_HISTORY:
+            for t in sorted(self.totals)[: len(self.totals) - LOSS_HISTORY]:
+                del self.totals[t]
 
-    def step(self) -> int:
-        """Apply the update of batch `version`; returns the new version."""
+    def batch_sumsq(self) -> float:
+        """The sum of squares (float64) of the complete gradient sum of batch `version` here."""
+        bc = self.batches[self.version]
+        if bc.sumsq is None:
+            bc.sumsq = float(sum(bc.grads[n].double().square().sum() for n in self.names))
+        return bc.sumsq
+
+    def step(self, scale: float = 1.0, total: float | None = None) -> int:
+        """Apply the update of batch `version`, its summed gradient multiplied by `scale` (gradient
+        clipping: the run's sum of squares for the batch was `total`); returns the new version."""
         t = self.version
         bc = self.batches.pop(t)
+        bc.scale = scale
         for n, p in self.params.items():
-            p.grad = bc.grads[n]
+            p.grad = bc.grads[n] if scale == 1.0 else bc.grads[n] * scale
         self._optimizer_step(t)
         self.version = t + 1
         self.losses[t] = bc.loss_sum
+        if total is not None:
+            self.totals[t] = total
         self._trim_losses()
         self.microbatches_applied += self.micro_batches
         self._keep(self.version)
@@ -381,6 +403,7 @@ class ShardState:
             "adam_steps": steps,
             "token": self.tokens[v],
             "losses": {str(k): x for k, x in self.losses.items() if k < v},
+            "totals": {str(k): x for k, x in self.totals.items() if k < v},
             "microbatches_applied": self.microbatches_applied - (self.version - v) * self.micro_batches,
             "duplicates": self.duplicates,
         }
@@ -400,6 +423,8 @@ class ShardState:
             "base_token": self.tokens[version - 1],
             "token": self.tokens[version],
             "loss": self.losses.get(version - 1),
+            "scale": self.applied[version].scale,
+            "total": self.totals.get(version - 1),
             "microbatches_applied": self.microbatches_applied - (self.version - version) * self.micro_batches,
             "duplicates": self.duplicates,
         }
@@ -417,6 +442,9 @@ class ShardState:
         if meta.get("names") != self.names:
             raise PayloadError("replica step names another shard's parameters")
         loss, applied, duplicates = meta.get("loss"), meta.get("microbatches_applied"), meta.get("duplicates")
+        scale, total = meta.get("scale", 1.0), meta.get("total")
+        if not _number(scale) or not 0 < scale <= 1 or not (total is None or (_number(total) and total >= 0)):
+            raise PayloadError("replica step needs a 'scale' in (0, 1] and a 'total' >= 0 or none")
         if (
             not isinstance(meta.get("token"), str)
             or not (loss is None or isinstance(loss, (int, float)))
@@ -437,12 +465,14 @@ class ShardState:
             )
         with torch.no_grad():
             for n, g in zip(self.names, tensors):
-                self.params[n].grad = g.clone()
+                self.params[n].grad = g.clone() if scale == 1.0 else g * scale
         self._optimizer_step(version - 1)
         self.version = version
         if loss is not None:
             self.losses[version - 1] = float(loss)
-            self._trim_losses()
+        if total is not None:
+            self.totals[version - 1] = float(total)
+        self._trim_losses()
         self.microbatches_applied, self.duplicates = applied, duplicates
         self._keep(version)
         self.batches = {}
@@ -496,6 +526,7 @@ class ShardState:
                 }
         self.version = version
         self.losses = {int(k): float(v) for k, v in meta.get("losses", {}).items()}
+        self.totals = {int(k): float(v) for k, v in meta.get("totals", {}).items()}
         self._trim_losses()
         self.microbatches_applied = int(meta.get("microbatches_applied", 0))
         self.duplicates = int(meta.get("duplicates", 0))
@@ -517,6 +548,7 @@ class ShardState:
             "tokens": dict(self.tokens),
             "rollback_epoch": self.rollback_epoch,
             "losses": dict(self.losses),
+            "totals": dict(self.totals),
             "microbatches_applied": self.microbatches_applied,
             "duplicates": self.duplicates,
         }
@@ -543,10 +575,15 @@ class ShardState:
         self.tokens = {v: str(tokens[v]) if v in tokens else _token() for v in self.snapshots}
         self.rollback_epoch = int(state.get("rollback_epoch", 0))
         self.losses = {int(k): float(v) for k, v in state["losses"].items()}
+        self.totals = {int(k): float(v) for k, v in state.get("totals", {}).items()}
         self._trim_losses()
         self.microbatches_applied = int(state["microbatches_applied"])
         self.duplicates = int(state["duplicates"])
         self.batches = {}
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _token() -> str:

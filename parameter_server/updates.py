@@ -144,16 +144,30 @@ class Updates:
         if any(shard.ready_to_step() for shard in self.hosted.values()):
             self.update_pins()  # before a step forgets a version a ban may still need
         stepped = False
+        self.announce_sums()  # (before any other hold: the other stages wait on these sums)
         for slot, shard in sorted(self.hosted.items()):
             while (
                 shard.ready_to_step()
                 and not self.checks_hold(shard.version)
                 and not self.replica_behind(slot, shard.version)
+                and not self.clip_hold(slot, shard)
             ):
                 before = self.version
-                v = shard.step()
+                scale, total = self.clip_step(slot, shard)
+                v = shard.step(scale, total)
                 stepped = True
-                logger.info("%s: applied batch %d -> version %d (slot %d)", self.device_id, v - 1, v, slot)
+                if total is None:
+                    logger.info("%s: applied batch %d -> version %d (slot %d)", self.device_id, v - 1, v, slot)
+                else:
+                    logger.info(
+                        "%s: applied batch %d -> version %d (slot %d), gradient norm %.4g%s",
+                        self.device_id,
+                        v - 1,
+                        v,
+                        slot,
+                        total**0.5,
+                        f", clipped x{scale:.4g}" if scale < 1.0 else "",
+                    )
                 self._spawn(self._send_replica(slot))
                 if self.version == before:
                     continue

@@ -136,6 +136,7 @@ def train_reference(
         )
         optimizer = make_optimizer(model.parameters(), recipe)
         pending: deque[dict] = deque()  # gradients whose updates are not applied yet, oldest first
+        norms: list[float | None] = []  # each update's gradient norm before clipping (when it clips)
         applied = 0
         bar = tqdm(total=steps, desc=f"reference {cfg.name}", unit="step", file=sys.stderr, disable=not progress)
         for t in range(steps):
@@ -146,13 +147,18 @@ def train_reference(
                 on_step(StepInfo(step=t, loss=loss, tokens=tokens, updates_applied=applied, grads=grads, model=model))
             pending.append(grads)
             while len(pending) > delay:
-                apply_update(optimizer, model, pending.popleft(), recipe.lr_at(applied, steps))
+                norm = apply_update(
+                    optimizer, model, pending.popleft(), recipe.lr_at(applied, steps), recipe.clip_grad_norm
+                )
+                norms.append(norm)
                 applied += 1
             elapsed = time.perf_counter() - start
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{(t + 1) * tokens / elapsed:.0f}")
             bar.update(1)
         while pending:  # the swarm applies the last pending update too
-            apply_update(optimizer, model, pending.popleft(), recipe.lr_at(applied, steps))
+            norms.append(
+                apply_update(optimizer, model, pending.popleft(), recipe.lr_at(applied, steps), recipe.clip_grad_norm)
+            )
             applied += 1
         state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
         wall = time.perf_counter() - start
@@ -172,6 +178,7 @@ def train_reference(
         "delay": delay,
         "lr": lr,
         "recipe": recipe.record(),
+        "grad_norms": norms if recipe.clip_grad_norm is not None else None,
         "device": str(device),
         "data": corpus.source,
         "data_fingerprint": corpus.fingerprint,

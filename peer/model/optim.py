@@ -54,15 +54,25 @@ def batch_gradient(
 
 
 def apply_update(
-    optimizer: torch.optim.Optimizer, model: nn.Module, grads: dict[str, torch.Tensor], lr: float | None = None
-) -> None:
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    grads: dict[str, torch.Tensor],
+    lr: float | None = None,
+    clip: float | None = None,
+) -> float | None:
     """One optimizer step of `model`'s parameters with the batch gradient `grads` (by name), at
-    learning rate `lr` (None: the optimizer's current one)."""
+    learning rate `lr` (None: the optimizer's current one), the gradient's global L2 norm clipped to
+    `clip` first by torch.nn.utils.clip_grad_norm_ (None: not clipped). Returns the gradient's norm
+    before clipping when it clips, else None. `grads` is not changed."""
     if lr is not None:
         set_lr(optimizer, lr)
     params = dict(model.named_parameters())
     for name, p in params.items():
-        p.grad = grads[name]
+        p.grad = grads[name] if clip is None else grads[name].clone()
+    norm = None
+    if clip is not None:
+        norm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), clip, foreach=False))
     optimizer.step()
     for p in params.values():
         p.grad = None
+    return norm

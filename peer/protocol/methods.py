@@ -51,6 +51,8 @@ METHODS: dict[str, Method] = {
         Method("pin", epoched=False, retry=True, logged=False, caller="server"),
         # done tasks whose results never reached the server asking: queued again (parameter_server/rescue.py)
         Method("requeue_missing", epoched=True, retry=True, logged=False, caller="server"),
+        # a batch's gradient sums of squares, slot by slot, for global norm clipping (parameter_server/clipping.py)
+        Method("grad_norm", epoched=False, retry=True, logged=False, caller="server"),
     )
 }
 

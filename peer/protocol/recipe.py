@@ -37,6 +37,7 @@ FLAGS = {
     "betas": "--betas",
     "eps": "--eps",
     "weight_decay": "--weight-decay",
+    "clip_grad_norm": "--clip-grad-norm",
 }
 
 
@@ -56,6 +57,9 @@ class Recipe:
     betas: tuple[float, float] = field(default=(0.9, 0.95))
     eps: float = 1e-8
     weight_decay: float = 0.01
+    # the batch gradient's global L2 norm (over every parameter of every stage) is clipped to this,
+    # as torch.nn.utils.clip_grad_norm_ over the whole model does; None: not clipped
+    clip_grad_norm: float | None = None
 
     def check(self, steps: int) -> None:
         """ValueError naming the flag of the first setting no run of `steps` updates can use."""
@@ -83,6 +87,8 @@ class Recipe:
             raise ValueError(f"--eps must be a positive number, got {self.eps!r}")
         if not _number(self.weight_decay) or self.weight_decay < 0:
             raise ValueError(f"--weight-decay must be a number >= 0, got {self.weight_decay!r}")
+        if self.clip_grad_norm is not None and (not _number(self.clip_grad_norm) or self.clip_grad_norm <= 0):
+            raise ValueError(f"--clip-grad-norm must be a positive number, got {self.clip_grad_norm!r}")
 
     def decay_length(self, steps: int) -> int:
         """D: the updates over which the schedule goes from lr to min_lr (at least 1)."""
@@ -142,7 +148,7 @@ class Recipe:
                 raise ValueError(f"recipe: field 'betas' must be a pair of numbers, got {betas!r}")
             values["betas"] = tuple(betas)
         recipe = cls(lr=lr, **values)
-        for name in ("min_lr", "eps", "weight_decay"):
+        for name in ("min_lr", "eps", "weight_decay") + (("clip_grad_norm",) if recipe.clip_grad_norm else ()):
             if not _number(getattr(recipe, name)):
                 raise ValueError(f"recipe: field {name!r} must be a number, got {getattr(recipe, name)!r}")
         return recipe
@@ -164,6 +170,12 @@ class Recipe:
             if value is not None:
                 out += [flag, _show(name, value)]
         return out
+
+
+def clip_scale(max_norm: float, total_sumsq: float) -> float:
+    """What a batch gradient whose squares sum to `total_sumsq` is multiplied by to clip its norm to
+    `max_norm`: torch.nn.utils.clip_grad_norm_'s coefficient, max_norm / (norm + 1e-6), at most 1."""
+    return min(1.0, max_norm / (math.sqrt(total_sumsq) + 1e-6))
 
 
 def _show(name: str, value) -> str:
@@ -208,6 +220,14 @@ def add_arguments(group) -> None:
     group.add_argument(
         "--weight-decay", type=float, default=d.weight_decay, help="AdamW's decoupled weight decay (default 0.01)"
     )
+    group.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        default=None,
+        metavar="X",
+        help="clip each batch gradient's global L2 norm (every parameter of every stage) to X, as "
+        "torch.nn.utils.clip_grad_norm_ (default: no clipping)",
+    )
 
 
 def from_args(args, steps: int) -> Recipe:
@@ -222,6 +242,7 @@ def from_args(args, steps: int) -> Recipe:
         betas=parse_betas(args.betas),
         eps=args.eps,
         weight_decay=args.weight_decay,
+        clip_grad_norm=args.clip_grad_norm,
     )
     recipe.check(steps)
     return recipe

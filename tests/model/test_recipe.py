@@ -73,6 +73,8 @@ def test_every_schedule_stays_between_min_lr_and_lr_and_never_rises_after_its_wa
         (dict(betas=(0.9,)), 10, "--betas"),
         (dict(eps=0.0), 10, "--eps"),
         (dict(weight_decay=-0.1), 10, "--weight-decay"),
+        (dict(clip_grad_norm=0.0), 10, "--clip-grad-norm"),
+        (dict(clip_grad_norm=float("inf")), 10, "--clip-grad-norm"),
     ],
 )
 def test_a_setting_no_run_can_use_is_refused_naming_its_flag(kw, steps, flag):
@@ -120,3 +122,16 @@ def test_peer_reference_refuses_a_bad_recipe_flag_with_exit_2():
         text=True,
     )
     assert out.returncode == 2 and "--betas must be two numbers" in out.stderr, out.stderr
+
+
+def test_the_clip_scale_is_clip_grad_norms_coefficient():
+    import torch
+
+    from peer.protocol.recipe import clip_scale
+
+    g = torch.tensor([3.0, 4.0])  # norm 5
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_([p], 2.0)
+    assert torch.allclose(p.grad, g * clip_scale(2.0, 25.0), rtol=1e-7)
+    assert clip_scale(10.0, 25.0) == 1.0  # under the bound: not scaled

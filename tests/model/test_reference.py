@@ -118,6 +118,24 @@ def test_each_update_takes_the_schedules_learning_rate_and_the_recipes_adamw(def
     assert any(not torch.equal(state[k], constant[k]) for k in state)
 
 
+def test_a_clipped_update_is_clip_grad_norm_over_the_whole_model(default_corpus):
+    recipe = Recipe(lr=RUN["lr"], clip_grad_norm=0.5)
+    state, summary = _train(default_corpus, 3, 0, recipe=recipe)
+    model = build_slice(CFG, 0, CFG.layers, seed=RUN["seed"])
+    opt = make_optimizer(model.parameters(), recipe)
+    norms = []
+    for t in range(3):
+        x, y = make_batch(default_corpus, RUN["seed"], t, RUN["batch_size"], CFG.seq_len)
+        _, g = batch_gradient(model, x, y, RUN["micro_batches"])
+        for name, p in model.named_parameters():
+            p.grad = g[name]
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, foreach=False)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    _assert_states_equal(state, model.state_dict())
+    assert summary["grad_norms"] == norms and all(n > 0.5 for n in norms)  # (every step clipped)
+
+
 def test_delay_0_and_1_differ_after_the_first_step(default_corpus):
     s0, sum0 = _train(default_corpus, 3, 0)
     s1, sum1 = _train(default_corpus, 3, 1)

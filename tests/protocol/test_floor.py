@@ -519,6 +519,7 @@ def test_the_method_table_is_what_the_server_offers():
         "ban",
         "pin",
         "requeue_missing",
+        "grad_norm",
     }
 
 

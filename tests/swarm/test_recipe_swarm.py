@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 
+import pytest
+
 from peer.protocol.recipe import Recipe
 from tests.swarm.harness import reference_state, rel_diff, swarm_cli
 from tests.swarm.inprocess import InProcessSwarm, make_run
@@ -53,3 +55,107 @@ def test_peer_swarm_with_a_wsd_schedule_and_adamw_flags_equals_peer_reference_wi
     assert summary["steps"] == steps
     assert rel_diff(state, reference_state("tiny", steps, recipe=recipe)) < 1e-5
     assert rel_diff(state, reference_state("tiny", steps, lr=recipe.lr)) > 1e-3
+
+
+CLIPPED = Recipe(lr=2e-3, clip_grad_norm=1.0)  # the tiny model's batch gradients have norms 1.4-2.3
+
+
+@pytest.mark.parametrize("lose", [None, "s1b1", "s0f0"])
+def test_global_norm_clipping_equals_clip_grad_norm_over_the_whole_model(lose):
+    """Every shard of both stages steps with the norm of the whole batch gradient, also when a server
+    is lost for good after version 2 (its slots' sums then come from the replica's host, or from
+    the totals the others' shards kept)."""
+    steps = 6
+    cfg, layout, run = make_run(steps=steps, stages=2, frontal=2, backward=2, recipe=CLIPPED)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1)
+    at = {} if lose is None else {2: lambda: swarm.lose(lose)}
+    state = asyncio.run(swarm.train(timeout=180, at_version=at))
+    if lose is not None:
+        assert lose not in swarm.servers and all(s.epoch == 1 for s in swarm.servers.values())
+    ref, summary = reference_run(steps, CLIPPED)
+    assert rel_diff(state, ref) < 1e-5
+    assert rel_diff(state, reference_state("tiny", steps)) > 1e-3  # clipping changed the run
+    for s in swarm.servers.values():  # every server saw the run's norms, the reference's to float32
+        norms = {int(t): n for t, n in s.status(recent=None)["grad_norms"].items()}
+        assert norms and all(
+            abs(n - summary["grad_norms"][t]) < 1e-5 * summary["grad_norms"][t] for t, n in norms.items()
+        )
+
+
+def reference_run(steps: int, recipe: Recipe):
+    from peer.model.config import get_preset
+    from peer.model.data import load_corpus
+    from peer.reference import train_reference
+
+    cfg = get_preset("tiny")
+    return train_reference(
+        cfg,
+        load_corpus(None, seq_len=cfg.seq_len),
+        steps=steps,
+        seed=0,
+        batch_size=16,
+        micro_batches=4,
+        delay=1,
+        lr=recipe.lr,
+        recipe=recipe,
+        progress=False,
+    )
+
+
+def test_a_gradient_sum_message_that_does_not_fit_is_refused_and_changes_nothing():
+    cfg, layout, run = make_run(steps=4, stages=2, frontal=1, backward=1, recipe=CLIPPED)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=0)
+    server = swarm.servers["s0f0"]
+    other = "peer-s1f0"  # a server of the run
+
+    async def call(meta):
+        answer, _ = await server.handle("grad_norm", meta, [], other)
+        return answer
+
+    good = {"batch": 1, "epoch": 0, "sums": [[1, 0, 2.5]], "total": None}
+    bad = [
+        (dict(good, batch=4), "field 'batch' must be in 0..3"),
+        (dict(good, epoch=-1), "field 'epoch' must be >= 0"),
+        (dict(good, sums=[[1, 0, -1.0]]), "a sum must be"),
+        (dict(good, sums=[[1, 0, float("nan")]]), "a sum must be"),
+        (dict(good, sums=[[7, 0, 1.0]]), "no slot 0 of stage 7"),
+        (dict(good, sums=[[1, 0, 1.0]] * 9), "the run has 4 slots"),
+        (dict(good, total=float("inf")), "field 'total'"),
+        (dict(good, sums="x"), "sums"),
+    ]
+
+    async def scenario():
+        for meta, words in bad:
+            answer = await call(meta)
+            assert words in answer.get("error", ""), (meta, answer)
+        assert server.slot_sums == {}
+        answer = await call(good)
+        assert answer["sums"] == [[1, 0, 2.5]] and answer["total"] is None
+        outsider, _ = await server.handle("grad_norm", good, [], "peer-stranger")
+        assert "error" in outsider
+
+    asyncio.run(scenario())
+
+
+def test_a_liar_banned_in_a_clipped_run_leaves_no_stale_norm_behind():
+    """A volunteer's gradient pushes x100 enter the norms of the batches it worked on; its ban rolls
+    those batches back, and the sums made before the rollback are dropped: the batches are clipped
+    again by the norms of the honest re-runs, and the run equals the clipped reference."""
+    from peer.volunteer.cheat import Cheat
+
+    steps = 8
+    cfg, layout, run = make_run(steps=steps, stages=2, recipe=CLIPPED)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    for server in swarm.servers.values():  # no probation: its work may be applied before its check ends
+        server.probation, server.verify_rate = 0, 1.0
+    liar = next(w for w in swarm.workers if w.device_id == "u11")
+
+    async def lie_from_now():  # (batches go to a stage's two volunteers in turn: it has batches left)
+        liar.cheat = Cheat("scale", after=liar.stats["forward"] + liar.stats["backward"])
+
+    state = asyncio.run(swarm.train(timeout=240, at_version={1: lie_from_now}))
+    bans = {p for s in swarm.servers.values() for p in s.banned}
+    assert bans == {"peer-u11"}
+    assert any(s.sum_rollbacks for s in swarm.servers.values())
+    ref, _ = reference_run(steps, CLIPPED)
+    assert rel_diff(state, ref) < 1e-5

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""What the training recipe costs a swarm: tokens/s of `peer swarm` with global gradient-norm clipping
+(`--clip-grad-norm`, one round of sums between the servers a batch) against the same run without it,
+calm and under churn, each run's final parameters against `peer reference` with the same flags.
+
+    python scripts/bench_train.py [--model small] [--steps 30] [--repeats 2] [--churn 0.25] [--out docs]
+
+Runs alternate (without, with, without, with ...) so that a drift of the machine's speed falls on
+both; the table gives every run and the median ratio. Tokens/s are the swarm's own (steps x batch x
+sequence length / training wall time, from the moment every server is online). Writes
+DIR/bench_train.md (DIR defaults to docs/)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import REPO, Report, exactly_once, loadavg, md_table, out_folder, run_swarm  # noqa: E402
+
+CLIP = 1.0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="small")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--churn", type=float, default=0.25)
+    p.add_argument("--volunteers", type=int, default=4)
+    p.add_argument("--out", type=Path, default=REPO / "docs")
+    p.add_argument("--work", type=Path, default=None, help="keep the runs' logs here (default: a temporary folder)")
+    args = p.parse_args()
+    out = out_folder(p, args.out)
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench_train."))
+    work.mkdir(parents=True, exist_ok=True)
+
+    import torch
+    from safetensors.torch import load_file
+
+    from peer.model.config import get_preset
+    from peer.model.data import load_corpus
+    from peer.protocol.recipe import Recipe
+    from peer.reference import train_reference
+
+    cfg = get_preset(args.model)
+    corpus = load_corpus(None, seq_len=cfg.seq_len)
+    references = {}
+
+    def reference(clip):
+        if clip not in references:
+            recipe = Recipe(lr=2e-3, clip_grad_norm=clip)
+            state, summary = train_reference(
+                cfg,
+                corpus,
+                steps=args.steps,
+                seed=0,
+                batch_size=16,
+                micro_batches=4,
+                delay=1,
+                lr=recipe.lr,
+                recipe=recipe,
+                progress=False,
+            )
+            references[clip] = (state, summary)
+        return references[clip]
+
+    def rel(a, b):
+        num = sum(float((a[k] - b[k]).double().square().sum()) for k in b)
+        den = sum(float(b[k].double().square().sum()) for k in b)
+        return (num / den) ** 0.5
+
+    report = Report(
+        "Training recipe: what global gradient clipping costs",
+        f"`python scripts/bench_train.py --model {args.model} --steps {args.steps} --repeats {args.repeats} "
+        f"--churn {args.churn}`: `peer swarm --model {args.model}` ({args.volunteers} volunteers, servers "
+        f"not computing), without and with `--clip-grad-norm {CLIP}`, calm and with {args.churn:.0%} of the "
+        f"volunteers killed (and replaced) each step. Load at the start: {loadavg()}.",
+    )
+    rows, ratios = [], {}
+    torch.set_num_threads(1)
+    for churn in (0.0, args.churn):
+        for r in range(args.repeats):
+            for clip in (None, CLIP):
+                name = f"c{churn}-r{r}-{'clip' if clip else 'none'}"
+                flags = ["--model", args.model, "--steps", str(args.steps), "--volunteers", str(args.volunteers)]
+                flags += ["--churn", str(churn), "--checkpoint-out", str(work / name / "final")]
+                if clip:
+                    flags += ["--clip-grad-norm", str(CLIP)]
+                s = run_swarm(name, flags, work)
+                state = load_file(str(work / name / "final" / "model.safetensors"))
+                ref_state, ref_summary = reference(clip)
+                rows.append(
+                    [
+                        "calm" if churn == 0 else f"churn {churn}",
+                        "yes" if clip else "no",
+                        r + 1,
+                        f"{s['tokens_per_second']:,.0f}",
+                        f"{s['wall_seconds'] / args.steps:.2f}",
+                        exactly_once(s),
+                        f"{rel(state, ref_state):.1e}",
+                    ]
+                )
+                ratios.setdefault(churn, {}).setdefault(bool(clip), []).append(s["tokens_per_second"])
+                print(rows[-1], flush=True)
+    report.section(
+        "Runs",
+        md_table(
+            ["run", "clipped", "repeat", "tokens/s", "s/step", "micro-batches", "final vs reference (rel. L2)"], rows
+        ),
+    )
+    lines = []
+    for churn, by in ratios.items():
+        ratio = statistics.median(by[True]) / statistics.median(by[False])
+        lines.append(
+            f"- {'calm' if churn == 0 else f'churn {churn}'}: median tokens/s {statistics.median(by[True]):,.0f} "
+            f"clipped against {statistics.median(by[False]):,.0f} unclipped: **{ratio:.2f}x**"
+        )
+    norms = reference(CLIP)[1]["grad_norms"]
+    lines.append(
+        f"- the reference's gradient norms over the {args.steps} steps: {min(norms):.3g}-{max(norms):.3g} "
+        f"(every step with a norm over {CLIP} is clipped)"
+    )
+    report.section("Clipping's cost", "\n".join(lines))
+    report.section(
+        "How the round is made cheap",
+        "Each server sends the sum of squares of each slot it hosts to every other server once the slot's "
+        "batch is complete (a few dozen bytes a server and batch) and steps when it knows every slot's. "
+        "The delayed update is the slack: batch t's update is needed by the tasks of batch t + 2, so a "
+        "stage waiting for the first stage's last backward of batch t waits while batch t + 1 is computed "
+        "(parameter_server/clipping.py).",
+    )
+    report.write(out / "bench_train.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
