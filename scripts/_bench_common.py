@@ -258,16 +258,17 @@ def run_reference(model: str, steps: int, work: Path, timeout: float = 900) -> d
     return summary
 
 
-def train_run_reference(model: str, steps: int, on_step=None) -> dict:
+def train_run_reference(model: str, steps: int, on_step=None, recipe=None, summary: dict | None = None) -> dict:
     """`peer reference`'s final parameters, in this process, with the settings every benchmark's
     swarm runs with (batch 16 in 4 micro-batches, the delayed update, lr 2e-3, seed 0); `on_step`
-    as peer.reference.train_reference takes it."""
+    as peer.reference.train_reference takes it; `recipe` a peer.protocol.recipe.Recipe at lr 2e-3
+    (None: the default one). `summary`, a dict, receives the run's summary."""
     from peer.model.config import get_preset
     from peer.model.data import load_corpus
     from peer.reference import train_reference
 
     cfg = get_preset(model)
-    state, _ = train_reference(
+    state, info = train_reference(
         cfg,
         load_corpus(None, seq_len=cfg.seq_len),
         steps=steps,
@@ -276,9 +277,12 @@ def train_run_reference(model: str, steps: int, on_step=None) -> dict:
         micro_batches=4,
         delay=1,
         lr=2e-3,
+        recipe=recipe,
         progress=False,
         on_step=on_step,
     )
+    if summary is not None:
+        summary.update(info)
     return state
 
 

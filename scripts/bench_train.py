@@ -19,7 +19,16 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import REPO, Report, exactly_once, loadavg, md_table, out_folder, run_swarm  # noqa: E402
+from _bench_common import (  # noqa: E402
+    REPO,
+    Report,
+    exactly_once,
+    loadavg,
+    md_table,
+    out_folder,
+    run_swarm,
+    train_run_reference,
+)
 
 CLIP = 1.0
 
@@ -41,29 +50,15 @@ def main() -> int:
     import torch
     from safetensors.torch import load_file
 
-    from peer.model.config import get_preset
-    from peer.model.data import load_corpus
     from peer.protocol.recipe import Recipe
-    from peer.reference import train_reference
 
-    cfg = get_preset(args.model)
-    corpus = load_corpus(None, seq_len=cfg.seq_len)
     references = {}
 
     def reference(clip):
         if clip not in references:
-            recipe = Recipe(lr=2e-3, clip_grad_norm=clip)
-            state, summary = train_reference(
-                cfg,
-                corpus,
-                steps=args.steps,
-                seed=0,
-                batch_size=16,
-                micro_batches=4,
-                delay=1,
-                lr=recipe.lr,
-                recipe=recipe,
-                progress=False,
+            summary = {}
+            state = train_run_reference(
+                args.model, args.steps, recipe=Recipe(lr=2e-3, clip_grad_norm=clip), summary=summary
             )
             references[clip] = (state, summary)
         return references[clip]
