@@ -10,6 +10,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
+from peer.model.precision import wire_dtype
 from peer.protocol.params import MAX_PARAMS_WAIT
 from peer.protocol.tasks import TaskId
 from peer.protocol.wire import PayloadError, wait_field
@@ -67,7 +70,21 @@ class Updates:
             raise PayloadError(f"version {version} is no longer held (current {shard.version})")
         if mfield(meta, "digest_only", bool, optional=True):  # (a worker that holds a replica of the slot)
             return {"names": shard.names, "version": version, "digest": shard.digest(version)}, []
-        return {"names": shard.names, "version": version}, [snap[n] for n in shard.names]
+        return {"names": shard.names, "version": version}, self._params_on_wire(shard, version, snap)
+
+    def _params_on_wire(self, shard: ShardState, version: int, snap: dict) -> list:
+        """The tensors of `version` as a volunteer is sent them: fp32, or at --precision bf16 rounded to
+        bfloat16 (half the bytes: the rounding a task computes on anyway), made once per version."""
+        dtype = wire_dtype(self.run.precision)
+        if dtype == torch.float32:
+            return [snap[n] for n in shard.names]
+        key = (id(shard), version, shard.tokens.get(version))
+        cache = self.__dict__.setdefault("_wire_params", {})
+        if key not in cache:
+            for old in list(cache)[: max(0, len(cache) - 2 * len(self.hosted) - 1)]:
+                del cache[old]
+            cache[key] = [snap[n].to(dtype) for n in shard.names]
+        return cache[key]
 
     def _hosted(self, meta: dict) -> ShardState:
         slot = mfield(meta, "slot", int, optional=True)

@@ -36,6 +36,7 @@ import torch
 from parameter_server.drift import DriftTest
 from parameter_server.layout import owners
 from parameter_server.updates import RETAIN
+from peer.model.precision import compute_dtype, rounded
 from peer.model.task_math import backward_rows, forward_rows
 from peer.model.update_rule import version_for_batch
 from peer.protocol.params import NotReady, fetch_slot
@@ -49,6 +50,11 @@ BANNED = "banned from this run"  # the refusal's wording, which a worker recogni
 # Relative L2 distance above which a re-run disagrees. Honest re-runs differ by summation order only:
 # scripts/bench_trust.py measures at most ~1e-6 on one CPU; CPU against GPU (TF32 off) stays below 1e-4.
 TOLERANCE = 1e-3
+# At --precision bf16 each matmul's output is rounded to bfloat16: a re-run on the same kind of device is
+# bit-identical, but one whose kernels cut the sums otherwise (another device, another row split) is not:
+# a 4-row gradient of the `small` model computed as two 2-row halves is 2.0e-3 from the whole at bf16.
+# The tolerance is ten times that; a liar scaling its work x100 (or biasing it, drift.py) is still caught.
+TOLERANCE_BF16 = 2e-2
 # Where a gradient's re-run is exactly zero (an embedding row of a token not in the batch, in every
 # codec that keeps zeros exact: none, bf16), the push must be zero too: AdamW divides by the
 # coordinate's own running scale, so noise far under TOLERANCE there moves the parameter by about a
@@ -380,6 +386,8 @@ class Verification:
             except NotReady as e:
                 raise PayloadError(str(e)) from None
             state.update(zip(meta["names"], tensors))
+        # a task computes on the parameters in the run's precision (peer.model.precision): so does its check
+        state = rounded(state, self.run.precision)
         self._verify_params[version] = state
         for v in [v for v in self._verify_params if v < version - 1]:
             del self._verify_params[v]
@@ -394,6 +402,7 @@ class Verification:
             self._verify_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify")
             lo, hi = self.st.layers
             self._verify_model = build_slice(self.cfg, lo, hi, self.run.seed, device=self.verify_device)
+            self._verify_model.compute_dtype = compute_dtype(self.run.precision)
 
         def work():
             self._verify_model.load_state_dict({k: v.to(self.verify_device) for k, v in params.items()})
@@ -402,7 +411,7 @@ class Verification:
         return await asyncio.get_running_loop().run_in_executor(self._verify_executor, work)
 
     def _judge(
-        self, epoch: int, sender: str, what: str, d: float, t: int, seen: list, tolerance: float = TOLERANCE
+        self, epoch: int, sender: str, what: str, d: float, t: int, seen: list, tolerance: float | None = None
     ) -> bool:
         """True if the distance `d` is within tolerance (it joins `seen`, the check's distances, which
         count as honest once the whole check has passed). A check that outlived its layout epoch judges
@@ -410,9 +419,12 @@ class Verification:
         activations would then differ from a re-run on the clean ones)."""
         if self.epoch != epoch:
             raise PayloadError(f"the check began in layout epoch {epoch}, the run is at {self.epoch}")
-        if d <= tolerance:
-            if tolerance == TOLERANCE:
+        if tolerance is None:  # (the run's precision's: TOLERANCE, or TOLERANCE_BF16)
+            tolerance = TOLERANCE_BF16 if self.run.precision == "bf16" else TOLERANCE
+            if d <= tolerance:
                 seen.append(d)
+                return True
+        elif d <= tolerance:
             return True
         self._caught(sender, f"{what} of batch {t} is {d:.3g} (relative L2) from this server's re-run", t)
         return False

@@ -97,6 +97,7 @@ def train_reference(
     delay: int,
     lr: float,
     recipe: "Recipe | None" = None,
+    precision: str = "fp32",
     device: "torch.device | str" = "cpu",
     progress: bool = True,
     on_step: Callable[[StepInfo], None] | None = None,
@@ -104,7 +105,9 @@ def train_reference(
 ) -> tuple[dict, dict]:
     """Train from `build_slice(cfg, 0, cfg.layers, seed)` (or from the full-model state `initial`)
     on batches 0..steps-1 of (corpus, seed), update u at `recipe.lr_at(u)` (None: the default recipe
-    at the constant learning rate `lr`; given, its lr must be `lr`).
+    at the constant learning rate `lr`; given, its lr must be `lr`). `precision` bf16: each batch
+    gradient is computed on the parameters rounded to bfloat16 under autocast, as the swarm's
+    volunteers compute it (peer.model.precision); the fp32 parameters take the update.
 
     Returns (the final full-model state_dict as fp32 CPU tensors, a summary dict with steps,
     first_loss, last_loss, losses, wall_seconds, tokens_per_second and the run's settings). The loss
@@ -115,6 +118,7 @@ def train_reference(
 
     from peer.model.data import make_batch
     from peer.model.optim import apply_update, batch_gradient, make_optimizer
+    from peer.model.precision import compute_dtype, rounded
     from peer.model.transformer import build_slice, slice_from_state
     from peer.protocol.recipe import Recipe
 
@@ -135,13 +139,27 @@ def train_reference(
             else slice_from_state(cfg, 0, cfg.layers, initial, device)
         )
         optimizer = make_optimizer(model.parameters(), recipe)
+        dtype = compute_dtype(precision)
+        # at bf16 the gradients come from a copy on the rounded parameters, the fp32 ones take the update
+        compute = (  # (its own tensors: slice_from_state assigns, it does not copy)
+            None
+            if dtype is None
+            else slice_from_state(cfg, 0, cfg.layers, {k: v.clone() for k, v in model.state_dict().items()}, device)
+        )
+        if compute is not None:
+            compute.compute_dtype = dtype
+        params_of = dict(model.named_parameters())
         pending: deque[dict] = deque()  # gradients whose updates are not applied yet, oldest first
         norms: list[float | None] = []  # each update's gradient norm before clipping (when it clips)
         applied = 0
         bar = tqdm(total=steps, desc=f"reference {cfg.name}", unit="step", file=sys.stderr, disable=not progress)
         for t in range(steps):
             inputs, labels = (x.to(device) for x in make_batch(corpus, seed, t, batch_size, cfg.seq_len))
-            loss, grads = batch_gradient(model, inputs, labels, micro_batches)
+            if compute is not None:
+                with torch.no_grad():
+                    for name, p in compute.named_parameters():
+                        p.copy_(rounded({name: params_of[name]}, precision)[name])
+            loss, grads = batch_gradient(model if compute is None else compute, inputs, labels, micro_batches)
             losses.append(loss)
             if on_step is not None:
                 on_step(StepInfo(step=t, loss=loss, tokens=tokens, updates_applied=applied, grads=grads, model=model))
@@ -178,6 +196,7 @@ def train_reference(
         "delay": delay,
         "lr": lr,
         "recipe": recipe.record(),
+        "precision": precision,
         "grad_norms": norms if recipe.clip_grad_norm is not None else None,
         "device": str(device),
         "data": corpus.source,
@@ -236,6 +255,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from peer.protocol import recipe as recipe_flags
 
     recipe_flags.add_arguments(parser)
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="fp32 (default), or bf16: each gradient computed under autocast on the parameters rounded to "
+        "bfloat16, as a --precision bf16 swarm's volunteers compute it",
+    )
     parser.add_argument("--device", default=d["device"], help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--checkpoint-out", metavar="DIR", help=f"write DIR/{CHECKPOINT_FILE} (the full model, fp32)")
     parser.add_argument("--summary-json", metavar="PATH", help="write the run's summary (losses, timings) as JSON")
@@ -308,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
         delay=args.delay,
         lr=args.lr,
         recipe=recipe,
+        precision=args.precision,
         device=args.device,
         progress=not args.no_progress,
         initial=initial,

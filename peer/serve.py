@@ -47,6 +47,13 @@ def add_arguments(p) -> None:
 
     recipe_flags.add_arguments(train)
     train.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="the volunteers' compute: fp32 (exact, the default) or bf16 (autocast on parameters sent in "
+        "bfloat16, fp32 masters and AdamW on the servers; docs/training.md)",
+    )
+    train.add_argument(
         "--compress",
         default="none",
         choices=["none", "fp16", "bf16", "8bit"],
@@ -279,6 +286,7 @@ def resolve(args):
         arch=cfg.to_dict() if args.hf_model else None,
         compress=args.compress,
         recipe=recipe.record(),
+        precision=args.precision,
     )
     return cfg, layout, device, run
 

@@ -38,6 +38,12 @@ def add_arguments(p) -> None:
     from peer.protocol import recipe as recipe_flags
 
     recipe_flags.add_arguments(p)
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="the volunteers' compute: fp32 (exact, the default) or bf16 (autocast, parameters sent in bfloat16)",
+    )
     p.add_argument("--churn", type=float, default=0.0, help="fraction of volunteers SIGKILLed (and replaced) each step")
     p.add_argument("--no-requeue", action="store_true", help="drop a departed volunteer's work (SWARM-like baseline)")
     p.add_argument(

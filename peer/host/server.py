@@ -44,6 +44,7 @@ SHARED_FLAGS = {
     "lr": "--lr",
     "recipe": "--lr-schedule/--warmup-steps/--min-lr/--decay-steps/--betas/--eps/--weight-decay",
     "compress": "--compress",
+    "precision": "--precision",
     "announce_period": "--announce-period",
     "layout": "--stages/--frontal-per-stage/--backward-per-stage or --plan",
 }

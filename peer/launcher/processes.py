@@ -149,6 +149,8 @@ class Swarm:
                         argv += ["--compress", a.compress]
                     if getattr(a, "recipe", None) is not None:  # (validate() read it from the flags)
                         argv += a.recipe.flags()
+                    if getattr(a, "precision", "fp32") != "fp32":
+                        argv += ["--precision", a.precision]
                     if getattr(a, "supervise_servers", False):
                         argv.append("--supervise")
                     if a.verify_rate is not None:

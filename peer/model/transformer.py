@@ -143,6 +143,8 @@ class StageSlice(nn.Module):
         target = torch.device("cpu" if device is None else device)
         if target.type != "meta":
             self.to_empty(device=target)
+        # the autocast dtype of the run's --precision (peer.model.precision; None: fp32)
+        self.compute_dtype: torch.dtype | None = None
         # rotary tables: a plain attribute, not a buffer, so the state_dict holds parameters only
         self._rope_cpu = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -180,6 +182,12 @@ class StageSlice(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)
+        if self.compute_dtype is None:
+            return self._forward(x)
+        with torch.autocast(x.device.type, dtype=self.compute_dtype):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.is_first else x
         cos, sin = self._rope(x.shape[1], h.device)
         for block in self.layers.values():

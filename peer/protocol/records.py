@@ -61,6 +61,9 @@ def stage_key(run_id: str, stage: int) -> str:
     return stage_name(run_id, stage)
 
 
+PRECISIONS = ("fp32", "bf16")  # a run's --precision (peer.model.precision says what each means)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """What every peer of a run must agree on; servers publish it, volunteers read it."""
@@ -81,6 +84,8 @@ class RunConfig:
     compress: str = "none"
     # the learning-rate schedule and AdamW's settings (peer.protocol.recipe.Recipe.record(); None: defaults)
     recipe: dict | None = None
+    # the volunteers' compute precision: fp32 | bf16 (autocast on parameters sent in bf16; peer.model.precision)
+    precision: str = "fp32"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -128,7 +133,14 @@ class RunConfig:
             recipe.check(d["steps"])
         except (TypeError, ValueError) as e:
             raise ValueError(f"run config record: field 'recipe': {e}") from None
-        return cls(**{k: d[k] for k in kinds}, arch=arch, compress=compress, recipe=recipe.record())
+        precision = d.get("precision", "fp32")
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"run config record: field 'precision' must be one of {', '.join(PRECISIONS)}, got {precision!r}"
+            )
+        return cls(
+            **{k: d[k] for k in kinds}, arch=arch, compress=compress, recipe=recipe.record(), precision=precision
+        )
 
 
 def _kinds(*types) -> dict:

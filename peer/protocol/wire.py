@@ -118,18 +118,24 @@ def compressed(t: torch.Tensor, compress: str) -> bool:
 
 def _serialize(t: torch.Tensor, compress: str):
     t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:  # (a bfloat16 tensor itself: parameters at --precision bf16)
+        return _bf16(t)
     if not compressed(t, compress):
         return serialize_torch_tensor(t)
     if compress == "bf16":
-        # hivemind's NONE codec in its 2-byte bfloat16 form (its serializer widens bfloat16 to 4 bytes
-        # unless USE_LEGACY_BFLOAT16=0 is set before import; its deserializer reads both)
-        return runtime_pb2.Tensor(
-            compression=runtime_pb2.CompressionType.NONE,
-            size=t.shape,
-            dtype="bfloat16",
-            buffer=t.to(torch.bfloat16).view(torch.int16).numpy().tobytes(),
-        )
+        return _bf16(t)
     return serialize_torch_tensor(t, _CODEC[compress])
+
+
+def _bf16(t: torch.Tensor):
+    """`t` as bfloat16 in hivemind's NONE codec's 2-byte form (its serializer widens bfloat16 to 4
+    bytes unless USE_LEGACY_BFLOAT16=0 is set before import; its deserializer reads both)."""
+    return runtime_pb2.Tensor(
+        compression=runtime_pb2.CompressionType.NONE,
+        size=t.shape,
+        dtype="bfloat16",
+        buffer=t.to(torch.bfloat16).view(torch.int16).numpy().tobytes(),
+    )
 
 
 def roundtrip(t: torch.Tensor, compress: str) -> torch.Tensor:

@@ -28,6 +28,7 @@ from parameter_server.layout import owners
 from parameter_server.leases import MAX_COMPLETE
 from parameter_server.shard import assign_shards
 from parameter_server.verify import BANNED
+from peer.model.precision import compute_dtype, rounded
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
 from peer.model.transformer import StageSlice, build_slice, slice_from_state
 from peer.protocol.aio import check_cancelled
@@ -760,9 +761,13 @@ class StageWorker:
         """The slice holding parameters `version` (one per kept version, so a kept forward pass stays
         valid while the worker computes tasks of the other version)."""
         if version not in self.models:
-            self.models[version] = slice_from_state(
-                self.cfg, self.lo, self.hi, self.versions[version], self.torch_device
+            # (parameters arrive in the run's precision: at bf16, rounded already; a replica's are rounded here)
+            precision = getattr(self.run, "precision", "fp32")
+            model = slice_from_state(
+                self.cfg, self.lo, self.hi, rounded(self.versions[version], precision), self.torch_device
             )
+            model.compute_dtype = compute_dtype(precision)
+            self.models[version] = model
         return self.models[version]
 
     def _keep(self, key: tuple, kept: KeptForward) -> None:

@@ -38,15 +38,18 @@ def reference_state(
     micro_batches: int = 4,
     lr: float = 2e-3,
     recipe=None,
+    precision: str = "fp32",
 ):
     """`peer reference --delay 1`'s parameters after `steps` (with a peer.protocol.recipe.Recipe, or the
     default one at `lr`): computed once per test run and arguments, each caller given its own copy."""
-    state = _reference_state(model, steps, seed, batch_size, micro_batches, lr, recipe)
+    state = _reference_state(model, steps, seed, batch_size, micro_batches, lr, recipe, precision)
     return {k: v.clone() for k, v in state.items()}
 
 
 @functools.lru_cache(maxsize=None)
-def _reference_state(model: str, steps: int, seed: int, batch_size: int, micro_batches: int, lr: float, recipe):
+def _reference_state(
+    model: str, steps: int, seed: int, batch_size: int, micro_batches: int, lr: float, recipe, precision: str
+):
     from peer.model.config import get_preset
     from peer.model.data import load_corpus
     from peer.reference import train_reference
@@ -62,6 +65,7 @@ def _reference_state(model: str, steps: int, seed: int, batch_size: int, micro_b
         delay=1,
         lr=lr if recipe is None else recipe.lr,
         recipe=recipe,
+        precision=precision,
         progress=False,
     )
     return state

@@ -28,7 +28,17 @@ TICKETS = LeaseTickets(b"in-process swarm lease key!")
 
 
 def make_run(
-    model="tiny", stages=2, frontal=1, backward=1, steps=3, seed=0, batch_size=16, micro_batches=4, lr=2e-3, recipe=None
+    model="tiny",
+    stages=2,
+    frontal=1,
+    backward=1,
+    steps=3,
+    seed=0,
+    batch_size=16,
+    micro_batches=4,
+    lr=2e-3,
+    recipe=None,
+    precision="fp32",
 ):
     """(cfg, layout, run config) of a run; `recipe`: a peer.protocol.recipe.Recipe (its lr is the run's)."""
     cfg = get_preset(model)
@@ -46,6 +56,7 @@ def make_run(
         layout.to_dict(),
         announce_period=1.0,
         recipe=None if recipe is None else recipe.record(),
+        precision=precision,
     )
     return cfg, layout, run
 
