@@ -26,6 +26,7 @@ COMMANDS = {
     "model-file": ("peer.model_file", "write the planner's model file for a model preset"),
     "export": ("peer.export", "write a trained model as a Transformers LlamaForCausalLM folder"),
     "generate": ("peer.generate", "write text with a trained model (hivepipe checkpoint or Transformers folder)"),
+    "data": ("peer.data_cmd", "prepare a training corpus: tokenized, memory-mapped, with a held-out split"),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -332,6 +333,7 @@ def run(args) -> int:
         from peer.hf.init import load_training_corpus
 
         corpus = load_training_corpus(args.data, cfg, args.hf_model, progress=args.parent_pid is None)
+        run_cfg = dataclasses.replace(run_cfg, data=corpus.fingerprint)  # (a server with other data is refused)
     from peer.node import watch_parent
 
     if not args.supervise:

@@ -5,8 +5,8 @@ calm and under churn, each run's final parameters against `peer reference` with 
 
     python scripts/bench_train.py [--model small] [--steps 30] [--repeats 2] [--churn 0.25] [--out docs]
 
-Runs alternate (without, with, without, with ...) so that a drift of the machine's speed falls on
-both; the table gives every run and the median ratio. Tokens/s are the swarm's own (steps x batch x
+Runs alternate (without, with, with, without, ...) so that a drift of the machine's speed, or
+being the first of a pair, falls on both; the table gives every run and the median ratio. Tokens/s are the swarm's own (steps x batch x
 sequence length / training wall time, from the moment every server is online). Writes
 DIR/bench_train.md (DIR defaults to docs/)."""
 
@@ -79,7 +79,7 @@ def main() -> int:
     torch.set_num_threads(1)
     for churn in (0.0, args.churn):
         for r in range(args.repeats):
-            for clip in (None, CLIP):
+            for clip in (None, CLIP) if r % 2 == 0 else (CLIP, None):  # (ABBA: neither always goes first)
                 name = f"c{churn}-r{r}-{'clip' if clip else 'none'}"
                 flags = ["--model", args.model, "--steps", str(args.steps), "--volunteers", str(args.volunteers)]
                 flags += ["--churn", str(churn), "--checkpoint-out", str(work / name / "final")]

@@ -45,6 +45,7 @@ SHARED_FLAGS = {
     "recipe": "--lr-schedule/--warmup-steps/--min-lr/--decay-steps/--betas/--eps/--weight-decay",
     "compress": "--compress",
     "precision": "--precision",
+    "data": "--data",
     "announce_period": "--announce-period",
     "layout": "--stages/--frontal-per-stage/--backward-per-stage or --plan",
 }
@@ -82,7 +83,10 @@ def differing_flags(ours: dict, theirs: dict) -> list[str]:
         if key == "layout" and theirs.get("epoch", 0) != 0:
             continue
         if key in theirs and theirs.get(key) != ours.get(key):
-            if key == "recipe":
+            if key == "data":  # (known only to a server that reads the data, and only compared there)
+                if ours.get("data") is not None and theirs.get("data") is not None:
+                    out.append(f"--data: the run's corpus has fingerprint {theirs['data']} (here: {ours['data']})")
+            elif key == "recipe":
                 out += _recipe_differences(ours, theirs)
             elif key in ("layout", "arch"):
                 out.append(f"{flag} (the run's {key} differs)")

@@ -20,6 +20,8 @@ from peer.model.config import check_micro_batches
 from peer.model.seeding import stable_seed
 
 DEFAULT_CORPUS_MAX_BYTES = 8 * 1024 * 1024
+MANIFEST = "manifest.json"  # of a corpus folder that `peer data prepare` (peer/data_cmd.py) wrote
+FORMAT = "hivepipe-tokens-1"
 VAL_FRACTION = 0.01
 VAL_MIN_SEQUENCES = 4
 # folders left out of the default corpus: installed packages vary between machines, tests are big
@@ -31,15 +33,23 @@ _DEFAULT_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "t
 class Corpus:
     """`train` and `val` are CPU tensors of token ids: uint8 bytes, or int32 ids of a model's
     tokenizer (val is the last 1% of the tokens, at least VAL_MIN_SEQUENCES sequences);
-    `fingerprint` is the sha256 of all the bytes (and of the tokenizer, when there is one)."""
+    `fingerprint` is the sha256 of all the bytes (and of the tokenizer, when there is one).
+
+    A corpus of `peer data prepare` (load_prepared) has one (train, val) pair a source, memory-mapped
+    from its file, in `parts`, with each source's `weights` (its share of the training windows);
+    `train` and `val` are then the first source's."""
 
     train: torch.Tensor
     val: torch.Tensor
     fingerprint: str
     source: str
+    parts: tuple = ()  # ((train, val), ...) of a prepared corpus's sources
+    weights: tuple = ()  # each source's weight
 
     @property
     def num_bytes(self) -> int:
+        if self.parts:
+            return sum(t.numel() + v.numel() for t, v in self.parts)
         return self.train.numel() + self.val.numel()
 
 
@@ -88,12 +98,83 @@ def _read_path(path: str) -> bytes:
         return f.read()
 
 
+def manifest_fingerprint(manifest: dict) -> str:
+    """sha256 of a corpus manifest without its fingerprint, as canonical JSON: the corpus's identity."""
+    import json
+
+    body = {k: v for k, v in manifest.items() if k != "fingerprint"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def load_prepared(path: str, *, seq_len: int = 128, tokenizer=None) -> Corpus:
+    """The corpus folder that `peer data prepare` wrote: each source's token file memory-mapped (no
+    token is read before a window needs it), split as its manifest says. ValueError naming the folder
+    for a manifest of another format, a file whose size or sha256 differs from the manifest (the
+    hashes are checked once, streamed: `check=False` skips), tokens beyond `vocab_size`, or a split too
+    short for one window of `seq_len`. `tokenizer`: the model's (None: the presets' bytes); the folder
+    must have been prepared with it."""
+    import json
+
+    import numpy as np
+
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"data folder {path!r}: unreadable {MANIFEST}: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"data folder {path!r}: {MANIFEST} is not a {FORMAT} manifest")
+    if manifest.get("fingerprint") != manifest_fingerprint(manifest):
+        raise ValueError(f"data folder {path!r}: {MANIFEST} was changed after it was written (fingerprint)")
+    want = "bytes" if tokenizer is None else tokenizer.fingerprint
+    have = manifest.get("tokenizer")
+    have = have.get("fingerprint") if isinstance(have, dict) else have
+    if have != want:
+        raise ValueError(
+            f"data folder {path!r} was prepared with tokenizer {have}, this model's is {want} "
+            "(prepare it again with `peer data prepare --tokenizer` naming the model's folder, or give bytes)"
+        )
+    parts, weights = [], []
+    for src in manifest["sources"]:
+        file = os.path.join(path, src["file"])
+        dtype = np.dtype(manifest["dtype"])
+        if not os.path.isfile(file) or os.path.getsize(file) != src["tokens"] * dtype.itemsize:
+            raise ValueError(f"data folder {path!r}: {src['file']} is missing or not the size its manifest says")
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+        if digest.hexdigest() != src["sha256"]:
+            raise ValueError(f"data folder {path!r}: {src['file']} differs from its manifest's sha256")
+        tokens = torch.from_numpy(np.memmap(file, dtype=dtype, mode="c"))  # (copy-on-write: never written back)
+        train, val = tokens[: src["train_tokens"]], tokens[src["train_tokens"] :]
+        if train.numel() < seq_len + 1:
+            raise ValueError(
+                f"data folder {path!r}: source {src['name']!r} has fewer than {seq_len + 1} training tokens"
+            )
+        parts.append((train, val))
+        weights.append(float(src["weight"]))
+    vals = [v for _, v in parts if v.numel() >= seq_len + 1]
+    if len(vals) != len(parts) and any(v.numel() for _, v in parts):
+        raise ValueError(f"data folder {path!r}: a source's held-out split is shorter than one window of {seq_len}")
+    return Corpus(
+        train=parts[0][0],
+        val=parts[0][1],
+        fingerprint=manifest["fingerprint"],
+        source=f"{path} ({len(parts)} source(s), prepared)",
+        parts=tuple(parts),
+        weights=tuple(weights),
+    )
+
+
 def load_corpus(path: str | None = None, *, seq_len: int = 128, tokenizer=None) -> Corpus:
     """Read a text file, or a folder of them (recursively, sorted by relative path, as bytes), or
     with `path=None` the default corpus. The tokens are the bytes, or with `tokenizer` (an object
     with `encode(bytes) -> int tensor` and `fingerprint`, e.g. peer.hf.tokenizer.CorpusTokenizer)
     its ids. ValueError naming the path if it is missing or empty or too short to hold one training
     sequence and VAL_MIN_SEQUENCES held-out sequences of `seq_len`."""
+    if path is not None and os.path.isfile(os.path.join(path, MANIFEST)):
+        return load_prepared(path, seq_len=seq_len, tokenizer=tokenizer)
     if path is None:
         raw, source = _default_corpus_bytes()
     else:
@@ -127,11 +208,33 @@ def make_batch(
     data = {"train": corpus.train, "val": corpus.val}.get(split)
     if data is None:
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if len(corpus.parts) > 1:
+        return _weighted_batch(corpus, seed, t, batch_size, seq_len, split)
     if data.numel() < seq_len + 1:
         raise ValueError(f"the {split} split has {data.numel()} bytes, fewer than one sequence of {seq_len} tokens")
     gen = torch.Generator(device="cpu").manual_seed(stable_seed("hivepipe-batch", seed, t, split))
     starts = torch.randint(0, data.numel() - seq_len, (batch_size,), generator=gen)
     windows = data[starts[:, None] + torch.arange(seq_len + 1)].long()
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def _weighted_batch(corpus: Corpus, seed: int, t: int, batch_size: int, seq_len: int, split: str):
+    """make_batch of a corpus of several sources: each row's source drawn by the sources' weights
+    (the held-out split: by their held-out sizes), then its window uniformly in it, from the same
+    generator seeded by (seed, t, split)."""
+    index = 0 if split == "train" else 1
+    datas = [p[index] for p in corpus.parts]
+    weights = corpus.weights if split == "train" else tuple(float(d.numel()) for d in datas)
+    usable = [w if d.numel() > seq_len else 0.0 for w, d in zip(weights, datas)]
+    if not any(usable):
+        raise ValueError(f"the {split} split has no source with a window of {seq_len} tokens")
+    gen = torch.Generator(device="cpu").manual_seed(stable_seed("hivepipe-batch", seed, t, split))
+    which = torch.multinomial(torch.tensor(usable, dtype=torch.float64), batch_size, replacement=True, generator=gen)
+    rows = []
+    for k in which.tolist():
+        start = int(torch.randint(0, datas[k].numel() - seq_len, (1,), generator=gen))
+        rows.append(datas[k][start : start + seq_len + 1].long())
+    windows = torch.stack(rows)
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 

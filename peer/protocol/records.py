@@ -86,6 +86,9 @@ class RunConfig:
     recipe: dict | None = None
     # the volunteers' compute precision: fp32 | bf16 (autocast on parameters sent in bf16; peer.model.precision)
     precision: str = "fp32"
+    # the corpus's fingerprint (peer.model.data.Corpus.fingerprint), from a server that reads the data
+    # (stage 0's and the last stage's frontal servers); None from the others
+    data: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -138,8 +141,16 @@ class RunConfig:
             raise ValueError(
                 f"run config record: field 'precision' must be one of {', '.join(PRECISIONS)}, got {precision!r}"
             )
+        data = d.get("data")
+        if data is not None and not isinstance(data, str):
+            raise ValueError(f"run config record: field 'data' has the wrong type {type(data).__name__}")
         return cls(
-            **{k: d[k] for k in kinds}, arch=arch, compress=compress, recipe=recipe.record(), precision=precision
+            **{k: d[k] for k in kinds},
+            arch=arch,
+            compress=compress,
+            recipe=recipe.record(),
+            precision=precision,
+            data=data,
         )
 
 

@@ -294,3 +294,12 @@ def test_a_stopping_server_does_not_wait_for_ever_for_a_task_that_ignores_its_ca
     assert 0.3 <= took < 2.0, took
     assert "1 of its tasks did not end when cancelled" in caplog.text
     assert said.getvalue() == "s0f0: leaving: stopped\n"
+
+
+def test_a_server_that_reads_other_data_is_refused_naming_both_fingerprints():
+    ours = {"model": "tiny", "steps": 20, "lr": 0.002, "data": "aaaa"}
+    assert differing_flags(ours, dict(ours, data="bbbb", epoch=0)) == [
+        "--data: the run's corpus has fingerprint bbbb (here: aaaa)"
+    ]
+    # a server that reads no data (a middle stage's) compares nothing
+    assert differing_flags(dict(ours, data=None), dict(ours, data="bbbb", epoch=0)) == []
