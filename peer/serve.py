@@ -66,6 +66,13 @@ def add_arguments(p) -> None:
     hf_init.add_arguments(train)
     net = p.add_argument_group("network and process")
     net.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="write a row a step (loss on the last stage, lr, gradient norm, tokens/s, volunteers, tasks, "
+        "bans) to DIR/train.csv and TensorBoard event files (docs/training.md)",
+    )
+    net.add_argument(
         "--host-maddrs",
         nargs="+",
         default=["/ip4/0.0.0.0/tcp/0"],

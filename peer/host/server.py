@@ -115,7 +115,7 @@ class ServerHost:
         self.stage, self.role, _ = layout.locate(device)
         self.state = StateLine(device, out=out)
         self.dht = self.p2p = self.server = self.directory = self.announcer = self.worker = None
-        self.writer = None
+        self.writer = self.trainlog = None
         self.maddrs: list[str] = []
         self.joined_through: list[str] = list(args.initial_peers or [])  # (the peers its DHT node joined through)
         self.peer_id = ""
@@ -343,6 +343,11 @@ class ServerHost:
         if args.checkpoint_dir:
             await self._resume()
         server.on_step.append(server.note_step)
+        if getattr(args, "log_dir", None):
+            from peer.host.trainlog import TrainingLog
+
+            self.trainlog = TrainingLog(args.log_dir, server)
+            server.on_step.append(self.trainlog.on_step)
         # who the run's servers are, before this server answers anyone: a restarted server refused the
         # others' replicas and inputs ("not a server of this run") until its first announcement round
         try:
@@ -647,6 +652,8 @@ class ServerHost:
                 )
         if self.writer is not None:
             self.writer.close()  # the last step's checkpoint is on disk before the process ends
+        if self.trainlog is not None:
+            self.trainlog.close()
         if self.held is None and self.dht is not None:
             stop_dht(self.dht)
 

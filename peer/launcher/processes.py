@@ -151,6 +151,9 @@ class Swarm:
                         argv += a.recipe.flags()
                     if getattr(a, "precision", "fp32") != "fp32":
                         argv += ["--precision", a.precision]
+                    last = self.layout.stages[-1]
+                    if name == last.frontal[0]:  # (it holds the labels: the loss is known there)
+                        argv += ["--log-dir", os.path.join(self.work_dir, "logs")]
                     if getattr(a, "supervise_servers", False):
                         argv.append("--supervise")
                     if a.verify_rate is not None:

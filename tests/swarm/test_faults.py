@@ -7,6 +7,7 @@ objects of `peer serve` in one event loop, tests/swarm/test_hosts.py.)"""
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import signal
@@ -124,6 +125,35 @@ def test_random_churn_equals_the_reference(tmp_path):
     assert summary["microbatches_applied"] == summary["microbatches_expected"], summary
     assert isinstance(summary["duplicates_dropped"], int) and isinstance(summary["requeued"], int), summary
     assert rel_diff(state, reference_state("tiny", STEPS, recipe=RECIPE)) < 1e-5
+    # the last stage's first frontal server wrote the training log: a row a step, in CSV and TensorBoard
+    rows = list(csv.DictReader(open(tmp_path / "work" / "logs" / "train.csv")))
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    assert all(abs(float(r["lr"]) - RECIPE.lr_at(int(r["step"]) - 1, STEPS)) < 1e-12 for r in rows)
+    assert all(float(r["grad_norm"]) > 1.0 for r in rows)  # (the tiny model's norms: 1.4-2.3, all clipped)
+    assert abs(float(rows[-1]["loss"]) - summary["last_loss"]) < 1e-6
+    scalars = tensorboard_scalars(tmp_path / "work" / "logs")
+    assert sorted(step for step, _ in scalars["train/loss"]) == list(range(1, STEPS + 1))
+    assert [round(v, 6) for _, v in sorted(scalars["train/lr"])] == [round(float(r["lr"]), 6) for r in rows]
+
+
+def tensorboard_scalars(directory) -> dict:
+    """{tag: [(step, value)]} of the TensorBoard event files in `directory` (TFRecord framing: a
+    length, its CRC, the Event, its CRC; read with tensorboardX's own Event message)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out: dict = {}
+    for path in directory.glob("events.out.tfevents.*"):
+        data = path.read_bytes()
+        i = 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            event = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
+            i += 12 + n + 4
+            for v in event.summary.value:
+                out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
 
 
 def test_a_supervised_server_killed_is_forked_again_by_its_supervisor_and_loses_nothing(tmp_path):
