@@ -13,30 +13,23 @@ import pytest
 import torch
 
 from peer.launcher.processes import kill_group
+from peer.protocol.recipe import Recipe
 from peer.protocol.wire import RemoteError
 from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, rel_diff, swarm_cli
 
+# the recipe of the CLI run: flags through the command line, the launcher and the run's config record
+GOES_ON = Recipe(lr=3e-3, warmup_steps=2, betas=(0.9, 0.99), eps=1e-7, weight_decay=0.05)
+GOES_ON_FLAGS = ("--model", "tiny", "--stages", "2", "--servers-per-stage", "2", "--volunteers", "2")
+GOES_ON_FLAGS += ("--lr", str(GOES_ON.lr), *GOES_ON.flags())
+
 
 def test_peer_swarm_cli_matches_reference(tmp_path):
-    """2 stages x (1 FS + 1 BS) + 1 volunteer per stage, 3 steps of the tiny model; every process a
+    """2 stages x (1 FS + 1 BS) + 1 volunteer per stage, 3 steps of the tiny model (then 3 more); every process a
     fresh interpreter (--no-fork-processes, as off Linux; the other swarm tests fork them, the
     default: tests/swarm/test_forker.py). Each fresh interpreter imports torch and hivemind (~3.5
     CPU-s): the other swarm tests cover several volunteers per stage."""
     summary, state, stdout = swarm_cli(
-        tmp_path,
-        f"cli-{os.getpid()}",
-        "--model",
-        "tiny",
-        "--steps",
-        "3",
-        "--stages",
-        "2",
-        "--servers-per-stage",
-        "2",
-        "--volunteers",
-        "2",
-        "--no-fork-processes",
-        timeout=400,
+        tmp_path, f"cli-{os.getpid()}", *GOES_ON_FLAGS, "--steps", "3", "--no-fork-processes", timeout=400
     )
     assert not (tmp_path / "work" / "forker.out").exists()
     assert stdout.startswith("initial_peers=/ip4/127.0.0.1/tcp/"), stdout[:200]
@@ -71,7 +64,15 @@ def test_peer_swarm_cli_matches_reference(tmp_path):
         calls,
     )
     assert abs(summary["first_loss"] - math.log(256)) < 0.1
-    assert rel_diff(state, reference_state("tiny", 3)) < 1e-5
+    assert rel_diff(state, reference_state("tiny", 3, recipe=GOES_ON)) < 1e-5
+    # the same run started again with more --steps on its work dir (forked processes this time) goes
+    # on from the servers' checkpoints, AdamW's moments included: 3 more batches, and the result is
+    # one run of 6 steps (a warm-up and AdamW's settings: rates that do not depend on --steps)
+    more, state, _ = swarm_cli(tmp_path, f"cli-{os.getpid()}", *GOES_ON_FLAGS, "--steps", "6", timeout=400)
+    assert more["microbatches_applied"] == more["microbatches_expected"] == 6 * 4 * 2
+    assert sorted(int(v) for v in more["version_seconds"]) == [4, 5, 6]  # (only the new versions made)
+    assert rel_diff(state, reference_state("tiny", 6, recipe=GOES_ON)) < 1e-5
+    assert rel_diff(state, reference_state("tiny", 6, lr=GOES_ON.lr)) > 1e-3  # (the recipe mattered)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,11 @@ replays a step and the re-run after a server is lost for good."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
 from peer.protocol.recipe import Recipe
-from tests.swarm.harness import reference_state, rel_diff, swarm_cli
+from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import InProcessSwarm, make_run
 
 COSINE = Recipe(
@@ -138,20 +137,3 @@ def test_a_liar_banned_in_a_clipped_run_leaves_no_stale_norm_behind():
     assert any(s.sum_rollbacks for s in swarm.servers.values())
     ref, _ = reference_run(steps, CLIPPED)
     assert rel_diff(state, ref) < 1e-5
-
-
-def test_a_run_restarted_with_more_steps_goes_on_from_its_checkpoints_with_its_optimizer_state(tmp_path):
-    """`peer swarm --work-dir W --steps 4`, then `--steps 8` on the same work dir: the servers resume
-    from their checkpoints (parameters and AdamW's moments) and train 4 more batches; the result is
-    `peer reference --steps 8` with the same recipe flags (a warm-up and AdamW's settings, through
-    the command line, the launcher and the run's config record: rates that do not depend on --steps)."""
-    recipe = Recipe(lr=3e-3, warmup_steps=2, betas=(0.9, 0.99), eps=1e-7, weight_decay=0.05)
-    flags = ["--model", "tiny", "--volunteers", "2", "--lr", str(recipe.lr), *recipe.flags()]
-    run_id = f"more-{os.getpid()}"
-    first, _, _ = swarm_cli(tmp_path, run_id, *flags, "--steps", "4")
-    assert first["steps"] == 4
-    summary, state, _ = swarm_cli(tmp_path, run_id, *flags, "--steps", "8")
-    assert summary["microbatches_applied"] == summary["microbatches_expected"] == 8 * 4 * 2  # (steps x micro x stages)
-    assert sorted(int(v) for v in summary["version_seconds"]) == [5, 6, 7, 8]  # (only the new versions made)
-    assert rel_diff(state, reference_state("tiny", 8, recipe=recipe)) < 1e-5
-    assert rel_diff(state, reference_state("tiny", 8, lr=recipe.lr)) > 1e-3  # (the recipe mattered)
