@@ -11,6 +11,7 @@ log), and the directory of the run's servers. Each concern lives in a room of it
 - outbox.py: deliveries to other servers; failover.py: replicas and layout epochs;
 - verify.py: re-runs of a sample of volunteers' work, bans and their rollbacks;
 - clipping.py: the round that gives every shard the run's gradient norm (--clip-grad-norm);
+- evaluate.py: the held-out loss of every N-th version, through the servers (--eval-every);
 - recovery.py: request-log replay; status.py: ping and status; checkpoint.py: the shard on disk.
 
 Every handler checks its payload (shape, dtype, finite values, known ids, registered sender) and
@@ -32,6 +33,7 @@ from parameter_server.budget import RequestBudget
 from parameter_server.checks import Checks
 from parameter_server.clients import REGISTER_BURST, REGISTER_RATE, ClientInfo, Clients, TokenBucket
 from parameter_server.clipping import Clipping
+from parameter_server.evaluate import Evaluation
 from parameter_server.failover import Failover
 from parameter_server.frontal import Frontal
 from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, RunLayout, segment
@@ -92,6 +94,7 @@ class StageServer(
     Backward,
     Verification,
     Clipping,
+    Evaluation,
     Rescue,
     Outbox,
     Failover,
@@ -215,6 +218,7 @@ class StageServer(
         self.seen_volunteers = Remembered(SEEN_VOLUNTEERS)
         self._init_verification(verify_rate, probation, verify_device)
         self._init_clipping(run.training_recipe().clip_grad_norm)
+        self._init_evaluation(run.eval_every)
 
     def _new_shard(self, slot: int) -> ShardState:
         names = self.slot_names[slot]

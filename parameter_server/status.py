@@ -45,6 +45,8 @@ class Status:
             # the oldest version each hosted slot still keeps: where a failover's re-run can start
             "kept_from": {str(k): sh.kept_from() for k, sh in self.hosted.items()},
             "losses": {str(k): v for k, v in (losses if recent is None else losses[-recent:])},
+            # version -> its held-out loss (--eval-every; the last stage's first frontal server)
+            "eval_losses": {str(k): v for k, v in sorted(self.eval_losses.items())},
             # batch -> its gradient's global L2 norm before clipping (--clip-grad-norm runs only)
             "grad_norms": {str(k): v for k, v in sorted(self.grad_norms.items())[-(recent or len(self.grad_norms)) :]},
             "microbatches_applied": min(sh.microbatches_applied for sh in self.hosted.values()),

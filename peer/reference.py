@@ -98,6 +98,7 @@ def train_reference(
     lr: float,
     recipe: "Recipe | None" = None,
     precision: str = "fp32",
+    eval_every: int = 0,
     device: "torch.device | str" = "cpu",
     progress: bool = True,
     on_step: Callable[[StepInfo], None] | None = None,
@@ -107,7 +108,9 @@ def train_reference(
     on batches 0..steps-1 of (corpus, seed), update u at `recipe.lr_at(u)` (None: the default recipe
     at the constant learning rate `lr`; given, its lr must be `lr`). `precision` bf16: each batch
     gradient is computed on the parameters rounded to bfloat16 under autocast, as the swarm's
-    volunteers compute it (peer.model.precision); the fp32 parameters take the update.
+    volunteers compute it (peer.model.precision); the fp32 parameters take the update. `eval_every`
+    N: the held-out loss of every N-th version and the last (`eval_losses` in the summary), on the
+    run's fixed held-out windows (peer.model.data.eval_windows), as the swarm's servers compute it.
 
     Returns (the final full-model state_dict as fp32 CPU tensors, a summary dict with steps,
     first_loss, last_loss, losses, wall_seconds, tokens_per_second and the run's settings). The loss
@@ -116,10 +119,10 @@ def train_reference(
     import torch
     from tqdm import tqdm
 
-    from peer.model.data import make_batch
+    from peer.model.data import eval_due, eval_windows, make_batch
     from peer.model.optim import apply_update, batch_gradient, make_optimizer
     from peer.model.precision import compute_dtype, rounded
-    from peer.model.transformer import build_slice, slice_from_state
+    from peer.model.transformer import build_slice, loss_sum, slice_from_state
     from peer.protocol.recipe import Recipe
 
     check_training_args(steps=steps, batch_size=batch_size, micro_batches=micro_batches, delay=delay, lr=lr)
@@ -149,6 +152,22 @@ def train_reference(
         if compute is not None:
             compute.compute_dtype = dtype
         params_of = dict(model.named_parameters())
+        evals: dict[int, float] = {}
+
+        def evaluate(version: int) -> None:
+            if not eval_due(version, eval_every, steps):
+                return
+            on = model if compute is None else compute
+            if compute is not None:
+                with torch.no_grad():
+                    for name, p in compute.named_parameters():
+                        p.copy_(rounded({name: params_of[name]}, precision)[name])
+            x, y = eval_windows(corpus, seed, cfg.seq_len)
+            with torch.no_grad():
+                evals[version] = float(loss_sum(on(x.to(device)).float().cpu(), y)) / y.numel()
+            if progress:
+                bar.write(f"held-out loss at version {version}: {evals[version]:.4f}")
+
         pending: deque[dict] = deque()  # gradients whose updates are not applied yet, oldest first
         norms: list[float | None] = []  # each update's gradient norm before clipping (when it clips)
         applied = 0
@@ -170,6 +189,7 @@ def train_reference(
                 )
                 norms.append(norm)
                 applied += 1
+                evaluate(applied)
             elapsed = time.perf_counter() - start
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{(t + 1) * tokens / elapsed:.0f}")
             bar.update(1)
@@ -178,6 +198,7 @@ def train_reference(
                 apply_update(optimizer, model, pending.popleft(), recipe.lr_at(applied, steps), recipe.clip_grad_norm)
             )
             applied += 1
+            evaluate(applied)
         state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
         wall = time.perf_counter() - start
         bar.close()
@@ -197,6 +218,7 @@ def train_reference(
         "lr": lr,
         "recipe": recipe.record(),
         "precision": precision,
+        "eval_losses": {str(v): loss for v, loss in evals.items()},
         "grad_norms": norms if recipe.clip_grad_norm is not None else None,
         "device": str(device),
         "data": corpus.source,
@@ -255,6 +277,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from peer.protocol import recipe as recipe_flags
 
     recipe_flags.add_arguments(parser)
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the held-out loss of every N-th version and the last, on the run's 8 fixed held-out windows",
+    )
     parser.add_argument(
         "--precision",
         default="fp32",
@@ -335,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
         recipe=recipe,
         precision=args.precision,
+        eval_every=args.eval_every,
         device=args.device,
         progress=not args.no_progress,
         initial=initial,

@@ -48,6 +48,13 @@ def add_arguments(p) -> None:
 
     recipe_flags.add_arguments(train)
     train.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the held-out loss of every N-th version (and the last), on 8 fixed held-out windows (0: none)",
+    )
+    train.add_argument(
         "--precision",
         default="fp32",
         choices=["fp32", "bf16"],
@@ -221,6 +228,8 @@ def resolve(args):
         recipe = recipe_flags.from_args(args, args.steps)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.eval_every < 0:
+        raise UsageError(f"--eval-every must be >= 0, got {args.eval_every}")
     if args.failover_after < 0:
         raise UsageError(f"--failover-after must be >= 0 seconds, got {args.failover_after}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1 << 16:
@@ -295,6 +304,7 @@ def resolve(args):
         compress=args.compress,
         recipe=recipe.record(),
         precision=args.precision,
+        eval_every=args.eval_every,
     )
     return cfg, layout, device, run
 

@@ -39,6 +39,13 @@ def add_arguments(p) -> None:
 
     recipe_flags.add_arguments(p)
     p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the held-out loss of every N-th version (and the last), on 8 fixed held-out windows (0: none)",
+    )
+    p.add_argument(
         "--precision",
         default="fp32",
         choices=["fp32", "bf16"],
@@ -189,6 +196,8 @@ def validate(args):
         raise UsageError("--servers-per-stage must be >= 2 (one frontal and one backward server)")
     if args.volunteers < 0 or args.steps < 1:
         raise UsageError("--volunteers must be >= 0 and --steps >= 1")
+    if args.eval_every < 0:
+        raise UsageError(f"--eval-every must be >= 0, got {args.eval_every}")
     from peer.protocol import recipe as recipe_flags
 
     try:
@@ -379,7 +388,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
         await DialBackService().add_p2p_handlers(p2p)  # the first server's reachability check asks us
         swarm.start_servers()
         swarm.start_volunteers()
-        monitor = Monitor(dht, p2p, args.run_id, layout, args.batch_size * cfg.seq_len)
+        monitor = Monitor(dht, p2p, args.run_id, layout, args.batch_size * cfg.seq_len, args.eval_every)
         bar = tqdm(total=args.steps, desc="swarm", unit="step", disable=args.no_progress, file=sys.stderr)
         t_start = None
         step_times: list[float] = []

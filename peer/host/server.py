@@ -46,6 +46,7 @@ SHARED_FLAGS = {
     "compress": "--compress",
     "precision": "--precision",
     "data": "--data",
+    "eval_every": "--eval-every",
     "announce_period": "--announce-period",
     "layout": "--stages/--frontal-per-stage/--backward-per-stage or --plan",
 }
@@ -348,6 +349,7 @@ class ServerHost:
 
             self.trainlog = TrainingLog(args.log_dir, server)
             server.on_step.append(self.trainlog.on_step)
+            server.on_eval.append(self.trainlog.on_eval)
         # who the run's servers are, before this server answers anyone: a restarted server refused the
         # others' replicas and inputs ("not a server of this run") until its first announcement round
         try:

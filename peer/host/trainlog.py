@@ -4,7 +4,8 @@ TensorBoard scalars in DIR (event files written by tensorboardX: `pip install -e
 the same names.
 
 Columns: step (the version made), loss (the batch's mean token loss: known on the last stage, whose
-servers hold the labels; empty elsewhere), lr (the schedule's rate of that update), grad_norm (the
+servers hold the labels; empty elsewhere), val_loss (the held-out loss of that version, --eval-every:
+a row of its own on the last stage's first frontal server, which computes it), lr (the schedule's rate of that update), grad_norm (the
 batch gradient's global norm before clipping, with --clip-grad-norm; empty otherwise), tokens_per_s
 (the batch's tokens over the time since the version before), volunteers (clients registered here),
 tasks (tasks done here so far), bans (volunteers banned from the run). `peer swarm` gives its last
@@ -19,7 +20,7 @@ import time
 
 logger = logging.getLogger("hivepipe.serve")
 
-COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "volunteers", "tasks", "bans")
+COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "volunteers", "tasks", "bans")
 
 
 def _summary_writer(directory: str):
@@ -62,6 +63,7 @@ class TrainingLog:
         return {
             "step": version,
             "loss": None if loss is None else loss / self.tokens,
+            "val_loss": None,
             "lr": self.recipe.lr_at(t, s.run.steps),
             "grad_norm": s.grad_norms.get(t),
             "tokens_per_s": rate,
@@ -82,6 +84,14 @@ class TrainingLog:
             for name in COLUMNS[1:]:
                 if row[name] is not None:
                     self.tensorboard.add_scalar(f"train/{name}", row[name], version)
+            self.tensorboard.flush()
+
+    def on_eval(self, version: int, loss: float) -> None:
+        """A held-out loss (--eval-every): a row of its own, with the step and val_loss only."""
+        self._csv.writerow([version if c == "step" else loss if c == "val_loss" else "" for c in COLUMNS])
+        self._file.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar("train/val_loss", loss, version)
             self.tensorboard.flush()
 
     def close(self) -> None:

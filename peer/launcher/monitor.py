@@ -4,6 +4,7 @@ Must not start or stop processes (processes.py does)."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import functools
 import logging
@@ -17,8 +18,9 @@ logger = logging.getLogger("hivepipe.swarm")
 class Monitor:
     """The launcher's view of the run: DHT records for progress, P2P calls for the final state."""
 
-    def __init__(self, dht, p2p, run_id: str, layout, tokens_per_batch: int):
+    def __init__(self, dht, p2p, run_id: str, layout, tokens_per_batch: int, eval_every: int = 0):
         self.dht, self.p2p, self.run_id, self.layout = dht, p2p, run_id, layout
+        self.eval_every = eval_every
         self.num_layers = layout.stages[-1].layers[1]
         self.epoch = 0
         self.tokens_per_batch = tokens_per_batch
@@ -140,7 +142,22 @@ class Monitor:
         failover can trail its host's own shard by a step or two, and statuses read before it caught
         up counted its last batch as not applied (in CI: 52 of 56 micro-batches)."""
         state = await self.assemble(version)
+        await self.wait_for_eval(version)
         return await self.statuses(), state
+
+    async def wait_for_eval(self, version: int, patience: float = 120.0, poll: float = 0.25) -> None:
+        """With --eval-every, the held-out loss of the last version: computed once every stage made it
+        (parameter_server/evaluate.py), so asked for until it is there (or `patience` runs out, said)."""
+        if not self.eval_every:
+            return
+        device = self.layout.stages[-1].frontal[0]
+        deadline = time.monotonic() + patience
+        while time.monotonic() < deadline:
+            meta, _ = await self._call(device, "status", {})
+            if str(version) in meta.get("eval_losses", {}):
+                return
+            await asyncio.sleep(poll)
+        logger.warning("the held-out loss of version %d did not come within %.0f s", version, patience)
 
     def summary(self, args, cfg, statuses: dict, killed: int, wall: float) -> dict:
         last = self.layout.stages[-1]
@@ -151,6 +168,8 @@ class Monitor:
             "steps": args.steps,
             "first_loss": losses[min(losses)],
             "last_loss": losses[max(losses)],
+            # version -> held-out loss (--eval-every), from the server that computes it
+            "eval_losses": statuses.get(last.frontal[0], {}).get("eval_losses", {}),
             "microbatches_expected": args.steps * args.micro_batches * self.layout.num_stages,
             "microbatches_applied": applied,
             "duplicates_dropped": sum(s["duplicates"] for s in statuses.values()),

@@ -151,6 +151,8 @@ class Swarm:
                         argv += a.recipe.flags()
                     if getattr(a, "precision", "fp32") != "fp32":
                         argv += ["--precision", a.precision]
+                    if getattr(a, "eval_every", 0):
+                        argv += ["--eval-every", str(a.eval_every)]
                     last = self.layout.stages[-1]
                     if name == last.frontal[0]:  # (it holds the labels: the loss is known there)
                         argv += ["--log-dir", os.path.join(self.work_dir, "logs")]

@@ -238,6 +238,21 @@ def _weighted_batch(corpus: Corpus, seed: int, t: int, batch_size: int, seq_len:
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
+EVAL_ROWS = 8  # held-out windows of an evaluation during training (--eval-every)
+EVAL_STEP = -1  # the pseudo-step they are drawn at (no training batch is drawn there)
+
+
+def eval_windows(corpus: Corpus, seed: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's held-out windows: (inputs, labels) [EVAL_ROWS, seq_len], the same at every evaluation
+    of a run, in the swarm (parameter_server/evaluate.py) and in `peer reference --eval-every`."""
+    return make_batch(corpus, seed, EVAL_STEP, EVAL_ROWS, seq_len, split="val")
+
+
+def eval_due(version: int, every: int, steps: int) -> bool:
+    """Whether version `version` of a run of `steps` is evaluated under --eval-every `every`."""
+    return every > 0 and version > 0 and (version % every == 0 or version == steps)
+
+
 def split_micro_batches(inputs: torch.Tensor, labels: torch.Tensor, d: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Cut a batch into d micro-batches of B/d contiguous rows, in order; ValueError if d does not
     divide B."""

@@ -89,6 +89,8 @@ class RunConfig:
     # the corpus's fingerprint (peer.model.data.Corpus.fingerprint), from a server that reads the data
     # (stage 0's and the last stage's frontal servers); None from the others
     data: str | None = None
+    # the held-out loss of every N-th version (and the last) is computed (parameter_server/evaluate.py); 0: none
+    eval_every: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -141,6 +143,9 @@ class RunConfig:
             raise ValueError(
                 f"run config record: field 'precision' must be one of {', '.join(PRECISIONS)}, got {precision!r}"
             )
+        eval_every = d.get("eval_every", 0)
+        if not isinstance(eval_every, int) or isinstance(eval_every, bool) or eval_every < 0:
+            raise ValueError(f"run config record: field 'eval_every' must be an integer >= 0, got {eval_every!r}")
         data = d.get("data")
         if data is not None and not isinstance(data, str):
             raise ValueError(f"run config record: field 'data' has the wrong type {type(data).__name__}")
@@ -151,6 +156,7 @@ class RunConfig:
             recipe=recipe.record(),
             precision=precision,
             data=data,
+            eval_every=eval_every,
         )
 
 

@@ -520,6 +520,7 @@ def test_the_method_table_is_what_the_server_offers():
         "pin",
         "requeue_missing",
         "grad_norm",
+        "eval_forward",
     }
 
 

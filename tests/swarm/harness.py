@@ -71,6 +71,30 @@ def _reference_state(
     return state
 
 
+def reference_run(steps: int, recipe=None, eval_every: int = 0, model: str = "tiny") -> tuple[dict, dict]:
+    """`peer reference --delay 1` of the swarm tests' settings (seed 0, batch 16 in 4 micro-batches,
+    the default corpus), with a peer.protocol.recipe.Recipe (None: the default at lr 2e-3) and
+    --eval-every: (final state, summary)."""
+    from peer.model.config import get_preset
+    from peer.model.data import load_corpus
+    from peer.reference import train_reference
+
+    cfg = get_preset(model)
+    return train_reference(
+        cfg,
+        load_corpus(None, seq_len=cfg.seq_len),
+        steps=steps,
+        seed=0,
+        batch_size=16,
+        micro_batches=4,
+        delay=1,
+        lr=2e-3 if recipe is None else recipe.lr,
+        recipe=recipe,
+        eval_every=eval_every,
+        progress=False,
+    )
+
+
 REFRESH = 0.5  # s between the harness's reads of the records while it waits
 
 

@@ -39,6 +39,7 @@ def make_run(
     lr=2e-3,
     recipe=None,
     precision="fp32",
+    eval_every=0,
 ):
     """(cfg, layout, run config) of a run; `recipe`: a peer.protocol.recipe.Recipe (its lr is the run's)."""
     cfg = get_preset(model)
@@ -57,6 +58,7 @@ def make_run(
         announce_period=1.0,
         recipe=None if recipe is None else recipe.record(),
         precision=precision,
+        eval_every=eval_every,
     )
     return cfg, layout, run
 

@@ -16,7 +16,7 @@ from peer.launcher.processes import child_groups
 from peer.protocol import records
 from peer.protocol.recipe import Recipe
 from peer.volunteer.worker import KILL_POINTS
-from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, rel_diff, swarm_cli
+from tests.swarm.harness import LiveSwarm, no_children_left, reference_run, reference_state, rel_diff, swarm_cli
 
 # where each point occurs: stage 0 has forward-only tasks (outputs go to its BS); the last stage
 # has forward+loss+backward tasks that send input gradients
@@ -120,13 +120,16 @@ def test_random_churn_equals_the_reference(tmp_path):
         "--announce-period",
         "1",
         *RECIPE.flags(),
+        "--eval-every",
+        "3",
     )
     assert summary["volunteers_killed"] >= 2, summary
     assert summary["microbatches_applied"] == summary["microbatches_expected"], summary
     assert isinstance(summary["duplicates_dropped"], int) and isinstance(summary["requeued"], int), summary
     assert rel_diff(state, reference_state("tiny", STEPS, recipe=RECIPE)) < 1e-5
     # the last stage's first frontal server wrote the training log: a row a step, in CSV and TensorBoard
-    rows = list(csv.DictReader(open(tmp_path / "work" / "logs" / "train.csv")))
+    all_rows = list(csv.DictReader(open(tmp_path / "work" / "logs" / "train.csv")))
+    rows = [r for r in all_rows if not r["val_loss"]]  # (a held-out loss has a row of its own)
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
     assert all(abs(float(r["lr"]) - RECIPE.lr_at(int(r["step"]) - 1, STEPS)) < 1e-12 for r in rows)
     assert all(float(r["grad_norm"]) > 1.0 for r in rows)  # (the tiny model's norms: 1.4-2.3, all clipped)
@@ -134,6 +137,13 @@ def test_random_churn_equals_the_reference(tmp_path):
     scalars = tensorboard_scalars(tmp_path / "work" / "logs")
     assert sorted(step for step, _ in scalars["train/loss"]) == list(range(1, STEPS + 1))
     assert [round(v, 6) for _, v in sorted(scalars["train/lr"])] == [round(float(r["lr"]), 6) for r in rows]
+    # and the held-out loss of versions 3 and 6 (--eval-every 3), as `peer reference --eval-every 3` has it
+    want = reference_run(STEPS, RECIPE, eval_every=3)[1]["eval_losses"]
+    assert sorted(summary["eval_losses"]) == sorted(want) == ["3", "6"], summary["eval_losses"]
+    assert all(abs(summary["eval_losses"][v] - want[v]) < 1e-5 * want[v] for v in want)
+    logged = {r["step"]: float(r["val_loss"]) for r in all_rows if r["val_loss"]}
+    assert sorted(logged) == ["3", "6"] and all(abs(logged[v] - want[v]) < 1e-5 * want[v] for v in want), logged
+    assert sorted(step for step, _ in scalars["train/val_loss"]) == [3, 6]
 
 
 def tensorboard_scalars(directory) -> dict:

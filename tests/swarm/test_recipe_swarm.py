@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from peer.protocol.recipe import Recipe
-from tests.swarm.harness import reference_state, rel_diff
+from tests.swarm.harness import reference_run, reference_state, rel_diff
 from tests.swarm.inprocess import InProcessSwarm, make_run
 
 COSINE = Recipe(
@@ -58,26 +59,6 @@ def test_global_norm_clipping_equals_clip_grad_norm_over_the_whole_model(lose):
         assert norms and all(
             abs(n - summary["grad_norms"][t]) < 1e-5 * summary["grad_norms"][t] for t, n in norms.items()
         )
-
-
-def reference_run(steps: int, recipe: Recipe):
-    from peer.model.config import get_preset
-    from peer.model.data import load_corpus
-    from peer.reference import train_reference
-
-    cfg = get_preset("tiny")
-    return train_reference(
-        cfg,
-        load_corpus(None, seq_len=cfg.seq_len),
-        steps=steps,
-        seed=0,
-        batch_size=16,
-        micro_batches=4,
-        delay=1,
-        lr=recipe.lr,
-        recipe=recipe,
-        progress=False,
-    )
 
 
 def test_a_gradient_sum_message_that_does_not_fit_is_refused_and_changes_nothing():
@@ -137,3 +118,55 @@ def test_a_liar_banned_in_a_clipped_run_leaves_no_stale_norm_behind():
     assert any(s.sum_rollbacks for s in swarm.servers.values())
     ref, _ = reference_run(steps, CLIPPED)
     assert rel_diff(state, ref) < 1e-5
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_the_held_out_loss_of_every_nth_version_equals_the_references(stages):
+    """--eval-every 2 over 5 steps: versions 2, 4 and 5 (the last) evaluated through the servers' own
+    pipeline (3 stages: the activations pass a middle stage), equal to `peer reference --eval-every 2`."""
+    steps = 5
+    cfg, layout, run = make_run(steps=steps, stages=stages, eval_every=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1)
+    noted = []
+    last = swarm.servers[layout.stages[-1].frontal[0]]
+    last.on_eval.append(lambda v, loss: noted.append(v))
+
+    async def scenario():
+        state = await swarm.train(timeout=180)
+        deadline = asyncio.get_running_loop().time() + 60
+        while steps not in last.eval_losses:  # (the last version's evaluation follows its step)
+            assert asyncio.get_running_loop().time() < deadline, last.eval_losses
+            await asyncio.sleep(0.01)
+        return state
+
+    asyncio.run(scenario())
+    _, summary = reference_run(steps, eval_every=2)
+    want = {int(v): x for v, x in summary["eval_losses"].items()}
+    assert sorted(want) == [2, 4, 5] and sorted(last.eval_losses) == [2, 4, 5] and sorted(noted) == [2, 4, 5]
+    assert all(abs(last.eval_losses[v] - want[v]) < 1e-5 * want[v] for v in want), (last.eval_losses, want)
+    assert want[5] < want[2]  # (the model learned)
+
+
+def test_held_out_activations_that_do_not_fit_are_refused():
+    cfg, layout, run = make_run(steps=4, stages=2, eval_every=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=0)
+    server = swarm.servers["s1f0"]
+    good = torch.zeros(8, cfg.seq_len, cfg.hidden)
+
+    async def call(meta, tensors):
+        answer, _ = await server.handle("eval_forward", meta, tensors, "peer-s0f0")
+        return answer.get("error", "")
+
+    async def scenario():
+        assert "is not one this run evaluates" in await call({"version": 3}, [good])
+        assert "carries one tensor" in await call({"version": 2}, [good, good])
+        assert "must be finite float32" in await call({"version": 2}, [torch.zeros(8, cfg.seq_len, 3)])
+        assert "must be finite float32" in await call({"version": 2}, [good.double()])
+        assert "must be finite float32" in await call({"version": 2}, [torch.full_like(good, float("nan"))])
+        assert (
+            "not a frontal server past stage 0"
+            in ((await swarm.servers["s1b0"].handle("eval_forward", {"version": 2}, [good], "peer-s0f0"))[0]["error"])
+        )
+        assert server.evals_seen == set()
+
+    asyncio.run(scenario())
