@@ -184,7 +184,7 @@ def prepare(sources: list[tuple[str, float]], out: str, tokenizer: str, val_frac
     import numpy as np
     from tqdm import tqdm
 
-    from peer.model.data import FORMAT, MANIFEST, manifest_fingerprint
+    from peer.model.corpus_format import FORMAT, MANIFEST, manifest_fingerprint
 
     if not 0 <= val_fraction < 1:
         raise UsageError(f"--val-fraction must be in [0, 1), got {val_fraction}")

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from peer.model.config import check_micro_batches
+from peer.model.corpus_format import FORMAT, MANIFEST, manifest_fingerprint  # noqa: F401 (re-exported)
 from peer.model.seeding import stable_seed
 
 DEFAULT_CORPUS_MAX_BYTES = 8 * 1024 * 1024
-MANIFEST = "manifest.json"  # of a corpus folder that `peer data prepare` (peer/data_cmd.py) wrote
-FORMAT = "hivepipe-tokens-1"
+
 VAL_FRACTION = 0.01
 VAL_MIN_SEQUENCES = 4
 # folders left out of the default corpus: installed packages vary between machines, tests are big
@@ -96,14 +96,6 @@ def _read_path(path: str) -> bytes:
         return _read_concatenated(path, files)
     with open(path, "rb") as f:
         return f.read()
-
-
-def manifest_fingerprint(manifest: dict) -> str:
-    """sha256 of a corpus manifest without its fingerprint, as canonical JSON: the corpus's identity."""
-    import json
-
-    body = {k: v for k, v in manifest.items() if k != "fingerprint"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def load_prepared(path: str, *, seq_len: int = 128, tokenizer=None) -> Corpus:

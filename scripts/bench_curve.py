@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""A practitioner's run, end to end: a corpus prepared from local text, `peer swarm` with warm-up,
+cosine decay, global clipping and held-out evaluation under churn, against `peer reference` with the
+same flags, and a bf16 swarm beside them; per-step and held-out losses compared, one plot of the
+held-out curves.
+
+    python scripts/bench_curve.py [--model small] [--steps 500] [--churn 0.25] [--out docs] [--work DIR]
+
+The corpus is `peer data prepare` of some folders of the Python standard library's sources (local
+text, nothing to download: email, json, http, asyncio, logging at weight 1, unittest at 0.5). The
+swarm's per-step losses come from its training log (WORK/<run>/logs/train.csv), its held-out losses
+from its summary; the reference's from `peer reference --summary-json`. Writes DIR/bench_curve.md and
+DIR/bench_curve.png (DIR defaults to docs/)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import REPO, Report, exactly_once, loadavg, md_table, out_folder, run_swarm  # noqa: E402
+
+SOURCES = [("email", 1.0), ("json", 1.0), ("http", 1.0), ("asyncio", 1.0), ("logging", 1.0), ("unittest", 0.5)]
+
+
+def recipe_flags(steps: int) -> list[str]:
+    every = max(1, steps // 20)
+    return [
+        "--lr",
+        "3e-3",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        str(max(1, steps // 20)),
+        "--min-lr",
+        "3e-4",
+        "--clip-grad-norm",
+        "1.0",
+        "--eval-every",
+        str(every),
+    ]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="small")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--churn", type=float, default=0.25)
+    p.add_argument("--volunteers", type=int, default=4)
+    p.add_argument("--out", type=Path, default=REPO / "docs")
+    p.add_argument("--work", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    args = p.parse_args()
+    out = out_folder(p, args.out)
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench_curve."))
+    work.mkdir(parents=True, exist_ok=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = work / "corpus"
+    if not corpus.exists():
+        srcs = [f"{stdlib / name}:{weight}" for name, weight in SOURCES]
+        subprocess.run(
+            [sys.executable, "-m", "peer.cli", "data", "prepare", *srcs, "-o", str(corpus), "--no-progress"],
+            check=True,
+            cwd=REPO,
+        )
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    flags = ["--model", args.model, "--steps", str(args.steps), "--data", str(corpus), *recipe_flags(args.steps)]
+
+    ref_json = work / "reference.json"
+    subprocess.run(
+        [sys.executable, "-m", "peer.cli", "reference", *flags, "--summary-json", str(ref_json), "--no-progress"],
+        check=True,
+        cwd=REPO,
+    )
+    ref = json.loads(ref_json.read_text())
+    runs = {}
+    for name, extra in (("fp32", []), ("bf16", ["--precision", "bf16"])):
+        swarm_flags = [*flags, "--volunteers", str(args.volunteers), "--churn", str(args.churn), *extra]
+        runs[name] = run_swarm(name, swarm_flags, work, timeout=7200)
+        with open(work / name / "logs" / "train.csv") as f:
+            rows = [r for r in csv.DictReader(f) if r["loss"]]
+        runs[name]["step_losses"] = {int(r["step"]) - 1: float(r["loss"]) for r in rows}
+
+    ref_losses = dict(enumerate(ref["losses"]))
+    ref_eval = {int(v): x for v, x in ref["eval_losses"].items()}
+    report = Report(
+        "A training run end to end: held-out curves",
+        f"`python scripts/bench_curve.py --model {args.model} --steps {args.steps} --churn {args.churn}`: a "
+        f"corpus of {sum(s['tokens'] for s in manifest['sources']):,} tokens prepared from the Python "
+        f"standard library's {', '.join(n for n, _ in SOURCES)} sources, then `peer swarm` "
+        f"({args.volunteers} volunteers, {args.churn:.0%} of them killed each step) and `peer reference` with "
+        f"`{' '.join(recipe_flags(args.steps))}`. Load at the start: {loadavg()}.",
+    )
+    rows = []
+    for name, s in runs.items():
+        common = sorted(set(s["step_losses"]) & set(ref_losses))
+        step_gap = max(abs(s["step_losses"][t] - ref_losses[t]) / ref_losses[t] for t in common)
+        evals = {int(v): x for v, x in s["eval_losses"].items()}
+        eval_gap = max(abs(evals[v] - ref_eval[v]) / ref_eval[v] for v in ref_eval if v in evals)
+        rows.append(
+            [
+                name,
+                f"{s['tokens_per_second']:,.0f}",
+                exactly_once(s),
+                s["volunteers_killed"],
+                f"{s['last_loss']:.4f}",
+                f"{evals[max(evals)]:.4f}",
+                f"{step_gap:.1e}",
+                f"{eval_gap:.1e}",
+            ]
+        )
+    report.section(
+        "Runs",
+        md_table(
+            [
+                "swarm",
+                "tokens/s",
+                "micro-batches",
+                "volunteers killed",
+                "last loss",
+                "last held-out loss",
+                "largest step-loss gap to the reference (relative)",
+                "largest held-out gap (relative)",
+            ],
+            rows,
+        )
+        + f"\n\n`peer reference` (fp32): last loss {ref['last_loss']:.4f}, last held-out loss "
+        f"{ref_eval[max(ref_eval)]:.4f}.",
+    )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(sorted(ref_eval), [ref_eval[v] for v in sorted(ref_eval)], "k-", label="peer reference (fp32)")
+    for name, style in (("fp32", "o"), ("bf16", "x")):
+        evals = {int(v): x for v, x in runs[name]["eval_losses"].items()}
+        ax.plot(sorted(evals), [evals[v] for v in sorted(evals)], style, label=f"peer swarm, churn ({name})")
+    ax.set_xlabel("version")
+    ax.set_ylabel("held-out loss (8 windows)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "bench_curve.png", dpi=110)
+    report.add("\n![held-out loss against version](bench_curve.png)\n")
+    report.write(out / "bench_curve.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
