@@ -48,6 +48,13 @@ def add_arguments(p) -> None:
         "--tokenizer", default="bytes", help="bytes (the presets' tokenizer), or a Transformers tokenizer folder"
     )
     p.add_argument("--val-fraction", type=float, default=0.01, help="held-out share of each source's tokens")
+    p.add_argument(
+        "--include",
+        action="append",
+        default=None,
+        metavar="GLOB",
+        help="in a folder, only the files whose names match (repeatable, e.g. --include '*.md'); default: all",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -68,16 +75,25 @@ def parse_source(text: str) -> tuple[str, float]:
     return path, weight
 
 
-def _files_of(path: str) -> list[str]:
+def _files_of(path: str, include: list[str] | None = None) -> list[str]:
+    """The files of a source: itself, or every file below a folder (sorted by relative path; hidden
+    ones left out; with `include`, only names matching one of its globs)."""
+    import fnmatch
+
     if not os.path.isdir(path):
         return [path]
     found = []
     for dirpath, dirnames, filenames in os.walk(path):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found += [os.path.join(dirpath, n) for n in filenames if not n.startswith(".")]
+        found += [
+            os.path.join(dirpath, n)
+            for n in filenames
+            if not n.startswith(".") and (not include or any(fnmatch.fnmatch(n, g) for g in include))
+        ]
     files = sorted(found, key=lambda f: os.path.relpath(f, path))
     if not files:
-        raise UsageError(f"source {path!r} is a folder with no files")
+        matching = f" matching {' or '.join(include)}" if include else ""
+        raise UsageError(f"source {path!r} is a folder with no files{matching}")
     return files
 
 
@@ -179,7 +195,14 @@ class Tokens:
                 yield None, True
 
 
-def prepare(sources: list[tuple[str, float]], out: str, tokenizer: str, val_fraction: float, progress: bool) -> dict:
+def prepare(
+    sources: list[tuple[str, float]],
+    out: str,
+    tokenizer: str,
+    val_fraction: float,
+    progress: bool,
+    include: list[str] | None = None,
+) -> dict:
     """Write the corpus folder `out` (see the module's docstring); returns its manifest."""
     import numpy as np
     from tqdm import tqdm
@@ -191,7 +214,7 @@ def prepare(sources: list[tuple[str, float]], out: str, tokenizer: str, val_frac
     if os.path.exists(out):
         raise UsageError(f"--out {out!r} exists: give a new folder")
     tok = Tokens(tokenizer)
-    files = [(path, _files_of(path)) for path, _ in sources]
+    files = [(path, _files_of(path, include)) for path, _ in sources]
     total = sum(os.path.getsize(f) for _, fs in files for f in fs)
     parent = os.path.dirname(os.path.abspath(out))
     try:
@@ -256,7 +279,9 @@ def prepare(sources: list[tuple[str, float]], out: str, tokenizer: str, val_frac
 def run(args) -> int:
     sources = [parse_source(s) for s in args.sources]
     try:
-        manifest = prepare(sources, args.out, args.tokenizer, args.val_fraction, not args.no_progress)
+        manifest = prepare(
+            sources, args.out, args.tokenizer, args.val_fraction, not args.no_progress, include=args.include
+        )
     except OSError as e:
         raise UsageError(f"{getattr(e, 'filename', None) or 'a source'}: {e.strerror or e}") from None
     tokens = sum(s["tokens"] for s in manifest["sources"])

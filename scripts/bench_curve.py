@@ -64,7 +64,8 @@ def main() -> int:
     if not corpus.exists():
         srcs = [f"{stdlib / name}:{weight}" for name, weight in SOURCES]
         subprocess.run(
-            [sys.executable, "-m", "peer.cli", "data", "prepare", *srcs, "-o", str(corpus), "--no-progress"],
+            [sys.executable, "-m", "peer.cli", "data", "prepare", *srcs, "--include", "*.py", "-o", str(corpus)]
+            + ["--no-progress"],
             check=True,
             cwd=REPO,
         )

@@ -136,6 +136,19 @@ def test_bad_input_is_named_by_file_and_line_and_leaves_nothing_behind(tmp_path,
     assert sorted(os.listdir(src)) == before  # no output folder, no temporary one
 
 
+def test_a_folder_can_be_narrowed_to_the_files_whose_names_match(tmp_path):
+    folder = tmp_path / "src"
+    (folder / "__pycache__").mkdir(parents=True)
+    (folder / "a.py").write_text(DOC)
+    (folder / "__pycache__" / "a.pyc").write_bytes(b"\x00binary")
+    with pytest.raises(UsageError, match="a.pyc: holds byte 0"):  # (all files: the binary one refused)
+        prepare([(str(folder), 1.0)], str(tmp_path / "all"), "bytes", 0.01, False)
+    manifest = prepare([(str(folder), 1.0)], str(tmp_path / "py"), "bytes", 0.01, False, include=["*.py"])
+    assert manifest["sources"][0]["tokens"] == len(DOC) + 1
+    with pytest.raises(UsageError, match=r"no files matching \*.md"):
+        prepare([(str(folder), 1.0)], str(tmp_path / "md"), "bytes", 0.01, False, include=["*.md"])
+
+
 def test_sources_and_weights_are_checked_before_anything_is_read(tmp_path):
     (tmp_path / "a.txt").write_text(DOC)
     assert parse_source(str(tmp_path / "a.txt") + ":2.5") == (str(tmp_path / "a.txt"), 2.5)
