@@ -96,23 +96,29 @@ class Clipping:
         if self.clip is None:
             return
         for slot, shard in self.hosted.items():
-            if not shard.ready_to_step():
-                continue
-            t = shard.version
-            self._note_sum(t, (self.stage, slot), self.epoch, shard.batch_sumsq())
-            if not self.replaying and (self.epoch, t, slot) not in self.sums_sent:
-                self.sums_sent.add((self.epoch, t, slot))
-                self._spawn(self._send_sums(t, slot, shard.batch_sumsq()))
+            if shard.ready_to_step():
+                self._announce(slot, shard)
+
+    def _announce(self, slot: int, shard) -> None:
+        """The sum of `shard`'s complete batch noted here and, once per layout epoch, sent to the others."""
+        t = shard.version
+        self._note_sum(t, (self.stage, slot), self.epoch, shard.batch_sumsq())
+        if not self.replaying and (self.epoch, t, slot) not in self.sums_sent:
+            self.sums_sent.add((self.epoch, t, slot))
+            self._spawn(self._send_sums(t, slot, shard.batch_sumsq()))
 
     def clip_hold(self, slot: int, shard) -> bool:
-        """True while the step of `shard` (slot `slot`, ready to step, its sum announced) waits for the
-        run's total of its batch; asks for what is missing after PULL_AFTER."""
+        """True while the step of `shard` (slot `slot`, ready to step) waits for the run's total of its
+        batch; asks for what is missing after PULL_AFTER. Its own sum is announced here too: a shard
+        that just stepped can be ready for its next batch at once (credited while it waited), which
+        `announce_sums`, run before the steps, did not see (it then went out only at the next event,
+        and the other servers waited for a pull)."""
         if self.clip is None:
             return False
         t = shard.version
         if self.run_total(t) is not None:
             return False
-        self._note_sum(t, (self.stage, slot), self.epoch, shard.batch_sumsq())
+        self._announce(slot, shard)
         if self.run_total(t) is not None:
             return False
         if self.replaying:
