@@ -277,19 +277,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from peer.protocol import recipe as recipe_flags
 
     recipe_flags.add_arguments(parser)
-    parser.add_argument(
-        "--eval-every",
-        type=int,
-        default=0,
-        metavar="N",
-        help="print the held-out loss of every N-th version and the last, on the run's 8 fixed held-out windows",
-    )
-    parser.add_argument(
-        "--precision",
-        default="fp32",
-        choices=["fp32", "bf16"],
-        help="fp32 (default), or bf16: each gradient computed under autocast on the parameters rounded to "
-        "bfloat16, as a --precision bf16 swarm's volunteers compute it",
+    recipe_flags.add_run_arguments(
+        parser,
+        eval_help="print the held-out loss of every N-th version and the last, on the run's 8 fixed held-out windows",
+        precision_help="fp32 (default), or bf16: each gradient computed under autocast on the parameters rounded "
+        "to bfloat16, as a --precision bf16 swarm's volunteers compute it",
     )
     parser.add_argument("--device", default=d["device"], help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--checkpoint-out", metavar="DIR", help=f"write DIR/{CHECKPOINT_FILE} (the full model, fp32)")

@@ -47,20 +47,7 @@ def add_arguments(p) -> None:
     from peer.protocol import recipe as recipe_flags
 
     recipe_flags.add_arguments(train)
-    train.add_argument(
-        "--eval-every",
-        type=int,
-        default=0,
-        metavar="N",
-        help="the held-out loss of every N-th version (and the last), on 8 fixed held-out windows (0: none)",
-    )
-    train.add_argument(
-        "--precision",
-        default="fp32",
-        choices=["fp32", "bf16"],
-        help="the volunteers' compute: fp32 (exact, the default) or bf16 (autocast on parameters sent in "
-        "bfloat16, fp32 masters and AdamW on the servers; docs/training.md)",
-    )
+    recipe_flags.add_run_arguments(train)
     train.add_argument(
         "--compress",
         default="none",
@@ -228,8 +215,6 @@ def resolve(args):
         recipe = recipe_flags.from_args(args, args.steps)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.eval_every < 0:
-        raise UsageError(f"--eval-every must be >= 0, got {args.eval_every}")
     if args.failover_after < 0:
         raise UsageError(f"--failover-after must be >= 0 seconds, got {args.failover_after}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1 << 16:

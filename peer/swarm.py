@@ -38,19 +38,7 @@ def add_arguments(p) -> None:
     from peer.protocol import recipe as recipe_flags
 
     recipe_flags.add_arguments(p)
-    p.add_argument(
-        "--eval-every",
-        type=int,
-        default=0,
-        metavar="N",
-        help="the held-out loss of every N-th version (and the last), on 8 fixed held-out windows (0: none)",
-    )
-    p.add_argument(
-        "--precision",
-        default="fp32",
-        choices=["fp32", "bf16"],
-        help="the volunteers' compute: fp32 (exact, the default) or bf16 (autocast, parameters sent in bfloat16)",
-    )
+    recipe_flags.add_run_arguments(p)
     p.add_argument("--churn", type=float, default=0.0, help="fraction of volunteers SIGKILLed (and replaced) each step")
     p.add_argument("--no-requeue", action="store_true", help="drop a departed volunteer's work (SWARM-like baseline)")
     p.add_argument(
@@ -196,8 +184,6 @@ def validate(args):
         raise UsageError("--servers-per-stage must be >= 2 (one frontal and one backward server)")
     if args.volunteers < 0 or args.steps < 1:
         raise UsageError("--volunteers must be >= 0 and --steps >= 1")
-    if args.eval_every < 0:
-        raise UsageError(f"--eval-every must be >= 0, got {args.eval_every}")
     from peer.protocol import recipe as recipe_flags
 
     try:

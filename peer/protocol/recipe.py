@@ -230,6 +230,32 @@ def add_arguments(group) -> None:
     )
 
 
+def _non_negative(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def add_run_arguments(
+    group,
+    eval_help: str = "the held-out loss of every N-th version (and the last), on 8 fixed held-out windows (0: none)",
+    precision_help: str = "the volunteers' compute: fp32 (exact, the default) or bf16 (autocast on parameters "
+    "sent in bfloat16, fp32 masters and AdamW on the servers; docs/training.md)",
+) -> None:
+    """--eval-every and --precision, which every command that trains takes (peer reference, serve,
+    swarm); the run config record holds both. A negative --eval-every is refused by argparse (exit 2)."""
+    from peer.protocol.records import PRECISIONS
+
+    group.add_argument("--eval-every", type=_non_negative, default=0, metavar="N", help=eval_help)
+    group.add_argument("--precision", default="fp32", choices=list(PRECISIONS), help=precision_help)
+
+
 def from_args(args, steps: int) -> Recipe:
     """The recipe the parsed flags give (with args.lr), checked for a run of `steps` updates;
     ValueError naming the flag."""

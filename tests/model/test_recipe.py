@@ -135,3 +135,11 @@ def test_the_clip_scale_is_clip_grad_norms_coefficient():
     torch.nn.utils.clip_grad_norm_([p], 2.0)
     assert torch.allclose(p.grad, g * clip_scale(2.0, 25.0), rtol=1e-7)
     assert clip_scale(10.0, 25.0) == 1.0  # under the bound: not scaled
+
+
+def test_a_negative_eval_every_is_refused_with_exit_2_by_every_command_that_trains():
+    for cmd in (["reference", "--model", "tiny", "--steps", "2"], ["swarm", "--steps", "2"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "peer.cli", *cmd, "--eval-every", "-1"], capture_output=True, text=True
+        )
+        assert out.returncode == 2 and "--eval-every: must be an integer >= 0, got -1" in out.stderr, out.stderr
