@@ -25,6 +25,7 @@ import logging
 import math
 
 from peer.protocol.recipe import clip_scale
+from peer.protocol.values import finite_number
 from peer.protocol.wire import PayloadError, RemoteError
 from peer.protocol.wire import field as mfield
 
@@ -256,4 +257,4 @@ class Clipping:
 
 
 def _sum_value(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+    return finite_number(x) and x >= 0

@@ -17,7 +17,6 @@ batches 0..t-2), and update t is applied when version == t, producing version t 
 from __future__ import annotations
 
 import hashlib
-import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import torch
 
 from peer.model.optim import make_optimizer, set_lr
 from peer.protocol.recipe import Recipe
+from peer.protocol.values import finite_number
 from peer.protocol.wire import PayloadError, all_finite
 
 
@@ -443,7 +443,11 @@ class ShardState:
             raise PayloadError("replica step names another shard's parameters")
         loss, applied, duplicates = meta.get("loss"), meta.get("microbatches_applied"), meta.get("duplicates")
         scale, total = meta.get("scale", 1.0), meta.get("total")
-        if not _number(scale) or not 0 < scale <= 1 or not (total is None or (_number(total) and total >= 0)):
+        if (
+            not finite_number(scale)
+            or not 0 < scale <= 1
+            or not (total is None or (finite_number(total) and total >= 0))
+        ):
             raise PayloadError("replica step needs a 'scale' in (0, 1] and a 'total' >= 0 or none")
         if (
             not isinstance(meta.get("token"), str)
@@ -580,10 +584,6 @@ class ShardState:
         self.microbatches_applied = int(state["microbatches_applied"])
         self.duplicates = int(state["duplicates"])
         self.batches = {}
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _token() -> str:

@@ -12,6 +12,7 @@ from typing import Any
 
 from parameter_server.layout import RunLayout
 from peer.protocol.records import RunConfig, halted_reason, validate_record
+from peer.protocol.values import finite_number
 
 logger = logging.getLogger("hivepipe.dashboard")
 
@@ -42,10 +43,6 @@ def short(peer: str | None) -> str:
     return peer[-8:] if peer else "-"
 
 
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _int_keyed(d: Any, what: str) -> dict[int, float]:
     """{"3": 1.5} -> {3: 1.5}; ValueError when a key is not an integer or a value not a finite number."""
     if not isinstance(d, dict):
@@ -56,7 +53,7 @@ def _int_keyed(d: Any, what: str) -> dict[int, float]:
             key = int(k)
         except (TypeError, ValueError):
             raise ValueError(f"{what}: key {k!r} is not an integer") from None
-        if not _number(v):
+        if not finite_number(v):
             raise ValueError(f"{what}[{k!r}]: {v!r} is not a finite number")
         out[key] = float(v)
     return out
@@ -68,7 +65,7 @@ def check_record(value: Any, stage: int) -> dict:
     rec = validate_record(value)
     kind = rec["kind"]
     for name in ("time", "version", "compute", "throughput", "tasks_done"):
-        if name in rec and not _number(rec[name]):
+        if name in rec and not finite_number(rec[name]):
             raise ValueError(f"{kind} record: field {name!r} is not a finite number ({rec[name]!r})")
     if rec["stage"] != stage:
         raise ValueError(f"{kind} record announced under stage {stage} says stage {rec['stage']}")
@@ -78,7 +75,7 @@ def check_record(value: Any, stage: int) -> dict:
         for name, fields in (("pool", POOL_FIELDS), ("stats", STATS_FIELDS)):
             part = rec.get(name, {})
             for f in fields:
-                if f in part and not _number(part[f]):
+                if f in part and not finite_number(part[f]):
                     raise ValueError(f"server record: {name}.{f} is not a finite number ({part[f]!r})")
         _int_keyed(rec.get("losses", {}), "server record: losses")
         _int_keyed(rec.get("step_times", {}), "server record: step_times")
@@ -287,7 +284,7 @@ def merge_reads(reads: list[tuple[Any, list[Any]]]) -> tuple[Any, list[Any]]:
 
 def _record_time(rec: Any) -> float:
     t = rec.get("time") if isinstance(rec, dict) else None
-    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) else float("-inf")
+    return float(t) if finite_number(t) else float("-inf")
 
 
 def build_snapshot(

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
+from peer.protocol.values import finite_number
+
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
 WSD_DECAY_FRACTION = 0.2  # of the run's steps, the default decay length of wsd
 
@@ -39,10 +41,6 @@ FLAGS = {
     "weight_decay": "--weight-decay",
     "clip_grad_norm": "--clip-grad-norm",
 }
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ class Recipe:
 
     def check(self, steps: int) -> None:
         """ValueError naming the flag of the first setting no run of `steps` updates can use."""
-        if not _number(self.lr) or self.lr <= 0:
+        if not finite_number(self.lr) or self.lr <= 0:
             raise ValueError(f"--lr must be a positive number, got {self.lr!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
@@ -71,7 +69,7 @@ class Recipe:
             raise ValueError(f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}")
         if self.warmup_steps > steps:
             raise ValueError(f"--warmup-steps {self.warmup_steps} is more than the run's {steps} steps")
-        if not _number(self.min_lr) or not 0 <= self.min_lr <= self.lr:
+        if not finite_number(self.min_lr) or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--min-lr must be in [0, --lr {self.lr}], got {self.min_lr!r}")
         if self.decay_steps is not None and (
             not isinstance(self.decay_steps, int) or isinstance(self.decay_steps, bool) or self.decay_steps < 1
@@ -80,14 +78,14 @@ class Recipe:
         if (
             not isinstance(self.betas, tuple)
             or len(self.betas) != 2
-            or not all(_number(b) and 0 <= b < 1 for b in self.betas)
+            or not all(finite_number(b) and 0 <= b < 1 for b in self.betas)
         ):
             raise ValueError(f"--betas must be two numbers in [0, 1), got {self.betas!r}")
-        if not _number(self.eps) or self.eps <= 0:
+        if not finite_number(self.eps) or self.eps <= 0:
             raise ValueError(f"--eps must be a positive number, got {self.eps!r}")
-        if not _number(self.weight_decay) or self.weight_decay < 0:
+        if not finite_number(self.weight_decay) or self.weight_decay < 0:
             raise ValueError(f"--weight-decay must be a number >= 0, got {self.weight_decay!r}")
-        if self.clip_grad_norm is not None and (not _number(self.clip_grad_norm) or self.clip_grad_norm <= 0):
+        if self.clip_grad_norm is not None and (not finite_number(self.clip_grad_norm) or self.clip_grad_norm <= 0):
             raise ValueError(f"--clip-grad-norm must be a positive number, got {self.clip_grad_norm!r}")
 
     def decay_length(self, steps: int) -> int:
@@ -149,7 +147,7 @@ class Recipe:
             values["betas"] = tuple(betas)
         recipe = cls(lr=lr, **values)
         for name in ("min_lr", "eps", "weight_decay") + (("clip_grad_norm",) if recipe.clip_grad_norm else ()):
-            if not _number(getattr(recipe, name)):
+            if not finite_number(getattr(recipe, name)):
                 raise ValueError(f"recipe: field {name!r} must be a number, got {getattr(recipe, name)!r}")
         return recipe
 
