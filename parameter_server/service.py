@@ -219,6 +219,7 @@ class StageServer(
         self._init_verification(verify_rate, probation, verify_device)
         self._init_clipping(run.training_recipe().clip_grad_norm)
         self._init_evaluation(run.eval_every)
+        self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (Updates._params_on_wire)
 
     def _new_shard(self, slot: int) -> ShardState:
         names = self.slot_names[slot]

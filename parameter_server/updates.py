@@ -79,7 +79,7 @@ class Updates:
         if dtype == torch.float32:
             return [snap[n] for n in shard.names]
         key = (id(shard), version, shard.tokens.get(version))
-        cache = self.__dict__.setdefault("_wire_params", {})
+        cache = self._wire_params
         if key not in cache:
             for old in list(cache)[: max(0, len(cache) - 2 * len(self.hosted) - 1)]:
                 del cache[old]

@@ -154,14 +154,20 @@ def train_reference(
         params_of = dict(model.named_parameters())
         evals: dict[int, float] = {}
 
+        def computing():
+            """The model a gradient or an evaluation runs on: the fp32 one, or at bf16 the copy, given
+            the current parameters rounded."""
+            if compute is None:
+                return model
+            with torch.no_grad():
+                for name, p in compute.named_parameters():
+                    p.copy_(rounded({name: params_of[name]}, precision)[name])
+            return compute
+
         def evaluate(version: int) -> None:
             if not eval_due(version, eval_every, steps):
                 return
-            on = model if compute is None else compute
-            if compute is not None:
-                with torch.no_grad():
-                    for name, p in compute.named_parameters():
-                        p.copy_(rounded({name: params_of[name]}, precision)[name])
+            on = computing()
             x, y = eval_windows(corpus, seed, cfg.seq_len)
             with torch.no_grad():
                 evals[version] = float(loss_sum(on(x.to(device)).float().cpu(), y)) / y.numel()
@@ -174,11 +180,7 @@ def train_reference(
         bar = tqdm(total=steps, desc=f"reference {cfg.name}", unit="step", file=sys.stderr, disable=not progress)
         for t in range(steps):
             inputs, labels = (x.to(device) for x in make_batch(corpus, seed, t, batch_size, cfg.seq_len))
-            if compute is not None:
-                with torch.no_grad():
-                    for name, p in compute.named_parameters():
-                        p.copy_(rounded({name: params_of[name]}, precision)[name])
-            loss, grads = batch_gradient(model if compute is None else compute, inputs, labels, micro_batches)
+            loss, grads = batch_gradient(computing(), inputs, labels, micro_batches)
             losses.append(loss)
             if on_step is not None:
                 on_step(StepInfo(step=t, loss=loss, tokens=tokens, updates_applied=applied, grads=grads, model=model))
