@@ -13,6 +13,9 @@ from peer.protocol.wire import field as mfield
 # volunteers a server remembers by peer id to count each once in its announcement's "clients_joined"
 SEEN_VOLUNTEERS = 4096
 SAYS_CHARS = 240  # the state line a record carries, cut to this length (records stay small)
+# the last held-out losses a record carries (a dashboard keeps the curve from what it has seen);
+# its gradient norms are the status's recent 8, as its losses
+RECORD_SERIES = 8
 
 
 class Status:
@@ -110,6 +113,9 @@ class Status:
             pool=s["pool"],
             layers=list(self.st.layers),
             losses=s["losses"],
+            # (None when empty: only the evaluating server and clipped runs carry them)
+            eval_losses=dict(list(s["eval_losses"].items())[-RECORD_SERIES:]) or None,
+            grad_norms=s["grad_norms"] or None,
             stats=stats,
             compute=compute,
             step_times={str(v): t for v, t in sorted(self.step_times.items())},

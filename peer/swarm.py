@@ -397,12 +397,13 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
                 step_times.append((now - last_change) / (version - last_version))
                 last_version, last_change = version, now
                 bar.update(version - bar.n)
-                loss = monitor.loss(version - 1)
+                loss, held_out = monitor.loss(version - 1), monitor.eval_loss()
                 if loss is not None:
                     elapsed = max(now - (t_start or now), 1e-6)
-                    bar.set_postfix(
-                        loss=f"{loss:.3f}", tok_s=f"{version * args.batch_size * cfg.seq_len / elapsed:.0f}"
-                    )
+                    shown = {"loss": f"{loss:.3f}"}
+                    if held_out is not None:  # --eval-every: the last held-out loss, of its version
+                        shown["val"] = f"{held_out[1]:.3f}@{held_out[0]}"
+                    bar.set_postfix(shown, tok_s=f"{version * args.batch_size * cfg.seq_len / elapsed:.0f}")
                 if version < args.steps:
                     passed = version - last_seen
                     churn.step_ended()

@@ -21,6 +21,9 @@ METRICS = {  # name -> help; every metric is a gauge
     "hivepipe_step": "the run's step: the lowest parameter version among live servers",
     "hivepipe_steps": "the steps the run is configured for",
     "hivepipe_loss": "mean token loss of the last batch applied",
+    "hivepipe_eval_loss": "held-out loss of the last version evaluated (peer serve --eval-every)",
+    "hivepipe_eval_version": "the version the last held-out loss was computed on",
+    "hivepipe_grad_norm": "the whole model's gradient norm before clipping, of the last batch (--clip-grad-norm)",
     "hivepipe_tokens_per_second": "tokens per second of the whole pipeline, over the last steps",
     "hivepipe_seconds_per_step": "measured seconds per step, over the last steps",
     "hivepipe_predicted_seconds_per_step": "the plan's predicted seconds per step",
@@ -86,6 +89,9 @@ class SnapshotCollector:
         ):
             add(f"hivepipe_{key}", p[key])
         add("hivepipe_loss", p["last_loss"])
+        add("hivepipe_eval_loss", p["eval_loss"])
+        add("hivepipe_eval_version", p["eval_version"])
+        add("hivepipe_grad_norm", p["grad_norm"])
         add("hivepipe_malformed_records", len(snap["malformed"]))
         for s in snap["stages"]:
             k = str(s["index"])

@@ -77,7 +77,8 @@ def check_record(value: Any, stage: int) -> dict:
             for f in fields:
                 if f in part and not finite_number(part[f]):
                     raise ValueError(f"server record: {name}.{f} is not a finite number ({part[f]!r})")
-        _int_keyed(rec.get("losses", {}), "server record: losses")
+        for name in ("losses", "eval_losses", "grad_norms"):
+            _int_keyed(rec.get(name, {}), f"server record: {name}")
         _int_keyed(rec.get("step_times", {}), "server record: step_times")
         layers = rec.get("layers")
         if layers is not None and not (len(layers) == 2 and all(isinstance(v, int) for v in layers)):
@@ -110,7 +111,8 @@ class History:
     """What a long-running dashboard remembers across snapshots: the last good record of every
     peer (so a peer that vanished from the DHT still shows, as unreachable, for `show_vanished_for`
     seconds, and counts as a lost volunteer), the wall time each new step was first seen (rates when
-    the servers publish no step times), and the losses of past batches."""
+    the servers publish no step times), the losses and gradient norms of past batches and the held-out
+    losses of past versions (a record carries only the last few)."""
 
     def __init__(self, show_vanished_for: float = 30.0):
         self.show_vanished_for = show_vanished_for
@@ -119,6 +121,8 @@ class History:
         self.step_seen: list[tuple[float, int]] = []  # (first seen at, step)
         self.stage_seen: dict[int, list[tuple[float, int]]] = {}
         self.losses: dict[int, float] = {}  # batch -> mean token loss
+        self.eval_losses: dict[int, float] = {}  # version -> held-out loss (--eval-every)
+        self.grad_norms: dict[int, float] = {}  # batch -> global gradient norm (--clip-grad-norm)
 
     @staticmethod
     def note(seen: list[tuple[float, int]], now: float, value: int | None) -> None:
@@ -464,9 +468,18 @@ def build_snapshot(
         for r in last_stage_recs:
             for batch, total in _int_keyed(r.get("losses", {}), "losses").items():
                 losses[batch] = total / tokens_per_step
+    evals = dict(history.eval_losses) if history is not None else {}
+    norms = dict(history.grad_norms) if history is not None else {}
+    for r in live_recs:
+        evals.update(_int_keyed(r.get("eval_losses", {}), "eval_losses"))
+        norms.update(_int_keyed(r.get("grad_norms", {}), "grad_norms"))
     if history is not None:
         history.losses = dict(sorted(losses.items())[-500:])
+        history.eval_losses = dict(sorted(evals.items())[-500:])
+        history.grad_norms = dict(sorted(norms.items())[-500:])
     loss_batch = max(losses, default=None)
+    eval_version = max(evals, default=None)
+    norm_batch = max(norms, default=None)
     applied = [s["microbatches_applied"] for s in stage_views]
     progress = {
         "step": step,
@@ -474,6 +487,13 @@ def build_snapshot(
         "last_loss": losses[loss_batch] if loss_batch is not None else None,
         "loss_batch": loss_batch,
         "loss_history": [[b, losses[b]] for b in sorted(losses)[-200:]],
+        # held-out loss (peer serve --eval-every) of the version it was computed on, and its curve
+        "eval_loss": evals[eval_version] if eval_version is not None else None,
+        "eval_version": eval_version,
+        "eval_history": [[v, evals[v]] for v in sorted(evals)[-200:]],
+        # the whole model's gradient norm before clipping (--clip-grad-norm runs), of its batch
+        "grad_norm": norms[norm_batch] if norm_batch is not None else None,
+        "grad_norm_batch": norm_batch,
         "tokens_per_second": tokens_per_step / sps if sps and tokens_per_step else None,
         "seconds_per_step": sps,
         "predicted_seconds_per_step": layout.predicted_seconds_per_step if layout is not None else None,

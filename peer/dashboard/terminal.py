@@ -45,8 +45,14 @@ def summary_lines(snap: dict) -> list[str]:
     steps = f"{fmt(p['step'])}/{fmt(p['steps'])}"
     loss = fmt(p["last_loss"], ".4f") + (f" (batch {p['loss_batch']})" if p["loss_batch"] is not None else "")
     plan = fmt(p["predicted_seconds_per_step"], ".3g", unit=" s")
+    extra = []  # what a run with --eval-every or --clip-grad-norm adds
+    if p.get("eval_version") is not None:
+        extra.append(f"held-out loss {fmt(p['eval_loss'], '.4f')} (version {p['eval_version']})")
+    if p.get("grad_norm_batch") is not None:
+        extra.append(f"gradient norm {fmt(p['grad_norm'], '.4g')} (batch {p['grad_norm_batch']})")
     return [
         f"step {steps}   loss {loss}   tokens/s {fmt(p['tokens_per_second'], '.0f')}",
+        *(["   ".join(extra)] if extra else []),
         f"s/step {fmt(p['seconds_per_step'], '.3g')} measured, {plan} planned   "
         f"micro-batches {fmt(p['microbatches_applied'])}/{fmt(p['microbatches_expected'])}",
         f"volunteers {p['volunteers_live']} live, {p['volunteers_joined']} joined, {p['volunteers_lost']} lost, "

@@ -91,6 +91,14 @@ class Monitor:
                 return rec["losses"][str(t)] / self.tokens_per_batch
         return None
 
+    def eval_loss(self) -> tuple[int, float] | None:
+        """The last held-out loss (--eval-every) any server's record carries: (version, loss)."""
+        seen = {}
+        for _, rec in self.servers.values():
+            for v, loss in (rec.get("eval_losses") or {}).items():
+                seen[int(v)] = loss
+        return max(seen.items(), default=None)
+
     def _link(self, device: str):
         from parameter_server.service import StageServer
         from peer.node import P2PLink

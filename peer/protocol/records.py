@@ -180,6 +180,10 @@ class ServerRecord:
     pool: dict | None = field(default=None, metadata=_kinds(dict))
     loss: float | None = field(default=None, metadata=_kinds(int, float, type(None)))
     losses: dict | None = field(default=None, metadata=_kinds(dict))
+    # version -> held-out loss (--eval-every; the server that evaluates) and batch -> the gradient's
+    # global norm before clipping (--clip-grad-norm), the last few of each
+    eval_losses: dict | None = field(default=None, metadata=_kinds(dict))
+    grad_norms: dict | None = field(default=None, metadata=_kinds(dict))
     stats: dict | None = field(default=None, metadata=_kinds(dict))
     layers: list | None = field(default=None, metadata=_kinds(list))
     compute: float | None = field(default=None, metadata=_kinds(int, float))

@@ -89,6 +89,11 @@ def swarm(tmp_path_factory):
             # a server that drops it counts a volunteer lost that never left)
             "--client-timeout",
             "5",
+            # a held-out loss every 2 versions and a clipped run: the dashboard shows both
+            "--eval-every",
+            "2",
+            "--clip-grad-norm",
+            "1.0",
             "--announce-period",
             str(PERIOD),
             "--seed",
@@ -108,6 +113,12 @@ def swarm(tmp_path_factory):
             return set(vols[0]) == {"v0", "v2"} and set(vols[1]) == {"v1"}
 
         await live.wait(announced, 60, "the three volunteers to announce")
+
+        async def evaluated():
+            await live.monitor.refresh()
+            return live.monitor.eval_loss() is not None
+
+        await live.wait(evaluated, 60, "a server's record to carry a held-out loss")
 
     try:
         running.call(everyone_up())
@@ -146,6 +157,9 @@ def check_shows_the_swarm(snap: dict, running: Running, volunteers: dict[int, di
     p = snap["progress"]
     assert p["step"] >= 2 and p["steps"] == 1000
     assert p["last_loss"] is not None and 1.0 < p["last_loss"] < 7.0, p  # ln(256) = 5.5 at the start
+    assert p["eval_version"] >= 2 and p["eval_version"] % 2 == 0 and 1.0 < p["eval_loss"] < 7.0, p
+    assert [v for v, _ in p["eval_history"]][-1] == p["eval_version"]
+    assert p["grad_norm_batch"] is not None and p["grad_norm"] > 0, p
     assert p["microbatches_expected"] == 1000 * 4 * 2 and p["microbatches_applied"] >= 2 * 4 * 2
     assert p["volunteers_live"] == 3 and p["volunteers_joined"] >= 3 and p["volunteers_lost"] == 0
     assert snap["health"]["ok"] and snap["health"]["status"] == "ok", snap["health"]
@@ -281,6 +295,7 @@ def test_api_state_and_metrics(swarm, web):
     fam = parse_prometheus(body)
     assert fam["hivepipe_step"][0][1] >= 2 and fam["hivepipe_health_ok"][0][1] == 1.0
     assert 1.0 < fam["hivepipe_loss"][0][1] < 7.0
+    assert 1.0 < fam["hivepipe_eval_loss"][0][1] < 7.0 and fam["hivepipe_grad_norm"][0][1] > 0
     up = {re.search(r'device="([^"]+)"', lab).group(1): v for lab, v in fam["hivepipe_server_up"]}
     assert up == {"s0f0": 1.0, "s0b0": 1.0, "s1f0": 1.0, "s1b0": 1.0}
     assert len(fam["hivepipe_volunteer_compute"]) == 3
@@ -334,7 +349,12 @@ def test_page_renders_in_headless_chromium(swarm, web, tmp_path):
     step = re.search(r'<b id="step">(\d+) / 1000</b>', dom)
     assert step and int(step.group(1)) >= 2
     assert 'class="badge st-ok">ok<' in dom, page_text(dom)
-    assert "<polyline" in dom  # the loss chart
+    held_out = re.search(r'<b id="eval-loss">([^<]+)</b>', dom)
+    assert held_out and 1.0 < float(held_out.group(1)) < 7.0, held_out and held_out.group(0)
+    assert re.search(r'<b id="grad-norm">[0-9.e+-]+</b>', dom), page_text(dom)
+    assert re.search(r'<svg id="loss-chart".*?<polyline', dom, re.S)  # the loss chart
+    # the held-out chart: a curve once two evaluations were seen (a line of text before)
+    assert re.search(r'<svg id="eval-chart"[^>]*>.*?held-out loss', dom, re.S), page_text(dom)
 
 
 def test_a_killed_volunteer_leaves_the_view(swarm, web):

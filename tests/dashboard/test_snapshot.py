@@ -456,6 +456,36 @@ def test_history_accumulates_losses_beyond_the_records_window():
     assert s["progress"]["loss_batch"] == 8 and s["progress"]["last_loss"] == pytest.approx(800.0 / TOKENS)
 
 
+def test_held_out_losses_and_gradient_norms_are_kept_shown_and_exported():
+    """A record carries only its server's last few held-out losses and norms: the dashboard keeps the
+    curve from what it saw, and shows the latest in every view."""
+    from rich.console import Console
+
+    history = History()
+    for version in (4, 8, 12):
+        stages = healthy()
+        evals = {str(v): 5.0 - 0.1 * v for v in range(version - 4, version + 1, 2)}
+        norms = {str(b): 1.0 + b for b in range(version - 2, version)}
+        stages[1][PEERS["s1f0"]] = server("s1f0", version=version, eval_losses=evals, grad_norms=norms)
+        s = build_snapshot("r", config(), shift(stages, version), NOW + version, history=history)
+    p = s["progress"]
+    assert [v for v, _ in p["eval_history"]] == list(range(0, 13, 2))
+    assert (p["eval_version"], p["eval_loss"]) == (12, pytest.approx(5.0 - 1.2))
+    assert (p["grad_norm_batch"], p["grad_norm"]) == (11, 12.0)
+    fam = parse_prometheus(prometheus_text(s))
+    assert fam["hivepipe_eval_loss"] == [('{run_id="r"}', pytest.approx(3.8))]
+    assert fam["hivepipe_eval_version"] == [('{run_id="r"}', 12.0)]
+    assert fam["hivepipe_grad_norm"] == [('{run_id="r"}', 12.0)]
+    console = Console(width=80, record=True, force_terminal=False, color_system=None)
+    console.print(render_terminal(s))
+    text = console.export_text()
+    assert "held-out loss 3.8000 (version 12)" in text and "gradient norm 12 (batch 11)" in text
+    # a run without either shows neither, and exports no sample for them
+    plain = snap()
+    assert plain["progress"]["eval_loss"] is None and plain["progress"]["eval_history"] == []
+    assert "hivepipe_eval_loss" not in parse_prometheus(prometheus_text(plain))
+
+
 # ------------------------------------------------------------------------------------------------ malformed
 
 BAD_RECORDS = {
@@ -470,6 +500,8 @@ BAD_RECORDS = {
     "bad-pool": (server("s0f0") | {"pool": {"queued": "lots"}}, "pool.queued"),
     "bad-losses": (server("s0f0") | {"losses": {"last": 1.0}}, "losses"),
     "bad-step-times": (server("s0f0") | {"step_times": {"1": None}}, "step_times"),
+    "bad-eval-losses": (server("s0f0") | {"eval_losses": {"3": math.inf}}, "eval_losses"),
+    "bad-grad-norms": (server("s0f0") | {"grad_norms": {"x": 1.0}}, "grad_norms"),
     "bad-layers": (server("s0f0") | {"layers": [1, 2, 3]}, "layers"),
     "wrong-stage": (server("s1f0"), "says stage 1"),
 }
