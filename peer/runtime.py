@@ -186,11 +186,19 @@ def quiet_peer_departures(loop: asyncio.AbstractEventLoop) -> None:
       task and its read of the next message finish in the same pass, hivemind cancels the finished
       read, which leaves its exception (the connection closed mid-read) unretrieved, and asyncio
       reports it when the task is collected (seen in a restarted server's log, in CI).
-    A peer leaving is not an error; every other exception is reported as before."""
+    A peer leaving is not an error. Nor is Interrupted reaching the loop: SIGTERM inside
+    `interruptible` while the loop was idle (uvloop runs the handler from its own signal callback,
+    asyncio from a callback) raises it into the loop's callback, not into blocking code; the handler
+    has set the stop event, which ends the run (a volunteer SIGTERMed while it waited for the run
+    printed "Exception in callback ... Interrupted: SIGTERM" with a traceback). Every other
+    exception is reported as before."""
 
     def handler(loop, context):
         if isinstance(context.get("exception"), (asyncio.CancelledError, asyncio.IncompleteReadError)):
             logger.debug("a peer's connection closed: %s", context.get("message"))
+            return
+        if isinstance(context.get("exception"), Interrupted):
+            logger.debug("stop signal while the loop was idle: %s", context.get("message"))
             return
         loop.default_exception_handler(context)
 

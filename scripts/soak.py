@@ -29,6 +29,7 @@ import asyncio
 import csv
 import glob
 import json
+import math
 import os
 import random
 import re
@@ -446,6 +447,65 @@ def departures(work_dir: str, t0: float, events: list) -> dict | None:
     }
 
 
+_CLIENT_LEFT = re.compile(r"client (\S+) left \(")
+
+
+def starved_windows(work_dir: str, t0: float, end: float) -> dict[int, list[tuple[float, float]]]:
+    """stage -> the windows (seconds since t0) in which no volunteer was registered with the stage's
+    servers: from the servers' own "client X (vN) registered" and "client X left (...)" lines (a
+    volunteer counts from its first registration with any server of its stage until it left the
+    first). With servers that do not compute, such a stage has no compute and the run waits for a
+    replacement to join: a stall the swarm cannot shorten, told apart from the others."""
+    from peer.runtime import log_time
+
+    spans: dict[int, dict[str, list[float]]] = {}  # stage -> peer -> [registered, left]
+    for log in sorted(glob.glob(os.path.join(work_dir, "s[0-9]*.log"))):
+        stage = int(os.path.basename(log)[1])
+        peers = spans.setdefault(stage, {})
+        with open(log, errors="replace") as f:
+            for line in f:
+                m = _REGISTERED.search(line) or _CLIENT_LEFT.search(line)
+                if m is None:
+                    continue
+                try:
+                    at = log_time(line) - t0
+                except ValueError:
+                    continue
+                span = peers.setdefault(m.group(1), [math.inf, math.inf])
+                if m.re is _REGISTERED:
+                    span[0] = min(span[0], at)
+                else:
+                    span[1] = min(span[1], at)
+    out = {}
+    for stage, peers in sorted(spans.items()):
+        changes = sorted(
+            [(a, 1) for a, _ in peers.values() if a < math.inf]
+            + [(b, -1) for a, b in peers.values() if a < b < math.inf]
+        )
+        windows, n, since = [], 0, 0.0
+        for at, d in changes:
+            if n == 0 and d > 0 and at > since:
+                windows.append((since, at))
+            n += d
+            if n == 0:
+                since = at
+        if n == 0 and since < end:
+            windows.append((since, end))
+        out[stage] = [(a, b) for a, b in windows if b > a]
+    return out
+
+
+def overlap(a: float, b: float, windows: list[tuple[float, float]]) -> float:
+    """Seconds of [a, b] inside the union of `windows`."""
+    covered, cur = 0.0, a
+    for lo, hi in sorted(windows):
+        lo, hi = max(lo, cur), min(hi, b)
+        if hi > lo:
+            covered += hi - lo
+            cur = hi
+    return covered
+
+
 def rel_diff(a: dict, b: dict) -> float:
     num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
     den = sum(float(v.double().pow(2).sum()) for v in b.values())
@@ -572,6 +632,15 @@ def report(r: dict) -> dict:
         return [b - a for a, b in zip(times, times[1:]) if not any(lo <= b and a <= hi for lo, hi in windows)]
 
     outside, calm = outside_of(failover), outside_of(failover + restarts)
+    # the same stalls less the time some stage had no volunteer registered (starved_windows): what
+    # is left is the swarm's own wait
+    starved = [w for ws in starved_windows(args.work_dir, r["t0"], times[-1] if times else 0.0).values() for w in ws]
+    manned = [
+        (a, b - a, overlap(a, b, starved))
+        for a, b in zip(times, times[1:])
+        if not any(lo <= b and a <= hi for lo, hi in failover + restarts)
+    ]
+    longest_manned = max(manned, key=lambda x: x[1] - x[2], default=None)
     # each restart's own stall: the longest gap that overlaps the half minute after its kill
     restart_stalls = [
         max((b - a for a, b in zip(times, times[1:]) if t - 1 <= b and a <= t + 30), default=None)
@@ -620,6 +689,15 @@ def report(r: dict) -> dict:
         "longest_stall_outside_failover_s": round(max(outside), 1) if outside else None,
         "longest_stall_outside_failover_and_restarts_s": round(max(calm), 1) if calm else None,
         "restart_stalls_s": [round(x, 1) if x is not None else None for x in restart_stalls],
+        # outside the failover and restarts: the longest stall less its seconds with a stage that had no
+        # volunteer registered, and [second it began, seconds, of which without a volunteer] of the
+        # longest stalls there
+        "longest_stall_with_volunteers_s": round(longest_manned[1] - longest_manned[2], 1) if longest_manned else None,
+        "stalls_outside_failover_and_restarts": [
+            [round(a), round(d, 1), round(o, 1)] for a, d, o in sorted(manned, key=lambda x: -x[1])[:6]
+        ],
+        "seconds_a_stage_had_no_volunteer": round(sum(b - a for a, b in starved if times and a < times[-1]), 1),
+        "t0": r["t0"],
         "step_times_from": "servers' step_times" if r["steps"] else "polled minimum version",
         "longest_stall_polled_s": round(max(polled_gaps), 1) if polled_gaps else None,
         "median_step_polled_s": round(statistics.median(polled_gaps), 2) if polled_gaps else None,
@@ -712,6 +790,12 @@ elif __name__ == "__main__":
         f"{s['longest_stall_s']} / {s['longest_stall_outside_failover_s']} / "
         f"{s['longest_stall_outside_failover_and_restarts_s']} s | {s['rel_diff_vs_reference']:.2e} "
         f"({s['rel_diff_reference_regrouped']:.2e}) |"
+    )
+    print(
+        f"\noutside the failover and restarts, the longest stall less its time with a stage that had no volunteer: "
+        f"{s['longest_stall_with_volunteers_s']} s ({s['longest_stall_with_volunteers_s'] / s['median_step_s']:.1f}x "
+        f"the median); longest stalls there [began at s, seconds, of which a stage had no volunteer]: "
+        f"{s['stalls_outside_failover_and_restarts']}"
     )
     print(
         f"\nstep times from the {s['step_times_from']}; each restart's stall: {s['restart_stalls_s']} s; "
