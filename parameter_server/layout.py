@@ -207,7 +207,7 @@ def halt_reason(stranded: list[tuple[int, str, tuple[str, ...]]], failover: bool
     back = "it comes" if len(devs) == 1 else "they come"
     return (
         f"run stopped: {'; '.join(parts)}; {why}, so the run waits until {back} back from the checkpoint "
-        f"(restart with the same --device, identity and --checkpoint-dir)"
+        f"(restart with the same --device-id, --identity-path and --checkpoint-dir)"
     )
 
 

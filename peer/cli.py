@@ -87,8 +87,10 @@ def main(argv=None) -> int:
     try:
         return int(args._run(args) or 0)
     except UsageError as e:
-        args._parser.print_usage(sys.stderr)
+        # the reason first and alone: a refusal of a value (argparse's own syntax errors print the
+        # usage, before this is reached), with where the flags are described
         print(f"peer {args.command}: error: {e}", file=sys.stderr)
+        print(f"(peer {args.command} --help lists the flags)", file=sys.stderr)
         return 2
     except NetworkError as e:
         print(f"peer {args.command}: error: {e}", file=sys.stderr)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from peer.errors import UsageError
+from peer.errors import UsageError, check_identity_path
 from peer.runtime import add_common_arguments, check_common, run_until_signalled
 
 logger = logging.getLogger("hivepipe.join")
@@ -84,6 +84,7 @@ def check(args) -> None:
         raise UsageError(f"--rebalance-period must be >= 0 seconds, got {args.rebalance_period}")
     if args.probe_bytes < 4:
         raise UsageError(f"--probe-bytes must be >= 4, got {args.probe_bytes}")
+    check_identity_path(args.identity_path)
     if not args.initial_peers:
         raise UsageError("--initial-peers is required: the initial_peers= line printed by `peer serve` or `peer swarm`")
 

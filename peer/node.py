@@ -261,9 +261,29 @@ def _start(kwargs: dict, deadline: float, timeout, initial_peers, trust) -> DHT:
                 time.sleep(2.0)
                 continue
             where = " ".join(initial_peers) if initial_peers else "none"
-            raise NetworkStartError(
-                f"{problem} (listening on {' '.join(kwargs['host_maddrs'])}; initial peers: {where})"
-            ) from None
+            if problem == NOBODY_ANSWERED:
+                # what it can mean: this peer cannot tell a run that ended from an address that is wrong
+                within = f" within {timeout:.0f} s" if timeout else ""
+                raise NetworkStartError(
+                    f"{problem}{within} ({where}): the run may be over (its servers leave at "
+                    "its last step unless started with --hold), or the addresses are wrong or not reachable "
+                    "from here; use the initial_peers= line of a server that is running"
+                ) from None
+            listening = "" if kwargs["client_mode"] else f"listening on {' '.join(kwargs['host_maddrs'])}; "
+            raise NetworkStartError(f"{problem} ({listening}initial peers: {where})") from None
+
+
+async def close_replica(p2p, timeout: float = 5.0) -> None:
+    """Close a P2P replica of a DHT node (`dht.replicate_p2p()`): its connection to the daemon, and
+    its unix socket, which hivemind makes in /tmp and removes only when the replica is shut down or
+    collected (the processes freeze their start-up objects out of the collector's sight: every
+    `peer swarm` left its four servers' sockets behind). The daemon is the DHT process's."""
+    if p2p is None:
+        return
+    try:
+        await asyncio.wait_for(p2p.shutdown(), timeout)
+    except Exception as e:
+        logger.debug("closing the P2P replica: %r", e)
 
 
 def stop_dht(dht: DHT, timeout: float = 5.0) -> None:

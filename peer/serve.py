@@ -189,8 +189,10 @@ def add_arguments(p) -> None:
 
 def resolve(args):
     """Validate the arguments into (model config, layout, device id, run config); UsageError on any problem."""
+    from peer.errors import check_identity_path
     from peer.runtime import check_maddrs
 
+    check_identity_path(args.identity_path)
     check_maddrs("--host-maddrs", args.host_maddrs)
     check_maddrs("--announce-maddrs", args.announce_maddrs, need_port=True)
     from parameter_server.layout import RunLayout

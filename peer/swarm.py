@@ -358,7 +358,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
     from peer.launcher.churn import Churn
     from peer.launcher.monitor import Monitor
     from peer.launcher.processes import Swarm
-    from peer.node import HaltNotice, start_dht, stop_dht, visible_maddrs
+    from peer.node import HaltNotice, close_replica, start_dht, stop_dht, visible_maddrs
     from peer.reachability import DialBackService
 
     t_launch = time.time()
@@ -369,6 +369,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
     print(f"run={args.run_id}@{run_fp}", flush=True)  # what another machine's `peer join --run-id` takes
     swarm = Swarm(args, layout, frontal, backward, maddrs, work_dir)
     churn = Churn(swarm, args.churn, random.Random(args.seed))
+    p2p = None
     try:
         p2p = await dht.replicate_p2p()
         await DialBackService().add_p2p_handlers(p2p)  # the first server's reachability check asks us
@@ -459,8 +460,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
         if args.summary_json:
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=2)
-        print(json.dumps(summary), flush=True)
-        print(summary_line(summary), flush=True)
+        print(summary_line(summary), flush=True)  # (the figures themselves: --summary-json)
         if args.hold:
             print("holding the swarm up; Ctrl-C to stop", file=sys.stderr, flush=True)
             await stop.wait()
@@ -470,6 +470,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
         try:
             swarm.close()
         finally:
+            await close_replica(p2p)
             stop_dht(dht)
             if not args.work_dir:  # (a folder of our own: logs, keys and the servers' checkpoints)
                 shutil.rmtree(work_dir, ignore_errors=True)

@@ -1,9 +1,10 @@
 """`ServerHost`: one reliable server's life. `peer serve --reliable` parses its arguments and runs it.
 
-    start      its DHT node and p2p daemon (or its supervisor's), the lines another host needs
-               (initial_peers=, run=), the check that others can dial it back
+    start      its DHT node and p2p daemon (or its supervisor's), the check that others can dial
+               it back
     find       the run's config record: the same run key and the same training flags, or a
-               one-line error (exit 2) that names both sides
+               one-line error (exit 2) that names both sides; then the lines another host needs
+               (initial_peers=, run=)
     build      the stage server, from its checkpoint folder when it has one
     wait       for its stage's servers, for as long as it takes, said once a minute
     serve      the announcer, the failure detector, the maintenance loop, its own worker
@@ -162,11 +163,6 @@ class ServerHost:
         self.peer_id = str(self.dht.peer_id)
         if existed:
             await self.refuse_a_live_twin()
-        # the first line on stdout: what a volunteer (or another server) passes to --initial-peers
-        print("initial_peers=" + " ".join(self.maddrs), flush=True)
-        # the second: what a volunteer passes to --run-id, so that it believes only this run's servers
-        print(f"run={self.run_cfg.run_id}@{args.run_fp}", flush=True)
-        self.state.say(PeerState.STARTING, f"{self.device} of run {self.run_cfg.run_id}, as {self.peer_id}")
         await DialBackService().add_p2p_handlers(self.p2p)
         if not args.no_reachability_check and not getattr(args, "restarted", False):
             await check_own_reachability(
@@ -178,6 +174,15 @@ class ServerHost:
                 self.maddrs,
                 self.device,
             )
+
+    def say_where(self) -> None:
+        """The run's two lines on stdout, once this server is known to be part of the run (its key,
+        flags and place checked by find_run: a server refused says only why, on stderr)."""
+        # the first: what a volunteer (or another server) passes to --initial-peers
+        print("initial_peers=" + " ".join(self.maddrs), flush=True)
+        # the second: what a volunteer passes to --run-id, so that it believes only this run's servers
+        print(f"run={self.run_cfg.run_id}@{self.args.run_fp}", flush=True)
+        self.state.say(PeerState.STARTING, f"{self.device} of run {self.run_cfg.run_id}, as {self.peer_id}")
 
     async def refuse_a_live_twin(self) -> None:
         """UsageError when a live server of the run holds this server's identity (peer.host.twin):
@@ -493,7 +498,8 @@ class ServerHost:
                 self.finish()
             return
         self._finished_looks = 0
-        missing = self.missing_servers()
+        # (not itself: its own record is read back a period after it was first announced)
+        missing = [d for d in self.missing_servers() if d != self.device]
         if missing:
             self.state.say(PeerState.WAITING, f"for the run's servers {' '.join(missing)} to announce themselves")
         elif self.server.halted:
@@ -633,7 +639,7 @@ class ServerHost:
         self.state.say(PeerState.FINISHED, f"run {self.run_cfg.run_id} finished at step {self.run_cfg.steps}{said}")
 
     async def stop(self, why: str) -> None:
-        from peer.node import stop_dht
+        from peer.node import close_replica, stop_dht
 
         self.stopping = True
         if self.state.state is not PeerState.FINISHED:
@@ -657,6 +663,7 @@ class ServerHost:
         if self.trainlog is not None:
             self.trainlog.close()
         if self.held is None and self.dht is not None:
+            await close_replica(self.p2p)
             stop_dht(self.dht)
 
     async def run(self, stop: asyncio.Event) -> int:
@@ -667,6 +674,7 @@ class ServerHost:
             # each phase ends as soon as a signal comes, whatever it waits for
             await until_stopped(self.start(stop), stop)
             await until_stopped(self.find_run(), stop)
+            self.say_where()
             await until_stopped(self.build(), stop)
             await self.serve(stop)
             if self.server.version >= self.run_cfg.steps and not self.finished.is_set():

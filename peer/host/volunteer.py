@@ -403,7 +403,7 @@ class VolunteerSession:
         import torch
 
         from parameter_server.verify import BANNED
-        from peer.node import HaltNotice, stop_dht
+        from peer.node import HaltNotice, close_replica, stop_dht
 
         torch.set_num_threads(1)
         await until_stopped(self.start(stop), stop)
@@ -447,4 +447,5 @@ class VolunteerSession:
                 self.state.say(PeerState.LEAVING, f"left run {run.run_id} as {self.device}: {self.what_it_did()}")
             return 0
         finally:
+            await close_replica(self.p2p)
             stop_dht(self.dht)

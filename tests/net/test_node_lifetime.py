@@ -102,3 +102,32 @@ def test_a_request_whose_sender_died_while_handing_it_over_does_not_end_the_dht_
                 assert dht.get("k", return_future=True).result(timeout=10).value == "v"
         finally:
             stop_dht(dht)
+
+
+def test_a_closed_replica_leaves_no_socket_behind():
+    """`peer serve`, `peer join` and `peer swarm` close their P2P replica on the way out
+    (peer.node.close_replica): hivemind removes the replica's /tmp socket only then, or when the
+    object is collected, which a process that froze its start-up objects never does (each
+    `peer swarm` left its four servers' sockets in /tmp)."""
+    import asyncio
+
+    from peer.node import close_replica, start_dht, stop_dht
+
+    dht = start_dht(run_id="sockets", run_fp=None)
+
+    async def replica_socket() -> tuple[bool, bool]:
+        p2p = await dht.replicate_p2p()
+
+        async def handler(*_):
+            pass
+
+        await p2p.add_binary_stream_handler("sockets.test", handler)  # the replica listens from here on
+        path = p2p._client_listen_maddr["unix"]
+        there = os.path.exists(path)
+        await close_replica(p2p)
+        return there, os.path.exists(path)
+
+    try:
+        assert asyncio.run(replica_socket()) == (True, False)
+    finally:
+        stop_dht(dht)

@@ -199,6 +199,8 @@ def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind_and_a_server_it_l
             "--announce-period",
             "1",
             "--no-progress",
+            "--summary-json",
+            str(tmp_path / "summary.json"),
             "--run-id",
             f"tmpdir-{os.getpid()}",
         ],
@@ -208,8 +210,10 @@ def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind_and_a_server_it_l
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    *_, summary, last = out.stdout.strip().splitlines()
-    assert json.loads(summary)["layout_epoch"] == 1, summary
+    *first, last = out.stdout.strip().splitlines()
+    assert not [line for line in first if line.startswith("{")], first  # the figures go to --summary-json
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["layout_epoch"] == 1, summary
     # by default the volunteers compute: the servers' own workers take no task
     assert re.match(r"3 steps, loss .*, micro-batches 12/12, tasks computed: volunteers 100% \(v0 \d+\)$", last), last
     assert not list(tmp_path.glob("hivepipe-swarm-*")), list(tmp_path.iterdir())

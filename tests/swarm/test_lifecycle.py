@@ -92,7 +92,8 @@ def test_an_operators_run_from_first_server_to_the_end(tmp_path, capsys):
         peers.append(first)
         initial = first.wait_line(r"^initial_peers=").split("=", 1)[1].split()
         assert first.wait_line(r"^run=") == f"run=life@{fp_a}"
-        first.wait_line(r"^s0f0: waiting: for the run's servers s0b0")
+        waits = first.wait_line(r"^s0f0: waiting: for the run's servers")  # its first wait line
+        assert waits.startswith("s0f0: waiting: for the run's servers s0b0") and " s0f0 " not in waits, waits
         # the dashboard shows what each server says it does (once a record that carries the line has
         # been announced: asked again until it shows it)
         deadline, said = time.monotonic() + 120, {}
@@ -119,12 +120,15 @@ def test_an_operators_run_from_first_server_to_the_end(tmp_path, capsys):
         other_key = peer(*serve(key_b, "backward", tmp_path, "--initial-peers", *initial))
         assert other_key.returncode == 2, other_key.stderr[-3000:]
         assert fp_a in other_key.stderr and fp_b in other_key.stderr and "Traceback" not in other_key.stderr
+        # refused before it says where it listens: no initial_peers= or run= line for a run it is not in
+        assert "initial_peers=" not in other_key.stdout and "run=" not in other_key.stdout, other_key.stdout
         other_flags = peer(
             *serve(key_a, "backward", tmp_path, "--initial-peers", *initial, "--steps", "5", "--lr-schedule", "cosine")
         )
         assert other_flags.returncode == 2, other_flags.stderr[-3000:]
         assert f"--steps {STEPS} (here: 5)" in other_flags.stderr
         assert "--lr-schedule constant (here: cosine)" in other_flags.stderr
+        assert "initial_peers=" not in other_flags.stdout, other_flags.stdout
         wrong_fp = peer("join", "--run-id", f"life@{fp_b}", "--initial-peers", *initial, "--stage", "0")
         assert wrong_fp.returncode == 2, wrong_fp.stderr[-3000:]
         assert fp_a in wrong_fp.stderr and fp_b in wrong_fp.stderr
