@@ -14,8 +14,8 @@ under CPU load (`--count`, pytest-repeat).
 
 The suite runs on two processes (`-n 2 --dist loadgroup`, pytest-xdist; three on two cores were no
 faster than two, and slowed each swarm test 1.5-3x): tests are handed out one by one, the files that
-take longest first (`LONGEST_FIRST`), except that the tests of a file with a
-module- or session-wide fixture (`TOGETHER`: a swarm started once for the file) stay in one process.
+take longest first (`LONGEST_FIRST`), except that the tests that use a file's module- or session-wide
+fixture (`TOGETHER`: a swarm started once for the file) stay in one process.
 
 The reference run every equality test compares with is computed once per test run and argument set
 (tests/swarm/harness.py `reference_state`)."""
@@ -50,12 +50,15 @@ LONGEST_FIRST = [
 ]
 
 
-# files whose tests share a fixture wider than a test: their tests run in one process
-TOGETHER = {
-    "dashboard/test_live.py",
-    "hf/test_hf.py",
-    "protocol/test_fuzz.py",
-    "swarm/test_e2e.py",
+# files with a fixture wider than a test, and those fixtures: the tests that use one run in one
+# process (the file's other tests go wherever a process is free: the longest of them, the CLI run
+# of test_e2e.py, kept its file's whole group on one process); None: the whole file (the dashboard's
+# tests without its swarm run before that swarm loads the machine)
+TOGETHER: dict[str, set[str] | None] = {
+    "dashboard/test_live.py": None,
+    "hf/test_hf.py": {"trained"},
+    "protocol/test_fuzz.py": {"live"},
+    "swarm/test_e2e.py": {"churn_scenario"},
 }
 
 
@@ -80,7 +83,7 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(getattr(pytest.mark, tier))
     for item in items:
         rel = Path(str(item.fspath)).relative_to(root).as_posix()
-        if rel in TOGETHER:
+        if rel in TOGETHER and (TOGETHER[rel] is None or TOGETHER[rel] & set(getattr(item, "fixturenames", ()))):
             item.add_marker(pytest.mark.xdist_group(name=rel))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
 

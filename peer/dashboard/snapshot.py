@@ -496,6 +496,8 @@ def build_snapshot(
         "grad_norm_batch": norm_batch,
         "tokens_per_second": tokens_per_step / sps if sps and tokens_per_step else None,
         "seconds_per_step": sps,
+        # the steps still to go at the measured pace (null before a pace is measured, 0 at the end)
+        "seconds_left": max(0, run.steps - step) * sps if run and step is not None and sps else None,
         "predicted_seconds_per_step": layout.predicted_seconds_per_step if layout is not None else None,
         "seconds_since_last_step": round(max(0.0, now - last_step_at), 3) if last_step_at is not None else None,
         "microbatches_applied": sum(applied) if stage_views and None not in applied else None,

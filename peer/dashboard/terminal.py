@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from peer.protocol.values import format_duration
+
 if TYPE_CHECKING:
     from peer.dashboard.reader import Watcher
 
@@ -45,13 +47,14 @@ def summary_lines(snap: dict) -> list[str]:
     steps = f"{fmt(p['step'])}/{fmt(p['steps'])}"
     loss = fmt(p["last_loss"], ".4f") + (f" (batch {p['loss_batch']})" if p["loss_batch"] is not None else "")
     plan = fmt(p["predicted_seconds_per_step"], ".3g", unit=" s")
+    left = "-" if p.get("seconds_left") is None else format_duration(p["seconds_left"])
     extra = []  # what a run with --eval-every or --clip-grad-norm adds
     if p.get("eval_version") is not None:
         extra.append(f"held-out loss {fmt(p['eval_loss'], '.4f')} (version {p['eval_version']})")
     if p.get("grad_norm_batch") is not None:
         extra.append(f"gradient norm {fmt(p['grad_norm'], '.4g')} (batch {p['grad_norm_batch']})")
     return [
-        f"step {steps}   loss {loss}   tokens/s {fmt(p['tokens_per_second'], '.0f')}",
+        f"step {steps}   loss {loss}   tokens/s {fmt(p['tokens_per_second'], '.0f')}   left {left}",
         *(["   ".join(extra)] if extra else []),
         f"s/step {fmt(p['seconds_per_step'], '.3g')} measured, {plan} planned   "
         f"micro-batches {fmt(p['microbatches_applied'])}/{fmt(p['microbatches_expected'])}",

@@ -482,6 +482,41 @@ class ServerHost:
             loss_sum = found[0] if found else None
         return None if loss_sum is None else loss_sum / (self.run_cfg.batch_size * self.cfg.seq_len)
 
+    def latest_loss(self) -> tuple[int, float] | None:
+        """(batch, loss per token) of the newest batch whose loss is known here: the last stage's own,
+        or a last-stage server's record."""
+        if self.server.last:
+            sums = dict(self.server.shard.losses)
+        else:
+            last_stage = set(self.server.layout.stages[-1].servers)
+            sums = {}
+            for r in self.directory.records.values():
+                if r.get("kind") == "server" and r.get("device") in last_stage:
+                    sums.update({int(k): v for k, v in (r.get("losses") or {}).items()})
+        if not sums:
+            return None
+        batch = max(sums)
+        return batch, sums[batch] / (self.run_cfg.batch_size * self.cfg.seq_len)
+
+    def progress_text(self) -> str:
+        """What the progress line says: step/steps, the last loss, tokens/s and the time left over
+        this server's last versions, the volunteers registered here."""
+        from peer.protocol.values import format_duration
+
+        server, steps = self.server, self.run_cfg.steps
+        parts = [f"step {server.version}/{steps}"]
+        loss = self.latest_loss()
+        if loss is not None:
+            parts.append(f"loss {loss[1]:.4f}")
+        times = sorted(server.step_times.items())
+        if len(times) >= 2 and times[-1][1] > times[0][1]:
+            per_step = (times[-1][1] - times[0][1]) / (times[-1][0] - times[0][0])
+            parts.append(f"{self.run_cfg.batch_size * self.cfg.seq_len / per_step:,.0f} tokens/s")
+            parts.append(f"about {format_duration(max(0, steps - server.version) * per_step)} left")
+        servers = set(self.directory.servers.values()) | {self.peer_id}
+        parts.append(f"{len(set(server.clients) - servers)} volunteers here")
+        return ", ".join(parts)
+
     def _halt_changed(self, reason: str | None, stopped_for: float = 0.0) -> None:
         if reason is not None:
             self.state.say(PeerState.STOPPED, reason)
@@ -506,6 +541,8 @@ class ServerHost:
             self.state.say(PeerState.STOPPED, self.server.halted)  # (said by the detector; reminded here)
         elif self.serving_detail and self.state.state is not PeerState.SERVING:
             self.state.say(PeerState.SERVING, self.serving_detail)
+        elif self.state.state is PeerState.SERVING:
+            self.state.progress(self.progress_text())
 
     # ---- serve ----------------------------------------------------------------------------------
 

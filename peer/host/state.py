@@ -3,7 +3,8 @@ volunteer is doing (and the state it announces, which the dashboard shows).
 
 Every peer (peer/server/host.py `ServerHost`, peer/volunteer/session.py `VolunteerSession`) goes
 through these states; each change prints one line on stdout, and a state that waits on others
-(`WAITING`, `STOPPED`) says so again once a minute while it lasts, with how long it has lasted."""
+(`WAITING`, `STOPPED`) says so again once a minute while it lasts, with how long it has lasted. While
+serving, a server says its progress once a minute too (`progress: step 120/1500, loss 2.9134, ...`)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class StateLine:
         self.detail = ""
         self.since = clock()
         self._reminded = self.since
+        self._progressed = float("-inf")
         self.history: list[tuple[PeerState, str]] = []
 
     def say(self, state: PeerState, detail: str = "") -> bool:
@@ -78,6 +80,18 @@ class StateLine:
         self.state, self.detail, self.since, self._reminded = state, detail, now, now
         self.history.append((state, detail))
         self._print(f"{state.value}: {detail}" if detail else state.value)
+        return True
+
+    def progress(self, text: str) -> bool:
+        """A progress line (`<who>: progress: <text>`) while serving, at most once every
+        `remind_every` seconds (the first one a period after serving began); True if printed."""
+        now = self.clock()
+        if self.state is not PeerState.SERVING or now - self._progressed < self.remind_every:
+            return False
+        if now - self.since < self.remind_every:
+            return False
+        self._progressed = now
+        self._print(f"progress: {text}")
         return True
 
     def line(self) -> str | None:

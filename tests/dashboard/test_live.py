@@ -89,9 +89,10 @@ def swarm(tmp_path_factory):
             # a server that drops it counts a volunteer lost that never left)
             "--client-timeout",
             "5",
-            # a held-out loss every 2 versions and a clipped run: the dashboard shows both
+            # a held-out loss every 5 versions and a clipped run: the dashboard shows both (the servers
+            # evaluate: every 2 versions loaded the machine enough to slow the other tests beside it)
             "--eval-every",
-            "2",
+            "5",
             "--clip-grad-norm",
             "1.0",
             "--announce-period",
@@ -118,7 +119,7 @@ def swarm(tmp_path_factory):
             await live.monitor.refresh()
             return live.monitor.eval_loss() is not None
 
-        await live.wait(evaluated, 60, "a server's record to carry a held-out loss")
+        await live.wait(evaluated, 120, "a server's record to carry a held-out loss")
 
     try:
         running.call(everyone_up())
@@ -157,7 +158,7 @@ def check_shows_the_swarm(snap: dict, running: Running, volunteers: dict[int, di
     p = snap["progress"]
     assert p["step"] >= 2 and p["steps"] == 1000
     assert p["last_loss"] is not None and 1.0 < p["last_loss"] < 7.0, p  # ln(256) = 5.5 at the start
-    assert p["eval_version"] >= 2 and p["eval_version"] % 2 == 0 and 1.0 < p["eval_loss"] < 7.0, p
+    assert p["eval_version"] >= 5 and p["eval_version"] % 5 == 0 and 1.0 < p["eval_loss"] < 7.0, p
     assert [v for v, _ in p["eval_history"]][-1] == p["eval_version"]
     assert p["grad_norm_batch"] is not None and p["grad_norm"] > 0, p
     assert p["microbatches_expected"] == 1000 * 4 * 2 and p["microbatches_applied"] >= 2 * 4 * 2

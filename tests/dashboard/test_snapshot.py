@@ -669,6 +669,7 @@ def test_prometheus_text_is_well_formed_and_carries_the_snapshot():
     assert fam["hivepipe_loss"][0][1] == pytest.approx(2700.0 / TOKENS)
     assert fam["hivepipe_health_ok"][0][1] == 1.0
     assert fam["hivepipe_tokens_per_second"][0][1] == pytest.approx(TOKENS / 2.0)
+    assert fam["hivepipe_seconds_left"][0][1] == pytest.approx((10 - 3) * 2.0)  # 7 steps at 2 s each
     assert "hivepipe_predicted_seconds_per_step" not in fam  # null: no sample rather than a made-up value
     assert len(fam["hivepipe_server_up"]) == 4 and all(v == 1.0 for _, v in fam["hivepipe_server_up"])
     assert f'peer="{PEERS["s0f0"]}"' in fam["hivepipe_server_version"][0][0]
@@ -721,6 +722,7 @@ def test_the_terminal_view_fits_80_columns():
         "malformed records (1)",
         "missing field 'device'",
         f"loss {2700 / TOKENS:.4f}",
+        "left 14 s",
     ):
         assert word in text, word
 

@@ -53,6 +53,58 @@ def test_a_state_is_said_once_and_a_wait_is_reminded_once_a_minute():
     ]
 
 
+def test_progress_is_said_once_a_period_while_serving_and_never_otherwise():
+    clock, out = Clock(), io.StringIO()
+    line = StateLine("s0f0", out=out, clock=clock)
+    line.say(PeerState.WAITING, "for s0b0")
+    clock.t += 120.0
+    assert not line.progress("step 0/10")  # not serving
+    line.say(PeerState.SERVING, "stage 0 frontal")
+    clock.t += 59.0
+    assert not line.progress("step 3/10")  # its first a period after serving began
+    clock.t += 1.0
+    assert line.progress("step 4/10, loss 5.1000")
+    for _ in range(59):
+        clock.t += 1.0
+        assert not line.progress("step 5/10")
+    clock.t += 1.0
+    assert line.progress("step 9/10, about 12 s left")
+    line.say(PeerState.FINISHED, "run demo finished at step 10")
+    clock.t += 600.0
+    assert not line.progress("step 10/10")
+    assert [x for x in out.getvalue().splitlines() if "progress" in x] == [
+        "s0f0: progress: step 4/10, loss 5.1000",
+        "s0f0: progress: step 9/10, about 12 s left",
+    ]
+    assert line.line() == "finished: run demo finished at step 10"  # (progress is not a state)
+
+
+@pytest.mark.parametrize(
+    "seconds,text",
+    [
+        (0, "0 s"),
+        (44.6, "45 s"),
+        (89, "89 s"),
+        (90, "2 min"),
+        (720, "12 min"),
+        (5400, "1.5 h"),
+        (3 * 86400, "3.0 days"),
+    ],
+)
+def test_a_duration_reads_as_a_person_says_it(seconds, text):
+    from peer.protocol.values import format_duration
+
+    assert format_duration(seconds) == text
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "5", None])
+def test_a_duration_that_is_not_one_is_refused(bad):
+    from peer.protocol.values import format_duration
+
+    with pytest.raises(ValueError, match="a duration must be a finite number >= 0"):
+        format_duration(bad)
+
+
 def test_the_reminder_period_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
     from peer.errors import UsageError
     from peer.host.state import REMIND_ENV

@@ -47,6 +47,7 @@ def test_every_peer_says_the_end_and_returns_by_itself(tmp_path):
             run.start_server(device(1, "frontal"))
             run.start_server(device(1, "backward"))
             out["codes"] = await run.ended(["s0b0", "s1f0", "s1b0", "v0", "v1"])
+            out["progress"] = run.servers["s1f0"].progress_text()  # what its progress line said last
             await run.wait(lambda: "holding its final state" in first.state.detail, 30, "s0f0 to hold")
             out["state"] = run.state()
             run.join("late", "0")
@@ -59,6 +60,11 @@ def test_every_peer_says_the_end_and_returns_by_itself(tmp_path):
     play(scenario)
     assert out["codes"] == {"s0b0": 0, "s1f0": 0, "s1b0": 0, "v0": 0, "v1": 0}, out["codes"]
     assert out["held"] == {"s0f0": 0} and out["late"] == {"late": 0}
+    # the last stage's loss per token, tokens/s and the time left over its last versions
+    assert re.match(
+        rf"^step {steps}/{steps}, loss \d\.\d{{4}}, [\d,]+ tokens/s, about 0 s left, \d+ volunteers here$",
+        out["progress"],
+    ), out["progress"]
     for name in ("s0f0", "s0b0", "s1f0", "s1b0"):
         text = run.said[name].getvalue()
         assert re.search(rf"^{name}: finished: run ends finished at step {steps} \(loss \d+\.\d+\)$", text, re.M), text
