@@ -18,6 +18,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 METRICS = {  # name -> help; every metric is a gauge
     "hivepipe_run_found": "1 when the run's config or stage records are in the DHT",
     "hivepipe_health_ok": "1 when no stage blocks the run (or it has finished)",
+    "hivepipe_run_finished": "1 once the run was seen finished (it stays so after its servers left)",
     "hivepipe_step": "the run's step: the lowest parameter version among live servers",
     "hivepipe_steps": "the steps the run is configured for",
     "hivepipe_loss": "mean token loss of the last batch applied",
@@ -71,8 +72,9 @@ class SnapshotCollector:
                 samples[name].append(({"run_id": snap["run_id"], **labels}, v))
 
         p, h = snap["progress"], snap["health"]
-        add("hivepipe_run_found", 0 if h["status"] == "not_found" else 1)
+        add("hivepipe_run_found", 0 if h["status"] in ("not_found", "unreachable") else 1)
         add("hivepipe_health_ok", 1 if h["ok"] else 0)
+        add("hivepipe_run_finished", 1 if h.get("finished") else 0)
         add("hivepipe_run_stopped", 1 if h.get("stopped") else 0)
         for key in (
             "step",

@@ -121,6 +121,10 @@ class History:
         self.step_seen: list[tuple[float, int]] = []  # (first seen at, step)
         self.stage_seen: dict[int, list[tuple[float, int]]] = {}
         self.losses: dict[int, float] = {}  # batch -> mean token loss
+        # the run as last seen finished (step, loss, held-out loss, when): once every server reached the
+        # last step they leave, and their records with them; the run stays finished in this view
+        self.finished: dict | None = None
+        self.seen_at: float | None = None  # the last time the run's records were found
         self.eval_losses: dict[int, float] = {}  # version -> held-out loss (--eval-every)
         self.grad_norms: dict[int, float] = {}  # batch -> global gradient norm (--clip-grad-norm)
 
@@ -551,9 +555,31 @@ def build_snapshot(
         status = "blocked"
     else:
         status = "ok"
+    if history is not None:
+        if found:
+            history.seen_at = now
+        if status == "finished" and history.finished is None:
+            history.finished = {
+                "step": run.steps,
+                "loss": progress["last_loss"],
+                "eval_loss": progress["eval_loss"],
+                "at": now,
+            }
+        elif history.finished is not None:
+            status, stopped, blocking = "finished", None, []  # its servers left after the end
+        elif status == "not_found" and history.seen_at is not None:
+            status = "unreachable"  # seen before: its servers are away or cannot be reached from here
+            errors = [e for e in errors if not e.startswith("no run ")]  # (its id was right)
+    done = history.finished if history is not None else None
+    if done is None and status == "finished":
+        done = {"step": run.steps, "loss": progress["last_loss"], "eval_loss": progress["eval_loss"], "at": now}
     health = {
         "ok": status in ("ok", "finished"),
         "status": status,
+        # the run's end as seen: {"step", "loss", "eval_loss", "at"} (null until it finished)
+        "finished": done,
+        # seconds since the run's records were last found (null when they are found now, or never were)
+        "unseen_for": round(now - history.seen_at, 1) if status == "unreachable" else None,
         "stopped": stopped,
         "blocking": blocking,
         "warnings": warnings,

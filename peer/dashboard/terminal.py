@@ -37,6 +37,7 @@ STATUS_STYLE = {
     "blocked": "bold red",
     "stopped": "bold red",
     "not_found": "bold red",
+    "unreachable": "bold red",
     "error": "bold red",
 }
 
@@ -84,6 +85,18 @@ def render_terminal(snap: dict):
     parts.append(title)
     for line in summary_lines(snap):
         parts.append(Text(line))
+    if h.get("finished"):
+        f = h["finished"]
+        said = f"finished at step {f['step']}, loss {fmt(f['loss'], '.4f')}"
+        if f.get("eval_loss") is not None:
+            said += f", held-out loss {fmt(f['eval_loss'], '.4f')}"
+        parts.append(Text(said, "bold cyan"))
+    if h.get("unseen_for") is not None:
+        parts.append(
+            Text(
+                f"the run's records not found for {h['unseen_for']:.0f} s: its servers away or unreachable", "bold red"
+            )
+        )
     if h.get("stopped"):
         parts.append(Text(h["stopped"], "bold red"))
     for b in h["blocking"]:

@@ -203,7 +203,15 @@ def test_figures_come_from_the_records():
     assert p["microbatches_applied"] == 2 * 4 * 3 and p["microbatches_expected"] == 10 * 4 * 2
     assert p["predicted_seconds_per_step"] is None
     assert (p["volunteers_live"], p["volunteers_joined"], p["volunteers_lost"]) == (2, 2, 0)
-    assert s["health"] == {"ok": True, "status": "ok", "stopped": None, "blocking": [], "warnings": []}
+    assert s["health"] == {
+        "ok": True,
+        "status": "ok",
+        "finished": None,
+        "unseen_for": None,
+        "stopped": None,
+        "blocking": [],
+        "warnings": [],
+    }
 
 
 def test_step_is_the_lowest_live_version_and_rates_follow_the_slowest_server():
@@ -484,6 +492,39 @@ def test_held_out_losses_and_gradient_norms_are_kept_shown_and_exported():
     plain = snap()
     assert plain["progress"]["eval_loss"] is None and plain["progress"]["eval_history"] == []
     assert "hivepipe_eval_loss" not in parse_prometheus(prometheus_text(plain))
+
+
+def test_a_finished_run_stays_finished_after_its_servers_left():
+    """At the last step every server announces it, then leaves: its records expire. The live view
+    keeps saying finished, with the step and the loss it saw, never blocked or not found."""
+    history = History()
+    done = [{p: server(d, version=10) for p, d in ((PEERS["s0f0"], "s0f0"), (PEERS["s0b0"], "s0b0"))}]
+    done.append({p: server(d, version=10) for p, d in ((PEERS["s1f0"], "s1f0"), (PEERS["s1b0"], "s1b0"))})
+    s = build_snapshot("r", config(), done, NOW, history=history)
+    assert s["health"]["status"] == "finished" and s["health"]["finished"]["step"] == 10
+    loss = s["health"]["finished"]["loss"]
+    assert loss == pytest.approx((2900.0 - 100 * 9) / TOKENS)
+    # a minute later: the records are stale (servers gone), then gone from the DHT altogether
+    for later, stages in ((60.0, done), (120.0, [None, None])):
+        s = build_snapshot("r", config() if stages is done else None, stages, NOW + later, history=history)
+        h = s["health"]
+        assert (h["status"], h["ok"], h["blocking"], h["stopped"]) == ("finished", True, [], None), h
+        assert h["finished"] == {"step": 10, "loss": loss, "eval_loss": None, "at": NOW}
+    fam = parse_prometheus(prometheus_text(s))
+    assert fam["hivepipe_run_finished"][0][1] == 1.0 and fam["hivepipe_health_ok"][0][1] == 1.0
+
+
+def test_a_run_seen_before_and_not_found_now_is_unreachable_not_missing():
+    history = History()
+    build_snapshot("r", config(), healthy(), NOW, history=history)
+    s = build_snapshot("r", None, [None, None], NOW + 40.0, history=history)
+    assert s["health"]["status"] == "unreachable" and s["health"]["unseen_for"] == 40.0, s["health"]
+    assert s["errors"] == [], s["errors"]  # no "check --run-id" hint: the id found the run before
+    assert parse_prometheus(prometheus_text(s))["hivepipe_run_found"][0][1] == 0.0
+    # the same read by a view that never saw the run: not found; and one that sees it again: live
+    assert build_snapshot("r", None, [None, None], NOW + 40.0)["health"]["status"] == "not_found"
+    back = build_snapshot("r", config(), shift(healthy(), 50.0), NOW + 50.0, history=history)
+    assert back["health"]["status"] == "ok" and back["health"]["unseen_for"] is None
 
 
 # ------------------------------------------------------------------------------------------------ malformed
