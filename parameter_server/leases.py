@@ -213,6 +213,7 @@ class Leases:
                     else "(others)"
                 )
                 self.tasks_by_device[who] = self.tasks_by_device.get(who, 0) + 1
+                self.contributions.task_done(sender, None if self.replaying else c.device)
             results[task_id] = result.value
         if refused:  # (one line a call: a list may name up to MAX_COMPLETE ids)
             self.counters["completes_not_held"] = self.counters.get("completes_not_held", 0) + len(refused)

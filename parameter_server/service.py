@@ -33,6 +33,7 @@ from parameter_server.budget import RequestBudget
 from parameter_server.checks import Checks
 from parameter_server.clients import REGISTER_BURST, REGISTER_RATE, ClientInfo, Clients, TokenBucket
 from parameter_server.clipping import Clipping
+from parameter_server.contributions import Contributions
 from parameter_server.evaluate import Evaluation
 from parameter_server.failover import Failover
 from parameter_server.frontal import Frontal
@@ -189,6 +190,7 @@ class StageServer(
         self.run_over = False
         # tasks completed here by each worker's device id, also of workers that have left since
         self.tasks_by_device: dict[str, int] = {}
+        self.contributions = Contributions()  # by peer id: tasks done, checks passed (the run's summary)
         self.admissions = TokenBucket(REGISTER_RATE, REGISTER_BURST)  # new clients (Clients._admit)
         self.struck_out = Remembered(SEEN_VOLUNTEERS)  # peer -> (drops, may register again at)
         self.last_silence_check: float | None = None  # (Clients.drop_stale_clients)

@@ -457,6 +457,7 @@ class Verification:
         self.passed_distance[sender] = max([self.passed_distance.get(sender, 0.0), *seen])
         self.verify_counts["passed"] += 1
         self.checks_passed[sender] = self.checks_passed.get(sender, 0) + 1
+        self.contributions.check_passed(sender)
         if self.checks_passed[sender] >= self.probation and not self.drift.suspicious(sender):
             self.cleared.add(sender)
 

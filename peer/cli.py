@@ -27,6 +27,7 @@ COMMANDS = {
     "export": ("peer.export", "write a trained model as a Transformers LlamaForCausalLM folder"),
     "generate": ("peer.generate", "write text with a trained model (hivepipe checkpoint or Transformers folder)"),
     "data": ("peer.data_cmd", "prepare a training corpus: tokenized, memory-mapped, with a held-out split"),
+    "summary": ("peer.summary_cmd", "print a finished run's summary from its servers' checkpoint folders"),
 }
 
 

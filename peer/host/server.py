@@ -498,6 +498,46 @@ class ServerHost:
         batch = max(sums)
         return batch, sums[batch] / (self.run_cfg.batch_size * self.cfg.seq_len)
 
+    def seconds_per_step(self) -> float | None:
+        """Seconds per version over this server's last versions (their wall times), None before two."""
+        times = sorted(self.server.step_times.items())
+        if len(times) < 2 or times[-1][1] <= times[0][1]:
+            return None
+        return (times[-1][1] - times[0][1]) / (times[-1][0] - times[0][0])
+
+    def write_summary(self) -> str | None:
+        """At the run's end: `DEVICE.run-summary.json` in its checkpoint folder (peer.summary_cmd,
+        `peer summary`), where it outlasts the run's records; its path (None without a folder)."""
+        from peer.summary_cmd import write_summary
+
+        if not self.args.checkpoint_dir:
+            return None
+        server, loss, per_step = self.server, self.latest_loss(), self.seconds_per_step()
+        evals = server.eval_losses
+        servers = set(self.directory.known.values()) | {self.peer_id}
+        summary = {
+            "run_id": self.run_cfg.run_id,
+            "device": self.device,
+            "stage": self.stage,
+            "role": self.role,
+            "last_stage": server.last,
+            "steps": self.run_cfg.steps,
+            "version": server.version,
+            "finished_at": time.time(),
+            "loss": loss[1] if loss else None,
+            "loss_batch": loss[0] if loss else None,
+            "eval_loss": evals[max(evals)] if evals else None,
+            "eval_version": max(evals) if evals else None,
+            "tokens_per_second": self.run_cfg.batch_size * self.cfg.seq_len / per_step if per_step else None,
+            "microbatches_applied": min(sh.microbatches_applied for sh in server.hosted.values()),
+            "volunteers": server.contributions.table(server.banned, servers),
+        }
+        try:
+            return write_summary(self.args.checkpoint_dir, self.device, summary)
+        except OSError as e:  # (the run is over: say it, do not fail the exit for it)
+            logger.warning("%s: could not write its run summary: %s", self.device, e)
+            return None
+
     def progress_text(self) -> str:
         """What the progress line says: step/steps, the last loss, tokens/s and the time left over
         this server's last versions, the volunteers registered here."""
@@ -508,9 +548,8 @@ class ServerHost:
         loss = self.latest_loss()
         if loss is not None:
             parts.append(f"loss {loss[1]:.4f}")
-        times = sorted(server.step_times.items())
-        if len(times) >= 2 and times[-1][1] > times[0][1]:
-            per_step = (times[-1][1] - times[0][1]) / (times[-1][0] - times[0][0])
+        per_step = self.seconds_per_step()
+        if per_step is not None:
             parts.append(f"{self.run_cfg.batch_size * self.cfg.seq_len / per_step:,.0f} tokens/s")
             parts.append(f"about {format_duration(max(0, steps - server.version) * per_step)} left")
         servers = set(self.directory.servers.values()) | {self.peer_id}
@@ -729,6 +768,7 @@ class ServerHost:
                 await self.farewell(stop)
                 if self.writer is not None:  # the last step's checkpoint is on disk before it says so
                     await asyncio.wrap_future(self.writer.flush())
+                self.write_summary()
                 self.say_finished()
                 if getattr(self.args, "hold", False):
                     self.state.say(PeerState.FINISHED, "holding its final state (--hold) until stopped")

@@ -28,7 +28,7 @@ def play(scenario, timeout: float = 900.0):
     return hosts.play(scenario, timeout)
 
 
-def test_every_peer_says_the_end_and_returns_by_itself(tmp_path):
+def test_every_peer_says_the_end_and_returns_by_itself(tmp_path, capsys):
     """Two stages, the servers not computing, two volunteers that join before the second stage's
     servers are up: every server says `run R finished at step N (loss L)`, writes its checkpoint and
     returns 0; every volunteer says the run is over with what it did and returns 0; a volunteer that
@@ -76,6 +76,30 @@ def test_every_peer_says_the_end_and_returns_by_itself(tmp_path):
         assert re.search(rf"finished: run ends is over at step {steps}: \d+ forward and \d+ backward tasks", text), text
     assert f"run ends already finished at step {steps}: nothing to do" in run.said["late"].getvalue()
     assert rel_diff(out["state"], reference_state("tiny", steps)) < 1e-5
+    # what lasts: each server's run summary in its checkpoint folder, read back by `peer summary`
+    import json
+
+    from peer.cli import main
+
+    ckpt = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpt.glob("*.run-summary.json")) == [
+        f"{d}.run-summary.json" for d in ("s0b0", "s0f0", "s1b0", "s1f0")
+    ]
+    capsys.readouterr()  # (what the in-process peers printed: their initial_peers= and run= lines)
+    assert main(["summary", str(ckpt), "--json"]) == 0
+    merged = json.loads(capsys.readouterr().out)
+    assert (
+        merged["run_id"] == "ends"
+        and merged["steps"] == steps
+        and merged["servers"] == ["s0b0", "s0f0", "s1b0", "s1f0"]
+    )
+    assert merged["microbatches_applied"] == steps * 4 * 2 and 1.0 < merged["loss"] < 7.0, merged
+    by_device = {v["device"]: v for v in merged["volunteers"].values()}
+    # the servers do not compute (--no-compute): every task was a volunteer's; the late one did none
+    assert set(by_device) == {"v0", "v1"} and all(v["tasks"] > 0 and v["banned"] is None for v in by_device.values())
+    assert main(["summary", str(ckpt)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"run ends: finished at step {steps}, loss ") and "volunteers (2):" in text, text
 
 
 def logged(caplog, *words: str) -> list[str]:
