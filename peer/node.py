@@ -374,6 +374,28 @@ async def _leave_with(parent_pid: int, _dht, node) -> None:
 _WATCHERS: set = set()  # (a task nobody holds may be collected before it ends)
 
 
+async def reach_peers(_dht, node, peers: list[tuple[str, list[str]]], timeout: float = 5.0) -> int:
+    """(Run in the DHT process: dht.run_coroutine.) Connect the node's p2p daemon to each (peer id,
+    multiaddrs) and ping it into the node's routing table: a client-mode node knows only its initial
+    peers' addresses (libp2p dials a peer only at addresses it knows), so once those are gone it reaches
+    nobody, although the run's records named every server's. How many answered."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    reached = 0
+    for peer_id, maddrs in peers:
+        try:
+            pid = PeerID.from_base58(peer_id)
+            await asyncio.wait_for(
+                node.p2p._client.connect(pid, [Multiaddr(m.split("/p2p/")[0]) for m in maddrs]), timeout
+            )
+            if await asyncio.wait_for(node.protocol.call_ping(pid), timeout) is not None:
+                reached += 1
+        except Exception as e:  # (gone, or not there yet: the next read tries again)
+            logger.debug("reaching %s at %s: %r", peer_id[-8:], maddrs, e)
+    return reached
+
+
 def dht_leaves_with(dht: DHT, parent_pid: int) -> None:
     """Make `dht`'s process (and its p2p daemon) end when process `parent_pid` does."""
     import functools

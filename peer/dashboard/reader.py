@@ -29,6 +29,10 @@ class DhtReader:
         # records of the last fetch that did not verify, as the snapshot's "malformed" entries: those this
         # reader dropped and those the DHT node's validator dropped before they reached it
         self.rejected: list[dict] = []
+        # every server seen in a record that verified: peer id -> the addresses it announced. When a
+        # read finds nothing the reader connects to them and reads again: no one server's absence
+        # (the initial peer stopped, restarting) hides the run from a reader that has seen it
+        self.known: dict[str, list[str]] = {}
 
     def _get(self, key: str) -> Any:
         found = self.dht.get(key, latest=True)
@@ -50,7 +54,27 @@ class DhtReader:
     def fetch(self) -> tuple[Any, list[Any]]:
         """(config, [stage maps]) of the records that verify: as many stages as the config's layout
         names, or, without a usable config, the stage keys up to the first empty one. What did not
-        verify is in `rejected` after the call."""
+        verify is in `rejected` after the call. When nothing of a run seen before is found, the
+        servers it has seen are reached at their announced addresses and the run read once more."""
+        import functools
+
+        from peer.node import reach_peers
+
+        config, stages = self._fetch()
+        if config is None and not any(s for s in stages) and self.known:
+            reached = self.dht.run_coroutine(functools.partial(reach_peers, peers=sorted(self.known.items())))
+            logger.info(
+                "nothing of the run found: %d of the %d servers seen before reached again", reached, len(self.known)
+            )
+            if reached:
+                config, stages = self._fetch()
+        for found in stages:
+            for peer, rec in (found or {}).items():
+                if rec.get("kind") == "server" and rec.get("maddrs"):
+                    self.known[peer] = [m for m in rec["maddrs"] if isinstance(m, str)]
+        return config, stages
+
+    def _fetch(self) -> tuple[Any, list[Any]]:
         from peer.protocol.trust import AmbiguousRunKey
 
         self.rejected = []

@@ -102,6 +102,40 @@ def test_every_peer_says_the_end_and_returns_by_itself(tmp_path, capsys):
     assert text.startswith(f"run ends: finished at step {steps}, loss ") and "volunteers (2):" in text, text
 
 
+def test_a_reader_that_saw_the_run_finds_it_again_when_its_initial_peer_is_gone(tmp_path):
+    """The dashboard's reader, given only the first server's address, has read the run; the first
+    server crashes (its DHT process SIGKILLed). The reader still finds the run, through the other
+    servers. (On one machine libp2p's own peer routing finds them; where it does not, on the deploy
+    page's hosts, the reader reaches the servers its records named, at their announced addresses:
+    DhtReader.fetch.)"""
+    from peer.dashboard.reader import DhtReader
+
+    run = HostRun(tmp_path, "seen", 1000, TWO_STAGES)
+    out = {}
+
+    async def scenario():
+        reader = None
+        try:
+            await run.start_servers(servers_of(1))
+            await run.wait_version("s1b0", 1)
+            reader = await asyncio.to_thread(DhtReader, run.initial, "seen", run.run_fp, 30)
+            config, stages = await asyncio.to_thread(reader.fetch)
+            out["before"] = config is not None and all(stages)
+            out["known"] = len(reader.known)
+            await run.crash("s0f0")  # the reader's only initial peer
+            config, stages = await asyncio.to_thread(reader.fetch)
+            out["after"] = config is not None, sorted(r["device"] for st in stages for r in (st or {}).values())
+        finally:
+            if reader is not None:
+                await asyncio.to_thread(reader.shutdown)
+            await run.close()
+
+    play(scenario)
+    assert out["before"] and out["known"] == 4, out
+    config_found, devices = out["after"]
+    assert config_found and {"s0b0", "s1f0", "s1b0"} <= set(devices), out
+
+
 def logged(caplog, *words: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if all(w in r.getMessage() for w in words)]
 
