@@ -555,24 +555,20 @@ def build_snapshot(
         status = "blocked"
     else:
         status = "ok"
+    seen_done = None
+    if status == "finished":  # the run's end as this read sees it
+        seen_done = {"step": run.steps, "loss": progress["last_loss"], "eval_loss": progress["eval_loss"], "at": now}
     if history is not None:
         if found:
             history.seen_at = now
-        if status == "finished" and history.finished is None:
-            history.finished = {
-                "step": run.steps,
-                "loss": progress["last_loss"],
-                "eval_loss": progress["eval_loss"],
-                "at": now,
-            }
+        if seen_done is not None and history.finished is None:
+            history.finished = seen_done
         elif history.finished is not None:
             status, stopped, blocking = "finished", None, []  # its servers left after the end
         elif status == "not_found" and history.seen_at is not None:
             status = "unreachable"  # seen before: its servers are away or cannot be reached from here
             errors = [e for e in errors if not e.startswith("no run ")]  # (its id was right)
-    done = history.finished if history is not None else None
-    if done is None and status == "finished":
-        done = {"step": run.steps, "loss": progress["last_loss"], "eval_loss": progress["eval_loss"], "at": now}
+    done = history.finished if history is not None and history.finished is not None else seen_done
     health = {
         "ok": status in ("ok", "finished"),
         "status": status,
