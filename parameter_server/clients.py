@@ -149,7 +149,10 @@ class Clients:
                     ", ".join(t.task_id for t in lost),
                 )
         answer = {"ok": True, "version": self.version, "epoch": self.epoch}
-        return (answer | {"over": True}) if self.run_over else answer
+        if not self.run_over:
+            return answer
+        self.told_over.add(sender)  # (only this answer says so: a finished server waits for it, farewell)
+        return answer | {"over": True}
 
     def _proven_leases(self, sender: str, holding: list[str], tickets: list) -> list[str]:
         """Of the tasks a client new here says it holds, those whose lease it proves with its ticket

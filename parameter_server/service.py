@@ -188,6 +188,7 @@ class StageServer(
         # set by its host once every server of the run has applied the last step: the answers to
         # heartbeats say so, and a worker that hears it stops (peer.host.server)
         self.run_over = False
+        self.told_over: set[str] = set()  # peer ids a heartbeat's answer told that the run is over
         # tasks completed here by each worker's device id, also of workers that have left since
         self.tasks_by_device: dict[str, int] = {}
         self.contributions = Contributions()  # by peer id: tasks done, checks passed (the run's summary)

@@ -440,7 +440,6 @@ class ServerHost:
     def finish(self) -> None:
         """The run is over: from now on the answers to heartbeats say so."""
         self.server.run_over = True
-        self.ended_at = self.server.clock()
         self.finished.set()
 
     def _on_step(self, version: int):
@@ -688,18 +687,15 @@ class ServerHost:
         if not stop.is_set():
             self._look()
 
-    ended_at: float | None = None  # the server's clock when it learnt that the run is over
-
     async def farewell(self, stop: asyncio.Event) -> None:
-        """Stay until every volunteer registered here has called since the run ended (the answer to
-        its heartbeat tells it so), at most FAREWELL_S: the
-        run's records leave the DHT with its servers, so a volunteer would otherwise learn the end only
-        from servers that no longer answer."""
+        """Stay until every volunteer registered here has heartbeaten since the run ended (that answer
+        alone tells it so: the answer to a `take` does not), at most FAREWELL_S: the run's records leave
+        the DHT with its servers, so a volunteer would otherwise learn the end only from servers that no
+        longer answer."""
         server = self.server
-        ended = self.ended_at if self.ended_at is not None else server.clock()
         deadline = time.monotonic() + FAREWELL_S
         while time.monotonic() < deadline and not stop.is_set():
-            told = all(c.last_seen >= ended for p, c in server.clients.items() if not server._is_server(p))
+            told = all(p in server.told_over for p in server.clients if not server._is_server(p))
             if told:
                 return
             try:

@@ -32,6 +32,7 @@ class VolunteerSession:
         self.state = state or StateLine(device)
         self.dht = self.p2p = self.run_cfg = self.cfg = self.layout = self.directory = None
         self.epoch = 0  # the layout epoch of `layout` (the run config carries it after a failover)
+        self.end_layout, self.end_epoch = None, -1  # the newest layout the run config showed, and its epoch
         self.peer_id = ""
         self.done = {"forward": 0, "backward": 0, "recompute_avoided": 0}
         self.stages_worked: list[int] = []
@@ -130,23 +131,37 @@ class VolunteerSession:
         """The run's current layout once all its servers are in the DHT: a failover while we wait
         changes the layout (the config record carries the current epoch's), and a lost server
         never comes back."""
-        from parameter_server.layout import RunLayout
-        from peer.protocol import records
-
-        value = await records.read_config_value(self.dht)
-        if isinstance(value, dict) and isinstance(value.get("layout"), dict):
-            self.layout = RunLayout.from_dict(value["layout"], self.cfg.layers)
+        current = await self._current_layout()
+        if current is not None:
             # that layout's epoch: a first request of an older one is refused ("stale epoch")
-            self.epoch = value["epoch"] if isinstance(value.get("epoch"), int) and value["epoch"] >= 0 else 0
+            self.layout, self.epoch = current
         await self.directory.refresh()
         if self.finished():
             return True
         return True if all(d in self.directory.servers for s in self.layout.stages for d in s.servers) else None
 
+    async def _current_layout(self):
+        """(layout, epoch) as the run config carries them now (after a failover: the current epoch's),
+        or None when the record is not there; the layout `finished` judges the end by follows it."""
+        from parameter_server.layout import RunLayout
+        from peer.protocol import records
+
+        value = await records.read_config_value(self.dht)
+        if not (isinstance(value, dict) and isinstance(value.get("layout"), dict)):
+            return None
+        layout = RunLayout.from_dict(value["layout"], self.cfg.layers)
+        epoch = value["epoch"] if isinstance(value.get("epoch"), int) and value["epoch"] >= 0 else 0
+        if epoch >= self.end_epoch:
+            self.end_layout, self.end_epoch = layout, epoch
+        return layout, epoch
+
     def finished(self) -> bool:
-        """Every server of the layout announced the run's last version."""
+        """Every server of the newest layout known announced the run's last version (a server failed
+        over since this volunteer started on its stage stays at the version it was lost at: a
+        volunteer whose own stage kept its servers learns of that failover only from the config)."""
         steps = self.run_cfg.steps
-        devices = [d for s in self.layout.stages for d in s.servers]
+        layout = self.end_layout or self.layout
+        devices = [d for s in layout.stages for d in s.servers]
         return bool(devices) and all(self.directory.versions.get(d, -1) >= steps for d in devices)
 
     async def wait_for_servers(self, stop: asyncio.Event) -> bool:
@@ -203,6 +218,7 @@ class VolunteerSession:
         """Read the records: the run stopped, going on, or over."""
         run = self.run_cfg
         try:
+            await asyncio.wait_for(self._current_layout(), 10.0)
             await asyncio.wait_for(self.directory.refresh(), 10.0)
             self.halt.update(
                 self.directory.halted(run.announce_period), max(self.directory.versions.values(), default=0)

@@ -1519,3 +1519,25 @@ def test_a_worker_handed_a_task_it_cannot_work_on_asks_every_server_again():
     requeued = asyncio.run(scenario())
     assert requeued >= 1  # f0's task of batch 2 went back undone
     assert took_at_f1 and TaskId.parse(took_at_f1[0]).batch == 0, took_at_f1
+
+
+def test_only_a_heartbeats_answer_tells_a_worker_that_the_run_is_over():
+    """Once the run is over a server's answer to `register` says so, and the server counts the worker
+    told (a finished server stays, peer.host.ServerHost.farewell, until every worker is): any other
+    call, a `take` here, neither tells the worker nor counts it told."""
+    cfg, layout, run = make_run(steps=1, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    a, b = swarm.workers
+
+    async def scenario():
+        fs.maybe_start_batches()
+        await a.register()
+        await b.register()
+        fs.run_over = True
+        await b.take_one()
+        assert not b.over and b.links[fs.device_id].sender not in fs.told_over
+        await a.register()
+        assert a.over and fs.told_over == {a.links[fs.device_id].sender}
+
+    asyncio.run(scenario())
