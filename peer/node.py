@@ -89,13 +89,15 @@ def start_dht(
     host_maddrs=(LOOPBACK_MADDR,),
     announce_maddrs=None,
     timeout: float | None = None,
+    on_wait=None,
 ) -> DHT:
     """A DHT node with its p2p daemon, holding the record validators of run `run_id` (whose run key
     has fingerprint `run_fp`; None: learnt from the only config record that verifies) and what it
     signs its records with: its libp2p identity (from `identity_path`, else a fresh one) and, on a
     server, the run key (a trust.SigningKey). A server listens on `host_maddrs` and announces
     `announce_maddrs` (default: what it listens on); a client (volunteer, dashboard) dials out only.
-    `timeout` bounds the wait for the initial peers.
+    `timeout` bounds the wait for the initial peers; `on_wait(why)` is told once when they do not answer
+    yet (a peer's state line: it says `waiting: ...` on stdout; default a warning in the log).
     Raises NetworkStartError saying what failed."""
     import tempfile
 
@@ -150,6 +152,7 @@ def start_dht(
             timeout,
             initial_peers,
             Trust(run_id=run_id, run_fp=run_fp, identity=identity, run_key=run_key),
+            on_wait,
         )
     finally:
         if fresh:  # the daemon has read it (or never will)
@@ -241,7 +244,7 @@ class RunDHT(DHT):
         super().run()
 
 
-def _start(kwargs: dict, deadline: float, timeout, initial_peers, trust) -> DHT:
+def _start(kwargs: dict, deadline: float, timeout, initial_peers, trust, on_wait=None) -> DHT:
     tries = 0
     while True:
         tries += 1
@@ -252,12 +255,13 @@ def _start(kwargs: dict, deadline: float, timeout, initial_peers, trust) -> DHT:
         except Exception as e:
             problem = _daemon_problem(e)
             if "initial peers" in problem and time.monotonic() + 2.0 < deadline:
-                logger.log(
-                    logging.WARNING if tries == 1 else logging.DEBUG,
-                    "%s; trying again until --timeout %.0f s",
-                    problem,
-                    timeout,
-                )
+                why = f"{problem}; trying again until --timeout {timeout:.0f} s"
+                if tries > 1:
+                    logger.debug(why)
+                elif on_wait is not None:
+                    on_wait(why)
+                else:
+                    logger.warning(why)
                 time.sleep(2.0)
                 continue
             where = " ".join(initial_peers) if initial_peers else "none"
@@ -527,7 +531,8 @@ class HaltNotice:
     passes `clear_after`: a DHT read can miss every record that says so, so the run counts as going
     on only once no read said it was stopped for that many seconds, or at once when the read shows
     progress (the servers' highest parameter version, passed as `progress`) beyond any read made
-    while it was stopped: the records that carry a version also carry the stop."""
+    before or while it was stopped: the records that carry a version also carry the stop, and a
+    version reached before the stop that a lagging read had not shown yet is no progress."""
 
     def __init__(self, who: str, clock=time.monotonic, period: float = 60.0, clear_after: float = 0.0, on_change=None):
         self.who, self.clock, self.period, self.clear_after = who, clock, period, clear_after
@@ -536,12 +541,14 @@ class HaltNotice:
         self.on_change = on_change
         self.reason: str | None = None
         self.since = self._logged_at = self._said_at = 0.0
-        self._progress = -1  # the highest progress read while stopped
+        self._progress = -1  # the highest progress read so far
 
     def update(self, reason: str | None, progress: int | None = None) -> None:
         now = self.clock()
         if reason is None:
             moved = progress is not None and progress > self._progress
+            if progress is not None:
+                self._progress = max(self._progress, progress)
             if self.reason is not None and (moved or now - self._said_at >= self.clear_after):
                 if self.on_change is not None:
                     self.on_change(None, now - self.since)
@@ -550,8 +557,6 @@ class HaltNotice:
                 self.reason = None
             return
         self._said_at = now
-        if self.reason is None:
-            self._progress = -1
         if progress is not None:
             self._progress = max(self._progress, progress)
         if self.on_change is not None:

@@ -259,8 +259,19 @@ def resolve(args):
     args.probation = DEFAULT_PROBATION if args.probation is None else args.probation
     if args.probation < 0:
         raise UsageError(f"--probation must be >= 0 contributions, got {args.probation}")
+    # a key file that is not there is made in memory now and written once the run admits this server
+    # (peer.host.server ServerHost.keep_run_key): a server refused leaves no key file behind
+    args.run_key_new = not os.path.exists(args.run_key)
     try:
-        args.run_key_obj, created = SigningKey.load_or_create(args.run_key)
+        if args.run_key_new:
+            folder = os.path.dirname(os.path.abspath(args.run_key))
+            if not os.path.isdir(folder):
+                raise OSError(f"folder {folder} does not exist")
+            if not os.access(folder, os.W_OK):
+                raise OSError(f"folder {folder} is not writable")
+            args.run_key_obj = SigningKey.generate()
+        else:
+            args.run_key_obj = SigningKey.load(args.run_key)
     except (ValueError, OSError) as e:
         raise UsageError(f"--run-key: {e}") from None
     if args.run_fp is not None and args.run_fp != args.run_key_obj.fingerprint:
@@ -269,10 +280,6 @@ def resolve(args):
             f"{args.run_fp} that --run-id names"
         )
     args.run_fp = args.run_key_obj.fingerprint
-    if created:
-        logger.warning(
-            "made a new run key %s (fingerprint %s): copy it to this run's other servers", args.run_key, args.run_fp
-        )
     rows = args.batch_size // args.micro_batches
     for st in layout.stages:
         if max(len(st.frontal), len(st.backward)) > rows:

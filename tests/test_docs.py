@@ -43,3 +43,20 @@ def test_peer_version_is_the_packages_and_the_changelog_has_it():
     out = subprocess.run([sys.executable, "-m", "peer.cli", "--version"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == f"hivepipe {version}"
     assert f"## [{version}]" in (REPO / "CHANGELOG.md").read_text()
+
+
+def test_every_exit_in_the_deploy_pages_failure_table_is_checked_by_a_test():
+    """Each row of docs/deploy.md's "What each failure looks like" in which a command exits is checked
+    by a test that causes that failure (tests/deploy_table.py `check_refusal`: the exit code and the
+    first line of stderr against the page)."""
+    from tests.deploy_table import refusal_rows
+
+    rows = refusal_rows()
+    assert len(rows) >= 9, rows  # (the table as the page has it: a parse that finds less lost rows)
+    checked = set()
+    for path in (REPO / "tests").rglob("test_*.py"):
+        checked |= set(re.findall(r'check_refusal\(\s*"([^"]+)"', path.read_text()))
+    unknown = [c for c in checked if sum(cell.startswith(c) for cell in rows) != 1]
+    assert unknown == [], f"check_refusal names no single row of the table: {unknown}"
+    unchecked = [cell for cell in rows if not any(cell.startswith(c) for c in checked)]
+    assert unchecked == [], f"rows of docs/deploy.md's failure table no test checks: {unchecked}"

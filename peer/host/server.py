@@ -53,9 +53,11 @@ SHARED_FLAGS = {
 }
 
 
-def start_server_dht(args, run_cfg, device: str, initial_peers: list[str] | None = None, timeout: float | None = None):
+def start_server_dht(
+    args, run_cfg, device: str, initial_peers: list[str] | None = None, timeout: float | None = None, on_wait=None
+):
     """The server's DHT node, through `initial_peers` (default --initial-peers) within `timeout`
-    seconds (default --timeout, else 60)."""
+    seconds (default --timeout, else 60); `on_wait` as peer.node.start_dht takes it."""
     from peer.node import NetworkStartError, start_dht
 
     t0 = time.perf_counter()
@@ -69,6 +71,7 @@ def start_server_dht(args, run_cfg, device: str, initial_peers: list[str] | None
             host_maddrs=args.host_maddrs,
             announce_maddrs=args.announce_maddrs,
             timeout=timeout or args.timeout or 60.0,
+            on_wait=on_wait,
         )
     except NetworkStartError as e:
         raise NetworkError(str(e)) from None
@@ -175,6 +178,32 @@ class ServerHost:
                 self.device,
             )
 
+    def keep_run_key(self) -> None:
+        """Write the run key this start made (--run-key named no file) now that the run admitted this
+        server: one refused (another run's key, other flags, an address it cannot listen on) leaves no
+        key file behind. UsageError when another server wrote a different key at that path meanwhile."""
+        from peer.protocol.trust import SigningKey
+
+        args = self.args
+        if not getattr(args, "run_key_new", False):
+            return
+        try:
+            args.run_key_obj.save(args.run_key)
+        except FileExistsError:  # (a server started beside this one with the same new path wrote first)
+            written = SigningKey.load(args.run_key).fingerprint
+            if written != args.run_fp:
+                raise UsageError(
+                    f"--run-key {args.run_key} was written by another server meanwhile (fingerprint {written}), "
+                    f"while this one made {args.run_fp}: start this server again to use the file"
+                ) from None
+        except OSError as e:
+            raise UsageError(f"--run-key {args.run_key}: {e}") from None
+        else:
+            logger.warning(
+                "made a new run key %s (fingerprint %s): copy it to this run's other servers", args.run_key, args.run_fp
+            )
+        args.run_key_new = False
+
     def say_where(self) -> None:
         """The run's two lines on stdout, once this server is known to be part of the run (its key,
         flags and place checked by find_run: a server refused says only why, on stderr)."""
@@ -236,13 +265,16 @@ class ServerHost:
 
     _remembered: list[str] = []
 
+    def _waiting_for_peers(self, why: str) -> None:
+        self.state.say(PeerState.WAITING, f"for the initial peers to answer: {why}")
+
     def _start_dht(self):
         """This server's DHT node: through --initial-peers, else through the run's servers it knew
         before a restart (if none of them answers, it starts alone and says so)."""
         args = self.args
         known = [] if args.initial_peers else self.known_peers()
         if not known:
-            return start_server_dht(args, self.run_cfg, self.device)
+            return start_server_dht(args, self.run_cfg, self.device, on_wait=self._waiting_for_peers)
         logger.warning(
             "%s: joining the run through the %d peers it knew before (%s)", self.device, len(known), self.peers_file()
         )
@@ -438,8 +470,12 @@ class ServerHost:
             return False
 
     def finish(self) -> None:
-        """The run is over: from now on the answers to heartbeats say so."""
+        """The run is over: from now on the answers to heartbeats say so, and so does this server's
+        record while it stays (--hold): a volunteer that comes later learns the end from it when the
+        records of the servers that left have expired."""
         self.server.run_over = True
+        if self.announcer is not None:
+            self.announcer.record_state = "finished"
         self.finished.set()
 
     def _on_step(self, version: int):
@@ -746,6 +782,7 @@ class ServerHost:
             # each phase ends as soon as a signal comes, whatever it waits for
             await until_stopped(self.start(stop), stop)
             await until_stopped(self.find_run(), stop)
+            self.keep_run_key()
             self.say_where()
             await until_stopped(self.build(), stop)
             await self.serve(stop)

@@ -85,6 +85,7 @@ class VolunteerSession:
                     client_mode=True,
                     identity_path=args.identity_path,
                     timeout=args.timeout or 120.0,
+                    on_wait=lambda why: self.state.say(PeerState.WAITING, f"for the initial peers to answer: {why}"),
                 )
         except NetworkStartError as e:
             raise NetworkError(str(e)) from None
@@ -156,12 +157,15 @@ class VolunteerSession:
         return layout, epoch
 
     def finished(self) -> bool:
-        """Every server of the newest layout known announced the run's last version (a server failed
-        over since this volunteer started on its stage stays at the version it was lost at: a
-        volunteer whose own stage kept its servers learns of that failover only from the config)."""
+        """A server of the newest layout known announced the run finished, or every one of them its
+        last version (the layout the run config shows now: a server failed over since this volunteer
+        started on its stage stays at the version it was lost at, and a volunteer whose own stage kept
+        its servers learns of that failover only from the config)."""
         steps = self.run_cfg.steps
         layout = self.end_layout or self.layout
         devices = [d for s in layout.stages for d in s.servers]
+        if self.directory.finished & set(devices):  # (a server says so once every server reached the end)
+            return True
         return bool(devices) and all(self.directory.versions.get(d, -1) >= steps for d in devices)
 
     async def wait_for_servers(self, stop: asyncio.Event) -> bool:

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.dashboard.test_snapshot import parse_prometheus
+from tests.deploy_table import check_refusal
 from tests.swarm.harness import LiveSwarm, no_children_left
 
 REPO = Path(__file__).resolve().parents[2]
@@ -209,8 +210,9 @@ def test_a_run_that_is_not_there_exits_2():
         )
     finally:
         stop_dht(dht)
-    assert out.returncode == 2, (out.stdout[-1000:], out.stderr[-2000:])
-    assert "no run 'no-such-run' found in the DHT after 2 s" in out.stderr and "--run-id" in out.stderr
+    check_refusal("the run id does not exist", out.returncode, out.stderr)
+    assert out.stderr.startswith("dashboard: error: no run 'no-such-run' found in the DHT after 2 s"), out.stderr
+    assert "--run-id" in out.stderr
     assert out.stdout == ""
 
 

@@ -112,5 +112,12 @@ def test_a_stopped_run_is_said_once_then_once_a_minute_then_once_when_it_goes_on
     reader.update(None, progress=4)
     assert caplog.records[-1].getMessage() == "v4: the run goes on again after 0 s stopped"
     assert len(caplog.records) == 9
+    # a version reached before the stop that the first read of the stop lagged behind is no progress
+    reader.update(None, progress=7)  # (running: the servers are at 7)
+    reader.update(reason, progress=5)  # a read of the stop that still shows older records
+    reader.update(None, progress=7)
+    assert len(caplog.records) == 10 and caplog.records[-1].getMessage() == f"v4: {reason}"
+    reader.update(None, progress=8)
+    assert caplog.records[-1].getMessage() == "v4: the run goes on again after 0 s stopped"
     assert halt_reason([]) is None
     assert "failover is off" in halt_reason([(0, "frontal", ("s0f0",))], failover=False)

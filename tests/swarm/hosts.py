@@ -148,9 +148,10 @@ class HostRun:
         return self._corpus
 
     async def first_server(self, device_flags: list[str], timeout: float = 60.0) -> ServerHost:
-        """The run's first server: the others join through its addresses."""
+        """The run's first server: the others join through its addresses, with the run key it wrote
+        once it made the run (as an operator copies that file to the other servers' hosts)."""
         host = self.start_server(device_flags, initial_peers=[])
-        await self.wait(lambda: host.maddrs, timeout, f"{host.device} to start its DHT node")
+        await self.wait(lambda: host.maddrs and self.key.exists(), timeout, f"{host.device} to make the run")
         self.initial = list(host.maddrs)
         return host
 

@@ -140,7 +140,7 @@ def churn_scenario(tmp_path_factory):
         result["version_at_kill"] = live.monitor.min_version()
         live.kill("v0")  # (SIGKILL ends a stopped process too)
         # stage 0's other volunteer freezes (a laptop's lid closed: SIGSTOP of its process group)
-        # until a new volunteer has joined mid-run on stage 0, so that the run waits for the
+        # until a new volunteer that joined mid-run on stage 0 has work, so that the run waits for the
         # newcomer: the tiny run's steps (about 1 s) can otherwise all be done before a volunteer
         # process has started (5-8 s), as on the CI machine
         frozen, _ = live.swarm.volunteers["v2"]
@@ -149,20 +149,24 @@ def churn_scenario(tmp_path_factory):
             live.swarm.start_volunteer("0", name="late")
             peers = await live.wait(lambda: _has(live, "late"), 90, "late to announce")
             result["late_joined_at"] = live.monitor.min_version()
+
+            async def late_got_work():
+                """The version when a server of stage 0 first shows a task leased to or done by it (a
+                task of a volunteer slowed x30 may take longer than a step to finish)."""
+                got = 0
+                for dev in live.layout.stages[0].servers:
+                    st = await live.status(dev)
+                    got += st["clients"].get(peers["late"], {}).get("tasks_done", 0)
+                    got += st["pool"]["clients"].get(peers["late"], {}).get("leases", 0)
+                return got > 0 and live.monitor.min_version()
+
+            # (v2 wakes once the newcomer has work: awake before, a proven volunteer is offered each
+            # new task first, and on a loaded machine it did all of the run's last steps alone)
+            result["late_worked_by"] = await live.wait(
+                late_got_work, 120, "the late volunteer to get a task", poll=0.02
+            )
         finally:
             kill_group(frozen, signal.SIGCONT)
-
-        async def late_got_work():
-            """The version when a server of stage 0 first shows a task leased to or done by it (a
-            task of a volunteer slowed x30 may take longer than a step to finish)."""
-            got = 0
-            for dev in live.layout.stages[0].servers:
-                st = await live.status(dev)
-                got += st["clients"].get(peers["late"], {}).get("tasks_done", 0)
-                got += st["pool"]["clients"].get(peers["late"], {}).get("leases", 0)
-            return got > 0 and live.monitor.min_version()
-
-        result["late_worked_by"] = await live.wait(late_got_work, 120, "the late volunteer to get a task", poll=0.02)
 
         async def late_did_work():
             done = 0

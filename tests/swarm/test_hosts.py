@@ -219,8 +219,8 @@ def test_the_loss_of_a_roles_last_server_stops_the_run_until_it_comes_back(tmp_p
     assert out["stopped_at"] < steps
     assert out["codes"] == dict.fromkeys(("s0f0", "s0b0", "s1f0", "v0", "s1b0"), 0), out["codes"]
     for name, text in others().items():
-        assert text.count(said) == 1, (name, text)
-        assert "the run goes on again after" in text, (name, text)
+        assert text.count(said) == 1, f"{name} said:\n{text}"
+        assert "the run goes on again after" in text, f"{name} said:\n{text}"
     assert rel_diff(out["state"], reference_state("tiny", steps)) < 1e-5
 
 

@@ -30,6 +30,7 @@ from peer.protocol.traffic import TRAFFIC, VALUES
 from peer.protocol.trust import SigningKey, config_name, seal, stage_name
 from peer.protocol.wire import RemoteError
 from peer.reference import DEFAULTS
+from tests.deploy_table import check_refusal
 from tests.swarm import hosts
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.hosts import TWO_STAGES, HostRun, servers_of
@@ -87,6 +88,8 @@ def test_liars_of_every_kind_are_banned_and_the_run_equals_the_clean_one(tmp_pat
     out = play(lambda: run_with(run, volunteers))
     assert out["codes"] == {**dict.fromkeys(("s0f0", "s0b0", "s1f0", "s1b0", "v0", "v1"), 0), **dict.fromkeys(liars, 3)}
     said = {name: run.said[name].getvalue() for name in liars}
+    for name in liars:  # (a volunteer's command prints the reason on its state line, not on stderr)
+        check_refusal("a volunteer's results fail a check", out["codes"][name], "")
     # each liar is told it is banned, with the check it failed, named
     assert all(re.search(r"leaving: banned from run cheats .*relative L2", text) for text in said.values()), said
     late = re.search(r"after (\d+) forward and (\d+) backward tasks", said["cheat4"])

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from peer.cli import main
+from tests.deploy_table import check_refusal
 from tests.lines import LineProcess
 
 STEPS = 3
@@ -69,14 +70,19 @@ def serve(key, role: str, tmp_path, *extra: str) -> list[str]:
     ]
 
 
-def peer(*argv: str) -> subprocess.CompletedProcess:
-    """A `peer` command to its end; one that does not end within 180 s fails with what it printed."""
-    command = [sys.executable, "-m", "peer.cli", *argv, "-v"]
+def peer(*argv: str, verbose: bool = True) -> subprocess.CompletedProcess:
+    """A `peer` command to its end (with -v unless `verbose` is false: the first line of stderr is then
+    the refusal's); one that does not end within 180 s fails with what it printed."""
+    command = [sys.executable, "-m", "peer.cli", *argv, *(["-v"] if verbose else [])]
     try:
         return subprocess.run(command, capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired as e:
-        said = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        raise AssertionError(f"peer {' '.join(argv[:2])} did not end within 180 s; it said:\n{said[-4000:]}") from None
+        said = [
+            (s or b"").decode(errors="replace") if isinstance(s, bytes) else (s or "") for s in (e.stdout, e.stderr)
+        ]
+        raise AssertionError(
+            f"peer {' '.join(argv[:2])} did not end within 180 s; it said:\n{said[0][-2000:]}\n{said[1][-4000:]}"
+        ) from None
 
 
 @pytest.mark.stress
@@ -116,22 +122,27 @@ def test_an_operators_run_from_first_server_to_the_end(tmp_path, capsys):
             snap = json.loads(dash.stdout)
             said = {e["device"]: e.get("says") for st in snap["stages"] for e in st["frontal"] + st["backward"]}
 
-        # misconfigurations: one line each, naming both sides, exit 2
-        other_key = peer(*serve(key_b, "backward", tmp_path, "--initial-peers", *initial))
-        assert other_key.returncode == 2, other_key.stderr[-3000:]
-        assert fp_a in other_key.stderr and fp_b in other_key.stderr and "Traceback" not in other_key.stderr
+        # misconfigurations: one line each, naming both sides, exit 2, as docs/deploy.md's table says
+        # (the page's example run 'demo' is 'life' here, its fingerprints A and B these keys')
+        example = {"demo": "life", "A": fp_a, "B": fp_b}
+        other_key = peer(*serve(key_b, "backward", tmp_path, "--initial-peers", *initial), verbose=False)
+        check_refusal("a server given another run key", other_key.returncode, other_key.stderr, example)
         # refused before it says where it listens: no initial_peers= or run= line for a run it is not in
         assert "initial_peers=" not in other_key.stdout and "run=" not in other_key.stdout, other_key.stdout
         other_flags = peer(
-            *serve(key_a, "backward", tmp_path, "--initial-peers", *initial, "--steps", "5", "--lr-schedule", "cosine")
+            *serve(key_a, "backward", tmp_path, "--initial-peers", *initial, "--steps", "5", "--lr-schedule", "cosine"),
+            verbose=False,
         )
-        assert other_flags.returncode == 2, other_flags.stderr[-3000:]
-        assert f"--steps {STEPS} (here: 5)" in other_flags.stderr
+        check_refusal(
+            "a server given other training flags",
+            other_flags.returncode,
+            other_flags.stderr,
+            {"demo": "life", "24": str(STEPS), "50": "5"},
+        )
         assert "--lr-schedule constant (here: cosine)" in other_flags.stderr
         assert "initial_peers=" not in other_flags.stdout, other_flags.stdout
-        wrong_fp = peer("join", "--run-id", f"life@{fp_b}", "--initial-peers", *initial, "--stage", "0")
-        assert wrong_fp.returncode == 2, wrong_fp.stderr[-3000:]
-        assert fp_a in wrong_fp.stderr and fp_b in wrong_fp.stderr
+        wrong_fp = peer("join", "--run-id", f"life@{fp_b}", "--initial-peers", *initial, "--stage", "0", verbose=False)
+        check_refusal("a volunteer given a wrong fingerprint", wrong_fp.returncode, wrong_fp.stderr, example)
 
         volunteer = Peer("join", "--run-id", f"life@{fp_a}", "--initial-peers", *initial, "--stage", "0")
         peers.append(volunteer)
