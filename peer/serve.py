@@ -105,6 +105,14 @@ def add_arguments(p) -> None:
         "to CHECKPOINT_DIR/DEVICE.identity.key; at most 5 restarts in 10 minutes)",
     )
     net.add_argument(
+        "--die-at-version",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fault injection for tests (`peer swarm --lose-server`): SIGKILL this server, its DHT process "
+        "and p2p daemon once it has applied step N, as a host lost for good",
+    )
+    net.add_argument(
         "--hold",
         action="store_true",
         help="at the run's last step, keep serving the final state until stopped (by default the server "
@@ -256,6 +264,8 @@ def resolve(args):
     args.verify_rate = DEFAULT_VERIFY_RATE if args.verify_rate is None else args.verify_rate
     if not 0.0 <= args.verify_rate <= 1.0:
         raise UsageError(f"--verify-rate must be a probability in [0, 1], got {args.verify_rate}")
+    if args.die_at_version is not None and not 1 <= args.die_at_version < args.steps:
+        raise UsageError(f"--die-at-version must be a step in 1..{args.steps - 1}, got {args.die_at_version}")
     args.probation = DEFAULT_PROBATION if args.probation is None else args.probation
     if args.probation < 0:
         raise UsageError(f"--probation must be >= 0 contributions, got {args.probation}")

@@ -103,8 +103,8 @@ def add_arguments(p) -> None:
         action="append",
         default=[],
         metavar="DEVICE@STEP",
-        help="SIGKILL server DEVICE for good once the run reaches STEP and any earlier loss is failed "
-        "over (repeatable)",
+        help="lose server DEVICE for good right after it applies step STEP: it SIGKILLs itself, its DHT "
+        "process and p2p daemon (peer serve --die-at-version), and the others fail it over (repeatable)",
     )
     p.add_argument(
         "--compress",
@@ -269,6 +269,8 @@ def validate(args):
     args.losses = parse_lose_server(args.lose_server, layout, args.steps)
     if args.losses and args.failover_after <= 0:
         raise UsageError("--lose-server needs --failover-after > 0: without failover the run would stop")
+    if args.losses and getattr(args, "supervise_servers", False):
+        raise UsageError("--lose-server with --supervise-servers: a supervisor would fork the lost server again")
     if args.summary_json and os.path.dirname(os.path.abspath(args.summary_json)):
         os.makedirs(os.path.dirname(os.path.abspath(args.summary_json)), exist_ok=True)
     return cfg, layout, frontal, backward
@@ -384,6 +386,12 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
 
         halt = HaltNotice("swarm", clear_after=6 * args.announce_period)
         while not stop.is_set():
+            # a server of --lose-server SIGKILLs itself right after its step (peer serve --die-at-version:
+            # at that step exactly, however seldom this loop reads the records); the run waits for the
+            # others to fail it over
+            for name in swarm.collect_losses():
+                step = next(at for at, device in args.losses if device == name)
+                logger.warning("server %s lost for good after step %d (--lose-server)", name, step)
             swarm.check_alive()
             await monitor.refresh()
             halt.update(monitor.halted(), monitor.min_version())
@@ -413,15 +421,6 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
                     churn.steps_began(passed, within=sum(step_times[-3:]) / len(step_times[-3:]))
                 else:
                     churn.stop()
-            # a loss is due once the run reaches its version, even if the run ends there: the servers
-            # fail it over after the last step too, and the summary waits for that
-            # one at a time: the next loss waits until the previous one is failed over
-            failed_over = not set(swarm.lost) & set(monitor.all_devices())
-            due = [x for x in args.losses if x[0] <= version and x[1] in swarm.servers]
-            if due and failed_over:
-                name = due[0][1]
-                logger.warning("losing server %s for good at version %d", name, version)
-                swarm.lose_server(name)
             if version >= args.steps:
                 if not [x for x in args.losses if x[1] in swarm.servers]:
                     break

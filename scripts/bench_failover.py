@@ -69,8 +69,9 @@ def one_run(work: Path, args, tag: str) -> dict:
     ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=900)
     out = {"ok": done.returncode == 0, "why": done.stderr.strip().splitlines()[-1:] if done.returncode else []}
-    lost = re.search(STAMP + r".*losing server s0b1 for good at version (\d+)", done.stderr, re.M)
     logs = {p.stem: p.read_text(errors="replace") for p in work.glob("s*.log")}
+    # the kill's moment, from the lost server's own last line (it SIGKILLs itself right after it)
+    lost = re.search(STAMP + r".*s0b1: applied step (\d+): lost here for good", logs.get("s0b1", ""), re.M)
     decided = [
         (stamp(m.group(1)), int(m.group(2)))
         for text in logs.values()

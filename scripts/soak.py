@@ -104,7 +104,8 @@ p.add_argument(
 p.add_argument(
     "-v", "--verbose", action="count", default=0, help="the swarm's processes log at INFO (their logs: --work-dir)"
 )
-args = p.parse_args()
+# (imported rather than run, for its log accounting: tests/protocol/test_soak_accounting.py, the defaults)
+args = p.parse_args(None if __name__ == "__main__" else [])
 
 
 class Arrivals:
@@ -397,32 +398,45 @@ async def main() -> dict:
 
 
 _REGISTERED = re.compile(r"client (\S+) \((v\d+)\) registered")
-_LEFT = re.compile(r"client (\S+) left \(its connection closed\); (\d+) tasks")
+_LEFT = re.compile(r"client (\S+) left \((.*?)\); (\d+) tasks")
 
 
-def departures(work_dir: str, t0: float, events: list) -> dict | None:
-    """How long the servers took to drop a SIGKILLed volunteer: from each kill (events, seconds since
-    t0) to every server log's "client X left (its connection closed)" line for that volunteer's
-    peer (named by its "client X (vN) registered" lines). A drop that no kill of its volunteer
-    precedes by under 30 s is not counted; nor a volunteer killed before it registered."""
+def client_lines(work_dir: str) -> list[tuple[int, float, str, str, str | None, int]]:
+    """The servers' lines about their clients, read once from every server log of the swarm:
+    (stage, when, "registered" or the reason it left, peer, its name vN when registered, tasks it
+    left re-queued), in each log's order."""
     from peer.runtime import log_time
 
+    out = []
+    for log in sorted(glob.glob(os.path.join(work_dir, "s[0-9]*.log"))):
+        stage = int(os.path.basename(log)[1])
+        with open(log, errors="replace") as f:
+            for line in f:
+                m = _REGISTERED.search(line) or _LEFT.search(line)
+                if m is None:
+                    continue
+                try:
+                    at = log_time(line)
+                except ValueError:
+                    continue
+                if m.re is _REGISTERED:
+                    out.append((stage, at, "registered", m.group(1), m.group(2), 0))
+                else:
+                    out.append((stage, at, m.group(2), m.group(1), None, int(m.group(3))))
+    return out
+
+
+def departures(lines: list, t0: float, events: list) -> dict | None:
+    """How long the servers took to drop a SIGKILLed volunteer: from each kill (events, seconds since
+    t0) to every server's "client X left (its connection closed)" line (`client_lines`) for that
+    volunteer's peer (named by its "client X (vN) registered" lines). A drop that no kill of its
+    volunteer precedes by under 30 s is not counted; nor a volunteer killed before it registered."""
     kills: dict[str, list[float]] = {}
     for t, e in events:
         if e.startswith("kill "):
             kills.setdefault(e[5:], []).append(t0 + t)
-    names, drops = {}, []
-    for log in sorted(glob.glob(os.path.join(work_dir, "s*.log"))):
-        with open(log, errors="replace") as f:
-            for line in f:
-                if (m := _REGISTERED.search(line)) is not None:
-                    names[m.group(1)] = m.group(2)
-                elif (m := _LEFT.search(line)) is not None:
-                    try:
-                        at = log_time(line)
-                    except ValueError:
-                        continue
-                    drops.append((at, names.get(m.group(1)), int(m.group(2))))
+    names = {peer: name for _, _, what, peer, name, _ in lines if what == "registered"}
+    drops = [(at, names.get(peer), n) for _, at, what, peer, _, n in lines if what == "its connection closed"]
     delays, with_tasks = [], []
     for at, name, requeued in drops:
         killed = max((k for k in kills.get(name, []) if k <= at), default=None)
@@ -447,35 +461,17 @@ def departures(work_dir: str, t0: float, events: list) -> dict | None:
     }
 
 
-_CLIENT_LEFT = re.compile(r"client (\S+) left \(")
-
-
-def starved_windows(work_dir: str, t0: float, end: float) -> dict[int, list[tuple[float, float]]]:
+def starved_windows(lines: list, t0: float, end: float) -> dict[int, list[tuple[float, float]]]:
     """stage -> the windows (seconds since t0) in which no volunteer was registered with the stage's
-    servers: from the servers' own "client X (vN) registered" and "client X left (...)" lines (a
-    volunteer counts from its first registration with any server of its stage until it left the
-    first). With servers that do not compute, such a stage has no compute and the run waits for a
-    replacement to join: a stall the swarm cannot shorten, told apart from the others."""
-    from peer.runtime import log_time
-
+    servers: from the servers' own "client X (vN) registered" and "client X left (...)" lines
+    (`client_lines`; a volunteer counts from its first registration with any server of its stage until
+    it left the first). With servers that do not compute, such a stage has no compute and the run
+    waits for a replacement to join: a stall the swarm cannot shorten, told apart from the others."""
     spans: dict[int, dict[str, list[float]]] = {}  # stage -> peer -> [registered, left]
-    for log in sorted(glob.glob(os.path.join(work_dir, "s[0-9]*.log"))):
-        stage = int(os.path.basename(log)[1])
-        peers = spans.setdefault(stage, {})
-        with open(log, errors="replace") as f:
-            for line in f:
-                m = _REGISTERED.search(line) or _CLIENT_LEFT.search(line)
-                if m is None:
-                    continue
-                try:
-                    at = log_time(line) - t0
-                except ValueError:
-                    continue
-                span = peers.setdefault(m.group(1), [math.inf, math.inf])
-                if m.re is _REGISTERED:
-                    span[0] = min(span[0], at)
-                else:
-                    span[1] = min(span[1], at)
+    for stage, at, what, peer, _, _ in lines:
+        span = spans.setdefault(stage, {}).setdefault(peer, [math.inf, math.inf])
+        i = 0 if what == "registered" else 1
+        span[i] = min(span[i], at - t0)
     out = {}
     for stage, peers in sorted(spans.items()):
         changes = sorted(
@@ -634,7 +630,8 @@ def report(r: dict) -> dict:
     outside, calm = outside_of(failover), outside_of(failover + restarts)
     # the same stalls less the time some stage had no volunteer registered (starved_windows): what
     # is left is the swarm's own wait
-    starved = [w for ws in starved_windows(args.work_dir, r["t0"], times[-1] if times else 0.0).values() for w in ws]
+    lines = client_lines(args.work_dir)
+    starved = [w for ws in starved_windows(lines, r["t0"], times[-1] if times else 0.0).values() for w in ws]
     manned = [
         (a, b - a, overlap(a, b, starved))
         for a, b in zip(times, times[1:])
@@ -715,7 +712,7 @@ def report(r: dict) -> dict:
         "volunteer_kills": sum(1 for _, e in r["events"] if e.startswith("kill")),
         "volunteers": r["participation"],
         # kill -> each server's drop of the killed volunteer (parameter_server.clients.DISCONNECT_GRACE)
-        "departures": departures(args.work_dir, r["t0"], r["events"]),
+        "departures": departures(lines, r["t0"], r["events"]),
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

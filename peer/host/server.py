@@ -178,6 +178,15 @@ class ServerHost:
                 self.device,
             )
 
+    def _die_at(self, version: int) -> None:
+        """--die-at-version: lost for good right after applying that step (SIGKILL of the whole
+        process group: no offline record, no checkpoint of the step, as when the host dies)."""
+        if version >= self.args.die_at_version:
+            from peer.volunteer.faults import die_here
+
+            logger.warning("%s: applied step %d: lost here for good (--die-at-version)", self.device, version)
+            die_here()
+
     def keep_run_key(self) -> None:
         """Write the run key this start made (--run-key named no file) now that the run admitted this
         server: one refused (another run's key, other flags, an address it cannot listen on) leaves no
@@ -381,6 +390,8 @@ class ServerHost:
         if args.checkpoint_dir:
             await self._resume()
         server.on_step.append(server.note_step)
+        if getattr(args, "die_at_version", None) is not None:
+            server.on_step.append(self._die_at)
         if getattr(args, "log_dir", None):
             from peer.host.trainlog import TrainingLog
 
@@ -502,20 +513,9 @@ class ServerHost:
         )
 
     def loss_at_end(self) -> float | None:
-        """The last batch's loss per token: the last stage computes it (a server of another stage
-        reads it from a last-stage server's record)."""
-        last = self.run_cfg.steps - 1
-        if self.server.last:
-            loss_sum = self.server.shard.losses.get(last)
-        else:
-            last_stage = set(self.server.layout.stages[-1].servers)
-            found = [
-                r["losses"][str(last)]
-                for r in self.directory.records.values()
-                if r.get("kind") == "server" and r.get("device") in last_stage and str(last) in (r.get("losses") or {})
-            ]
-            loss_sum = found[0] if found else None
-        return None if loss_sum is None else loss_sum / (self.run_cfg.batch_size * self.cfg.seq_len)
+        """The last batch's loss per token (None while it is not known here)."""
+        latest = self.latest_loss()
+        return latest[1] if latest is not None and latest[0] == self.run_cfg.steps - 1 else None
 
     def latest_loss(self) -> tuple[int, float] | None:
         """(batch, loss per token) of the newest batch whose loss is known here: the last stage's own,

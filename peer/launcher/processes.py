@@ -165,6 +165,9 @@ class Swarm:
                     for flag in ("task_tokens", "client_batch_tokens"):
                         if getattr(a, flag, None) is not None:
                             argv += ["--" + flag.replace("_", "-"), str(getattr(a, flag))]
+                    loses = {device: step for step, device in getattr(a, "losses", None) or []}
+                    if name in loses:  # (--lose-server: the server kills itself right after that step)
+                        argv += ["--die-at-version", str(loses[name])]
                     self.server_argv[name] = argv
                     self.servers[name] = self._spawn(name, argv)
 
@@ -223,10 +226,29 @@ class Swarm:
         proc.wait()
         self.lost.append(name)
 
+    def collect_losses(self) -> list[str]:
+        """The servers started to die at a step (--die-at-version) that have: moved to `lost`."""
+        gone = [
+            n
+            for n, p in self.servers.items()
+            if "--die-at-version" in self.server_argv.get(n, ()) and p.poll() is not None
+        ]
+        for name in gone:
+            proc = self.servers.pop(name)
+            kill_group(proc, signal.SIGKILL)  # (whatever of its group is left)
+            self.lost.append(name)
+        return gone
+
     def bring_back(self, name: str) -> None:
-        """Start a server lost with lose_server again, with its identity and checkpoint dir."""
+        """Start a server lost with lose_server again, with its identity and checkpoint dir (and
+        without a --die-at-version it was started with)."""
         self.lost.remove(name)
-        self.servers[name] = self._spawn(name, self.server_argv[name])
+        argv = list(self.server_argv[name])
+        if "--die-at-version" in argv:
+            i = argv.index("--die-at-version")
+            del argv[i : i + 2]
+            self.server_argv[name] = argv
+        self.servers[name] = self._spawn(name, argv)
 
     def check_alive(self) -> None:
         for name, proc in self.servers.items():

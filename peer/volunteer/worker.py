@@ -34,7 +34,7 @@ from peer.model.transformer import StageSlice, build_slice, slice_from_state
 from peer.protocol.aio import check_cancelled
 from peer.protocol.params import NotReady, fetch_slot
 from peer.protocol.wire import RemoteError, StreamCut, wait_to_redial
-from peer.volunteer.faults import KILL_POINTS
+from peer.volunteer.faults import KILL_POINTS, die_here
 from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, hold_ends, owed_after
 from scheduler.prefetch import version_to_fetch
 from taskpool.types import priority
@@ -109,14 +109,6 @@ PREFETCH_PATIENCE = 15.0
 # versions of that slot it pulls from the host after the replica missed one
 REPLICA_WAIT = 2.0
 REPLICA_BACKOFF = 10
-
-
-def die_here() -> None:
-    """SIGKILL this process and its group (its DHT process and p2p daemon), as a crash would."""
-    import os
-    import signal
-
-    os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 class StageWorker:

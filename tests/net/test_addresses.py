@@ -47,6 +47,7 @@ A_PEER = "12D3KooWKweDwQYLfYdehecUQviKrEF294JbjV4AHx4Q7n8aLXeB"
         ),
         (["join", "--run-id", "de mo", "--initial-peers", f"/ip4/127.0.0.1/tcp/5/p2p/{A_PEER}"], "run id 'de mo'"),
         (SERVE + ["--run-id", "demo@00000000000000ff"], "not the 00000000000000ff that --run-id names"),
+        (SERVE + ["--die-at-version", "0"], "--die-at-version must be a step in 1.."),
     ],
 )
 def test_bad_addresses_are_named(argv, words, capsys, tmp_path):

@@ -21,6 +21,7 @@ from peer.swarm import validate
         (["--lose-server", "s0f0@2"], "no other frontal server"),  # 2 servers per stage: one of each role
         (["--servers-per-stage", "4", "--lose-server", "s0f0@2", "--lose-server", "s0f0@3"], "names a server twice"),
         (["--servers-per-stage", "4", "--lose-server", "s0f0@2", "--failover-after", "0"], "needs --failover-after"),
+        (["--servers-per-stage", "4", "--lose-server", "s0f0@2", "--supervise-servers"], "would fork the lost"),
         (["--failover-after", "-1"], "--failover-after must be >= 0"),
         (["--task-tokens", "0"], "--task-tokens must be >= 1, got 0"),
         (["--client-batch-tokens", "-3"], "--client-batch-tokens must be >= 1, got -3"),
@@ -168,8 +169,9 @@ def test_volunteers_on_cuda_need_a_cuda_device():
 @pytest.mark.stress
 def test_peer_swarm_without_a_work_dir_leaves_no_folder_behind_and_a_server_it_loses_is_failed_over(tmp_path):
     """`peer swarm` without --work-dir removes its temporary folder; `--lose-server` (here a backward
-    server of the only stage, at step 1) is failed over by the others and the run applies every
-    micro-batch (the failover's guarantees are tested in tests/swarm/test_hosts.py)."""
+    server of the only stage, right after step 1: it kills itself there, however fast the 3 steps go
+    by the launcher's reads) is failed over by the others and the run applies every micro-batch (the
+    failover's guarantees are tested in tests/swarm/test_hosts.py)."""
     import json
     import os
     import subprocess

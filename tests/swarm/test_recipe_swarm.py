@@ -18,6 +18,7 @@ COSINE = Recipe(
 )
 
 
+@pytest.mark.stress
 def test_a_scheduled_run_that_loses_a_server_for_good_equals_the_reference_with_its_recipe():
     """Two servers of each role a stage (each slot's replica kept by step replays); s1b1 lost for good
     after version 3: the failover's re-run steps the replayed versions again at their own rates."""
@@ -39,6 +40,7 @@ def test_a_scheduled_run_that_loses_a_server_for_good_equals_the_reference_with_
 CLIPPED = Recipe(lr=2e-3, clip_grad_norm=1.0)  # the tiny model's batch gradients have norms 1.4-2.3
 
 
+@pytest.mark.stress
 @pytest.mark.parametrize("lose", [None, "s1b1", "s0f0"])
 def test_global_norm_clipping_equals_clip_grad_norm_over_the_whole_model(lose):
     """Every shard of both stages steps with the norm of the whole batch gradient, also when a server
