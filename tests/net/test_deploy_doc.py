@@ -9,7 +9,9 @@ reminder (REMIND_S here, a minute by default), saying that it waits; the three o
 dashboard's snapshot from host C once they serve (all four online, the run blocked on no compute:
 it cannot have ended yet); two volunteers on links shaped to 50 and 20 Mbit/s (tc tbf), each given
 ONE initial peer; the first server stopped and restarted with its own command (no --initial-peers:
-it rejoins through the peers it kept); the run finishing with every server and
+it rejoins through the peers it kept) while a live dashboard on host C, started from the first
+server's line alone, watches: it shows the run stopped for that server, then going on, and never
+loses the run; the run finishing with every server and
 volunteer exiting 0 by itself, both stages computed by volunteers, and the servers' parameters equal
 to the single-process reference's; `peer export --checkpoint-dirs` and `peer generate` on the result.
 
@@ -191,10 +193,15 @@ def test_the_deploy_page_runs_as_written(tmp_path):
                         p = walk.start(host, line, device)
                         t_alone = time.monotonic()
                         servers[device], server_lines[device] = p, line
-                        first = p.wait_line(r"^initial_peers=", 120)
                         if "INITIAL" not in walk.pasted:  # the first server: its two lines are what everybody needs
+                            # (the others start together, as an operator starts them: the dashboard's
+                            # step below waits until every one serves)
+                            first = p.wait_line(r"^initial_peers=", 120)
                             walk.pasted["INITIAL"] = first.split("=", 1)[1]
                             assert p.wait_line(r"^run=", 30) == "run=" + walk.pasted["RUN"]
+                            # the walk's own watcher: a live dashboard on host C given this line alone,
+                            # which must keep the run when this server is away (restart_first)
+                            watcher = Watcher(walk)
                             p.wait_line(r"^s0f0: waiting: for the run's servers", 120)
                             time.sleep(max(0.0, ALONE_S - (time.monotonic() - t_alone)))
                             assert p.proc.poll() is None, "the first server did not outlive its wait"
@@ -204,7 +211,7 @@ def test_the_deploy_page_runs_as_written(tmp_path):
                         volunteers.append(p)
                         assert re.match(r"^v-\w+: starting: ", p.wait_line(r"starting", 20))
                         if len(volunteers) == 2:  # the walk's own action: a restart in the middle of the run
-                            restart_first(walk, servers, server_lines, tmp_path)
+                            restart_first(walk, servers, server_lines, tmp_path, watcher)
                     elif line.startswith("peer export"):
                         finish(servers, volunteers)  # the run ends by itself
                         equals_the_reference(walk, tmp_path, volunteers)
@@ -238,16 +245,60 @@ def train_steps(walk: Walk) -> int:
     return int(train[train.index("--steps") + 1])
 
 
-def restart_first(walk: Walk, servers: dict, lines: dict, tmp_path: Path) -> None:
+class Watcher:
+    """`dashboard.py --serve 0` on host C, started from the first server's `initial_peers=` line alone
+    (as section 3 of the page starts it), read at /api/state from inside host C."""
+
+    def __init__(self, walk: Walk):
+        line = f"python scripts/dashboard.py --run-id {walk.pasted['RUN']} --initial-peers $INITIAL --serve 0 --refresh 0.5"
+        walk.env["C"]["INITIAL"] = walk.pasted["INITIAL"]
+        self.walk, self.proc = walk, walk.start("C", line, "dashboard-live")
+        self.url = self.proc.wait_line(r"^serving on http://127\.0\.0\.1:\d+$", 120).split()[-1]
+        self.statuses: list[str] = []  # the run's status at each read
+
+    def state(self) -> dict:
+        read = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+        out = subprocess.run(
+            [*self.walk.bed.prefix("C"), sys.executable, "-c", read, self.url + "/api/state"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        snap = json.loads(out.stdout)
+        self.statuses.append(snap["health"]["status"])
+        return snap
+
+    def wait(self, what: str, predicate, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            snap = self.state()
+            if predicate(snap):
+                return snap
+            assert time.monotonic() < deadline, f"the dashboard did not show {what}: {snap['health']}"
+            time.sleep(0.5)
+
+
+def s0f0_state(snap: dict) -> str | None:
+    return next((e["state"] for e in snap["stages"][0]["frontal"] if e["device"] == "s0f0"), None)
+
+
+def restart_first(walk: Walk, servers: dict, lines: dict, tmp_path: Path, watcher: Watcher) -> None:
     ckpt = tmp_path / "A" / "hp" / "ckpt"
     deadline = time.monotonic() + 240
     while _version(ckpt, "s0f0") < 1:
         assert time.monotonic() < deadline, "the run made no two steps with its volunteers"
         time.sleep(0.1)
+    watcher.wait("s0f0 online", lambda snap: s0f0_state(snap) == "online")
     first = servers["s0f0"]
     t0 = time.monotonic()
     first.proc.send_signal(signal.SIGTERM)
     assert first.proc.wait(timeout=10) == 0
+    # the dashboard, which knew the run through s0f0 alone, sees it away and the run stopped for it
+    watcher.wait(
+        "s0f0 away and the run stopped for it",
+        lambda snap: s0f0_state(snap) != "online" and snap["health"]["status"] in ("stopped", "blocked"),
+    )
     time.sleep(0.5)
     assert subprocess.run(["bash", "-c", f"! kill -0 -{first.proc.pid} 2>/dev/null"]).returncode == 0, (
         "a process of the stopped server is left"
@@ -258,6 +309,9 @@ def restart_first(walk: Walk, servers: dict, lines: dict, tmp_path: Path) -> Non
     again.wait_line(r"^s0f0: serving: ", 120)
     assert _version(ckpt, "s0f0") < train_steps(walk), "the run had ended before the restart"
     assert time.monotonic() - t0 < 180
+    # ... and back, through the addresses of the other servers it had seen: it never lost the run
+    watcher.wait("s0f0 back", lambda snap: s0f0_state(snap) == "online" or snap["health"]["status"] == "finished")
+    assert "not_found" not in watcher.statuses, watcher.statuses
 
 
 def finish(servers: dict, volunteers: list) -> None:
