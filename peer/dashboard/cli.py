@@ -158,6 +158,8 @@ def one_shot(reader: DhtReader, args) -> int:
     period = config.get("announce_period") if isinstance(config, dict) else None
     period = min(float(period), 5.0) if isinstance(period, (int, float)) and 0 < period < math.inf else 1.0
     for _ in range(ONE_SHOT_EXTRA_READS):
+        if time.monotonic() + period > deadline:  # (--timeout bounds the snapshot: it shows what it read)
+            break
         time.sleep(period)
         reads.append(reader.fetch())
         rejected += [r for r in reader.rejected if r not in rejected]

@@ -14,6 +14,11 @@ from peer.protocol.records import config_key, open_config, open_stage, stage_key
 
 logger = logging.getLogger("hivepipe.dashboard")
 
+# seconds one read of a key may take: a read that searches every node (latest=True) past a busy or
+# vanished one answers later, and a snapshot waits for no such read longer than this (the key counts
+# as not found this time; the next read tries again)
+READ_TIMEOUT_S = 10.0
+
 
 class DhtReader:
     """A client-mode DHT node (it stores nothing) reading the run's keys."""
@@ -35,7 +40,15 @@ class DhtReader:
         self.known: dict[str, list[str]] = {}
 
     def _get(self, key: str) -> Any:
-        found = self.dht.get(key, latest=True)
+        import concurrent.futures
+
+        future = self.dht.get(key, latest=True, return_future=True)
+        try:
+            found = future.result(timeout=READ_TIMEOUT_S)
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            future.cancel()
+            logger.info("reading %s took over %g s: not found this time", key, READ_TIMEOUT_S)
+            return None
         return None if found is None else found.value
 
     def _stage(self, k: int) -> dict | None:

@@ -63,7 +63,11 @@ class Monitor:
         return [d for st in self.layout.stages for d in st.servers]
 
     def all_online(self) -> bool:
-        return all(d in self.servers and self.servers[d][1]["state"] == "online" for d in self.all_devices())
+        """Every server of the layout announced itself online (or finished, which a holding server
+        says once the run is over: a reader that first looks after a short run's end sees that)."""
+        return all(
+            d in self.servers and self.servers[d][1]["state"] in ("online", "finished") for d in self.all_devices()
+        )
 
     def online_at(self) -> float:
         """When the last server of the layout went online, by its own clock (its first "online"
