@@ -389,8 +389,7 @@ async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: async
             # a server of --lose-server SIGKILLs itself right after its step (peer serve --die-at-version:
             # at that step exactly, however seldom this loop reads the records); the run waits for the
             # others to fail it over
-            for name in swarm.collect_losses():
-                step = next(at for at, device in args.losses if device == name)
+            for name, step in swarm.collect_losses():
                 logger.warning("server %s lost for good after step %d (--lose-server)", name, step)
             swarm.check_alive()
             await monitor.refresh()

@@ -274,16 +274,13 @@ class ServerHost:
 
     _remembered: list[str] = []
 
-    def _waiting_for_peers(self, why: str) -> None:
-        self.state.say(PeerState.WAITING, f"for the initial peers to answer: {why}")
-
     def _start_dht(self):
         """This server's DHT node: through --initial-peers, else through the run's servers it knew
         before a restart (if none of them answers, it starts alone and says so)."""
         args = self.args
         known = [] if args.initial_peers else self.known_peers()
         if not known:
-            return start_server_dht(args, self.run_cfg, self.device, on_wait=self._waiting_for_peers)
+            return start_server_dht(args, self.run_cfg, self.device, on_wait=self.state.waiting_for_initial_peers)
         logger.warning(
             "%s: joining the run through the %d peers it knew before (%s)", self.device, len(known), self.peers_file()
         )

@@ -68,6 +68,10 @@ class StateLine:
         self._progressed = float("-inf")
         self.history: list[tuple[PeerState, str]] = []
 
+    def waiting_for_initial_peers(self, why: str) -> None:
+        """What a peer says while none of its initial peers answers yet (peer.node.start_dht's on_wait)."""
+        self.say(PeerState.WAITING, f"for the initial peers to answer: {why}")
+
     def say(self, state: PeerState, detail: str = "") -> bool:
         """Enter `state` (with `detail`); True if a line was printed (a change), False if it was the
         same state and detail, which is then only reminded of once a minute."""

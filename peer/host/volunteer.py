@@ -85,7 +85,7 @@ class VolunteerSession:
                     client_mode=True,
                     identity_path=args.identity_path,
                     timeout=args.timeout or 120.0,
-                    on_wait=lambda why: self.state.say(PeerState.WAITING, f"for the initial peers to answer: {why}"),
+                    on_wait=self.state.waiting_for_initial_peers,
                 )
         except NetworkStartError as e:
             raise NetworkError(str(e)) from None

@@ -27,6 +27,8 @@ class Swarm:
         self.work_dir = work_dir
         self.servers: dict[str, subprocess.Popen] = {}
         self.lost: list[str] = []  # servers SIGKILLed for good
+        # server -> the step right after which it kills itself (--lose-server: peer serve --die-at-version)
+        self.dying: dict[str, int] = {device: step for step, device in getattr(args, "losses", None) or []}
         self.server_argv: dict[str, list[str]] = {}
         os.makedirs(os.path.join(work_dir, "identities"), exist_ok=True)
         self.volunteers: dict[str, tuple[subprocess.Popen, str]] = {}  # name -> (process, stage argument)
@@ -165,9 +167,8 @@ class Swarm:
                     for flag in ("task_tokens", "client_batch_tokens"):
                         if getattr(a, flag, None) is not None:
                             argv += ["--" + flag.replace("_", "-"), str(getattr(a, flag))]
-                    loses = {device: step for step, device in getattr(a, "losses", None) or []}
-                    if name in loses:  # (--lose-server: the server kills itself right after that step)
-                        argv += ["--die-at-version", str(loses[name])]
+                    if name in self.dying:  # (--lose-server: the server kills itself right after that step)
+                        argv += ["--die-at-version", str(self.dying[name])]
                     self.server_argv[name] = argv
                     self.servers[name] = self._spawn(name, argv)
 
@@ -226,29 +227,20 @@ class Swarm:
         proc.wait()
         self.lost.append(name)
 
-    def collect_losses(self) -> list[str]:
-        """The servers started to die at a step (--die-at-version) that have: moved to `lost`."""
-        gone = [
-            n
-            for n, p in self.servers.items()
-            if "--die-at-version" in self.server_argv.get(n, ()) and p.poll() is not None
-        ]
-        for name in gone:
+    def collect_losses(self) -> list[tuple[str, int]]:
+        """(server, step) of the servers started to die at a step (--lose-server) that have died since
+        the last call: moved to `lost`."""
+        gone = [(n, step) for n, step in self.dying.items() if n in self.servers and self.servers[n].poll() is not None]
+        for name, _ in gone:
             proc = self.servers.pop(name)
             kill_group(proc, signal.SIGKILL)  # (whatever of its group is left)
             self.lost.append(name)
         return gone
 
     def bring_back(self, name: str) -> None:
-        """Start a server lost with lose_server again, with its identity and checkpoint dir (and
-        without a --die-at-version it was started with)."""
+        """Start a server lost with lose_server again, with its identity and checkpoint dir."""
         self.lost.remove(name)
-        argv = list(self.server_argv[name])
-        if "--die-at-version" in argv:
-            i = argv.index("--die-at-version")
-            del argv[i : i + 2]
-            self.server_argv[name] = argv
-        self.servers[name] = self._spawn(name, argv)
+        self.servers[name] = self._spawn(name, self.server_argv[name])
 
     def check_alive(self) -> None:
         for name, proc in self.servers.items():
