@@ -154,16 +154,18 @@ def one_shot(reader: DhtReader, args) -> int:
             return 2
         time.sleep(0.5)
     # one read can miss a record (see merge_reads): read again over two announce periods, keep the latest
-    reads, rejected = [(config, stages)], list(reader.rejected)
+    reads, rejected = [(config, stages, dict(reader.seen_at))], list(reader.rejected)
     period = config.get("announce_period") if isinstance(config, dict) else None
     period = min(float(period), 5.0) if isinstance(period, (int, float)) and 0 < period < math.inf else 1.0
     for _ in range(ONE_SHOT_EXTRA_READS):
         if time.monotonic() + period > deadline:  # (--timeout bounds the snapshot: it shows what it read)
             break
         time.sleep(period)
-        reads.append(reader.fetch())
+        reads.append((*reader.fetch(), dict(reader.seen_at)))
         rejected += [r for r in reader.rejected if r not in rejected]
-    config, stages = merge_reads(reads)
-    snap = build_snapshot(args.run_id, config, stages, time.time(), stale_periods=args.stale_periods, rejected=rejected)
+    config, stages, seen_at = merge_reads(reads)
+    snap = build_snapshot(
+        args.run_id, config, stages, time.time(), stale_periods=args.stale_periods, rejected=rejected, seen_at=seen_at
+    )
     print(to_json(snap, indent=2), flush=True)
     return 0

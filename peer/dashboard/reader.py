@@ -38,30 +38,44 @@ class DhtReader:
         # read finds nothing the reader connects to them and reads again: no one server's absence
         # (the initial peer stopped, restarting) hides the run from a reader that has seen it
         self.known: dict[str, list[str]] = {}
+        # when the last fetch read each record, {(stage, peer id): time}: its age is judged then
+        self.seen_at: dict[tuple[int, str], float] = {}
 
     def _get(self, key: str) -> Any:
+        return self._get_many([key])[0]
+
+    def _get_many(self, keys: list[str]) -> list[Any]:
+        """The values of `keys`, read at once (a snapshot waits for the slowest read, not their sum;
+        none longer than READ_TIMEOUT_S: a key not read by then counts as not found this time)."""
         import concurrent.futures
 
-        future = self.dht.get(key, latest=True, return_future=True)
-        try:
-            found = future.result(timeout=READ_TIMEOUT_S)
-        except (TimeoutError, concurrent.futures.TimeoutError):
-            future.cancel()
-            logger.info("reading %s took over %g s: not found this time", key, READ_TIMEOUT_S)
-            return None
-        return None if found is None else found.value
+        futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]
+        deadline = time.monotonic() + READ_TIMEOUT_S
+        values = []
+        for key, future in zip(keys, futures):
+            try:
+                found = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                future.cancel()
+                logger.info("reading %s took over %g s: not found this time", key, READ_TIMEOUT_S)
+                found = None
+            values.append(None if found is None else found.value)
+        return values
 
-    def _stage(self, k: int) -> dict | None:
-        """{peer id: record} of the records under stage k that verify (None: no value at all)."""
-        raw = self._get(stage_key(self.run_id, k))
+    def _stage(self, k: int, raw: Any = None) -> dict | None:
+        """{peer id: record} of the records under stage k that verify (None: no value at all); `raw`:
+        the key's value when it was read already."""
+        raw = self._get(stage_key(self.run_id, k)) if raw is None else raw
         if raw is None:
             return None
+        read_at = time.time()
         out = {}
         for peer, rec, problem in open_stage(self.trust, k, raw):
             if rec is None:
                 self.rejected.append({"stage": k, "peer": peer, "short": peer[-8:], "reason": f"dropped: {problem}"})
             else:
                 out[peer] = rec
+                self.seen_at[(k, peer)] = read_at
         return out
 
     def fetch(self) -> tuple[Any, list[Any]]:
@@ -90,7 +104,7 @@ class DhtReader:
     def _fetch(self) -> tuple[Any, list[Any]]:
         from peer.protocol.trust import AmbiguousRunKey
 
-        self.rejected = []
+        self.rejected, self.seen_at = [], {}
         try:
             config, dropped = open_config(self.trust, self._get(config_key(self.run_id)))
         except AmbiguousRunKey as e:
@@ -100,7 +114,10 @@ class DhtReader:
         ]
         n = stage_count(config)
         if n is not None:
-            stages = [self._stage(k) for k in range(n)]
+            stages = [
+                self._stage(k, raw)
+                for k, raw in enumerate(self._get_many([stage_key(self.run_id, k) for k in range(n)]))
+            ]
         else:
             stages = []
             for k in range(MAX_PROBED_STAGES):
@@ -161,6 +178,7 @@ class Watcher:
                 history=self.history,
                 stale_periods=self.stale_periods,
                 rejected=self.reader.rejected,
+                seen_at=self.reader.seen_at,
             )
         with self.lock:
             self.snapshot = snap

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from parameter_server.layout import RunLayout
@@ -267,17 +268,20 @@ def _parse_config(config: Any, errors: list[str]):
     return run, layout, seq_len
 
 
-def merge_reads(reads: list[tuple[Any, list[Any]]]) -> tuple[Any, list[Any]]:
-    """One view of several (config, stages) reads of the run: a single DHT read can miss a record
-    (one announced late under load lapses for a moment; a node nearest the key may not hold it yet),
-    so a one-shot snapshot reads over an announce period or two and keeps, per peer, the latest
-    record any read found (by its `time`). The config is the last read's that has one."""
-    config = next((c for c, _ in reversed(reads) if c is not None), None)
-    width = max((len(st) for _, st in reads), default=0)
+def merge_reads(reads: list[tuple[Any, list[Any], dict]]) -> tuple[Any, list[Any], dict]:
+    """One view of several (config, stages, seen_at) reads of the run, in the order they were made: a
+    single DHT read can miss a record (one announced late under load lapses for a moment; a node
+    nearest the key may not hold it yet), so a one-shot snapshot reads over an announce period or two
+    and keeps, per peer, the latest record any read found (by its `time`), with the time of the last
+    read that found it (`seen_at`, {(stage, peer): time}: that record was still the peer's newest
+    then). The config is the last read's that has one."""
+    config = next((c for c, _, _ in reversed(reads) if c is not None), None)
+    width = max((len(st) for _, st, _ in reads), default=0)
     stages: list[Any] = []
+    seen_at: dict[tuple[int, str], float] = {}
     for k in range(width):
         merged: dict | None = None
-        for _, st in reads:
+        for _, st, read_at in reads:
             value = st[k] if k < len(st) else None
             if not isinstance(value, dict):
                 continue
@@ -286,8 +290,10 @@ def merge_reads(reads: list[tuple[Any, list[Any]]]) -> tuple[Any, list[Any]]:
                 old = merged.get(peer)
                 if old is None or _record_time(rec) >= _record_time(old):
                     merged[peer] = rec
+                    if (k, peer) in read_at:
+                        seen_at[(k, peer)] = read_at[(k, peer)]
         stages.append(merged)
-    return config, stages
+    return config, stages, seen_at
 
 
 def _record_time(rec: Any) -> float:
@@ -304,11 +310,15 @@ def build_snapshot(
     history: History | None = None,
     stale_periods: float = 3.0,
     rejected: list[dict] = (),
+    seen_at: Mapping[tuple[int, str], float] | None = None,
 ) -> dict:
     """The dashboard's view of a run from raw DHT values: `config` is the `{run}.config` value (or
     None), `stages[k]` the `{run}.stage{k}` value (a map peer id -> record, or None). Never raises on
     bad records: they land in "malformed", config problems in "errors". `history` (optional) is
-    read and updated."""
+    read and updated. `seen_at`: {(stage, peer): when its record was read} (default: `now`). A
+    record's age, which says whether its peer is still reachable, is taken at the moment it was read:
+    a read that takes seconds (a slow DHT node, a loaded reader) must not age what it found first."""
+    seen_at = seen_at or {}
     errors: list[str] = []
     malformed: list[dict] = list(rejected)  # records that failed their signatures (the reader says why)
     run, layout, seq_len = _parse_config(config, errors)
@@ -373,7 +383,7 @@ def build_snapshot(
                 if not recs:
                     entries.append(_server_entry(None, None, now, stale_after, device, role))
                 for p, r in sorted(recs, key=lambda pr: -pr[1]["time"]):
-                    entry = _server_entry(p, r, now, stale_after)
+                    entry = _server_entry(p, r, seen_at.get((k, p), now), stale_after)
                     entries.append(entry)
                     if entry["state"] in LIVE_STATES:
                         stage_live.append(r)
@@ -386,7 +396,7 @@ def build_snapshot(
             last_stage_recs = [r for _, r in servers]
 
         # volunteers: the records there now, then (with a history) the ones that left the DHT
-        vols = [_volunteer_entry(p, r, now, stale_after) for p, r in clients]
+        vols = [_volunteer_entry(p, r, seen_at.get((k, p), now), stale_after) for p, r in clients]
         present = {p for p, _ in clients}
         stage_lost = 0
         if history is not None:

@@ -837,11 +837,42 @@ def test_merged_reads_keep_every_peers_latest_record():
     first = healthy()
     second = shift(healthy(), 0.5)
     del second[0][PEERS["s0b0"]]
-    merged_config, merged = merge_reads([(config(), first), (None, second), (config(steps=11), [second[0]])])
+    reads = [(config(), first, {}), (None, second, {}), (config(steps=11), [second[0]], {})]
+    merged_config, merged, _ = merge_reads(reads)
     assert merged_config["steps"] == 11  # the last read that has a config
     assert set(merged[0]) == set(first[0]) and set(merged[1]) == set(first[1])
     assert merged[0][PEERS["s0b0"]] is first[0][PEERS["s0b0"]]  # only the first read had it
     assert merged[0][PEERS["s0f0"]]["time"] == first[0][PEERS["s0f0"]]["time"] + 0.5  # the later one
-    assert merge_reads([(None, [None, None]), (None, [None])]) == (None, [None, None])
+    assert merge_reads([(None, [None, None], {}), (None, [None], {})]) == (None, [None, None], {})
     snap = build_snapshot("r", merged_config, merged, NOW + 0.5)
     assert {e["device"] for e in snap["stages"][0]["backward"] if e["peer"]} == {"s0b0"}
+
+
+def test_a_records_age_is_taken_when_it_was_read():
+    """A read of the DHT can take seconds (each key up to READ_TIMEOUT_S on a loaded machine): the
+    records found first are judged at the moment they were read, not when the snapshot is built, so
+    that a slow read does not call live servers unreachable. Merged reads keep the time of the last
+    read that found a peer's newest record (it was still its newest then)."""
+    from peer.dashboard.snapshot import merge_reads
+
+    stages = healthy()
+    late = NOW + 20  # the snapshot is built 20 s (40 periods) after the records were announced
+    stale = build_snapshot("r", config(), stages, late)
+    assert {e["state"] for st in stale["stages"] for r in ("frontal", "backward") for e in st[r]} == {"unreachable"}
+    # stage 0 read as it was announced, stage 1 read 20 s later: only stage 1's records are stale
+    seen = {(k, p): (NOW if k == 0 else late) for k, recs in enumerate(stages) for p in recs}
+    snap = build_snapshot("r", config(), stages, late, seen_at=seen)
+    states = {e["device"]: e["state"] for st in snap["stages"] for r in ("frontal", "backward") for e in st[r]}
+    assert states == {"s0f0": "online", "s0b0": "online", "s1f0": "unreachable", "s1b0": "unreachable"}
+    assert [v["state"] for v in snap["stages"][0]["volunteers"]] == ["online"]
+    assert [v["state"] for v in snap["stages"][1]["volunteers"]] == ["unreachable"]
+    # merged: the same record found by a read at NOW and one at NOW + 20 was still the newest at NOW + 20
+    first = {(k, p): NOW for k, recs in enumerate(stages) for p in recs}
+    again = {(k, p): late for k, recs in enumerate(stages) for p in recs}
+    _, merged, merged_seen = merge_reads([(config(), stages, first), (config(), stages, again)])
+    assert merged_seen == again
+    # a record only the first read found keeps that read's time
+    missing = copy.deepcopy(stages)
+    del missing[0][PEERS["s0f0"]]
+    _, merged, merged_seen = merge_reads([(config(), stages, first), (config(), missing, again)])
+    assert merged_seen[(0, PEERS["s0f0"])] == NOW and merged_seen[(0, PEERS["s0b0"])] == late

@@ -2,7 +2,9 @@
 A, B and C at the page's addresses). The blocks run are those under a `<!-- deploy-test: host=...
 [background] -->` comment, read from the page at every run, so that the page and the program cannot
 drift apart. A line that sets INITIAL or RUN is where an operator pastes what a server printed: the
-test pastes what this run's servers printed. Other assignments are the page's own.
+test pastes what this run's servers printed. STEPS, the run's length, is the walk's own: the page's
+2000 steps last minutes for a person to follow its later sections, the walk's 24 take the same path
+in seconds. Other assignments are the page's own.
 
 The walk: the run key and the training flags; the first server alone past its first
 reminder (REMIND_S here, a minute by default), saying that it waits; the three other servers one by one; the
@@ -44,6 +46,7 @@ DOC = REPO / "docs" / "deploy.md"
 REMIND_S = 10
 ALONE_S = REMIND_S + 5.0
 PASTED = ("INITIAL", "RUN")  # what an operator pastes from a server's output
+WALK_STEPS = "24"  # STEPS in the walk (the page's run is long enough for a person)
 
 
 @dataclass
@@ -73,6 +76,11 @@ def test_the_page_has_the_walk():
     assert any(ln.startswith("peer join") for s in steps if s.background for ln in s.lines)
     assert any("dashboard.py" in ln for ln in text)
     assert any(ln.startswith("peer export") for ln in text) and any(ln.startswith("peer generate") for ln in text)
+    # the run's length is one line the walk can set (STEPS), and the page's is long enough for a person
+    # to reach section 4 before it ends (about 4 steps a second, so a few minutes)
+    page_steps = [int(ln.split("=", 1)[1]) for ln in text if ln.startswith("STEPS=")]
+    assert len(page_steps) == 1 and page_steps[0] >= 1000, page_steps
+    assert any(ln.startswith("TRAIN=") and "--steps $STEPS" in ln for ln in text)
     serves = [ln for s in steps for ln in s.lines if ln.startswith("peer serve")]
     assert "--initial-peers" not in serves[0] and all("--initial-peers" in ln for ln in serves[1:])
 
@@ -117,8 +125,12 @@ class Walk:
         name = m.group(1)
         if name in PASTED:
             self.env[host][name] = self.pasted[name]
+        elif name == "STEPS":
+            self.env[host][name] = WALK_STEPS
         else:
-            value = subprocess.run(["bash", "-c", f'{line}; printf %s "${name}"'], capture_output=True, text=True)
+            value = subprocess.run(
+                ["bash", "-c", f'{line}; printf %s "${name}"'], capture_output=True, text=True, env=self.env[host]
+            )
             self.env[host][name] = value.stdout
         return True
 

@@ -137,7 +137,7 @@ def test_an_operators_run_from_first_server_to_the_end(tmp_path, capsys):
             "a server given other training flags",
             other_flags.returncode,
             other_flags.stderr,
-            {"demo": "life", "24": str(STEPS), "50": "5"},
+            {"demo": "life", "2000": str(STEPS), "50": "5"},
         )
         assert "--lr-schedule constant (here: cosine)" in other_flags.stderr
         assert "initial_peers=" not in other_flags.stdout, other_flags.stdout
