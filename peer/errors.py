@@ -21,6 +21,17 @@ def check_identity_path(path: str | None) -> None:
         raise UsageError(f"--identity-path {path}: a folder, not an identity file")
     if os.path.exists(path):
         return
-    folder = os.path.dirname(path) or "."
+    check_new_file_folder("--identity-path", path, "a new identity is written there")
+
+
+def check_new_file_folder(flag: str, path: str, why: str) -> None:
+    """The folder of `path`, a file this command will write (`why` says what): it exists and this
+    user can write there; UsageError naming the flag, the path and the folder otherwise, before
+    anything is started or written."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise UsageError(f"--identity-path {path}: folder {folder} does not exist (a new identity is written there)")
+        raise UsageError(f"{flag} {path}: folder {folder} does not exist ({why})")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {path}: folder {folder} is not writable ({why})")

@@ -11,7 +11,7 @@ import sys
 import tempfile
 
 from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS
-from peer.errors import NetworkError, UsageError
+from peer.errors import NetworkError, UsageError, check_new_file_folder
 from peer.model.config import PRESETS
 from peer.protocol.records import DEFAULT_ANNOUNCE_PERIOD, JOINING_PERIOD, STALE_PERIODS
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
@@ -272,13 +272,10 @@ def resolve(args):
     # a key file that is not there is made in memory now and written once the run admits this server
     # (peer.host.server ServerHost.keep_run_key): a server refused leaves no key file behind
     args.run_key_new = not os.path.exists(args.run_key)
+    if args.run_key_new:
+        check_new_file_folder("--run-key", args.run_key, "a new run key is written there")
     try:
         if args.run_key_new:
-            folder = os.path.dirname(os.path.abspath(args.run_key))
-            if not os.path.isdir(folder):
-                raise OSError(f"folder {folder} does not exist")
-            if not os.access(folder, os.W_OK):
-                raise OSError(f"folder {folder} is not writable")
             args.run_key_obj = SigningKey.generate()
         else:
             args.run_key_obj = SigningKey.load(args.run_key)

@@ -76,6 +76,14 @@ def test_an_identity_path_that_cannot_be_written_is_named_and_nothing_written(co
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run key, checkpoint folder or identity
 
 
+def test_a_new_run_key_in_a_missing_folder_is_named_and_nothing_written(tmp_path, capsys):
+    missing = tmp_path / "no-such-folder" / "run.key"
+    assert main(SERVE + ["--run-key", str(missing)]) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert f"--run-key {missing}: folder {missing.parent} does not exist (a new run key" in first, first
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_supervise_without_a_checkpoint_is_named_and_nothing_written(tmp_path, capsys):
     assert main(serve(tmp_path) + ["--supervise"]) == 2
     assert "--supervise restarts a crashed server from its checkpoint: give --checkpoint-dir" in capsys.readouterr().err
