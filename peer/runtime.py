@@ -185,7 +185,7 @@ def quiet_peer_departures(loop: asyncio.AbstractEventLoop) -> None:
     - an IncompleteReadError in "Task exception was never retrieved": when the handler's processing
       task and its read of the next message finish in the same pass, hivemind cancels the finished
       read, which leaves its exception (the connection closed mid-read) unretrieved, and asyncio
-      reports it when the task is collected (seen in a restarted server's log, in CI).
+      reports it when the task is collected (a restarted server's log showed it).
     A peer leaving is not an error. Nor is Interrupted reaching the loop: SIGTERM inside
     `interruptible` while the loop was idle (uvloop runs the handler from its own signal callback,
     asyncio from a callback) raises it into the loop's callback, not into blocking code; the handler

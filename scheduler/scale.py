@@ -1,5 +1,5 @@
 """What-if at scale: a swarm of thousands of volunteers, from the step model of a group of them and
-the load they put on the run's servers and DHT (issue 46, item 4; `peer simulate`).
+the load they put on the run's servers and DHT (`peer simulate`).
 
 The step model (scheduler/stepsim.py, checked by scripts/bench_fidelity.py) plays the protocol call
 by call; it does not share a server's link or processor between callers, and its event loop grows

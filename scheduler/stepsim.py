@@ -1,5 +1,5 @@
 """A calibrated model of a step: the swarm's own protocol, played out as a discrete-event simulation
-on a cluster's links (issue 16, item 4).
+on a cluster's links.
 
 `plan_cost` (docs/cost-model.md) is the planner's contract: one activation transfer each way
 per client and stage, compute in proportion to FLOP/s, a pipeline of `d + K - 1` slots. It ranks

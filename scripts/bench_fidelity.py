@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Does the model of a step tell the truth? Predicted against measured seconds per step of `peer swarm`
-at several points: two clusters, two volunteer counts, two link scales (issue 16, item 4).
+at several points: two clusters, two volunteer counts, two link scales.
 
     python scripts/bench_fidelity.py [--quick] [--out DIR] [--steps 14] [--repeats 2] [--work DIR]
 

@@ -1,5 +1,5 @@
-"""Log lines per minute of every process of a swarm while one server is down (issue "Hours, not
-minutes", item 3: quiet under faults).
+"""Log lines per minute of every process of a swarm while one server is down: quiet under
+faults.
 
 A swarm of the tiny model (2 stages x 2 servers, --volunteers volunteers, failover off) runs until
 version 2; then a backward server of the last stage is SIGKILLed and stays down for --down seconds,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Do volunteers add throughput? Tokens/s against the number of volunteers, calm and under churn, the
 task pool against `--no-requeue`, with the step model's prediction beside every point; and what a
-server spends per volunteer and per task (issue 46, items 2 and 5).
+server spends per volunteer and per task.
 
     python scripts/bench_scale.py [--quick] [--counts 2,4,8,16] [--steps 10] [--churn 0.5]
                                   [--pace 32] [--link-scale 0.1] [--out DIR] [--work DIR]

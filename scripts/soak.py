@@ -1,5 +1,5 @@
 """Soak: a swarm that runs for --minutes under churn, server restarts and a failover, sampling every
-process's memory, file descriptors and threads (issue "Hours, not minutes", item 1).
+process's memory, file descriptors and threads.
 
 The swarm: the small model, 2 stages x 4 servers (2 frontal + 2 backward each, so a server can be
 lost for good; they compute too unless --servers-compute no), --volunteers volunteers (default 6). Faults: --churn of the volunteers SIGKILLed

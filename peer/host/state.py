@@ -1,7 +1,7 @@
 """A peer's state, said once when it changes: the one line an operator reads to know what a server or a
 volunteer is doing (and the state it announces, which the dashboard shows).
 
-Every peer (peer/server/host.py `ServerHost`, peer/volunteer/session.py `VolunteerSession`) goes
+Every peer (peer/host/server.py `ServerHost`, peer/host/volunteer.py `VolunteerSession`) goes
 through these states; each change prints one line on stdout, and a state that waits on others
 (`WAITING`, `STOPPED`) says so again once a minute while it lasts, with how long it has lasted. While
 serving, a server says its progress once a minute too (`progress: step 120/1500, loss 2.9134, ...`)."""

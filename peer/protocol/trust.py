@@ -1,4 +1,4 @@
-"""Who may write what in a run's DHT records, and how every reader checks it (issue "Trust").
+"""Who may write what in a run's DHT records, and how every reader checks it.
 
 The trust root is the run key: an RSA key that the run's reliable servers share (`--run-key PATH`,
 made by the first server or `peer keygen`). Its fingerprint (16 hex digits of the SHA-256 of its

@@ -1,4 +1,4 @@
-"""Hugging Face Transformers in and out (issue "Start from a real model, end with a real model"):
+"""Hugging Face Transformers in and out:
 `peer export` writes a folder that Transformers loads with the same logits and tokenizer ids,
 `peer generate` matches Transformers' greedy generate, `--init-from` reads a Llama with grouped-query
 attention and tied embeddings exactly (the swarm started from it equals `peer reference` started from

@@ -1,4 +1,4 @@
-"""Hostile bytes (issue "Hours, not minutes", item 5): every `rpc_*` method of a live server (a
+"""Hostile bytes: every `rpc_*` method of a live server (a
 StageServer on a real hivemind P2P daemon; each also as a call over a session), called from an
 outsider peer (its own daemon) with random metadata (not msgpack, wrong types, missing and extra
 fields) and random tensor parts (odd dtypes, shapes, NaN/inf, declared sizes far beyond what

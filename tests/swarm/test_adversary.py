@@ -1,4 +1,4 @@
-"""An adversarial fuzzer (issue "Trust, third pass", item 6): a client that sends legal sequences of the
+"""An adversarial fuzzer: a client that sends legal sequences of the
 method table's calls with any argument it could know, against an in-loop swarm of real stage servers
 (tests/swarm/inprocess.py) that trains while it acts, driven by hypothesis' stateful testing.
 

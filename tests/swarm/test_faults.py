@@ -1,4 +1,4 @@
-"""Nothing lost (issue "exactly-once under churn"): volunteers SIGKILLed at every point of the
+"""Nothing lost (exactly once under churn): volunteers SIGKILLed at every point of the
 protocol, and random churn, leave the final parameters equal to `peer reference --delay 1` (which
 the same swarm without faults equals: tests/swarm/test_e2e.py); a supervised server SIGKILLed and
 forked again, and a server frozen past its failover, lose nothing either. (Servers crashed and
