@@ -216,9 +216,7 @@ def test_a_signal_ends_a_peer_in_any_state_and_leaves_no_process_or_port(tmp_pat
         log = tmp_path / "starting.log"
         starting = Peer(*serve(key, "backward", tmp_path, "--initial-peers", dead, "--timeout", "60"), log=log)
         peers.append(starting)
-        deadline = time.monotonic() + 60
-        while "trying again" not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        starting.wait_line(r": waiting: for the initial peers to answer: .*trying again until --timeout 60 s", 60)
         starting.proc.send_signal(signal.SIGTERM)
         assert _ended(starting, 10) and starting.proc.returncode == 0, log.read_text()[-2000:]
 
