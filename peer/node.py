@@ -550,11 +550,7 @@ class HaltNotice:
             if progress is not None:
                 self._progress = max(self._progress, progress)
             if self.reason is not None and (moved or now - self._said_at >= self.clear_after):
-                if self.on_change is not None:
-                    self.on_change(None, now - self.since)
-                else:
-                    logger.warning("%s: the run goes on again after %.0f s stopped", self.who, now - self.since)
-                self.reason = None
+                self.went_on()
             return
         self._said_at = now
         if progress is not None:
@@ -572,6 +568,18 @@ class HaltNotice:
         elif reason != self.reason or now - self._logged_at >= self.period:
             self.reason, self._logged_at = reason, now
             logger.error("%s: still stopped after %.0f s: %s", self.who, now - self.since, reason)
+
+    def went_on(self) -> None:
+        """The run went on (a read showed it, or it reached its last step, which it cannot while
+        stopped: a peer that learns the end while it still counts the run stopped says it went on)."""
+        if self.reason is None:
+            return
+        now = self.clock()
+        if self.on_change is not None:
+            self.on_change(None, now - self.since)
+        else:
+            logger.warning("%s: the run goes on again after %.0f s stopped", self.who, now - self.since)
+        self.reason = None
 
 
 # peer id -> its health, shared by every link of this process to that peer

@@ -739,6 +739,8 @@ class ServerHost:
     # ---- finish and stop ------------------------------------------------------------------------
 
     def say_finished(self) -> None:
+        if self.halt is not None:  # stopped until now: it went on to the end
+            self.halt.went_on()
         loss = self.loss_at_end()
         said = "" if loss is None else f" (loss {loss:.4f})"
         self.state.say(PeerState.FINISHED, f"run {self.run_cfg.run_id} finished at step {self.run_cfg.steps}{said}")

@@ -399,8 +399,6 @@ class VolunteerSession:
         if worker.over:  # a server of its stage answered that the run is over
             self.over = True
             over.set()
-            if self.halt.reason is not None:  # it was stopped, and went on to the end meanwhile
-                self.halt.update(None, progress=self.run_cfg.steps)
             return None
         self.layout, self.epoch = worker.layout, worker.epoch  # as its last failover left them
         return moving[0] if moving and not stop.is_set() and not over.is_set() else None
@@ -460,6 +458,9 @@ class VolunteerSession:
                 )
                 return 3
             if over.is_set():
+                # stopped when it learned the end (from a server's answer, or records in which a
+                # server's stop is still fresh): the run went on to its last step meanwhile
+                self.halt.went_on()
                 self.state.say(
                     PeerState.FINISHED, f"run {run.run_id} is over at step {run.steps}: {self.what_it_did()}"
                 )

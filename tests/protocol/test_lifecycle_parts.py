@@ -299,6 +299,20 @@ def test_a_halt_notice_with_a_state_line_says_each_change_once():
         "v1: stopped: run stopped: stage 1 has no backward server (s1b0 gone)",
         "v1: serving: the run goes on again after 10 s stopped",
     ]
+    # a reader whose every read still shows the stop (a stopped server's record stays fresh 3 periods)
+    # learns that the run reached its end: it went on, whatever the reads said; and only once
+    reader = HaltNotice("v1", clock=clock, clear_after=6.0, on_change=changed)
+    reader.update("run stopped: stage 1 has no backward server (s1b0 gone)", progress=2)
+    clock.t += 4.0
+    reader.update("run stopped: stage 1 has no backward server (s1b0 gone)", progress=6)
+    reader.update(None, progress=6)  # no progress past what a stopped read showed, within clear_after
+    assert reader.reason is not None
+    reader.went_on()
+    reader.went_on()
+    assert out.getvalue().splitlines()[-2:] == [
+        "v1: stopped: run stopped: stage 1 has no backward server (s1b0 gone)",
+        "v1: serving: the run goes on again after 4 s stopped",
+    ]
 
 
 def test_a_stopping_server_does_not_wait_for_ever_for_a_task_that_ignores_its_cancellation(tmp_path, caplog):
