@@ -62,10 +62,12 @@ class DhtReader:
             values.append(None if found is None else found.value)
         return values
 
-    def _stage(self, k: int, raw: Any = None) -> dict | None:
-        """{peer id: record} of the records under stage k that verify (None: no value at all); `raw`:
-        the key's value when it was read already."""
-        raw = self._get(stage_key(self.run_id, k)) if raw is None else raw
+    def _stage(self, k: int) -> dict | None:
+        """{peer id: record} of the records under stage k that verify (None: no value at all)."""
+        return self._open_stage(k, self._get(stage_key(self.run_id, k)))
+
+    def _open_stage(self, k: int, raw: Any) -> dict | None:
+        """The records of stage k's value `raw` that verify (None: no value at all)."""
         if raw is None:
             return None
         read_at = time.time()
@@ -115,7 +117,7 @@ class DhtReader:
         n = stage_count(config)
         if n is not None:
             stages = [
-                self._stage(k, raw)
+                self._open_stage(k, raw)
                 for k, raw in enumerate(self._get_many([stage_key(self.run_id, k) for k in range(n)]))
             ]
         else:
