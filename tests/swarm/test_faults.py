@@ -68,20 +68,34 @@ def test_every_kill_point_applies_each_micro_batch_exactly_once(tmp_path):
     live = tiny_swarm(tmp_path, "kill", steps, "--servers-compute", "no", "--volunteer-slowdown", "5")
     died = {}
 
+    def dead(names):
+        def check():
+            for name in names:
+                proc, _ = live.swarm.volunteers[name]
+                if proc.poll() is not None:
+                    died[name] = proc.returncode
+            return all(name in died for name in names)
+
+        return check
+
     async def scenario():
         await live.start(volunteers=False)
-        for point, stage in STAGE_OF_POINT.items():  # the doomed first, so that they are up when work starts
-            live.swarm.start_volunteer(str(stage), name=f"die-{point}", extra=["--die-at", point])
-
+        # The doomed come in two waves and the survivors after them, so that each doomed volunteer
+        # meets the work its point needs and no survivor takes it first (started all at once, a
+        # doomed volunteer slow to start under load found the 6 steps done by the survivors).
+        # 1. the points of stage 0's forward tasks, alone: no stage-1 volunteer, so no backward task
+        #    exists and each of them dies at its first task (a death hands its task to the next)
+        # 2. the stage-1 points and stage 0's gradient push: the pushing volunteer is stage 0's only
+        #    one, so it does the forwards the stage-1 points need, then their backward tasks
+        for wave in (
+            [p for p, stage in STAGE_OF_POINT.items() if stage == 0 and p != "mid_grad_push"],
+            [p for p, stage in STAGE_OF_POINT.items() if stage == 1 or p == "mid_grad_push"],
+        ):
+            names = [
+                live.swarm.start_volunteer(str(STAGE_OF_POINT[p]), name=f"die-{p}", extra=["--die-at", p]) for p in wave
+            ]
+            await live.wait(dead(names), 300, f"the kill points {wave} to be reached", poll=0.2)
         live.swarm.start_volunteers()
-
-        def all_died():
-            for name, (proc, _) in live.swarm.volunteers.items():
-                if name.startswith("die-") and proc.poll() is not None:
-                    died[name] = proc.returncode
-            return len(died) == len(KILL_POINTS)
-
-        await live.wait(all_died, 300, "every kill point to be reached", poll=0.2)
         return await live.finish(steps)
 
     statuses, state = live.run(scenario)
