@@ -98,6 +98,26 @@ def test_a_gradient_sum_message_that_does_not_fit_is_refused_and_changes_nothing
     asyncio.run(scenario())
 
 
+def checked_after_its_step(server, peer: str) -> None:
+    """The checks `server` makes of `peer`'s work of batch t begin once batch t is stepped here: its
+    work is in the batch's norm and update when it is judged, as when a check falls behind the steps
+    (a check that ends before the step catches a liar before its work takes effect: nothing to undo)."""
+    check_later = server._check_later
+
+    def after_the_step(t, check, *args):
+        if args[0] != peer:
+            return check_later(t, check, *args)
+
+        async def late(epoch, *rest):
+            while server.version <= t:  # (the step it waits for: nothing holds it for this check)
+                await asyncio.sleep(0.01)
+            await check(epoch, *rest)
+
+        return check_later(t, late, *args)
+
+    server._check_later = after_the_step
+
+
 def test_a_liar_banned_in_a_clipped_run_leaves_no_stale_norm_behind():
     """A volunteer's gradient pushes x100 enter the norms of the batches it worked on; its ban rolls
     those batches back, and the sums made before the rollback are dropped: the batches are clipped
@@ -110,6 +130,8 @@ def test_a_liar_banned_in_a_clipped_run_leaves_no_stale_norm_behind():
     for server in swarm.servers.values():  # no probation: its work may be applied before its check ends
         server.probation, server.verify_rate = 0, 1.0
     liar = next(w for w in swarm.workers if w.device_id == "u11")
+    for server in swarm.servers.values():
+        checked_after_its_step(server, "peer-u11")
 
     async def lie_from_now():  # (batches go to a stage's two volunteers in turn: it has batches left)
         liar.cheat = Cheat("scale", after=liar.stats["forward"] + liar.stats["backward"])
