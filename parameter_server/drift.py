@@ -22,6 +22,16 @@ at one server, for one kind of result, is at most ALPHA (a union bound). Differe
 the result's norm count for less than one (an honest re-run on the same device is within 1e-6), so a
 bias below about FLOOR is not caught; one at 3e-4 is caught at its 5th check with K = 16 (its Q_N is about K N).
 
+A lie along the result itself (every result scaled by 1 + s, s under the tolerance) is consistent too,
+but not along a fixed vector: the result changes from check to check, and so does the sign of its
+projection on each r_k. So a second sum looks along the result, in K blocks of coordinates (each
+coordinate's block drawn from the same secret):
+
+    u_k = <d_k, want_k> / (|want_k| max(|d_k|, FLOOR |want_k|))          T_k = sum of u_k
+
+|u_k| <= 1 (Cauchy-Schwarz), and honest rounding has no preferred sign along the result (rounding to
+nearest is unbiased), so T is tested as S is, each of the two at ALPHA / 2. A scale lie s >= FLOOR
+has u_k = 1 in every block: it is caught as soon as a fixed bias is.
 Pure arithmetic on tensors: no network, no state of the server's but its sums.
 """
 
@@ -36,7 +46,7 @@ import torch
 
 DIRECTIONS = 16
 FLOOR = 1e-5  # relative size under which a difference counts in proportion to FLOOR, not to itself
-ALPHA = 1e-6  # the most an honest volunteer's chance of a ban by this test, per server and kind of result
+ALPHA = 1e-6  # the most an honest volunteer's chance of a ban by the two tests, per server and kind of result
 CHUNK = 1 << 20  # elements of a direction drawn at once
 
 
@@ -86,18 +96,37 @@ class DriftTest:
         digest = hashlib.sha256(self.secret + f":{k}:{n}".encode()).digest()
         return int.from_bytes(digest[:8], "little") >> 1
 
+    def _generator(self, k: int, n: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self._seed(k, n))
+
     def project(self, d: torch.Tensor) -> torch.Tensor:
         """<d, r_k> for k = 1..K, the directions drawn in chunks (no K x n matrix is held)."""
         d = d.detach().flatten().double().cpu()
         n = d.numel()
         out = torch.zeros(self.k, dtype=torch.float64)
         for k in range(self.k):
-            gen = torch.Generator().manual_seed(self._seed(k, n))
+            gen = self._generator(k, n)
             for lo in range(0, n, CHUNK):
                 part = d[lo : lo + CHUNK]
                 signs = torch.randint(0, 2, (part.numel(),), generator=gen, dtype=torch.int8).double() * 2 - 1
                 out[k] += torch.dot(part, signs)
         return out
+
+    def along(self, d: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+        """u_k for k = 1..K: d's component along `want`, block by block (the blocks drawn in chunks)."""
+        d, want = d.detach().flatten().double().cpu(), want.detach().flatten().double().cpu()
+        n = d.numel()
+        dw, ww, dd = (torch.zeros(self.k, dtype=torch.float64) for _ in range(3))
+        gen = self._generator(self.k, n)  # (k = K: a stream of its own, apart from the directions')
+        for lo in range(0, n, CHUNK):
+            dp, wp = d[lo : lo + CHUNK], want[lo : lo + CHUNK]
+            block = torch.randint(0, self.k, (dp.numel(),), generator=gen)
+            dw.index_add_(0, block, dp * wp)
+            ww.index_add_(0, block, wp * wp)
+            dd.index_add_(0, block, dp * dp)
+        wn = ww.sqrt()
+        size = torch.maximum(dd.sqrt(), self.floor * wn).clamp_min(1e-30)
+        return torch.where(wn > 0, dw / (wn.clamp_min(1e-300) * size), torch.zeros_like(dw))
 
     def add(self, peer: str, kind: str, got: torch.Tensor, want: torch.Tensor) -> tuple[float, float] | None:
         """Add one check of `peer`'s result of `kind`; (Q_N, its bound) when Q_N passes the bound
@@ -108,27 +137,31 @@ class DriftTest:
             self.floor * float(torch.linalg.vector_norm(want.detach().flatten().double().cpu())),
             1e-30,
         )
-        v = self.project(d) / scale
+        v = torch.cat([self.project(d) / scale, self.along(d, want)])
         with self._lock:
-            s, n = self.sums.get((peer, kind), (torch.zeros(self.k, dtype=torch.float64), 0))
+            s, n = self.sums.get((peer, kind), (torch.zeros(2 * self.k, dtype=torch.float64), 0))
             s, n = s + v, n + 1
             self.sums[(peer, kind)] = (s, n)
             self.kinds.setdefault(peer, set()).add(kind)
-        q, b = float((s * s).sum()) / n, bound(n, self.k, self.alpha)
+        q, b = self.q(s, n), bound(n, self.k, self.alpha / 2)
         return (q, b) if q > b else None
+
+    def q(self, s: torch.Tensor, n: int) -> float:
+        """Q_N of a sum: the larger of the two tests' (along the directions, along the result)."""
+        return max(float((s[: self.k] ** 2).sum()), float((s[self.k :] ** 2).sum())) / n
 
     def suspicious(self, peer: str) -> bool:
         """Whether some sum of `peer`'s has drifted past twice its honest mean (Q_N > 2K): its work is
         then checked every time, so that a bias is caught while a rollback can still undo it."""
         with self._lock:
             mine = [self.sums[(peer, kind)] for kind in self.kinds.get(peer, ())]
-        return any(float((s * s).sum()) / n > 2 * self.k for s, n in mine)
+        return any(self.q(s, n) > 2 * self.k for s, n in mine)
 
     def suspects(self) -> set[str]:
         """Every peer `suspicious` holds for, in one pass over the sums (a server asks for each of
         its volunteers every maintenance tick: one `suspicious` call each would read every sum each)."""
         with self._lock:
-            return {p for (p, _), (s, n) in self.sums.items() if float((s * s).sum()) / n > 2 * self.k}
+            return {p for (p, _), (s, n) in self.sums.items() if self.q(s, n) > 2 * self.k}
 
     def forget(self, peer: str) -> None:
         with self._lock:

@@ -4,7 +4,8 @@ gradient, its parameter gradients and loss) is corrupted the same way; `relay` s
 gradient (x100) and hands the task back, so that no gradient push of its own would check it; `unsent`
 hands its forward tasks in as done without pushing their outputs; `support` adds noise under the
 checks' tolerance (5e-4 of the norm) on 200 coordinates of each gradient whose true value is zero (an
-embedding row of a token not in the batch: AdamW would move each by about a learning-rate step).
+embedding row of a token not in the batch: AdamW would move each by about a learning-rate step);
+`creep` scales every result by 1 + 1e-4, under the tolerance and along the result itself.
 Not a feature for users."""
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-KINDS = ("scale", "signflip", "noise", "zeros", "bias", "relay", "unsent", "support")
+KINDS = ("scale", "signflip", "noise", "zeros", "bias", "relay", "unsent", "support", "creep")
 SCALE = 1e4  # "multiplies its gradients by 1e4"
+CREEP = 1e-4  # "scales every result by 1 + 1e-4": under the tolerance, in the result's own direction
 BIAS = 3e-4  # "biases one coordinate by 3e-4 of its result's norm": under the checks' 1e-3 tolerance
 NOISE = 0.1  # Gaussian noise of 0.1 x the tensor's RMS: a relative L2 error of about 0.1
 RELAY = 100.0  # "sends its input gradient x100 ... then hands the task back"
@@ -49,6 +51,8 @@ class Cheat:
             return t * SCALE
         if self.kind == "relay":
             return t * RELAY
+        if self.kind == "creep":
+            return t * (1 + CREEP)
         if self.kind in ("unsent", "support"):
             return t
         if self.kind == "signflip":
@@ -87,4 +91,6 @@ class Cheat:
             return None
         if self.kind in ("bias", "relay", "unsent", "support"):
             return x
-        return {"scale": x * SCALE, "signflip": -x, "zeros": 0.0}.get(self.kind, x * (1 + NOISE))
+        return {"scale": x * SCALE, "signflip": -x, "zeros": 0.0, "creep": x * (1 + CREEP)}.get(
+            self.kind, x * (1 + NOISE)
+        )

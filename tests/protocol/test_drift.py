@@ -33,7 +33,7 @@ def test_honest_differences_of_any_size_never_ban():
             got = want + size * float(want.norm()) / 64 * torch.randn(want.shape, generator=gen)
             assert test.add(f"v{v}", "outputs", got, want) is None
         s, n = test.sums[(f"v{v}", "outputs")]
-        worst = max(worst, float((s * s).sum()) / n / bound(n))
+        worst = max(worst, test.q(s, n) / bound(n))
     assert ALPHA <= 1e-6 and worst < 1.0
 
 
@@ -61,9 +61,45 @@ def test_a_consistent_small_bias_is_banned_within_twenty_checks():
     assert not test.sums
 
 
+def test_a_result_scaled_under_the_tolerance_is_banned_within_twenty_checks():
+    """Every result scaled by 1 + 1e-4 (each check passes: 1e-4 < 1e-3): its difference is the result
+    itself, a new vector every check, which the random directions do not see; along the result it
+    points the same way every time."""
+    gen = torch.Generator().manual_seed(2)
+    test, caught_at = DriftTest(secret=b"server"), None
+    for i in range(1, 21):
+        want = _result(gen)
+        got = want * (1 + 1e-4) + 1e-7 * torch.randn(want.shape, generator=gen)
+        if test.add("liar", "gradients", got, want) is not None:
+            caught_at = i
+            break
+    assert caught_at is not None and caught_at <= 20, caught_at
+    s, n = test.sums[("liar", "gradients")]
+    assert float((s[:DIRECTIONS] ** 2).sum()) / n < 2 * DIRECTIONS  # (the directions alone: no drift)
+
+
+def test_rounding_in_proportion_to_each_value_never_bans():
+    """Honest rounding is relative to each value (a float's error scales with it) but has no sign:
+    differences of 1e-7 to 1e-4 of each coordinate, times a random sign, over 40 checks of 40
+    volunteers, stay far under the bound along the result as along the directions."""
+    gen = torch.Generator().manual_seed(3)
+    test, worst = DriftTest(secret=b"honest"), 0.0
+    for v in range(40):
+        size = [1e-7, 1e-6, 1e-5, 1e-4][v % 4]
+        for _ in range(40):
+            want = _result(gen)
+            got = want * (1 + size * torch.randn(want.shape, generator=gen))
+            assert test.add(f"v{v}", "outputs", got, want) is None
+        s, n = test.sums[(f"v{v}", "outputs")]
+        worst = max(worst, test.q(s, n) / bound(n))
+    assert worst < 0.5, worst
+
+
 def test_the_directions_are_the_servers_own():
     a, b = DriftTest(secret=b"a"), DriftTest(secret=b"b")
     d = torch.randn(1000)
     assert not torch.allclose(a.project(d), b.project(d))
     assert torch.allclose(a.project(d), DriftTest(secret=b"a").project(d))
+    w = torch.randn(1000)
+    assert not torch.allclose(a.along(d, w), b.along(d, w))  # (the blocks along the result too)
     assert DriftTest().secret != DriftTest().secret and DIRECTIONS % 2 == 0

@@ -225,6 +225,18 @@ def test_a_volunteer_biased_under_the_tolerance_is_banned_and_its_work_rolled_ba
     ), checks
 
 
+def test_a_volunteer_that_scales_its_results_under_the_tolerance_is_banned_and_its_work_rolled_back():
+    """Every result scaled by 1 + 1e-4 passes every L2 check (tolerance 1e-3), and its difference from
+    a re-run is the result itself, a new vector each check (the drift test's random directions do not
+    see it; the fuzzer found it). Along the result it points the same way every time: banned within a
+    few checks, its work rolled back, the run equal to the reference."""
+    steps = 8
+    state, swarm, bans = run_with_a_liar(steps, "u01", "creep")
+    assert list(bans) == ["peer-u01"] and "the same way check after check" in bans["peer-u01"], bans
+    assert all(n <= 20 for s in swarm.servers.values() for (p, _), (_, n) in s.drift.sums.items() if p == "peer-u01")
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+
+
 def test_an_input_gradient_sent_without_its_gradient_push_is_checked_on_its_own():
     """A last-stage volunteer sends its input gradient x100 (relayed to the previous stage at once) and
     hands the task back: the gradient push that would have checked it never comes, and the honest
