@@ -12,7 +12,11 @@ the run ends (no stall) and its parameters equal `peer reference`'s within 1e-6:
 adversary did either changed nothing or was caught and rolled back.
 
 Every contribution is checked here (`verify_rate` 1): the fuzzer looks for holes in what the protocol
-takes on a client's word, not for lies a sample missed (docs/trust.md, "What is not covered").
+takes on a client's word, not for lies a sample missed (docs/trust.md, "What is not covered"). Its lies
+are over the checks' tolerance: one under it passes its check and is caught only by the drift test,
+over about 5 checks, which a handful of such pushes in 8 steps may not reach; the run then ends a few
+1e-6 from the reference, which is that test's arithmetic, not a hole. Such liars keep it up, and are
+banned, in tests/swarm/test_trust.py (bias, creep, support) and tests/protocol/test_drift.py.
 Hypothesis draws up to FUZZ_STEPS actions an example (a few hundred to two thousand); CI runs
 FUZZ_EXAMPLES examples (about 3,500 actions, half a minute), `FUZZ_EXAMPLES=40 python -m pytest
 tests/swarm/test_adversary.py` many more (docs/stress.md)."""
@@ -184,7 +188,7 @@ class Adversary(RuleBasedStateMachine):
             fs = meta.get("frontal") or link.server.device_id
             self.act(self.links[fs].call("push_input_grads", base, [lie]))
 
-    @rule(i=st.integers(0, 7), scale=st.sampled_from([1e-4, 1.0, 100.0]))
+    @rule(i=st.integers(0, 7), scale=st.sampled_from([1e-2, 1.0, 100.0]))
     def push_wrong_gradients(self, i: int, scale: float):
         """The adversary's own pending sum, scaled, pushed as if honest (its tasks' tickets)."""
         if not self.me.pending:
