@@ -40,6 +40,7 @@ class DhtReader:
         self.known: dict[str, list[str]] = {}
         # when the last fetch read each record, {(stage, peer id): time}: its age is judged then
         self.seen_at: dict[tuple[int, str], float] = {}
+        self.read_times: dict[str, float] = {}  # DHT key -> when its last read ended
 
     def _get(self, key: str) -> Any:
         return self._get_many([key])[0]
@@ -50,6 +51,8 @@ class DhtReader:
         import concurrent.futures
 
         futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]
+        for key, future in zip(keys, futures):  # (each read's own end: the others may take longer)
+            future.add_done_callback(lambda _, key=key: self.read_times.__setitem__(key, time.time()))
         deadline = time.monotonic() + READ_TIMEOUT_S
         values = []
         for key, future in zip(keys, futures):
@@ -70,7 +73,7 @@ class DhtReader:
         """The records of stage k's value `raw` that verify (None: no value at all)."""
         if raw is None:
             return None
-        read_at = time.time()
+        read_at = self.read_times.get(stage_key(self.run_id, k), time.time())
         out = {}
         for peer, rec, problem in open_stage(self.trust, k, raw):
             if rec is None:
