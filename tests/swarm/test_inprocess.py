@@ -16,6 +16,7 @@ import torch
 from parameter_server.clients import DISCONNECT_GRACE, TokenBucket
 from parameter_server.updates import RETAIN
 from peer.node import LocalLink
+from peer.protocol.refusals import Refusal
 from peer.protocol.tasks import TaskId
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import TICKETS, InProcessSwarm, make_run
@@ -76,12 +77,15 @@ def test_a_sum_that_overlaps_another_clients_push_in_part_is_rerun_not_lost():
         await a.register()  # what the workers finished goes with their next heartbeat (or take)
         await b.register()
         assert fs.pool.is_done(held[1]) and fs.pool.lease_of(held[0]) is None  # T1 queued again
+        # A's conflicts, one a server, and no other (the training below may make more, handled the
+        # same way, when timing has B back up a task A holds past the typical time: A is unproven
+        # here, and under load its tasks take longer than B's)
+        assert sum(w.stats["conflicts"] for w in swarm.workers) == len(swarm.servers)
         return await swarm.train(timeout=120)
 
     state = asyncio.run(scenario())
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
     assert {s.shard.microbatches_applied for s in swarm.servers.values()} == {steps * run.micro_batches}
-    assert sum(w.stats["conflicts"] for w in swarm.workers) == len(swarm.servers)
 
 
 @pytest.mark.parametrize(
@@ -137,11 +141,18 @@ def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_r
                 await LocalLink(server, sender).call(method, meta)
                 answers.append(None)
             except RemoteError as e:
-                answers.append(str(e))
+                answers.append((e.refusal, str(e)))
         return answers, server.epoch
 
     answers, epoch = asyncio.run(refused())
     assert epoch == 1
+    assert [code for code, _ in answers] == [
+        Refusal.STALE_EPOCH,
+        Refusal.FUTURE_EPOCH,
+        Refusal.BAD_REQUEST,
+        Refusal.BAD_REQUEST,
+    ], answers
+    answers = [text for _, text in answers]
     assert "stale epoch 0" in answers[0] and "epoch 2 is not adopted" in answers[1], answers
     # both refused by the servicer's own check of the method table's caller column, before the handler
     assert "not a server of this run" in answers[2] and "not a server of this run" in answers[3], answers
