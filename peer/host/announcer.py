@@ -11,8 +11,8 @@ from typing import Callable
 
 from parameter_server.layout import RunLayout
 from peer.protocol import records
-from peer.protocol.aio import check_cancelled
 from peer.protocol.records import JOINING_PERIOD
+from peer.protocol.retry import Attempts
 
 logger = logging.getLogger("hivepipe.serve")
 
@@ -90,8 +90,10 @@ class Announcer:
         return all(d in self.directory.known for s in self.server.layout.stages for d in s.servers)
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            check_cancelled()
+        def pause() -> float:  # until it has seen every server, quickly: the run starts once all have
+            return self.period if self.online.is_set() else min(self.period, JOINING_PERIOD)
+
+        async for _ in Attempts(pause=pause, stop=stop):
             try:
                 why = await self.failed_over_meanwhile()
                 if why is not None:
@@ -111,8 +113,3 @@ class Announcer:
                 logger.debug("announce failed: %r", e)
             for hook in self.on_refresh:
                 hook()
-            try:  # until it has seen every server, quickly: the run starts once all have
-                wait = self.period if self.online.is_set() else min(self.period, JOINING_PERIOD)
-                await asyncio.wait_for(stop.wait(), wait)
-            except asyncio.TimeoutError:
-                pass

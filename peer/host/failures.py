@@ -14,7 +14,7 @@ from typing import Awaitable, Callable
 
 from parameter_server.layout import halt_reason
 from peer.protocol import records
-from peer.protocol.aio import check_cancelled
+from peer.protocol.retry import Attempts
 
 logger = logging.getLogger("hivepipe.serve")
 
@@ -97,13 +97,8 @@ class FailureDetector:
         """Looks once a period, from the moment the run is online; apart from the announcer, whose
         records must not wait for the calls of a liveness check or a failover."""
         await online.wait()
-        while not stop.is_set():
-            check_cancelled()
+        async for _ in Attempts(pause=self.period, stop=stop):
             try:
                 await self.check()
             except Exception as e:
                 logger.info("%s: checking for lost servers failed: %r", self.device, e)
-            try:
-                await asyncio.wait_for(stop.wait(), self.period)
-            except asyncio.TimeoutError:
-                pass

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 
-from peer.protocol.aio import check_cancelled
+from peer.protocol.retry import Attempts
 from peer.runtime import trim_heap
 
 logger = logging.getLogger("hivepipe.serve")
@@ -48,10 +48,5 @@ class Maintenance:
                 logger.debug("%s: reading the node's connections failed: %r", self.device, e)
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            check_cancelled()
+        async for _ in Attempts(pause=self.period, stop=stop):
             await self.once()
-            try:
-                await asyncio.wait_for(stop.wait(), self.period)
-            except asyncio.TimeoutError:
-                pass

@@ -27,6 +27,7 @@ from peer.host.announcer import Announcer
 from peer.host.failures import PROBE_S, FailureDetector
 from peer.host.maintenance import Maintenance
 from peer.host.state import PeerState, StateLine
+from peer.protocol.retry import Attempts
 from peer.runtime import Interrupted, freeze_startup_objects, interruptible, link_emulator, until_stopped
 
 logger = logging.getLogger("hivepipe.serve")
@@ -626,7 +627,7 @@ class ServerHost:
         all of them), for as long as it takes (the state line, said by `_look`, names them once a
         minute); False if stopped meanwhile, also when fenced (failed over while it was away)."""
         devices = self.server.st.servers
-        while not stop.is_set():
+        async for _ in Attempts(pause=0.5, stop=stop):
             missing = self.missing_servers(devices)
             if not missing:
                 return True
@@ -634,10 +635,6 @@ class ServerHost:
                 await self.directory.refresh()
             except Exception as e:
                 logger.debug("%s: reading the run's servers failed: %r", self.device, e)
-            try:
-                await asyncio.wait_for(stop.wait(), 0.5)
-            except asyncio.TimeoutError:
-                pass
         return False
 
     async def _catch_up_epoch(self, target: int, stop: asyncio.Event) -> None:

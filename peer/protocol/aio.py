@@ -5,7 +5,8 @@ an error of its own: `asyncio.wait_for` may hand back the inner call's result or
 happen at once, and a stream closed under a cancelled call reports a closed connection. A loop that
 catches errors and tries again (a worker's take, an announcer's round, a delivery retried) then goes
 on for ever, and whoever cancelled it (a server's stop on SIGTERM, the event loop's own shutdown)
-waits for ever. Every such loop calls `check_cancelled()` once a turn."""
+waits for ever. Every such loop calls `check_cancelled()` once a turn: `Attempts` (retry.py), which
+the loops that try again or look every period are built on, does it before each attempt."""
 
 from __future__ import annotations
 

@@ -8,9 +8,10 @@ launcher (the assembled model) all fetch this way."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Awaitable, Callable
+
+from peer.protocol.retry import Attempts
 
 # the longest a `get_params` may wait on its server for the version it asks for (its `wait` field)
 MAX_PARAMS_WAIT = 5.0
@@ -34,15 +35,15 @@ async def fetch_slot(
     answer of the first `get_params` that is not `retry`. Each asks the host to wait for the version
     for what is left of `patience` (at most MAX_PARAMS_WAIT). `digest_only`: the answer carries the
     version's digest (ShardState.digest) instead of its parameters."""
-    deadline = clock() + patience
-    while True:
-        wait = min(max(deadline - clock(), 0.0), MAX_PARAMS_WAIT)
+    attempts = Attempts(within=patience, pause=poll, clock=clock)
+    async for attempt in attempts:
+        wait = min(max(attempts.deadline - clock(), 0.0), MAX_PARAMS_WAIT)
         ask = {"version": version, "slot": slot, "wait": wait}
         meta, tensors = await call("get_params", dict(ask, digest_only=True) if digest_only else ask)
         if not meta.get("retry"):
             return meta, tensors
-        if clock() >= deadline:
+        if attempt.last:
             raise NotReady(
                 f"{host} holds slot {slot} at version {meta.get('version')}, not {version} (asked for {patience:.1f} s)"
             )
-        await asyncio.sleep(poll)
+    raise AssertionError("unreachable: the last attempt returns or raises")
