@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from parameter_server.updates import RETAIN
+from peer.protocol.refusals import Refusal
 from peer.protocol.tasks import TaskId
 from peer.protocol.wire import PayloadError, check_tensor, rows_field
 from peer.protocol.wire import field as mfield
@@ -77,7 +78,7 @@ class Checks:
 
     def _not_applied(self, t: int) -> None:
         if t < self.version - (RETAIN - 1) and (self.reflow_from is None or t < self.reflow_from):
-            raise PayloadError(f"batch {t} is already applied (version {self.version})")
+            raise PayloadError(f"batch {t} is already applied (version {self.version})", Refusal.ALREADY_APPLIED)
 
     def _activation_check(self, x: torch.Tensor, n: int, name: str, tokens: bool) -> None:
         if tokens:

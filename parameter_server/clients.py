@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from parameter_server.leases import carried_completes
 from peer.protocol.leases import MAX_TICKET
+from peer.protocol.refusals import Refusal
 from peer.protocol.wire import PayloadError
 from peer.protocol.wire import field as mfield
 
@@ -18,19 +19,20 @@ LEASE_IN_FLIGHT = 5.0
 # a client that this server's node has had no connection to for this long (in three reads of the
 # connections, peer.host.maintenance.CONNECTION_READ_PERIOD apart) and that has not called meanwhile has left:
 # a SIGKILLed volunteer's connection closes at once, so its leases go back without waiting out
-# --client-timeout of silence. Was 1.0 s over reads 0.5 s apart: in a soak the servers
-# dropped a killed holder 2.1-2.4 s after the kill, and the one stall over the goal (7.6 s) was such
-# a holder's; no live client was dropped for a closed connection in that soak's 1,244 departures
+# --client-timeout of silence. Twice this grace (1.0 s) dropped a killed holder only 2.1-2.4 s after
+# the kill, long enough to be a soak's longest stall; at this one, no live client was dropped for a
+# closed connection over a soak's 1,244 departures
 DISCONNECT_GRACE = 0.5
 # a gap this long between two of this server's silence checks (every 0.2 s) is the server's own
 # stall (its event loop busy, its process starved of CPU), not its clients' silence: their
-# heartbeats meanwhile wait unread, so the gap does not count against them (seen at the start of
-# a soak: a server whose loop stalled for 3 s dropped three clients as "silent" at once)
+# heartbeats meanwhile wait unread, so the gap does not count against them (else a server whose loop
+# stalls for 3 s drops every client it has as "silent" at once)
 OWN_STALL = 1.0
-# the refusal of a call from a client this server does not know (never registered, dropped, or
-# registered before this server restarted): the client registers and tries again
+# the words of the refusal of a call from a client this server does not know (never registered,
+# dropped, or registered before this server restarted; code Refusal.NOT_REGISTERED: the client
+# registers and tries again), and of one not on the allow list (Refusal.NOT_ALLOWED: final)
 NOT_REGISTERED = "is not registered for stage"
-NOT_ALLOWED = "is not on this run's --volunteers-allow list"  # (a refusal a worker takes as final)
+NOT_ALLOWED = "is not on this run's --volunteers-allow list"
 # a client whose leases run out unanswered this many times in a row is dropped (its leases go back)
 # and may register again only after STRUCK_OUT_S, doubled at each further drop (a hoarder's cost)
 STRIKES_TO_DROP = 3
@@ -86,7 +88,7 @@ class Clients:
         if stage != self.stage:
             raise PayloadError(f"this server serves stage {self.stage}, not {stage}")
         if self.volunteers_allow is not None and sender not in self.volunteers_allow and not self._is_server(sender):
-            raise PayloadError(f"peer {sender} {NOT_ALLOWED}")
+            raise PayloadError(f"peer {sender} {NOT_ALLOWED}", Refusal.NOT_ALLOWED)
         holding = mfield(meta, "holding", list, optional=True)
         if holding is not None and (
             len(holding) > 4 * self.run.micro_batches * self.rows + 8
@@ -126,8 +128,8 @@ class Clients:
             if holding and self.requeue:
                 # a client new here that holds tasks of ours: this server restarted (its leases are
                 # not in its log, so their tasks were queued again) or dropped it as silent. It goes
-                # on with them; leased back to it, nobody else does them a second time (seen in the
-                # a soak after a 1 s restart: a worker took such tasks again and summed them twice);
+                # on with them; leased back to it, nobody else does them a second time (after a 1 s
+                # restart, a worker would otherwise take such tasks again and sum them twice);
                 # before its carried completions, which this server takes only from a task's holder
                 proven = self._proven_leases(sender, holding, tickets or [None] * len(holding))
                 adopted = [t for t in proven if self.pool.adopt(sender, t) is not None]
@@ -263,6 +265,6 @@ class Clients:
             return ClientInfo("replay", 1.0, self.clock())
         c = self.clients.get(sender)
         if c is None:
-            raise PayloadError(f"sender {sender[-8:]} {NOT_REGISTERED} {self.stage}")
+            raise PayloadError(f"sender {sender[-8:]} {NOT_REGISTERED} {self.stage}", Refusal.NOT_REGISTERED)
         c.last_seen = self.clock()
         return c

@@ -56,7 +56,7 @@ class Leases:
             if self.clients[sender] is not info or info.takes_lost != lost:
                 # the client said this take's answer never reached it (register with 'take_lost')
                 # while it still waited here: a lease now would be answered into a closed stream
-                # and wait for a heartbeat to be re-queued (seen in a soak: 5 s stalls)
+                # and wait for a heartbeat to be re-queued (a stall of a heartbeat period or more)
                 self.counters["takes_dropped"] = self.counters.get("takes_dropped", 0) + 1
                 logger.info(
                     "%s: a take by %s that it gave up as lost was still waiting: dropped", self.device_id, sender[-8:]

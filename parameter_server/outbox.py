@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from peer.protocol.aio import check_cancelled
 from peer.protocol.methods import EPOCHED
+from peer.protocol.refusals import Refusal
+from peer.protocol.retry import Attempts, Backoff
 from peer.protocol.wire import RemoteError
 
 logger = logging.getLogger("hivepipe.server")
@@ -32,8 +33,9 @@ class Outbox:
 
     async def _deliver_loop(self, device: str, method: str, meta: dict, tensors: list, attempts: int) -> bool:
         """True when `device` took the message; False when it is not owed any more or not taken."""
-        delay = 0.05
-        for _ in range(attempts):
+        # (Attempts stops when the server is stopping, also when a call turned the cancellation into an
+        # error of its own: else the retries, up to ~10 minutes, would keep the process alive)
+        async for _ in Attempts(tries=attempts, pause=Backoff(0.05, 1.0)):
             if not any(device in st.servers for st in self.layout.stages):
                 return False  # failed over: whatever it was owed is run again in the new epoch
             link = self.connector(device) if self.connector else None
@@ -42,15 +44,10 @@ class Outbox:
                     await link.call(method, meta, tensors, timeout=30.0)
                     return True
                 except RemoteError as e:
-                    if "already applied" in str(e) or "stale epoch" in str(e):
+                    if e.refusal in (Refusal.ALREADY_APPLIED, Refusal.STALE_EPOCH):
                         return False
                     logger.debug("%s: %s to %s refused: %s", self.device_id, method, device, e)
                 except Exception as e:
                     logger.debug("%s: %s to %s failed: %r", self.device_id, method, device, e)
-            # cancelled (the server is stopping) while a call turned the cancellation into an error of
-            # its own: stop here, else the retries (up to ~10 minutes) keep the process alive
-            check_cancelled()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
         logger.warning("%s: gave up delivering %s to %s", self.device_id, method, device)
         return False

@@ -50,10 +50,11 @@ from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Veri
 from peer.protocol import methods, session
 from peer.protocol.leases import LeaseTickets
 from peer.protocol.links import LinkEmulator
+from peer.protocol.refusals import Refusal
 from peer.protocol.tasks import batch_of
 from peer.protocol.traffic import CALLS, SESSION_CALLS, TRAFFIC, VALUES
 from peer.protocol.trust import Remembered
-from peer.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, pack, unpack
+from peer.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, pack, refusal_answer, unpack
 from peer.protocol.wire import field as mfield
 from taskpool import TaskPool, TaskPoolError
 
@@ -322,7 +323,7 @@ class StageServer(
             )
         except (PayloadError, StreamCut) as e:
             logger.debug("%s: %s request from %s refused: %s", self.device_id, method, peer[-8:], e)
-            rmeta, rtensors = {"error": str(e)}, []
+            rmeta, rtensors = refusal_answer(str(e), getattr(e, "refusal", Refusal.BAD_REQUEST)), []
         else:
             VALUES[method] += sum(t.numel() for t in tensors)
             rmeta, rtensors = await self.handle(method, meta, tensors, peer)
@@ -349,10 +350,10 @@ class StageServer(
         except (PayloadError, TaskPoolError) as e:
             self.counters["payload_errors"] += 1
             logger.info("%s rejected %s from %s: %s", self.device_id, method, sender[-8:], e)
-            return {"error": str(e)}, []
+            return refusal_answer(str(e), getattr(e, "refusal", Refusal.BAD_REQUEST)), []
         except Exception as e:  # a bug: answer, log, keep serving
             logger.exception("%s failed on %s", self.device_id, method)
-            return {"error": f"internal error: {type(e).__name__}: {e}"}, []
+            return refusal_answer(f"internal error: {type(e).__name__}: {e}", Refusal.INTERNAL), []
         result = result if isinstance(result, tuple) else (result, [])
         if (
             self.log is not None
@@ -368,10 +369,13 @@ class StageServer(
         if epoch < self.epoch:
             raise PayloadError(
                 f"stale epoch {epoch}: the run is at layout epoch {self.epoch} since a failover; "
-                "fetch the layout again (get_layout)"
+                "fetch the layout again (get_layout)",
+                Refusal.STALE_EPOCH,
             )
         if epoch > self.epoch:
-            raise PayloadError(f"epoch {epoch} is not adopted here yet (this server is at epoch {self.epoch})")
+            raise PayloadError(
+                f"epoch {epoch} is not adopted here yet (this server is at epoch {self.epoch})", Refusal.FUTURE_EPOCH
+            )
 
     def _device_of(self, peer: str) -> str | None:
         c = self.clients.get(peer)

@@ -29,7 +29,6 @@ import functools
 import logging
 import os
 import random
-import time
 
 import torch
 
@@ -40,13 +39,15 @@ from peer.model.precision import compute_dtype, rounded
 from peer.model.task_math import backward_rows, forward_rows
 from peer.model.update_rule import version_for_batch
 from peer.protocol.params import NotReady, fetch_slot
+from peer.protocol.refusals import Refusal
+from peer.protocol.retry import Attempts
 from peer.protocol.tasks import TaskId
 from peer.protocol.wire import PayloadError, RemoteError, roundtrip, rows_field
 from peer.protocol.wire import field as mfield
 
 logger = logging.getLogger("hivepipe.server")
 
-BANNED = "banned from this run"  # the refusal's wording, which a worker recognises (peer/volunteer/worker.py)
+BANNED = "banned from this run"  # (the refusal's words for a person; its code is Refusal.BANNED)
 # Relative L2 distance above which a re-run disagrees. Honest re-runs differ by summation order only:
 # scripts/bench_trust.py measures at most ~1e-6 on one CPU; CPU against GPU (TF32 off) stays below 1e-4.
 TOLERANCE = 1e-3
@@ -255,7 +256,7 @@ class Verification:
 
     def _banned_check(self, sender: str) -> None:
         if sender in self.banned:
-            raise PayloadError(f"peer {sender[-8:]} is {BANNED}: {self.banned[sender]}")
+            raise PayloadError(f"peer {sender[-8:]} is {BANNED}: {self.banned[sender]}", Refusal.BANNED)
 
     def _note_contribution(self, sender: str, t: int, shared_by: int = 1) -> bool:
         """Remember that `sender` (a volunteer) sent work of batch t; True if this one is to be checked.
@@ -348,7 +349,7 @@ class Verification:
         if device == self.device_id:
             answer, tensors = await self.handle(method, dict(meta), [], self.peer_id)
             if "error" in answer:
-                raise RemoteError(answer["error"])
+                raise RemoteError.of(f"{device}.{method}", answer)
             return answer, tensors
         link = self.connector(device) if self.connector is not None else None
         if link is None:
@@ -656,15 +657,14 @@ class Verification:
         """_server_call, tried again for up to BAN_PATIENCE seconds while `device` cannot be reached
         (a ban early in a run met a coordinator whose directory did not list a server of another stage
         yet: the ban's epoch was never made, and the liar's work stayed applied)."""
-        deadline = time.monotonic() + BAN_PATIENCE
-        while True:
+        async for attempt in Attempts(f"{self.device_id}: {method} to {device}", within=BAN_PATIENCE, log=logger):
             try:
                 return await self._server_call(device, method, meta)
             except (ConnectionError, asyncio.TimeoutError) as e:
-                if time.monotonic() >= deadline:
+                if attempt.last:
                     raise
-                logger.info("%s: %s to %s: %r; trying again", self.device_id, method, device, e)
-                await asyncio.sleep(0.5)
+                attempt.failed(e)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _ban_reported(self, peer: str, why: str) -> None:
         try:

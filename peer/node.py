@@ -137,8 +137,8 @@ def start_dht(
     kwargs["identity_path"] = identity_path
     # one DHT call to a peer (a ping, a find, a store) waits at most DHT_CALL_TIMEOUT: the wait for
     # the initial peers is `timeout` (the loop in _start), never every later call's, or a frozen or
-    # vanished peer holds each read and store that reaches it that long (it was 30 s: announcements
-    # expired before they were stored, and a failover took 45 s instead of 6)
+    # vanished peer holds each read and store that reaches it that long (at 30 s, announcements expire
+    # before they are stored, and a failover takes about 45 s instead of 6)
     kwargs["wait_timeout"] = DHT_CALL_TIMEOUT
     if timeout is not None and initial_peers:
         kwargs["bootstrap_timeout"] = min(timeout, 30.0)
@@ -294,7 +294,7 @@ def stop_dht(dht: DHT, timeout: float = 5.0) -> None:
     """Shut the DHT node's process down, and SIGKILL it if it is still there after `timeout`: a DHT
     process forked from inside a running event loop inherits that loop's SIGTERM handler, so
     hivemind's fallback (terminate) does not stop it, and the interpreter's exit would wait for it
-    forever (a launcher was seen hanging so, after its servers had crashed)."""
+    forever (a launcher whose servers crashed would hang so)."""
     import signal
 
     try:
@@ -706,7 +706,7 @@ class P2PLink:
         except asyncio.TimeoutError:
             raise asyncio.TimeoutError(f"{self.device}.{method}: no complete answer within {timeout:.0f} s") from None
         if "error" in meta_r:
-            raise RemoteError(f"{self.device}.{method}: {meta_r['error']}")
+            raise RemoteError.of(f"{self.device}.{method}", meta_r)
         return meta_r, tensors_r
 
 
@@ -724,7 +724,7 @@ class LocalLink:
             method, dict(meta), [t.detach().clone() for t in tensors], self.sender
         )
         if "error" in meta_r:
-            raise RemoteError(f"{self.device}.{method}: {meta_r['error']}")
+            raise RemoteError.of(f"{self.device}.{method}", meta_r)
         return meta_r, tensors_r
 
 

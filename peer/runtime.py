@@ -180,8 +180,8 @@ def quiet_peer_departures(loop: asyncio.AbstractEventLoop) -> None:
     """Make `loop` log, at debug level and not as an ERROR with a traceback, the two reports that a
     peer's connection closing leaves behind in hivemind's stream handler (p2p_daemon._handle_stream):
     - a cancellation: hivemind cancels the handler when the connection closes, and asyncio's stream
-      callback reports it as "Exception in callback ... CancelledError" (seen in a server's log when a
-      failed-over server that came back was refused and left);
+      callback reports it as "Exception in callback ... CancelledError" (a failed-over server that
+      comes back, is refused and leaves, closes such connections);
     - an IncompleteReadError in "Task exception was never retrieved": when the handler's processing
       task and its read of the next message finish in the same pass, hivemind cancels the finished
       read, which leaves its exception (the connection closed mid-read) unretrieved, and asyncio

@@ -21,6 +21,8 @@ import time
 from peer.errors import UsageError
 from peer.host.state import PeerState, StateLine
 from peer.protocol.aio import check_cancelled
+from peer.protocol.refusals import Refusal
+from peer.protocol.retry import Attempts
 from peer.runtime import freeze_startup_objects, interruptible, link_emulator, until_stopped
 
 logger = logging.getLogger("hivepipe.join")
@@ -36,7 +38,8 @@ class VolunteerSession:
         self.peer_id = ""
         self.done = {"forward": 0, "backward": 0, "recompute_avoided": 0}
         self.stages_worked: list[int] = []
-        self.banned: str | None = None
+        self.banned: str | None = None  # a refusal for good, its words and its code (worker.StageWorker)
+        self.refusal = None
         self.over = False  # the run reached its last step
         self.worker = None  # the StageWorker of the stage it works on now (None between stages)
         self.halt = None
@@ -49,8 +52,7 @@ class VolunteerSession:
         and once a minute; a network failure inside `check` is waiting too, never an exit."""
         from peer.protocol.trust import AmbiguousRunKey
 
-        while not stop.is_set():
-            check_cancelled()
+        async for _ in Attempts(pause=poll, stop=stop):
             try:
                 value = await check()
             except UsageError:
@@ -63,10 +65,6 @@ class VolunteerSession:
             if value is not None:
                 return value
             self.state.say(PeerState.WAITING, f"for {what}")
-            try:
-                await asyncio.wait_for(stop.wait(), poll)
-            except asyncio.TimeoutError:
-                pass
         return None
 
     # ---- start and find the run ----------------------------------------------------------------
@@ -246,16 +244,11 @@ class VolunteerSession:
         minute while it stays stopped, and when it goes on; set `over` at its last step. The
         directory (and the servers' addresses, which a restarted server may have changed) stays
         fresh meanwhile."""
-        while not stop.is_set():
-            check_cancelled()
+        async for _ in Attempts(pause=2 * self.run_cfg.announce_period, stop=stop):
             await self.look_at_run()
             if self.over:
                 over.set()
                 return
-            try:
-                await asyncio.wait_for(stop.wait(), 2 * self.run_cfg.announce_period)
-            except asyncio.TimeoutError:
-                pass
 
     working_on = ""
 
@@ -321,16 +314,11 @@ class VolunteerSession:
             leave.set()
 
         async def announce():
-            while not leave.is_set():
-                check_cancelled()
+            async for _ in Attempts(pause=run.announce_period, stop=leave):
                 try:
                     await self._publish(stage, worker, "online")
                 except Exception as e:
                     logger.debug("announce failed: %r", e)
-                try:
-                    await asyncio.wait_for(leave.wait(), run.announce_period)
-                except asyncio.TimeoutError:
-                    pass
 
         async def pause(seconds: float) -> bool:
             """Sleep; True if we are leaving meanwhile."""
@@ -394,7 +382,7 @@ class VolunteerSession:
             self.done[kind] += worker.stats[kind]
         self.stages_worked.append(stage)
         if worker.banned is not None:
-            self.banned = worker.banned
+            self.banned, self.refusal = worker.banned, worker.refusal
             return None
         if worker.over:  # a server of its stage answered that the run is over
             self.over = True
@@ -420,7 +408,6 @@ class VolunteerSession:
 
         import torch
 
-        from parameter_server.verify import BANNED
         from peer.node import HaltNotice, close_replica, stop_dht
 
         torch.set_num_threads(1)
@@ -450,7 +437,7 @@ class VolunteerSession:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
             if self.banned is not None:  # a refusal that will not change: said once, exit 3
-                what = "banned from run" if BANNED in self.banned else "refused by run"
+                what = "banned from run" if self.refusal is Refusal.BANNED else "refused by run"
                 self.state.say(
                     PeerState.LEAVING,
                     f"{what} {run.run_id} as {self.device} ({self.peer_id}) after {self.done['forward']} forward "

@@ -5,7 +5,7 @@ travel in chunks.
 Every RPC of the project is a stream-in, stream-out hivemind handler (ServicerBase `rpc_*`).
 The first message carries the msgpack metadata; tensors follow as hivemind `Tensor` parts
 (split by `split_for_streaming`). An answer whose metadata holds `"error"` is a refusal: the caller
-raises `RemoteError` with the server's message.
+raises `RemoteError` with the server's message and its code (`"refusal"`, peer/protocol/refusals.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
+
+from peer.protocol.refusals import Refusal
 
 # hivemind's 8-bit codecs (hivemind.compression.quantization, our --compress 8bit) call torch's
 # quantized-tensor functions and a numpy conversion that warn at every use under torch 2.13 and numpy 2
@@ -61,7 +63,20 @@ def bound_messages(limit: int = MAX_MESSAGE_BYTES) -> None:
 
 
 class PayloadError(ValueError):
-    """A request that does not fit what the handler expects (shape, dtype, NaN, unknown id, size...)."""
+    """A request that does not fit what the handler expects (shape, dtype, NaN, unknown id, size...),
+    or that the server refuses for another reason, named by `refusal` (peer/protocol/refusals.py)."""
+
+    def __init__(self, message: str, refusal: Refusal = Refusal.BAD_REQUEST):
+        super().__init__(message)
+        self.refusal = refusal
+
+    def answer(self) -> dict:
+        """The refusal as an answer's metadata: its text for a person, its code for the caller."""
+        return refusal_answer(str(self), self.refusal)
+
+
+def refusal_answer(text: str, refusal: Refusal = Refusal.BAD_REQUEST) -> dict:
+    return {"error": text, "refusal": refusal.value}
 
 
 class StreamCut(ConnectionError):
@@ -76,7 +91,16 @@ class StreamCut(ConnectionError):
 
 
 class RemoteError(RuntimeError):
-    """The remote peer refused the call; the message is the remote's explanation."""
+    """The remote peer refused the call; the message is the remote's explanation, `refusal` its code."""
+
+    def __init__(self, message: str, refusal: Refusal = Refusal.BAD_REQUEST):
+        super().__init__(message)
+        self.refusal = refusal
+
+    @classmethod
+    def of(cls, where: str, answer: dict) -> "RemoteError":
+        """The refusal `answer` (metadata holding "error") of the call `where`."""
+        return cls(f"{where}: {answer['error']}", Refusal.of(answer.get("refusal")))
 
 
 def encode_meta(meta: dict) -> bytes:

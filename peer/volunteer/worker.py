@@ -23,16 +23,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parameter_server.clients import NOT_ALLOWED, NOT_REGISTERED
 from parameter_server.layout import owners
 from parameter_server.leases import MAX_COMPLETE
 from parameter_server.shard import assign_shards
-from parameter_server.verify import BANNED
 from peer.model.precision import compute_dtype, rounded
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
 from peer.model.transformer import StageSlice, build_slice, slice_from_state
 from peer.protocol.aio import check_cancelled
 from peer.protocol.params import NotReady, fetch_slot
+from peer.protocol.refusals import Refusal
+from peer.protocol.retry import Attempts
 from peer.protocol.wire import RemoteError, StreamCut, wait_to_redial
 from peer.volunteer.faults import KILL_POINTS, die_here
 from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, hold_ends, owed_after
@@ -89,9 +89,6 @@ class Pending:
         if loss is not None:
             self.loss_sum = (self.loss_sum or 0.0) + loss
 
-
-# refusals that will not change however often the worker asks: it says so once and stops (peer join exits 3)
-FINAL_REFUSALS = (BANNED, NOT_ALLOWED)
 
 # the requests a task in hand needs (its parameters and inputs, handing its results in), retried while
 # their server is away for up to AWAY_GRACE_S (a crashed server restarted by its supervisor answers
@@ -206,7 +203,8 @@ class StageWorker:
         self.cheat = cheat  # peer/volunteer/cheat.py: a lying volunteer, for tests of the servers' checks
         # why the run refuses this worker for good (its work failed a check; it is not on a closed run's
         # list): such a refusal will not change, so the worker stops rather than ask again
-        self.banned: str | None = None
+        self.banned: str | None = None  # the words of a refusal for good (banned, not allowed), once heard
+        self.refusal: Refusal | None = None  # and its code
         # a server of the stage answered that the run is over (every server of the run applied its
         # last step): nothing more will come, and the worker stops (`over`)
         self.over = False
@@ -236,11 +234,11 @@ class StageWorker:
                     method, dict(meta, epoch=self.epoch if epoch is None else epoch), list(tensors), timeout=timeout
                 )
             except RemoteError as e:
-                if "stale epoch" in str(e):
+                if e.refusal is Refusal.STALE_EPOCH:
                     await self.refresh_layout(link)
                 elif self._refused_for_good(e):
                     pass
-                elif NOT_REGISTERED in str(e) and not registered:
+                elif e.refusal is Refusal.NOT_REGISTERED and not registered:
                     # the server does not know this worker (it restarted and forgot its clients, or
                     # dropped it): a refused call changed nothing, so register there and try once more
                     # instead of dropping the task
@@ -378,51 +376,40 @@ class StageWorker:
             return None
 
     def _refused_for_good(self, e: Exception) -> bool:
-        """Whether `e` is a refusal that will not change (FINAL_REFUSALS); the first one is kept as
-        `banned` and said once."""
-        if not isinstance(e, RemoteError) or not any(why in str(e) for why in FINAL_REFUSALS):
+        """Whether `e` is a refusal that will not change (Refusal.final); the first one is kept as
+        `banned` (its words) and `refusal` (its code) and said once."""
+        if not isinstance(e, RemoteError) or not e.refusal.final:
             return False
         if self.banned is None:
-            self.banned = str(e)
+            self.banned, self.refusal = str(e), e.refusal
             logger.error("%s: %s", self.device_id, e)
         return True
 
     async def heartbeat_loop(self, stop: asyncio.Event) -> None:
         """A heartbeat to each server of the stage on its own beat: a server slow to answer (its
         loop busy, or restarting) must not delay the others', which would count the delay as
-        silence (seen at the start of a soak, when all were sent and awaited together).
+        silence (sent and awaited together, one slow answer delays every beat).
         The stage's servers are looked up every beat (a failover changes them)."""
         beats: dict[str, asyncio.Future] = {}
         try:
-            while not stop.is_set():
-                check_cancelled()
+            async for _ in Attempts(pause=self.heartbeat, stop=stop):
                 devices = {d for d in self.st.servers if d in self.links}
                 for d in [d for d, b in beats.items() if d not in devices or b.done()]:
                     beats.pop(d).cancel()
                 for d in sorted(devices - beats.keys()):
                     beats[d] = asyncio.ensure_future(self._beat(d, stop))
-                await self._pause(stop, self.heartbeat)
         finally:
             for b in beats.values():
                 b.cancel()
             await asyncio.gather(*beats.values(), return_exceptions=True)
 
     async def _beat(self, device: str, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            check_cancelled()
+        async for _ in Attempts(pause=self.heartbeat, stop=stop):
             link = self.links.get(device)
             if link is None or device not in self.st.servers:
                 return
             self._forget_tickets()
             await self._heartbeat(device)
-            await self._pause(stop, self.heartbeat)
-
-    @staticmethod
-    async def _pause(stop: asyncio.Event, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(stop.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass
 
     async def run_loop(self, stop: asyncio.Event) -> None:
         """Pull and compute tasks until `stop`, a refusal for good (`banned`) or the run's end (`over`)."""
@@ -530,7 +517,7 @@ class StageWorker:
             meta, tensors = await self.call(link, "take", request, timeout=10.0 + wait)
         except RemoteError as e:
             self._release(device, done)
-            if "not registered" in str(e):
+            if e.refusal is Refusal.NOT_REGISTERED:
                 await self._quiet(link.call, "register", self._registration())
             if wait:
                 await asyncio.sleep(self.poll)  # the answer came at once: no tight loop of refused waits

@@ -14,6 +14,7 @@ import torch
 
 from parameter_server.service import StageServer
 from peer.node import LocalLink
+from peer.protocol.refusals import Refusal
 from peer.protocol.wire import RemoteError
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import InProcessSwarm, make_run
@@ -34,10 +35,11 @@ def test_a_closed_run_admits_only_its_listed_volunteers():
             await LocalLink(server, "peer-intruder").call("register", {"device": "x", "compute": 1.0, "stage": 0})
             return None
         except RemoteError as e:
-            return str(e)
+            return e.refusal, str(e)
 
     refused = asyncio.run(attempt())
-    assert refused is not None and "peer-intruder is not on this run's --volunteers-allow list" in refused
+    assert refused is not None and refused[0] is Refusal.NOT_ALLOWED and refused[0].final, refused
+    assert "peer-intruder is not on this run's --volunteers-allow list" in refused[1]
     assert "peer-intruder" not in swarm.servers["s0f0"].clients
     asyncio.run(swarm.train())  # the listed volunteers (and the servers among themselves) train as before
     assert swarm.versions() == [2] * len(swarm.servers)
@@ -102,7 +104,7 @@ def test_a_volunteer_refused_for_good_stops_asking():
         await asyncio.wait_for(intruder.run_loop(asyncio.Event()), 10.0)
 
     asyncio.run(scenario())
-    assert intruder.banned is not None and "--volunteers-allow" in intruder.banned
+    assert intruder.refusal is Refusal.NOT_ALLOWED and "--volunteers-allow" in intruder.banned
     assert len(calls) <= 2 * len(layout.stages[0].servers), calls  # its first registration, and no loop
 
 
