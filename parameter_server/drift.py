@@ -32,6 +32,7 @@ coordinate's block drawn from the same secret):
 |u_k| <= 1 (Cauchy-Schwarz), and honest rounding has no preferred sign along the result (rounding to
 nearest is unbiased), so T is tested as S is, each of the two at ALPHA / 2. A scale lie s >= FLOOR
 has u_k = 1 in every block: it is caught as soon as a fixed bias is.
+
 Pure arithmetic on tensors: no network, no state of the server's but its sums.
 """
 
@@ -114,12 +115,12 @@ class DriftTest:
 
     def along(self, d: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
         """u_k for k = 1..K: d's component along `want`, block by block (the blocks drawn in chunks)."""
-        d, want = d.detach().flatten().double().cpu(), want.detach().flatten().double().cpu()
+        d, want = d.detach().flatten(), want.detach().flatten()  # (in float64 a chunk at a time)
         n = d.numel()
         dw, ww, dd = (torch.zeros(self.k, dtype=torch.float64) for _ in range(3))
         gen = self._generator(self.k, n)  # (k = K: a stream of its own, apart from the directions')
         for lo in range(0, n, CHUNK):
-            dp, wp = d[lo : lo + CHUNK], want[lo : lo + CHUNK]
+            dp, wp = d[lo : lo + CHUNK].double().cpu(), want[lo : lo + CHUNK].double().cpu()
             block = torch.randint(0, self.k, (dp.numel(),), generator=gen)
             dw.index_add_(0, block, dp * wp)
             ww.index_add_(0, block, wp * wp)
