@@ -136,16 +136,18 @@ def churn_scenario(tmp_path_factory):
                 kill_group(v0_proc, signal.SIGCONT)
             return dev
 
-        result["killed_on"] = await live.wait(v0_frozen_holding_a_lease, 60, "v0 to hold a lease", poll=0.02)
-        result["version_at_kill"] = live.monitor.min_version()
-        live.kill("v0")  # (SIGKILL ends a stopped process too)
         # stage 0's other volunteer freezes (a laptop's lid closed: SIGSTOP of its process group)
-        # until a new volunteer that joined mid-run on stage 0 has work, so that the run waits for the
-        # newcomer: the tiny run's steps (about 1 s) can otherwise all be done before a volunteer
-        # process has started (5-8 s), as on the CI machine
+        # until a new volunteer that joined mid-run on stage 0 has work. Frozen first, so that v0 is
+        # the stage's only volunteer and holds a lease (awake, the proven v2 was offered each task
+        # first, and on a loaded machine did the rest of the run alone while the test waited for v0
+        # to hold one); and so that the run waits for the newcomer: the tiny run's steps (about 1 s)
+        # can otherwise all be done before a volunteer process has started (5-8 s)
         frozen, _ = live.swarm.volunteers["v2"]
         kill_group(frozen, signal.SIGSTOP)
         try:
+            result["killed_on"] = await live.wait(v0_frozen_holding_a_lease, 60, "v0 to hold a lease", poll=0.02)
+            result["version_at_kill"] = live.monitor.min_version()
+            live.kill("v0")  # (SIGKILL ends a stopped process too)
             live.swarm.start_volunteer("0", name="late")
             peers = await live.wait(lambda: _has(live, "late"), 90, "late to announce")
             result["late_joined_at"] = live.monitor.min_version()
