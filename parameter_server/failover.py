@@ -60,11 +60,16 @@ class Failover:
             for version in [v for v in sorted(shard.snapshots) if v > sent and v in shard.moments]:
                 if version not in shard.snapshots:  # forgotten meanwhile (the shard stepped on)
                     continue
+                # each copy carries the layout epoch it was made in: one that reaches the replica after
+                # it adopted a ban's rollback is refused (a version of the undone lineage, whose batch
+                # totals held the banned work's norms)
                 step = shard.export_step(version) if version - 1 == getattr(lock, "sent", -1) else None
                 taken = step is not None and await self._replica_step(
-                    buddy, slot, *step, by_reference=self._buddy_made(shard, version, buddy)
+                    buddy, slot, dict(step[0], epoch=self.epoch), step[1], self._buddy_made(shard, version, buddy)
                 )
                 if not taken:
+                    if version not in shard.snapshots or version not in shard.moments:
+                        continue  # rolled back while the step was on its way
                     meta, tensors = shard.export(version)
                     taken = await self._deliver(buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60)
                 lock.sent = version
@@ -339,6 +344,8 @@ class Failover:
                 cb(dict(record))
         for cb in self.on_epoch:
             cb(dict(record))
+        if _in_event_loop():
+            self.wake_waiters()  # (a `get_params` of this epoch may be waiting for it)
         logger.warning(
             "%s: layout epoch %d from batch %d (stage %d: frontal %s, backward %s, slots %s)",
             self.device_id,

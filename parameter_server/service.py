@@ -364,7 +364,9 @@ class StageServer(
             self.log.append({"method": method, "meta": meta, "sender": sender, "batch": _batch_of(meta)}, tensors)
         return result
 
-    def _check_epoch(self, meta: dict) -> None:
+    def _check_epoch(self, meta: dict, later_ok: bool = False) -> None:
+        """PayloadError unless `meta`'s layout epoch (0 when absent) is this server's; `later_ok`: a
+        later one passes (the caller waits for this server to adopt it)."""
         epoch = mfield(meta, "epoch", int, optional=True) or 0
         if epoch < self.epoch:
             raise PayloadError(
@@ -372,7 +374,7 @@ class StageServer(
                 "fetch the layout again (get_layout)",
                 Refusal.STALE_EPOCH,
             )
-        if epoch > self.epoch:
+        if epoch > self.epoch and not later_ok:
             raise PayloadError(
                 f"epoch {epoch} is not adopted here yet (this server is at epoch {self.epoch})", Refusal.FUTURE_EPOCH
             )

@@ -42,17 +42,26 @@ class Updates:
     async def on_get_params(self, meta, tensors, sender):
         version = mfield(meta, "version", int)
         wait = wait_field(meta, MAX_PARAMS_WAIT)
+        # A reader of a layout epoch (a volunteer's task, a server's check; the field is optional for
+        # readers outside the run's epochs) is answered from that epoch's lineage: a ban's rollback
+        # re-makes the versions after its batch, and a server that has not adopted it yet still holds
+        # the undone ones. A later epoch is waited for like a version; an earlier one is refused.
+        epoch = mfield(meta, "epoch", int, optional=True)
+        if epoch is not None:
+            self._check_epoch(meta, later_ok=True)
         shard = self._hosted(meta)
-        # a version not reached yet is waited for up to `wait` seconds (woken by each step), so that a
-        # client asks once where it polled every few tens of milliseconds
+        # a version not reached yet is waited for up to `wait` seconds (woken by each step and each
+        # adopted epoch), so that a client asks once where it polled every few tens of milliseconds
         deadline = time.monotonic() + wait
-        while version > shard.version and (left := deadline - time.monotonic()) > 0:
+        while (version > shard.version or (epoch or 0) > self.epoch) and (left := deadline - time.monotonic()) > 0:
             try:
                 await asyncio.wait_for(self.step_event.wait(), left)
             except asyncio.TimeoutError:
                 break
             shard = self._hosted(meta)  # a failover may have moved the slot meanwhile
-        if version > shard.version:
+        if epoch is not None:
+            self._check_epoch(meta, later_ok=True)
+        if version > shard.version or (epoch or 0) > self.epoch:
             return {"retry": True, "version": shard.version}
         snap = shard.params_at(version)
         if snap is None:
@@ -85,6 +94,11 @@ class Updates:
                 del cache[old]
             cache[key] = [snap[n].to(dtype) for n in shard.names]
         return cache[key]
+
+    def wake_waiters(self) -> None:
+        """Wake the requests that wait for a version or a layout epoch (a step, an adopted epoch)."""
+        self.step_event.set()
+        self.step_event = asyncio.Event()
 
     def _hosted(self, meta: dict) -> ShardState:
         slot = mfield(meta, "slot", int, optional=True)
@@ -194,8 +208,7 @@ class Updates:
                     if asyncio.iscoroutine(r):
                         self._spawn(r)
         if stepped:
-            self.step_event.set()
-            self.step_event = asyncio.Event()
+            self.wake_waiters()
             self.maybe_start_batches()
             self.release_waiting()
 

@@ -346,6 +346,8 @@ class Verification:
 
     # re-running --------------------------------------------------------------------------------
     async def _server_call(self, device: str, method: str, meta: dict) -> tuple[dict, list]:
+        if method in ("get_params", "get_held"):  # a check reads the lineage of its own layout epoch
+            meta = dict(meta, epoch=self.epoch)
         if device == self.device_id:
             answer, tensors = await self.handle(method, dict(meta), [], self.peer_id)
             if "error" in answer:
@@ -372,6 +374,7 @@ class Verification:
     async def _params_at(self, version: int) -> dict[str, torch.Tensor]:
         if version in self._verify_params:
             return self._verify_params[version]
+        epoch = self.epoch
         state: dict[str, torch.Tensor] = {}
         for slot, host in enumerate(self.st.hosts):
             if slot in self.hosted:
@@ -387,6 +390,8 @@ class Verification:
             except NotReady as e:
                 raise PayloadError(str(e)) from None
             state.update(zip(meta["names"], tensors))
+        if self.epoch != epoch:  # (its slots may come from two lineages: nothing kept, nothing judged)
+            raise PayloadError(f"layout epoch {self.epoch} began while version {version} was fetched")
         # a task computes on the parameters in the run's precision (peer.model.precision): so does its check
         state = rounded(state, self.run.precision)
         self._verify_params[version] = state

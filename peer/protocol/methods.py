@@ -30,6 +30,7 @@ METHODS: dict[str, Method] = {
         Method("take", epoched=True, retry=False, logged=False, caller="client"),
         Method("complete", epoched=True, retry=True, logged=True, caller="client", leased=True),
         Method("fail", epoched=True, retry=True, logged=False, caller="client"),
+        # (its epoch is optional: given, a version is served from that epoch's lineage, see on_get_params)
         Method("get_params", epoched=False, retry=True, logged=False, caller="anyone"),
         Method("push_grads", epoched=True, retry=True, logged=True, caller="client", leased=True),
         Method("push_inputs", epoched=True, retry=True, logged=True, caller="server"),
@@ -39,12 +40,13 @@ METHODS: dict[str, Method] = {
         Method("push_output_grads", epoched=True, retry=True, logged=True, caller="server"),
         Method("ping", epoched=False, retry=True, logged=False, caller="anyone"),
         Method("status", epoched=False, retry=True, logged=False, caller="anyone"),
-        Method("push_replica", epoched=False, retry=True, logged=False, caller="server"),
+        # a copy of the lineage a ban's rollback undid is refused where the rollback is adopted
+        Method("push_replica", epoched=True, retry=True, logged=False, caller="server"),
         Method("adopt_epoch", epoched=False, retry=True, logged=False, caller="server"),
         Method("get_layout", epoched=False, retry=True, logged=False, caller="anyone"),
         # checked work (parameter_server/verify.py): the rows a re-run needs, a caught cheater reported to
         # the run's coordinator, and its ban on every server (the rollback travels as adopt_epoch)
-        Method("get_held", epoched=False, retry=True, logged=False, caller="server"),
+        Method("get_held", epoched=True, retry=True, logged=False, caller="server"),
         Method("report_cheat", epoched=False, retry=True, logged=False, caller="server"),
         Method("ban", epoched=False, retry=True, logged=False, caller="server"),
         # the oldest batch a server's volunteers on probation sent work of: every server keeps its version

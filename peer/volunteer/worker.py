@@ -622,7 +622,11 @@ class StageWorker:
                     if not ahead.cancelled():  # (this task itself is being cancelled, not the fetch ahead)
                         raise
             if version not in self.versions:  # none ahead, or it failed: fetch it now
-                self._hold(version, await self._pull(version, patience))
+                epoch = self.epoch
+                state = await self._pull(version, patience)
+                if self.epoch != epoch:  # (a rollback may have re-made the version meanwhile: its task is gone)
+                    raise NotReady(f"layout epoch {self.epoch} began while version {version} was fetched")
+                self._hold(version, state)
                 return
         if version in self.fetched_ahead:  # a task uses a version fetched ahead (counted once)
             self.fetched_ahead.discard(version)
@@ -630,13 +634,15 @@ class StageWorker:
 
     async def _pull(self, version: int, patience: float) -> dict[str, torch.Tensor]:
         """Every shard of `version`, one `get_params` a server, all at once (a server that has not
-        reached the version waits for it on its side, up to `patience` in all)."""
+        reached the version waits for it on its side, up to `patience` in all). Each request carries
+        the worker's layout epoch as the pull began: a host answers from that epoch's lineage only."""
+        epoch = self.epoch
 
         async def one(device, slot, names):
-            kept = await self._from_own_replica(device, slot, names, version, patience)
+            kept = await self._from_own_replica(device, slot, names, version, patience, epoch)
             if kept is not None:
                 return kept
-            meta, tensors = await self._ask_host(device, slot, names, version, patience)
+            meta, tensors = await self._ask_host(device, slot, names, version, patience, epoch)
             self._point("pulling_params")
             return dict(zip(meta["names"], tensors))
 
@@ -646,12 +652,19 @@ class StageWorker:
         return state
 
     async def _ask_host(
-        self, device: str, slot: int, names: list, version: int, patience: float, digest_only: bool = False
+        self,
+        device: str,
+        slot: int,
+        names: list,
+        version: int,
+        patience: float,
+        epoch: int,
+        digest_only: bool = False,
     ) -> tuple[dict, list]:
-        """`get_params` of `slot` at `version` from its host `device` (peer.protocol.params.fetch_slot),
-        RemoteError unless the host serves the shard of `names`."""
+        """`get_params` of `slot` at `version` of layout epoch `epoch` from its host `device`
+        (peer.protocol.params.fetch_slot), RemoteError unless the host serves the shard of `names`."""
         meta, tensors = await fetch_slot(
-            functools.partial(self.call, self.links[device], timeout=60.0),
+            functools.partial(self.call, self.links[device], timeout=60.0, epoch=epoch),
             device,
             slot,
             version,
@@ -668,7 +681,7 @@ class StageWorker:
         return getattr(self.links.get(self.device_id), "server", None)
 
     async def _from_own_replica(
-        self, device: str, slot: int, names: list, version: int, patience: float
+        self, device: str, slot: int, names: list, version: int, patience: float, epoch: int
     ) -> dict[str, torch.Tensor] | None:
         """Version `version` of another server's slot read from the replica this worker's own server
         keeps of it (a server's worker pulled it whole, 0.92 MB a step for the default swarm's
@@ -684,7 +697,7 @@ class StageWorker:
             or version < self.replica_skip_until.get(slot, 0)
         ):
             return None
-        meta, _ = await self._ask_host(device, slot, names, version, patience, digest_only=True)
+        meta, _ = await self._ask_host(device, slot, names, version, patience, epoch, digest_only=True)
         kept = await server.replica_at(slot, version, REPLICA_WAIT)
         if kept is None or kept[0] != meta.get("digest"):
             self.stats["replica_misses"] += 1

@@ -542,3 +542,70 @@ def test_a_ban_whose_liar_worked_before_the_kept_versions_rolls_back_as_far_as_a
     (record,) = records
     shard = next(iter(swarm.servers.values())).shard
     assert record["rollback_to"] > 0 and record["rollback_to"] >= 9 - shard.keep_versions + 2, record
+
+
+# a rollback's lineage: the versions after its batch are made again; what was made of the undone ones
+# before a server adopted the rollback must not reach the new lineage through a read or a copy
+
+
+def _rolled_back_at_one_server(steps: int, recipe=None):
+    """A finished one-stage run (a frontal and a backward server, each keeping the other's replica)
+    whose backward server adopted a rollback to version steps - 1 that its frontal server has not yet."""
+    cfg, layout, run = make_run(steps=steps, stages=1, frontal=1, backward=1, recipe=recipe)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    fs, bs = (swarm.servers[d] for d in layout.stages[0].servers)
+    asyncio.run(swarm.train(timeout=120))
+    record = {"epoch": 1, "layout": layout.to_dict(), "from_batch": steps - 1, "rollback_to": steps - 1}
+    return fs, bs, record
+
+
+def test_a_version_is_read_from_the_lineage_of_the_readers_layout_epoch():
+    """`get_params` with the reader's layout epoch (a volunteer's task, a server's check): a host that
+    has not adopted the reader's epoch yet answers 'retry' (its versions after the rollback's batch
+    are the undone ones; a volunteer once computed on them and its honest work was banned), and
+    answers from the new lineage once it adopts; a reader of an older epoch is refused as stale; a
+    reader that names no epoch (the launcher's assembled model) is answered as before."""
+    steps = 5
+    fs, bs, record = _rolled_back_at_one_server(steps)
+    bs.adopt(record)
+    ask = {"slot": fs.slot, "version": steps, "wait": 0}
+
+    async def scenario():
+        from_fs = LocalLink(fs, bs.peer_id)
+        early = (await from_fs.call("get_params", dict(ask, epoch=1)))[0]
+        unnamed = (await from_fs.call("get_params", ask))[0]
+        waiting = asyncio.ensure_future(from_fs.call("get_params", dict(ask, epoch=1, version=steps - 1, wait=5)))
+        await asyncio.sleep(0)  # (it waits on the server's side: adopting the epoch wakes it)
+        assert not waiting.done()
+        fs.adopt(record)
+        adopted = (await waiting)[0]
+        with pytest.raises(RemoteError) as stale:
+            await LocalLink(bs, fs.peer_id).call("get_params", dict(ask, slot=bs.slot, epoch=0))
+        return early, unnamed, adopted, stale.value
+
+    early, unnamed, adopted, stale = asyncio.run(scenario())
+    assert early == {"retry": True, "version": steps}
+    assert unnamed["version"] == steps and "retry" not in unnamed
+    assert adopted["version"] == steps - 1 and "retry" not in adopted
+    assert stale.refusal is Refusal.STALE_EPOCH
+
+
+def test_a_replica_copy_made_before_a_rollback_is_refused_where_the_rollback_is_adopted():
+    """A copy of a slot made before a ban's rollback (a version of the undone lineage: its batch
+    totals held the banned work's norms) that reaches the replica once the replica's server adopted
+    the rollback is refused as of a stale epoch and changes nothing: taken, its totals answered for
+    the re-run batches' norms (a clipped run with a liar once ended 1.9e-2 from the reference)."""
+    from tests.swarm.test_recipe_swarm import CLIPPED
+
+    steps = 5
+    fs, bs, record = _rolled_back_at_one_server(steps, recipe=CLIPPED)
+    meta, tensors = fs.hosted[fs.slot].export(steps)  # made at epoch 0, then on its way
+    assert bs.run_total(steps - 1) is not None
+    bs.adopt(record)
+    replica = bs.replicas[fs.slot]
+    assert replica.version == steps - 1 and bs.run_total(steps - 1) is None
+
+    taken = asyncio.run(fs._deliver(bs.device_id, "push_replica", dict(meta, slot=fs.slot), tensors, attempts=3))
+    assert not taken
+    assert bs.replicas[fs.slot] is replica and replica.version == steps - 1
+    assert steps - 1 not in replica.totals and bs.run_total(steps - 1) is None
