@@ -54,14 +54,26 @@ class Evaluation:
         """Stage 0's part of the evaluation of `version`, then the rest of the pipeline's."""
         try:
             x, _ = eval_windows(self.corpus, self.run.seed, self.seq)
-            await self._eval_stage(version, x)
+            await self._eval_stage(version, x, self.epoch)
         except Exception as e:  # (an evaluation never stops training: said, and the run goes on)
             logger.warning("%s: the evaluation of version %d failed: %s", self.device_id, version, e)
 
-    async def _eval_stage(self, version: int, x: torch.Tensor) -> None:
-        """Run this stage's slice at `version` on `x`; the loss here on the last stage, else on to the
-        next stage's first frontal server."""
+    def forget_evals_from(self, version: int) -> None:
+        """A ban's rollback to `version` (Failover.adopt): the versions after it are made again, and so
+        evaluated again; what was said of the undone ones is dropped."""
+        for store in (self.evals_started, self.evals_seen):
+            store.difference_update({v for v in store if v > version})
+        for v in [v for v in self.eval_losses if v > version]:
+            del self.eval_losses[v]
+
+    async def _eval_stage(self, version: int, x: torch.Tensor, epoch: int) -> None:
+        """Run this stage's slice at `version` (of layout epoch `epoch`'s lineage) on `x`; the loss
+        here on the last stage, else on to the next stage's first frontal server. An epoch that
+        begins meanwhile ends it (a rollback re-makes the version: it is evaluated again)."""
         out = await self._recompute(version, lambda model: forward_rows(model, x, self.verify_device))
+        if self.epoch != epoch:
+            logger.info("%s: the evaluation of version %d ends at layout epoch %d", self.device_id, version, self.epoch)
+            return
         if self.last:
             _, labels = eval_windows(self.corpus, self.run.seed, self.seq)
             loss = float(loss_sum(out, labels)) / labels.numel()
@@ -71,7 +83,7 @@ class Evaluation:
         link = self.connector(nxt) if self.connector is not None else None
         if link is None:
             raise ConnectionError(f"{nxt} is not reachable from here")
-        await link.call("eval_forward", {"version": version}, [out], timeout=EVAL_WAIT + 60.0)
+        await link.call("eval_forward", {"version": version, "epoch": epoch}, [out], timeout=EVAL_WAIT + 60.0)
 
     def _note_eval(self, version: int, loss: float) -> None:
         self.eval_losses[version] = loss
@@ -114,8 +126,8 @@ class Evaluation:
                 await asyncio.wait_for(self.step_event.wait(), left)
             except asyncio.TimeoutError:
                 pass
-        try:
-            await self._eval_stage(version, x)
+        try:  # (of the sender's epoch, checked on arrival: one that began since ends it)
+            await self._eval_stage(version, x, mfield(meta, "epoch", int, optional=True) or 0)
         except (ConnectionError, RemoteError, asyncio.TimeoutError) as e:
             logger.warning("%s: the evaluation of version %d stopped here: %s", self.device_id, version, e)
         return {"ok": True}

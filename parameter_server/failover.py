@@ -309,6 +309,7 @@ class Failover:
         rolled = False
         if rollback_to is not None:
             self.forget_sums_from(rollback_to, epoch)
+            self.forget_evals_from(rollback_to)
             for slot, shard in self.hosted.items():
                 if shard.rollback(rollback_to, epoch):
                     rolled = True

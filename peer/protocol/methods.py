@@ -56,7 +56,7 @@ METHODS: dict[str, Method] = {
         # a batch's gradient sums of squares, slot by slot, for global norm clipping (parameter_server/clipping.py)
         Method("grad_norm", epoched=False, retry=True, logged=False, caller="server"),
         # the held-out windows' activations at an evaluated version, on to the next stage (parameter_server/evaluate.py)
-        Method("eval_forward", epoched=False, retry=True, logged=False, caller="server"),
+        Method("eval_forward", epoched=True, retry=True, logged=False, caller="server"),
     )
 }
 

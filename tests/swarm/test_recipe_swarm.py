@@ -98,18 +98,20 @@ def test_a_gradient_sum_message_that_does_not_fit_is_refused_and_changes_nothing
     asyncio.run(scenario())
 
 
-def checked_after_its_step(server, peer: str) -> None:
-    """The checks `server` makes of `peer`'s work of batch t begin once batch t is stepped here: its
-    work is in the batch's norm and update when it is judged, as when a check falls behind the steps
-    (a check that ends before the step catches a liar before its work takes effect: nothing to undo)."""
+def checked_after_its_step(server, peer: str, until=None) -> None:
+    """The checks `server` makes of `peer`'s work of batch t begin once batch t is stepped here
+    (or once `until(t)`): its work is in the batch's norm and update when it is judged, as when a
+    check falls behind the steps (a check that ends before the step catches a liar before its work
+    takes effect: nothing to undo)."""
     check_later = server._check_later
+    until = until or (lambda t: server.version > t)
 
     def after_the_step(t, check, *args):
         if args[0] != peer:
             return check_later(t, check, *args)
 
         async def late(epoch, *rest):
-            while server.version <= t:  # (the step it waits for: nothing holds it for this check)
+            while not until(t):  # (the step it waits for: nothing holds it for this check)
                 await asyncio.sleep(0.01)
             await check(epoch, *rest)
 
@@ -192,3 +194,46 @@ def test_held_out_activations_that_do_not_fit_are_refused():
         assert server.evals_seen == set()
 
     asyncio.run(scenario())
+
+
+def test_the_evaluations_of_versions_a_ban_rolls_back_are_made_again_on_the_new_lineage():
+    """--eval-every 1 with a liar whose work is applied, and evaluated, before its checks end (each
+    waits for the evaluation of the version its batch made): the versions its rollback re-makes are
+    evaluated again (an evaluation of an undone version is not kept), and every held-out loss equals
+    `peer reference --eval-every 1`."""
+    from peer.volunteer.cheat import Cheat
+
+    steps = 8
+    cfg, layout, run = make_run(steps=steps, stages=2, eval_every=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
+    last = swarm.servers[layout.stages[-1].frontal[0]]
+    noted, changed = [], asyncio.Event()
+    last.on_eval.append(lambda v, loss: (noted.append((last.epoch, v)), changed.set()))
+    for server in swarm.servers.values():
+        server.probation, server.verify_rate = 0, 1.0
+        checked_after_its_step(server, "peer-u11", until=lambda t: any(v > t for _, v in noted))
+    liar = next(w for w in swarm.workers if w.device_id == "u11")
+
+    async def lie_from_now():
+        liar.cheat = Cheat("scale", after=liar.stats["forward"] + liar.stats["backward"])
+
+    _, summary = reference_run(steps, eval_every=1)
+    want = {int(v): x for v, x in summary["eval_losses"].items()}
+
+    async def scenario():
+        await swarm.train(timeout=240, at_version={1: lie_from_now})
+        epoch, back_to = last.epoch, last.epoch_record["rollback_to"]
+
+        def done():  # every evaluated version, of the final lineage (or from before what it re-made)
+            return all(any(v == w and (e == epoch or w <= back_to) for e, v in noted) for w in want)
+
+        while not done():
+            changed.clear()
+            await asyncio.wait_for(changed.wait(), 120)
+        return back_to
+
+    back_to = asyncio.run(scenario())
+    assert {p for s in swarm.servers.values() for p in s.banned} == {"peer-u11"}
+    assert any(v > back_to for _, v in noted if _ == 0), noted  # an undone version had been evaluated
+    assert sorted(last.eval_losses) == sorted(want)
+    assert all(abs(last.eval_losses[v] - want[v]) < 1e-5 * want[v] for v in want), (last.eval_losses, want)
