@@ -54,7 +54,7 @@ from peer.protocol.refusals import Refusal
 from peer.protocol.tasks import batch_of
 from peer.protocol.traffic import CALLS, SESSION_CALLS, TRAFFIC, VALUES
 from peer.protocol.trust import Remembered
-from peer.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, pack, refusal_answer, unpack
+from peer.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, pack, refusal_answer, refused, unpack
 from peer.protocol.wire import field as mfield
 from taskpool import TaskPool, TaskPoolError
 
@@ -323,7 +323,7 @@ class StageServer(
             )
         except (PayloadError, StreamCut) as e:
             logger.debug("%s: %s request from %s refused: %s", self.device_id, method, peer[-8:], e)
-            rmeta, rtensors = refusal_answer(str(e), getattr(e, "refusal", Refusal.BAD_REQUEST)), []
+            rmeta, rtensors = refused(e), []
         else:
             VALUES[method] += sum(t.numel() for t in tensors)
             rmeta, rtensors = await self.handle(method, meta, tensors, peer)
@@ -350,7 +350,7 @@ class StageServer(
         except (PayloadError, TaskPoolError) as e:
             self.counters["payload_errors"] += 1
             logger.info("%s rejected %s from %s: %s", self.device_id, method, sender[-8:], e)
-            return refusal_answer(str(e), getattr(e, "refusal", Refusal.BAD_REQUEST)), []
+            return refused(e), []
         except Exception as e:  # a bug: answer, log, keep serving
             logger.exception("%s failed on %s", self.device_id, method)
             return refusal_answer(f"internal error: {type(e).__name__}: {e}", Refusal.INTERNAL), []

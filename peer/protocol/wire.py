@@ -79,6 +79,12 @@ def refusal_answer(text: str, refusal: Refusal = Refusal.BAD_REQUEST) -> dict:
     return {"error": text, "refusal": refusal.value}
 
 
+def refused(e: Exception) -> dict:
+    """The answer to a request refused by `e`: its own code when it carries one (PayloadError), else
+    a bad request (a TaskPoolError, a stream that did not fit)."""
+    return refusal_answer(str(e), getattr(e, "refusal", Refusal.BAD_REQUEST))
+
+
 class StreamCut(ConnectionError):
     """A message stream that ended or stalled before its last tensor: the connection is at fault, not
     the request, so a caller may try again (a ConnectionError, as P2PLink retries). `meta`: the

@@ -120,6 +120,7 @@ def checked_after_its_step(server, peer: str, until=None) -> None:
     server._check_later = after_the_step
 
 
+@pytest.mark.stress
 def test_a_liar_banned_in_a_clipped_run_leaves_no_stale_norm_behind():
     """A volunteer's gradient pushes x100 enter the norms of the batches it worked on; its ban rolls
     those batches back, and the sums made before the rollback are dropped: the batches are clipped
@@ -196,6 +197,7 @@ def test_held_out_activations_that_do_not_fit_are_refused():
     asyncio.run(scenario())
 
 
+@pytest.mark.stress
 def test_the_evaluations_of_versions_a_ban_rolls_back_are_made_again_on_the_new_lineage():
     """--eval-every 1 with a liar whose work is applied, and evaluated, before its checks end (each
     waits for the evaluation of the version its batch made): the versions its rollback re-makes are

@@ -559,6 +559,7 @@ def _rolled_back_at_one_server(steps: int, recipe=None):
     return fs, bs, record
 
 
+@pytest.mark.stress
 def test_a_version_is_read_from_the_lineage_of_the_readers_layout_epoch():
     """`get_params` with the reader's layout epoch (a volunteer's task, a server's check): a host that
     has not adopted the reader's epoch yet answers 'retry' (its versions after the rollback's batch
@@ -590,6 +591,7 @@ def test_a_version_is_read_from_the_lineage_of_the_readers_layout_epoch():
     assert stale.refusal is Refusal.STALE_EPOCH
 
 
+@pytest.mark.stress
 def test_a_replica_copy_made_before_a_rollback_is_refused_where_the_rollback_is_adopted():
     """A copy of a slot made before a ban's rollback (a version of the undone lineage: its batch
     totals held the banned work's norms) that reaches the replica once the replica's server adopted
