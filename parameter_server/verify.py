@@ -261,8 +261,10 @@ class Verification:
     def _note_contribution(self, sender: str, t: int, shared_by: int = 1) -> bool:
         """Remember that `sender` (a volunteer) sent work of batch t; True if this one is to be checked.
         Work that `shared_by` servers receive (a gradient push goes to every shard server) is checked by
-        each with probability verify_rate / shared_by, so that a push is re-run about verify_rate times
-        on average; on probation every server checks it."""
+        each with probability p = 1 - (1 - verify_rate) ** (1 / shared_by), drawn apart, so that it is
+        re-run by at least one of them with probability verify_rate: every time at 1.0 (as
+        verify_rate / shared_by, a push of two shard servers went unchecked one time in four at 1.0);
+        on probation every server checks it."""
         if not self._note_work(sender, t):
             return False
         # on probation until `probation` checks passed (a check skipped for want of its rows does not count),
@@ -270,7 +272,7 @@ class Verification:
         return (
             self.checks_passed.get(sender, 0) < self.probation
             or self.drift.suspicious(sender)
-            or self.verify_rng.random() < self.verify_rate / shared_by
+            or self.verify_rng.random() < 1.0 - (1.0 - self.verify_rate) ** (1.0 / shared_by)
         )
 
     def unusual_norm(self, slot: int, grads: list[torch.Tensor], rows: int) -> bool:

@@ -149,12 +149,15 @@ class StageWorker:
         self.prefetching: dict[int, asyncio.Future] = {}  # version -> its fetch ahead (prefetch_next)
         self.worked: set[int] = set()  # the versions of the last tasks computed (prefetch_next)
         self.fetched_ahead: set[int] = set()  # versions fetched ahead that no task has used yet
-        self.models: dict[int, StageSlice] = {}  # version -> the slice holding it (kept forwards need theirs)
+        # version -> (the parameters it was built from, the slice holding them): kept forwards need theirs
+        self.models: dict[int, tuple[dict, StageSlice]] = {}
         # forward passes kept for the backward task of the same rows (the backward server prefers the
         # client of the forward pass), oldest dropped first beyond `activation_memory` bytes
         self.kept: dict[tuple, KeptForward] = {}
         self.activation_memory = activation_memory
-        self.input_cache: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}
+        # (batch, micro-batch, layout epoch) -> the input rows a forward task received: a task of an older
+        # epoch that ends after a rollback stores its own, which the re-made batch's tasks must not read
+        self.input_cache: dict[tuple[int, int, int], list[tuple[int, int, torch.Tensor]]] = {}
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.stats = {
             "forward": 0,
@@ -751,16 +754,19 @@ class StageWorker:
 
     def _model(self, version: int) -> StageSlice:
         """The slice holding parameters `version` (one per kept version, so a kept forward pass stays
-        valid while the worker computes tasks of the other version)."""
-        if version not in self.models:
+        valid while the worker computes tasks of the other version), built from the parameters held
+        now: a slice is built in the compute thread, and one built for a task of an older layout epoch
+        can be stored after a rollback cleared the cache; the version re-made since is other
+        parameters (an honest volunteer computed on such a slice and was banned)."""
+        state = self.versions[version]
+        built = self.models.get(version)
+        if built is None or built[0] is not state:
             # (parameters arrive in the run's precision: at bf16, rounded already; a replica's are rounded here)
             precision = getattr(self.run, "precision", "fp32")
-            model = slice_from_state(
-                self.cfg, self.lo, self.hi, rounded(self.versions[version], precision), self.torch_device
-            )
+            model = slice_from_state(self.cfg, self.lo, self.hi, rounded(state, precision), self.torch_device)
             model.compute_dtype = compute_dtype(precision)
-            self.models[version] = model
-        return self.models[version]
+            built = self.models[version] = (state, model)
+        return built[1]
 
     def _keep(self, key: tuple, kept: KeptForward) -> None:
         if kept.nbytes > self.activation_memory:
@@ -919,8 +925,8 @@ class StageWorker:
             self.cheat.loss(loss),
         )
 
-    def _cached_inputs(self, t: int, m: int, a: int, b: int):
-        for x0, y0, x in self.input_cache.get((t, m), []):
+    def _cached_inputs(self, t: int, m: int, a: int, b: int, epoch: int):
+        for x0, y0, x in self.input_cache.get((t, m, epoch), []):
             if x0 <= a and b <= y0:
                 return x[a - x0 : b - x0]
         return None
@@ -966,10 +972,10 @@ class StageWorker:
             del self.kept[key]
         for (_, p, q), (_, kept) in zip(pieces, outs):
             if kept is not None:
-                self._keep((t, m, p, q, version), kept)
+                self._keep((t, m, p, q, version, meta["epoch"]), kept)  # (an epoch's own, as the inputs)
         if self._lying(t):
             outs = [(self.cheat.tensor(out), kept) for out, kept in outs]
-        self.input_cache.setdefault((t, m), []).append((a, b, x))
+        self.input_cache.setdefault((t, m, meta["epoch"]), []).append((a, b, x))
         if self.cheat is not None and self.cheat.kind == "unsent" and self._lying(t):
             self._finish_later(link.device, meta["task"], meta["epoch"])  # done, it says; nothing was sent
             self.stats["forward"] += 1
@@ -1052,7 +1058,7 @@ class StageWorker:
         t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]
         (g,) = tensors
         frontal = self.links[meta["frontal"]]
-        kept = self.kept.pop((t, m, a, b, meta["version"]), None)
+        kept = self.kept.pop((t, m, a, b, meta["version"], meta["epoch"]), None)
         if kept is not None:  # this worker ran the forward pass of these very rows: no recompute
 
             def bwd():
@@ -1065,7 +1071,7 @@ class StageWorker:
             self.stats["backward"] += 1
             return
         self.stats["recomputed"] += 1
-        x = self._cached_inputs(t, m, a, b)
+        x = self._cached_inputs(t, m, a, b, meta["epoch"])
         if x is None:
             _, (x,) = await self.call(
                 frontal, "get_inputs", {"batch": t, "micro": m, "rows": [a, b]}, epoch=meta["epoch"]
