@@ -687,7 +687,10 @@ class P2PLink:
 
         async def roundtrip():
             sessions = Sessions.of(self.p2p)
-            session = await sessions.get(self.peer_id, self._session_handler)
+            try:
+                session = await sessions.get(self.peer_id, self._session_handler)
+            except FileNotFoundError as e:  # (the local p2p daemon's control socket: this peer is closing)
+                raise ConnectionError(f"{self.device}.{method}: this peer's p2p daemon is gone: {e}") from None
             try:
                 # the answer's messages follow each other at once: one that stalls cuts the call
                 return await unpack(session.call(method, messages), stall=STALL_SECONDS, accept=self.compress)

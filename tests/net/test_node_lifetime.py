@@ -131,3 +131,30 @@ def test_a_closed_replica_leaves_no_socket_behind():
         assert asyncio.run(replica_socket()) == (True, False)
     finally:
         stop_dht(dht)
+
+
+def test_a_call_once_the_local_p2p_daemon_is_gone_is_a_lost_connection():
+    """A server that closes (its DHT and p2p daemon stopped) while a task of its own still calls
+    another server (a pin, a replica copy): the call fails as a lost connection, which every caller
+    handles, not as the daemon's missing control socket (a FileNotFoundError escaped a pin's task at
+    the end of a run: "Task exception was never retrieved")."""
+    import asyncio
+
+    import pytest
+
+    from parameter_server.service import StageServer
+    from peer.node import P2PLink, start_dht, stop_dht
+
+    dht = start_dht(run_id="gone", run_fp=None)
+
+    async def call_after_stop() -> None:
+        p2p = await dht.replicate_p2p()
+        link = P2PLink(p2p, dht.peer_id.to_base58(), "s9", StageServer)  # (no addresses: nothing to dial)
+        stop_dht(dht)  # the daemon and its control socket go
+        with pytest.raises(ConnectionError):
+            await link.call("ping", {"device": "x"}, timeout=10)
+
+    try:
+        asyncio.run(call_after_stop())
+    finally:
+        stop_dht(dht)
