@@ -38,6 +38,7 @@ from parameter_server.updates import RETAIN
 from peer.model.precision import compute_dtype, rounded
 from peer.model.task_math import backward_rows, forward_rows
 from peer.model.update_rule import version_for_batch
+from peer.protocol import methods
 from peer.protocol.params import NotReady, fetch_slot
 from peer.protocol.refusals import Refusal
 from peer.protocol.retry import Attempts
@@ -348,7 +349,7 @@ class Verification:
 
     # re-running --------------------------------------------------------------------------------
     async def _server_call(self, device: str, method: str, meta: dict) -> tuple[dict, list]:
-        if method in ("get_params", "get_held"):  # a check reads the lineage of its own layout epoch
+        if method in methods.STAMPED and "epoch" not in meta:  # (a check reads its own epoch's lineage)
             meta = dict(meta, epoch=self.epoch)
         if device == self.device_id:
             answer, tensors = await self.handle(method, dict(meta), [], self.peer_id)

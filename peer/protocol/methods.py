@@ -20,6 +20,9 @@ class Method:
     # own rows and version (a client: the lease ticket that came with `take`, peer/protocol/leases.py;
     # `complete`: the pool's own record of who held it); from anyone else refused, changing nothing
     leased: bool = False
+    # not epoched, but a caller of an epoch may name it: answered from that epoch's lineage (a version
+    # read from a host that adopted a rollback is the re-made one, see on_get_params)
+    epoch_optional: bool = False
 
 
 METHODS: dict[str, Method] = {
@@ -30,8 +33,7 @@ METHODS: dict[str, Method] = {
         Method("take", epoched=True, retry=False, logged=False, caller="client"),
         Method("complete", epoched=True, retry=True, logged=True, caller="client", leased=True),
         Method("fail", epoched=True, retry=True, logged=False, caller="client"),
-        # (its epoch is optional: given, a version is served from that epoch's lineage, see on_get_params)
-        Method("get_params", epoched=False, retry=True, logged=False, caller="anyone"),
+        Method("get_params", epoched=False, retry=True, logged=False, caller="anyone", epoch_optional=True),
         Method("push_grads", epoched=True, retry=True, logged=True, caller="client", leased=True),
         Method("push_inputs", epoched=True, retry=True, logged=True, caller="server"),
         Method("get_inputs", epoched=True, retry=True, logged=False, caller="client"),
@@ -62,6 +64,8 @@ METHODS: dict[str, Method] = {
 
 NAMES = tuple(METHODS)
 EPOCHED = frozenset(n for n, m in METHODS.items() if m.epoched)
+# what a server's own calls (checks, rescues, clipping) stamp with its layout epoch unless they name one
+STAMPED = frozenset(n for n, m in METHODS.items() if m.epoched or m.epoch_optional)
 LOGGED = frozenset(n for n, m in METHODS.items() if m.logged)
 NOT_RETRIED = frozenset(n for n, m in METHODS.items() if not m.retry)
 LEASED = frozenset(n for n, m in METHODS.items() if m.leased)

@@ -102,16 +102,31 @@ def test_a_gradient_sum_message_that_does_not_fit_is_refused_and_changes_nothing
     asyncio.run(scenario())
 
 
-def checked_after_its_step(server, peer: str, until=None) -> None:
+class News:
+    """Something the test waits to change: `fire()` wakes whoever waits on `event` and arms a new one,
+    so that a waiter that takes `event` before it checks its condition misses no change (the servers'
+    `step_event` works the same way)."""
+
+    def __init__(self):
+        self.event = asyncio.Event()
+
+    def fire(self) -> None:
+        self.event.set()
+        self.event = asyncio.Event()
+
+
+def checked_after_its_step(server, peer: str, until=None, news=None) -> None:
     """The checks `server` makes of `peer`'s work of batch t re-run it once batch t is stepped here
-    (or once `until(t)`, a condition that stays true once it is): its work is in the batch's norm and
+    (or once `until(t)`, a condition that stays true once it is, re-read at each `news.fire()`): its
+    work is in the batch's norm and
     update when it is judged, as when a server's queue of checks falls behind the steps (a check that
     ends before the step catches a liar before its work takes effect: nothing to undo). Only the
     re-run waits: the check fetches its rows when the work arrives, as the product's checks do (a
     check held back whole found them forgotten by their holders, 1 run in 20 beside load, and judged
     nothing)."""
     check_later, recompute = server._check_later, server._recompute
-    until = until or (lambda t: server.version > t)
+    if until is None:
+        until, news = (lambda t: server.version > t), server  # (woken at each step: server.step_event)
 
     def marked(t, check, *args):
         if args[0] != peer:
@@ -128,8 +143,11 @@ def checked_after_its_step(server, peer: str, until=None) -> None:
 
     async def late(version, fn):
         t = CHECKED_BATCH.get()
-        while t is not None and not until(t):  # (the step it waits for: nothing holds it for this check)
-            await asyncio.sleep(0.01)
+        while t is not None:  # (the step it waits for: nothing holds it for this check)
+            woken = news.step_event if news is server else news.event  # (taken before the check)
+            if until(t):
+                break
+            await woken.wait()
         return await recompute(version, fn)
 
     server._check_later, server._recompute = marked, late
@@ -224,11 +242,11 @@ def test_the_evaluations_of_versions_a_ban_rolls_back_are_made_again_on_the_new_
     cfg, layout, run = make_run(steps=steps, stages=2, eval_every=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
     last = swarm.servers[layout.stages[-1].frontal[0]]
-    noted, changed = [], asyncio.Event()
-    last.on_eval.append(lambda v, loss: (noted.append((last.epoch, v)), changed.set()))
+    noted, evaluated = [], News()
+    last.on_eval.append(lambda v, loss: (noted.append((last.epoch, v)), evaluated.fire()))
     for server in swarm.servers.values():
         server.probation, server.verify_rate = 0, 1.0
-        checked_after_its_step(server, "peer-u11", until=lambda t: any(v > t for _, v in noted))
+        checked_after_its_step(server, "peer-u11", until=lambda t: any(v > t for _, v in noted), news=evaluated)
     liar = next(w for w in swarm.workers if w.device_id == "u11")
 
     async def lie_from_now():
@@ -244,9 +262,11 @@ def test_the_evaluations_of_versions_a_ban_rolls_back_are_made_again_on_the_new_
         def done():  # every evaluated version, of the final lineage (or from before what it re-made)
             return all(any(v == w and (e == epoch or w <= back_to) for e, v in noted) for w in want)
 
-        while not done():
-            changed.clear()
-            await asyncio.wait_for(changed.wait(), 120)
+        while True:
+            woken = evaluated.event
+            if done():
+                break
+            await asyncio.wait_for(woken.wait(), 120)
         return back_to
 
     back_to = asyncio.run(scenario())
