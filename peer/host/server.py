@@ -121,6 +121,7 @@ class ServerHost:
         self.stage, self.role, _ = layout.locate(device)
         self.state = StateLine(device, out=out)
         self.dht = self.p2p = self.server = self.directory = self.announcer = self.worker = None
+        self.compute = 0.0  # rows/s of its own worker (measured at the start; 0 with --no-compute)
         self.writer = self.trainlog = None
         self.maddrs: list[str] = []
         self.joined_through: list[str] = list(args.initial_peers or [])  # (the peers its DHT node joined through)
@@ -403,6 +404,14 @@ class ServerHost:
         except Exception as e:
             logger.debug("%s: reading the run's servers before serving failed: %r", self.device, e)
         bound_messages(min(MAX_MESSAGE_BYTES, server.max_request_bytes))  # no message read past the bound
+        if not args.no_compute:
+            # measured before the first record: a record that said "online" with no compute while the
+            # worker started made the stage look empty to a volunteer choosing one (`--stage auto`)
+            from peer.volunteer.worker import measured_compute
+
+            self.compute = await asyncio.to_thread(
+                measured_compute, run_cfg, self.layout, self.cfg, self.stage, self.device, args.device, self.slowdown
+            )
         await server.add_p2p_handlers(self.p2p)
         self.announcer = Announcer(
             self.dht,
@@ -412,7 +421,7 @@ class ServerHost:
             self.maddrs,
             self.peer_id,
             self.device,
-            compute=lambda: self.worker.compute if self.worker is not None else 0.0,
+            compute=lambda: self.worker.compute if self.worker is not None else self.compute,
         )
         self.halt = HaltNotice(self.device, on_change=self._halt_changed)
         self.detector = FailureDetector(
@@ -700,7 +709,7 @@ class ServerHost:
                 activation_memory=int(args.activation_memory * 2**20),
             )
             worker.epoch = server.epoch
-            worker.compute = worker.measure_compute()
+            worker.compute = self.compute
             self.tasks.append(asyncio.ensure_future(worker.run_loop(stop)))
         for t in self.tasks:
             t.add_done_callback(self._report_crash)

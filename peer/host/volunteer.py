@@ -174,22 +174,11 @@ class VolunteerSession:
     async def choose_stage(self, stop: asyncio.Event, slowdown: float):
         """(stage, picker): the stage to work on, and the picker that re-checks it (`--stage auto`)."""
         from peer.volunteer.stage_choice import StagePicker
-        from peer.volunteer.worker import StageWorker
+        from peer.volunteer.worker import measured_compute
 
         args = self.args
         if args.stage != "auto":
             return int(args.stage), None
-        probe = StageWorker(
-            run=self.run_cfg,
-            layout=self.layout,
-            cfg=self.cfg,
-            stage=0,
-            device_id=self.device,
-            links={},
-            compute=1.0,
-            torch_device=args.device,
-            slowdown=slowdown,
-        )
         picker = StagePicker(
             self.run_cfg,
             self.layout,
@@ -199,9 +188,9 @@ class VolunteerSession:
             self.links_emulator,
             self.peer_id,
             args.probe_bytes,
-            args.compute or probe.measure_compute(),
+            args.compute
+            or measured_compute(self.run_cfg, self.layout, self.cfg, 0, self.device, args.device, slowdown),
         )
-        del probe
 
         async def measured():
             await picker.measure()

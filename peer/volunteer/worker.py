@@ -1110,3 +1110,20 @@ class StageWorker:
                     elapsed = min(elapsed, busy)
                 best = min(best, self._pass_seconds(elapsed, busy))
         return rows / max(best, 1e-6)
+
+
+def measured_compute(run, layout, cfg, stage: int, device_id: str, torch_device: str, slowdown: float) -> float:
+    """Rows per second of `stage`'s slice on this device (StageWorker.measure_compute), on a slice
+    built for the measurement alone: a peer knows what it computes before its first record says it."""
+    probe = StageWorker(
+        run=run,
+        layout=layout,
+        cfg=cfg,
+        stage=stage,
+        device_id=device_id,
+        links={},
+        compute=1.0,
+        torch_device=torch_device,
+        slowdown=slowdown,
+    )
+    return probe.measure_compute()

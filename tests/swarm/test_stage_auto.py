@@ -4,6 +4,7 @@ serve` and `peer join` in one event loop, each on a real DHT node: tests/swarm/h
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -72,3 +73,33 @@ def test_stage_auto_follows_the_rule_under_emulated_links(tmp_path):
 
     play(scenario, 600)
     assert chosen == expected
+
+
+def test_a_computing_servers_records_say_its_compute_from_the_first_online_one(tmp_path, monkeypatch):
+    """A server that computes measures its worker before it announces: every record it stores says
+    its compute, the first "online" one included (it used to say 0 until the worker had started, an
+    announce period later, and a volunteer choosing its stage then saw a stage without compute)."""
+    from peer.host.announcer import Announcer
+
+    said, everyone = [], asyncio.Event()
+    record = Announcer.record
+
+    def noted(self, state):
+        rec = record(self, state)
+        said.append((rec["device"], rec["state"], rec["compute"]))
+        if {d for d, s, _ in said if s == "online"} == set(SERVERS):
+            everyone.set()
+        return rec
+
+    monkeypatch.setattr(Announcer, "record", noted)
+    run = HostRun(tmp_path, "measured", 10_000, TWO_STAGES)
+
+    async def scenario():
+        try:
+            await run.start_servers(servers_of(1))
+            await asyncio.wait_for(everyone.wait(), 120)
+        finally:
+            await run.close()
+
+    play(scenario, 300)
+    assert all(c > 0 for _, _, c in said), said
