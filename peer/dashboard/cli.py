@@ -10,8 +10,8 @@ import signal
 import sys
 import time
 
-from peer.dashboard.reader import DhtReader, Watcher
-from peer.dashboard.snapshot import DEFAULT_RUN_ID, RUN_ID_HINT, build_snapshot, merge_reads, run_found, to_json
+from peer.dashboard.reader import DhtReader, Watcher, merge_reads
+from peer.dashboard.snapshot import DEFAULT_RUN_ID, RUN_ID_HINT, build_snapshot, run_found, to_json
 from peer.dashboard.terminal import live_view
 from peer.dashboard.web import serve
 

@@ -11,7 +11,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from peer.dashboard.snapshot import LIVE_STATES
+from peer.dashboard.entries import LIVE_STATES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -1,6 +1,7 @@
 """Reading the run from the DHT: a client-mode node (it dials out only and stores nothing) that
 fetches the run's keys, and the Watcher that polls it on its own thread so that readers (HTTP
-handlers) never touch the DHT. Must not compute or render the snapshot's contents."""
+handlers) never touch the DHT; `merge_reads` makes one view of several reads. Must not compute or
+render the snapshot's contents."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import threading
 import time
 from typing import Any
 
-from peer.dashboard.snapshot import MAX_PROBED_STAGES, History, build_snapshot, stage_count
+from peer.dashboard.entries import History
+from peer.dashboard.snapshot import MAX_PROBED_STAGES, build_snapshot, stage_count
 from peer.protocol.records import config_key, open_config, open_stage, stage_key, validator_rejections
+from peer.protocol.values import finite_number
 
 logger = logging.getLogger("hivepipe.dashboard")
 
@@ -196,3 +199,36 @@ class Watcher:
     def current(self) -> dict:
         with self.lock:
             return self.snapshot
+
+
+def merge_reads(reads: list[tuple[Any, list[Any], dict]]) -> tuple[Any, list[Any], dict]:
+    """One view of several (config, stages, seen_at) reads of the run, in the order they were made: a
+    single DHT read can miss a record (one announced late under load lapses for a moment; a node
+    nearest the key may not hold it yet), so a one-shot snapshot reads over an announce period or two
+    and keeps, per peer, the latest record any read found (by its `time`), with the time of the last
+    read that found it (`seen_at`, {(stage, peer): time}: that record was still the peer's newest
+    then). The config is the last read's that has one."""
+    config = next((c for c, _, _ in reversed(reads) if c is not None), None)
+    width = max((len(st) for _, st, _ in reads), default=0)
+    stages: list[Any] = []
+    seen_at: dict[tuple[int, str], float] = {}
+    for k in range(width):
+        merged: dict | None = None
+        for _, st, read_at in reads:
+            value = st[k] if k < len(st) else None
+            if not isinstance(value, dict):
+                continue
+            merged = {} if merged is None else merged
+            for peer, rec in value.items():
+                old = merged.get(peer)
+                if old is None or _record_time(rec) >= _record_time(old):
+                    merged[peer] = rec
+                    if (k, peer) in read_at:
+                        seen_at[(k, peer)] = read_at[(k, peer)]
+        stages.append(merged)
+    return config, stages, seen_at
+
+
+def _record_time(rec: Any) -> float:
+    t = rec.get("time") if isinstance(rec, dict) else None
+    return float(t) if finite_number(t) else float("-inf")

@@ -1,7 +1,7 @@
 """The dashboard's model of a run: `build_snapshot` is a pure function of the raw DHT values (the
 config record and one map of peer records per stage) and the time, so it is tested without a DHT;
-`History` is what a long-running dashboard remembers between snapshots (vanished peers, when steps
-were seen, past losses). Must not read the DHT or render anything."""
+what it makes of each record, and the `History` a long-running dashboard keeps between snapshots,
+are peer/dashboard/entries.py's. Must not read the DHT or render anything."""
 
 from __future__ import annotations
 
@@ -11,9 +11,20 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from parameter_server.layout import RunLayout
-from peer.protocol.records import RunConfig, halted_reason, validate_record
-from peer.protocol.values import finite_number
+from peer.dashboard.entries import (
+    LIVE_STATES,
+    History,
+    check_record,
+    config_view,
+    int_keyed,
+    pace_of,
+    parse_config,
+    pool_view,
+    server_entry,
+    short,
+    volunteer_entry,
+)
+from peer.protocol.records import halted_reason
 
 logger = logging.getLogger("hivepipe.dashboard")
 
@@ -23,80 +34,12 @@ DEFAULT_RUN_ID = "swarm"
 RUN_ID_HINT = (
     f"(check --run-id: `peer swarm` uses {DEFAULT_RUN_ID!r} by default, `peer serve` and `peer join` use 'hivepipe')"
 )
-LIVE_STATES = ("online", "joining")
-POOL_FIELDS = ("queued", "leased", "done", "requeued", "duplicates", "oldest_queued_age")
-STATS_FIELDS = (
-    "microbatches_applied",
-    "duplicates",
-    "requeued",
-    "clients",
-    "clients_joined",
-    "clients_left",
-    "checked",
-    "banned",
-)
 MAX_PROBED_STAGES = 64  # without a usable config, stage keys are read until the first empty one
-RATE_WINDOW = 8  # steps over which seconds per step are measured
-
-
-def short(peer: str | None) -> str:
-    """The last 8 characters of a peer id (their common prefix says nothing)."""
-    return peer[-8:] if peer else "-"
-
-
-def _int_keyed(d: Any, what: str) -> dict[int, float]:
-    """{"3": 1.5} -> {3: 1.5}; ValueError when a key is not an integer or a value not a finite number."""
-    if not isinstance(d, dict):
-        raise ValueError(f"{what}: expected a map")
-    out = {}
-    for k, v in d.items():
-        try:
-            key = int(k)
-        except (TypeError, ValueError):
-            raise ValueError(f"{what}: key {k!r} is not an integer") from None
-        if not finite_number(v):
-            raise ValueError(f"{what}[{k!r}]: {v!r} is not a finite number")
-        out[key] = float(v)
-    return out
-
-
-def check_record(value: Any, stage: int) -> dict:
-    """validate_record, plus what the dashboard reads inside the record: finite numbers, a pool and
-    stats made of numbers, losses and step times keyed by batch. ValueError says what does not fit."""
-    rec = validate_record(value)
-    kind = rec["kind"]
-    for name in ("time", "version", "compute", "throughput", "tasks_done"):
-        if name in rec and not finite_number(rec[name]):
-            raise ValueError(f"{kind} record: field {name!r} is not a finite number ({rec[name]!r})")
-    if rec["stage"] != stage:
-        raise ValueError(f"{kind} record announced under stage {stage} says stage {rec['stage']}")
-    if kind == "server":
-        if rec["version"] < 0:
-            raise ValueError(f"server record: negative version {rec['version']}")
-        for name, fields in (("pool", POOL_FIELDS), ("stats", STATS_FIELDS)):
-            part = rec.get(name, {})
-            for f in fields:
-                if f in part and not finite_number(part[f]):
-                    raise ValueError(f"server record: {name}.{f} is not a finite number ({part[f]!r})")
-        for name in ("losses", "eval_losses", "grad_norms"):
-            _int_keyed(rec.get(name, {}), f"server record: {name}")
-        _int_keyed(rec.get("step_times", {}), "server record: step_times")
-        layers = rec.get("layers")
-        if layers is not None and not (len(layers) == 2 and all(isinstance(v, int) for v in layers)):
-            raise ValueError(f"server record: layers {layers!r} is not [lo, hi]")
-    return rec
 
 
 def run_found(config: Any, stages: list[Any]) -> bool:
     """Whether the DHT holds anything of the run: its config record or any stage record."""
     return config is not None or any(s is not None for s in stages)
-
-
-def derive_state(announced: str, age: float, stale_after: float) -> str:
-    """online/joining/offline as announced, but "unreachable" when a live record is stale."""
-    if announced == "offline":
-        return "offline"
-    return "unreachable" if age > stale_after else announced
 
 
 def stage_count(config: Any) -> int | None:
@@ -108,197 +51,141 @@ def stage_count(config: Any) -> int | None:
     return None
 
 
-class History:
-    """What a long-running dashboard remembers across snapshots: the last good record of every
-    peer (so a peer that vanished from the DHT still shows, as unreachable, for `show_vanished_for`
-    seconds, and counts as a lost volunteer), the wall time each new step was first seen (rates when
-    the servers publish no step times), the losses and gradient norms of past batches and the held-out
-    losses of past versions (a record carries only the last few)."""
+def _stage_view(
+    k: int,
+    raw: Any,
+    st: Any,
+    now: float,
+    stale_after: float,
+    seen_at: Mapping[tuple[int, str], float],
+    history: History | None,
+    malformed: list[dict],
+    tokens_per_step: int | None,
+) -> tuple[dict, list[dict], list[dict]]:
+    """Stage k of the snapshot from its raw stage value (`st`: its place in the layout, None without
+    one): (its view, the records of its live servers, every server record found); what does not
+    check is added to `malformed`."""
+    servers: list[tuple[str, dict]] = []
+    clients: list[tuple[str, dict]] = []
+    if raw is not None and not isinstance(raw, dict):
+        malformed.append(
+            {
+                "stage": k,
+                "peer": None,
+                "short": "-",
+                "reason": f"the stage key holds a {type(raw).__name__}, not a map of peer records",
+            }
+        )
+    for peer, value in sorted((raw or {}).items(), key=lambda kv: str(kv[0])) if isinstance(raw, dict) else ():
+        try:
+            rec = check_record(value, k)
+        except ValueError as e:
+            malformed.append({"stage": k, "peer": str(peer), "short": short(str(peer)), "reason": str(e)})
+            continue
+        except Exception as e:  # a record odd enough to trip the checks themselves is still just malformed
+            malformed.append(
+                {"stage": k, "peer": str(peer), "short": short(str(peer)), "reason": f"unreadable record: {e!r}"}
+            )
+            continue
+        (servers if rec["kind"] == "server" else clients).append((str(peer), rec))
 
-    def __init__(self, show_vanished_for: float = 30.0):
-        self.show_vanished_for = show_vanished_for
-        self.servers: dict[tuple[int, str, str], tuple[str, dict]] = {}  # (stage, role, device) -> (peer, rec)
-        self.clients: dict[tuple[int, str], dict] = {}  # (stage, peer) -> last record
-        self.step_seen: list[tuple[float, int]] = []  # (first seen at, step)
-        self.stage_seen: dict[int, list[tuple[float, int]]] = {}
-        self.losses: dict[int, float] = {}  # batch -> mean token loss
-        # the run as last seen finished (step, loss, held-out loss, when): once every server reached the
-        # last step they leave, and their records with them; the run stays finished in this view
-        self.finished: dict | None = None
-        self.seen_at: float | None = None  # the last time the run's records were found
-        self.eval_losses: dict[int, float] = {}  # version -> held-out loss (--eval-every)
-        self.grad_norms: dict[int, float] = {}  # batch -> global gradient norm (--clip-grad-norm)
-
-    @staticmethod
-    def note(seen: list[tuple[float, int]], now: float, value: int | None) -> None:
-        if value is not None and (not seen or value > seen[-1][1]):
-            seen.append((now, value))
-            del seen[:-64]
-
-    @staticmethod
-    def seconds_per_step(seen: list[tuple[float, int]]) -> float | None:
-        # the first entry is when the dashboard started watching, not when that step was reached
-        changes = seen[1:][-(RATE_WINDOW + 1) :]
-        if len(changes) < 2:
-            return None
-        (t0, v0), (t1, v1) = changes[0], changes[-1]
-        return (t1 - t0) / (v1 - v0) if t1 > t0 else None
-
-
-def _seconds_per_step(recs: list[dict]) -> tuple[float | None, float | None]:
-    """Seconds per step over the last steps the servers all published (`step_times`: version ->
-    wall time it was reached; a version counts as reached when the slowest server reached it), and
-    the wall time of the last such step."""
-    maps = [_int_keyed(r["step_times"], "step_times") for r in recs if r.get("step_times")]
-    if not maps or len(maps) < len(recs):
-        return None, None
-    common = sorted(set.intersection(*(set(m) for m in maps)))
-    if not common:
-        return None, None
-    reached = {v: max(m[v] for m in maps) for v in common[-(RATE_WINDOW + 1) :]}
-    last = max(reached.values())
-    if len(reached) < 2:
-        return None, last
-    lo, hi = min(reached), max(reached)
-    span = reached[hi] - reached[lo]
-    return (span / (hi - lo) if span > 0 else None), last
-
-
-def _pool(rec: dict) -> dict:
-    pool, stats = rec.get("pool", {}), rec.get("stats", {})
-    return {
-        "queued": pool.get("queued"),
-        "leased": pool.get("leased"),
-        "done": pool.get("done"),
-        "requeued": pool.get("requeued"),
-        # the server's count covers its pool, its shard and its relays; the pool's own is a part of it
-        "duplicates": stats.get("duplicates", pool.get("duplicates")),
-        "oldest_task_age": pool.get("oldest_queued_age"),
-    }
-
-
-def _server_entry(
-    peer: str | None, rec: dict | None, now: float, stale_after: float, device: str = "", role: str = ""
-) -> dict:
-    if rec is None:  # named by the layout, never seen
-        return {
-            "device": device,
-            "role": role,
-            "peer": None,
-            "short": "-",
-            "state": "unreachable",
-            "announced_state": None,
-            "version": None,
-            "last_seen": None,
-            "compute": None,
-            "microbatches_applied": None,
-            "clients": None,
-            "layers": None,
-            "pool": {k: None for k in ("queued", "leased", "done", "requeued", "duplicates", "oldest_task_age")},
-            "note": "no record in the DHT",
-        }
-    age = max(0.0, now - rec["time"])
-    stats = rec.get("stats", {})
-    return {
-        "device": rec["device"],
-        "role": rec["role"],
-        "peer": peer,
-        "short": short(peer),
-        "state": derive_state(rec["state"], age, stale_after),
-        "announced_state": rec["state"],
-        "version": rec["version"],
-        "last_seen": round(age, 3),
-        "compute": rec.get("compute"),
-        "microbatches_applied": stats.get("microbatches_applied"),
-        "clients": stats.get("clients"),
-        "layers": rec.get("layers"),
-        "pool": _pool(rec),
-        "says": rec.get("says"),  # its state line
-    }
-
-
-def _volunteer_entry(peer: str, rec: dict, now: float, stale_after: float, vanished: bool = False) -> dict:
-    age = max(0.0, now - rec["time"])
-    state = (
-        ("offline" if rec["state"] == "offline" else "unreachable")
-        if vanished
-        else derive_state(rec["state"], age, stale_after)
-    )
-    return {
-        "device": rec["device"],
-        "peer": peer,
-        "short": short(peer),
-        "state": state,
-        "compute": rec["compute"],
-        "throughput": rec.get("throughput"),
-        "tasks_done": rec.get("tasks_done"),
-        "last_seen": round(age, 3),
-        "vanished": vanished,
-    }
-
-
-def _parse_config(config: Any, errors: list[str]):
-    """(RunConfig, RunLayout, seq_len) with None for what the config record does not give."""
-    if config is None:
-        return None, None, None
-    try:
-        run = RunConfig.from_dict(config)
-    except ValueError as e:
-        errors.append(str(e))
-        return None, None, None
-    if run.announce_period <= 0:
-        errors.append(f"run config record: announce_period {run.announce_period} is not positive")
-    from peer.model.config import run_model
-
-    seq_len, num_layers = None, None
-    try:
-        preset = run_model(run.model, run.arch)
-        seq_len, num_layers = preset.seq_len, preset.layers
-    except ValueError as e:
-        errors.append(f"run config record: {e}")
-    stages = run.layout.get("stages")
-    if num_layers is None and isinstance(stages, list) and stages and isinstance(stages[-1], dict):
-        hi = (stages[-1].get("layers") or [None, None])[-1]
-        num_layers = hi if isinstance(hi, int) else None
-    try:
-        layout = RunLayout.from_dict(run.layout, num_layers if num_layers is not None else -1)
-    except Exception as e:  # ValueError says what does not fit; anything else is a layout too odd to say
-        errors.append(f"run config record: layout: {e if isinstance(e, ValueError) else repr(e)}")
-        layout = None
-    return run, layout, seq_len
-
-
-def merge_reads(reads: list[tuple[Any, list[Any], dict]]) -> tuple[Any, list[Any], dict]:
-    """One view of several (config, stages, seen_at) reads of the run, in the order they were made: a
-    single DHT read can miss a record (one announced late under load lapses for a moment; a node
-    nearest the key may not hold it yet), so a one-shot snapshot reads over an announce period or two
-    and keeps, per peer, the latest record any read found (by its `time`), with the time of the last
-    read that found it (`seen_at`, {(stage, peer): time}: that record was still the peer's newest
-    then). The config is the last read's that has one."""
-    config = next((c for c, _, _ in reversed(reads) if c is not None), None)
-    width = max((len(st) for _, st, _ in reads), default=0)
-    stages: list[Any] = []
-    seen_at: dict[tuple[int, str], float] = {}
-    for k in range(width):
-        merged: dict | None = None
-        for _, st, read_at in reads:
-            value = st[k] if k < len(st) else None
-            if not isinstance(value, dict):
+    roles: dict[str, list[dict]] = {}
+    stage_live: list[dict] = []
+    for role in ("frontal", "backward"):
+        expected = list(getattr(st, role)) if st is not None else []
+        mine = [(p, r) for p, r in servers if r["role"] == role]
+        entries = []
+        for device in expected + sorted({r["device"] for _, r in mine} - set(expected)):
+            recs = [(p, r) for p, r in mine if r["device"] == device]
+            if not recs and history is not None and (k, role, device) in history.servers:
+                recs = [history.servers[(k, role, device)]]
+                entry = server_entry(*recs[0], now, stale_after)
+                if entry["state"] != "offline":
+                    entry["state"] = "unreachable"
+                entry["note"] = "its record left the DHT"
+                entries.append(entry)
                 continue
-            merged = {} if merged is None else merged
-            for peer, rec in value.items():
-                old = merged.get(peer)
-                if old is None or _record_time(rec) >= _record_time(old):
-                    merged[peer] = rec
-                    if (k, peer) in read_at:
-                        seen_at[(k, peer)] = read_at[(k, peer)]
-        stages.append(merged)
-    return config, stages, seen_at
+            if not recs:
+                entries.append(server_entry(None, None, now, stale_after, device, role))
+            for p, r in sorted(recs, key=lambda pr: -pr[1]["time"]):
+                entry = server_entry(p, r, seen_at.get((k, p), now), stale_after)
+                entries.append(entry)
+                if entry["state"] in LIVE_STATES:
+                    stage_live.append(r)
+                if history is not None:
+                    history.servers[(k, role, device)] = (p, r)
+        roles[role] = entries
 
+    # volunteers: the records there now, then (with a history) the ones that left the DHT
+    vols = [volunteer_entry(p, r, seen_at.get((k, p), now), stale_after) for p, r in clients]
+    present = {p for p, _ in clients}
+    stage_lost = 0
+    if history is not None:
+        for p, r in clients:
+            history.clients[(k, p)] = r
+        for (hk, p), r in history.clients.items():
+            if hk == k and p not in present:
+                v = volunteer_entry(p, r, now, stale_after, vanished=True)
+                stage_lost += 1
+                if v["last_seen"] <= history.show_vanished_for:
+                    vols.append(v)
+        stage_joined = sum(1 for hk, _ in history.clients if hk == k)
+    else:
+        stage_joined = len(clients)
+    vols.sort(key=lambda v: (v["state"] not in LIVE_STATES, v["device"], v["peer"]))
+    live_vols = [v for v in vols if v["state"] in LIVE_STATES]
+    stage_lost += sum(1 for v in vols if not v["vanished"] and v["state"] not in LIVE_STATES)
+    # the servers count the volunteers that ever registered with them and the ones they dropped
+    stage_joined = max([stage_joined] + [r.get("stats", {}).get("clients_joined", 0) for _, r in servers])
+    stage_lost = max([stage_lost] + [r.get("stats", {}).get("clients_left", 0) for _, r in servers])
 
-def _record_time(rec: Any) -> float:
-    t = rec.get("time") if isinstance(rec, dict) else None
-    return float(t) if finite_number(t) else float("-inf")
+    compute = sum(v["compute"] for v in live_vols) + sum(r.get("compute") or 0.0 for r in stage_live)
+    # a server from before the compute field: its registered clients say whether anything computes
+    unknown = any("compute" not in r and r.get("stats", {}).get("clients", 0) > 0 for r in stage_live)
+    live_pools = [pool_view(r) for r in stage_live]
+    pools = {f: sum(p[f] or 0 for p in live_pools) for f in ("queued", "leased", "done", "requeued", "duplicates")}
+    pools["oldest_task_age"] = max([p["oldest_task_age"] or 0.0 for p in live_pools], default=None)
+    sps, _ = pace_of(stage_live)
+    version = min((r["version"] for r in stage_live), default=None)
+    if history is not None:
+        seen = history.stage_seen.setdefault(k, [])
+        History.note(seen, now, version)
+        sps = sps or History.seconds_per_step(seen)
+    blocking = []
+    for role in ("frontal", "backward"):
+        if not any(e["state"] in LIVE_STATES for e in roles[role]):
+            blocking.append(f"no live {role} server")
+    if not live_vols and compute <= 0 and not unknown:
+        blocking.append("no compute: no live volunteer and no server computes")
+    layers = (
+        list(st.layers)
+        if st is not None
+        else next((r["layers"] for _, r in servers if r.get("layers") is not None), None)
+    )
+    # what the stage applied: its live servers agree once they all stepped; with none alive, the
+    # highest count any of its records gives
+    applied = [r["stats"]["microbatches_applied"] for r in stage_live if "microbatches_applied" in r.get("stats", {})]
+    if not applied:
+        known = [r["stats"]["microbatches_applied"] for _, r in servers if "microbatches_applied" in r.get("stats", {})]
+        applied = [max(known)] if known else []
+    view = {
+        "index": k,
+        "layers": layers,
+        "frontal": roles["frontal"],
+        "backward": roles["backward"],
+        "volunteers": vols,
+        "pools": pools,
+        "version": version,
+        "compute": round(compute, 6),
+        "volunteers_live": len(live_vols),
+        "volunteers_joined": stage_joined,
+        "volunteers_lost": stage_lost,
+        "microbatches_applied": min(applied) if applied else None,
+        "seconds_per_step": sps,
+        "tokens_per_second": tokens_per_step / sps if sps and tokens_per_step else None,
+        "blocking": blocking,
+    }
+    return view, stage_live, [r for _, r in servers]
 
 
 def build_snapshot(
@@ -321,7 +208,7 @@ def build_snapshot(
     seen_at = seen_at or {}
     errors: list[str] = []
     malformed: list[dict] = list(rejected)  # records that failed their signatures (the reader says why)
-    run, layout, seq_len = _parse_config(config, errors)
+    run, layout, seq_len = parse_config(config, errors)
     period = run.announce_period if run is not None and run.announce_period > 0 else 1.0
     stale_after = stale_periods * period
     tokens_per_step = run.batch_size * seq_len if run is not None and seq_len else None
@@ -338,155 +225,39 @@ def build_snapshot(
 
     stage_views, live_recs, last_stage_recs, every_server_rec = [], [], [], []
     for k in range(n_stages):
-        raw = stages[k] if k < len(stages) else None
-        servers: list[tuple[str, dict]] = []
-        clients: list[tuple[str, dict]] = []
-        if raw is not None and not isinstance(raw, dict):
-            malformed.append(
-                {
-                    "stage": k,
-                    "peer": None,
-                    "short": "-",
-                    "reason": f"the stage key holds a {type(raw).__name__}, not a map of peer records",
-                }
-            )
-        for peer, value in sorted((raw or {}).items(), key=lambda kv: str(kv[0])) if isinstance(raw, dict) else ():
-            try:
-                rec = check_record(value, k)
-            except ValueError as e:
-                malformed.append({"stage": k, "peer": str(peer), "short": short(str(peer)), "reason": str(e)})
-                continue
-            except Exception as e:  # a record odd enough to trip the checks themselves is still just malformed
-                malformed.append(
-                    {"stage": k, "peer": str(peer), "short": short(str(peer)), "reason": f"unreadable record: {e!r}"}
-                )
-                continue
-            (servers if rec["kind"] == "server" else clients).append((str(peer), rec))
-        st = layout.stages[k] if layout is not None else None
-
-        roles: dict[str, list[dict]] = {}
-        stage_live: list[dict] = []
-        for role in ("frontal", "backward"):
-            expected = list(getattr(st, role)) if st is not None else []
-            mine = [(p, r) for p, r in servers if r["role"] == role]
-            entries = []
-            for device in expected + sorted({r["device"] for _, r in mine} - set(expected)):
-                recs = [(p, r) for p, r in mine if r["device"] == device]
-                if not recs and history is not None and (k, role, device) in history.servers:
-                    recs = [history.servers[(k, role, device)]]
-                    entry = _server_entry(*recs[0], now, stale_after)
-                    if entry["state"] != "offline":
-                        entry["state"] = "unreachable"
-                    entry["note"] = "its record left the DHT"
-                    entries.append(entry)
-                    continue
-                if not recs:
-                    entries.append(_server_entry(None, None, now, stale_after, device, role))
-                for p, r in sorted(recs, key=lambda pr: -pr[1]["time"]):
-                    entry = _server_entry(p, r, seen_at.get((k, p), now), stale_after)
-                    entries.append(entry)
-                    if entry["state"] in LIVE_STATES:
-                        stage_live.append(r)
-                    if history is not None:
-                        history.servers[(k, role, device)] = (p, r)
-            roles[role] = entries
+        view, stage_live, server_recs = _stage_view(
+            k,
+            stages[k] if k < len(stages) else None,
+            layout.stages[k] if layout is not None else None,
+            now,
+            stale_after,
+            seen_at,
+            history,
+            malformed,
+            tokens_per_step,
+        )
+        stage_views.append(view)
         live_recs += stage_live
-        every_server_rec += [r for _, r in servers]
+        every_server_rec += server_recs
         if k == n_stages - 1:
-            last_stage_recs = [r for _, r in servers]
-
-        # volunteers: the records there now, then (with a history) the ones that left the DHT
-        vols = [_volunteer_entry(p, r, seen_at.get((k, p), now), stale_after) for p, r in clients]
-        present = {p for p, _ in clients}
-        stage_lost = 0
-        if history is not None:
-            for p, r in clients:
-                history.clients[(k, p)] = r
-            for (hk, p), r in history.clients.items():
-                if hk == k and p not in present:
-                    v = _volunteer_entry(p, r, now, stale_after, vanished=True)
-                    stage_lost += 1
-                    if v["last_seen"] <= history.show_vanished_for:
-                        vols.append(v)
-            stage_joined = sum(1 for hk, _ in history.clients if hk == k)
-        else:
-            stage_joined = len(clients)
-        vols.sort(key=lambda v: (v["state"] not in LIVE_STATES, v["device"], v["peer"]))
-        live_vols = [v for v in vols if v["state"] in LIVE_STATES]
-        stage_lost += sum(1 for v in vols if not v["vanished"] and v["state"] not in LIVE_STATES)
-        # the servers count the volunteers that ever registered with them and the ones they dropped
-        stage_joined = max([stage_joined] + [r.get("stats", {}).get("clients_joined", 0) for _, r in servers])
-        stage_lost = max([stage_lost] + [r.get("stats", {}).get("clients_left", 0) for _, r in servers])
-
-        compute = sum(v["compute"] for v in live_vols) + sum(r.get("compute") or 0.0 for r in stage_live)
-        # a server from before the compute field: its registered clients say whether anything computes
-        unknown = any("compute" not in r and r.get("stats", {}).get("clients", 0) > 0 for r in stage_live)
-        live_pools = [_pool(r) for r in stage_live]
-        pools = {f: sum(p[f] or 0 for p in live_pools) for f in ("queued", "leased", "done", "requeued", "duplicates")}
-        pools["oldest_task_age"] = max([p["oldest_task_age"] or 0.0 for p in live_pools], default=None)
-        sps, _ = _seconds_per_step(stage_live)
-        version = min((r["version"] for r in stage_live), default=None)
-        if history is not None:
-            seen = history.stage_seen.setdefault(k, [])
-            History.note(seen, now, version)
-            sps = sps or History.seconds_per_step(seen)
-        blocking = []
-        for role in ("frontal", "backward"):
-            if not any(e["state"] in LIVE_STATES for e in roles[role]):
-                blocking.append(f"no live {role} server")
-        if not live_vols and compute <= 0 and not unknown:
-            blocking.append("no compute: no live volunteer and no server computes")
-        layers = (
-            list(st.layers)
-            if st is not None
-            else next((r["layers"] for _, r in servers if r.get("layers") is not None), None)
-        )
-        # what the stage applied: its live servers agree once they all stepped; with none alive, the
-        # highest count any of its records gives
-        applied = [
-            r["stats"]["microbatches_applied"] for r in stage_live if "microbatches_applied" in r.get("stats", {})
-        ]
-        if not applied:
-            known = [
-                r["stats"]["microbatches_applied"] for _, r in servers if "microbatches_applied" in r.get("stats", {})
-            ]
-            applied = [max(known)] if known else []
-        stage_views.append(
-            {
-                "index": k,
-                "layers": layers,
-                "frontal": roles["frontal"],
-                "backward": roles["backward"],
-                "volunteers": vols,
-                "pools": pools,
-                "version": version,
-                "compute": round(compute, 6),
-                "volunteers_live": len(live_vols),
-                "volunteers_joined": stage_joined,
-                "volunteers_lost": stage_lost,
-                "microbatches_applied": min(applied) if applied else None,
-                "seconds_per_step": sps,
-                "tokens_per_second": tokens_per_step / sps if sps and tokens_per_step else None,
-                "blocking": blocking,
-            }
-        )
+            last_stage_recs = server_recs
 
     # progress of the whole run
     step = min((r["version"] for r in live_recs), default=None)
-    sps, last_step_at = _seconds_per_step(live_recs)
+    sps, last_step_at = pace_of(live_recs)
     if history is not None:
         History.note(history.step_seen, now, step)
         sps = sps or History.seconds_per_step(history.step_seen)
     losses = dict(history.losses) if history is not None else {}
     if tokens_per_step:
         for r in last_stage_recs:
-            for batch, total in _int_keyed(r.get("losses", {}), "losses").items():
+            for batch, total in int_keyed(r.get("losses", {}), "losses").items():
                 losses[batch] = total / tokens_per_step
     evals = dict(history.eval_losses) if history is not None else {}
     norms = dict(history.grad_norms) if history is not None else {}
     for r in live_recs:
-        evals.update(_int_keyed(r.get("eval_losses", {}), "eval_losses"))
-        norms.update(_int_keyed(r.get("grad_norms", {}), "grad_norms"))
+        evals.update(int_keyed(r.get("eval_losses", {}), "eval_losses"))
+        norms.update(int_keyed(r.get("grad_norms", {}), "grad_norms"))
     if history is not None:
         history.losses = dict(sorted(losses.items())[-500:])
         history.eval_losses = dict(sorted(evals.items())[-500:])
@@ -590,20 +361,7 @@ def build_snapshot(
         "blocking": blocking,
         "warnings": warnings,
     }
-    cfg_view = None
-    if run is not None:
-        cfg_view = {
-            "model": run.model,
-            "seed": run.seed,
-            "steps": run.steps,
-            "batch_size": run.batch_size,
-            "micro_batches": run.micro_batches,
-            "lr": run.lr,
-            "announce_period": run.announce_period,
-            "seq_len": seq_len,
-            "tokens_per_step": tokens_per_step,
-            "stages": n_stages,
-        }
+    cfg_view = config_view(run, seq_len, n_stages) if run is not None else None
     return _finite(
         {
             "run_id": run_id,

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from parameter_server.layout import RunLayout
 from peer.dashboard import main
 from peer.dashboard.cli import build_parser
+from peer.dashboard.entries import History
 from peer.dashboard.metrics import prometheus_text
-from peer.dashboard.snapshot import History, build_snapshot, to_json
+from peer.dashboard.snapshot import build_snapshot, to_json
 from peer.dashboard.terminal import render_terminal
 from peer.dashboard.web import render_html
 from peer.protocol.records import validate_record
@@ -832,7 +833,7 @@ def test_the_default_run_id_is_the_swarm_default():
 def test_merged_reads_keep_every_peers_latest_record():
     """A one-shot snapshot merges several reads: a record one read missed (s0b0 in the second) is
     kept, the later of two records of a peer wins, and a stage no read found stays None."""
-    from peer.dashboard.snapshot import merge_reads
+    from peer.dashboard.reader import merge_reads
 
     first = healthy()
     second = shift(healthy(), 0.5)
@@ -853,7 +854,7 @@ def test_a_records_age_is_taken_when_it_was_read():
     records found first are judged at the moment they were read, not when the snapshot is built, so
     that a slow read does not call live servers unreachable. Merged reads keep the time of the last
     read that found a peer's newest record (it was still its newest then)."""
-    from peer.dashboard.snapshot import merge_reads
+    from peer.dashboard.reader import merge_reads
 
     stages = healthy()
     late = NOW + 20  # the snapshot is built 20 s (40 periods) after the records were announced
