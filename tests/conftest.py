@@ -46,6 +46,7 @@ LONGEST_FIRST = [
     "swarm/test_lifecycle.py",
     "dashboard/test_live.py",
     "swarm/test_e2e.py",
+    "swarm/test_adversary.py",  # (mostly waiting: early, beside the others' compute)
     "swarm/test_inprocess.py",
 ]
 

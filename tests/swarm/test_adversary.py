@@ -17,9 +17,11 @@ are over the checks' tolerance: one under it passes its check and is caught only
 over about 5 checks, which a handful of such pushes in 8 steps may not reach; the run then ends a few
 1e-6 from the reference, which is that test's arithmetic, not a hole. Such liars keep it up, and are
 banned, in tests/swarm/test_trust.py (bias, creep, support) and tests/protocol/test_drift.py.
-Hypothesis draws up to FUZZ_STEPS actions an example (a few hundred to two thousand); CI runs
-FUZZ_EXAMPLES examples (about 3,500 actions, half a minute), `FUZZ_EXAMPLES=40 python -m pytest
-tests/swarm/test_adversary.py` many more (docs/stress.md)."""
+Hypothesis draws up to FUZZ_STEPS rules an example (a few hundred to two thousand: what its buffer
+holds); the rule `burst` plays up to BURST of them in a row, chosen by a generator it seeds, for
+volume. CI runs FUZZ_EXAMPLES examples and checks that they made MIN_ACTIONS actions or more (15,197,
+a minute and a half, most of it waiting for the leases the adversary sat on to run out);
+`FUZZ_EXAMPLES=40 python -m pytest tests/swarm/test_adversary.py` many more (docs/stress.md)."""
 
 from __future__ import annotations
 
@@ -45,7 +47,12 @@ ADV = "peer-adv"
 STEPS = 8
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "6"))
 FUZZ_STEPS = int(os.environ.get("FUZZ_STEPS", "2000"))
+BURST = 192  # most rules one `burst` plays in a row
+MIN_ACTIONS = 10_000  # what CI's FUZZ_EXAMPLES examples must add up to
 SLICE = 0.001  # seconds the swarm runs between two of the adversary's actions
+
+
+DONE: list[Counter] = []  # each example's tally
 
 
 class Adversary(RuleBasedStateMachine):
@@ -54,6 +61,7 @@ class Adversary(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.actions = 0
         self.tally: Counter = Counter()  # action -> how many times it was done, and answered (not refused)
+        DONE.append(self.tally)
 
     @initialize(stage=st.sampled_from([0, 1]), seed=st.integers(0, 2**16))
     def start(self, stage: int, seed: int):
@@ -207,6 +215,32 @@ class Adversary(RuleBasedStateMachine):
         epoch = self.swarm.servers[link.server.device_id].epoch + delta
         self.act(link.call("take", {"epoch": epoch}))
 
+    # ---- volume ----------------------------------------------------------------------------------
+    @rule(n=st.integers(1, BURST), seed=st.integers(0, 2**16))
+    def burst(self, n: int, seed: int):
+        """n of the rules above in a row, each chosen and given its arguments by a generator seeded
+        from the example (hypothesis draws each rule's structure; a burst gives it volume: the buffer
+        hypothesis draws an example from holds a few hundred to two thousand rules)."""
+        rng = random.Random(seed)
+        plays = [
+            self.register,
+            self.take,
+            lambda: self.compute_honestly(rng.randrange(8)),
+            self.flush,
+            lambda: self.hand_back(rng.randrange(8), rng.randint(1, 8)),
+            lambda: self.complete_what_it_never_did(
+                rng.randrange(8), rng.randint(1, 16), rng.choice(["complete", "take", "register"])
+            ),
+            lambda: self.claim_to_hold(
+                rng.randrange(8), rng.randint(1, 16), rng.choice(["none", "others", "own", "garbage"])
+            ),
+            lambda: self.push_lies(rng.randrange(8), rng.random() < 0.5),
+            lambda: self.push_wrong_gradients(rng.randrange(8), rng.choice([1e-2, 1.0, 100.0])),
+            lambda: self.wrong_epoch(rng.randrange(8), rng.choice([-1, 1, 5])),
+        ]
+        for _ in range(n):
+            rng.choice(plays)()
+
     @invariant()
     def training_has_not_failed(self):
         if getattr(self, "training", None) is not None and self.training.done():
@@ -229,6 +263,7 @@ class Adversary(RuleBasedStateMachine):
 
 
 def test_an_adversary_that_sends_any_legal_sequence_changes_nothing_or_is_banned_and_undone():
+    DONE.clear()
     run_state_machine_as_test(
         Adversary,
         settings=settings(
@@ -239,3 +274,7 @@ def test_an_adversary_that_sends_any_legal_sequence_changes_nothing_or_is_banned
             suppress_health_check=list(HealthCheck),
         ),
     )
+    actions = sum(n for tally in DONE for what, n in tally.items() if not what.endswith(" answered"))
+    if FUZZ_EXAMPLES >= 6:  # (CI's count; FUZZ_EXAMPLES=1 is a quick look)
+        assert actions >= MIN_ACTIONS, (actions, sum(DONE, Counter()))
+    print(f"{actions} actions in {len(DONE)} examples")
