@@ -8,6 +8,8 @@ import asyncio
 import json
 import re
 
+import pytest
+
 from peer.model.config import get_preset
 from scheduler import choose_stage_for_volunteer, load_cluster
 from tests.swarm.hosts import TWO_STAGES, HostRun, play, servers_of
@@ -42,6 +44,7 @@ def predicted_stage(cluster, volunteer: str) -> int:
     )
 
 
+@pytest.mark.stress
 def test_stage_auto_follows_the_rule_under_emulated_links(tmp_path):
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(profile()))
@@ -75,6 +78,7 @@ def test_stage_auto_follows_the_rule_under_emulated_links(tmp_path):
     assert chosen == expected
 
 
+@pytest.mark.stress
 def test_a_computing_servers_records_say_its_compute_from_the_first_online_one(tmp_path, monkeypatch):
     """A server that computes measures its worker before it announces: every record it stores says
     its compute, the first "online" one included (it used to say 0 until the worker had started, an
