@@ -75,6 +75,7 @@ HOLD_SECONDS = 60.0  # the longest a server holds its steps between a ban and th
 # about as long as the task it re-runs; this bounds a check stuck on a lost server's answers).
 CHECK_HOLD_SECONDS = 120.0
 BAN_PATIENCE = 30.0  # how long the coordinator tries to reach each server with a ban
+REPORT_TRIES = 30  # how often a server that caught a cheater tries to tell the run's coordinator (0.5 s apart)
 PIN_REFRESH, PIN_EXPIRY = 5.0, 15.0  # a server's pin is said again this often, and forgotten unsaid this long
 
 
@@ -649,7 +650,9 @@ class Verification:
         return next(d for st in self.layout.stages for d in st.servers)
 
     async def _report(self, peer: str, why: str) -> None:
-        for attempt in range(30):
+        async for attempt in Attempts(
+            f"{self.device_id}: reporting {peer[-8:]}", tries=REPORT_TRIES, pause=0.5, log=logger
+        ):
             try:
                 coordinator = self.coordinator()
                 if coordinator == self.device_id:
@@ -658,8 +661,10 @@ class Verification:
                     await self._server_call(coordinator, "report_cheat", {"peer": peer, "why": why})
                 return
             except Exception as e:
-                logger.info("%s: reporting %s failed (%r); trying again", self.device_id, peer[-8:], e)
-                await asyncio.sleep(0.5)
+                attempt.failed(e)
+        logger.warning(
+            "%s: %s was caught cheating but could not be reported in %d tries", self.device_id, peer[-8:], REPORT_TRIES
+        )
 
     async def _server_call_patiently(self, device: str, method: str, meta: dict) -> tuple[dict, list]:
         """_server_call, tried again for up to BAN_PATIENCE seconds while `device` cannot be reached

@@ -651,7 +651,9 @@ class ServerHost:
         taking a slot over and logging the epoch): take the epoch record from another server of
         it and adopt it (the replicas it needs are on disk)."""
         server = self.server
-        while not stop.is_set() and server.epoch < target:
+        async for _ in Attempts(f"{self.device}: catching up with layout epoch {target}", pause=1.0, stop=stop):
+            if server.epoch >= target:
+                return
             await self.directory.refresh()
             for d in [d for s_ in server.layout.stages for d in s_.servers if d != self.device]:
                 link = self.connector(d)
@@ -665,7 +667,6 @@ class ServerHost:
                         return
                 except Exception as e:
                     logger.debug("%s: get_layout from %s: %r", self.device, d, e)
-            await asyncio.sleep(1.0)
 
     def _report_crash(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
