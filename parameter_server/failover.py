@@ -14,6 +14,7 @@ from parameter_server.layout import RunLayout
 from parameter_server.shard import tensors_digest
 from parameter_server.updates import snapshots_kept
 from peer.model.update_rule import version_for_batch
+from peer.protocol.retry import Attempts
 from peer.protocol.wire import PayloadError
 from peer.protocol.wire import field as mfield
 
@@ -421,10 +422,9 @@ class Failover:
         for d in devices:
             if d == self.device_id:
                 continue
-            for _ in range(20):
+            async for attempt in Attempts(f"{self.device_id}: adopt_epoch to {d}", tries=20, pause=0.2, log=logger):
                 try:
                     await self.connector(d).call("adopt_epoch", record, timeout=10.0)
                     break
                 except Exception as e:
-                    logger.info("%s: adopt_epoch to %s: %r", self.device_id, d, e)
-                    await asyncio.sleep(0.2)
+                    attempt.failed(e)
