@@ -229,14 +229,14 @@ def test_a_server_failed_over_while_it_is_frozen_leaves_the_run_when_it_wakes(tm
     passed the check at its start: then the loss of the stage's other backward server stopped
     the run, found by scripts/soak.py.)"""
     steps = 8
-    live = tiny_swarm(tmp_path, "frozen", steps, "--servers-per-stage", "4", "--failover-after", "3")
+    live = tiny_swarm(tmp_path, "frozen", steps, "--servers-per-stage", "3", "--failover-after", "3")
     out = {}
 
     async def scenario():
         await live.start()
-        await live.wait_server_version("s0b0", 2)
-        proc = live.swarm.servers.pop("s0b0")
-        live.swarm.volunteers["s0b0-frozen"] = (proc, "none")  # (so that closing the swarm reaps it)
+        await live.wait_server_version("s0f1", 2)
+        proc = live.swarm.servers.pop("s0f1")
+        live.swarm.volunteers["s0f1-frozen"] = (proc, "none")  # (so that closing the swarm reaps it)
         os.killpg(proc.pid, signal.SIGSTOP)
         try:
             # (from a server's own status: while a DHT peer is frozen, reads of the records lag)
@@ -251,8 +251,8 @@ def test_a_server_failed_over_while_it_is_frozen_leaves_the_run_when_it_wakes(tm
         return result
 
     statuses, state = live.run(scenario)
-    log = (tmp_path / "s0b0.log").read_text(errors="replace")
-    assert out["code"] == 2 and "s0b0 was failed over while it was away" in log, log[-2000:]
-    assert out["config_epoch"] == 1 and "s0b0" not in statuses
+    log = (tmp_path / "s0f1.log").read_text(errors="replace")
+    assert out["code"] == 2 and "s0f1 was failed over while it was away" in log, log[-2000:]
+    assert out["config_epoch"] == 1 and "s0f1" not in statuses
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
     assert no_children_left(live.args.run_id) == []
