@@ -26,17 +26,16 @@ import torch
 from parameter_server.layout import owners
 from parameter_server.leases import MAX_COMPLETE
 from parameter_server.shard import assign_shards
-from peer.model.precision import compute_dtype, rounded
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
-from peer.model.transformer import StageSlice, build_slice, slice_from_state
+from peer.model.transformer import StageSlice, build_slice
 from peer.protocol.aio import check_cancelled
 from peer.protocol.params import NotReady, fetch_slot
 from peer.protocol.refusals import Refusal
 from peer.protocol.retry import Attempts
 from peer.protocol.wire import RemoteError, StreamCut, wait_to_redial
 from peer.volunteer.faults import KILL_POINTS, die_here
+from peer.volunteer.versions import Versions
 from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, hold_ends, owed_after
-from scheduler.prefetch import version_to_fetch
 from taskpool.types import priority
 
 logger = logging.getLogger("hivepipe.worker")
@@ -99,13 +98,6 @@ AWAY_GRACE_S = 5.0
 
 # how long an idle worker's take waits at a server for a task (the server caps it at MAX_TAKE_WAIT)
 TAKE_WAIT = 3.0
-# how long a fetch of the next parameter version ahead of need waits for the stage's servers to make it
-PREFETCH_PATIENCE = 15.0
-# how long a server's own worker waits for the replica its server keeps of another server's slot to
-# take a version its host has made (the host sends the step right after making it), and how many
-# versions of that slot it pulls from the host after the replica missed one
-REPLICA_WAIT = 2.0
-REPLICA_BACKOFF = 10
 
 
 class StageWorker:
@@ -145,12 +137,6 @@ class StageWorker:
         self.model: StageSlice = build_slice(cfg, self.lo, self.hi, run.seed, device=self.torch_device)
         self.epoch = epoch  # of `layout`
         self._set_layout(layout)
-        self.versions: dict[int, dict[str, torch.Tensor]] = {}
-        self.prefetching: dict[int, asyncio.Future] = {}  # version -> its fetch ahead (prefetch_next)
-        self.worked: set[int] = set()  # the versions of the last tasks computed (prefetch_next)
-        self.fetched_ahead: set[int] = set()  # versions fetched ahead that no task has used yet
-        # version -> (the parameters it was built from, the slice holding them): kept forwards need theirs
-        self.models: dict[int, tuple[dict, StageSlice]] = {}
         # forward passes kept for the backward task of the same rows (the backward server prefers the
         # client of the forward pass), oldest dropped first beyond `activation_memory` bytes
         self.kept: dict[tuple, KeptForward] = {}
@@ -174,7 +160,21 @@ class StageWorker:
             "params_from_replica": 0,
             "replica_misses": 0,
         }
-        self.replica_skip_until: dict[int, int] = {}  # slot -> the first version the replica is tried for again
+        # the parameters it computes with, by version (peer/volunteer/versions.py)
+        self.versions = Versions(
+            cfg=cfg,
+            layers=(self.lo, self.hi),
+            stage=stage,
+            device_id=device_id,
+            torch_device=self.torch_device,
+            precision=getattr(run, "precision", "fp32"),
+            shards=lambda: self.shards,
+            epoch=lambda: self.epoch,
+            fetch=self._fetch_slot,
+            own_server=self._own_server,
+            stats=self.stats,
+            on_pulled=lambda: self._point("pulling_params"),
+        )
         self.pending: dict[int, Pending] = {}  # batch -> gradients summed over tasks not pushed yet
         self.awaiting: dict[int, float] = {}  # batch held while idle (owed tasks of it) -> since when
         self.owed_forward: set[int] = set()  # batches its frontal server said it cuts more tasks of for this worker
@@ -267,8 +267,6 @@ class StageWorker:
         self.handing.clear()
         # a rollback (a cheater was caught) re-makes versions after its batch, and their inputs
         self.versions.clear()
-        self.models.clear()
-        self._drop_prefetches()
         self.kept.clear()
         self.input_cache.clear()
         logger.warning("%s: layout epoch %d (servers %s)", self.device_id, self.epoch, list(self.st.servers))
@@ -478,7 +476,7 @@ class StageWorker:
         finally:
             relay.cancel()
             beat.cancel()
-            self._drop_prefetches()
+            self.versions.drop_prefetches()
             await self._stop_waiting()
 
     async def _stop_waiting(self) -> None:
@@ -608,165 +606,17 @@ class StageWorker:
         return self._pop_ready() if self.ready else None
 
     # ------------------------------------------------------------------------------------------
-    async def ensure_version(self, version: int, patience: float = 2.0) -> None:
-        """Hold parameters `version` of every server of the stage: fetched ahead (prefetch_next), or
-        now, from every server at once. A server that has not reached it within `patience` seconds
-        raises NotReady: the caller hands its task back rather than hold a lease it cannot work on."""
-        if version not in self.versions:
-            ahead = self.prefetching.get(version)
-            if ahead is not None:
-                try:  # the fetch ahead goes on if this gives up: the task is handed back, the version comes
-                    await asyncio.wait_for(asyncio.shield(ahead), patience)
-                except asyncio.TimeoutError:
-                    raise NotReady(
-                        f"version {version} not reached by every server of stage {self.stage} within {patience:.1f} s"
-                    ) from None
-                except asyncio.CancelledError:
-                    if not ahead.cancelled():  # (this task itself is being cancelled, not the fetch ahead)
-                        raise
-            if version not in self.versions:  # none ahead, or it failed: fetch it now
-                epoch = self.epoch
-                state = await self._pull(version, patience)
-                if self.epoch != epoch:  # (a rollback may have re-made the version meanwhile: its task is gone)
-                    raise NotReady(f"layout epoch {self.epoch} began while version {version} was fetched")
-                self._hold(version, state)
-                return
-        if version in self.fetched_ahead:  # a task uses a version fetched ahead (counted once)
-            self.fetched_ahead.discard(version)
-            self.stats["prefetched"] += 1
-
-    async def _pull(self, version: int, patience: float) -> dict[str, torch.Tensor]:
-        """Every shard of `version`, one `get_params` a server, all at once (a server that has not
-        reached the version waits for it on its side, up to `patience` in all). Each request carries
-        the worker's layout epoch as the pull began: a host answers from that epoch's lineage only."""
-        epoch = self.epoch
-
-        async def one(device, slot, names):
-            kept = await self._from_own_replica(device, slot, names, version, patience, epoch)
-            if kept is not None:
-                return kept
-            meta, tensors = await self._ask_host(device, slot, names, version, patience, epoch)
-            self._point("pulling_params")
-            return dict(zip(meta["names"], tensors))
-
-        state: dict[str, torch.Tensor] = {}
-        for part in await asyncio.gather(*(one(*shard) for shard in self.shards)):
-            state.update(part)
-        return state
-
-    async def _ask_host(
-        self,
-        device: str,
-        slot: int,
-        names: list,
-        version: int,
-        patience: float,
-        epoch: int,
-        digest_only: bool = False,
+    async def _fetch_slot(
+        self, device: str, slot: int, version: int, patience: float, epoch: int, digest_only: bool
     ) -> tuple[dict, list]:
         """`get_params` of `slot` at `version` of layout epoch `epoch` from its host `device`
-        (peer.protocol.params.fetch_slot), RemoteError unless the host serves the shard of `names`."""
-        meta, tensors = await fetch_slot(
-            functools.partial(self.call, self.links[device], timeout=60.0, epoch=epoch),
-            device,
-            slot,
-            version,
-            patience,
-            self.poll,
-            digest_only=digest_only,
-        )
-        if meta.get("names") != names:
-            raise RemoteError(f"{device} serves shard {meta.get('names')}, expected {names}")
-        return meta, tensors
+        (peer.protocol.params.fetch_slot), over this worker's link to it."""
+        call = functools.partial(self.call, self.links[device], timeout=60.0, epoch=epoch)
+        return await fetch_slot(call, device, slot, version, patience, self.poll, digest_only=digest_only)
 
     def _own_server(self):
         """The server this worker runs in (its link to itself is a LocalLink to it), or None."""
         return getattr(self.links.get(self.device_id), "server", None)
-
-    async def _from_own_replica(
-        self, device: str, slot: int, names: list, version: int, patience: float, epoch: int
-    ) -> dict[str, torch.Tensor] | None:
-        """Version `version` of another server's slot read from the replica this worker's own server
-        keeps of it (a server's worker pulled it whole, 0.92 MB a step for the default swarm's
-        shards), once the slot's host says that version's digest (one small `get_params`) and the
-        replica's agree; None (the caller pulls it) when this worker runs in no server, its server
-        keeps no replica of the slot, or the replica does not hold that version within REPLICA_WAIT
-        or holds other bits (then the slot is pulled for REPLICA_BACKOFF versions)."""
-        server = self._own_server()
-        if (
-            server is None
-            or device == self.device_id
-            or slot not in server.replicas
-            or version < self.replica_skip_until.get(slot, 0)
-        ):
-            return None
-        meta, _ = await self._ask_host(device, slot, names, version, patience, epoch, digest_only=True)
-        kept = await server.replica_at(slot, version, REPLICA_WAIT)
-        if kept is None or kept[0] != meta.get("digest"):
-            self.stats["replica_misses"] += 1
-            self.replica_skip_until[slot] = version + REPLICA_BACKOFF
-            logger.debug(
-                "%s: the replica of slot %d %s version %d: pulling it from %s",
-                self.device_id,
-                slot,
-                "does not hold" if kept is None else "holds other bits of",
-                version,
-                device,
-            )
-            return None
-        self.stats["params_from_replica"] += 1
-        return {n: kept[1][n] for n in names}
-
-    def _hold(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        self.versions[version] = state
-        for v in [v for v in self.versions if v < version - 1]:
-            del self.versions[v]
-            self.models.pop(v, None)
-
-    def prefetch_next(self, version: int) -> None:
-        """Fetch version + 1 in the background while this worker computes on `version`, when the rule
-        below the worker says so (scheduler/prefetch.py: it worked on version - 1 too, one fetch
-        ahead at a time); each server answers once it has made the version."""
-        nxt, self.worked = version_to_fetch(self.worked, version, self.versions, self.prefetching)
-        if nxt is None:
-            return
-        epoch = self.epoch
-
-        async def fetch():
-            try:
-                state = await self._pull(nxt, PREFETCH_PATIENCE)
-            except Exception as e:  # a task that needs the version fetches it itself
-                logger.debug("%s: fetching version %d ahead failed: %r", self.device_id, nxt, e)
-                return
-            finally:
-                if self.prefetching.get(nxt) is fut:
-                    del self.prefetching[nxt]
-            if self.epoch == epoch and nxt not in self.versions:  # (a new epoch cleared what it held)
-                self._hold(nxt, state)
-                self.fetched_ahead = {v for v in self.fetched_ahead if v in self.versions} | {nxt}
-
-        fut = self.prefetching[nxt] = asyncio.ensure_future(fetch())
-
-    def _drop_prefetches(self) -> None:
-        for fut in self.prefetching.values():
-            fut.cancel()
-        self.prefetching.clear()
-
-    def _model(self, version: int) -> StageSlice:
-        """The slice holding parameters `version` (one per kept version, so a kept forward pass stays
-        valid while the worker computes tasks of the other version), built from the parameters held
-        now: a slice is built in the compute thread, and one built for a task of an older layout epoch
-        can be stored after a rollback cleared the cache; the version re-made since is other
-        parameters (an honest volunteer computed on such a slice and was banned)."""
-        state = self.versions[version]
-        built = self.models.get(version)
-        if built is None or built[0] is not state:
-            # (parameters arrive in the run's precision: at bf16, rounded already; a replica's are rounded here)
-            precision = getattr(self.run, "precision", "fp32")
-            model = slice_from_state(self.cfg, self.lo, self.hi, rounded(state, precision), self.torch_device)
-            model.compute_dtype = compute_dtype(precision)
-            built = self.models[version] = (state, model)
-        return built[1]
 
     def _keep(self, key: tuple, kept: KeptForward) -> None:
         if kept.nbytes > self.activation_memory:
@@ -935,9 +785,9 @@ class StageWorker:
     async def process(self, link, meta: dict, tensors: list) -> None:
         t = meta["batch"]
         pulling = time.monotonic()
-        await self.ensure_version(meta["version"])
+        await self.versions.ensure(meta["version"])
         self.stats["param_seconds"] += time.monotonic() - pulling
-        self.prefetch_next(meta["version"])
+        self.versions.prefetch_next(meta["version"])
         for key in [k for k in self.input_cache if k[0] < t - 1]:
             del self.input_cache[key]
         if meta["kind"] == "forward":  # whether its server will cut more of the batch for this worker
@@ -962,7 +812,7 @@ class StageWorker:
 
         def fwd():
             self._point("during_forward")
-            model = self._model(version)
+            model = self.versions.model(version)
             if self.activation_memory <= 0:
                 return [(forward_rows(model, x[p - a : q - a], self.torch_device), None) for _, p, q in pieces]
             return [forward_keeping(model, x[p - a : q - a], self.torch_device) for _, p, q in pieces]
@@ -1008,7 +858,7 @@ class StageWorker:
         """Recompute the slice on x and backpropagate; returns (input grad or None, loss_sum or None)."""
         self._point("during_backward")
         return backward_rows(
-            self._model(version), x, self.torch_device, self.total_tokens, out_grad=out_grad, labels=labels
+            self.versions.model(version), x, self.torch_device, self.total_tokens, out_grad=out_grad, labels=labels
         )
 
     async def _forward_backward(self, link, meta, tensors) -> None:
@@ -1063,7 +913,7 @@ class StageWorker:
 
             def bwd():
                 self._point("during_backward")
-                return backward_kept(self._model(meta["version"]), kept, g, self.torch_device)
+                return backward_kept(self.versions.model(meta["version"]), kept, g, self.torch_device)
 
             gin, _, grads = await self._compute(bwd)
             self.stats["recompute_avoided"] += 1

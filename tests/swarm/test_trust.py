@@ -648,7 +648,7 @@ def test_a_slice_built_for_a_version_a_rollback_re_made_is_not_computed_on(monke
     check, and it was banned, in 1 of 20 runs of the re-evaluation test in the stress tier)."""
     import threading
 
-    import peer.volunteer.worker as worker_module
+    import peer.volunteer.versions as versions_module
 
     cfg, layout, run = make_run(steps=4, stages=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
@@ -656,7 +656,7 @@ def test_a_slice_built_for_a_version_a_rollback_re_made_is_not_computed_on(monke
     undone = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
     remade = {n: v + 0.5 for n, v in undone.items()}
     building, release = threading.Event(), threading.Event()
-    build = worker_module.slice_from_state
+    build = versions_module.slice_from_state
 
     def slow_first(*args, **kwargs):
         if not building.is_set():
@@ -664,15 +664,14 @@ def test_a_slice_built_for_a_version_a_rollback_re_made_is_not_computed_on(monke
             release.wait(30)
         return build(*args, **kwargs)
 
-    monkeypatch.setattr(worker_module, "slice_from_state", slow_first)
-    worker.versions[3] = undone
-    old_task = threading.Thread(target=worker._model, args=(3,))  # (the compute thread of the old epoch's task)
+    monkeypatch.setattr(versions_module, "slice_from_state", slow_first)
+    worker.versions.hold(3, undone)
+    old_task = threading.Thread(target=worker.versions.model, args=(3,))  # (the compute thread of the old epoch's task)
     old_task.start()
     assert building.wait(30)
     worker.versions.clear()  # what refresh_layout clears when the rollback's epoch is met
-    worker.models.clear()
-    worker._hold(3, remade)  # the re-made version 3, fetched in the new epoch
+    worker.versions.hold(3, remade)  # the re-made version 3, fetched in the new epoch
     release.set()
     old_task.join(30)
-    computed_on = worker._model(3).state_dict()
+    computed_on = worker.versions.model(3).state_dict()
     assert all(torch.equal(computed_on[n], remade[n]) for n in remade)
