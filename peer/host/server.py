@@ -407,10 +407,10 @@ class ServerHost:
         if not args.no_compute:
             # measured before the first record: a record that said "online" with no compute while the
             # worker started made the stage look empty to a volunteer choosing one (`--stage auto`)
-            from peer.volunteer.worker import measured_compute
+            from peer.volunteer.device import measured_compute
 
             self.compute = await asyncio.to_thread(
-                measured_compute, run_cfg, self.layout, self.cfg, self.stage, self.device, args.device, self.slowdown
+                measured_compute, run_cfg, self.layout, self.cfg, self.stage, args.device, self.slowdown
             )
         await server.add_p2p_handlers(self.p2p)
         self.announcer = Announcer(

@@ -173,8 +173,8 @@ class VolunteerSession:
 
     async def choose_stage(self, stop: asyncio.Event, slowdown: float):
         """(stage, picker): the stage to work on, and the picker that re-checks it (`--stage auto`)."""
+        from peer.volunteer.device import measured_compute
         from peer.volunteer.stage_choice import StagePicker
-        from peer.volunteer.worker import measured_compute
 
         args = self.args
         if args.stage != "auto":
@@ -188,8 +188,7 @@ class VolunteerSession:
             self.links_emulator,
             self.peer_id,
             args.probe_bytes,
-            args.compute
-            or measured_compute(self.run_cfg, self.layout, self.cfg, 0, self.device, args.device, slowdown),
+            args.compute or measured_compute(self.run_cfg, self.layout, self.cfg, 0, args.device, slowdown),
         )
 
         async def measured():
@@ -365,7 +364,7 @@ class VolunteerSession:
             await self._publish(stage, worker, "offline")
         except Exception as e:
             logger.debug("offline announce failed: %r", e)
-        worker.executor.shutdown(wait=False)
+        worker.device.shutdown()
         self.worker = None
         for kind in self.done:
             self.done[kind] += worker.stats[kind]

@@ -13,11 +13,8 @@ task, and its tasks are re-run (pushed alone) until completed; re-runs are count
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
-import gc
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -33,35 +30,13 @@ from peer.protocol.params import NotReady, fetch_slot
 from peer.protocol.refusals import Refusal
 from peer.protocol.retry import Attempts
 from peer.protocol.wire import RemoteError, StreamCut, wait_to_redial
+from peer.volunteer.device import EmulatedDevice
 from peer.volunteer.faults import KILL_POINTS, die_here
 from peer.volunteer.versions import Versions
 from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, hold_ends, owed_after
 from taskpool.types import priority
 
 logger = logging.getLogger("hivepipe.worker")
-
-
-_gc_clock = threading.local()
-
-
-def _time_collections(phase: str, _info: dict) -> None:
-    if phase == "start":
-        _gc_clock.began = time.thread_time()
-    elif getattr(_gc_clock, "began", None) is not None:
-        _gc_clock.spent = getattr(_gc_clock, "spent", 0.0) + time.thread_time() - _gc_clock.began
-        _gc_clock.began = None
-
-
-gc.callbacks.append(_time_collections)
-
-
-def pass_clock() -> float:
-    """This thread's processor seconds, less what it spent collecting garbage (gc.callbacks time the
-    collections in the thread that runs them). An emulated device stretches a pass by the processor
-    time its arithmetic used: a full collection that happens to fall in a pass (0.1-0.2 s with the
-    objects torch and hivemind hold) is the interpreter's, not the device's, and stretched x10 it
-    stalled a step by 2 s (bench_fidelity's runs)."""
-    return time.thread_time() - getattr(_gc_clock, "spent", 0.0)
 
 
 @dataclass
@@ -129,7 +104,6 @@ class StageWorker:
         self.links = links  # device id -> link (P2PLink/LocalLink) for every server of this stage
         self.compute = compute
         self.torch_device = torch.device(torch_device)
-        self.slowdown = slowdown
         self.poll = poll
         self.heartbeat = heartbeat
         self.rows = run.batch_size // run.micro_batches
@@ -144,7 +118,6 @@ class StageWorker:
         # (batch, micro-batch, layout epoch) -> the input rows a forward task received: a task of an older
         # epoch that ends after a rollback stores its own, which the re-made batch's tasks must not read
         self.input_cache: dict[tuple[int, int, int], list[tuple[int, int, torch.Tensor]]] = {}
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.stats = {
             "forward": 0,
             "backward": 0,
@@ -160,6 +133,8 @@ class StageWorker:
             "params_from_replica": 0,
             "replica_misses": 0,
         }
+        # its passes, one at a time, as long as they last on the device it emulates (peer/volunteer/device.py)
+        self.device = EmulatedDevice(self.torch_device, slowdown, self.stats)
         # the parameters it computes with, by version (peer/volunteer/versions.py)
         self.versions = Versions(
             cfg=cfg,
@@ -627,30 +602,6 @@ class StageWorker:
             oldest = next(iter(self.kept))
             total -= self.kept.pop(oldest).nbytes
 
-    def _pass_seconds(self, elapsed: float, busy: float) -> float:
-        """How long a pass that took `elapsed` seconds of wall time and `busy` of this thread's
-        processor time (`pass_clock`: less its garbage collections) lasts on the emulated device. A
-        slower device (slowdown > 1) lasts `slowdown` times the processor time it used (torch runs on
-        this one thread), however long other processes kept it from a core; stretching the wall time
-        would multiply their contention too (on 2 cores shared by a dozen processes, x10 of a pass
-        slowed 1.5x is a device 1.5x slower than declared). On a GPU the wall time is what the
-        kernels took."""
-        if self.slowdown <= 1:
-            return elapsed
-        return max(elapsed, self.slowdown * (busy if self.torch_device.type == "cpu" else elapsed))
-
-    async def _compute(self, fn):
-        def timed():
-            t0, c0 = time.perf_counter(), pass_clock()
-            result = fn()
-            elapsed = time.perf_counter() - t0
-            time.sleep(self._pass_seconds(elapsed, pass_clock() - c0) - elapsed)
-            self.stats["compute_seconds"] += time.perf_counter() - t0
-            return result
-
-        return await asyncio.get_running_loop().run_in_executor(self.executor, timed)
-
-    # gradient accumulation ---------------------------------------------------------------------
     def _flush_due(self, task: dict | None) -> list[int]:
         """The pending batches to push now (scheduler/flush.py); an idle worker holds a batch it is owed
         tasks of for up to IDLE_HOLD_S: backward tasks of the forward passes it keeps, or forward tasks
@@ -817,7 +768,7 @@ class StageWorker:
                 return [(forward_rows(model, x[p - a : q - a], self.torch_device), None) for _, p, q in pieces]
             return [forward_keeping(model, x[p - a : q - a], self.torch_device) for _, p, q in pieces]
 
-        outs = await self._compute(fwd)
+        outs = await self.device.run(fwd)
         for key in [k for k in self.kept if k[0] < t - 1]:
             del self.kept[key]
         for (_, p, q), (_, kept) in zip(pieces, outs):
@@ -864,7 +815,7 @@ class StageWorker:
     async def _forward_backward(self, link, meta, tensors) -> None:
         """The last stage: forward, loss and backward in one task."""
         x, y = tensors
-        gin, loss, grads = await self._compute(lambda: self._backward_pass(meta["version"], x, labels=y))
+        gin, loss, grads = await self.device.run(lambda: self._backward_pass(meta["version"], x, labels=y))
         await self._finish(link, link, meta, gin, grads, loss)
         self.stats["forward"] += 1
 
@@ -915,7 +866,7 @@ class StageWorker:
                 self._point("during_backward")
                 return backward_kept(self.versions.model(meta["version"]), kept, g, self.torch_device)
 
-            gin, _, grads = await self._compute(bwd)
+            gin, _, grads = await self.device.run(bwd)
             self.stats["recompute_avoided"] += 1
             await self._finish(link, frontal, meta, gin, grads, None)
             self.stats["backward"] += 1
@@ -926,54 +877,10 @@ class StageWorker:
             _, (x,) = await self.call(
                 frontal, "get_inputs", {"batch": t, "micro": m, "rows": [a, b]}, epoch=meta["epoch"]
             )
-        gin, _, grads = await self._compute(lambda: self._backward_pass(meta["version"], x, out_grad=g))
+        gin, _, grads = await self.device.run(lambda: self._backward_pass(meta["version"], x, out_grad=g))
         await self._finish(link, frontal, meta, gin, grads, None)
         self.stats["backward"] += 1
 
     def measure_compute(self, rows: int = 1, repeats: int = 5) -> float:
-        """Rows per second of forward+backward of this slice on this device (the compute power a
-        client registers), as long as passes last on the emulated device: the fastest of `repeats` timed passes
-        after a warm-up, since one pass can be preempted by other processes (a volunteer measured at
-        12.6 rows/s beside others' 300 on a loaded machine, and the pool never gave it a task). On a
-        CPU a pass counts no longer than the processor time this thread spent in it: the device's
-        speed, not how many other processes shared its cores at that moment (a swarm's processes all
-        measure while the others start: two servers' workers on one machine registered 11 and 101,
-        and a frontal server choosing a batch's clients by speed took the first for 9x slower)."""
-        if self.model.is_first:
-            x = torch.randint(0, self.cfg.vocab_size, (rows, self.cfg.seq_len))
-        else:
-            x = torch.randn(rows, self.cfg.seq_len, self.cfg.hidden)
-        x = x.to(self.torch_device)
-        best = float("inf")
-        for i in range(repeats + 1):
-            t0, c0 = time.perf_counter(), pass_clock()
-            out = self.model(x)
-            out.float().sum().backward()
-            self.model.zero_grad(set_to_none=True)
-            if x.is_cuda:  # kernels run asynchronously: the pass ends when they do
-                torch.cuda.synchronize(x.device)
-            if i > 0:  # the first is a warm-up
-                # as long as the pass lasts on the emulated device (_pass_seconds), so that what it
-                # registers is what it will deliver, however loaded the machine is while it measures
-                elapsed, busy = time.perf_counter() - t0, pass_clock() - c0
-                if not x.is_cuda:
-                    elapsed = min(elapsed, busy)
-                best = min(best, self._pass_seconds(elapsed, busy))
-        return rows / max(best, 1e-6)
-
-
-def measured_compute(run, layout, cfg, stage: int, device_id: str, torch_device: str, slowdown: float) -> float:
-    """Rows per second of `stage`'s slice on this device (StageWorker.measure_compute), on a slice
-    built for the measurement alone: a peer knows what it computes before its first record says it."""
-    probe = StageWorker(
-        run=run,
-        layout=layout,
-        cfg=cfg,
-        stage=stage,
-        device_id=device_id,
-        links={},
-        compute=1.0,
-        torch_device=torch_device,
-        slowdown=slowdown,
-    )
-    return probe.measure_compute()
+        """Rows per second of this worker's slice on its device (EmulatedDevice.measure)."""
+        return self.device.measure(self.model, self.cfg, rows, repeats)

@@ -1388,12 +1388,12 @@ def test_an_emulated_device_registers_the_compute_it_will_deliver_however_loaded
     than its processor time says: a swarm's processes measure while the others start)."""
     cfg, layout, run = make_run(steps=1, stages=1)
     (w,) = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False).workers
-    assert w._pass_seconds(elapsed=0.5, busy=0.1) == 0.5  # slowdown 1: as long as it took
-    w.slowdown = 10.0
-    assert w._pass_seconds(elapsed=0.5, busy=0.1) == pytest.approx(1.0)  # waited 0.4 s for a core: still 1.0
-    assert w._pass_seconds(elapsed=3.0, busy=0.1) == 3.0  # waited longer than the device would take
+    assert w.device.pass_seconds(elapsed=0.5, busy=0.1) == 0.5  # slowdown 1: as long as it took
+    w.device.slowdown = 10.0
+    assert w.device.pass_seconds(elapsed=0.5, busy=0.1) == pytest.approx(1.0)  # waited 0.4 s for a core: still 1.0
+    assert w.device.pass_seconds(elapsed=3.0, busy=0.1) == 3.0  # waited longer than the device would take
     passes = []  # what the measurement asks of each timed pass: (wall seconds, processor seconds)
-    w._pass_seconds = lambda elapsed, busy: passes.append((elapsed, busy)) or (0.5 if len(passes) == 2 else 1.0)
+    w.device.pass_seconds = lambda elapsed, busy: passes.append((elapsed, busy)) or (0.5 if len(passes) == 2 else 1.0)
     assert w.measure_compute(rows=2, repeats=3) == pytest.approx(4.0)  # 2 rows / its shortest pass, 0.5 s
     assert len(passes) == 3 and all(e > 0 and b > 0 for e, b in passes)  # the warm-up is not timed
     # on a CPU a pass counts at most its processor time: the device's speed, not the machine's load then
@@ -1408,9 +1408,9 @@ def test_a_garbage_collection_inside_a_pass_is_not_stretched_as_the_devices_comp
 
     cfg, layout, run = make_run(steps=1, stages=1)
     (w,) = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False).workers
-    w.slowdown = 10.0
+    w.device.slowdown = 10.0
     seen = []
-    w._pass_seconds = lambda elapsed, busy: seen.append(busy) or elapsed
+    w.device.pass_seconds = lambda elapsed, busy: seen.append(busy) or elapsed
     heap = [{"i": i} for i in range(400_000)]  # objects a full collection has to walk
     collecting = []
 
@@ -1419,7 +1419,7 @@ def test_a_garbage_collection_inside_a_pass_is_not_stretched_as_the_devices_comp
         gc.collect()
         collecting.append(time.thread_time() - c0)
 
-    asyncio.run(w._compute(collect))
+    asyncio.run(w.device.run(collect))
     del heap
     (busy,) = seen
     assert collecting[0] > 0.005  # the collection did take processor time

@@ -124,7 +124,7 @@ def test_hoarders_hold_little_briefly_are_dropped_and_the_run_ends_exact(monkeyp
     cfg, layout, run = make_run(steps=steps, stages=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
     for worker in swarm.workers:  # (devices 3x slower than this processor: tasks wait in the queues for
-        worker.slowdown = 3.0  # a hoarder to take, however fast the machine is at the moment)
+        worker.device.slowdown = 3.0  # a hoarder to take, however fast the machine is at the moment)
     hoarders = [f"peer-hoard{i}" for i in range(3)]
     held = {(h, d): [] for h in hoarders for d in swarm.servers}
     refused, most_held, taken = [], [0], dict.fromkeys(hoarders, 0)
