@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import torch
 
 from parameter_server.layout import owners
-from parameter_server.leases import MAX_COMPLETE
 from parameter_server.shard import assign_shards
 from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
 from peer.model.transformer import StageSlice, build_slice
@@ -32,6 +31,7 @@ from peer.protocol.retry import Attempts
 from peer.protocol.wire import RemoteError, StreamCut, wait_to_redial
 from peer.volunteer.device import EmulatedDevice
 from peer.volunteer.faults import KILL_POINTS, die_here
+from peer.volunteer.handins import HandIns
 from peer.volunteer.versions import Versions
 from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, hold_ends, owed_after
 from taskpool.types import priority
@@ -154,13 +154,9 @@ class StageWorker:
         self.awaiting: dict[int, float] = {}  # batch held while idle (owed tasks of it) -> since when
         self.owed_forward: set[int] = set()  # batches its frontal server said it cuts more tasks of for this worker
         self.pushing: list[Pending] = []  # sums on their way to the servers (their tasks still held)
-        # server device -> ids of tasks leased there and finished (credited by every server, or a
-        # forward pass's outputs delivered), handed in with the next take or heartbeat to that server
-        # instead of a `complete` call each; held (and listed so) until an answer says it arrived
-        self.finished: dict[str, list[str]] = {}
-        # of them, the ones a call now in flight carries (a long-polled take, a heartbeat): not put in
-        # another call until it answers (both carried them, and the server counted the second a duplicate)
-        self.handing: dict[str, set[str]] = {}
+        # the tasks finished (credited by every server, or a forward pass's outputs delivered) and
+        # handed in with the next take or heartbeat to the server that leased each (peer/volunteer/handins.py)
+        self.hand_ins = HandIns()
         # task id -> the ticket of its lease, while this worker holds it: a `register` that lists what it
         # holds proves each lease with its ticket (a server that restarted adopts only proven leases)
         self.held_tickets: dict[str, str | None] = {}
@@ -237,9 +233,8 @@ class StageWorker:
         self.epoch = record["epoch"]
         self._set_layout(RunLayout.from_dict(record["layout"], self.cfg.layers))
         self.pending.clear()  # the old epoch's leases are gone: its tasks are run again in this one
-        self.finished.clear()
+        self.hand_ins.clear()
         self.held_tickets.clear()
-        self.handing.clear()
         # a rollback (a cheater was caught) re-makes versions after its batch, and their inputs
         self.versions.clear()
         self.kept.clear()
@@ -256,7 +251,7 @@ class StageWorker:
         """The task ids leased from server `device` that this worker works on or keeps in a sum."""
         sums = list(self.pending.values()) + list(self.pushing)
         held = [tid for p in sums for link, tid, _, _ in p.tasks if link.device == device]
-        held += self.finished.get(device, [])
+        held += self.hand_ins.listed(device)
         if self.current is not None and self.current[0] == device:
             held.append(self.current[1])
         self._harvest()
@@ -285,9 +280,9 @@ class StageWorker:
         try:
             answer = await self._quiet(self.links[device].call, "register", meta, timeout=10.0)
         finally:
-            self._release(device, done)
+            self.hand_ins.release(device, done)
         if answer is not None:
-            self._handed_in(device, done)
+            self.hand_ins.arrived(device, done)
             if isinstance(answer, tuple) and isinstance(answer[0], dict) and answer[0].get("over") is True:
                 self.over = True
                 if self._halt is not None:
@@ -305,36 +300,18 @@ class StageWorker:
         """A task leased from `device` in layout epoch `epoch` is done: say so with the next take or
         heartbeat there (nothing to say of an older epoch's task: its lease is gone)."""
         if epoch == self.epoch:
-            self.finished.setdefault(device, []).append(task_id)
+            self.hand_ins.add(device, task_id)
 
     def _handing_in(self, device: str, meta: dict) -> tuple[dict, list[str]]:
         """`meta` carrying the tasks finished at `device` (and the epoch they belong to) that no call
-        in flight carries, and their ids (in flight until `_release`)."""
-        busy = self.handing.setdefault(device, set())
-        done = [t for t in self.finished.get(device, []) if t not in busy][:MAX_COMPLETE]
-        busy.update(done)
+        in flight carries, and their ids (in flight until hand_ins.release)."""
+        done = self.hand_ins.take(device)
         return (dict(meta, complete=done, epoch=self.epoch) if done else meta), done
-
-    def _release(self, device: str, done: list[str]) -> None:
-        """The call that carried `done` answered or failed: another call may carry what is left of them."""
-        busy = self.handing.get(device)
-        if busy is not None:
-            busy.difference_update(done)
-
-    def _handed_in(self, device: str, done: list[str]) -> None:
-        """The server answered a call that carried `done`: it has them."""
-        if done and device in self.finished:
-            arrived = set(done)
-            left = [t for t in self.finished[device] if t not in arrived]
-            if left:
-                self.finished[device] = left
-            else:
-                del self.finished[device]
 
     async def hand_in_finished(self) -> None:
         """A heartbeat to every server that has finished tasks of this worker not handed in yet (a
         clean stop)."""
-        await asyncio.gather(*(self._heartbeat(d) for d in list(self.finished) if d in self.links))
+        await asyncio.gather(*(self._heartbeat(d) for d in self.hand_ins.devices() if d in self.links))
 
     async def _hand_back(self, link, task: str, epoch: int) -> None:
         """Give task `task` back to the server of `link` (`fail`: it is re-queued at once), quietly."""
@@ -492,14 +469,14 @@ class StageWorker:
         try:
             meta, tensors = await self.call(link, "take", request, timeout=10.0 + wait)
         except RemoteError as e:
-            self._release(device, done)
+            self.hand_ins.release(device, done)
             if e.refusal is Refusal.NOT_REGISTERED:
                 await self._quiet(link.call, "register", self._registration())
             if wait:
                 await asyncio.sleep(self.poll)  # the answer came at once: no tight loop of refused waits
             return None
         except BaseException as e:
-            self._release(device, done)
+            self.hand_ins.release(device, done)
             if not isinstance(e, Exception):
                 raise  # (cancelled: a stop)
             logger.info("%s: take from %s failed: %r", self.device_id, device, e)
@@ -515,8 +492,8 @@ class StageWorker:
             if wait:
                 await asyncio.sleep(self.poll)
             return None
-        self._release(device, done)
-        self._handed_in(device, done)
+        self.hand_ins.release(device, done)
+        self.hand_ins.arrived(device, done)
         self.more[device] = meta.get("more") is not False
         if not meta.get("task"):
             return None

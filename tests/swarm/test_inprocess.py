@@ -1078,11 +1078,11 @@ def test_finished_tasks_go_with_the_next_take_or_heartbeat_not_a_complete_each(t
         await a.register()
         fs.maybe_start_batches()
         first = await one_task()
-        assert fs.pool.lease_of(first) is not None and a.finished == {dev: [first]}
+        assert fs.pool.lease_of(first) is not None and a.hand_ins.finished == {dev: [first]}
         await link.call("register", a._registration(dev))  # a heartbeat without it lists it as held
         assert fs.pool.lease_of(first) is not None and first in a.holding(dev)
         second = await one_task()  # its take carried the first one in
-        assert fs.pool.is_done(first) and a.finished == {dev: [second]}
+        assert fs.pool.is_done(first) and a.hand_ins.finished == {dev: [second]}
         stop = asyncio.Event()
         beat = asyncio.ensure_future(a._beat(dev, stop))
         for _ in range(500):
@@ -1091,7 +1091,7 @@ def test_finished_tasks_go_with_the_next_take_or_heartbeat_not_a_complete_each(t
             await asyncio.sleep(0.01)
         stop.set()
         await beat
-        assert fs.pool.is_done(second) and a.finished == {}
+        assert fs.pool.is_done(second) and a.hand_ins.finished == {}
         # what a bad or foreign list does
         _, meta, _ = await a.take_one()
         third = meta["task"]
