@@ -45,7 +45,8 @@ class EmulatedDevice:
 
     def __init__(self, torch_device: torch.device, slowdown: float = 1.0, stats: dict | None = None):
         self.torch_device, self.slowdown = torch_device, slowdown
-        self.stats = stats if stats is not None else {"compute_seconds": 0.0}
+        self.stats = stats if stats is not None else {}
+        self.stats.setdefault("compute_seconds", 0.0)
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
     def pass_seconds(self, elapsed: float, busy: float) -> float:

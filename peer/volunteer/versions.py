@@ -37,7 +37,9 @@ class Versions:
     (host device, slot, parameter names) now, `epoch()` the worker's layout epoch now, `fetch` a
     slot's get_params from its host, `own_server()` the server the worker runs in (or None),
     `on_pulled()` called after each pull from a host (a kill point), and the `stats` dict it counts
-    its prefetches and replica reads in."""
+    its prefetches and replica reads in (under COUNTERS, which it adds to that dict)."""
+
+    COUNTERS = ("prefetched", "params_from_replica", "replica_misses")
 
     def __init__(
         self,
@@ -59,6 +61,8 @@ class Versions:
         self.torch_device, self.precision = torch_device, precision
         self.shards, self.epoch, self.fetch, self.own_server = shards, epoch, fetch, own_server
         self.stats, self.on_pulled = stats, on_pulled
+        for name in self.COUNTERS:
+            stats.setdefault(name, 0)
         self.held: dict[int, dict[str, torch.Tensor]] = {}
         self.prefetching: dict[int, asyncio.Future] = {}  # version -> its fetch ahead (prefetch_next)
         self.worked: set[int] = set()  # the versions of the last tasks computed (prefetch_next)

@@ -124,15 +124,11 @@ class StageWorker:
             "dropped": 0,
             "pushes": 0,
             "conflicts": 0,
-            "compute_seconds": 0.0,
             "param_seconds": 0.0,
             "started": time.time(),
             "recomputed": 0,
             "recompute_avoided": 0,
-            "prefetched": 0,
-            "params_from_replica": 0,
-            "replica_misses": 0,
-        }
+        }  # (its device adds "compute_seconds", its versions their counters: their constructors below)
         # its passes, one at a time, as long as they last on the device it emulates (peer/volunteer/device.py)
         self.device = EmulatedDevice(self.torch_device, slowdown, self.stats)
         # the parameters it computes with, by version (peer/volunteer/versions.py)
