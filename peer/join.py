@@ -47,8 +47,9 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--cheat",
         default=None,
-        metavar="KIND[@AFTER]",
+        metavar="KIND[@AFTER][/EVERY]",
         help="TEST TOOL, never for real runs: after AFTER honest tasks (default 0) hand in wrong results "
+        "(with /EVERY: on one task in EVERY only) "
         "(scale: x1e4, signflip, noise: +0.1 x RMS, zeros, bias: +3e-4 of the norm on one value, relay: "
         "input gradients x100 and the task handed back, unsent: forward tasks handed in without their outputs, support: noise under the tolerance "
         "on gradient coordinates that are zero, creep: every result x (1 + 1e-4)) to exercise the servers' checks; the "

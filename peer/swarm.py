@@ -130,8 +130,8 @@ def add_arguments(p) -> None:
         "--cheater",
         action="append",
         default=[],
-        metavar="KIND[@AFTER]",
-        help="TEST TOOL: add a volunteer started with `peer join --cheat KIND[@AFTER]` (repeatable)",
+        metavar="KIND[@AFTER][/EVERY]",
+        help="TEST TOOL: add a volunteer started with `peer join --cheat KIND[@AFTER][/EVERY]` (repeatable)",
     )
     p.add_argument(
         "--task-tokens",

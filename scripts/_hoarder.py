@@ -14,100 +14,78 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import time
+
+from _observer import add_run_arguments
 
 
 async def hoard(a) -> dict:
+    from _observer import RunObserver
     from hivemind.p2p import P2P
 
     from parameter_server.service import StageServer
-    from peer.node import Directory, start_dht, stop_dht
-    from peer.protocol import records
-    from peer.protocol.trust import split_run_id
     from peer.protocol.wire import RemoteError
 
-    run_id, run_fp = split_run_id(a.run_id)
-    dht = start_dht([a.initial_peers], run_id=run_id, run_fp=run_fp, client_mode=True, timeout=60.0)
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    got = {"taken": 0, "refused": {}, "identities": a.identities, "most_held": 0, "versions": [], "calls": 0}
+    got = {"taken": 0, "refused": {}, "identities": a.identities, "most_held": 0, "calls": 0}
     peers = []
-    try:
-        run = None
-        while run is None and not stop.is_set():
-            run = await records.read_config(dht, run_id)
-            await asyncio.sleep(0.5)
-        directory = Directory(dht, run_id, len(run.layout["stages"]))
-        servers = len([d for st in run.layout["stages"] for d in st["frontal"] + st["backward"]])
+    async with RunObserver(a) as run:
+        try:
+            for _ in range(a.identities):  # (before the wait: 20 daemons take seconds to start; each link
+                # dials its server at the addresses the server's record announces)
+                peers.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+            await run.wait_for_start()
+            stage = [d for d in run.directory.servers if d.startswith(f"s{a.stage}")]
+            links = [
+                (i, d, run.directory.link(p2p, d, StageServer, backoff=False))
+                for i, p2p in enumerate(peers)
+                for d in stage
+            ]
+            held: dict[tuple[int, str], list[str]] = {(i, d): [] for i, d, _ in links}
+            deadline = time.monotonic() + a.seconds
+            got["started"] = time.monotonic()
+            await run.note_version()
+            last_read = time.monotonic()
 
-        async def version() -> int | None:
-            await directory.refresh()
-            return min(directory.versions.values()) if len(directory.versions) == servers else None
+            async def one(i, d, link):
+                got["calls"] += 1  # (a round of register + take, answered or not)
+                try:
+                    await link.call(
+                        "register",
+                        {"device": f"h{i}", "compute": 1e3, "stage": a.stage, "holding": held[(i, d)]},
+                        timeout=10.0,
+                    )
+                    meta, _ = await link.call("take", {}, timeout=10.0) if a.take else ({}, [])
+                    if meta.get("task"):
+                        held[(i, d)].append(meta["task"])
+                        got["taken"] += 1
+                except RemoteError as e:
+                    why = str(e).split(": ", 1)[-1][:60]
+                    got["refused"][why] = got["refused"].get(why, 0) + 1
+                    held[(i, d)].clear()
+                except Exception as e:
+                    got["refused"][repr(e)[:80]] = got["refused"].get(repr(e)[:80], 0) + 1
 
-        for _ in range(a.identities):  # (before the wait: 20 daemons take seconds to start; each link
-            # dials its server at the addresses the server's record announces)
-            peers.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-        while not stop.is_set() and ((await version()) or -1) < a.after_version:
-            await asyncio.sleep(0.25)
-        stage = [d for d in directory.servers if d.startswith(f"s{a.stage}")]
-        links = [
-            (i, d, directory.link(p2p, d, StageServer, backoff=False)) for i, p2p in enumerate(peers) for d in stage
-        ]
-        held: dict[tuple[int, str], list[str]] = {(i, d): [] for i, d, _ in links}
-        deadline = time.monotonic() + a.seconds
-        got["started"] = time.monotonic()
-        got["versions"].append((time.time(), await version()))
-        last_read = time.monotonic()
-
-        async def one(i, d, link):
-            got["calls"] += 1  # (a round of register + take, answered or not)
-            try:
-                await link.call(
-                    "register",
-                    {"device": f"h{i}", "compute": 1e3, "stage": a.stage, "holding": held[(i, d)]},
-                    timeout=10.0,
-                )
-                meta, _ = await link.call("take", {}, timeout=10.0) if a.take else ({}, [])
-                if meta.get("task"):
-                    held[(i, d)].append(meta["task"])
-                    got["taken"] += 1
-            except RemoteError as e:
-                why = str(e).split(": ", 1)[-1][:60]
-                got["refused"][why] = got["refused"].get(why, 0) + 1
-                held[(i, d)].clear()
-            except Exception as e:
-                got["refused"][repr(e)[:80]] = got["refused"].get(repr(e)[:80], 0) + 1
-
-        while not stop.is_set() and time.monotonic() < deadline:
-            await asyncio.gather(*(one(i, d, link) for i, d, link in links))
-            got["most_held"] = max([got["most_held"]] + [len(v) for v in held.values()])
-            if time.monotonic() - last_read >= 1.0:
-                last_read = time.monotonic()
-                got["versions"].append((time.time(), await version()))
-                if got["versions"][-1][1] is not None and got["versions"][-1][1] >= run.steps:
-                    break
-            try:
-                await asyncio.wait_for(stop.wait(), a.period)
-            except asyncio.TimeoutError:
-                pass
-        got["seconds"] = time.monotonic() - got.get("started", time.monotonic())
-    finally:
-        for p2p in peers:
-            await p2p.shutdown()
-        stop_dht(dht)
-    return got
+            while not run.stop.is_set() and time.monotonic() < deadline:
+                await asyncio.gather(*(one(i, d, link) for i, d, link in links))
+                got["most_held"] = max([got["most_held"]] + [len(v) for v in held.values()])
+                if time.monotonic() - last_read >= 1.0:
+                    last_read = time.monotonic()
+                    if await run.note_version():
+                        break
+                await run.pause(a.period)
+            got["seconds"] = time.monotonic() - got.get("started", time.monotonic())
+        finally:
+            for p2p in peers:
+                await p2p.shutdown()
+    return got | {"versions": run.versions}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--initial-peers", required=True)
-    p.add_argument("--run-id", required=True)
+    add_run_arguments(p)
     p.add_argument("--identities", type=int, default=20)
     p.add_argument("--stage", type=int, default=0)
-    p.add_argument("--after-version", type=int, default=2, help="start once the servers announce this version")
     p.add_argument("--period", type=float, default=0.2, help="seconds between rounds of takes")
-    p.add_argument("--seconds", type=float, default=3600.0)
     p.add_argument(
         "--no-take",
         dest="take",

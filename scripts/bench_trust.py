@@ -5,6 +5,8 @@ checking costs an honest run, and how long a liar that passed its probation surv
 
     python scripts/bench_trust.py [--quick] [--out DIR] [--steps 20] [--rates 0,0.05,0.1,0.25,1]
                                   [--after 8] [--work DIR] [--attacks] [--hoarders 20]
+                                  [--cycling] [--cycle-slots 2,5] [--cycle-steps 600]
+                                  [--patient] [--patient-kinds signflip/20,...] [--patient-steps 100]
 
 Parts:
 1. tolerance: one task's parameter gradient and input gradient (model presets tiny and small, stage 1
@@ -23,8 +25,15 @@ Parts:
    swarm's stage 0, the run's pace against an observer's calm figure; a liar biased under the
    tolerance (`--cheater bias`); one stream message claiming 1 GiB sent to a server
    (scripts/_big_message.py), the server's resident memory sampled.
+5. ban cycling (also alone, with --cycling): N fresh liars at a time replaced as they are banned
+   (scripts/_cycler.py), against the same churn by honest volunteers killed after the liars' median
+   lifetime, and the calm pace; for N in --cycle-slots (2 and 5).
+6. patient liars (also alone, with --patient): `--cheater KIND@AFTER/EVERY` that keep their results'
+   norm (signflip, noise) on one task in EVERY, at the default probation and sample rate: bans, lies
+   and the final distance from the reference.
 
-Writes DIR/bench_trust.md, DIR/trust.png and DIR/bench_trust_attacks.md (DIR defaults to docs/).
+Writes DIR/bench_trust.md, DIR/trust.png, DIR/bench_trust_attacks.md, DIR/bench_trust_cycling.md and
+DIR/bench_trust_patient.md (DIR defaults to docs/).
 """
 
 from __future__ import annotations
@@ -127,6 +136,68 @@ def detection(run_dir: Path, after: int) -> dict:
     if first and caught is not None:
         out["batches"] = caught - out["first_lie_batch"]
     return out
+
+
+def patient(a, work: Path, out: Path, refs: dict) -> None:
+    """Patient liars whose lies keep their norm (sign flips, noise): honest for a.after tasks, then a lie
+    on one task in EVERY, at the default probation and sample rate; a.patient_runs runs of each. What
+    they leave in the model is the damage the sample rate bounds (docs/trust.md)."""
+    report = Report(
+        "Patient liars that keep their norm (scripts/bench_trust.py --patient)",
+        f"Measured {time.strftime('%Y-%m-%d')} on this machine (2 cores, no GPU); load at start {loadavg()}.",
+    )
+    rows, results = [], []
+    for kind, every in ((k, int(e)) for k, e in (x.split("/") for x in a.patient_kinds.split(","))):
+        for i in range(a.patient_runs):
+            name = f"patient-{kind}{every}-{i}"
+            print(f"[{time.strftime('%H:%M:%S')}] {name} (load {loadavg()})", flush=True)
+            ckpt = work / f"{name}-ckpt"
+            cheat = f"{kind}@{a.after}/{every}"
+            s = run_swarm(
+                name,
+                SWARM
+                + ["--steps", str(a.patient_steps), "--run-id", f"bt-{name}", "--cheater", cheat]
+                + ["--checkpoint-out", str(ckpt)],
+                work,
+                timeout=a.run_timeout,
+            )
+            text = (work / name / "cheat0.log").read_text()
+            done = re.findall(r"(\d+) forward and (\d+) backward tasks", text)
+            tasks = sum(map(int, done[-1])) if done else 0
+            lies = max(0, -(-(tasks - a.after) // every))
+            logs = [p for p in (work / name).glob("s*.log")]
+            r = {
+                "cheat": cheat,
+                "banned": "banned from run" in text,
+                "tasks": tasks,
+                "lies": lies,
+                "stays_applied": sum(p.read_text().count("stays applied") for p in logs),
+                "distance": reference_distance(ckpt / "model.safetensors", a.patient_steps, refs),
+                "applied": exactly_once(s),
+            }
+            results.append(r)
+            rows.append(
+                [cheat, i + 1, r["banned"], r["tasks"], r["lies"], r["stays_applied"], r["distance"], r["applied"]]
+            )
+    report.section(
+        "A liar past its probation that lies on a few of its tasks, keeping the result's norm",
+        f"tiny, {a.patient_steps} steps, the checked-work swarm (2 stages x 2 servers not computing, 4 "
+        f"volunteers slowed down 8x) with the defaults (probation 4, --verify-rate 0.1) plus one "
+        f"`--cheater KIND@{a.after}/EVERY`: honest for {a.after} tasks, then one task in EVERY a lie "
+        "(signflip: every result negated; noise: + 0.1 x its RMS). Both keep the result's norm, so the "
+        "outsized-norm check does not see them: only the sample (and the drift test) does. Lies: tasks "
+        "it lied on, from its task count; 'bans that left work applied': the coordinator's log of lies older "
+        "than the kept versions; distance: the final parameters from `peer reference --delay 1` (honest "
+        "runs end within 5e-8).",
+    )
+    report.add(
+        md_table(
+            ["cheat", "run", "banned", "tasks", "lies", "bans that left work applied", "distance", "micro-batches"],
+            rows,
+        )
+    )
+    (work / "patient.json").write_text(json.dumps(results, indent=1))
+    report.write(out / "bench_trust_patient.md")
 
 
 def plot(cost: list[dict], detect: list[dict], path: Path) -> None:
@@ -307,6 +378,107 @@ def hoarding(a, work: Path, report: Report) -> dict:
     }
 
 
+def _cycled(a, work: Path, tag: str, who: list[str]) -> tuple[float, dict, dict]:
+    """One swarm with scripts/_cycler.py beside it (WHO: its volunteers): (pace, cycler's JSON, summary)."""
+    res = work / f"{tag}-cycler.json"
+    print(f"[{time.strftime('%H:%M:%S')}] ban cycling: {tag} (load {loadavg()})", flush=True)
+    s = run_swarm(
+        tag,
+        ATTACK_SWARM + ["--steps", str(a.cycle_steps), "--run-id", f"b{tag}"],
+        work,
+        timeout=a.run_timeout,
+        alongside=_attacker("_cycler.py", res, "--log-dir", str(work / tag / "cycled"), *who),
+    )
+    return _pace(res, a.cycle_steps), json.loads(res.read_text().strip().splitlines()[-1]), s
+
+
+def cycling(a, work: Path, report: Report) -> dict:
+    """Ban cycling against the same churn by honest volunteers, for each count in a.cycle_slots:
+    scripts/_cycler.py keeps that many liars (`--cheat scale`) in the run, each replaced as it is banned;
+    then as many honest volunteers, each SIGKILLed after the liars' median lifetime (start to ban) and
+    replaced; and an observer alone (the calm figure). Pace: median of a.repeat runs each."""
+    rows, out = [], {}
+
+    def row(name, slots, pace, got, s):
+        ages = sorted(age for age, _ in got["left"])
+        rows.append(
+            [
+                name,
+                slots,
+                round(pace, 2),
+                len(got["left"]),
+                sum(1 for _, rc in got["left"] if rc == 3),
+                round(len(got["left"]) * 60 / max(got["seconds"], 1e-9), 1),
+                ages[len(ages) // 2] if ages else "-",
+                len(s["banned"]),
+                exactly_once(s),
+                s["load"],
+            ]
+        )
+
+    calm = []
+    for i in range(a.repeat):
+        pace, got, s = _cycled(a, work, f"cycle-calm-{i}", ["--slots", "0"])
+        calm.append(pace)
+        row("observer", 0, pace, got, s)
+    out["calm"] = sorted(calm)[len(calm) // 2]
+    for slots in a.cycle_slots:
+        liars, honest, lifetimes = [], [], []
+        for i in range(a.repeat):
+            pace, got, s = _cycled(a, work, f"cycle-liars{slots}-{i}", ["--slots", str(slots), "--cheat", "scale"])
+            banned = sorted(age for age, rc in got["left"] if rc == 3)
+            if not banned:
+                raise RuntimeError(f"no liar of cycle-liars{slots}-{i} was banned (exits: {got['left']})")
+            liars.append(pace)
+            lifetimes.append(banned[len(banned) // 2])
+            row("liars", slots, pace, got, s)
+        lifetime = sorted(lifetimes)[len(lifetimes) // 2]
+        for i in range(a.repeat):
+            who = ["--slots", str(slots), "--lifetime", f"{lifetime:.2f}"]
+            pace, got, s = _cycled(a, work, f"cycle-honest{slots}-{i}", who)
+            honest.append(pace)
+            row("honest", slots, pace, got, s)
+        mid = sorted(liars)[len(liars) // 2], sorted(honest)[len(honest) // 2]
+        out[slots] = {"liars": mid[0], "honest": mid[1], "ratio": mid[0] / mid[1], "lifetime": lifetime}
+    report.section(
+        "Ban cycling: fresh liars replaced as they are banned",
+        f"tiny, {a.cycle_steps} steps, the hoarding test's swarm; from version 2 on, scripts/_cycler.py "
+        "keeps N volunteers in the run beside the swarm's 4, spread over the stages, each a fresh `peer "
+        "join` process (new peer id) started as soon as the one before it left. 'liars': `--cheat scale` "
+        "(every result x1e4 from its first task: caught by its probation's first check, banned, its work "
+        "undone by a layout epoch, and it exits); 'honest': honest volunteers, each SIGKILLed with its DHT "
+        "process and p2p daemon after the liars' median lifetime (start to ban): the same churn without a "
+        "lie. Pace: versions a second while the cycler ran; lifetime: seconds from a volunteer's start to "
+        f"its exit (liars: their ban; most of it is `peer join`'s start on this loaded machine). {a.repeat} "
+        "run(s) of each; the ratios use the medians.",
+    )
+    report.add(
+        md_table(
+            [
+                "cycled volunteers",
+                "at a time",
+                "versions/s",
+                "left",
+                "banned",
+                "left a minute",
+                "median lifetime (s)",
+                "bans in the run",
+                "micro-batches",
+                "load",
+            ],
+            rows,
+        )
+    )
+    for slots in a.cycle_slots:
+        o = out[slots]
+        report.add(
+            f"\n{slots} at a time: pace with ban cycling / with the same churn by honest volunteers: "
+            f"**{o['ratio']:.2f}** (the goal: >= 0.80); ban cycling / calm: {o['liars'] / out['calm']:.2f}; "
+            f"honest churn / calm: {o['honest'] / out['calm']:.2f}."
+        )
+    return {str(k): v for k, v in out.items()}
+
+
 def _s0f0_rss(work: Path, name: str, a, attack: bool) -> tuple[list[float], dict]:
     """One `peer swarm` (ATTACK_SWARM) with s0f0's resident memory sampled every 0.1 s from 3 s after
     its lines were printed; with `attack`, an outsider sends s0f0 one message claiming 1 GiB."""
@@ -461,6 +633,17 @@ def attacks(a, work: Path, out: Path, refs: dict) -> None:
     report.write(out / "bench_trust_attacks.md")
 
 
+def ban_cycling(a, work: Path, out: Path) -> None:
+    report = Report(
+        "Ban cycling: what a ban costs the run (scripts/bench_trust.py --cycling)",
+        f"Measured {time.strftime('%Y-%m-%d')} on this machine (2 cores, no GPU); load at start {loadavg()}. "
+        "The rule measured (a ban and the layout epoch that undoes the liar's work) is in docs/trust.md.",
+    )
+    results = cycling(a, work, report)
+    (work / "cycling.json").write_text(json.dumps(results, indent=1))
+    report.write(out / "bench_trust_cycling.md")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(REPO / "docs"))
@@ -472,9 +655,21 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="8 steps, rates 0.25 and 1")
     p.add_argument("--run-timeout", type=float, default=900)
     p.add_argument("--attacks", action="store_true", help="only the attacks (docs/bench_trust_attacks.md)")
+    p.add_argument("--cycling", action="store_true", help="only ban cycling (docs/bench_trust_cycling.md)")
+    p.add_argument("--patient", action="store_true", help="only the patient liars (docs/bench_trust_patient.md)")
+    p.add_argument("--patient-kinds", default="signflip/20,signflip/100,noise/20", metavar="KIND/EVERY,...")
+    p.add_argument("--patient-steps", type=int, default=100)
+    p.add_argument("--patient-runs", type=int, default=2)
     p.add_argument("--hoarders", type=int, default=20)
     p.add_argument("--hoard-steps", type=int, default=300)
     p.add_argument("--hoard-period", type=float, default=0.5)
+    p.add_argument(
+        "--cycle-slots",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=[2, 5],
+        help="liars (or honest volunteers) cycled at a time, one point each (comma-separated)",
+    )
+    p.add_argument("--cycle-steps", type=int, default=600)
     p.add_argument("--bias-runs", type=int, default=5, help="runs of the biased liar")
     a = p.parse_args(argv)
     if a.quick:
@@ -484,6 +679,12 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if a.attacks:
         attacks(a, work, out, {})
+        return 0
+    if a.cycling:
+        ban_cycling(a, work, out)
+        return 0
+    if a.patient:
+        patient(a, work, out, {})
         return 0
     report = Report(
         "Checked work: tolerance, cost and detection (scripts/bench_trust.py)",
@@ -641,6 +842,8 @@ def main(argv=None) -> int:
     plot(cost, detect, out / "trust.png")
     report.write(out / "bench_trust.md")
     attacks(a, work, out, refs)
+    ban_cycling(a, work, out)
+    patient(a, work, out, refs)
     return 0
 
 

@@ -1,6 +1,7 @@
 """A volunteer that lies, for tests and benchmarks of the servers' checks (`peer join --cheat
-KIND[@AFTER]`): after AFTER honest tasks, every result it hands in (a forward task's outputs, an input
-gradient, its parameter gradients and loss) is corrupted the same way; `relay` sends only a task's input
+KIND[@AFTER][/EVERY]`): after AFTER honest tasks, every result it hands in (a forward task's outputs, an
+input gradient, its parameter gradients and loss) is corrupted the same way, or with /EVERY only the
+results of one task in EVERY (the first after AFTER, then every EVERY-th: a patient liar); `relay` sends only a task's input
 gradient (x100) and hands the task back, so that no gradient push of its own would check it; `unsent`
 hands its forward tasks in as done without pushing their outputs; `support` adds noise under the
 checks' tolerance (5e-4 of the norm) on 200 coordinates of each gradient whose true value is zero (an
@@ -30,19 +31,24 @@ class Cheat:
     kind: str
     after: int = 0  # honest tasks before the lies start
     seed: int = 0
+    every: int = 1  # from then on, lie on one task in `every`
 
     @classmethod
     def parse(cls, text: str, seed: int = 0) -> "Cheat":
-        """'scale', 'noise@12' -> Cheat; ValueError naming what is wrong."""
-        kind, _, after = text.partition("@")
+        """'scale', 'noise@12', 'signflip@12/20' -> Cheat; ValueError naming what is wrong."""
+        head, _, every = text.partition("/")
+        kind, _, after = head.partition("@")
         if kind not in KINDS:
             raise ValueError(f"--cheat {text!r}: kind must be one of {', '.join(KINDS)}")
         if after and not after.isdigit():
             raise ValueError(f"--cheat {text!r}: AFTER must be a count of honest tasks (an integer >= 0)")
-        return cls(kind, int(after or 0), seed)
+        if "/" in text and not (every.isdigit() and int(every) >= 1):
+            raise ValueError(f"--cheat {text!r}: EVERY must be a count of tasks (an integer >= 1)")
+        return cls(kind, int(after or 0), seed, int(every or 1))
 
     def active(self, tasks_done: int) -> bool:
-        return tasks_done >= self.after
+        """Whether the task after `tasks_done` finished ones is a lie."""
+        return tasks_done >= self.after and (tasks_done - self.after) % self.every == 0
 
     def tensor(self, t: "torch.Tensor") -> "torch.Tensor":
         import torch  # (here: `peer join` parses --cheat before torch is imported)

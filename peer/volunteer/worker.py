@@ -682,11 +682,12 @@ class StageWorker:
         if lying and not getattr(self, "_lie_logged", False):
             self._lie_logged = True
             logger.warning(
-                "%s: cheat %s: handing in wrong results from task %d (batch %s) on",
+                "%s: cheat %s: handing in wrong results from task %d (batch %s) on%s",
                 self.device_id,
                 self.cheat.kind,
                 self.stats["forward"] + self.stats["backward"] + 1,
                 batch,
+                f", one task in {self.cheat.every}" if self.cheat.every > 1 else "",
             )
         return lying
 

@@ -110,8 +110,18 @@ def test_the_cheat_argument_is_parsed_or_named_wrong():
 
     assert Cheat.parse("noise@12") == Cheat("noise", 12)
     c = Cheat.parse("scale@3")
-    assert not c.active(2) and c.active(3) and c.loss(2.0) == 2e4
-    for bad, words in (("lazy", "kind must be one of"), ("zeros@x", "AFTER"), ("zeros@-1", "AFTER")):
+    assert not c.active(2) and c.active(3) and c.active(4) and c.loss(2.0) == 2e4
+    patient = Cheat.parse("signflip@12/20")
+    assert patient == Cheat("signflip", 12, every=20)
+    assert [n for n in range(60) if patient.active(n)] == [12, 32, 52]
+    for bad, words in (
+        ("lazy", "kind must be one of"),
+        ("zeros@x", "AFTER"),
+        ("zeros@-1", "AFTER"),
+        ("zeros@3/0", "EVERY"),
+        ("zeros/", "EVERY"),
+        ("zeros@3/x", "EVERY"),
+    ):
         with pytest.raises(ValueError, match=words):
             Cheat.parse(bad)
 
