@@ -89,7 +89,8 @@ async def cycle(a) -> dict:
     slots: list[Slot] = []
     async with RunObserver(a) as run:
         try:
-            await run.wait_for_start()
+            if not await run.wait_for_start():
+                return got | {"versions": run.versions}
             stages = len(run.run.layout["stages"])
             slots = [Slot(i, i % stages, a, log_dir) for i in range(a.slots)]
             for s in slots:

@@ -35,9 +35,13 @@ class RunObserver:
         self.run_id, run_fp = split_run_id(self.a.run_id)
         self.dht = start_dht([self.a.initial_peers], run_id=self.run_id, run_fp=run_fp, client_mode=True, timeout=60.0)
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.stop.set)
-        while self.run is None and not self.stop.is_set():
-            self.run = await records.read_config(self.dht, self.run_id)
-            await asyncio.sleep(0.5)
+        try:
+            while self.run is None and not self.stop.is_set():
+                self.run = await records.read_config(self.dht, self.run_id)
+                await asyncio.sleep(0.5)
+        except BaseException:
+            await self.__aexit__()
+            raise
         if self.run is not None:
             self.directory = Directory(self.dht, self.run_id, len(self.run.layout["stages"]))
             self.servers = len([d for st in self.run.layout["stages"] for d in st["frontal"] + st["backward"]])
@@ -53,10 +57,11 @@ class RunObserver:
         await self.directory.refresh()
         return min(self.directory.versions.values()) if len(self.directory.versions) == self.servers else None
 
-    async def wait_for_start(self) -> None:
-        """Until the servers announce --after-version (or a stop)."""
+    async def wait_for_start(self) -> bool:
+        """Until the servers announce --after-version: True, or False if stopped first."""
         while not self.stop.is_set() and ((await self.version()) or -1) < self.a.after_version:
             await asyncio.sleep(0.25)
+        return not self.stop.is_set()
 
     async def note_version(self) -> bool:
         """Read and keep the run's version; True once it reached the run's last step."""

@@ -1,12 +1,13 @@
 """A volunteer that lies, for tests and benchmarks of the servers' checks (`peer join --cheat
 KIND[@AFTER][/EVERY]`): after AFTER honest tasks, every result it hands in (a forward task's outputs, an
 input gradient, its parameter gradients and loss) is corrupted the same way, or with /EVERY only the
-results of one task in EVERY (the first after AFTER, then every EVERY-th: a patient liar); `relay` sends only a task's input
-gradient (x100) and hands the task back, so that no gradient push of its own would check it; `unsent`
-hands its forward tasks in as done without pushing their outputs; `support` adds noise under the
-checks' tolerance (5e-4 of the norm) on 200 coordinates of each gradient whose true value is zero (an
-embedding row of a token not in the batch: AdamW would move each by about a learning-rate step);
-`creep` scales every result by 1 + 1e-4, under the tolerance and along the result itself.
+results of one task in EVERY (the first after AFTER, then every EVERY-th: a patient liar); `relay` sends
+only a task's input gradient (x100) and hands the task back, so that no gradient push of its own would
+check it; `unsent` hands its forward tasks in as done without pushing their outputs; `support` adds
+noise under the checks' tolerance (5e-4 of the norm) on 200 coordinates of each gradient whose true
+value is zero (an embedding row of a token not in the batch: AdamW would move each by about a
+learning-rate step); `creep` scales every result by 1 + 1e-4, under the tolerance and along the result
+itself.
 Not a feature for users."""
 
 from __future__ import annotations
