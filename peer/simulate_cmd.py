@@ -62,6 +62,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", metavar="FILE", help="costs measured on another machine (bench_scale's)")
     p.add_argument("--check", metavar="RESULTS.json", help="compare with bench_scale's measured points")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    p.add_argument(
+        "--link-budget",
+        action="store_true",
+        help="print instead the tokens a volunteer must compute a version for its link not to idle it "
+        "(the fastest of --volunteer-tflops, on each of --link-mbps), and the batch that makes",
+    )
+    p.add_argument("--link-mbps", default="20,50,200", help="with --link-budget: volunteer links, comma-separated")
+    p.add_argument("--utilisation", default="0.5,0.9", help="with --link-budget: targets in (0, 1), comma-separated")
+    p.add_argument(
+        "--mfu", type=float, default=0.4, help="with --link-budget: the share of its peak a volunteer sustains"
+    )
 
 
 def calibration(args, cfg, model):
@@ -149,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     counts = validate(args)
     cfg = get_preset(args.model)
     model = load_model(planner_model_file(cfg, 64, 4, bytes_per_value=4))
+    if args.link_budget:
+        return link_budget(args, model, counts)
     cal = calibration(args, cfg, model)
     if args.check:
         return check(args, cfg, model, cal)
@@ -215,3 +228,61 @@ def check(args, cfg, model, cal) -> int:
         )
     print(f"largest difference: {worst:.0%}")
     return 0
+
+
+def _numbers(text: str, name: str, lo: float, hi: float) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or not all(lo < x < hi and math.isfinite(x) for x in out):
+        raise UsageError(f"{name} is a comma-separated list of numbers in ({lo:g}, {hi:g}), got {text!r}")
+    return out
+
+
+def link_budget(args, model, counts: list[int]) -> int:
+    """`--link-budget`: per link and wire format, the tokens a volunteer computes per version for each
+    target utilisation, overlapped and serial (scheduler/linkbudget.py), and the batch it makes."""
+    from scheduler.linkbudget import MODES, Volunteer, tokens_for
+
+    links = _numbers(args.link_mbps, "--link-mbps", 0, math.inf)
+    targets = _numbers(args.utilisation, "--utilisation", 0, 1)
+    if not 0 < args.mfu <= 1:
+        raise UsageError(f"--mfu is a share of the peak in (0, 1], got {args.mfu}")
+    tflops = _range(args.volunteer_tflops, "--volunteer-tflops")[1]
+    rows = []
+    for mbps in links:
+        for pull, push in (("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")):
+            size = {"fp32": 4, "bf16": 2}
+            v = Volunteer(tflops=tflops, mbps=mbps, mfu=args.mfu, down_bytes=size[pull], up_bytes=size[push])
+            for mode in MODES:
+                need = {u: tokens_for(model, args.stages, v, u, mode) for u in targets}
+                rows.append({"mbps": mbps, "pull": pull, "push": push, "mode": mode, "tokens": need})
+    if args.json:
+        print(json.dumps({"tflops": tflops, "mfu": args.mfu, "stages": args.stages, "rows": rows}, indent=1))
+        return 0
+    per_stage = [max(1, n // args.stages) for n in counts]
+    print(
+        f"{args.model}, {args.stages} stages; a volunteer of {tflops:g} TFLOP/s at {args.mfu:.0%} of it; tokens a "
+        f"volunteer computes per version for its link not to idle it below each utilisation, and the batch "
+        f"(tokens per version) with {', '.join(f'{n:,}' for n in counts)} volunteers"
+    )
+    head = ["link", "pull/push", "mode"] + [f"{u:.0%}: tokens" for u in targets]
+    head += [f"{u:.0%}: batch ({n:,})" for u in targets for n in counts]
+    table = [
+        [f"{r['mbps']:g} Mbit/s", f"{r['pull']}/{r['push']}", r["mode"]]
+        + [f"{r['tokens'][u]:,}" for u in targets]
+        + [_tokens(r["tokens"][u] * k) for u in targets for k in per_stage]
+        for r in rows
+    ]
+    widths = [max(len(r[i]) for r in table + [head]) for i in range(len(head))]
+    for r in [head] + table:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def _tokens(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
