@@ -92,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="a live record older than N announce periods shows as unreachable (default 3)",
     )
+    p.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="exit, with the DHT process and p2p daemon, when process PID is gone (for launchers and "
+        "tests that start a dashboard: a killed starter leaves none behind)",
+    )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-v info, -vv debug)")
     return p
 
@@ -109,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
 
     setup_logging(args.verbose)
+    from peer.node import watch_parent
+
+    watch_parent(args.parent_pid)
     try:
         reader = DhtReader(args.initial_peers, args.run_id, args.run_fp, timeout=args.timeout)
     except Exception as e:

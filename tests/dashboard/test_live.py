@@ -256,6 +256,8 @@ def web(swarm, tmp_path_factory):
             "0.5",
             "--stale-periods",
             "10",
+            "--parent-pid",  # (a killed pytest leaves no dashboard serving)
+            str(os.getpid()),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -50,6 +50,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def survivors(pids: list[int], seconds: float = 20.0) -> list[int]:
+    """Those of `pids` still alive once all are gone or `seconds` have passed (they exit on their own)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
 def test_a_held_dht_node_leaves_with_its_holder():
     holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -58,10 +66,7 @@ def test_a_held_dht_node_leaves_with_its_holder():
         assert dht_pid in node and len(node) >= 2, node  # the DHT process and its p2p daemon
         os.kill(holder.pid, signal.SIGKILL)  # the holder alone, as an OOM kill would
         holder.wait()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(alive(p) for p in node):
-            time.sleep(0.1)
-        assert not [p for p in node if alive(p)], "the DHT process or its p2p daemon outlived their holder"
+        assert not survivors(node), "the DHT process or its p2p daemon outlived their holder"
     finally:
         try:
             os.killpg(holder.pid, signal.SIGKILL)
