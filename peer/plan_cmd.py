@@ -50,7 +50,7 @@ def _ids(ids, most=6) -> str:
     return ", ".join(ids) if len(ids) <= most else ", ".join(ids[:most]) + f", ... ({len(ids)} in all)"
 
 
-def format_plan(plan, cost, model, algorithm: str | None = None) -> str:
+def format_plan(plan, cost, model, algorithm: str | None = None, cluster=None) -> str:
     rows = [("stage", "layers", "frontal servers", "backward servers", "clients", "tau_k", "DT_k", "link_k", "AG max")]
     for k, st in enumerate(plan.stages):
         rows.append(
@@ -82,7 +82,26 @@ def format_plan(plan, cost, model, algorithm: str | None = None) -> str:
             f"pipeline (d + K - 1) * max tau_k: {_fmt_s(cost.pipe)}; aggregation max AG: {_fmt_s(cost.aggregation)}"
         )
         lines.append(f"predicted seconds per batch: {cost.total:.4f}")
+    lines += link_budget_lines(cluster, model, plan) if cluster is not None else []
     return "\n".join(lines)
+
+
+def link_budget_lines(cluster, model, plan) -> list[str]:
+    """What the volunteers' links leave of their compute at this batch, and the tokens a version
+    each needs to be busy half the time (scheduler/linkbudget.py: the model file's bytes a value each
+    way, the next version pulled while one computes)."""
+    from scheduler.linkbudget import plan_budget
+
+    lines = []
+    for k, b in enumerate(plan_budget(cluster, model, plan)):
+        if b is not None:
+            lines.append(
+                f"link budget, stage {k}: each volunteer computes {b['share']:,.0f} tokens a version at this "
+                f"batch, busy {b['busy'][0]:.1%}-{b['busy'][1]:.1%} of the time (pulling the stage's parameters "
+                f"and pushing their gradient, {model.bytes_per_value} bytes a value); 50% needs {b['need']:,} tokens a version each, a batch of "
+                f"{b['batch']:,} tokens"
+            )
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if args.score:
         cost = plan_cost(cluster, model, plan)
         if cost.stage_tau:  # valid, or valid but for memory: the breakdown shows where
-            print(format_plan(plan, cost, model))
+            print(format_plan(plan, cost, model, cluster=cluster))
         if not cost.valid:
             print(f"invalid plan: {cost.reason}", file=sys.stderr)
             return 2
@@ -117,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             plan.save(args.output)
         except OSError as e:
             raise UsageError(f"cannot write {args.output!r}: {e.strerror}") from None
-    print(format_plan(plan, cost, model, args.algorithm))
+    print(format_plan(plan, cost, model, args.algorithm, cluster=cluster))
     if args.output:
         print(f"written to {args.output}")
     if not cost.valid:

@@ -16,6 +16,9 @@ P_s / F_s is about 1/6 whatever the stage's size, so the tokens needed do not de
 size or the number of stages: they are set by R / B and the bytes per parameter on the wire. The batch
 a run then needs is k x the volunteers of a stage.
 
+`plan_budget` says the same of a plan's volunteers (`peer plan`): each with its own FLOP/s and its
+links to its stage's servers (each server holds 1/S of the stage, pulled and pushed one after another).
+
 Pure Python (the planner's floor): no torch, no network.
 """
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scheduler.files import ModelSpec
+from scheduler.files import Cluster, ModelSpec, Plan
 
 MODES = ("overlapped", "serial")
 
@@ -99,3 +102,45 @@ def tokens_for(model: ModelSpec, stages: int, v: Volunteer, target: float, mode:
         factor = target if mode == "overlapped" else target / (1 - target)
         need = max(need, math.ceil(factor * link / t["compute"]))
     return need
+
+
+def plan_budget(
+    cluster: Cluster,
+    model: ModelSpec,
+    plan: Plan,
+    target: float = 0.5,
+    down_bytes: int | None = None,
+    up_bytes: int | None = None,
+) -> list[dict | None]:
+    """Per stage of `plan` (None for a stage without volunteers): `share`, the tokens a version each of
+    its volunteers computes at the model's batch (an even share); `busy`, (lowest, highest) utilisation
+    of its volunteers then, overlapped; `need`, the tokens a version the volunteer that needs most must
+    compute to be busy `target`; `batch`, `need` x the stage's volunteers. The cluster's FLOP/s are
+    what a device sustains, and a parameter takes the model file's bytes_per_value each way unless
+    `down_bytes` / `up_bytes` say otherwise, as in the planner's cost (docs/cost-model.md)."""
+    if not 0 < target < 1:
+        raise ValueError(f"a utilisation is in (0, 1), got {target}")
+    down_bytes = down_bytes or model.bytes_per_value
+    up_bytes = up_bytes or model.bytes_per_value
+    out: list[dict | None] = []
+    for st in plan.stages:
+        if not st.clients:
+            out.append(None)
+            continue
+        layers = st.layers[1] - st.layers[0]
+        params, flops = layers * model.params_per_layer, layers * model.flops_per_token_per_layer
+        servers = list(st.frontal) + list(st.backward)
+        slot = params / len(servers)
+        share = model.batch_tokens / len(st.clients)
+        busy, need = [], 0
+        for c in st.clients:
+            kind = cluster.unreliable_flops if cluster.kind(c) == "unreliable" else cluster.reliable_flops
+            rate = float(kind[cluster.index(c)])
+            pull = sum(slot * down_bytes / cluster.bandwidth(s, c) for s in servers)
+            push = sum(slot * up_bytes / cluster.bandwidth(c, s) for s in servers)
+            link = max(pull, push)
+            compute = share * flops / rate
+            busy.append(compute / max(compute, link))
+            need = max(need, math.ceil(target * link * rate / flops))
+        out.append({"share": share, "busy": (min(busy), max(busy)), "need": need, "batch": need * len(st.clients)})
+    return out

@@ -51,6 +51,21 @@ def test_plan_writes_a_plan_and_prints_the_layout(files, capsys):
     assert f"{plan['predicted_seconds_per_batch']:.4f}" in capsys.readouterr().out
 
 
+def test_plan_prints_the_link_budget_of_each_stage_with_volunteers(files, capsys):
+    """A scored plan whose one stage has volunteers: what their links leave of their compute at the
+    model's batch and the tokens a version each needs for 50% (scheduler/linkbudget.py)."""
+    tmp, cluster, model = files
+    c = json.loads(open(cluster).read())
+    r, u = [d["id"] for d in c["reliable"]], [d["id"] for d in c["unreliable"]]
+    layers = json.loads(open(model).read())["layers"]
+    plan = tmp / "with-clients.json"
+    stages = [{"frontal": r[:2], "backward": r[2:], "clients": u[:2], "layers": [0, layers]}]
+    plan.write_text(json.dumps({"stages": stages, "idle": u[2:]}))
+    assert main(["plan", "--score", str(plan), cluster, model]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("link budget, stage 0:"))
+    assert "tokens a version at this batch, busy" in line and "50% needs" in line, line
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_every_algorithm_by_name(files, algorithm, capsys):
     _, cluster, model = files

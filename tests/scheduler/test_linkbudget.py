@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from scheduler.files import load_model
-from scheduler.linkbudget import MODES, Volunteer, seconds, stage_size, tokens_for, utilisation
+from scheduler.files import load_cluster, load_model, load_plan
+from scheduler.linkbudget import MODES, Volunteer, plan_budget, seconds, stage_size, tokens_for, utilisation
 
 
 def spec(layers: int, hidden: int, seq_len: int = 2048) -> object:
@@ -80,6 +80,33 @@ def test_the_tokens_follow_flops_over_link_and_the_bytes_not_the_model_size():
 def test_bad_input_is_refused_by_name(bad):
     with pytest.raises(ValueError):
         bad()
+
+
+def test_a_plans_volunteers_are_budgeted_with_their_own_flops_and_links():
+    """Two servers of one stage, two volunteers: u0 on 50 Mbit/s, u1 ten times faster at compute on
+    the same link (it needs ten times the tokens); the busy share at the model's batch follows."""
+    cluster = load_cluster(
+        {
+            "reliable": [{"id": "s0", "tflops": 10}, {"id": "s1", "tflops": 10}],
+            "unreliable": [{"id": "u0", "tflops": 1}, {"id": "u1", "tflops": 10}],
+            "delay_ms": {"reliable": [[0, 1], [1, 0]], "unreliable": [[30, 30], [30, 30]]},
+            "bandwidth_mbps": {"reliable": [[0, 1000], [1000, 0]], "unreliable": [[50, 50], [50, 50]]},
+        }
+    )
+    model = spec(4, 512)
+    plan = load_plan(
+        {"stages": [{"frontal": ["s0"], "backward": ["s1"], "clients": ["u0", "u1"], "layers": [0, 4]}]}, cluster
+    )
+    (b,) = plan_budget(cluster, model, plan)
+    params, flops = 4 * model.params_per_layer, 4 * model.flops_per_token_per_layer
+    link = params * 4 / 6.25e6  # half from each server, one after the other: the whole stage at 50 Mbit/s
+    assert b["share"] == model.batch_tokens / 2
+    assert b["need"] == -(-0.5 * link * 10e12 // flops)  # u1's: it computes fastest
+    assert b["batch"] == 2 * b["need"]
+    low, high = b["busy"]
+    assert low == pytest.approx(b["share"] * flops / 10e12 / link) and high == pytest.approx(10 * low)
+    with pytest.raises(ValueError):
+        plan_budget(cluster, model, plan, target=0)
 
 
 def peer(*argv):
