@@ -97,9 +97,9 @@ def link_budget_lines(cluster, model, plan) -> list[str]:
         if b is not None:
             lines.append(
                 f"link budget, stage {k}: each volunteer computes {b['share']:,.0f} tokens a version at this "
-                f"batch, busy {b['busy'][0]:.1%}-{b['busy'][1]:.1%} of the time (pulling the stage's parameters "
-                f"and pushing their gradient, {model.bytes_per_value} bytes a value); 50% needs {b['need']:,} tokens a version each, a batch of "
-                f"{b['batch']:,} tokens"
+                f"batch, busy {b['busy'][0]:.1%}-{b['busy'][1]:.1%} of the time (pulling the stage's "
+                f"parameters and pushing their gradient, {model.bytes_per_value} bytes a value); 50% needs "
+                f"{b['need']:,} tokens a version each, a batch of {b['batch']:,} tokens"
             )
     return lines
 
