@@ -15,7 +15,7 @@ from tests.net.test_node_lifetime import descendants, survivors
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 STARTER = textwrap.dedent("""
-    import os, subprocess, sys, time
+    import os, signal, subprocess, sys
     from peer.node import start_dht, visible_maddrs
 
     dht = start_dht(run_id="dash-lifetime", run_fp=None)
@@ -26,7 +26,7 @@ STARTER = textwrap.dedent("""
     )
     print(dash.pid, flush=True)
     print(dash.stdout.readline().strip(), flush=True)  # its address: it joined the DHT and serves
-    time.sleep(120)
+    signal.pause()  # until the test kills it
 """)
 
 

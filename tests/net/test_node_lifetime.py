@@ -5,6 +5,7 @@ processes, real SIGKILL)."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -12,13 +13,13 @@ import textwrap
 import time
 
 HOLDER = textwrap.dedent("""
-    import os, sys, time
+    import os, signal
     from peer.node import dht_leaves_with, start_dht
 
     dht = start_dht(run_id="lifetime", run_fp=None)
     dht_leaves_with(dht, os.getpid())
     print(dht.pid, flush=True)
-    time.sleep(120)
+    signal.pause()  # until the test kills it
 """)
 
 
@@ -51,10 +52,26 @@ def alive(pid: int) -> bool:
 
 
 def survivors(pids: list[int], seconds: float = 20.0) -> list[int]:
-    """Those of `pids` still alive once all are gone or `seconds` have passed (they exit on their own)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
+    """Those of `pids` still alive once all have exited or `seconds` have passed: waits on each one's
+    exit itself (a pidfd becomes readable when its process ends), not on a clock."""
+    fds = {}
+    for pid in pids:
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            pass  # (gone already)
+    try:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        left, deadline = set(fds), time.monotonic() + seconds
+        while left and (remaining := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(remaining * 1000):
+                left.discard(fd)
+                poller.unregister(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
     return [p for p in pids if alive(p)]
 
 
@@ -98,9 +115,8 @@ def test_a_request_whose_sender_died_while_handing_it_over_does_not_end_the_dht_
         dht = cls(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=0.5)
         try:
             dht._outer_pipe.send(("_get", [], dict(key="k", latest=True, future=DiesInFlight())))
-            deadline = time.monotonic() + 10.0
-            while dht.is_alive() and time.monotonic() < deadline and not survives:
-                time.sleep(0.1)
+            if not survives:  # (the request ends hivemind's DHT process: wait for that exit)
+                survivors([dht.pid], 10.0)
             assert dht.is_alive() == survives, cls
             if survives:  # and still answers (bounded: a dead DHT process never resolves a future)
                 assert dht.store("k", "v", expiration_time=time.time() + 60, return_future=True).result(timeout=10)
