@@ -71,11 +71,10 @@ class Slot:
         age = time.monotonic() - self.started
         rc = self.proc.poll()
         if rc is None and self.a.lifetime and age >= self.a.lifetime:
-            self.kill()
             rc = "killed"
         if rc is None:
             return None
-        self.kill()  # (what is left of its group: its DHT process, its daemon)
+        self.kill()  # (its group: the volunteer whose lifetime is up, or what is left of one that left)
         self.start()
         return age, rc
 
