@@ -64,7 +64,11 @@ def stage_size(model: ModelSpec, stages: int, stage: int) -> tuple[float, float]
     """(parameters, training FLOPs per token) of one stage of `model` cut into `stages` even pieces."""
     if not 0 <= stage < stages <= model.layers:
         raise ValueError(f"stage {stage} of {stages} stages of a {model.layers}-layer model")
-    layers = (stage + 1) * model.layers // stages - stage * model.layers // stages
+    return layers_size(model, (stage + 1) * model.layers // stages - stage * model.layers // stages)
+
+
+def layers_size(model: ModelSpec, layers: int) -> tuple[float, float]:
+    """(parameters, training FLOPs per token) of `layers` blocks of `model`."""
     return layers * model.params_per_layer, layers * model.flops_per_token_per_layer
 
 
@@ -127,8 +131,7 @@ def plan_budget(
         if not st.clients:
             out.append(None)
             continue
-        layers = st.layers[1] - st.layers[0]
-        params, flops = layers * model.params_per_layer, layers * model.flops_per_token_per_layer
+        params, flops = layers_size(model, st.layers[1] - st.layers[0])
         servers = list(st.frontal) + list(st.backward)
         slot = params / len(servers)
         share = model.batch_tokens / len(st.clients)
