@@ -89,18 +89,24 @@ def format_plan(plan, cost, model, algorithm: str | None = None, cluster=None) -
 def link_budget_lines(cluster, model, plan) -> list[str]:
     """What the volunteers' links leave of their compute at this batch, and the tokens a version
     each needs to be busy half the time (scheduler/linkbudget.py: the model file's bytes a value each
-    way, the next version pulled while one computes)."""
+    way for parameters and activations, the next version pulled while one computes)."""
     from scheduler.linkbudget import plan_budget
 
     lines = []
     for k, b in enumerate(plan_budget(cluster, model, plan)):
-        if b is not None:
-            lines.append(
-                f"link budget, stage {k}: each volunteer computes {b['share']:,.0f} tokens a version at this "
-                f"batch, busy {b['busy'][0]:.1%}-{b['busy'][1]:.1%} of the time (pulling the stage's "
-                f"parameters and pushing their gradient, {model.bytes_per_value} bytes a value); 50% needs "
-                f"{b['need']:,} tokens a version each, a batch of {b['batch']:,} tokens"
-            )
+        if b is None:
+            continue
+        need = (
+            f"50% needs {b['need']:,} tokens a version each, a batch of {b['batch']:,} tokens"
+            if b["need"] is not None
+            else "no batch reaches 50%: the activations alone take longer on its links than their compute"
+        )
+        lines.append(
+            f"link budget, stage {k}: each volunteer computes {b['share']:,.0f} tokens a version at this "
+            f"batch, busy {b['busy'][0]:.1%}-{b['busy'][1]:.1%} of the time (pulling the stage's "
+            f"parameters, pushing their gradient and moving its activations, {model.bytes_per_value} bytes "
+            f"a value); {need}"
+        )
     return lines
 
 

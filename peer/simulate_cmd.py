@@ -26,6 +26,9 @@ BYTE_SECONDS = 3.73e-9
 REF_FLOPS = 50.7e9
 FORWARD_SHARE, BACKWARD_SHARE = 0.39, 0.67
 ADAM_SECONDS_PER_PARAM = 2.3e-9
+# bytes an activation value takes on the wire under each --compress codec (8bit: hivemind's 256-level
+# codebook, about a byte a value)
+ACT_BYTES = {"none": 4, "fp16": 2, "bf16": 2, "8bit": 1}
 
 
 def _range(text: str, name: str) -> tuple[float, float]:
@@ -71,7 +74,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-mbps", default="20,50,200", help="with --link-budget: volunteer links, comma-separated")
     p.add_argument("--utilisation", default="0.5,0.9", help="with --link-budget: targets in (0, 1), comma-separated")
     p.add_argument(
-        "--mfu", type=float, default=0.4, help="with --link-budget: the share of its peak a volunteer sustains"
+        "--mfu",
+        type=float,
+        default=0.4,
+        help="with --link-budget or --choose-layout: the share of its peak a volunteer sustains",
+    )
+    p.add_argument(
+        "--choose-layout",
+        action="store_true",
+        help="print instead, for each count of --volunteers and each --utilisation, the number of stages "
+        "and the batch that keep every volunteer busy that share of the time on its link, and choose one",
+    )
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="with --choose-layout: the run's --precision (bf16: volunteers pull parameters in bf16)",
+    )
+    p.add_argument(
+        "--compress",
+        default="none",
+        choices=list(ACT_BYTES),
+        help="with --choose-layout: the run's --compress, the activations' codec between stages",
+    )
+    p.add_argument(
+        "--volunteer-memory-gb",
+        type=float,
+        default=24.0,
+        help="with --choose-layout: a volunteer's device memory (GB) for its stage's parameters",
     )
 
 
@@ -162,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(planner_model_file(cfg, 64, 4, bytes_per_value=4))
     if args.link_budget:
         return link_budget(args, model, counts)
+    if args.choose_layout:
+        return choose(args, model, counts, cfg.seq_len)
     cal = calibration(args, cfg, model)
     if args.check:
         return check(args, cfg, model, cal)
@@ -279,6 +311,88 @@ def link_budget(args, model, counts: list[int]) -> int:
     for r in [head] + table:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     return 0
+
+
+def choose(args, model, counts: list[int], seq_len: int) -> int:
+    """`--choose-layout`: per volunteer count and target utilisation, every number of stages with the
+    batch it needs or why it cannot (scheduler/linkbudget.py `choose_layout`), and the one chosen."""
+    from scheduler.linkbudget import Fleet, Wire, choose_layout
+
+    targets = _numbers(args.utilisation, "--utilisation", 0, 1)
+    if not 0 < args.mfu <= 1:
+        raise UsageError(f"--mfu is a share of the peak in (0, 1], got {args.mfu}")
+    if not (args.volunteer_memory_gb > 0 and math.isfinite(args.volunteer_memory_gb)):
+        raise UsageError(f"--volunteer-memory-gb must be a positive number, got {args.volunteer_memory_gb}")
+    wire = Wire(down=4 if args.precision == "fp32" else 2, up=4, act=ACT_BYTES[args.compress])
+    tflops = _range(args.volunteer_tflops, "--volunteer-tflops")
+    mbps = _range(args.volunteer_mbps, "--volunteer-mbps")
+    results = []
+    for n in counts:
+        fleet = Fleet(n, tflops, mbps, mfu=args.mfu, memory_gb=args.volunteer_memory_gb)
+        for u in targets:
+            rows, best = choose_layout(model, fleet, u, wire, args.server_mbps)
+            results.append({"volunteers": n, "utilisation": u, "rows": rows, "chosen": best and best["stages"]})
+    if args.json:
+        print(json.dumps({"seq_len": seq_len, "results": results}, indent=1))
+        return 0
+    print(
+        f"{args.model} on volunteers of {args.volunteer_tflops} TFLOP/s ({args.mfu:.0%} sustained), "
+        f"{args.volunteer_mbps} Mbit/s and {args.volunteer_memory_gb:g} GB; parameters pulled in "
+        f"{args.precision}, gradients pushed in fp32, activations {args.compress}; servers of "
+        f"{args.server_mbps:g} Mbit/s. Each volunteer computes while it pulls the next version."
+    )
+    for r in results:
+        print()
+        print(f"{r['volunteers']:,} volunteers, each busy at least {r['utilisation']:.0%} of the time:")
+        print(_layout_table(r["rows"], seq_len))
+        print(_chosen_line(r, seq_len))
+    return 0
+
+
+def _layout_table(rows: list[dict], seq_len: int) -> str:
+    """One line per number of stages; a run of refused ones at the end shown once, as a range."""
+    head = ["stages", "tokens a volunteer a version", "batch (tokens a version)", "version", "tokens/s"]
+    head += ["servers a stage", "memory"]
+    shown = list(rows)
+    while len(shown) > 1 and shown[-1]["reason"] is not None and shown[-2]["reason"] is not None:
+        shown.pop()
+    table, refused = [], {}
+    for r in shown:
+        name = str(r["stages"]) if r is not shown[-1] or r is rows[-1] else f"{r['stages']}-{rows[-1]['stages']}"
+        if r["reason"] is not None:
+            refused[len(table)] = f"no: {r['reason']}"
+            table.append([name])
+            continue
+        lo, mean, hi = r["tokens"]
+        table.append(
+            [
+                name,
+                f"{_tokens(mean)} ({_tokens(lo)}-{_tokens(hi)})",
+                f"{_tokens(r['batch'])} ({r['batch'] / seq_len:,.0f} sequences)",
+                f"{r['version_s']:,.0f} s",
+                f"{r['tokens_per_s']:,.0f}",
+                str(max(r["servers"])),
+                f"{r['memory_gb']:.3g} GB",
+            ]
+        )
+    widths = [max(len(x[i]) for x in table + [head] if i < len(x)) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(head, widths)).rstrip()]
+    for i, x in enumerate(table):
+        cells = [x[0].ljust(widths[0]), refused[i]] if i in refused else [c.ljust(w) for c, w in zip(x, widths)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _chosen_line(r: dict, seq_len: int) -> str:
+    best = next((x for x in r["rows"] if x["stages"] == r["chosen"]), None)
+    if best is None:
+        return f"chosen: none; no number of stages keeps every volunteer busy {r['utilisation']:.0%} of the time"
+    return (
+        f"chosen: {best['stages']} stage(s), {max(best['servers'])} servers a stage; a batch of "
+        f"{best['batch']:,.0f} tokens ({best['batch'] / seq_len:,.0f} sequences of {seq_len:,}) a version, "
+        f"each volunteer computing {best['tokens'][1]:,.0f} tokens a version on average; a version every "
+        f"{best['version_s']:,.0f} s, {best['tokens_per_s']:,.0f} tokens/s"
+    )
 
 
 def _tokens(n: float) -> str:
