@@ -1,7 +1,8 @@
 """The bytes of requests a server holds before it has answered them, bounded per peer and in all.
 
 A request's messages are read into memory as they arrive (hivemind reads each one whole), and a
-request is bounded by `--max-request-bytes`; but nothing bounded how many of them one peer keeps
+request is bounded (a server's by `--max-request-bytes`, any other peer's by the largest request a
+volunteer sends: `service.client_request_bytes`); but nothing bounded how many of them one peer keeps
 unfinished: one outsider session holding 64 unfinished 14 MiB requests open grew a server by 1.0 GiB
 (three sessions: 2.3 GiB). Every request of a peer that is not one of the run's servers takes its
 bytes from this budget as they arrive and gives them back once it is answered (or cut); a message
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 from peer.protocol.wire import PayloadError
 
-PEER_REQUESTS = 2  # a volunteer may hold this many largest requests' worth of bytes unanswered
-TOTAL_REQUESTS = 8  # and all of them together this many
+PEER_REQUESTS = 2  # a volunteer may hold this many of its largest requests' worth of bytes unanswered
+TOTAL_REQUESTS = 8  # and all of them together this many of a server's largest (a replica's)
 
 
 class RequestBudget:
@@ -29,8 +30,11 @@ class RequestBudget:
         self.refused = 0  # requests ended for the budget
 
     @classmethod
-    def for_requests(cls, max_request_bytes: int) -> "RequestBudget":
-        return cls(PEER_REQUESTS * max_request_bytes, TOTAL_REQUESTS * max_request_bytes)
+    def for_requests(cls, client_request_bytes: int, max_request_bytes: int) -> "RequestBudget":
+        """A volunteer's share sized by the largest request a volunteer sends (a gradient push of the
+        stage: two pushes in flight at once, as a worker's flush and a re-run's push may be); the
+        total by a server's largest (a replica), as before."""
+        return cls(PEER_REQUESTS * client_request_bytes, TOTAL_REQUESTS * max(client_request_bytes, max_request_bytes))
 
     def take(self, peer: str, n: int) -> None:
         """Count `n` more bytes held for `peer`; PayloadError (nothing counted) past either limit."""

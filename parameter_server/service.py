@@ -87,6 +87,16 @@ def default_max_request_bytes(stage_params: dict, rows: int, cfg) -> int:
     return 3 * stage_bytes + 2 * activations + (16 << 20)
 
 
+def client_request_bytes(stage_params: dict, rows: int, cfg) -> int:
+    """The largest request a volunteer sends a server of this stage: a gradient push of every slot of
+    the stage in fp32 (after failovers one server may host them all) or a micro-batch's activations and
+    their gradients, plus 4 MiB for its task list and framing. A third of a server's own bound (no
+    AdamW moments: replicas travel only between servers)."""
+    stage_bytes = sum(t.numel() for t in stage_params.values()) * 4
+    activations = rows * cfg.seq_len * max(cfg.hidden, cfg.vocab_size) * 4
+    return max(stage_bytes, 2 * activations) + (4 << 20)
+
+
 class StageServer(
     Clients,
     Checks,
@@ -170,8 +180,11 @@ class StageServer(
         self.slot = self.st.hosts.index(device_id)
         self.shard = self._new_shard(self.slot)
         self.max_request_bytes = max_request_bytes or default_max_request_bytes(stage_params, self.rows, cfg)
+        # a peer that is not one of the run's servers sends no replica: its requests are bounded by the
+        # largest a volunteer sends, and so is its share of the budget below
+        self.max_client_request_bytes = min(self.max_request_bytes, client_request_bytes(stage_params, self.rows, cfg))
         # unanswered requests' bytes, per volunteer and in all (parameter_server/budget.py)
-        self.request_budget = RequestBudget.for_requests(self.max_request_bytes)
+        self.request_budget = RequestBudget.for_requests(self.max_client_request_bytes, self.max_request_bytes)
         self.hosted: dict[int, ShardState] = {self.slot: self.shard}
         self.replicas: dict[int, ShardState] = {}  # slots of other servers of the stage copied here after each step
         self.replica_locks: dict[int, asyncio.Lock] = {}
@@ -287,8 +300,12 @@ class StageServer(
             SESSION_CALLS[method] += 1
             return self._serve(method, messages, context, answer_type=ExpertRequest)
 
-        async for message in session.serve(requests, run_call, self.max_request_bytes):
+        async for message in session.serve(requests, run_call, self.request_limit(str(context.remote_id))):
             yield message
+
+    def request_limit(self, peer: str) -> int:
+        """The largest request `peer` may send: a server's replicas, or what a volunteer sends."""
+        return self.max_request_bytes if self._is_server(peer) else self.max_client_request_bytes
 
     async def _serve(
         self, method: str, requests: AsyncIterator[ExpertRequest], context: P2PContext, answer_type=ExpertResponse
@@ -319,7 +336,7 @@ class StageServer(
         try:
             # a request beyond the limit is refused while its bytes arrive, before any tensor is built
             meta, tensors = await unpack(
-                requests, max_bytes=self.max_request_bytes, stall=STALL_SECONDS, accept=self.compress
+                requests, max_bytes=self.request_limit(peer), stall=STALL_SECONDS, accept=self.compress
             )
         except (PayloadError, StreamCut) as e:
             logger.debug("%s: %s request from %s refused: %s", self.device_id, method, peer[-8:], e)

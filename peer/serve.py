@@ -174,7 +174,8 @@ def add_arguments(p) -> None:
         default=None,
         metavar="N",
         help="refuse a request larger than N bytes while it arrives (default: 3x the stage's parameters "
-        "in fp32 plus a micro-batch's activations twice plus 16 MiB)",
+        "in fp32 plus a micro-batch's activations twice plus 16 MiB, for the run's servers' replicas; a "
+        "volunteer's requests: the stage's parameters in fp32 or the activations twice, plus 4 MiB)",
     )
     checks = p.add_argument_group("checked work (parameter_server/verify.py)")
     checks.add_argument(

@@ -70,3 +70,32 @@ def test_a_peer_holding_unfinished_requests_open_is_refused_past_its_share_and_g
     assert held <= 5 * MiB and n_refused == 16 - (5 * MiB) // per_request, (held, n_refused, per_request)
     assert "one peer may" in first[0].metadata.decode(errors="replace") if first else False
     assert fs.request_budget.in_all == 0 and fs.request_budget.held == {}
+
+
+def test_a_volunteers_request_is_bounded_by_what_a_volunteer_sends_and_a_servers_by_its_replicas():
+    """A peer that is not one of the run's servers sends no replica: a request of its past the
+    stage's parameters in fp32 (plus 4 MiB) is refused while it arrives, naming the bound, and its
+    budget is two such requests; the run's servers keep the bound sized for a replica (3x)."""
+    cfg, layout, run = make_run(steps=1, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, servers_compute=False)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    stage_bytes = sum(t.numel() for t in fs.stage_params.values()) * 4
+    rows_bytes = 2 * fs.rows * cfg.seq_len * max(cfg.hidden, cfg.vocab_size) * 4
+    assert fs.max_client_request_bytes == max(stage_bytes, rows_bytes) + 4 * MiB
+    assert fs.max_request_bytes == 3 * stage_bytes + rows_bytes + 16 * MiB > fs.max_client_request_bytes
+    assert fs.request_budget.per_peer == 2 * fs.max_client_request_bytes
+    assert fs.request_limit("peer-stranger") == fs.max_client_request_bytes
+    assert fs.request_limit(fs.peer_id) == fs.max_request_bytes
+    over = fs.max_client_request_bytes // 4 + MiB  # float32 values: past a volunteer's bound, not a server's
+    messages = pack({"tasks": ["B0.0.0.0-4"], "batch": 0, "leases": [None]}, [torch.zeros(over)], ExpertRequest)
+
+    async def answer_of(peer):
+        async def stream():
+            for m in messages:
+                yield m
+
+        return [m async for m in fs._serve("push_grads", stream(), SimpleNamespace(remote_id=peer), ExpertRequest)]
+
+    answer = asyncio.run(answer_of("peer-stranger"))
+    assert f"payload exceeds {fs.max_client_request_bytes} bytes" in answer[0].metadata.decode(errors="replace")
+    assert fs.request_budget.in_all == 0  # what it held is given back
