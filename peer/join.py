@@ -101,7 +101,7 @@ def run(args) -> int:
     # said before torch and hivemind are imported (seconds): the first line comes at once
     state.say(PeerState.STARTING, f"joining run {args.run_id}{'@' + args.run_fp if args.run_fp else ''}")
     from peer.host.volunteer import VolunteerSession
-    from peer.node import watch_parent
+    from peer.lifetime import watch_parent
 
     watch_parent(args.parent_pid)
     return run_until_signalled(lambda stop: VolunteerSession(args, device, state).run(stop))

@@ -353,7 +353,7 @@ def run(args) -> int:
 
         corpus = load_training_corpus(args.data, cfg, args.hf_model, progress=args.parent_pid is None)
         run_cfg = dataclasses.replace(run_cfg, data=corpus.fingerprint)  # (a server with other data is refused)
-    from peer.node import watch_parent
+    from peer.lifetime import watch_parent
 
     if not args.supervise:
         watch_parent(args.parent_pid)

@@ -357,10 +357,12 @@ async def wait_for_failovers(monitor, lost: list[str], timeout: float, stop: asy
 async def swarm_main(args, cfg, layout, frontal, backward, work_dir, stop: asyncio.Event) -> int:
     from tqdm import tqdm
 
+    from peer.addresses import visible_maddrs
+    from peer.directory import HaltNotice
     from peer.launcher.churn import Churn
     from peer.launcher.monitor import Monitor
     from peer.launcher.processes import Swarm
-    from peer.node import HaltNotice, close_replica, start_dht, stop_dht, visible_maddrs
+    from peer.node import close_replica, start_dht, stop_dht
     from peer.reachability import DialBackService
 
     t_launch = time.time()

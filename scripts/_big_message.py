@@ -15,7 +15,8 @@ async def send(a) -> dict:
     from hivemind.p2p import P2P, PeerID
 
     from parameter_server.service import StageServer
-    from peer.node import Directory, start_dht, stop_dht
+    from peer.directory import Directory
+    from peer.node import start_dht, stop_dht
     from peer.protocol import records
     from peer.protocol.trust import split_run_id
 

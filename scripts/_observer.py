@@ -28,7 +28,8 @@ class RunObserver:
         self.dht = self.run = self.directory = None
 
     async def __aenter__(self) -> "RunObserver":
-        from peer.node import Directory, start_dht
+        from peer.directory import Directory
+        from peer.node import start_dht
         from peer.protocol import records
         from peer.protocol.trust import split_run_id
 

@@ -34,10 +34,11 @@ args = p.parse_args()
 os.chdir(args.root)
 sys.path.insert(0, args.root)
 
+from peer.addresses import visible_maddrs  # noqa: E402
 from peer.cli import build_parser  # noqa: E402
 from peer.launcher.monitor import Monitor  # noqa: E402
 from peer.launcher.processes import Swarm, kill_group  # noqa: E402
-from peer.node import start_dht, visible_maddrs  # noqa: E402
+from peer.node import start_dht  # noqa: E402
 
 try:
     from peer.node import stop_dht  # noqa: E402

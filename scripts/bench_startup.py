@@ -41,10 +41,11 @@ def swarm_cpu_seconds() -> float:
 
 
 async def one_start(servers_per_stage: int, volunteers: int, fresh: bool) -> dict:
+    from peer.addresses import visible_maddrs
     from peer.cli import build_parser
     from peer.launcher.monitor import Monitor
     from peer.launcher.processes import Swarm
-    from peer.node import start_dht, stop_dht, visible_maddrs
+    from peer.node import start_dht, stop_dht
     from peer.reachability import DialBackService
     from peer.swarm import validate
 

@@ -38,8 +38,9 @@ from _bench_common import REPO, Report, exactly_once, loadavg, md_table, process
 from hivemind.p2p import P2PContext, ServicerBase  # noqa: E402
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse  # noqa: E402
 
+from peer.addresses import visible_maddrs  # noqa: E402
 from peer.model.config import get_preset  # noqa: E402
-from peer.node import start_dht, visible_maddrs  # noqa: E402
+from peer.node import start_dht  # noqa: E402
 from peer.protocol import session  # noqa: E402
 from peer.protocol.wire import encode_meta, pack, payload_bytes, stream_of, unpack  # noqa: E402
 

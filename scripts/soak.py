@@ -225,10 +225,11 @@ def sample(procs: list) -> tuple[float, int, int]:
 async def main() -> dict:
     import shutil
 
+    from peer.addresses import visible_maddrs
     from peer.cli import build_parser
     from peer.launcher.monitor import Monitor
     from peer.launcher.processes import Swarm, child_groups
-    from peer.node import start_dht, stop_dht, visible_maddrs
+    from peer.node import start_dht, stop_dht
     from peer.reachability import DialBackService
     from peer.swarm import validate
 

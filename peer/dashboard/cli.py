@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
 
     setup_logging(args.verbose)
-    from peer.node import watch_parent
+    from peer.lifetime import watch_parent
 
     watch_parent(args.parent_pid)
     try:

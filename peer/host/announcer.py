@@ -19,7 +19,7 @@ logger = logging.getLogger("hivepipe.serve")
 
 class Announcer:
     """Announces `server` (a parameter_server.service.StageServer) in the DHT and keeps `directory`
-    (a peer.node.Directory) fresh. `record_state` is the state it announces: "joining" until every
+    (a peer.directory.Directory) fresh. `record_state` is the state it announces: "joining" until every
     server of the layout has been seen, then "online"; `online` is set at that moment. `on_refresh`
     runs after each round (the host says its state from it). `fenced` holds why the server left the
     run when the others failed it over while it was away; it then announces nothing more."""

@@ -24,7 +24,7 @@ OFF_AFTER = 30.0  # seconds after which a silent server stops the run when failo
 
 class FailureDetector:
     """Watches `server`'s layout through `directory` (silent_for(device) in seconds) and
-    `answers(device)` (an awaitable liveness probe). `halt` (a peer.node.HaltNotice) says when the
+    `answers(device)` (an awaitable liveness probe). `halt` (a peer.directory.HaltNotice) says when the
     run stops and goes on. `clock` is injected for the tests."""
 
     def __init__(

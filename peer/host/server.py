@@ -154,7 +154,7 @@ class ServerHost:
                         "--identity-path"
                     ) from None
             self.p2p = await self.dht.replicate_p2p()
-            from peer.node import announced_maddrs
+            from peer.addresses import announced_maddrs
 
             self.maddrs = announced_maddrs(self.dht)
         else:
@@ -335,10 +335,11 @@ class ServerHost:
 
     async def build(self) -> None:
         from parameter_server.service import StageServer
+        from peer.directory import Directory, HaltNotice
         from peer.hf.init import initial_state
-        from peer.node import Directory, HaltNotice, LocalLink
         from peer.protocol.leases import LeaseTickets
         from peer.protocol.wire import MAX_MESSAGE_BYTES, bound_messages
+        from peer.server_links import LocalLink
 
         args, run_cfg = self.args, self.run_cfg
         t0 = time.perf_counter()
@@ -836,7 +837,7 @@ async def check_own_reachability(
     the DHT through) to dial us back at `maddrs`.
     NetworkError when nobody can, saying what failed and the fix that fits it; a first server on
     private addresses only gets one warning."""
-    from peer.node import is_public
+    from peer.addresses import is_public
     from peer.protocol import records
     from peer.reachability import advice_for, check_reachable, split_peer
 

@@ -108,8 +108,8 @@ class VolunteerSession:
 
     async def find_run(self, stop: asyncio.Event) -> bool:
         from parameter_server.layout import RunLayout
+        from peer.directory import Directory
         from peer.model.config import run_model
-        from peer.node import Directory
 
         args = self.args
         run = await self.wait_until(stop, f"run {args.run_id!r} to appear in the DHT (its config record)", self._config)
@@ -396,7 +396,8 @@ class VolunteerSession:
 
         import torch
 
-        from peer.node import HaltNotice, close_replica, stop_dht
+        from peer.directory import HaltNotice
+        from peer.node import close_replica, stop_dht
 
         torch.set_num_threads(1)
         await until_stopped(self.start(stop), stop)

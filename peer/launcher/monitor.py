@@ -105,7 +105,7 @@ class Monitor:
 
     def _link(self, device: str):
         from parameter_server.service import StageServer
-        from peer.node import P2PLink
+        from peer.server_links import P2PLink
 
         peer, rec = self.servers[device]
         return P2PLink(self.p2p, peer, device, StageServer, addresses=lambda: rec.get("maddrs", []))

@@ -16,7 +16,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 STARTER = textwrap.dedent("""
     import os, signal, subprocess, sys
-    from peer.node import start_dht, visible_maddrs
+    from peer.node import start_dht
+    from peer.addresses import visible_maddrs
 
     dht = start_dht(run_id="dash-lifetime", run_fp=None)
     dash = subprocess.Popen(

@@ -193,7 +193,8 @@ def test_a_dht_that_cannot_be_joined_is_a_clear_error():
 def test_a_run_that_is_not_there_exits_2():
     # (before the module's swarm: a DHT without that run is all it needs, and a dashboard process
     # started beside the swarm's 8 busy processes took 15-26 s of the suite, against 8 s here)
-    from peer.node import start_dht, stop_dht, visible_maddrs
+    from peer.addresses import visible_maddrs
+    from peer.node import start_dht, stop_dht
 
     dht = start_dht([], run_id=f"another-run-{os.getpid()}", run_fp=None)  # a node as every peer starts one
     try:

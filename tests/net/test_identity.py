@@ -11,7 +11,8 @@ import os
 import pytest
 from hivemind.p2p import P2P
 
-from peer.node import NetworkStartError, _claim_new_identity, start_dht, stop_dht, visible_maddrs
+from peer.addresses import visible_maddrs
+from peer.node import NetworkStartError, _claim_new_identity, start_dht, stop_dht
 
 
 def test_a_new_identity_path_is_claimed_by_one_caller_only(tmp_path):

@@ -164,7 +164,8 @@ def test_a_call_once_the_local_p2p_daemon_is_gone_is_a_lost_connection():
     import pytest
 
     from parameter_server.service import StageServer
-    from peer.node import P2PLink, start_dht, stop_dht
+    from peer.node import start_dht, stop_dht
+    from peer.server_links import P2PLink
 
     dht = start_dht(run_id="gone", run_fp=None)
 

@@ -12,7 +12,8 @@ from functools import partial
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
-from peer.node import start_dht, stop_dht, visible_maddrs
+from peer.addresses import visible_maddrs
+from peer.node import start_dht, stop_dht
 from peer.protocol import records
 from peer.protocol.trust import SigningKey, stage_name
 

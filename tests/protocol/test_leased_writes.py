@@ -12,9 +12,9 @@ import copy
 import pytest
 import torch
 
-from peer.node import LocalLink
 from peer.protocol import methods
 from peer.protocol.wire import RemoteError
+from peer.server_links import LocalLink
 from tests.swarm.inprocess import TICKETS, InProcessSwarm, make_run
 
 

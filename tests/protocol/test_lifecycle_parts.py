@@ -279,7 +279,7 @@ def test_every_help_shows_the_defaults_and_the_presets(capsys):
 
 
 def test_a_halt_notice_with_a_state_line_says_each_change_once():
-    from peer.node import HaltNotice
+    from peer.directory import HaltNotice
 
     clock, out = Clock(), io.StringIO()
     line = StateLine("v1", out=out, clock=clock)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 
 from parameter_server.layout import halt_reason
-from peer.node import HaltNotice, LinkHealth
+from peer.directory import HaltNotice
+from peer.server_links import LinkHealth
 
 
 class Clock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from peer.node import Directory
+from peer.directory import Directory
 from peer.protocol import records
 
 

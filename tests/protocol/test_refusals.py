@@ -9,9 +9,9 @@ import asyncio
 import pytest
 
 from parameter_server.outbox import Outbox
-from peer.node import LocalLink
 from peer.protocol.refusals import Refusal
 from peer.protocol.wire import PayloadError, RemoteError
+from peer.server_links import LocalLink
 from tests.swarm.inprocess import InProcessSwarm, make_run
 
 

@@ -15,11 +15,13 @@ import time
 
 from safetensors.torch import load_file
 
+from peer.addresses import visible_maddrs
 from peer.cli import build_parser
 from peer.launcher.monitor import Monitor
 from peer.launcher.processes import Swarm, kill_group
-from peer.node import P2PLink, start_dht, stop_dht, visible_maddrs
+from peer.node import start_dht, stop_dht
 from peer.protocol import records
+from peer.server_links import P2PLink
 from peer.swarm import validate
 
 

@@ -18,9 +18,9 @@ from peer.host.maintenance import Maintenance
 from peer.model.config import get_preset
 from peer.model.data import load_corpus
 from peer.model.transformer import init_state
-from peer.node import LocalLink
 from peer.protocol.leases import LeaseTickets
 from peer.protocol.records import RunConfig
+from peer.server_links import LocalLink
 from peer.volunteer.worker import StageWorker
 
 # the servers of one swarm share the key of its lease tickets, as a run's servers derive it from the run key

@@ -24,12 +24,13 @@ from hivemind.utils import get_dht_time
 
 from parameter_server.service import StageServer
 from peer.model.config import get_preset
-from peer.node import P2PLink, stop_dht
+from peer.node import stop_dht
 from peer.protocol import records
 from peer.protocol.traffic import TRAFFIC, VALUES
 from peer.protocol.trust import SigningKey, config_name, seal, stage_name
 from peer.protocol.wire import RemoteError
 from peer.reference import DEFAULTS
+from peer.server_links import P2PLink
 from tests.deploy_table import check_refusal
 from tests.swarm import hosts
 from tests.swarm.harness import reference_state, rel_diff

@@ -15,9 +15,9 @@ import torch
 
 from parameter_server.clients import DISCONNECT_GRACE, TokenBucket
 from parameter_server.updates import RETAIN
-from peer.node import LocalLink
 from peer.protocol.refusals import Refusal
 from peer.protocol.tasks import TaskId
+from peer.server_links import LocalLink
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import TICKETS, InProcessSwarm, make_run
 
@@ -126,8 +126,8 @@ def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_r
         assert {sh.microbatches_applied for sh in s.hosted.values()} == {steps * run.micro_batches}
 
     async def refused():
-        from peer.node import LocalLink
         from peer.protocol.wire import RemoteError
+        from peer.server_links import LocalLink
 
         server = next(iter(swarm.servers.values()))
         answers = []
@@ -1251,8 +1251,8 @@ def test_a_replica_takes_the_step_its_own_worker_pushed_by_reference_bit_for_bit
     reference. A step by reference whose digest is not what the worker pushed (or of a batch it
     pushed nothing of) is answered `need_tensors`, changing nothing; the host then sends the tensors."""
     from parameter_server.shard import tensors_digest
-    from peer.node import LocalLink
     from peer.protocol.wire import RemoteError
+    from peer.server_links import LocalLink
 
     steps = 6
     cfg, layout, run = make_run(steps=steps, stages=1, frontal=1, backward=1)

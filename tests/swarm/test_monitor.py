@@ -7,8 +7,8 @@ import torch
 
 from parameter_server.layout import RunLayout
 from peer.launcher.monitor import Monitor
-from peer.node import DialError
 from peer.protocol.params import NotReady
+from peer.server_links import DialError
 
 
 class Trailing:
@@ -78,7 +78,7 @@ def test_the_final_statuses_are_read_once_every_slot_has_the_last_version():
     model was assembled counted its last batch as not applied (in CI: 52 of 56). `final`,
     asked before the run has reached the last version at all (real servers, in one loop), answers
     once every slot has it: every micro-batch counted, the last version's model."""
-    from peer.node import LocalLink
+    from peer.server_links import LocalLink
     from tests.swarm.harness import rel_diff
     from tests.swarm.inprocess import InProcessSwarm, make_run
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from parameter_server.service import StageServer
-from peer.node import LocalLink
 from peer.protocol.refusals import Refusal
 from peer.protocol.wire import RemoteError
+from peer.server_links import LocalLink
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import InProcessSwarm, make_run
 
