@@ -237,7 +237,7 @@ class Failover:
     def ordered_bans(self) -> list[str]:
         """The bans the layout epochs so far have ordered, each with its rollback: what a new epoch
         lists as banned. Not every ban made here: a peer this server caught waits for its own turn
-        (verify.py, ban_and_roll_back), and listed as done before it, its rollback would never come."""
+        (bans.py, ban_and_roll_back), and listed as done before it, its rollback would never come."""
         return list((self.epoch_record or {}).get("banned", []))
 
     async def on_get_layout(self, meta, tensors, sender):
@@ -300,7 +300,7 @@ class Failover:
                     f"the replica of slot {i} is at version {self.replicas[i].version}, below from_batch {from_batch}"
                 )
         rollback_to = record.get("rollback_to")
-        if rollback_to is not None:  # a caught cheater's applied work is undone (parameter_server/verify.py)
+        if rollback_to is not None:  # a caught cheater's applied work is undone (parameter_server/bans.py)
             for slot, shard in self.hosted.items():
                 if shard.version > rollback_to and shard.rollback_epoch < epoch and rollback_to not in shard.moments:
                     raise PayloadError(f"slot {slot} no longer keeps version {rollback_to} to roll back to")
@@ -323,7 +323,7 @@ class Failover:
             self._verify_params = {}
         for peer in record.get("banned", []):
             self._ban_here(peer, f"banned by layout epoch {epoch}")
-        self.hold_steps_until = None  # the epoch a ban waited for (verify.py)
+        self.hold_steps_until = None  # the epoch a ban waited for (pins.py)
         for shard in self.hosted.values():
             shard.batches = {}
         self.epoch, self.epoch_record, self.layout = epoch, dict(record), layout

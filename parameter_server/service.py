@@ -9,7 +9,8 @@ log), and the directory of the run's servers. Each concern lives in a room of it
 - leases.py: take / complete / fail; updates.py: parameter versions, gradient credits, the step;
 - frontal.py / backward.py (+ ledger.py): the two roles' data path;
 - outbox.py: deliveries to other servers; failover.py: replicas and layout epochs;
-- verify.py: re-runs of a sample of volunteers' work, bans and their rollbacks;
+- arrivals.py: what each volunteer sent, and which of it is drawn for a check; verify.py: the
+  re-runs of that sample; bans.py: bans and their rollback epochs; pins.py: the versions a ban may need;
 - clipping.py: the round that gives every shard the run's gradient norm (--clip-grad-norm);
 - evaluate.py: the held-out loss of every N-th version, through the servers (--eval-every);
 - recovery.py: request-log replay; status.py: ping and status; checkpoint.py: the shard on disk.
@@ -28,7 +29,9 @@ from typing import AsyncIterator, Awaitable, Callable
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 
+from parameter_server.arrivals import Arrivals
 from parameter_server.backward import Backward
+from parameter_server.bans import Bans
 from parameter_server.budget import RequestBudget
 from parameter_server.checks import Checks
 from parameter_server.clients import REGISTER_BURST, REGISTER_RATE, ClientInfo, Clients, TokenBucket
@@ -41,6 +44,7 @@ from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TO
 from parameter_server.leases import Leases
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.outbox import Outbox
+from parameter_server.pins import Pins
 from parameter_server.recovery import Recovery
 from parameter_server.rescue import Rescue
 from parameter_server.shard import ShardState, assign_shards
@@ -105,6 +109,9 @@ class StageServer(
     Frontal,
     Backward,
     Verification,
+    Arrivals,
+    Bans,
+    Pins,
     Clipping,
     Evaluation,
     Rescue,
@@ -234,6 +241,9 @@ class StageServer(
         self.volunteers_joined = 0
         self.seen_volunteers = Remembered(SEEN_VOLUNTEERS)
         self._init_verification(verify_rate, probation, verify_device)
+        self._init_arrivals()
+        self._init_bans()
+        self._init_pins()
         self._init_clipping(run.training_recipe().clip_grad_norm)
         self._init_evaluation(run.eval_every)
         self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (Updates._params_on_wire)

@@ -60,7 +60,7 @@ class BatchCredit:
         )
 
 
-# a pin (a volunteer still on probation, verify.py) keeps up to this many times keep_versions more
+# a pin (a volunteer still on probation, pins.py) keeps up to this many times keep_versions more
 # versions: each costs 3 x the shard's parameters in memory (snapshot and AdamW's two moments)
 PIN_EXTRA = 2
 LOSS_HISTORY = 4096  # batches whose loss a shard keeps (status, dashboard, replicas, checkpoints)
@@ -101,7 +101,7 @@ class ShardState:
         self.steps = steps
         self.version = 0
         self.keep_versions = keep_versions
-        # the oldest version a ban may still have to roll back to (its server's pin: verify.py), kept
+        # the oldest version a ban may still have to roll back to (its server's pin: pins.py), kept
         # beyond keep_versions, up to PIN_EXTRA x keep_versions more; None: no pin
         self.pinned_from: int | None = None
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}

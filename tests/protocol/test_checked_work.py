@@ -249,6 +249,6 @@ def test_a_checkpoint_writes_each_kept_version_once_and_reads_back_the_whole_his
     ],
 )
 def test_a_bans_rollback_target(first, kept_from, versions, want):
-    from parameter_server.verify import rollback_target
+    from parameter_server.bans import rollback_target
 
     assert rollback_target(first, kept_from, versions) == want

@@ -1,0 +1,110 @@
+"""What each volunteer sent a server: the batches of its work a ban's rollback must reach, its checks
+passed (probation), whether a contribution is drawn for a check, an unusually large gradient push, and
+forgetting volunteers that left beyond every rollback's reach (a part of
+parameter_server.service.StageServer, beside its checks in verify.py)."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from peer.protocol.refusals import Refusal
+from peer.protocol.wire import PayloadError
+
+BANNED = "banned from this run"  # (the refusal's words for a person; its code is Refusal.BANNED)
+# A gradient push whose norm per row passes NORM_FACTOR x the median of the last NORM_HISTORY pushes of
+# its shard slot (anyone's) is re-run whatever the sample says: a patient liar that scales a few
+# percent of its pushes after probation is caught at its first such lie, not after 1 / verify_rate
+NORM_FACTOR, NORM_HISTORY = 4.0, 64
+
+
+class Arrivals:
+    """StageServer's record of what its volunteers sent."""
+
+    def _init_arrivals(self) -> None:
+        self.push_norms: dict[int, collections.deque] = {}  # slot -> recent pushes' norms per row
+        # per volunteer, forgotten once it has left and its batches are out of the kept window
+        # (forget_departed; a run of days sees tens of thousands of volunteers come and go)
+        self.checks_passed: dict[str, int] = {}  # peer id -> its checks passed here (probation ends at `probation`)
+        # peer ids whose probation ended with their differences not drifting (drift.suspicious): until
+        # then a ban would roll back to their first work (unsettled_first)
+        self.cleared: set[str] = set()
+        self.contributed: dict[str, set[int]] = {}  # peer id -> batches it sent work of (kept window)
+        # peer id -> the first batch it ever sent work of here, kept past the window: a ban then says
+        # which of its work stays applied instead of rolling back to the window's start in silence
+        self.first_contributed: dict[str, int] = {}
+        self.passed_distance: dict[str, float] = {}  # peer -> the largest distance of a check it passed
+        self.departed_distance = 0.0  # the same, of volunteers forgotten (forget_departed) and never banned
+
+    def honest_distance(self) -> float:
+        """The largest distance of a passed check of a volunteer not banned: how far honest re-runs go."""
+        return max([self.departed_distance] + [d for p, d in self.passed_distance.items() if p not in self.banned])
+
+    def _banned_check(self, sender: str) -> None:
+        if sender in self.banned:
+            raise PayloadError(f"peer {sender[-8:]} is {BANNED}: {self.banned[sender]}", Refusal.BANNED)
+
+    def _note_contribution(self, sender: str, t: int, shared_by: int = 1) -> bool:
+        """Remember that `sender` (a volunteer) sent work of batch t; True if this one is to be checked.
+        Work that `shared_by` servers receive (a gradient push goes to every shard server) is checked by
+        each with probability p = 1 - (1 - verify_rate) ** (1 / shared_by), drawn apart, so that it is
+        re-run by at least one of them with probability verify_rate: every time at 1.0 (as
+        verify_rate / shared_by, a push of two shard servers went unchecked one time in four at 1.0);
+        on probation every server checks it."""
+        if not self._note_work(sender, t):
+            return False
+        # on probation until `probation` checks passed (a check skipped for want of its rows does not count),
+        # and again while its differences drift one way (drift.py)
+        return (
+            self.checks_passed.get(sender, 0) < self.probation
+            or self.drift.suspicious(sender)
+            or self.verify_rng.random() < 1.0 - (1.0 - self.verify_rate) ** (1.0 / shared_by)
+        )
+
+    def unusual_norm(self, slot: int, grads: list[torch.Tensor], rows: int) -> bool:
+        """Whether a gradient push of `rows` rows is far larger than the slot's recent pushes (NORM_FACTOR
+        x their median norm per row); the push joins the slot's history either way."""
+        norm = float(torch.sqrt(sum(g.float().pow(2).sum() for g in grads))) / max(rows, 1)
+        history = self.push_norms.setdefault(slot, collections.deque(maxlen=NORM_HISTORY))
+        typical = sorted(history)[len(history) // 2] if len(history) >= 8 else None
+        history.append(norm)
+        if typical is None or norm <= NORM_FACTOR * typical:
+            return False
+        self.verify_counts["unusual_norms"] = self.verify_counts.get("unusual_norms", 0) + 1
+        return True
+
+    def _note_work(self, sender: str, t: int) -> bool:
+        """Remember that `sender` (a volunteer) sent work of batch t, which a ban's rollback must reach:
+        also work checked with another message (an input gradient, relayed to the previous stage at
+        once and checked with its sender's gradient push, which may never come). False when there is
+        nothing to remember: a replayed request, or a server's work."""
+        if self.replaying or self._is_server(sender):
+            return False
+        kept = self._kept_from()
+        batches = self.contributed.setdefault(sender, set())
+        batches.add(t)
+        self.first_contributed[sender] = min(t, self.first_contributed.get(sender, t))
+        batches.difference_update([b for b in batches if b < kept])
+        return True
+
+    def _kept_from(self) -> int:
+        return self.version - self.shard.keep_versions
+
+    def forget_departed(self) -> None:
+        """Forget what this server remembers of volunteers that have left (not registered here) and
+        whose contributions are all older than the kept versions, which no rollback can reach: their
+        batches for a ban, and their passed checks (one that comes back is on probation again)."""
+        kept = self._kept_from()
+        for peer in [p for p in self.contributed if p not in self.clients]:
+            if all(b < kept for b in self.contributed[peer]):
+                del self.contributed[peer]
+                self.first_contributed.pop(peer, None)
+        for peer in [p for p in self.checks_passed if p not in self.clients and p not in self.contributed]:
+            del self.checks_passed[peer]
+            self.cleared.discard(peer)
+            self.drift.forget(peer)
+        for peer in [p for p in self.passed_distance if p not in self.clients and p not in self.contributed]:
+            if peer not in self.banned:  # (gone for good, never banned: its distances were honest)
+                self.departed_distance = max(self.departed_distance, self.passed_distance[peer])
+            del self.passed_distance[peer]

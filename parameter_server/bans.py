@@ -1,0 +1,203 @@
+"""Bans: a volunteer caught by a check is refused here at once and reported to the run's coordinator
+(its first server), which bans it on every server and starts a layout epoch that rolls every shard
+back to the first batch it contributed to, within the kept versions, and runs again from there (a
+part of parameter_server.service.StageServer; the epoch's machinery is failover's)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from parameter_server.pins import HOLD_SECONDS
+from peer.model.update_rule import version_for_batch
+from peer.protocol.retry import Attempts
+from peer.protocol.wire import PayloadError
+from peer.protocol.wire import field as mfield
+
+logger = logging.getLogger("hivepipe.server")
+
+BAN_PATIENCE = 30.0  # how long the coordinator tries to reach each server with a ban
+REPORT_TRIES = 30  # how often a server that caught a cheater tries to tell the run's coordinator (0.5 s apart)
+
+
+def rollback_target(first: int, kept_from: int, versions: list[int]) -> int:
+    """The version a ban rolls every shard back to, for a liar whose first work was batch `first`, when
+    the oldest version every server still keeps is `kept_from` and the servers' slots are at `versions`.
+    The first batch re-run, t, computes on version_for_batch(t) (t - 1, the delayed update), which must
+    still be kept: past the window's start the oldest version kept is where a re-run starts from, not
+    where it rolls back to. And a server that has not reached the liar's first batch applied none of
+    its work: the run goes back no further than the slowest server's version (an epoch's
+    `rollback_to` is at most its `from_batch`)."""
+    target = first if version_for_batch(first) >= kept_from else max(first, kept_from + 1)
+    return min(target, min(versions))
+
+
+class Bans:
+    """StageServer's bans and their rollback epochs."""
+
+    def _init_bans(self) -> None:
+        self.banned: dict[str, str] = {}  # peer id -> why (kept across layout epochs)
+        # bans heard of (made here, or ordered by a coordinator) whose rollback epoch has not come yet:
+        # the ban log a new coordinator orders itself, should the one that banned die before its epoch
+        self.pending_bans: dict[str, str] = {}
+        self._ordering_ban = False
+        self.ban_lock = asyncio.Lock()
+
+    # bans --------------------------------------------------------------------------------------
+    def _ban_here(self, peer: str, why: str) -> None:
+        if peer in self.banned:
+            return
+        self.banned[peer] = why
+        self.clients.pop(peer, None)
+        n = len(self.pool.client_left(peer))
+        logger.warning("%s: volunteer %s banned (%s); %d of its leases re-queued", self.device_id, peer[-8:], why, n)
+
+    def _caught(self, peer: str, why: str, t: int) -> None:
+        if peer in self.banned:
+            return
+        self.verify_counts["caught"] += 1
+        self._ban_here(peer, why)
+        self.pending_bans.setdefault(peer, why)
+        self.hold_steps_until = self.clock() + HOLD_SECONDS  # no step until the ban's rollback (on_ban)
+        self._spawn(self._report(peer, why))
+
+    def order_pending_bans(self) -> None:
+        """Periodic (maintenance): the run's coordinator orders, one at a time, the bans it heard of
+        whose rollback epoch never came: a coordinator that died (or froze and was failed over) after
+        every server heard its ban and before its epoch left the liar's work applied (0.27 from the
+        reference in the third trust pass); the next coordinator holds the same ban log."""
+        for peer in [p for p in self.pending_bans if p in self.ordered_bans()]:
+            del self.pending_bans[peer]
+        if not self.pending_bans or self._ordering_ban or self.ban_lock.locked() or self.replaying:
+            return
+        if self.coordinator() != self.device_id:
+            return
+        peer, why = next(iter(self.pending_bans.items()))
+        self._ordering_ban = True
+
+        async def order():
+            try:
+                await self.ban_and_roll_back(peer, why)
+            except Exception as e:  # (a server not reachable yet: tried again at the next maintenance)
+                logger.info("%s: ordering the ban of %s failed: %r", self.device_id, peer[-8:], e)
+            finally:
+                self._ordering_ban = False
+
+        self._spawn(order())
+
+    def coordinator(self) -> str:
+        """The server that orders bans (and their rollbacks) into layout epochs: the run's first."""
+        return next(d for st in self.layout.stages for d in st.servers)
+
+    async def _report(self, peer: str, why: str) -> None:
+        async for attempt in Attempts(
+            f"{self.device_id}: reporting {peer[-8:]}", tries=REPORT_TRIES, pause=0.5, log=logger
+        ):
+            try:
+                coordinator = self.coordinator()
+                if coordinator == self.device_id:
+                    await self.ban_and_roll_back(peer, why)
+                else:
+                    await self._server_call(coordinator, "report_cheat", {"peer": peer, "why": why})
+                return
+            except Exception as e:
+                attempt.failed(e)
+        logger.warning(
+            "%s: %s was caught cheating but could not be reported in %d tries", self.device_id, peer[-8:], REPORT_TRIES
+        )
+
+    async def _server_call_patiently(self, device: str, method: str, meta: dict) -> tuple[dict, list]:
+        """_server_call, tried again for up to BAN_PATIENCE seconds while `device` cannot be reached
+        (a ban early in a run met a coordinator whose directory did not list a server of another stage
+        yet: the ban's epoch was never made, and the liar's work stayed applied)."""
+        async for attempt in Attempts(f"{self.device_id}: {method} to {device}", within=BAN_PATIENCE, log=logger):
+            try:
+                return await self._server_call(device, method, meta)
+            except (ConnectionError, asyncio.TimeoutError) as e:
+                if attempt.last:
+                    raise
+                attempt.failed(e)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _ban_reported(self, peer: str, why: str) -> None:
+        try:
+            await self.ban_and_roll_back(peer, why)
+        except Exception as e:  # said, not lost in a task nobody awaits; the servers step again after HOLD_SECONDS
+            logger.error("%s: the ban of %s could not be ordered: %r", self.device_id, peer[-8:], e)
+
+    async def on_report_cheat(self, meta, tensors, sender):
+        peer, why = mfield(meta, "peer", str), mfield(meta, "why", str)
+        if self.coordinator() != self.device_id:
+            raise PayloadError(f"{self.device_id} does not coordinate this run's bans ({self.coordinator()} does)")
+        if self._is_server(peer):
+            raise PayloadError(f"{peer[-8:]} is a server of this run: servers are trusted, not banned")
+        self._spawn(self._ban_reported(peer, why))
+        return {"ok": True}
+
+    async def on_ban(self, meta, tensors, sender):
+        """Ban `peer` here; answer the first batch it ever contributed to here (one already out of the
+        kept window too: the coordinator then says which of its work stays applied), the oldest version
+        kept and the versions of the slots hosted here."""
+        peer, why = mfield(meta, "peer", str), mfield(meta, "why", str)
+        self._ban_here(peer, why)
+        if peer not in self.ordered_bans():
+            self.pending_bans.setdefault(peer, why)
+        # no step until the rollback's epoch arrives: a step now would apply the liar's work and could
+        # push the version to roll back to out of the kept window (bounded, should the coordinator die)
+        self.hold_steps_until = self.clock() + HOLD_SECONDS
+        batches = self.contributed.get(peer)
+        first = min(batches) if batches else -1
+        return {
+            "first_batch": min(first, self.first_contributed.get(peer, first)) if batches else -1,
+            "versions": [sh.version for sh in self.hosted.values()],
+            "kept_from": max(sh.kept_from() for sh in self.hosted.values()),
+        }
+
+    async def ban_and_roll_back(self, peer: str, why: str) -> dict | None:
+        """(The coordinator) ban `peer` on every server and start a layout epoch that drops every
+        unapplied contribution and rolls every shard back to the first batch it contributed to (as far
+        as the kept versions allow), then runs again from there. Returns the epoch record (None if the
+        peer was banned by an earlier epoch)."""
+        async with self.ban_lock:
+            if peer in self.ordered_bans():
+                return None
+            answers = []
+            for st in self.layout.stages:
+                for d in st.servers:
+                    answers.append(await self._server_call_patiently(d, "ban", {"peer": peer, "why": why}))
+            firsts = [a["first_batch"] for a, _ in answers if a["first_batch"] >= 0]
+            versions = [v for a, _ in answers for v in a["versions"]]
+            kept_from = max(a["kept_from"] for a, _ in answers)
+            record = {
+                "epoch": self.epoch + 1,
+                "layout": self.layout.to_dict(),
+                "banned": sorted(set(self.ordered_bans()) | {peer}),
+                "lost": list((self.epoch_record or {}).get("lost", [])),
+            }
+            first = min(firsts) if firsts else None
+            if first is not None and first < max(versions):
+                target = rollback_target(first, kept_from, versions)
+                if target > first:
+                    logger.error(
+                        "%s: %s's work of batches %d..%d stays applied: versions before %d are no longer kept",
+                        self.device_id,
+                        peer[-8:],
+                        first,
+                        target - 1,
+                        target,
+                    )
+                record["rollback_to"] = target
+            low = min(versions + ([record["rollback_to"]] if "rollback_to" in record else []))
+            record["from_batch"] = min(low, self.run.steps - 1)
+            await self.send_epoch(record, [d for st in self.layout.stages for d in st.servers])
+            self.adopt(record)
+            logger.warning(
+                "%s: volunteer %s banned from the run; epoch %d %s",
+                self.device_id,
+                peer[-8:],
+                record["epoch"],
+                f"rolled back to version {record['rollback_to']}"
+                if "rollback_to" in record
+                else "(nothing of it was applied)",
+            )
+            return record

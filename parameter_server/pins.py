@@ -1,0 +1,143 @@
+"""What a ban may still need, kept: a step waits while a ban's rollback epoch is awaited or while it
+would put work still being checked beyond a rollback's reach, and every server pins the oldest batch
+of work not yet past its checks, so that every server of the run keeps the versions a ban of it would
+roll back to (a part of parameter_server.service.StageServer)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from parameter_server.updates import RETAIN
+from peer.model.update_rule import version_for_batch
+from peer.protocol.wire import PayloadError, RemoteError
+from peer.protocol.wire import field as mfield
+
+logger = logging.getLogger("hivepipe.server")
+
+HOLD_SECONDS = 60.0  # the longest a server holds its steps between a ban and the rollback's epoch
+# The longest a step waits for a check of work it would put beyond a rollback's reach (a check runs
+# about as long as the task it re-runs; this bounds a check stuck on a lost server's answers).
+CHECK_HOLD_SECONDS = 120.0
+PIN_REFRESH, PIN_EXPIRY = 5.0, 15.0  # a server's pin is said again this often, and forgotten unsaid this long
+
+
+class Pins:
+    """StageServer's holds and pins."""
+
+    def _init_pins(self) -> None:
+        self.hold_steps_until: float | None = None  # set by a ban, cleared by the next layout epoch
+        # pins: the oldest batch each server of the run (by peer id, this one's included) asks every
+        # server to keep within a rollback's reach; of each other server, its last pin's seq and when
+        # it came (pins_heard: a pin not said again for PIN_EXPIRY is forgotten)
+        self.pins: dict[str, int] = {}
+        self.pins_heard: dict[str, tuple[int, float]] = {}
+        self.pin_sent: tuple[int | None, float] = (None, float("-inf"))  # (none said yet: nothing to clear)
+        self.pin_seq = 0  # the last pin sent from here
+        self.check_hold_since: float | None = None  # when a step began to wait for a check (checks_hold)
+
+    def steps_held(self) -> bool:
+        """True while a ban's rollback epoch is awaited (Updates._maybe_step does not step)."""
+        if self.hold_steps_until is None:
+            return False
+        if self.clock() < self.hold_steps_until:
+            return True
+        logger.warning("%s: no layout epoch came within %.0f s of a ban: stepping again", self.device_id, HOLD_SECONDS)
+        self.hold_steps_until = None
+        return False
+
+    def checks_hold(self, version: int) -> bool:
+        """True while making version `version + 1` here would put work still being checked beyond a
+        rollback's reach. A ban rolls back to the liar's first batch t, re-run on version_for_batch(t),
+        which every server of the run must still keep; once this one has made `version + 1`, the others
+        (at most two versions ahead of it per stage boundary, which is what snapshots_kept allows for)
+        keep every version from `version + 2 - RETAIN` on. So a check of work of such a batch is waited
+        for: a lying volunteer's work cannot outrun its checks, however far behind they fall (on a loaded
+        machine they lagged a dozen tasks behind, and a liar's first batches then stayed applied). Bounded
+        by CHECK_HOLD_SECONDS, should a check hang on a lost server."""
+        reach = version + 2 - RETAIN
+        late = [t for t in self.checks_pending if version_for_batch(t) < reach]
+        if not late:
+            self.check_hold_since = None
+            return False
+        now = self.clock()
+        if self.check_hold_since is None:
+            self.check_hold_since = now
+            self.verify_counts["steps_held_for_checks"] = self.verify_counts.get("steps_held_for_checks", 0) + 1
+            logger.debug("%s: version %d waits for the checks of batch %d", self.device_id, version + 1, min(late))
+        if now - self.check_hold_since < CHECK_HOLD_SECONDS:
+            return True
+        logger.warning(
+            "%s: a check of batch %d has run for %.0f s: stepping on (a ban from it may not reach all of that work)",
+            self.device_id,
+            min(late),
+            now - self.check_hold_since,
+        )
+        return False
+
+    # pins ----------------------------------------------------------------------------------------
+    def unsettled_first(self) -> int | None:
+        """The oldest batch of work sent here by a registered volunteer not yet past its checks: its
+        first work on while its probation has not ended with differences that do not drift (a liar
+        under the tolerance drifts from its 3rd check: it stays there until banned), its work in the
+        kept window on while its differences drift after that (drift.suspicious). A ban of it would
+        roll back there."""
+        firsts, suspects = [], self.drift.suspects()
+        for peer, batches in self.contributed.items():
+            if peer not in self.clients or peer in self.banned or not batches:
+                continue
+            if self.probation > 0 and peer not in self.cleared:
+                firsts.append(self.first_contributed.get(peer, min(batches)))
+            elif peer in suspects:
+                firsts.append(min(batches))
+        return min(firsts, default=None)
+
+    def update_pins(self) -> None:
+        """Pin the versions a ban may still need: this server's pin (unsettled_first) goes to every
+        server of the run when it changes (and every PIN_REFRESH seconds while there is one), and every shard kept here
+        keeps the versions from the run's oldest pin on (ShardState.pinned_from, bounded by PIN_EXTRA).
+        Without it a liar whose checked work came a task every few steps was banned with its first
+        batches beyond the kept versions (the drift test needs 5 checks), its work staying applied."""
+        now = self.clock()
+        for peer, (_, at) in self.pins_heard.items():  # (its seq stays: a late, older pin is still refused)
+            if now - at > PIN_EXPIRY:
+                self.pins.pop(peer, None)
+        mine = self.unsettled_first()
+        if mine is None:
+            self.pins.pop(self.peer_id, None)
+        else:
+            self.pins[self.peer_id] = mine
+        if mine != self.pin_sent[0] or (mine is not None and now - self.pin_sent[1] > PIN_REFRESH):
+            self.pin_sent = (mine, now)
+            self._spawn(self._send_pin(mine))
+        self._apply_pins()
+
+    def _apply_pins(self) -> None:
+        oldest = min(self.pins.values(), default=None)
+        pinned = None if oldest is None else version_for_batch(oldest)
+        for shard in [*self.hosted.values(), *self.replicas.values()]:
+            shard.pinned_from = pinned
+
+    async def _send_pin(self, batch: int | None) -> None:
+        self.pin_seq += 1
+        meta = {"batch": -1 if batch is None else batch, "seq": self.pin_seq}
+        for d in [d for st in self.layout.stages for d in st.servers if d != self.device_id]:
+            try:
+                await self._server_call(d, "pin", meta)
+            except (ConnectionError, RemoteError, PayloadError, asyncio.TimeoutError) as e:
+                logger.debug("%s: pin to %s: %r", self.device_id, d, e)  # (sent again within PIN_REFRESH)
+
+    async def on_pin(self, meta, tensors, sender):
+        """A server's pin (update_pins): -1 for none. `seq` orders a server's pins (sent concurrently)."""
+        batch, seq = mfield(meta, "batch", int), mfield(meta, "seq", int)
+        if batch < -1:
+            raise PayloadError(f"field 'batch' must be a batch or -1, got {batch}")
+        if seq < self.pins_heard.get(sender, (0, 0.0))[0]:
+            return {"ok": True}
+        self.pins_heard[sender] = (seq, self.clock())
+        if batch < 0:
+            self.pins.pop(sender, None)
+        else:
+            self.pins[sender] = batch
+        self._apply_pins()
+        return {"ok": True}
