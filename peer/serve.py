@@ -377,7 +377,7 @@ def run(args) -> int:
     # start its own (0.2 s idle, more under load, and its segments left behind at each SIGKILL).
     # The supervisor and its server processes share by file descriptor: no manager at all.
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
-    from peer.host.server import start_server_dht
+    from peer.host.network import start_server_dht
 
     args.identity_existed = os.path.exists(args.identity_path)  # (its first server process checks it)
     dht = start_server_dht(args, run_cfg, device)

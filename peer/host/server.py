@@ -25,7 +25,11 @@ import time
 from peer.errors import NetworkError, UsageError
 from peer.host.announcer import Announcer
 from peer.host.failures import PROBE_S, FailureDetector
+from peer.host.known_peers import KnownPeers
 from peer.host.maintenance import Maintenance
+from peer.host.network import check_own_reachability, start_server_dht
+from peer.host.report import RunReport
+from peer.host.run_config import differing_flags
 from peer.host.state import PeerState, StateLine
 from peer.protocol.retry import Attempts
 from peer.runtime import Interrupted, freeze_startup_objects, interruptible, link_emulator, until_stopped
@@ -35,80 +39,6 @@ logger = logging.getLogger("hivepipe.serve")
 FAREWELL_S = 10.0  # seconds a finished server waits at most for its volunteers to learn the run is over
 TASKS_END_S = 5.0  # seconds a stopping server waits for its tasks to end once cancelled
 KNOWN_PEERS_TIMEOUT = 15.0  # seconds a restart waits for the peers it knew before it starts alone
-# the run's flags every server must share, as the config record names them -> the flag that sets it
-SHARED_FLAGS = {
-    "model": "--model",
-    "arch": "--init-from",
-    "seed": "--seed",
-    "steps": "--steps",
-    "batch_size": "--batch-size",
-    "micro_batches": "--micro-batches",
-    "lr": "--lr",
-    "recipe": "--lr-schedule/--warmup-steps/--min-lr/--decay-steps/--betas/--eps/--weight-decay",
-    "compress": "--compress",
-    "precision": "--precision",
-    "data": "--data",
-    "eval_every": "--eval-every",
-    "announce_period": "--announce-period",
-    "layout": "--stages/--frontal-per-stage/--backward-per-stage or --plan",
-}
-
-
-def start_server_dht(
-    args, run_cfg, device: str, initial_peers: list[str] | None = None, timeout: float | None = None, on_wait=None
-):
-    """The server's DHT node, through `initial_peers` (default --initial-peers) within `timeout`
-    seconds (default --timeout, else 60); `on_wait` as peer.node.start_dht takes it."""
-    from peer.node import NetworkStartError, start_dht
-
-    t0 = time.perf_counter()
-    try:
-        dht = start_dht(
-            args.initial_peers if initial_peers is None else initial_peers,
-            run_id=run_cfg.run_id,
-            run_fp=args.run_fp,
-            run_key=args.run_key_obj,
-            identity_path=args.identity_path,
-            host_maddrs=args.host_maddrs,
-            announce_maddrs=args.announce_maddrs,
-            timeout=timeout or args.timeout or 60.0,
-            on_wait=on_wait,
-        )
-    except NetworkStartError as e:
-        raise NetworkError(str(e)) from None
-    logger.info("%s: DHT node and p2p daemon up in %.1f s", device, time.perf_counter() - t0)
-    return dht
-
-
-def differing_flags(ours: dict, theirs: dict) -> list[str]:
-    """What the run's config (`theirs`, from the DHT) and this server's (`ours`) disagree on, as
-    `--flag theirs (here: ours)`; the layout only while the run is at its first layout epoch (a
-    failover changes it)."""
-    out = []
-    for key, flag in SHARED_FLAGS.items():
-        if key == "layout" and theirs.get("epoch", 0) != 0:
-            continue
-        if key in theirs and theirs.get(key) != ours.get(key):
-            if key == "data":  # (known only to a server that reads the data, and only compared there)
-                if ours.get("data") is not None and theirs.get("data") is not None:
-                    out.append(f"--data: the run's corpus has fingerprint {theirs['data']} (here: {ours['data']})")
-            elif key == "recipe":
-                out += _recipe_differences(ours, theirs)
-            elif key in ("layout", "arch"):
-                out.append(f"{flag} (the run's {key} differs)")
-            else:
-                out.append(f"{flag} {theirs[key]} (here: {ours[key]})")
-    return out
-
-
-def _recipe_differences(ours: dict, theirs: dict) -> list[str]:
-    from peer.protocol.recipe import Recipe
-
-    try:
-        run = Recipe.from_record(theirs.get("lr", 0.0), theirs.get("recipe"))
-    except (TypeError, ValueError):
-        return [f"{SHARED_FLAGS['recipe']} (the run's recipe is unreadable)"]
-    return Recipe.from_record(ours.get("lr", 0.0), ours.get("recipe")).differences(run)
 
 
 class ServerHost:
@@ -130,6 +60,9 @@ class ServerHost:
         self.tasks: list[asyncio.Task] = []
         self.finished = asyncio.Event()  # every server of the run reached the last step
         self.halt = None
+        # the run's other servers' multiaddrs, kept in the checkpoint folder for a restart (known_peers.py)
+        self.known = KnownPeers(args.checkpoint_dir, device)
+        self.report = None  # what the run has done, as this server sees it (report.py)
 
     # ---- start ---------------------------------------------------------------------------------
 
@@ -242,49 +175,20 @@ class ServerHost:
                 "stop that server first, or give this one another --identity-path"
             )
 
-    def peers_file(self) -> str | None:
-        """Where this server keeps the multiaddrs of the run's other servers (its checkpoint folder)."""
-        return os.path.join(self.args.checkpoint_dir, f"{self.device}.peers") if self.args.checkpoint_dir else None
-
-    def known_peers(self) -> list[str]:
-        path = self.peers_file()
-        try:
-            with open(path) as f:
-                return [m for m in f.read().split() if "/p2p/" in m]
-        except (OSError, TypeError):
-            return []
-
     def _remember_peers(self) -> None:
-        """Keep the other servers' announced multiaddrs in the checkpoint folder, so that a restart
-        without --initial-peers (the first server's own command) joins the run's DHT through them
-        instead of starting a DHT of its own beside it."""
-        path = self.peers_file()
-        if path is None:
-            return
-        maddrs = sorted(
-            m for peer, ms in self.directory.addresses.items() if peer != self.peer_id for m in ms if "/p2p/" in m
-        )
-        if not maddrs or maddrs == self._remembered:
-            return
-        try:
-            with open(path + ".tmp", "w") as f:
-                f.write("\n".join(maddrs) + "\n")
-            os.replace(path + ".tmp", path)
-            self._remembered = maddrs
-        except OSError as e:
-            logger.info("%s: cannot keep the run's peers in %s: %s", self.device, path, e)
-
-    _remembered: list[str] = []
+        """Keep the other servers' announced multiaddrs (KnownPeers): a restart without
+        --initial-peers (the first server's own command) joins the run's DHT through them."""
+        self.known.remember(m for peer, ms in self.directory.addresses.items() if peer != self.peer_id for m in ms)
 
     def _start_dht(self):
         """This server's DHT node: through --initial-peers, else through the run's servers it knew
         before a restart (if none of them answers, it starts alone and says so)."""
         args = self.args
-        known = [] if args.initial_peers else self.known_peers()
+        known = [] if args.initial_peers else self.known.read()
         if not known:
             return start_server_dht(args, self.run_cfg, self.device, on_wait=self.state.waiting_for_initial_peers)
         logger.warning(
-            "%s: joining the run through the %d peers it knew before (%s)", self.device, len(known), self.peers_file()
+            "%s: joining the run through the %d peers it knew before (%s)", self.device, len(known), self.known.path
         )
         timeout = min(args.timeout or KNOWN_PEERS_TIMEOUT, KNOWN_PEERS_TIMEOUT)
         try:
@@ -425,6 +329,7 @@ class ServerHost:
             compute=lambda: self.worker.compute if self.worker is not None else self.compute,
         )
         self.halt = HaltNotice(self.device, on_change=self._halt_changed)
+        self.report = RunReport(server, directory, run_cfg, self.cfg, self.device, self.peer_id)
         self.detector = FailureDetector(
             server,
             directory,
@@ -520,85 +425,6 @@ class ServerHost:
             for d in devices
         )
 
-    def loss_at_end(self) -> float | None:
-        """The last batch's loss per token (None while it is not known here)."""
-        latest = self.latest_loss()
-        return latest[1] if latest is not None and latest[0] == self.run_cfg.steps - 1 else None
-
-    def latest_loss(self) -> tuple[int, float] | None:
-        """(batch, loss per token) of the newest batch whose loss is known here: the last stage's own,
-        or a last-stage server's record."""
-        if self.server.last:
-            sums = dict(self.server.shard.losses)
-        else:
-            last_stage = set(self.server.layout.stages[-1].servers)
-            sums = {}
-            for r in self.directory.records.values():
-                if r.get("kind") == "server" and r.get("device") in last_stage:
-                    sums.update({int(k): v for k, v in (r.get("losses") or {}).items()})
-        if not sums:
-            return None
-        batch = max(sums)
-        return batch, sums[batch] / (self.run_cfg.batch_size * self.cfg.seq_len)
-
-    def seconds_per_step(self) -> float | None:
-        """Seconds per version over this server's last versions (their wall times), None before two."""
-        times = sorted(self.server.step_times.items())
-        if len(times) < 2 or times[-1][1] <= times[0][1]:
-            return None
-        return (times[-1][1] - times[0][1]) / (times[-1][0] - times[0][0])
-
-    def write_summary(self) -> str | None:
-        """At the run's end: `DEVICE.run-summary.json` in its checkpoint folder (peer.summary_cmd,
-        `peer summary`), where it outlasts the run's records; its path (None without a folder)."""
-        from peer.summary_cmd import write_summary
-
-        if not self.args.checkpoint_dir:
-            return None
-        server, loss, per_step = self.server, self.latest_loss(), self.seconds_per_step()
-        evals = server.eval_losses
-        servers = set(self.directory.known.values()) | {self.peer_id}
-        summary = {
-            "run_id": self.run_cfg.run_id,
-            "device": self.device,
-            "stage": self.stage,
-            "role": self.role,
-            "last_stage": server.last,
-            "steps": self.run_cfg.steps,
-            "version": server.version,
-            "finished_at": time.time(),
-            "loss": loss[1] if loss else None,
-            "loss_batch": loss[0] if loss else None,
-            "eval_loss": evals[max(evals)] if evals else None,
-            "eval_version": max(evals) if evals else None,
-            "tokens_per_second": self.run_cfg.batch_size * self.cfg.seq_len / per_step if per_step else None,
-            "microbatches_applied": min(sh.microbatches_applied for sh in server.hosted.values()),
-            "volunteers": server.contributions.table(server.banned, servers),
-        }
-        try:
-            return write_summary(self.args.checkpoint_dir, self.device, summary)
-        except OSError as e:  # (the run is over: say it, do not fail the exit for it)
-            logger.warning("%s: could not write its run summary: %s", self.device, e)
-            return None
-
-    def progress_text(self) -> str:
-        """What the progress line says: step/steps, the last loss, tokens/s and the time left over
-        this server's last versions, the volunteers registered here."""
-        from peer.protocol.values import format_duration
-
-        server, steps = self.server, self.run_cfg.steps
-        parts = [f"step {server.version}/{steps}"]
-        loss = self.latest_loss()
-        if loss is not None:
-            parts.append(f"loss {loss[1]:.4f}")
-        per_step = self.seconds_per_step()
-        if per_step is not None:
-            parts.append(f"{self.run_cfg.batch_size * self.cfg.seq_len / per_step:,.0f} tokens/s")
-            parts.append(f"about {format_duration(max(0, steps - server.version) * per_step)} left")
-        servers = set(self.directory.servers.values()) | {self.peer_id}
-        parts.append(f"{len(set(server.clients) - servers)} volunteers here")
-        return ", ".join(parts)
-
     def _halt_changed(self, reason: str | None, stopped_for: float = 0.0) -> None:
         if reason is not None:
             self.state.say(PeerState.STOPPED, reason)
@@ -624,7 +450,7 @@ class ServerHost:
         elif self.serving_detail and self.state.state is not PeerState.SERVING:
             self.state.say(PeerState.SERVING, self.serving_detail)
         elif self.state.state is PeerState.SERVING:
-            self.state.progress(self.progress_text())
+            self.state.progress(self.report.progress_text())
 
     # ---- serve ----------------------------------------------------------------------------------
 
@@ -749,7 +575,7 @@ class ServerHost:
     def say_finished(self) -> None:
         if self.halt is not None:  # stopped until now: it went on to the end
             self.halt.went_on()
-        loss = self.loss_at_end()
+        loss = self.report.loss_at_end()
         said = "" if loss is None else f" (loss {loss:.4f})"
         self.state.say(PeerState.FINISHED, f"run {self.run_cfg.run_id} finished at step {self.run_cfg.steps}{said}")
 
@@ -808,7 +634,7 @@ class ServerHost:
                 await self.farewell(stop)
                 if self.writer is not None:  # the last step's checkpoint is on disk before it says so
                     await asyncio.wrap_future(self.writer.flush())
-                self.write_summary()
+                self.report.write_summary(self.args.checkpoint_dir)
                 self.say_finished()
                 if getattr(self.args, "hold", False):
                     self.state.say(PeerState.FINISHED, "holding its final state (--hold) until stopped")
@@ -828,55 +654,3 @@ class ServerHost:
                     why = f"{type(e).__name__}: {e}"
                 await asyncio.shield(self.stop(why or type(e).__name__))
             raise
-
-
-async def check_own_reachability(
-    dht, p2p, initial_peers: list[str], run_id: str, num_stages: int, maddrs: list[str], device: str
-) -> None:
-    """Ask a server of the run (for a new run: one of `initial_peers`, the peers this server joined
-    the DHT through) to dial us back at `maddrs`.
-    NetworkError when nobody can, saying what failed and the fix that fits it; a first server on
-    private addresses only gets one warning."""
-    from peer.addresses import is_public
-    from peer.protocol import records
-    from peer.reachability import advice_for, check_reachable, split_peer
-
-    peer_id = str(dht.peer_id)
-    private = [m for m in maddrs if not is_public(m)]
-    if not initial_peers:
-        if len(private) == len(maddrs):
-            logger.warning(
-                "%s announces only private or loopback addresses (%s): hosts outside this network "
-                "cannot reach it; pass --announce-maddrs with a public address if they should",
-                device,
-                " ".join(maddrs),
-            )
-        return
-    servers = []
-    for k in range(num_stages):
-        for peer, rec, _ in await records.read_stage(dht, run_id, k):
-            if rec is not None and rec["kind"] == "server" and peer != peer_id and rec["state"] != "offline":
-                servers.append((peer, [m for m in rec["maddrs"] if isinstance(m, str)]))
-    initial = [(split_peer(m)[1], [m]) for m in initial_peers if split_peer(m)[1] not in (None, peer_id)]
-    t0 = time.perf_counter()
-    ok, detail = await check_reachable(p2p, maddrs, servers or initial, timeout=30.0)
-    if ok:
-        logger.info(
-            "%s: reachable at %s (checked by %s in %.1f s)",
-            device,
-            " ".join(maddrs),
-            detail[-8:],
-            time.perf_counter() - t0,
-        )
-    elif ok is False:
-        raise NetworkError(
-            f"no peer of the run could dial this server back at {' '.join(maddrs)} ({detail}): {advice_for(detail)}"
-        )
-    else:  # nobody answered the ask itself: that says nothing about this server's own address
-        logger.warning(
-            "%s: could not check that others can dial %s: no peer asked could run the check (%s); %s",
-            device,
-            " ".join(maddrs),
-            detail,
-            advice_for(detail),
-        )

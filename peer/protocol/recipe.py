@@ -4,7 +4,7 @@ The schedule is a pure function of the update's index (the version it starts fro
 batch t makes version t+1 and uses `lr_at(t)`), so that every shard of every server, a replica that
 replays a step, a server that re-runs a batch after a failover and `peer reference` all use the same
 number for the same update, whoever applies it and whenever. The recipe is part of the run's config
-record: a server started with another one refuses to join and names both values (peer.host.server
+record: a server started with another one refuses to join and names both values (peer.host.run_config
 `differing_flags`).
 
 Schedules, for `steps` updates, warm-up W, decay length D and peak `lr`:

@@ -11,7 +11,7 @@ import pytest
 
 from parameter_server.layout import RunLayout
 from peer.host.failures import FailureDetector
-from peer.host.server import differing_flags
+from peer.host.run_config import differing_flags
 from peer.host.state import PeerState, StateLine
 from peer.reachability import advice_for
 
