@@ -16,7 +16,6 @@ import asyncio
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -32,36 +31,11 @@ from peer.protocol.wire import RemoteError, StreamCut, wait_to_redial
 from peer.volunteer.device import EmulatedDevice
 from peer.volunteer.faults import KILL_POINTS, die_here
 from peer.volunteer.handins import HandIns
+from peer.volunteer.sums import GradientSums
 from peer.volunteer.versions import Versions
-from scheduler.flush import IDLE_HOLD_S, awaiting_after, batches_to_push, hold_ends, owed_after
 from taskpool.types import priority
 
 logger = logging.getLogger("hivepipe.worker")
-
-
-@dataclass
-class Pending:
-    """The parameter gradients of one batch summed over tasks whose sum is not pushed yet; the tasks
-    stay leased (and are re-run by others if this client vanishes) until every server credits it."""
-
-    batch: int
-    epoch: int  # the layout epoch its tasks were taken in
-    tasks: list = field(default_factory=list)  # (leasing server's link, task id, lease deadline, lease seconds)
-    tickets: dict = field(default_factory=dict)  # task id -> its lease's ticket (peer/protocol/leases.py)
-    grads: dict | None = None
-    loss_sum: float | None = None
-
-    def add(self, link, meta: dict, grads: dict[str, torch.Tensor], loss: float | None) -> None:
-        length = float(meta.get("deadline", 60.0))
-        self.tasks.append((link, meta["task"], time.monotonic() + length, length))
-        self.tickets[meta["task"]] = meta.get("lease")
-        if self.grads is None:
-            self.grads = grads
-        else:
-            for n, g in grads.items():
-                self.grads[n].add_(g)
-        if loss is not None:
-            self.loss_sum = (self.loss_sum or 0.0) + loss
 
 
 # the requests a task in hand needs (its parameters and inputs, handing its results in), retried while
@@ -146,17 +120,27 @@ class StageWorker:
             stats=self.stats,
             on_pulled=lambda: self._point("pulling_params"),
         )
-        self.pending: dict[int, Pending] = {}  # batch -> gradients summed over tasks not pushed yet
-        self.awaiting: dict[int, float] = {}  # batch held while idle (owed tasks of it) -> since when
-        self.owed_forward: set[int] = set()  # batches its frontal server said it cuts more tasks of for this worker
-        self.pushing: list[Pending] = []  # sums on their way to the servers (their tasks still held)
         # the tasks finished (credited by every server, or a forward pass's outputs delivered) and
         # handed in with the next take or heartbeat to the server that leased each (peer/volunteer/handins.py)
         self.hand_ins = HandIns()
         # task id -> the ticket of its lease, while this worker holds it: a `register` that lists what it
         # holds proves each lease with its ticket (a server that restarted adopts only proven leases)
         self.held_tickets: dict[str, str | None] = {}
-        self.max_pending = 2 * run.micro_batches  # the servers lease a client 2 x micro-batches + 1 tasks
+        # its parameter gradients summed per batch, and their pushes (peer/volunteer/sums.py)
+        self.sums = GradientSums(
+            device_id=device_id,
+            last=self.last,
+            max_pending=2 * run.micro_batches,  # the servers lease a client 2 x micro-batches + 1 tasks
+            call=self.call,
+            links=self.links,
+            shards=lambda: self.shards,
+            own_server=self._own_server,
+            stats=self.stats,
+            finish_later=self._finish_later,
+            hand_back=self._hand_back,
+            point=self._point,
+            die_at=die_at,
+        )
         self.current: tuple[str, str] | None = None  # (server device, task id) being worked on
         # an idle worker waits for a task at every server of its stage at once (long-polled `take`s, at
         # most one per server); a task that arrives while it works on another waits here, leased to it
@@ -228,7 +212,7 @@ class StageWorker:
             return
         self.epoch = record["epoch"]
         self._set_layout(RunLayout.from_dict(record["layout"], self.cfg.layers))
-        self.pending.clear()  # the old epoch's leases are gone: its tasks are run again in this one
+        self.sums.clear()  # the old epoch's leases are gone: its tasks are run again in this one
         self.hand_ins.clear()
         self.held_tickets.clear()
         # a rollback (a cheater was caught) re-makes versions after its batch, and their inputs
@@ -245,8 +229,7 @@ class StageWorker:
     # ------------------------------------------------------------------------------------------
     def holding(self, device: str) -> list[str]:
         """The task ids leased from server `device` that this worker works on or keeps in a sum."""
-        sums = list(self.pending.values()) + list(self.pushing)
-        held = [tid for p in sums for link, tid, _, _ in p.tasks if link.device == device]
+        held = self.sums.holding(device)
         held += self.hand_ins.listed(device)
         if self.current is not None and self.current[0] == device:
             held.append(self.current[1])
@@ -373,11 +356,11 @@ class StageWorker:
                 check_cancelled()
                 got = await self.take_one()
                 if got is None:  # idle: push what it holds, then wait for work at every server at once
-                    await self.flush(self._flush_due(None))
-                    got = await self.wait_for_task(stop, until=self._hold_left())
+                    await self.sums.flush(self.sums.due(None, self.kept))
+                    got = await self.wait_for_task(stop, until=self.sums.hold_left())
                 if got is not None:  # held from now on (the heartbeat says so), also while pushing below
                     self.current = (got[0].device, got[1]["task"])
-                await self.flush(self._flush_due(None if got is None else got[1]))
+                await self.sums.flush(self.sums.due(None if got is None else got[1], self.kept))
                 if got is None:
                     continue
                 link, meta, tensors = got
@@ -419,7 +402,7 @@ class StageWorker:
                     self.unready = None
                 finally:
                     self.current = None
-            await self.flush(sorted(self.pending))  # a clean stop hands in what it has
+            await self.sums.flush_all()  # a clean stop hands in what it has
             await self.hand_in_finished()
         finally:
             relay.cancel()
@@ -575,108 +558,6 @@ class StageWorker:
             oldest = next(iter(self.kept))
             total -= self.kept.pop(oldest).nbytes
 
-    def _flush_due(self, task: dict | None) -> list[int]:
-        """The pending batches to push now (scheduler/flush.py); an idle worker holds a batch it is owed
-        tasks of for up to IDLE_HOLD_S: backward tasks of the forward passes it keeps, or forward tasks
-        of the micro-batches its frontal server has not cut yet (the batch's member, say its answers)."""
-        now = time.monotonic()
-        leases = {b: [(deadline, length) for _, _, deadline, length in p.tasks] for b, p in self.pending.items()}
-        if task is None:
-            owed = ({key[0] for key in self.kept} | self.owed_forward).intersection(self.pending)
-            self.awaiting = awaiting_after(self.awaiting, owed, now)
-        return batches_to_push(leases, task, now, self.max_pending, self.last, self.awaiting, IDLE_HOLD_S)
-
-    def _hold_left(self) -> float | None:
-        """Seconds until the first batch an idle worker holds is due (None: it holds none)."""
-        ends = hold_ends(self.awaiting, self.pending)
-        return None if ends is None else max(0.0, ends - time.monotonic())
-
-    async def flush(self, batches: list[int]) -> None:
-        for b in batches:
-            if b in self.pending:
-                try:
-                    await self.push_pending(self.pending.pop(b))
-                except Exception as e:  # its tasks stay leased here: they run out and are re-run by others
-                    transport = isinstance(e, (ConnectionError, asyncio.TimeoutError))
-                    logger.log(
-                        logging.INFO if transport else logging.WARNING,
-                        "%s: gradient push of batch %d failed: %r",
-                        self.device_id,
-                        b,
-                        e,
-                    )
-
-    async def push_pending(self, p: "Pending") -> None:
-        """Push one batch's summed gradient, sharded, to every server of the stage with the ids of the
-        tasks it covers; then complete the tasks every server credited and hand back the rest (they
-        are re-run and pushed alone). Each server credits the push all or nothing."""
-        self.pushing.append(p)
-        try:
-            await self._push_pending(p)
-        finally:
-            self.pushing.remove(p)
-
-    async def _push_pending(self, p: "Pending") -> None:
-        ids = [tid for _, tid, _, _ in p.tasks]
-        base = {"tasks": ids, "leases": [p.tickets[tid] for tid in ids], "batch": p.batch}
-        if p.loss_sum is not None:
-            base["loss_sum"] = float(p.loss_sum)
-        items = self.shards
-        if self.die_at == "mid_grad_push":  # one server gets its shard, the others never do
-            device, slot, names = items[0]
-            await self.call(
-                self.links[device],
-                "push_grads",
-                dict(base, slot=slot),
-                [p.grads[n] for n in names],
-                timeout=60.0,
-                epoch=p.epoch,
-            )
-            self._point("mid_grad_push")
-        server = self._own_server()
-        if server is not None:  # its replica of each other slot may take the step from this push
-            for device, slot, names in items:
-                if device != self.device_id:
-                    server.note_own_push(slot, p.batch, [p.grads[n] for n in names])
-        answers = await asyncio.gather(
-            *(
-                self.call(
-                    self.links[device],
-                    "push_grads",
-                    dict(base, slot=slot),
-                    [p.grads[n] for n in names],
-                    timeout=60.0,
-                    epoch=p.epoch,
-                )
-                for device, slot, names in items
-            ),
-            return_exceptions=True,
-        )
-        self.stats["pushes"] += 1
-        self._point("after_grad_push")
-        credited = set(ids)
-        for (device, _, _), answer in zip(items, answers):
-            if isinstance(answer, BaseException):
-                logger.info("%s: gradient push to %s failed: %r", self.device_id, device, answer)
-                credited = set()
-            elif answer[0].get("result") == "conflict":
-                # some tasks were credited there from another client's copy: the rest are re-run alone
-                credited &= set(answer[0].get("credited", []))
-                self.stats["conflicts"] += 1
-        # the tasks credited everywhere are handed in with the next take or heartbeat to the server
-        # that leased each (they stay listed as held until then); a task not credited everywhere is
-        # handed back on its own
-        for link, tid, _, _ in p.tasks:
-            if tid in credited:
-                self._finish_later(link.device, tid, p.epoch)
-        await asyncio.gather(
-            *(self._hand_back(link, tid, p.epoch) for link, tid, _, _ in p.tasks if tid not in credited)
-        )
-        n = len(ids) - len(credited)
-        if n:
-            self.stats["dropped"] += n
-            logger.info("%s: %d tasks of batch %d handed back to be re-run", self.device_id, n, p.batch)
-
     def _lying(self, batch: int | None = None) -> bool:
         lying = self.cheat is not None and self.cheat.active(self.stats["forward"] + self.stats["backward"])
         if lying and not getattr(self, "_lie_logged", False):
@@ -716,7 +597,7 @@ class StageWorker:
         for key in [k for k in self.input_cache if k[0] < t - 1]:
             del self.input_cache[key]
         if meta["kind"] == "forward":  # whether its server will cut more of the batch for this worker
-            self.owed_forward = owed_after(self.owed_forward, t, bool(meta.get("owed")))
+            self.sums.owed(t, bool(meta.get("owed")))
         if meta["kind"] == "forward" and not self.last:
             await self._forward(link, meta, tensors)
         elif meta["kind"] == "forward":
@@ -823,11 +704,9 @@ class StageWorker:
                 f"task {meta['task']} belongs to layout epoch {meta['epoch']}, the run is at {self.epoch}"
             )
         if meta.get("attempt", 1) > 1:
-            alone = Pending(meta["batch"], meta["epoch"])
-            alone.add(link, meta, grads, loss)
-            await self.push_pending(alone)
+            await self.sums.push_alone(link, meta, grads, loss)
         else:
-            self.pending.setdefault(meta["batch"], Pending(meta["batch"], meta["epoch"])).add(link, meta, grads, loss)
+            self.sums.add(link, meta, grads, loss)
 
     async def _backward(self, link, meta, tensors) -> None:
         t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]

@@ -130,7 +130,7 @@ class Adversary(RuleBasedStateMachine):
 
     @rule()
     def flush(self):
-        self.act(self.me.flush(sorted(self.me.pending)))
+        self.act(self.me.sums.flush_all())
 
     # ---- claims ----------------------------------------------------------------------------------
     @rule(i=st.integers(0, 7), n=st.integers(1, 8))
@@ -199,15 +199,15 @@ class Adversary(RuleBasedStateMachine):
     @rule(i=st.integers(0, 7), scale=st.sampled_from([1e-2, 1.0, 100.0]))
     def push_wrong_gradients(self, i: int, scale: float):
         """The adversary's own pending sum, scaled, pushed as if honest (its tasks' tickets)."""
-        if not self.me.pending:
+        if not self.me.sums.pending:
             return
-        batch = sorted(self.me.pending)[i % len(self.me.pending)]
-        p = self.me.pending[batch]
+        batch = sorted(self.me.sums.pending)[i % len(self.me.sums.pending)]
+        p = self.me.sums.pending[batch]
         if p.grads is None:
             return
         for name in p.grads:
             p.grads[name] = p.grads[name] * (1 + scale)
-        self.act(self.me.flush([batch]))
+        self.act(self.me.sums.flush([batch]))
 
     @rule(i=st.integers(0, 7), delta=st.sampled_from([-1, 1, 5]))
     def wrong_epoch(self, i: int, delta: int):

@@ -66,13 +66,13 @@ def test_a_sum_that_overlaps_another_clients_push_in_part_is_rerun_not_lost():
             link, meta, tensors = await a.take_one()
             await a.process(link, meta, tensors)
             held.append(meta["task"])
-        assert [tid for _, tid, _, _ in a.pending[0].tasks] == held and a.stats["pushes"] == 0
+        assert [tid for _, tid, _, _ in a.sums.pending[0].tasks] == held and a.stats["pushes"] == 0
         fs.pool.fail(held[1], a.links[fs.device_id].sender)  # A's lease of T2 is lost
         link, meta, tensors = await b.take_one()
         assert (meta["task"], meta["attempt"]) == (held[1], 2)
         await b.process(link, meta, tensors)  # a second attempt is pushed alone, at once
-        assert b.stats["pushes"] == 1 and not b.pending
-        await a.flush([0])
+        assert b.stats["pushes"] == 1 and not b.sums.pending
+        await a.sums.flush([0])
         assert a.stats["conflicts"] == len(swarm.servers) and a.stats["dropped"] == 1
         await a.register()  # what the workers finished goes with their next heartbeat (or take)
         await b.register()
@@ -1071,7 +1071,7 @@ def test_finished_tasks_go_with_the_next_take_or_heartbeat_not_a_complete_each(t
     async def one_task():
         got = await a.take_one()
         await a.process(*got)
-        await a.flush(sorted(a.pending))  # the sum is credited by every server
+        await a.sums.flush_all()  # the sum is credited by every server
         return got[1]["task"]
 
     async def scenario():
