@@ -47,7 +47,7 @@ def test_every_peer_says_the_end_and_returns_by_itself(tmp_path, capsys):
             run.start_server(device(1, "frontal"))
             run.start_server(device(1, "backward"))
             out["codes"] = await run.ended(["s0b0", "s1f0", "s1b0", "v0", "v1"])
-            out["progress"] = run.servers["s1f0"].progress_text()  # what its progress line said last
+            out["progress"] = run.servers["s1f0"].report.progress_text()  # what its progress line said last
             await run.wait(lambda: "holding its final state" in first.state.detail, 30, "s0f0 to hold")
             out["state"] = run.state()
             run.join("late", "0")
