@@ -378,9 +378,10 @@ def run(args) -> int:
     # The supervisor and its server processes share by file descriptor: no manager at all.
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
     from peer.host.network import start_server_dht
+    from peer.host.options import ServerOptions
 
     args.identity_existed = os.path.exists(args.identity_path)  # (its first server process checks it)
-    dht = start_server_dht(args, run_cfg, device)
+    dht = start_server_dht(ServerOptions.from_args(args), run_cfg, device)
     dht_leaves_with(dht, os.getpid())
     held = HeldNode.of(dht, os.path.join(tempfile.gettempdir(), f"hivepipe-{os.getpid()}-{device[:40]}.sock"))
 
@@ -439,7 +440,8 @@ async def serve_main(args, cfg, layout, device, run_cfg, corpus, stop: asyncio.E
     supervisor's), or on a DHT node of its own."""
     import torch
 
+    from peer.host.options import ServerOptions
     from peer.host.server import ServerHost
 
     torch.set_num_threads(1)
-    return await ServerHost(args, cfg, layout, device, run_cfg, corpus, held=held).run(stop)
+    return await ServerHost(ServerOptions.from_args(args), cfg, layout, device, run_cfg, corpus, held=held).run(stop)

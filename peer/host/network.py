@@ -12,23 +12,24 @@ logger = logging.getLogger("hivepipe.serve")
 
 
 def start_server_dht(
-    args, run_cfg, device: str, initial_peers: list[str] | None = None, timeout: float | None = None, on_wait=None
+    options, run_cfg, device: str, initial_peers: list[str] | None = None, timeout: float | None = None, on_wait=None
 ):
-    """The server's DHT node, through `initial_peers` (default --initial-peers) within `timeout`
+    """The server's DHT node (`options`: a peer.host.options.ServerOptions), through `initial_peers`
+    (default --initial-peers) within `timeout`
     seconds (default --timeout, else 60); `on_wait` as peer.node.start_dht takes it."""
     from peer.node import NetworkStartError, start_dht
 
     t0 = time.perf_counter()
     try:
         dht = start_dht(
-            args.initial_peers if initial_peers is None else initial_peers,
+            options.initial_peers if initial_peers is None else initial_peers,
             run_id=run_cfg.run_id,
-            run_fp=args.run_fp,
-            run_key=args.run_key_obj,
-            identity_path=args.identity_path,
-            host_maddrs=args.host_maddrs,
-            announce_maddrs=args.announce_maddrs,
-            timeout=timeout or args.timeout or 60.0,
+            run_fp=options.run_fp,
+            run_key=options.run_key_obj,
+            identity_path=options.identity_path,
+            host_maddrs=options.host_maddrs,
+            announce_maddrs=options.announce_maddrs,
+            timeout=timeout or options.timeout or 60.0,
             on_wait=on_wait,
         )
     except NetworkStartError as e:

@@ -28,6 +28,7 @@ from peer.host.failures import PROBE_S, FailureDetector
 from peer.host.known_peers import KnownPeers
 from peer.host.maintenance import Maintenance
 from peer.host.network import check_own_reachability, start_server_dht
+from peer.host.options import ServerOptions
 from peer.host.report import RunReport
 from peer.host.run_config import differing_flags
 from peer.host.state import PeerState, StateLine
@@ -45,8 +46,10 @@ class ServerHost:
     """One server of the run, `device` of `layout`. `held`: a peer.node.HeldNode (the DHT node of a
     supervisor, which outlives this process), else it starts its own."""
 
-    def __init__(self, args, cfg, layout, device: str, run_cfg, corpus=None, held=None, out=None):
-        self.args, self.cfg, self.layout, self.device, self.run_cfg = args, cfg, layout, device, run_cfg
+    def __init__(self, options: ServerOptions, cfg, layout, device: str, run_cfg, corpus=None, held=None, out=None):
+        if not isinstance(options, ServerOptions):
+            raise TypeError(f"ServerHost takes ServerOptions (ServerOptions.from_args), got {type(options).__name__}")
+        self.options, self.cfg, self.layout, self.device, self.run_cfg = options, cfg, layout, device, run_cfg
         self.corpus, self.held = corpus, held
         self.stage, self.role, _ = layout.locate(device)
         self.state = StateLine(device, out=out)
@@ -54,14 +57,14 @@ class ServerHost:
         self.compute = 0.0  # rows/s of its own worker (measured at the start; 0 with --no-compute)
         self.writer = self.trainlog = None
         self.maddrs: list[str] = []
-        self.joined_through: list[str] = list(args.initial_peers or [])  # (the peers its DHT node joined through)
+        self.joined_through: list[str] = list(options.initial_peers)  # (the peers its DHT node joined through)
         self.peer_id = ""
         self.current_config: dict | None = None
         self.tasks: list[asyncio.Task] = []
         self.finished = asyncio.Event()  # every server of the run reached the last step
         self.halt = None
         # the run's other servers' multiaddrs, kept in the checkpoint folder for a restart (known_peers.py)
-        self.known = KnownPeers(args.checkpoint_dir, device)
+        self.known = KnownPeers(options.checkpoint_dir, device)
         self.report = None  # what the run has done, as this server sees it (report.py)
 
     # ---- start ---------------------------------------------------------------------------------
@@ -69,7 +72,7 @@ class ServerHost:
     async def start(self, stop: asyncio.Event) -> None:
         from peer.reachability import DialBackService
 
-        args = self.args
+        args = self.options
         if self.held is None:
             # (an identity on disk before the start may be a live server's: refuse_a_live_twin)
             existed = bool(args.identity_path) and os.path.exists(args.identity_path)
@@ -93,7 +96,7 @@ class ServerHost:
         else:
             # (a supervised server's first process checks what its supervisor's start found; a
             # restarted one is the supervisor's own, under the identity it already holds)
-            existed = getattr(args, "identity_existed", False) and not getattr(args, "restarted", False)
+            existed = args.identity_existed and not args.restarted
             t0 = time.perf_counter()
             self.dht, self.maddrs = self.held.dht, self.held.maddrs
             self.p2p = await self.held.replicate()
@@ -102,7 +105,7 @@ class ServerHost:
         if existed:
             await self.refuse_a_live_twin()
         await DialBackService().add_p2p_handlers(self.p2p)
-        if not args.no_reachability_check and not getattr(args, "restarted", False):
+        if not args.no_reachability_check and not args.restarted:
             await check_own_reachability(
                 self.dht,
                 self.p2p,
@@ -116,7 +119,7 @@ class ServerHost:
     def _die_at(self, version: int) -> None:
         """--die-at-version: lost for good right after applying that step (SIGKILL of the whole
         process group: no offline record, no checkpoint of the step, as when the host dies)."""
-        if version >= self.args.die_at_version:
+        if version >= self.options.die_at_version:
             from peer.volunteer.faults import die_here
 
             logger.warning("%s: applied step %d: lost here for good (--die-at-version)", self.device, version)
@@ -128,8 +131,8 @@ class ServerHost:
         key file behind. UsageError when another server wrote a different key at that path meanwhile."""
         from peer.protocol.trust import SigningKey
 
-        args = self.args
-        if not getattr(args, "run_key_new", False):
+        args = self.options
+        if not args.run_key_new:
             return
         try:
             args.run_key_obj.save(args.run_key)
@@ -154,7 +157,7 @@ class ServerHost:
         # the first: what a volunteer (or another server) passes to --initial-peers
         print("initial_peers=" + " ".join(self.maddrs), flush=True)
         # the second: what a volunteer passes to --run-id, so that it believes only this run's servers
-        print(f"run={self.run_cfg.run_id}@{self.args.run_fp}", flush=True)
+        print(f"run={self.run_cfg.run_id}@{self.options.run_fp}", flush=True)
         self.state.say(PeerState.STARTING, f"{self.device} of run {self.run_cfg.run_id}, as {self.peer_id}")
 
     async def refuse_a_live_twin(self) -> None:
@@ -170,7 +173,7 @@ class ServerHost:
             return
         if holder is not None:
             raise UsageError(
-                f"identity {self.args.identity_path} ({self.peer_id}) is held by a live server of run "
+                f"identity {self.options.identity_path} ({self.peer_id}) is held by a live server of run "
                 f"{self.run_cfg.run_id!r} ({holder.get('device')}, announcing at {' '.join(holder.get('maddrs', []))}): "
                 "stop that server first, or give this one another --identity-path"
             )
@@ -183,7 +186,7 @@ class ServerHost:
     def _start_dht(self):
         """This server's DHT node: through --initial-peers, else through the run's servers it knew
         before a restart (if none of them answers, it starts alone and says so)."""
-        args = self.args
+        args = self.options
         known = [] if args.initial_peers else self.known.read()
         if not known:
             return start_server_dht(args, self.run_cfg, self.device, on_wait=self.state.waiting_for_initial_peers)
@@ -210,13 +213,13 @@ class ServerHost:
         t0 = time.perf_counter()
         current = await records.read_config_value(self.dht)
         logger.info("%s: read the run's config record in %.1f s", self.device, time.perf_counter() - t0)
-        run_id, fp = self.run_cfg.run_id, self.args.run_fp
+        run_id, fp = self.run_cfg.run_id, self.options.run_fp
         if current is None:
             others = await records.other_run_keys(self.dht)
             if others:
                 raise UsageError(
                     f"run {run_id!r} is published under run key {', '.join(others)}, and this server's "
-                    f"--run-key {self.args.run_key} has fingerprint {fp}: give it the run's key file (or "
+                    f"--run-key {self.options.run_key} has fingerprint {fp}: give it the run's key file (or "
                     "start a new run under another --run-id)"
                 )
         if isinstance(current, dict):
@@ -245,7 +248,7 @@ class ServerHost:
         from peer.protocol.wire import MAX_MESSAGE_BYTES, bound_messages
         from peer.server_links import LocalLink
 
-        args, run_cfg = self.args, self.run_cfg
+        args, run_cfg = self.options, self.run_cfg
         t0 = time.perf_counter()
         self.links = links = link_emulator(args, self.device)
         self.slowdown = args.slowdown or links.compute_slowdown()
@@ -294,9 +297,9 @@ class ServerHost:
         if args.checkpoint_dir:
             await self._resume()
         server.on_step.append(server.note_step)
-        if getattr(args, "die_at_version", None) is not None:
+        if args.die_at_version is not None:
             server.on_step.append(self._die_at)
-        if getattr(args, "log_dir", None):
+        if args.log_dir:
             from peer.host.trainlog import TrainingLog
 
             self.trainlog = TrainingLog(args.log_dir, server)
@@ -353,7 +356,7 @@ class ServerHost:
         from parameter_server.service import RETAIN
         from peer.hf.init import write_model_json
 
-        args, server, device = self.args, self.server, self.device
+        args, server, device = self.options, self.server, self.device
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         write_model_json(args.checkpoint_dir, self.cfg, args.hf_model)  # what `peer export --checkpoint-dirs` reads
         t0 = time.perf_counter()
@@ -502,7 +505,7 @@ class ServerHost:
     async def serve(self, stop: asyncio.Event) -> None:
         from peer.volunteer.worker import StageWorker
 
-        args, server = self.args, self.server
+        args, server = self.options, self.server
         self.tasks = [
             asyncio.ensure_future(self.announcer.run(stop)),
             asyncio.ensure_future(self.detector.run(stop, self.announcer.online)),
@@ -634,9 +637,9 @@ class ServerHost:
                 await self.farewell(stop)
                 if self.writer is not None:  # the last step's checkpoint is on disk before it says so
                     await asyncio.wrap_future(self.writer.flush())
-                self.report.write_summary(self.args.checkpoint_dir)
+                self.report.write_summary(self.options.checkpoint_dir)
                 self.say_finished()
-                if getattr(self.args, "hold", False):
+                if self.options.hold:
                     self.state.say(PeerState.FINISHED, "holding its final state (--hold) until stopped")
                     await stop.wait()
             fenced = self.announcer.fenced if self.announcer is not None else []

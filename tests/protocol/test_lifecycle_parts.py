@@ -321,6 +321,7 @@ def test_a_stopping_server_does_not_wait_for_ever_for_a_task_that_ignores_its_ca
     from peer import serve
     from peer.cli import build_parser
     from peer.host import server as host_module
+    from peer.host.options import ServerOptions
     from peer.host.server import ServerHost
     from peer.runtime import check_common
 
@@ -331,7 +332,7 @@ def test_a_stopping_server_does_not_wait_for_ever_for_a_task_that_ignores_its_ca
     check_common(args)
     cfg, layout, device, run_cfg = serve.resolve(args)
     said = io.StringIO()
-    host = ServerHost(args, cfg, layout, device, run_cfg, out=said)
+    host = ServerHost(ServerOptions.from_args(args), cfg, layout, device, run_cfg, out=said)
 
     async def stubborn(release: asyncio.Event):
         while not release.is_set():

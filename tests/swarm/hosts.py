@@ -23,6 +23,7 @@ from pathlib import Path
 from peer import join
 from peer.cli import build_parser
 from peer.errors import NetworkError, UsageError
+from peer.host.options import ServerOptions
 from peer.host.server import ServerHost
 from peer.host.state import StateLine
 from peer.host.volunteer import VolunteerSession
@@ -135,7 +136,9 @@ class HostRun:
             os.makedirs(os.path.dirname(args.identity_path), exist_ok=True)
         self.run_fp = args.run_fp
         said = self.said[device] = Said()
-        host = ServerHost(args, cfg, layout, device, run_cfg, corpus=self.corpus(cfg), out=said)
+        host = ServerHost(
+            ServerOptions.from_args(args), cfg, layout, device, run_cfg, corpus=self.corpus(cfg), out=said
+        )
         self._launch(device, host, host.run)
         self.servers[device] = host
         return host
