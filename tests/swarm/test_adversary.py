@@ -47,7 +47,7 @@ ADV = "peer-adv"
 STEPS = 8
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "6"))
 FUZZ_STEPS = int(os.environ.get("FUZZ_STEPS", "2000"))
-BURST = 192  # most rules one `burst` plays in a row
+BURST = 64  # most rules one `burst` plays in a row
 MIN_ACTIONS = 10_000  # what CI's FUZZ_EXAMPLES examples must add up to
 SLICE = 0.001  # seconds the swarm runs between two of the adversary's actions
 
@@ -122,11 +122,17 @@ class Adversary(RuleBasedStateMachine):
         if got is not None:
             self.held.append(got)
 
+    # Every rule is one call or more whatever the swarm's state (with nothing in hand it asks for work,
+    # or uses ids it only knows of): the number of actions is what hypothesis drew, not how far the run
+    # had got meanwhile (counted only when it had something in hand, a loaded machine's runs made half
+    # as many: the volunteers in the loop took the tasks first).
     @rule(i=st.integers(0, 7))
     def compute_honestly(self, i: int):
-        if self.held:
-            link, meta, tensors = self.held.pop(i % len(self.held))
-            self.act(self.me.process(link, meta, tensors))
+        if not self.held:
+            self.take()
+            return
+        link, meta, tensors = self.held.pop(i % len(self.held))
+        self.act(self.me.process(link, meta, tensors))
 
     @rule()
     def flush(self):
@@ -135,9 +141,14 @@ class Adversary(RuleBasedStateMachine):
     # ---- claims ----------------------------------------------------------------------------------
     @rule(i=st.integers(0, 7), n=st.integers(1, 8))
     def hand_back(self, i: int, n: int):
+        """Hands back n tasks: its own first, then ids it never held (a hand-back of another's task)."""
         for link, meta, _ in self.held[:n]:
             self.act(link.call("fail", {"task": meta["task"], "epoch": meta["epoch"]}))
+        others = self.rng.sample(self.known_ids(), min(n - len(self.held[:n]), len(self.known_ids())))
         del self.held[:n]
+        for tid in others:
+            link = self.server(i)
+            self.act(link.call("fail", {"task": tid, "epoch": self.swarm.servers[link.server.device_id].epoch}))
 
     @rule(i=st.integers(0, 7), n=st.integers(1, 16), how=st.sampled_from(["complete", "take", "register"]))
     def complete_what_it_never_did(self, i: int, n: int, how: str):
@@ -171,9 +182,17 @@ class Adversary(RuleBasedStateMachine):
     # ---- results under its own leases, wrong ---------------------------------------------------
     @rule(i=st.integers(0, 7), part=st.booleans())
     def push_lies(self, i: int, part: bool):
-        if not self.held:
-            return
-        link, meta, _ = self.held[i % len(self.held)]
+        if not self.held:  # (nothing leased: lies for a task it only knows of, with no lease)
+            ids = [t for t in self.known_ids() if TaskId.parse(t).kind == "forward"]
+            if not ids:
+                self.take()
+                return
+            link = self.server(i)
+            epoch = self.swarm.servers[link.server.device_id].epoch
+            tid = ids[self.rng.randrange(len(ids))]
+            meta = {"task": tid, "lease": None, "epoch": epoch, "frontal": self.layout.stages[self.stage].frontal[0]}
+        else:
+            link, meta, _ = self.held[i % len(self.held)]
         tid = TaskId.parse(meta["task"])
         a, b = tid.rows
         if part and b - a > 1:
@@ -199,11 +218,13 @@ class Adversary(RuleBasedStateMachine):
     @rule(i=st.integers(0, 7), scale=st.sampled_from([1e-2, 1.0, 100.0]))
     def push_wrong_gradients(self, i: int, scale: float):
         """The adversary's own pending sum, scaled, pushed as if honest (its tasks' tickets)."""
-        if not self.me.sums.pending:
+        if not self.me.sums.pending or self.me.sums.pending[sorted(self.me.sums.pending)[0]].grads is None:
+            self.flush()  # (no sum in hand: it pushes what it has, nothing)
             return
         batch = sorted(self.me.sums.pending)[i % len(self.me.sums.pending)]
         p = self.me.sums.pending[batch]
         if p.grads is None:
+            self.flush()
             return
         for name in p.grads:
             p.grads[name] = p.grads[name] * (1 + scale)
