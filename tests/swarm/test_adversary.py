@@ -19,8 +19,8 @@ over about 5 checks, which a handful of such pushes in 8 steps may not reach; th
 banned, in tests/swarm/test_trust.py (bias, creep, support) and tests/protocol/test_drift.py.
 Hypothesis draws up to FUZZ_STEPS rules an example (a few hundred to two thousand: what its buffer
 holds); the rule `burst` plays up to BURST of them in a row, chosen by a generator it seeds, for
-volume. CI runs FUZZ_EXAMPLES examples and checks that they made MIN_ACTIONS actions or more (15,197,
-a minute and a half, most of it waiting for the leases the adversary sat on to run out);
+volume. CI runs FUZZ_EXAMPLES examples and checks that they made MIN_ACTIONS actions or more (15,093,
+about a minute, much of it waiting for the leases the adversary sat on to run out);
 `FUZZ_EXAMPLES=40 python -m pytest tests/swarm/test_adversary.py` many more (docs/stress.md)."""
 
 from __future__ import annotations
