@@ -47,7 +47,9 @@ LONGEST_FIRST = [
     "dashboard/test_live.py",
     "swarm/test_e2e.py",
     "swarm/test_adversary.py",  # (mostly waiting: early, beside the others' compute)
+    "swarm/test_inprocess_leases.py",
     "swarm/test_inprocess.py",
+    "swarm/test_inprocess_failover.py",
 ]
 
 

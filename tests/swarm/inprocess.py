@@ -201,3 +201,15 @@ class InProcessSwarm:
             for shard in s.hosted.values():
                 state.update(shard.params_at(self.run.steps))
         return state
+
+
+def one_worker_on_a_clock():
+    """One stage's frontal server on an injected clock (`now[0]`), one volunteer and its link."""
+    cfg, layout, run = make_run(steps=1, stages=1)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    fs = swarm.servers[layout.stages[0].frontal[0]]
+    now = [100.0]
+    fs.clock = lambda: now[0]
+    fs._reset_datapath()  # its pool on the injected clock
+    (a,) = swarm.workers
+    return fs, a, a.links[fs.device_id], now
