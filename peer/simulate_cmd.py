@@ -176,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
     counts = validate(args)
     cfg = get_preset(args.model)
     model = load_model(planner_model_file(cfg, 64, 4, bytes_per_value=4))
+    if args.link_budget and args.choose_layout:
+        raise UsageError("--link-budget and --choose-layout are two reports: give one")
     if args.link_budget:
         return link_budget(args, model, counts)
     if args.choose_layout:

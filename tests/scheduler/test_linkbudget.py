@@ -313,6 +313,7 @@ def test_peer_simulate_choose_layout_says_the_stages_and_the_batch_plainly():
         (["--compress", "4bit"], "--compress: invalid choice"),
         (["--utilisation", "0"], "--utilisation is a comma-separated list of numbers in (0, 1)"),
         (["--volunteer-mbps", "50-20"], "--volunteer-mbps must be positive numbers LO-HI"),
+        (["--link-budget"], "--link-budget and --choose-layout are two reports"),
     ],
 )
 def test_peer_simulate_choose_layout_names_what_is_wrong(argv, words):
