@@ -188,7 +188,7 @@ def test_a_supervised_server_killed_is_forked_again_by_its_supervisor_and_loses_
     equal to the reference (with the gradient-norm round of RECIPE).
 
     Mid-run whatever the machine's pace: only volunteers compute, and stage 1's only one dies after
-    its first gradient push, so the run stands short of its end until the test starts the others
+    its first gradient push, so the run stands short of its end until the test starts another
     (killed once s0b0 was seen at version 2 of a run that went on, the kill met a run already at its
     last step on a loaded machine: its status had answered late)."""
     steps = 8
@@ -213,7 +213,7 @@ def test_a_supervised_server_killed_is_forked_again_by_its_supervisor_and_loses_
         )
         seen["workers_after"] = child_groups(supervisor.pid)
         seen["supervisor_alive"] = supervisor.poll() is None
-        live.swarm.start_volunteers()
+        live.swarm.start_volunteer("1")  # (stage 0's volunteer is still there)
         return await live.finish(steps)
 
     statuses, state = live.run(scenario)
