@@ -64,13 +64,9 @@ class GradientSums:
     ):
         self.device_id, self.last, self.max_pending = device_id, last, max_pending
         self.call, self.links, self.shards, self.own_server = call, links, shards, own_server
-        self.stats, self.finish_later, self.hand_back, self.point, self.die_at = (
-            stats,
-            finish_later,
-            hand_back,
-            point,
-            die_at,
-        )
+        self.stats, self.die_at = stats, die_at
+        # the worker's own: a task finished (handed in later), a task handed back, a kill point reached
+        self.finish_later, self.hand_back, self.point = finish_later, hand_back, point
         self.pending: dict[int, Pending] = {}  # batch -> gradients summed over tasks not pushed yet
         self.awaiting: dict[int, float] = {}  # batch held while idle (owed tasks of it) -> since when
         self.owed_forward: set[int] = set()  # batches its frontal server said it cuts more tasks of for this worker
