@@ -94,13 +94,14 @@ def test_a_waiting_take_gets_the_task_cut_while_it_waits_and_a_bad_wait_is_refus
             with pytest.raises(RemoteError, match="'wait'"):
                 await link.call("take", {"wait": bad})
         stop = asyncio.Event()
-        waiting = asyncio.ensure_future(a.wait_for_task(stop, wait=3.0))
-        await asyncio.sleep(0.2)
-        assert not waiting.done() and set(a.waiting) == set(layout.stages[0].servers)
-        t0 = time.monotonic()
+        # a wait far longer than the test's own bound: only the cut task can end it in time
+        waiting = asyncio.ensure_future(a.wait_for_task(stop, wait=MAX_TAKE_WAIT))
+        while set(a.waiting) != set(layout.stages[0].servers):  # its takes are open at every server
+            assert not waiting.done()
+            await asyncio.sleep(0.01)
         fs.maybe_start_batches()  # batch 0's forward tasks are cut now
-        got = await asyncio.wait_for(waiting, 2.0)
-        assert got is not None and got[1]["kind"] == "forward" and time.monotonic() - t0 < 0.5
+        got = await asyncio.wait_for(waiting, MAX_TAKE_WAIT / 2)
+        assert got is not None and got[1]["kind"] == "forward"
         assert set(a.waiting) == set(layout.stages[0].backward)  # the backward server's wait goes on
         stop.set()
         await a._stop_waiting()  # what it was still waiting for is cancelled; nothing stays leased to it unseen
@@ -474,24 +475,28 @@ def test_heartbeats_to_a_slow_server_do_not_hold_back_the_others():
     slow = devices[0]
     registers = {d: 0 for d in devices}
 
-    def wrap(device, plain):
-        async def call(method, meta, tensors=(), timeout=30.0):
-            if method == "register":
-                registers[device] += 1
-                if device == slow:
-                    await asyncio.sleep(5.0)
-            return await plain(method, meta, tensors, timeout)
-
-        return call
-
-    for d in devices:
-        a.links[d].call = wrap(d, a.links[d].call)
-
     async def scenario():
-        stop = asyncio.Event()
+        stop, release, others_beat = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        def wrap(device, plain):
+            async def call(method, meta, tensors=(), timeout=30.0):
+                if method == "register":
+                    registers[device] += 1
+                    if device == slow:
+                        await release.wait()  # its answer comes only once the test has seen the others
+                    elif all(registers[d] >= 4 for d in devices[1:]):
+                        others_beat.set()
+                return await plain(method, meta, tensors, timeout)
+
+            return call
+
+        for d in devices:
+            a.links[d].call = wrap(d, a.links[d].call)
         beat = asyncio.ensure_future(a.heartbeat_loop(stop))
-        await asyncio.sleep(1.5)
+        await asyncio.wait_for(others_beat.wait(), 60)  # four beats each while the slow one hangs
+        assert registers[slow] == 1
         stop.set()
+        release.set()
         await beat
 
     asyncio.run(scenario())
