@@ -9,8 +9,8 @@ import collections
 
 import torch
 
-from peer.protocol.refusals import Refusal
-from peer.protocol.wire import PayloadError
+from core.protocol.refusals import Refusal
+from core.protocol.wire import PayloadError
 
 BANNED = "banned from this run"  # (the refusal's words for a person; its code is Refusal.BANNED)
 # A gradient push whose norm per row passes NORM_FACTOR x the median of the last NORM_HISTORY pushes of

@@ -5,11 +5,11 @@ parameters."""
 
 from __future__ import annotations
 
-from parameter_server.layout import owners
+from core.layout import owners
+from core.protocol.tasks import task_id as make_task_id
+from core.protocol.wire import PayloadError
+from core.protocol.wire import field as mfield
 from parameter_server.ledger import LedgerEntry, RowBuffer
-from peer.protocol.tasks import task_id as make_task_id
-from peer.protocol.wire import PayloadError
-from peer.protocol.wire import field as mfield
 from taskpool import Task
 
 

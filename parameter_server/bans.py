@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from core.model.update_rule import version_for_batch
+from core.protocol.retry import Attempts
+from core.protocol.wire import PayloadError
+from core.protocol.wire import field as mfield
 from parameter_server.pins import HOLD_SECONDS
-from peer.model.update_rule import version_for_batch
-from peer.protocol.retry import Attempts
-from peer.protocol.wire import PayloadError
-from peer.protocol.wire import field as mfield
 
 logger = logging.getLogger("hivepipe.server")
 

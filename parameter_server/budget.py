@@ -12,7 +12,7 @@ relays, epochs) are not counted: they are the operator's own."""
 
 from __future__ import annotations
 
-from peer.protocol.wire import PayloadError
+from core.protocol.wire import PayloadError
 
 PEER_REQUESTS = 2  # a volunteer may hold this many of its largest requests' worth of bytes unanswered
 TOTAL_REQUESTS = 8  # and all of them together this many of a server's largest (a replica's)

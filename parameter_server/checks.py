@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from core.protocol.refusals import Refusal
+from core.protocol.tasks import TaskId
+from core.protocol.wire import PayloadError, check_tensor, rows_field
+from core.protocol.wire import field as mfield
 from parameter_server.updates import RETAIN
-from peer.protocol.refusals import Refusal
-from peer.protocol.tasks import TaskId
-from peer.protocol.wire import PayloadError, check_tensor, rows_field
-from peer.protocol.wire import field as mfield
 
 
 class Checks:
@@ -46,7 +46,7 @@ class Checks:
         exact: bool = False,
     ) -> None:
         """A result for task `task_id` is accepted only from a holder of its lease (the `ticket` it got
-        with `take`, peer/protocol/leases.py), and only for what the task covers: a `kind` task of this
+        with `take`, core/protocol/leases.py), and only for what the task covers: a `kind` task of this
         stage, batch `t` (and micro-batch `m`), whose rows are `rows` where they meet this server's
         segment (with `exact`: are `rows`), never a part of them: a part pushed and the task handed back
         would make every whole re-run overlap it, and be refused. A restart's replay of its request log

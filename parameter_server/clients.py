@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from core.protocol.leases import MAX_TICKET
+from core.protocol.refusals import Refusal
+from core.protocol.wire import PayloadError
+from core.protocol.wire import field as mfield
 from parameter_server.leases import carried_completes
-from peer.protocol.leases import MAX_TICKET
-from peer.protocol.refusals import Refusal
-from peer.protocol.wire import PayloadError
-from peer.protocol.wire import field as mfield
 
 logger = logging.getLogger("hivepipe.server")
 # a lease younger than this may still be on its way to its client (in the answer to its `take`)

@@ -24,10 +24,10 @@ import asyncio
 import logging
 import math
 
-from peer.protocol.recipe import clip_scale
-from peer.protocol.values import finite_number
-from peer.protocol.wire import PayloadError, RemoteError
-from peer.protocol.wire import field as mfield
+from core.protocol.recipe import clip_scale
+from core.protocol.values import finite_number
+from core.protocol.wire import PayloadError, RemoteError
+from core.protocol.wire import field as mfield
 
 logger = logging.getLogger("hivepipe.server")
 

@@ -4,7 +4,7 @@ mean token loss of that version on a fixed set of held-out windows, computed by 
 The windows are `eval_windows`: EVAL_ROWS windows of the corpus's held-out split drawn once for the
 run (by its seed), the same at every evaluation. Stage 0's first frontal server, once it has made
 version v, runs stage 0's slice at version v on the windows' inputs (in its checks' thread, on the
-parameters of every slot of the stage, peer.model.precision's rounding included) and sends the
+parameters of every slot of the stage, core.model.precision's rounding included) and sends the
 activations to the next stage's first frontal server (`eval_forward`, a server-only method), which
 runs its own slice at version v (waiting for it to be made) and passes them on; the last stage's
 first frontal server, which holds the labels, computes the loss. So an evaluation moves the windows'
@@ -20,11 +20,11 @@ import math
 
 import torch
 
-from peer.model.data import EVAL_ROWS, eval_due, eval_windows
-from peer.model.task_math import forward_rows
-from peer.model.transformer import loss_sum
-from peer.protocol.wire import PayloadError, RemoteError
-from peer.protocol.wire import field as mfield
+from core.model.data import EVAL_ROWS, eval_due, eval_windows
+from core.model.task_math import forward_rows
+from core.model.transformer import loss_sum
+from core.protocol.wire import PayloadError, RemoteError
+from core.protocol.wire import field as mfield
 
 logger = logging.getLogger("hivepipe.server")
 

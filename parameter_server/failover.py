@@ -10,13 +10,13 @@ import inspect
 import logging
 import time
 
-from parameter_server.layout import RunLayout
+from core.layout import RunLayout
+from core.model.update_rule import version_for_batch
+from core.protocol.retry import Attempts
+from core.protocol.wire import PayloadError
+from core.protocol.wire import field as mfield
 from parameter_server.shard import tensors_digest
 from parameter_server.updates import snapshots_kept
-from peer.model.update_rule import version_for_batch
-from peer.protocol.retry import Attempts
-from peer.protocol.wire import PayloadError
-from peer.protocol.wire import field as mfield
 
 logger = logging.getLogger("hivepipe.server")
 

@@ -9,12 +9,12 @@ import logging
 
 import torch
 
-from parameter_server.layout import clients_per_batch, cut_rows, in_flight, local_first, note_cut, owners
+from core.layout import clients_per_batch, cut_rows, in_flight, local_first, note_cut, owners
+from core.model.update_rule import version_for_batch
+from core.protocol.tasks import task_id as make_task_id
+from core.protocol.wire import PayloadError, rows_field
+from core.protocol.wire import field as mfield
 from parameter_server.ledger import RowBuffer
-from peer.model.update_rule import version_for_batch
-from peer.protocol.tasks import task_id as make_task_id
-from peer.protocol.wire import PayloadError, rows_field
-from peer.protocol.wire import field as mfield
 from taskpool import Task
 
 logger = logging.getLogger("hivepipe.server")
@@ -44,7 +44,7 @@ class Frontal:
     def _run_batch(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch t of the run's data (inputs, labels), as the reference reads it: a pure function of
         (corpus, seed, t). Kept for the batches in flight (a later stage asks for every micro-batch)."""
-        from peer.model.data import make_batch
+        from core.model.data import make_batch
 
         cache = self.__dict__.setdefault("_batch_cache", {})
         batch = cache.get(t)

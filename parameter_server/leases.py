@@ -8,11 +8,12 @@ import asyncio
 import logging
 import time
 
-from parameter_server.layout import owed_more
-from peer.model.update_rule import version_for_batch
-from peer.protocol.tasks import batch_of
-from peer.protocol.wire import PayloadError, wait_field
-from peer.protocol.wire import field as mfield
+from core.layout import owed_more
+from core.model.update_rule import version_for_batch
+from core.protocol.leases import MAX_COMPLETE
+from core.protocol.tasks import batch_of
+from core.protocol.wire import PayloadError, wait_field
+from core.protocol.wire import field as mfield
 from taskpool import Completion, Task
 
 logger = logging.getLogger("hivepipe.server")
@@ -22,7 +23,6 @@ SEEN_DEVICES = 4096  # workers counted by name in tasks_by_device; the rest unde
 # open call instead of a poll every few tens of milliseconds, and gets a new task the moment it is cut
 MAX_TAKE_WAIT = 5.0
 RECHECK = 0.05  # a waiting take looks again this often: preferences and leases run out with the clock
-MAX_COMPLETE = 1024  # task ids one `complete` (or a take's or heartbeat's 'complete' field) may carry
 NOT_HELD = "not_held"  # a completion's result when its sender never held a lease of the task
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peer.protocol.wire import PayloadError
+from core.protocol.wire import PayloadError
 
 
 @dataclass

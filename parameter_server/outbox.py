@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from peer.protocol.methods import EPOCHED
-from peer.protocol.refusals import Refusal
-from peer.protocol.retry import Attempts, Backoff
-from peer.protocol.wire import RemoteError
+from core.protocol.methods import EPOCHED
+from core.protocol.refusals import Refusal
+from core.protocol.retry import Attempts, Backoff
+from core.protocol.wire import RemoteError
 
 logger = logging.getLogger("hivepipe.server")
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from core.model.update_rule import version_for_batch
+from core.protocol.wire import PayloadError, RemoteError
+from core.protocol.wire import field as mfield
 from parameter_server.updates import RETAIN
-from peer.model.update_rule import version_for_batch
-from peer.protocol.wire import PayloadError, RemoteError
-from peer.protocol.wire import field as mfield
 
 logger = logging.getLogger("hivepipe.server")
 

@@ -22,10 +22,10 @@ import asyncio
 import logging
 import time
 
-from parameter_server.layout import owners
-from peer.protocol.tasks import TaskId
-from peer.protocol.wire import PayloadError, RemoteError
-from peer.protocol.wire import field as mfield
+from core.layout import owners
+from core.protocol.tasks import TaskId
+from core.protocol.wire import PayloadError, RemoteError
+from core.protocol.wire import field as mfield
 from taskpool import Task
 
 logger = logging.getLogger("hivepipe.server")

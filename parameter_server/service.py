@@ -29,6 +29,16 @@ from typing import AsyncIterator, Awaitable, Callable
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 
+from core.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, RunLayout, assign_shards, segment
+from core.protocol import methods, session
+from core.protocol.leases import LeaseTickets
+from core.protocol.links import LinkEmulator
+from core.protocol.refusals import Refusal
+from core.protocol.tasks import batch_of
+from core.protocol.traffic import CALLS, SESSION_CALLS, TRAFFIC, VALUES
+from core.protocol.trust import Remembered
+from core.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, pack, refusal_answer, refused, unpack
+from core.protocol.wire import field as mfield
 from parameter_server.arrivals import Arrivals
 from parameter_server.backward import Backward
 from parameter_server.bans import Bans
@@ -40,26 +50,16 @@ from parameter_server.contributions import Contributions
 from parameter_server.evaluate import Evaluation
 from parameter_server.failover import Failover
 from parameter_server.frontal import Frontal
-from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, RunLayout, segment
 from parameter_server.leases import Leases
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.outbox import Outbox
 from parameter_server.pins import Pins
 from parameter_server.recovery import Recovery
 from parameter_server.rescue import Rescue
-from parameter_server.shard import ShardState, assign_shards
+from parameter_server.shard import ShardState
 from parameter_server.status import SEEN_VOLUNTEERS, Status
 from parameter_server.updates import RETAIN, Updates, snapshots_kept
 from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Verification
-from peer.protocol import methods, session
-from peer.protocol.leases import LeaseTickets
-from peer.protocol.links import LinkEmulator
-from peer.protocol.refusals import Refusal
-from peer.protocol.tasks import batch_of
-from peer.protocol.traffic import CALLS, SESSION_CALLS, TRAFFIC, VALUES
-from peer.protocol.trust import Remembered
-from peer.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, pack, refusal_answer, refused, unpack
-from peer.protocol.wire import field as mfield
 from taskpool import TaskPool, TaskPoolError
 
 logger = logging.getLogger("hivepipe.server")
@@ -149,7 +149,7 @@ class StageServer(
         lease_tickets: LeaseTickets,
     ):
         self.run = run
-        # the tickets of this run's leases, which every server of the run can check (peer/protocol/leases.py)
+        # the tickets of this run's leases, which every server of the run can check (core/protocol/leases.py)
         self.lease_tickets = lease_tickets
         self.layout = layout
         self.cfg = cfg
@@ -303,7 +303,7 @@ class StageServer(
     async def rpc_session(
         self, requests: AsyncIterator[ExpertRequest], context: P2PContext
     ) -> AsyncIterator[ExpertRequest]:
-        """Calls multiplexed over one stream (peer/protocol/session.py), each served as `rpc_<method>`
+        """Calls multiplexed over one stream (core/protocol/session.py), each served as `rpc_<method>`
         serves a stream call of its own."""
 
         def run_call(method: str, messages: AsyncIterator[ExpertRequest]):

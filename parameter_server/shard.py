@@ -22,22 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.model.optim import make_optimizer, set_lr
+from core.protocol.recipe import Recipe
+from core.protocol.wire import PayloadError, all_finite
 from parameter_server.shard_copies import ShardCopies, new_token
-from peer.model.optim import make_optimizer, set_lr
-from peer.protocol.recipe import Recipe
-from peer.protocol.wire import PayloadError, all_finite
-
-
-def assign_shards(sizes: dict[str, int], n_servers: int) -> list[list[str]]:
-    """Split parameter names among servers, balanced by element count (greedy, largest first,
-    deterministic). Every client and server computes the same assignment."""
-    loads = [0] * n_servers
-    out: list[list[str]] = [[] for _ in range(n_servers)]
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        j = min(range(n_servers), key=lambda i: (loads[i], i))
-        out[j].append(name)
-        loads[j] += sizes[name]
-    return [sorted(names) for names in out]
 
 
 @dataclass

@@ -8,8 +8,8 @@ import uuid
 
 import torch
 
-from peer.protocol.values import finite_number
-from peer.protocol.wire import PayloadError, all_finite
+from core.protocol.values import finite_number
+from core.protocol.wire import PayloadError, all_finite
 
 
 def new_token() -> str:

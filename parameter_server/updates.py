@@ -1,6 +1,6 @@
 """Parameters and gradients: serving parameter versions, crediting gradient pushes exactly once
 (all or nothing per push, a task at most once), and the step under the delayed update
-(peer/model/update_rule.py), followed by a copy of the new shard to the stage's next server.
+(core/model/update_rule.py), followed by a copy of the new shard to the stage's next server.
 Must not touch the data path's rows."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from peer.model.precision import wire_dtype
-from peer.protocol.params import MAX_PARAMS_WAIT
-from peer.protocol.tasks import TaskId
-from peer.protocol.wire import PayloadError, wait_field
-from peer.protocol.wire import field as mfield
+from core.model.precision import wire_dtype
+from core.protocol.params import MAX_PARAMS_WAIT
+from core.protocol.tasks import TaskId
+from core.protocol.wire import PayloadError, wait_field
+from core.protocol.wire import field as mfield
 
 if TYPE_CHECKING:
     from parameter_server.shard import ShardState

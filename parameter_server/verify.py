@@ -1,6 +1,6 @@
 """Checked work: a server re-runs a sample of its volunteers' work on its own CPU (or GPU) and bans a
 volunteer whose results do not match. A task's result is a pure function of the parameter version and
-its rows (peer/model/task_math.py), so a re-run gives the same numbers up to floating-point order.
+its rows (core/model/task_math.py), so a re-run gives the same numbers up to floating-point order.
 
 What is checked, where it arrives:
 - a gradient push (every server of the stage, for its own shard slot): every task it covers is re-run
@@ -32,16 +32,16 @@ import random
 
 import torch
 
+from core.layout import owners
+from core.model.precision import compute_dtype, rounded
+from core.model.task_math import backward_rows, forward_rows
+from core.model.update_rule import version_for_batch
+from core.protocol import methods
+from core.protocol.params import NotReady, fetch_slot
+from core.protocol.tasks import TaskId
+from core.protocol.wire import PayloadError, RemoteError, roundtrip, rows_field
+from core.protocol.wire import field as mfield
 from parameter_server.drift import DriftTest
-from parameter_server.layout import owners
-from peer.model.precision import compute_dtype, rounded
-from peer.model.task_math import backward_rows, forward_rows
-from peer.model.update_rule import version_for_batch
-from peer.protocol import methods
-from peer.protocol.params import NotReady, fetch_slot
-from peer.protocol.tasks import TaskId
-from peer.protocol.wire import PayloadError, RemoteError, roundtrip, rows_field
-from peer.protocol.wire import field as mfield
 
 logger = logging.getLogger("hivepipe.server")
 
@@ -163,7 +163,7 @@ class Verification:
             state.update(zip(meta["names"], tensors))
         if self.epoch != epoch:  # (its slots may come from two lineages: nothing kept, nothing judged)
             raise PayloadError(f"layout epoch {self.epoch} began while version {version} was fetched")
-        # a task computes on the parameters in the run's precision (peer.model.precision): so does its check
+        # a task computes on the parameters in the run's precision (core.model.precision): so does its check
         state = rounded(state, self.run.precision)
         self._verify_params[version] = state
         for v in [v for v in self._verify_params if v < version - 1]:
@@ -172,7 +172,7 @@ class Verification:
 
     async def _recompute(self, version: int, fn):
         """Run fn(model) on this stage's slice holding parameters `version`, in the check's own thread."""
-        from peer.model.transformer import build_slice
+        from core.model.transformer import build_slice
 
         params = await self._params_at(version)
         if self._verify_executor is None:

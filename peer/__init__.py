@@ -1,4 +1,4 @@
-"""hivepipe: the node (CLI, volunteer worker, swarm launcher) and the shared floor (model, protocol)."""
+"""hivepipe: the node (CLI, volunteer worker, server host, swarm launcher, dashboard); the shared floor is core/."""
 
 
 def version() -> str:

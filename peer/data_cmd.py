@@ -207,7 +207,7 @@ def prepare(
     import numpy as np
     from tqdm import tqdm
 
-    from peer.model.corpus_format import FORMAT, MANIFEST, manifest_fingerprint
+    from core.model.corpus_format import FORMAT, MANIFEST, manifest_fingerprint
 
     if not 0 <= val_fraction < 1:
         raise UsageError(f"--val-fraction must be in [0, 1), got {val_fraction}")

@@ -10,8 +10,8 @@ import time
 
 from hivemind.dht import DHT
 
-from peer.protocol import records
-from peer.protocol.links import LinkEmulator
+from core.protocol import records
+from core.protocol.links import LinkEmulator
 from peer.server_links import P2PLink
 
 logger = logging.getLogger("hivepipe.node")
@@ -145,7 +145,6 @@ class Directory:
         self,
         p2p,
         device: str,
-        servicer_cls,
         links: LinkEmulator | None = None,
         peer_id: str | None = None,
         backoff: bool = True,
@@ -158,7 +157,6 @@ class Directory:
             p2p,
             peer,
             device,
-            servicer_cls,
             links,
             addresses=lambda: self.addresses.get(peer, []),
             backoff=backoff,

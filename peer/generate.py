@@ -99,7 +99,7 @@ def generate(
     `temperature` is None."""
     import torch
 
-    from peer.model.transformer import slice_from_state
+    from core.model.transformer import slice_from_state
 
     model = slice_from_state(cfg, 0, cfg.layers, state, device).eval()
     gen = torch.Generator(device="cpu").manual_seed(seed)

@@ -1,4 +1,4 @@
-"""`peer keygen`: make a run key (the RSA key a run's servers share; see peer/protocol/trust.py)."""
+"""`peer keygen`: make a run key (the RSA key a run's servers share; see core/protocol/trust.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from peer.protocol.trust import SigningKey, split_run_id
+    from core.protocol.trust import SigningKey, split_run_id
 
     if os.path.exists(args.output):
         raise UsageError(

@@ -1,7 +1,7 @@
 """`peer model-file`: write the planner's model file (docs/cost-model.md) for a model preset.
 
 The FLOPs per token per layer are those of this architecture (see
-peer.model.config.flops_per_token_per_layer): 6 x params_per_layer + 12 x seq_len x hidden.
+core.model.config.flops_per_token_per_layer): 6 x params_per_layer + 12 x seq_len x hidden.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 import os
 import sys
 
+from core.model.config import PRESETS, get_preset, planner_model_file
 from peer.errors import UsageError
-from peer.model.config import PRESETS, get_preset, planner_model_file
 from peer.reference import DEFAULTS
 
 

@@ -98,9 +98,9 @@ def start_dht(
 
     from hivemind.p2p import P2P
 
-    from peer.protocol.records import Trust
-    from peer.protocol.trust import SigningKey, validators
-    from peer.protocol.wire import bound_messages
+    from core.protocol.records import Trust
+    from core.protocol.trust import SigningKey, validators
+    from core.protocol.wire import bound_messages
 
     bound_messages()  # no incoming message read whole past its bound, in this peer and its DHT process
 

@@ -1,9 +1,9 @@
 """`peer reference`: single-process training with exactly the swarm's update rule, the yardstick
 that every distributed run's parameters are compared with.
 
-Batch t is `make_batch(corpus, seed, t, ...)`; its gradient follows peer.model.optim (micro-batch
+Batch t is `make_batch(corpus, seed, t, ...)`; its gradient follows core.model.optim (micro-batch
 gradients of the summed loss, added in order and divided by the batch's tokens) and update u is
-AdamW at the learning rate `Recipe.lr_at(u)` of the run's schedule (peer.protocol.recipe).
+AdamW at the learning rate `Recipe.lr_at(u)` of the run's schedule (core.protocol.recipe).
 
 Delayed parameter update (`delay=1`, the swarm's rule): the gradient of batch t is computed on the
 parameters that include the updates of batches 0..t-2 only, and its update is applied after batch
@@ -26,14 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from core.model.config import PRESETS, ModelConfig, check_micro_batches
 from peer.errors import UsageError
-from peer.model.config import PRESETS, ModelConfig, check_micro_batches
 
 if TYPE_CHECKING:  # torch stays out of `peer --help`
     import torch
 
-    from peer.model.data import Corpus
-    from peer.protocol.recipe import Recipe
+    from core.model.data import Corpus
+    from core.protocol.recipe import Recipe
 
 CHECKPOINT_FILE = "model.safetensors"
 DEFAULTS = dict(model="small", steps=50, seed=0, batch_size=16, micro_batches=4, delay=1, lr=2e-3, device="cpu")
@@ -108,9 +108,9 @@ def train_reference(
     on batches 0..steps-1 of (corpus, seed), update u at `recipe.lr_at(u)` (None: the default recipe
     at the constant learning rate `lr`; given, its lr must be `lr`). `precision` bf16: each batch
     gradient is computed on the parameters rounded to bfloat16 under autocast, as the swarm's
-    volunteers compute it (peer.model.precision); the fp32 parameters take the update. `eval_every`
+    volunteers compute it (core.model.precision); the fp32 parameters take the update. `eval_every`
     N: the held-out loss of every N-th version and the last (`eval_losses` in the summary), on the
-    run's fixed held-out windows (peer.model.data.eval_windows), as the swarm's servers compute it.
+    run's fixed held-out windows (core.model.data.eval_windows), as the swarm's servers compute it.
 
     Returns (the final full-model state_dict as fp32 CPU tensors, a summary dict with steps,
     first_loss, last_loss, losses, wall_seconds, tokens_per_second and the run's settings). The loss
@@ -119,11 +119,11 @@ def train_reference(
     import torch
     from tqdm import tqdm
 
-    from peer.model.data import eval_due, eval_windows, make_batch
-    from peer.model.optim import apply_update, batch_gradient, make_optimizer
-    from peer.model.precision import compute_dtype, rounded
-    from peer.model.transformer import build_slice, loss_sum, slice_from_state
-    from peer.protocol.recipe import Recipe
+    from core.model.data import eval_due, eval_windows, make_batch
+    from core.model.optim import apply_update, batch_gradient, make_optimizer
+    from core.model.precision import compute_dtype, rounded
+    from core.model.transformer import build_slice, loss_sum, slice_from_state
+    from core.protocol.recipe import Recipe
 
     check_training_args(steps=steps, batch_size=batch_size, micro_batches=micro_batches, delay=delay, lr=lr)
     recipe = Recipe(lr=lr) if recipe is None else recipe
@@ -276,7 +276,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="1: delayed parameter update, as the swarm does; 0: ordinary training (default 1)",
     )
     parser.add_argument("--lr", type=float, default=d["lr"], help=f"peak AdamW learning rate (default {d['lr']})")
-    from peer.protocol import recipe as recipe_flags
+    from core.protocol import recipe as recipe_flags
 
     recipe_flags.add_arguments(parser)
     recipe_flags.add_run_arguments(
@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
-    from peer.protocol import recipe as recipe_flags
+    from core.protocol import recipe as recipe_flags
 
     try:
         recipe = recipe_flags.from_args(args, args.steps)

@@ -130,7 +130,7 @@ def check_maddrs(flag: str, values, *, need_peer_id: bool = False, need_port: bo
 
 def parse_run_id(args) -> None:
     """--run-id NAME[@FINGERPRINT] -> args.run_id = NAME, args.run_fp = FINGERPRINT or None."""
-    from peer.protocol.runid import split_run_id
+    from core.protocol.runid import split_run_id
 
     if hasattr(args, "run_fp"):
         return  # parsed already
@@ -167,7 +167,7 @@ def check_common(args) -> None:
 
 def link_emulator(args, device: str | None):
     """The link emulator of `--link-profile` (checked by check_common) for this device."""
-    from peer.protocol.links import LinkEmulator
+    from core.protocol.links import LinkEmulator
 
     if not args.link_profile:
         return LinkEmulator(None, device)

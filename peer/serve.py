@@ -10,10 +10,10 @@ import os
 import sys
 import tempfile
 
-from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS
+from core.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS
+from core.model.config import PRESETS
+from core.protocol.records import DEFAULT_ANNOUNCE_PERIOD, JOINING_PERIOD, STALE_PERIODS
 from peer.errors import NetworkError, UsageError, check_new_file_folder
-from peer.model.config import PRESETS
-from peer.protocol.records import DEFAULT_ANNOUNCE_PERIOD, JOINING_PERIOD, STALE_PERIODS
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 from peer.runtime import (
     add_common_arguments,
@@ -44,7 +44,7 @@ def add_arguments(p) -> None:
     train.add_argument("--batch-size", type=int, default=TRAIN_DEFAULTS["batch_size"])
     train.add_argument("--micro-batches", type=int, default=TRAIN_DEFAULTS["micro_batches"])
     train.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["lr"], help="peak learning rate")
-    from peer.protocol import recipe as recipe_flags
+    from core.protocol import recipe as recipe_flags
 
     recipe_flags.add_arguments(train)
     recipe_flags.add_run_arguments(train)
@@ -204,10 +204,10 @@ def resolve(args):
     check_identity_path(args.identity_path)
     check_maddrs("--host-maddrs", args.host_maddrs)
     check_maddrs("--announce-maddrs", args.announce_maddrs, need_port=True)
-    from parameter_server.layout import RunLayout
+    from core.layout import RunLayout
+    from core.model.config import check_micro_batches
+    from core.protocol.records import RunConfig
     from peer.hf import init as hf_init
-    from peer.model.config import check_micro_batches
-    from peer.protocol.records import RunConfig
 
     cfg, args.hf_model = hf_init.resolve_model(args)
     try:
@@ -220,7 +220,7 @@ def resolve(args):
         raise UsageError(f"--task-tokens must be >= 1, got {args.task_tokens}")
     if args.client_batch_tokens < 1:
         raise UsageError(f"--client-batch-tokens must be >= 1, got {args.client_batch_tokens}")
-    from peer.protocol import recipe as recipe_flags
+    from core.protocol import recipe as recipe_flags
 
     try:
         recipe = recipe_flags.from_args(args, args.steps)
@@ -257,7 +257,7 @@ def resolve(args):
         layout.locate(device)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    from peer.protocol.trust import SigningKey
+    from core.protocol.trust import SigningKey
 
     args.allowed = read_allow_list(args.volunteers_allow) if args.volunteers_allow else None
     from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE
@@ -417,13 +417,13 @@ def preload_server_modules() -> None:
     these imports)."""
     import torch
 
+    import core.protocol.records  # noqa: F401
     import parameter_server.checkpoint  # noqa: F401
     import parameter_server.requestlog  # noqa: F401
     import parameter_server.service  # noqa: F401
     import peer.hf.init  # noqa: F401
     import peer.host.server  # noqa: F401
     import peer.node  # noqa: F401
-    import peer.protocol.records  # noqa: F401
     import peer.reachability  # noqa: F401
     import peer.volunteer.worker  # noqa: F401
 

@@ -13,11 +13,11 @@ from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.proto.runtime_pb2 import ExpertRequest
 
-from peer.protocol import methods
-from peer.protocol.links import LinkEmulator
-from peer.protocol.session import Sessions
-from peer.protocol.session import handle_name as session_handler
-from peer.protocol.wire import STALL_SECONDS, PayloadError, RemoteError, StreamCut, pack, payload_bytes, unpack
+from core.protocol import methods
+from core.protocol.links import LinkEmulator
+from core.protocol.session import Sessions
+from core.protocol.session import handle_name as session_handler
+from core.protocol.wire import STALL_SECONDS, PayloadError, RemoteError, StreamCut, pack, payload_bytes, unpack
 
 logger = logging.getLogger("hivepipe.node")
 
@@ -112,17 +112,16 @@ class P2PLink:
         p2p,
         peer_id: str,
         device: str,
-        servicer_cls,
         links: LinkEmulator | None = None,
         addresses: Callable[[], list[str]] | None = None,
         backoff: bool = True,
         compress: str = "none",
     ):
         self.p2p = p2p
-        self.compress = compress  # the run's --compress (peer/protocol/wire.py)
+        self.compress = compress  # the run's --compress (core/protocol/wire.py)
         self.peer_id = peer_id
         self.device = device
-        self._session_handler = session_handler(servicer_cls)
+        self._session_handler = session_handler()
         self.links = links or LinkEmulator()
         self.addresses = addresses
         self.health = health_of(peer_id, device)

@@ -167,7 +167,7 @@ def validate(args) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from peer.model.config import PRESETS, get_preset, planner_model_file
+    from core.model.config import PRESETS, get_preset, planner_model_file
     from scheduler import load_model
     from scheduler.scale import predict
 

@@ -15,9 +15,9 @@ import sys
 import tempfile
 import time
 
+from core.model.config import PRESETS
+from core.protocol.records import DEFAULT_ANNOUNCE_PERIOD, JOINING_PERIOD
 from peer.errors import UsageError
-from peer.model.config import PRESETS
-from peer.protocol.records import DEFAULT_ANNOUNCE_PERIOD, JOINING_PERIOD
 from peer.reference import DEFAULTS as TRAIN_DEFAULTS
 
 logger = logging.getLogger("hivepipe.swarm")
@@ -35,7 +35,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=TRAIN_DEFAULTS["batch_size"])
     p.add_argument("--micro-batches", type=int, default=TRAIN_DEFAULTS["micro_batches"])
     p.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["lr"], help="peak learning rate")
-    from peer.protocol import recipe as recipe_flags
+    from core.protocol import recipe as recipe_flags
 
     recipe_flags.add_arguments(p)
     recipe_flags.add_run_arguments(p)
@@ -171,9 +171,9 @@ def add_arguments(p) -> None:
 
 
 def validate(args):
-    from parameter_server.layout import RunLayout
+    from core.layout import RunLayout
+    from core.model.config import check_micro_batches
     from peer.hf import init as hf_init
-    from peer.model.config import check_micro_batches
 
     cfg, args.hf_model = hf_init.resolve_model(args)
     try:
@@ -184,7 +184,7 @@ def validate(args):
         raise UsageError("--servers-per-stage must be >= 2 (one frontal and one backward server)")
     if args.volunteers < 0 or args.steps < 1:
         raise UsageError("--volunteers must be >= 0 and --steps >= 1")
-    from peer.protocol import recipe as recipe_flags
+    from core.protocol import recipe as recipe_flags
 
     try:
         args.recipe = recipe_flags.from_args(args, args.steps)
@@ -193,7 +193,7 @@ def validate(args):
     for flag in ("task_tokens", "client_batch_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    from peer.protocol.runid import split_run_id
+    from core.protocol.runid import split_run_id
 
     try:
         if split_run_id(args.run_id)[1] is not None:

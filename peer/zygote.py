@@ -21,7 +21,7 @@ PRELOAD = (
     "peer.join",
     "peer.volunteer.stage_choice",
     "peer.volunteer.cheat",
-    "peer.protocol.trust",
+    "core.protocol.trust",
     "hivemind.dht",
     "hivemind.p2p",
 )

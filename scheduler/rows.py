@@ -1,6 +1,6 @@
 """How a frontal server cuts a micro-batch's rows among its clients: here, below the servers, so
 that the step model (scheduler/stepsim.py) plays the very rules the servers run
-(parameter_server/frontal.py imports them through parameter_server.layout)."""
+(parameter_server/frontal.py imports them through core.layout)."""
 
 from __future__ import annotations
 

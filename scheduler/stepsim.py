@@ -43,7 +43,7 @@ What it plays, as the swarm does it:
   its version is t;
 - a server's own worker calls its own server in-process: no link, no call cost.
 
-Emulated links are what peer/protocol/links.py makes them: every message sleeps `delay + bytes /
+Emulated links are what core/protocol/links.py makes them: every message sleeps `delay + bytes /
 bandwidth` before it goes out, with no sharing of a link between messages. The model leaves out
 the checked work's re-runs, heartbeats and DHT traffic, and any CPU contention between processes
 (which `call_seconds` measured alone does not see): the fidelity benchmark

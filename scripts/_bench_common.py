@@ -261,10 +261,10 @@ def run_reference(model: str, steps: int, work: Path, timeout: float = 900) -> d
 def train_run_reference(model: str, steps: int, on_step=None, recipe=None, summary: dict | None = None) -> dict:
     """`peer reference`'s final parameters, in this process, with the settings every benchmark's
     swarm runs with (batch 16 in 4 micro-batches, the delayed update, lr 2e-3, seed 0); `on_step`
-    as peer.reference.train_reference takes it; `recipe` a peer.protocol.recipe.Recipe at lr 2e-3
+    as peer.reference.train_reference takes it; `recipe` a core.protocol.recipe.Recipe at lr 2e-3
     (None: the default one). `summary`, a dict, receives the run's summary."""
-    from peer.model.config import get_preset
-    from peer.model.data import load_corpus
+    from core.model.config import get_preset
+    from core.model.data import load_corpus
     from peer.reference import train_reference
 
     cfg = get_preset(model)
@@ -331,8 +331,8 @@ def model_flops_per_second(model: str, rows: int, repeats: int = 7) -> tuple[flo
     so their time lowers the figure, as it lowers the swarm's)."""
     import torch
 
-    from peer.model.config import flops_per_token_per_layer, get_preset
-    from peer.model.transformer import build_slice, loss_sum
+    from core.model.config import flops_per_token_per_layer, get_preset
+    from core.model.transformer import build_slice, loss_sum
 
     cfg = get_preset(model)
     threads = torch.get_num_threads()

@@ -14,11 +14,11 @@ import json
 async def send(a) -> dict:
     from hivemind.p2p import P2P, PeerID
 
+    from core.protocol import records
+    from core.protocol.trust import split_run_id
     from parameter_server.service import StageServer
     from peer.directory import Directory
     from peer.node import start_dht, stop_dht
-    from peer.protocol import records
-    from peer.protocol.trust import split_run_id
 
     run_id, run_fp = split_run_id(a.run_id)
     dht = start_dht([a.initial_peers], run_id=run_id, run_fp=run_fp, client_mode=True, timeout=60.0)
@@ -29,7 +29,7 @@ async def send(a) -> dict:
         directory = Directory(dht, run_id, len(run.layout["stages"]))
         while a.device not in await directory.refresh():
             await asyncio.sleep(0.5)
-        link = directory.link(p2p, a.device, StageServer)
+        link = directory.link(p2p, a.device)
         await link.dial()
         handle = StageServer._get_handle_name(None, "rpc_push_grads")
         _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(directory.known[a.device]), handle)

@@ -2,7 +2,7 @@
 """One volunteer of hivemind's own collaborative data-parallel training (`hivemind.Optimizer`, as in
 DeDLOC and the hivemind quickstart), for scripts/bench_peers.py: the whole model on every peer, a
 global batch of --batch-size sequences gathered from every peer's local steps, gradients averaged
-by all-reduce, then the same AdamW (peer/model/optim.py) on every peer.
+by all-reduce, then the same AdamW (core/model/optim.py) on every peer.
 
     python scripts/_hivemind_dp.py --run-id R --index I --out DIR [--initial-peers MADDR ...]
 
@@ -63,11 +63,11 @@ def main() -> int:
     import hivemind
     from hivemind.utils.logging import use_hivemind_log_handler
 
-    from peer.model.config import get_preset
-    from peer.model.data import load_corpus, make_batch
-    from peer.model.optim import make_optimizer
-    from peer.model.transformer import build_slice, loss_sum
-    from peer.protocol.recipe import Recipe
+    from core.model.config import get_preset
+    from core.model.data import load_corpus, make_batch
+    from core.model.optim import make_optimizer
+    from core.model.transformer import build_slice, loss_sum
+    from core.protocol.recipe import Recipe
 
     use_hivemind_log_handler("nowhere")
     cfg = get_preset(args.model)

@@ -23,8 +23,7 @@ async def hoard(a) -> dict:
     from _observer import RunObserver
     from hivemind.p2p import P2P
 
-    from parameter_server.service import StageServer
-    from peer.protocol.wire import RemoteError
+    from core.protocol.wire import RemoteError
 
     got = {"taken": 0, "refused": {}, "identities": a.identities, "most_held": 0, "calls": 0}
     peers = []
@@ -36,11 +35,7 @@ async def hoard(a) -> dict:
             if not await run.wait_for_start():
                 return got | {"versions": run.versions}
             stage = [d for d in run.directory.servers if d.startswith(f"s{a.stage}")]
-            links = [
-                (i, d, run.directory.link(p2p, d, StageServer, backoff=False))
-                for i, p2p in enumerate(peers)
-                for d in stage
-            ]
+            links = [(i, d, run.directory.link(p2p, d, backoff=False)) for i, p2p in enumerate(peers) for d in stage]
             held: dict[tuple[int, str], list[str]] = {(i, d): [] for i, d, _ in links}
             deadline = time.monotonic() + a.seconds
             got["started"] = time.monotonic()

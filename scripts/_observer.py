@@ -28,10 +28,10 @@ class RunObserver:
         self.dht = self.run = self.directory = None
 
     async def __aenter__(self) -> "RunObserver":
+        from core.protocol import records
+        from core.protocol.trust import split_run_id
         from peer.directory import Directory
         from peer.node import start_dht
-        from peer.protocol import records
-        from peer.protocol.trust import split_run_id
 
         self.run_id, run_fp = split_run_id(self.a.run_id)
         self.dht = start_dht([self.a.initial_peers], run_id=self.run_id, run_fp=run_fp, client_mode=True, timeout=60.0)

@@ -63,8 +63,8 @@ from _bench_common import (  # noqa: E402
     run_swarm,
 )
 
-from parameter_server.layout import segment  # noqa: E402
-from peer.model.config import get_preset, planner_model_file  # noqa: E402
+from core.layout import segment  # noqa: E402
+from core.model.config import get_preset, planner_model_file  # noqa: E402
 from scheduler import load_cluster, load_model, load_plan, plan_cost  # noqa: E402
 
 SERVERS = ["s0f0", "s0b0", "s1f0", "s1b0"]  # peer swarm's default ids for 2 stages x (1 FS + 1 BS)
@@ -235,8 +235,8 @@ RESULT_HEADERS = ["s/step", "micro-batches applied", "killed", "re-queued", "dup
 
 async def _wait_for_version(maddr: str, run: str, version: int, timeout: float) -> None:
     """Until every server of the run announces parameter `version` in the DHT (training is under way)."""
+    from core.protocol import records
     from peer.node import start_dht
-    from peer.protocol import records
 
     run_id, _, run_fp = run.partition("@")
     dht = start_dht([maddr], run_id=run_id, run_fp=run_fp, client_mode=True)

@@ -8,7 +8,7 @@ steps for each mode (none, fp16, bf16, 8bit), with the volunteers behind 20 and 
 The swarm: 2 stages x (1 frontal + 1 backward server) that do not compute, 4 volunteers. The link
 profile gives every volunteer DELAY ms and the named bandwidth to every server (servers among
 themselves: 1 ms, 1 Gbit/s); every device has the same tflops, so no compute is stretched. The link
-emulation (peer/protocol/links.py) sleeps delay + bytes / bandwidth on each send, so what compression
+emulation (core/protocol/links.py) sleeps delay + bytes / bandwidth on each send, so what compression
 saves shows in seconds per step. Writes DIR/bench_compress.md and DIR/compress.png (DIR: docs/).
 """
 
@@ -23,7 +23,7 @@ from _bench_common import REPO, Report, exactly_once, loadavg, md_table, run_swa
 
 SERVERS = ["s0f0", "s0b0", "s1f0", "s1b0"]
 # what crosses a volunteer's link (its calls to the servers, both directions), and of it what
-# --compress may compress (peer/protocol/methods.py)
+# --compress may compress (core/protocol/methods.py)
 VOLUNTEER_METHODS = (
     "register",
     "take",

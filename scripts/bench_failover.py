@@ -96,8 +96,8 @@ def one_run(work: Path, args, tag: str) -> dict:
 
 
 def main() -> int:
+    from core.protocol import records
     from peer.host.failures import PROBE_S
-    from peer.protocol import records
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="runs at each load (default 3)")

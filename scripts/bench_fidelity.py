@@ -10,8 +10,8 @@ with costs measured here first, never fitted to the points:
   metadata only and 4 MiB (scripts/bench_swarm.py's hop);
 - compute: each stage's slice of the model timed on one thread, per row, for the three kinds of
   pass a task runs (a forward pass kept for its backward, forward+loss+backward, a backward from
-  the kept pass), with the real task functions (peer/model/task_math.py);
-- a server's step of its shard (Adam, peer/model/optim.py).
+  the kept pass), with the real task functions (core/model/task_math.py);
+- a server's step of its shard (Adam, core/model/optim.py).
 Beside it, `plan_cost` of the same plan (the planner's contract, docs/cost-model.md).
 
 Measured: each server logs when it applies a batch (`-v`); a version is reached when the last server
@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import REPO, Report, exactly_once, loadavg, md_table, model_flops_per_second, out_folder, run_swarm  # noqa: E402
 from bench_churn import PACE_DEVICE, SERVERS, case3_cluster, scaled, swarm_plan  # noqa: E402
 
-from peer.model.config import get_preset, planner_model_file  # noqa: E402
+from core.model.config import get_preset, planner_model_file  # noqa: E402
 from peer.runtime import log_time  # noqa: E402
 from scheduler import load_cluster, load_model, load_plan, plan_cost  # noqa: E402
 from scheduler.stepsim import Calibration, Workload, device_flops, simulate, steady_seconds_per_step  # noqa: E402
@@ -99,9 +99,9 @@ def calibrate_compute(cfg, rows: int, repeats: int) -> dict:
     functions the workers run (median of `repeats` after a warm-up)."""
     import torch
 
-    from parameter_server.layout import segment
-    from peer.model.task_math import backward_kept, backward_rows, forward_keeping
-    from peer.model.transformer import build_slice, init_state, slice_from_state
+    from core.layout import segment
+    from core.model.task_math import backward_kept, backward_rows, forward_keeping
+    from core.model.transformer import build_slice, init_state, slice_from_state
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -156,8 +156,8 @@ def calibrate_apply(cfg, repeats: int) -> float:
     """Seconds of one server's step of its shard: Adam over half of a stage's parameters."""
     import torch
 
-    from parameter_server.layout import segment
-    from peer.model.transformer import init_state
+    from core.layout import segment
+    from core.model.transformer import init_state
 
     lo, hi = segment(cfg.layers, STAGES, 0)
     state = init_state(cfg, lo, hi, 0)
@@ -239,8 +239,8 @@ def device_factors(measured: dict[str, float], plan, cluster, cal: Calibration) 
 def workload(cfg, steps: int, batch: int = BATCH, micro: int = MICRO, client_tokens: int | None = None) -> Workload:
     """The step model's workload of `steps` batches of `batch` rows in `micro` micro-batches, each
     volunteer computing at least `client_tokens` of a batch (default: peer serve's)."""
-    from parameter_server.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, segment
-    from peer.model.transformer import init_state
+    from core.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, segment
+    from core.model.transformer import init_state
 
     client_tokens = client_tokens or DEFAULT_CLIENT_BATCH_TOKENS
 

@@ -183,7 +183,7 @@ def joined_compute(work: Path) -> list[float]:
 
 def predicted(a, rate: float, rows_per_s: list[float]) -> float:
     """The cost model's seconds per batch for this layout, the volunteers at their measured compute."""
-    from peer.model.config import flops_per_token_per_layer, get_preset, planner_model_file
+    from core.model.config import flops_per_token_per_layer, get_preset, planner_model_file
     from scheduler import load_cluster, load_model, plan_cost
     from scheduler.files import Plan, Stage
 

@@ -60,8 +60,8 @@ from _bench_common import (  # noqa: E402
     train_run_reference,
 )
 
+from core.model.config import get_preset  # noqa: E402
 from parameter_server import blob  # noqa: E402
-from peer.model.config import get_preset  # noqa: E402
 from tests.net import netns  # noqa: E402
 
 EVAL_BATCHES = 4
@@ -70,8 +70,8 @@ BATCH, MICRO_BATCHES = 16, 4  # the run's defaults, which every system here trai
 
 def eval_loss(model: str, state: dict) -> float:
     """Mean token cross-entropy of `state` (a full-model state dict) on the held-out split."""
-    from peer.model.data import load_corpus, make_batch
-    from peer.model.transformer import loss_sum, slice_from_state
+    from core.model.data import load_corpus, make_batch
+    from core.model.transformer import loss_sum, slice_from_state
 
     cfg = get_preset(model)
     corpus = load_corpus(None, seq_len=cfg.seq_len)

@@ -60,7 +60,7 @@ from bench_fidelity import (  # noqa: E402
     workload,
 )
 
-from peer.model.config import get_preset  # noqa: E402
+from core.model.config import get_preset  # noqa: E402
 from scheduler import load_cluster, load_plan  # noqa: E402
 from scheduler.scale import churn_factor  # noqa: E402
 from scheduler.stepsim import Calibration, simulate, steady_seconds_per_step  # noqa: E402
@@ -448,7 +448,7 @@ WHATIF_COUNTS = [16, 32, 64, 128, 256, 512, 1000, 2000, 4000, 10000]
 def whatif(report: Report, cfg, cal, results, work: Path, path: Path) -> None:
     """`peer simulate` on the measured points (the same model, fed the bench's setup), then the curve
     to 10,000 volunteers at home (peer simulate's defaults) with this machine's calibration."""
-    from peer.model.config import planner_model_file
+    from core.model.config import planner_model_file
     from scheduler import load_model
     from scheduler.scale import Swarm, predict, predict_measured
 

@@ -10,7 +10,7 @@ Parts (markdown tables on standard output and in --out, each with the load avera
    and where the swarm's processor time goes while it trains (servers, volunteers, their DHT
    processes, the p2p daemons, the launcher), per step, against a step of the single process.
 2. one hop: for activation tensors of one micro-batch share of the model (rows x seq_len x hidden,
-   fp32) and of 4 MiB and 32 MiB, the serialization (`peer.protocol.wire.pack`), deserialization
+   fp32) and of 4 MiB and 32 MiB, the serialization (`core.protocol.wire.pack`), deserialization
    (`unpack`), and transport: a real P2P round trip between two hivemind peers on 127.0.0.1 (two DHT
    nodes, a minimal ServicerBase echo handler) carrying the packed payload one way and a tiny answer
    back, without (de)serializing; median of repeats.
@@ -38,11 +38,11 @@ from _bench_common import REPO, Report, exactly_once, loadavg, md_table, process
 from hivemind.p2p import P2PContext, ServicerBase  # noqa: E402
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse  # noqa: E402
 
+from core.model.config import get_preset  # noqa: E402
+from core.protocol import session  # noqa: E402
+from core.protocol.wire import encode_meta, pack, payload_bytes, stream_of, unpack  # noqa: E402
 from peer.addresses import visible_maddrs  # noqa: E402
-from peer.model.config import get_preset  # noqa: E402
 from peer.node import start_dht  # noqa: E402
-from peer.protocol import session  # noqa: E402
-from peer.protocol.wire import encode_meta, pack, payload_bytes, stream_of, unpack  # noqa: E402
 
 MIB = 1 << 20
 SWARM = dict(stages=2, servers_per_stage=2, volunteers=4, batch_size=16, micro_batches=4)
@@ -92,7 +92,7 @@ class Echo(ServicerBase):
     async def rpc_session(
         self, requests: AsyncIterator[ExpertRequest], context: P2PContext
     ) -> AsyncIterator[ExpertRequest]:
-        """The same over a session (peer/protocol/session.py), as the swarm sends every call."""
+        """The same over a session (core/protocol/session.py), as the swarm sends every call."""
 
         async def echo(method, messages):
             yield ExpertRequest(metadata=await _size_of(messages))
@@ -134,7 +134,9 @@ async def hop_costs(payloads: list[tuple[str, tuple[int, ...]]], repeats: int) -
         p2p_client = await client.replicate_p2p()
         await Echo().add_p2p_handlers(p2p_server)
         stub = Echo.get_stub(p2p_client, p2p_server.peer_id)
-        open_session = await session.Session().open(p2p_client, str(p2p_server.peer_id), session.handle_name(Echo))
+        open_session = await session.Session().open(
+            p2p_client, str(p2p_server.peer_id), session.handle_name(Echo.__name__)
+        )
         rows = []
         for label, shape in payloads:
             tensors = [torch.randn(shape)] if shape else []
@@ -204,7 +206,7 @@ def per_worker_exchange(cfg, layout_stages: int, servers_per_stage: int, volunte
     """The cost model's aggregation for this layout: every worker pushes and pulls its whole stage once
     per step (a server's own worker only the other servers' shards); boundaries as above. Not a
     floor: a volunteer that computes nothing on some version pulls nothing for it."""
-    from parameter_server.layout import segment
+    from core.layout import segment
 
     total = minimum_bytes_per_step(cfg, layout_stages, batch_size)["boundaries"]
     for k in range(layout_stages):
@@ -364,7 +366,7 @@ Serialize = `wire.pack` (hivemind tensor serialization, 1 MiB chunks, protobuf m
 `wire.unpack`; transport = a P2P round trip between two hivemind peers on 127.0.0.1 (each its own DHT
 and p2p daemon) carrying the packed request one way and a tiny answer back, without touching the
 tensors: as a stream call of its own (a new connection to the daemon, a new libp2p stream and its
-protocol negotiation), and over an open session (peer/protocol/session.py: the calls to one server
+protocol negotiation), and over an open session (core/protocol/session.py: the calls to one server
 multiplexed over one long-lived stream), as the swarm sends every call. One hop as the swarm makes it =
 serialize + transport + deserialize. Medians; the first round is a warm-up and not counted. Processor
 time = of both ends and both p2p daemons, a call's transport only (psutil over the rounds: 10 ms

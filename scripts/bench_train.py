@@ -50,7 +50,7 @@ def main() -> int:
     import torch
     from safetensors.torch import load_file
 
-    from peer.protocol.recipe import Recipe
+    from core.protocol.recipe import Recipe
 
     references = {}
 

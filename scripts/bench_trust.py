@@ -66,10 +66,10 @@ SWARM = [
 def tolerance_rows() -> list[list]:
     import torch
 
+    from core.model.config import get_preset
+    from core.model.task_math import backward_rows
+    from core.model.transformer import build_slice
     from parameter_server.verify import distance
-    from peer.model.config import get_preset
-    from peer.model.task_math import backward_rows
-    from peer.model.transformer import build_slice
     from peer.volunteer.cheat import Cheat
 
     rows = []

@@ -607,7 +607,7 @@ def rss_growth(rows: list[dict], failover: list[tuple[float, float]]) -> dict:
 
 
 def report(r: dict) -> dict:
-    from peer.model.data import load_corpus
+    from core.model.data import load_corpus
     from peer.reference import train_reference
 
     with open(os.path.join(args.out, "soak.csv"), "w", newline="") as f:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from parameter_server.layout import RunLayout
-from peer.protocol.records import RunConfig, validate_record
-from peer.protocol.values import finite_number
+from core.layout import RunLayout
+from core.protocol.records import RunConfig, validate_record
+from core.protocol.values import finite_number
 
 LIVE_STATES = ("online", "joining")
 POOL_FIELDS = ("queued", "leased", "done", "requeued", "duplicates", "oldest_queued_age")
@@ -222,7 +222,7 @@ def parse_config(config: Any, errors: list[str]):
         return None, None, None
     if run.announce_period <= 0:
         errors.append(f"run config record: announce_period {run.announce_period} is not positive")
-    from peer.model.config import run_model
+    from core.model.config import run_model
 
     seq_len, num_layers = None, None
     try:

@@ -10,10 +10,10 @@ import threading
 import time
 from typing import Any
 
+from core.protocol.records import config_key, open_config, open_stage, stage_key, validator_rejections
+from core.protocol.values import finite_number
 from peer.dashboard.entries import History
 from peer.dashboard.snapshot import MAX_PROBED_STAGES, build_snapshot, stage_count
-from peer.protocol.records import config_key, open_config, open_stage, stage_key, validator_rejections
-from peer.protocol.values import finite_number
 
 logger = logging.getLogger("hivepipe.dashboard")
 
@@ -110,7 +110,7 @@ class DhtReader:
         return config, stages
 
     def _fetch(self) -> tuple[Any, list[Any]]:
-        from peer.protocol.trust import AmbiguousRunKey
+        from core.protocol.trust import AmbiguousRunKey
 
         self.rejected, self.seen_at = [], {}
         try:

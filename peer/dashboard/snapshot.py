@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from core.protocol.records import halted_reason
 from peer.dashboard.entries import (
     LIVE_STATES,
     History,
@@ -24,7 +25,6 @@ from peer.dashboard.entries import (
     short,
     volunteer_entry,
 )
-from peer.protocol.records import halted_reason
 
 logger = logging.getLogger("hivepipe.dashboard")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from peer.protocol.values import format_duration
+from core.protocol.values import format_duration
 
 if TYPE_CHECKING:
     from peer.dashboard.reader import Watcher

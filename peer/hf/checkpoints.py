@@ -10,8 +10,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from core.model.config import ModelConfig, get_preset, model_from_dict, param_shapes
 from peer.hf.init import MODEL_JSON
-from peer.model.config import ModelConfig, get_preset, model_from_dict, param_shapes
 
 CHECKPOINT_FILE = "model.safetensors"
 
@@ -46,7 +46,7 @@ def check_state(state: dict, cfg: ModelConfig, where: str) -> dict:
     """`state` as fp32 CPU tensors if it is exactly `cfg`'s parameters (names, shapes, finite)."""
     import torch
 
-    from peer.protocol.wire import all_finite
+    from core.protocol.wire import all_finite
 
     shapes = param_shapes(cfg, 0, cfg.layers)
     missing = [n for n in shapes if n not in state]

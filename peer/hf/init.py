@@ -34,7 +34,7 @@ def add_arguments(group) -> None:
 def resolve_model(args):
     """(ModelConfig, the checked HFModelDir or None) from --model or --init-from; UsageError naming
     what is wrong."""
-    from peer.model.config import get_preset
+    from core.model.config import get_preset
 
     if getattr(args, "init_from", None):
         from peer.hf.llama import HFModelDir, HFModelError
@@ -69,7 +69,7 @@ def corpus_tokenizer(hf, progress: bool = True):
 
 def load_training_corpus(data, cfg, hf, progress: bool = True):
     """The run's corpus: bytes for a preset, the model's token ids with --init-from."""
-    from peer.model.data import load_corpus
+    from core.model.data import load_corpus
 
     try:
         return load_corpus(data, seq_len=cfg.seq_len, tokenizer=corpus_tokenizer(hf, progress))
@@ -80,7 +80,7 @@ def load_training_corpus(data, cfg, hf, progress: bool = True):
 def initial_state(cfg, lo: int, hi: int, seed: int, hf) -> dict:
     """Slice [lo, hi)'s starting parameters: read from the directory, or drawn by `init_state`."""
     if hf is None:
-        from peer.model.transformer import init_state
+        from core.model.transformer import init_state
 
         return init_state(cfg, lo, hi, seed)
     from peer.hf.llama import HFModelError

@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from peer.model.config import ModelConfig, param_shapes
+from core.model.config import ModelConfig, param_shapes
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -218,7 +218,7 @@ class HFModelDir:
         import torch
         from safetensors import safe_open
 
-        from peer.protocol.wire import all_finite
+        from core.protocol.wire import all_finite
 
         names = param_shapes(self.cfg, lo, hi)
         source = {

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from peer.model.config import BYTE_VOCAB
+from core.model.config import BYTE_VOCAB
 
 logger = logging.getLogger("hivepipe.hf")
 

@@ -9,10 +9,10 @@ import logging
 import time
 from typing import Callable
 
-from parameter_server.layout import RunLayout
-from peer.protocol import records
-from peer.protocol.records import JOINING_PERIOD
-from peer.protocol.retry import Attempts
+from core.layout import RunLayout
+from core.protocol import records
+from core.protocol.records import JOINING_PERIOD
+from core.protocol.retry import Attempts
 
 logger = logging.getLogger("hivepipe.serve")
 

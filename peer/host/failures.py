@@ -12,9 +12,9 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from parameter_server.layout import halt_reason
-from peer.protocol import records
-from peer.protocol.retry import Attempts
+from core.layout import halt_reason
+from core.protocol import records
+from core.protocol.retry import Attempts
 
 logger = logging.getLogger("hivepipe.serve")
 

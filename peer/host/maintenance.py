@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 
-from peer.protocol.retry import Attempts
+from core.protocol.retry import Attempts
 from peer.runtime import trim_heap
 
 logger = logging.getLogger("hivepipe.serve")

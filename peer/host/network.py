@@ -45,8 +45,8 @@ async def check_own_reachability(
     the DHT through) to dial us back at `maddrs`.
     NetworkError when nobody can, saying what failed and the fix that fits it; a first server on
     private addresses only gets one warning."""
+    from core.protocol import records
     from peer.addresses import is_public
-    from peer.protocol import records
     from peer.reachability import advice_for, check_reachable, split_peer
 
     peer_id = str(dht.peer_id)

@@ -16,11 +16,11 @@ class ServerOptions:
     identity_path: str | None  # its peer id's key (a restart comes back under the same one)
     timeout: float | None  # seconds to wait for its initial peers (None: 60)
     no_reachability_check: bool  # do not ask a peer of the run to dial it back
-    link_profile: str | None  # a cluster file whose links are emulated (peer.protocol.links)
+    link_profile: str | None  # a cluster file whose links are emulated (core.protocol.links)
     link_scale: float
-    # the run's key (peer.protocol.trust)
+    # the run's key (core.protocol.trust)
     run_key: str  # its file
-    run_key_obj: object  # the key (a peer.protocol.trust.SigningKey)
+    run_key_obj: object  # the key (a core.protocol.trust.SigningKey)
     run_fp: str  # its fingerprint, which volunteers pass in --run-id
     # the server
     device: str  # the torch device of its worker and its checks

@@ -82,7 +82,7 @@ class RunReport:
     def progress_text(self) -> str:
         """What the progress line says: step/steps, the last loss, tokens/s and the time left over
         this server's last versions, the volunteers registered here."""
-        from peer.protocol.values import format_duration
+        from core.protocol.values import format_duration
 
         server, steps = self.server, self.run_cfg.steps
         parts = [f"step {server.version}/{steps}"]

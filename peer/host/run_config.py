@@ -45,7 +45,7 @@ def differing_flags(ours: dict, theirs: dict) -> list[str]:
 
 
 def _recipe_differences(ours: dict, theirs: dict) -> list[str]:
-    from peer.protocol.recipe import Recipe
+    from core.protocol.recipe import Recipe
 
     try:
         run = Recipe.from_record(theirs.get("lr", 0.0), theirs.get("recipe"))

@@ -22,6 +22,7 @@ import logging
 import os
 import time
 
+from core.protocol.retry import Attempts
 from peer.errors import NetworkError, UsageError
 from peer.host.announcer import Announcer
 from peer.host.failures import PROBE_S, FailureDetector
@@ -32,7 +33,6 @@ from peer.host.options import ServerOptions
 from peer.host.report import RunReport
 from peer.host.run_config import differing_flags
 from peer.host.state import PeerState, StateLine
-from peer.protocol.retry import Attempts
 from peer.runtime import Interrupted, freeze_startup_objects, interruptible, link_emulator, until_stopped
 
 logger = logging.getLogger("hivepipe.serve")
@@ -129,7 +129,7 @@ class ServerHost:
         """Write the run key this start made (--run-key named no file) now that the run admitted this
         server: one refused (another run's key, other flags, an address it cannot listen on) leaves no
         key file behind. UsageError when another server wrote a different key at that path meanwhile."""
-        from peer.protocol.trust import SigningKey
+        from core.protocol.trust import SigningKey
 
         args = self.options
         if not args.run_key_new:
@@ -207,8 +207,8 @@ class ServerHost:
     async def find_run(self) -> None:
         """Read the run's config record: UsageError when the run is published under another run key,
         with other training flags, or without this server (failed over)."""
-        from parameter_server.layout import RunLayout
-        from peer.protocol import records
+        from core.layout import RunLayout
+        from core.protocol import records
 
         t0 = time.perf_counter()
         current = await records.read_config_value(self.dht)
@@ -241,11 +241,11 @@ class ServerHost:
     # ---- build the stage server -----------------------------------------------------------------
 
     async def build(self) -> None:
+        from core.protocol.leases import LeaseTickets
+        from core.protocol.wire import MAX_MESSAGE_BYTES, bound_messages
         from parameter_server.service import StageServer
         from peer.directory import Directory, HaltNotice
         from peer.hf.init import initial_state
-        from peer.protocol.leases import LeaseTickets
-        from peer.protocol.wire import MAX_MESSAGE_BYTES, bound_messages
         from peer.server_links import LocalLink
 
         args, run_cfg = self.options, self.run_cfg
@@ -263,9 +263,7 @@ class ServerHost:
                 return LocalLink(self.server, self.peer_id)
             key = (dev, peer)
             if key not in link_cache:
-                link_cache[key] = directory.link(
-                    self.p2p, dev, StageServer, links, peer_id=peer, compress=run_cfg.compress
-                )
+                link_cache[key] = directory.link(self.p2p, dev, links, peer_id=peer, compress=run_cfg.compress)
             return link_cache[key]
 
         self.connector = connector
@@ -387,9 +385,8 @@ class ServerHost:
         """Whether server `d` answers a ping within PROBE_S, dial and retries included: a host that
         froze or lost its network (its connections hang rather than close) must not hold the
         watcher for a timeout per retry."""
-        from parameter_server.service import StageServer
 
-        link = self.directory.link(self.p2p, d, StageServer, self.links, backoff=False)
+        link = self.directory.link(self.p2p, d, self.links, backoff=False)
         try:
             await asyncio.wait_for(link.call("ping", {}, timeout=PROBE_S), PROBE_S)
             return True
@@ -598,7 +595,7 @@ class ServerHost:
             t.cancel()
         if self.tasks:
             _, stuck = await asyncio.wait(self.tasks, timeout=TASKS_END_S)
-            if stuck:  # (each loop checks for a cancellation a call swallowed: peer.protocol.aio)
+            if stuck:  # (each loop checks for a cancellation a call swallowed: core.protocol.aio)
                 logger.warning(
                     "%s: %d of its tasks did not end when cancelled; leaving without them", self.device, len(stuck)
                 )

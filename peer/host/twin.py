@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from peer.protocol import records
+from core.protocol import records
 
 logger = logging.getLogger("hivepipe.serve")
 

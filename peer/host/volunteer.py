@@ -18,11 +18,11 @@ import asyncio
 import logging
 import time
 
+from core.protocol.aio import check_cancelled
+from core.protocol.refusals import Refusal
+from core.protocol.retry import Attempts
 from peer.errors import UsageError
 from peer.host.state import PeerState, StateLine
-from peer.protocol.aio import check_cancelled
-from peer.protocol.refusals import Refusal
-from peer.protocol.retry import Attempts
 from peer.runtime import freeze_startup_objects, interruptible, link_emulator, until_stopped
 
 logger = logging.getLogger("hivepipe.join")
@@ -50,7 +50,7 @@ class VolunteerSession:
         """Poll `check()` (a coroutine returning a value, or None to keep waiting) until it gives a
         value or `stop` is set (then None). The state line says what it waits for, once at the start
         and once a minute; a network failure inside `check` is waiting too, never an exit."""
-        from peer.protocol.trust import AmbiguousRunKey
+        from core.protocol.trust import AmbiguousRunKey
 
         async for _ in Attempts(pause=poll, stop=stop):
             try:
@@ -93,7 +93,7 @@ class VolunteerSession:
     async def _config(self):
         """The run's config, or None while there is none; UsageError when the run exists under
         another run key than the one --run-id names."""
-        from peer.protocol import records
+        from core.protocol import records
 
         run = await records.read_config(self.dht, self.args.run_id)
         if run is None and self.args.run_fp is not None:
@@ -107,9 +107,9 @@ class VolunteerSession:
         return run
 
     async def find_run(self, stop: asyncio.Event) -> bool:
-        from parameter_server.layout import RunLayout
+        from core.layout import RunLayout
+        from core.model.config import run_model
         from peer.directory import Directory
-        from peer.model.config import run_model
 
         args = self.args
         run = await self.wait_until(stop, f"run {args.run_id!r} to appear in the DHT (its config record)", self._config)
@@ -142,8 +142,8 @@ class VolunteerSession:
     async def _current_layout(self):
         """(layout, epoch) as the run config carries them now (after a failover: the current epoch's),
         or None when the record is not there; the layout `finished` judges the end by follows it."""
-        from parameter_server.layout import RunLayout
-        from peer.protocol import records
+        from core.layout import RunLayout
+        from core.protocol import records
 
         value = await records.read_config_value(self.dht)
         if not (isinstance(value, dict) and isinstance(value.get("layout"), dict)):
@@ -241,7 +241,7 @@ class VolunteerSession:
     working_on = ""
 
     async def _publish(self, stage: int, worker, state: str) -> None:
-        from peer.protocol import records
+        from core.protocol import records
 
         elapsed = max(time.time() - worker.stats["started"], 1e-6)
         tasks = worker.stats["forward"] + worker.stats["backward"]
@@ -261,15 +261,11 @@ class VolunteerSession:
     async def work_on(self, stage: int, picker, slowdown: float, stop: asyncio.Event, over: asyncio.Event):
         """Work on `stage` until stopped, the run is over, or another stage needs this volunteer
         more; returns the stage to move to (or None)."""
-        from parameter_server.service import StageServer
         from peer.volunteer.worker import StageWorker
 
         args, run, device = self.args, self.run_cfg, self.device
         st = self.layout.stages[stage]
-        links = {
-            d: self.directory.link(self.p2p, d, StageServer, self.links_emulator, compress=run.compress)
-            for d in st.servers
-        }
+        links = {d: self.directory.link(self.p2p, d, self.links_emulator, compress=run.compress) for d in st.servers}
         worker = StageWorker(
             run=run,
             layout=self.layout,

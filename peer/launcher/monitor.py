@@ -10,7 +10,7 @@ import functools
 import logging
 import time
 
-from peer.protocol.wire import wait_to_redial
+from core.protocol.wire import wait_to_redial
 
 logger = logging.getLogger("hivepipe.swarm")
 
@@ -30,8 +30,8 @@ class Monitor:
         self.online_since: dict[str, float] = {}  # device -> `time` of its first "online" record seen
 
     async def refresh(self) -> None:
-        from parameter_server.layout import RunLayout
-        from peer.protocol import records
+        from core.layout import RunLayout
+        from core.protocol import records
 
         try:  # after a failover the servers announce the layout of the new epoch
             config = await records.read_config_value(self.dht)
@@ -55,7 +55,7 @@ class Monitor:
 
     def halted(self) -> str | None:
         """Why the run is stopped, as a live server of it announces (None while it runs)."""
-        from peer.protocol import records
+        from core.protocol import records
 
         return records.halted_reason(rec for _, rec in self.servers.values())
 
@@ -104,11 +104,10 @@ class Monitor:
         return max(seen.items(), default=None)
 
     def _link(self, device: str):
-        from parameter_server.service import StageServer
         from peer.server_links import P2PLink
 
         peer, rec = self.servers[device]
-        return P2PLink(self.p2p, peer, device, StageServer, addresses=lambda: rec.get("maddrs", []))
+        return P2PLink(self.p2p, peer, device, addresses=lambda: rec.get("maddrs", []))
 
     async def _call(
         self, device: str, method: str, meta: dict, timeout: float = 30.0, patience: float = 60.0
@@ -137,7 +136,7 @@ class Monitor:
         """The full model at `version`, from every shard slot's host. A host whose slot is not there
         yet answers `retry` (a slot adopted at a failover can trail its host's own shard by a step or
         two): asked again until `patience` runs out, then NotReady naming it."""
-        from peer.protocol.params import fetch_slot
+        from core.protocol.params import fetch_slot
 
         state = {}
         for st in self.layout.stages:
@@ -246,7 +245,7 @@ class Monitor:
             "rpc_calls": dict(
                 sum((collections.Counter(s.get("calls", {})) for s in statuses.values()), collections.Counter())
             ),
-            # of them, those that came over a session (peer/protocol/session.py)
+            # of them, those that came over a session (core/protocol/session.py)
             "rpc_session_calls": dict(
                 sum((collections.Counter(s.get("session_calls", {})) for s in statuses.values()), collections.Counter())
             ),

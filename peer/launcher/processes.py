@@ -45,7 +45,7 @@ class Swarm:
     @staticmethod
     def run_key(work_dir: str):
         """The run key of the swarm in `work_dir` (made there on first use; its servers share it)."""
-        from peer.protocol.trust import SigningKey
+        from core.protocol.trust import SigningKey
 
         os.makedirs(work_dir, exist_ok=True)
         return SigningKey.load_or_create(os.path.join(work_dir, "run.key"))[0]

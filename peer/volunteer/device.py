@@ -111,7 +111,7 @@ class EmulatedDevice:
 def measured_compute(run, layout, cfg, stage: int, torch_device: str, slowdown: float) -> float:
     """Rows per second of `stage`'s slice on this device (EmulatedDevice.measure), on a slice built
     for the measurement alone: a peer knows what it computes before its first record says it."""
-    from peer.model.transformer import build_slice
+    from core.model.transformer import build_slice
 
     lo, hi = layout.stages[stage].layers
     device = EmulatedDevice(torch.device(torch_device), slowdown)

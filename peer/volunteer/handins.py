@@ -6,7 +6,7 @@ to itself: two calls that carried the same id had the server count the second a 
 
 from __future__ import annotations
 
-from parameter_server.leases import MAX_COMPLETE
+from core.protocol.leases import MAX_COMPLETE
 
 
 class HandIns:

@@ -40,7 +40,7 @@ def stage_bytes(run, cfg) -> int:
 
 def planner_model(run, cfg):
     """The run as the cost model's model file sees it (fp32 on the wire)."""
-    from peer.model.config import planner_model_file
+    from core.model.config import planner_model_file
     from scheduler import load_model
 
     return load_model(planner_model_file(cfg, run.batch_size, run.micro_batches, bytes_per_value=4))
@@ -50,7 +50,7 @@ def stages_now(stage_records: list[list[tuple[str, dict]]], layout, cfg, own_pee
     """StageNow per stage from the stage keys' records: each server's and each online volunteer's
     announced compute (rows/s of its slice) as FLOP/s; our own record left out, and records that
     `fresh` says are stale (a killed volunteer's record outlives it: records.record_ttl)."""
-    from peer.model.config import flops_per_token_per_layer
+    from core.model.config import flops_per_token_per_layer
     from scheduler.balance import StageNow
 
     per_row_layer = cfg.seq_len * flops_per_token_per_layer(cfg)
@@ -81,7 +81,7 @@ class StagePicker:
         self.peer_id = peer_id
         self.nbytes = nbytes
         self.model = planner_model(run, cfg)
-        from peer.model.config import flops_per_token_per_layer
+        from core.model.config import flops_per_token_per_layer
 
         # measured on stage 0's slice: as FLOP/s
         self.own_flops = (
@@ -94,11 +94,10 @@ class StagePicker:
         self.bandwidths: list | None = None
 
     async def measure(self) -> None:
-        from parameter_server.service import StageServer
 
         delays, bandwidths = [], []
         for st in self.layout.stages:
-            links = [self.directory.link(self.p2p, d, StageServer, self.links_emulator) for d in st.servers]
+            links = [self.directory.link(self.p2p, d, self.links_emulator) for d in st.servers]
             dl, bw = await probe_stage(links, self.nbytes, self.links_emulator.own or "")
             delays.append(dl)
             bandwidths.append(bw)
@@ -111,7 +110,7 @@ class StagePicker:
         self.delays, self.bandwidths = delays, bandwidths
 
     async def decide(self, current: int | None):
-        from peer.protocol import records
+        from core.protocol import records
         from scheduler.balance import choose
 
         per_stage = [

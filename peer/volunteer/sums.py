@@ -25,7 +25,7 @@ class Pending:
     batch: int
     epoch: int  # the layout epoch its tasks were taken in
     tasks: list = field(default_factory=list)  # (leasing server's link, task id, lease deadline, lease seconds)
-    tickets: dict = field(default_factory=dict)  # task id -> its lease's ticket (peer/protocol/leases.py)
+    tickets: dict = field(default_factory=dict)  # task id -> its lease's ticket (core/protocol/leases.py)
     grads: dict | None = None
     loss_sum: float | None = None
 

@@ -12,10 +12,10 @@ from typing import Awaitable, Callable
 
 import torch
 
-from peer.model.precision import compute_dtype, rounded
-from peer.model.transformer import StageSlice, slice_from_state
-from peer.protocol.params import NotReady
-from peer.protocol.wire import RemoteError
+from core.model.precision import compute_dtype, rounded
+from core.model.transformer import StageSlice, slice_from_state
+from core.protocol.params import NotReady
+from core.protocol.wire import RemoteError
 from scheduler.prefetch import version_to_fetch
 
 logger = logging.getLogger("hivepipe.worker")

@@ -19,15 +19,14 @@ import time
 
 import torch
 
-from parameter_server.layout import owners
-from parameter_server.shard import assign_shards
-from peer.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
-from peer.model.transformer import StageSlice, build_slice
-from peer.protocol.aio import check_cancelled
-from peer.protocol.params import NotReady, fetch_slot
-from peer.protocol.refusals import Refusal
-from peer.protocol.retry import Attempts
-from peer.protocol.wire import RemoteError, StreamCut, wait_to_redial
+from core.layout import assign_shards, owners
+from core.model.task_math import KeptForward, backward_kept, backward_rows, forward_keeping, forward_rows
+from core.model.transformer import StageSlice, build_slice
+from core.protocol.aio import check_cancelled
+from core.protocol.params import NotReady, fetch_slot
+from core.protocol.refusals import Refusal
+from core.protocol.retry import Attempts
+from core.protocol.wire import RemoteError, StreamCut, wait_to_redial
 from peer.volunteer.device import EmulatedDevice
 from peer.volunteer.faults import KILL_POINTS, die_here
 from peer.volunteer.handins import HandIns
@@ -41,7 +40,7 @@ logger = logging.getLogger("hivepipe.worker")
 # the requests a task in hand needs (its parameters and inputs, handing its results in), retried while
 # their server is away for up to AWAY_GRACE_S (a crashed server restarted by its supervisor answers
 # again within about a second; a lost one is failed over in minutes, and its tasks are handed back
-# after this wait); each is safe to repeat (peer/protocol/methods.py)
+# after this wait); each is safe to repeat (core/protocol/methods.py)
 WAITS_FOR_RESTART = frozenset({"get_params", "get_inputs", "push_outputs", "push_input_grads", "push_grads"})
 AWAY_GRACE_S = 5.0
 
@@ -205,7 +204,7 @@ class StageWorker:
                     raise
 
     async def refresh_layout(self, link) -> None:
-        from parameter_server.layout import RunLayout
+        from core.layout import RunLayout
 
         record, _ = await link.call("get_layout", {}, timeout=10.0)
         if record["epoch"] <= self.epoch:
@@ -541,7 +540,7 @@ class StageWorker:
         self, device: str, slot: int, version: int, patience: float, epoch: int, digest_only: bool
     ) -> tuple[dict, list]:
         """`get_params` of `slot` at `version` of layout epoch `epoch` from its host `device`
-        (peer.protocol.params.fetch_slot), over this worker's link to it."""
+        (core.protocol.params.fetch_slot), over this worker's link to it."""
         call = functools.partial(self.call, self.links[device], timeout=60.0, epoch=epoch)
         return await fetch_slot(call, device, slot, version, patience, self.poll, digest_only=digest_only)
 

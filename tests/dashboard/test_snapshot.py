@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from parameter_server.layout import RunLayout
+from core.layout import RunLayout
+from core.protocol.records import validate_record
 from peer.dashboard import main
 from peer.dashboard.cli import build_parser
 from peer.dashboard.entries import History
@@ -20,7 +21,6 @@ from peer.dashboard.metrics import prometheus_text
 from peer.dashboard.snapshot import build_snapshot, to_json
 from peer.dashboard.terminal import render_terminal
 from peer.dashboard.web import render_html
-from peer.protocol.records import validate_record
 
 NOW = 1_700_000_000.0
 TOKENS = 16 * 32  # batch_size x the tiny model's seq_len
@@ -289,7 +289,7 @@ def test_a_run_a_server_says_is_stopped_shows_why_in_every_view():
     dashboard's status is `stopped` with that reason, in JSON, terminal, page and metrics."""
     from rich.console import Console
 
-    from parameter_server.layout import halt_reason
+    from core.layout import halt_reason
 
     reason = halt_reason([(1, "backward", ("s1b0",))])
     stages = healthy()
@@ -330,7 +330,7 @@ def test_a_run_at_its_last_step_is_finished_not_blocked():
 def test_a_run_whose_lost_server_is_behind_is_stopped_not_finished():
     """Stage 1's last backward server is gone at version 2; the live servers stepped their own slots
     to the end (seen in CI once the swarm got faster): the run is not finished, it is stopped."""
-    from parameter_server.layout import halt_reason
+    from core.layout import halt_reason
 
     reason = halt_reason([(1, "backward", ("s1b0",))])
     stages = [

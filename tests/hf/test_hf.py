@@ -38,7 +38,7 @@ def trained(tmp_path_factory):
 
 
 def _ours(state, cfg):
-    from peer.model.transformer import slice_from_state
+    from core.model.transformer import slice_from_state
 
     return slice_from_state(cfg, 0, cfg.layers, state).eval()
 

@@ -7,6 +7,6 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def default_corpus():
-    from peer.model.data import load_corpus
+    from core.model.data import load_corpus
 
     return load_corpus(None, seq_len=32)

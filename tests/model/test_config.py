@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from peer.model.config import PRESETS, flops_per_token_per_layer, get_preset, planner_model_file
+from core.model.config import PRESETS, flops_per_token_per_layer, get_preset, planner_model_file
 
 
 def test_presets_have_the_sizes_they_promise():

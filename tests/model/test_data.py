@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from peer.model.data import VAL_MIN_SEQUENCES, load_corpus, make_batch, split_micro_batches
+from core.model.data import VAL_MIN_SEQUENCES, load_corpus, make_batch, split_micro_batches
 
 
 def test_default_corpus_is_stdlib_source(default_corpus):
@@ -74,7 +74,7 @@ def test_batch_is_a_pure_function_of_seed_and_t(default_corpus):
 
 _BATCH_IN_CHILD = """
 import hashlib
-from peer.model.data import load_corpus, make_batch
+from core.model.data import load_corpus, make_batch
 c = load_corpus(None, seq_len=32)
 x, y = make_batch(c, 11, 42, 16, 32)
 print(c.fingerprint, hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest())

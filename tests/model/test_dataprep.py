@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from core.model.data import MANIFEST, load_corpus, make_batch
 from peer.data_cmd import BYTE_EOD, parse_source, prepare
 from peer.errors import UsageError
-from peer.model.data import MANIFEST, load_corpus, make_batch
 
 DOC = "def f(x):\n    return x * 2\n" * 40  # 1,160 bytes of text
 

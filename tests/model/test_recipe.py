@@ -1,4 +1,4 @@
-"""The training recipe (peer.protocol.recipe): the schedules as pure functions of the update, the checks
+"""The training recipe (core.protocol.recipe): the schedules as pure functions of the update, the checks
 that name the flag, and the config record's form."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from peer.protocol.recipe import SCHEDULES, Recipe, parse_betas
+from core.protocol.recipe import SCHEDULES, Recipe, parse_betas
 
 
 def lrs(recipe: Recipe, steps: int) -> list[float]:
@@ -102,7 +102,7 @@ def test_the_record_form_round_trips_and_a_bad_record_names_its_field():
 
 
 def test_the_run_config_record_carries_the_recipe_and_refuses_a_bad_one():
-    from peer.protocol.records import RunConfig
+    from core.protocol.records import RunConfig
 
     r = Recipe(lr=1e-3, schedule="wsd", decay_steps=5)
     run = RunConfig("x", "tiny", 0, 20, 16, 4, 1e-3, {}, recipe=r.record())
@@ -127,7 +127,7 @@ def test_peer_reference_refuses_a_bad_recipe_flag_with_exit_2():
 def test_the_clip_scale_is_clip_grad_norms_coefficient():
     import torch
 
-    from peer.protocol.recipe import clip_scale
+    from core.protocol.recipe import clip_scale
 
     g = torch.tensor([3.0, 4.0])  # norm 5
     p = torch.nn.Parameter(torch.zeros(2))

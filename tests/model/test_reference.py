@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from peer.model.config import get_preset
-from peer.model.data import make_batch
-from peer.model.optim import apply_update, batch_gradient, make_optimizer
-from peer.model.transformer import StageSlice, build_slice
-from peer.protocol.recipe import Recipe
+from core.model.config import get_preset
+from core.model.data import make_batch
+from core.model.optim import apply_update, batch_gradient, make_optimizer
+from core.model.transformer import StageSlice, build_slice
+from core.protocol.recipe import Recipe
 from peer.reference import train_reference
 
 CFG = get_preset("tiny")

@@ -9,8 +9,8 @@ import gc
 import pytest
 import torch
 
-from peer.model.config import PRESETS, get_preset, param_shapes
-from peer.model.transformer import StageSlice, build_slice, init_state, loss_sum
+from core.model.config import PRESETS, get_preset, param_shapes
+from core.model.transformer import StageSlice, build_slice, init_state, loss_sum
 
 
 def _cuts(layers: int) -> list[list[tuple[int, int]]]:
@@ -131,7 +131,7 @@ def test_a_slice_built_from_a_state_runs_no_initializer_of_its_own(monkeypatch):
     """A worker builds the slice of every version it computes on: the values come from the state,
     so torch's initializers (which nn.Linear and nn.Embedding run even on the meta device, slowly)
     are never called, and the slice holds exactly the state."""
-    from peer.model.transformer import slice_from_state
+    from core.model.transformer import slice_from_state
 
     def forbidden(*args, **kwargs):
         raise AssertionError("an initializer ran while building a slice from a state")

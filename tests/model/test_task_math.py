@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 
-from peer.model.config import get_preset
-from peer.model.task_math import backward_kept, backward_rows, forward_keeping, forward_rows
-from peer.model.transformer import build_slice
+from core.model.config import get_preset
+from core.model.task_math import backward_kept, backward_rows, forward_keeping, forward_rows
+from core.model.transformer import build_slice
 
 
 @pytest.mark.parametrize("lo,hi", [(0, 2), (2, 3)])

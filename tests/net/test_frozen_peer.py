@@ -14,9 +14,9 @@ import time
 
 import psutil
 
+from core.protocol import records
 from peer.addresses import visible_maddrs
 from peer.node import start_dht, stop_dht
-from peer.protocol import records
 
 PERIOD = 1.0  # the announce period the records are made for
 

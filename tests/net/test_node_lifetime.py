@@ -163,7 +163,6 @@ def test_a_call_once_the_local_p2p_daemon_is_gone_is_a_lost_connection():
 
     import pytest
 
-    from parameter_server.service import StageServer
     from peer.node import start_dht, stop_dht
     from peer.server_links import P2PLink
 
@@ -171,7 +170,7 @@ def test_a_call_once_the_local_p2p_daemon_is_gone_is_a_lost_connection():
 
     async def call_after_stop() -> None:
         p2p = await dht.replicate_p2p()
-        link = P2PLink(p2p, dht.peer_id.to_base58(), "s9", StageServer)  # (no addresses: nothing to dial)
+        link = P2PLink(p2p, dht.peer_id.to_base58(), "s9")  # (no addresses: nothing to dial)
         stop_dht(dht)  # the daemon and its control socket go
         with pytest.raises(ConnectionError):
             await link.call("ping", {"device": "x"}, timeout=10)

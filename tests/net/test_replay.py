@@ -12,10 +12,10 @@ from functools import partial
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
+from core.protocol import records
+from core.protocol.trust import SigningKey, stage_name
 from peer.addresses import visible_maddrs
 from peer.node import start_dht, stop_dht
-from peer.protocol import records
-from peer.protocol.trust import SigningKey, stage_name
 
 RUN = "replay"
 PERIOD = 0.5  # the server's announce period here

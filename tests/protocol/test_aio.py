@@ -1,5 +1,5 @@
 """A loop whose call turns a cancellation into an error of its own still stops when cancelled
-(peer.protocol.aio): the failure behind servers that said "finished" and never ended."""
+(core.protocol.aio): the failure behind servers that said "finished" and never ended."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from peer.protocol.aio import cancel_requested, check_cancelled
+from core.protocol.aio import cancel_requested, check_cancelled
 
 
 async def call_that_hides_a_cancellation(calls: list, release: asyncio.Event):

@@ -10,8 +10,8 @@ import pytest
 import torch
 from hivemind.proto.runtime_pb2 import ExpertRequest
 
+from core.protocol.wire import PayloadError, pack
 from parameter_server.budget import RequestBudget
-from peer.protocol.wire import PayloadError, pack
 from tests.swarm.inprocess import InProcessSwarm, make_run
 
 MiB = 1 << 20

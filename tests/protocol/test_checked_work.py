@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core.protocol.wire import PayloadError
 from parameter_server import blob
-from peer.protocol.wire import PayloadError
 
 
 def _shard(keep: int = 4):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hivemind.proto.runtime_pb2 import ExpertRequest
 
-from peer.protocol.wire import COMPRESSION, MIN_COMPRESSED, PayloadError, pack, roundtrip, stream_of, unpack
+from core.protocol.wire import COMPRESSION, MIN_COMPRESSED, PayloadError, pack, roundtrip, stream_of, unpack
 
 
 def _unpack(messages, accept):
@@ -56,7 +56,7 @@ def test_a_compressed_tensor_whose_bytes_do_not_fit_its_shape_is_refused_before_
 
 
 def test_the_run_config_names_a_known_mode():
-    from peer.protocol.records import RunConfig
+    from core.protocol.records import RunConfig
 
     base = {
         "run_id": "r",
@@ -80,7 +80,7 @@ def test_uncompressed_fp32_tensors_travel_as_one_and_arrive_as_they_left():
     """A shard's parameters or gradient (many fp32 tensors) go as one vector with their shapes in the
     metadata, and arrive split back, bit for bit; other dtypes beside them, or a codec, keep one
     tensor each on the wire."""
-    from peer.protocol.wire import FLAT, decode_meta
+    from core.protocol.wire import FLAT, decode_meta
 
     gen = torch.Generator().manual_seed(0)
     shard = [
@@ -116,7 +116,7 @@ def test_uncompressed_fp32_tensors_travel_as_one_and_arrive_as_they_left():
     ],
 )
 def test_a_flat_field_that_does_not_fit_what_arrived_is_refused(shapes, tensors, error):
-    from peer.protocol.wire import FLAT
+    from core.protocol.wire import FLAT
 
     messages = (
         pack({FLAT: shapes}, tensors, ExpertRequest)

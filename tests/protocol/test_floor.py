@@ -9,10 +9,10 @@ import pytest
 import torch
 from hivemind.proto.runtime_pb2 import ExpertRequest
 
-from parameter_server.layout import RunLayout, owners, segment, split_by_weights
+from core.layout import RunLayout, owners, segment, split_by_weights
+from core.protocol.records import RunConfig, validate_record
+from core.protocol.wire import PayloadError, StreamCut, check_tensor, pack, unpack
 from parameter_server.requestlog import RequestLog, read_log
-from peer.protocol.records import RunConfig, validate_record
-from peer.protocol.wire import PayloadError, StreamCut, check_tensor, pack, unpack
 
 
 async def _aiter(items):
@@ -153,7 +153,7 @@ def test_all_finite_agrees_with_isfinite_everywhere(dtype):
     """The finiteness check of every payload reads a tensor's extremes: a NaN or an infinity of either
     sign anywhere (first, last, inside a transposed view, in a 0-dim tensor) is found, an empty tensor
     and large finite values pass."""
-    from peer.protocol.wire import all_finite
+    from core.protocol.wire import all_finite
 
     gen = torch.Generator().manual_seed(0)
     assert all_finite(torch.empty(0, 3, dtype=dtype))
@@ -328,8 +328,8 @@ def test_an_accumulated_push_is_credited_all_or_nothing():
     """A push summed over several tasks is credited whole; one that overlaps credited tasks only in
     part is a conflict that changes nothing and names the tasks already credited; one whose tasks
     are all credited is a duplicate; overlapping rows inside one push are an error."""
+    from core.protocol.tasks import TaskId
     from parameter_server.shard import ShardState
-    from peer.protocol.tasks import TaskId
 
     shard = ShardState({"w": torch.zeros(3)}, lr=1e-1, rows_per_micro=4, micro_batches=2, steps=2)
     ref = ShardState({"w": torch.zeros(3)}, lr=1e-1, rows_per_micro=4, micro_batches=2, steps=2)
@@ -367,7 +367,7 @@ def test_an_accumulated_push_is_credited_all_or_nothing():
 
 
 def test_a_failover_layout_moves_slots_and_keeps_roles_filled():
-    from parameter_server.layout import RunLayout
+    from core.layout import RunLayout
 
     layout = RunLayout.even(2, 4, 2, 2)
     assert layout.stages[0].hosts == ("s0f0", "s0f1", "s0b0", "s0b1")
@@ -492,7 +492,7 @@ def test_a_versions_digest_is_its_parameters_bits_and_follows_a_rollback():
 
 
 def test_a_task_id_formats_and_parses_in_one_place():
-    from peer.protocol.tasks import TaskId, batch_of, task_id
+    from core.protocol.tasks import TaskId, batch_of, task_id
 
     tid = task_id("backward", 3, 1, 0, (4, 8))
     assert tid == "B3.1.0.4-8"
@@ -501,8 +501,8 @@ def test_a_task_id_formats_and_parses_in_one_place():
 
 
 def test_the_method_table_is_what_the_server_offers():
+    from core.protocol import methods
     from parameter_server.service import StageServer
-    from peer.protocol import methods
 
     for name in methods.NAMES:
         assert hasattr(StageServer, f"rpc_{name}") and hasattr(StageServer, f"on_{name}"), name

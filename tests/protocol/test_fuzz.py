@@ -22,10 +22,10 @@ from hivemind.proto.runtime_pb2 import ExpertRequest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from core.protocol import methods
+from core.protocol.session import MAX_OPEN_CALLS, Session, handle_name
+from core.protocol.wire import stream_of, unpack
 from parameter_server.service import StageServer
-from peer.protocol import methods
-from peer.protocol.session import MAX_OPEN_CALLS, Session, handle_name
-from peer.protocol.wire import stream_of, unpack
 from tests.swarm.inprocess import TICKETS, make_run
 
 FIELDS = [
@@ -99,8 +99,8 @@ class LiveServer:
     P2P daemon, and an outsider's daemon connected to it; their event loop runs in a thread."""
 
     def __init__(self, max_request_bytes: int | None = None):
-        from peer.model.data import load_corpus
-        from peer.model.transformer import init_state
+        from core.model.data import load_corpus
+        from core.model.transformer import init_state
 
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
@@ -145,7 +145,7 @@ class LiveServer:
         async def roundtrip():
             if method.endswith(SESSION):
                 if self.session is None or self.session.closed:
-                    self.session = await Session().open(self.outsider, str(self.p2p.peer_id), handle_name(StageServer))
+                    self.session = await Session().open(self.outsider, str(self.p2p.peer_id), handle_name())
                 return await unpack(self.session.call(method.removesuffix(SESSION), messages))
             return await unpack(await getattr(self.stub, f"rpc_{method}")(stream_of(messages)))
 
@@ -216,7 +216,7 @@ def test_a_request_over_max_request_bytes_is_refused_while_it_arrives():
     server = LiveServer(max_request_bytes=1 << 16)
     try:
         big = torch.zeros(64, 1024)  # 256 KiB
-        from peer.protocol.wire import pack
+        from core.protocol.wire import pack
 
         before = server.state()
         for method in ("push_grads", f"push_grads{SESSION}"):
@@ -291,7 +291,7 @@ def test_a_single_oversized_message_is_refused_from_its_length_alone():
     in full before the request bound refused it. Now the stream ends at the header, with 9 bytes read."""
     from hivemind.p2p import P2P
 
-    from peer.protocol.wire import MESSAGES_REFUSED, bound_messages
+    from core.protocol.wire import MESSAGES_REFUSED, bound_messages
 
     bound_messages(1 << 20)
 
@@ -315,7 +315,7 @@ def test_a_single_oversized_message_is_refused_from_its_length_alone():
 def test_a_live_server_drops_a_single_message_over_its_bound_and_keeps_serving():
     server = LiveServer(max_request_bytes=1 << 16)
     try:
-        from peer.protocol.wire import bound_messages
+        from core.protocol.wire import bound_messages
 
         bound_messages(1 << 16)  # as peer serve sets it from --max-request-bytes
         before = server.state()
@@ -328,7 +328,7 @@ def test_a_live_server_drops_a_single_message_over_its_bound_and_keeps_serving()
         assert server.state() == before
         assert server.run(server.call("ping", [ExpertRequest(metadata=msgpack.packb({}))])).startswith("answered")
     finally:
-        from peer.protocol.wire import MAX_MESSAGE_BYTES, bound_messages
+        from core.protocol.wire import MAX_MESSAGE_BYTES, bound_messages
 
         bound_messages(MAX_MESSAGE_BYTES)
         server.close()

@@ -3,7 +3,7 @@ call carries, what a call in flight keeps to itself, and what an answer clears."
 
 from __future__ import annotations
 
-from parameter_server.leases import MAX_COMPLETE
+from core.protocol.leases import MAX_COMPLETE
 from peer.volunteer.handins import HandIns
 
 

@@ -1,4 +1,4 @@
-"""Every write is bound to a lease (peer/protocol/leases.py, the method table's `leased` column): each
+"""Every write is bound to a lease (core/protocol/leases.py, the method table's `leased` column): each
 method that hands a server a task's result is refused, changing nothing, from an outsider, from a
 registered stranger, and from a volunteer answering another's task, even one that shows the real
 holder's ticket; the holder's own answer is accepted. Run through the servers' real handlers in one
@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 
-from peer.protocol import methods
-from peer.protocol.wire import RemoteError
+from core.protocol import methods
+from core.protocol.wire import RemoteError
 from peer.server_links import LocalLink
 from tests.swarm.inprocess import TICKETS, InProcessSwarm, make_run
 
@@ -140,7 +140,7 @@ def test_every_leased_method_refuses_all_but_the_holder_of_the_lease():
 def test_labels_come_from_the_runs_data_never_through_a_volunteer():
     """A stage-0 volunteer gets no labels and can hand none on: outputs with labels are refused even from
     the lease's holder, and the last stage's frontal server serves the labels of the run's own data."""
-    from peer.model.data import make_batch
+    from core.model.data import make_batch
 
     cfg, layout, run = make_run(stages=2, steps=2)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
@@ -182,7 +182,7 @@ def test_labels_come_from_the_runs_data_never_through_a_volunteer():
 def test_the_run_data_a_frontal_server_keeps_survives_a_rollback_to_an_older_batch():
     """A rollback asks for a batch older than every one kept: it is read again (the cache once dropped
     the very batch it had just read, and the server died on it)."""
-    from peer.model.data import make_batch
+    from core.model.data import make_batch
 
     cfg, layout, run = make_run(stages=2, steps=12)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)

@@ -9,7 +9,7 @@ import io
 
 import pytest
 
-from parameter_server.layout import RunLayout
+from core.layout import RunLayout
 from peer.host.failures import FailureDetector
 from peer.host.run_config import differing_flags
 from peer.host.state import PeerState, StateLine
@@ -92,14 +92,14 @@ def test_progress_is_said_once_a_period_while_serving_and_never_otherwise():
     ],
 )
 def test_a_duration_reads_as_a_person_says_it(seconds, text):
-    from peer.protocol.values import format_duration
+    from core.protocol.values import format_duration
 
     assert format_duration(seconds) == text
 
 
 @pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "5", None])
 def test_a_duration_that_is_not_one_is_refused(bad):
-    from peer.protocol.values import format_duration
+    from core.protocol.values import format_duration
 
     with pytest.raises(ValueError, match="a duration must be a finite number >= 0"):
         format_duration(bad)
@@ -203,7 +203,7 @@ def test_the_flags_a_server_disagrees_on_are_named_with_both_values():
 
 
 def test_a_server_with_another_recipe_names_each_setting_with_both_values():
-    from peer.protocol.recipe import Recipe
+    from core.protocol.recipe import Recipe
 
     mine = Recipe(lr=0.002)
     ours = {"model": "tiny", "steps": 20, "lr": 0.002, "recipe": mine.record()}
@@ -266,8 +266,8 @@ def test_keygen_makes_the_folder_and_never_overwrites(tmp_path, capsys):
 
 
 def test_every_help_shows_the_defaults_and_the_presets(capsys):
+    from core.model.config import PRESETS
     from peer.cli import main
-    from peer.model.config import PRESETS
 
     for command in ("serve", "join", "swarm"):
         with pytest.raises(SystemExit):
@@ -316,7 +316,7 @@ def test_a_halt_notice_with_a_state_line_says_each_change_once():
 
 
 def test_a_stopping_server_does_not_wait_for_ever_for_a_task_that_ignores_its_cancellation(tmp_path, caplog):
-    """A task that swallows its cancellation (the loops check for that: peer.protocol.aio) cannot
+    """A task that swallows its cancellation (the loops check for that: core.protocol.aio) cannot
     hold a server's stop: it waits TASKS_END_S for its tasks, says how many did not end, and goes."""
     from peer import serve
     from peer.cli import build_parser

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from parameter_server.layout import halt_reason
+from core.layout import halt_reason
 from peer.directory import HaltNotice
 from peer.server_links import LinkHealth
 

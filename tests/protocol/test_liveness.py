@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
+from core.protocol import records
 from peer.directory import Directory
-from peer.protocol import records
 
 
 def server_rec(device: str, written: float, state: str = "online") -> dict:
@@ -57,8 +57,8 @@ def test_a_stale_halt_notice_does_not_stop_the_run():
 
 
 def test_stage_choice_counts_fresh_volunteers_only():
-    from parameter_server.layout import RunLayout
-    from peer.model.config import get_preset
+    from core.layout import RunLayout
+    from core.model.config import get_preset
     from peer.volunteer.stage_choice import stages_now
 
     cfg = get_preset("tiny")

@@ -1,4 +1,4 @@
-"""Refusals carry a code (peer/protocol/refusals.py): a server's refusal reaches the caller as
+"""Refusals carry a code (core/protocol/refusals.py): a server's refusal reaches the caller as
 RemoteError.refusal, and a client's choice (retry after the layout, register, stop for good, give a
 delivery up) follows the code whatever the words say."""
 
@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
+from core.protocol.refusals import Refusal
+from core.protocol.wire import PayloadError, RemoteError
 from parameter_server.outbox import Outbox
-from peer.protocol.refusals import Refusal
-from peer.protocol.wire import PayloadError, RemoteError
 from peer.server_links import LocalLink
 from tests.swarm.inprocess import InProcessSwarm, make_run
 

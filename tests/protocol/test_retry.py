@@ -1,4 +1,4 @@
-"""peer/protocol/retry.py's Attempts: the one way a call is tried again and a look is taken every
+"""core/protocol/retry.py's Attempts: the one way a call is tried again and a look is taken every
 period; its budget, its pause, its stop, cancellation and the log of failures."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from peer.protocol.retry import Attempts, Backoff
+from core.protocol.retry import Attempts, Backoff
 
 
 def collect(attempts: Attempts, body=None) -> list[int]:

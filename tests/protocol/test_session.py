@@ -1,4 +1,4 @@
-"""Sessions (peer/protocol/session.py) between two real hivemind P2P daemons on 127.0.0.1: calls on one
+"""Sessions (core/protocol/session.py) between two real hivemind P2P daemons on 127.0.0.1: calls on one
 session run at once and are answered as each finishes; a session that breaks ends its open calls as
 streams that ended early, and the next call opens a new one."""
 
@@ -12,9 +12,9 @@ import pytest
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto.runtime_pb2 import ExpertRequest
 
-from peer.protocol import session
-from peer.protocol.session import Sessions, handle_name
-from peer.protocol.wire import PayloadError, StreamCut, decode_meta, encode_meta, unpack
+from core.protocol import session
+from core.protocol.session import Sessions, handle_name
+from core.protocol.wire import PayloadError, StreamCut, decode_meta, encode_meta, unpack
 
 
 class Sleeper(ServicerBase):
@@ -34,7 +34,7 @@ class Sleeper(ServicerBase):
             yield message
 
 
-NAME = handle_name(Sleeper)
+NAME = handle_name(Sleeper.__name__)
 
 
 async def _peer(of=None, serving: bool = False):
@@ -110,3 +110,13 @@ def test_a_broken_session_ends_its_open_calls_and_the_next_call_opens_a_new_one(
             await server.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_clients_handler_name_is_the_one_the_stage_servers_register():
+    """Clients name the servers' session handler without importing the server class: the name they
+    use is the one hivemind registers StageServer's `rpc_session` under."""
+    from parameter_server.service import StageServer
+
+    assert handle_name() == StageServer._get_handle_name(None, "rpc_session")
+    assert handle_name() == f"{session.STAGE_SERVICE}.rpc_session"
+    assert handle_name(Sleeper.__name__) == Sleeper._get_handle_name(None, "rpc_session")

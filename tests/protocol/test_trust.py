@@ -1,4 +1,4 @@
-"""Signed records (peer/protocol/trust.py): what a reader believes, and what it drops with the reason.
+"""Signed records (core/protocol/trust.py): what a reader believes, and what it drops with the reason.
 Every case here is a forgery an outsider could store in the DHT; the live test is in
 tests/swarm/test_trust.py."""
 
@@ -12,8 +12,8 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
-from peer.protocol import records
-from peer.protocol.trust import (
+from core.protocol import records
+from core.protocol.trust import (
     RunValidator,
     SigningKey,
     TrustError,
@@ -201,7 +201,7 @@ def test_the_validator_remembers_a_record_that_passed_until_its_envelope_expires
     """A DHT node validates the same stored record on every read that reaches it: one that passed is
     answered from memory while its envelope lives (the same bytes, stored with the same expiry), and
     checked again once it has expired, or stored with another expiry (a replay's)."""
-    from peer.protocol import trust
+    from core.protocol import trust
 
     v = RunValidator("r", RUN_KEY.fingerprint)
     key = DHTID.generate(source=stage_name("r", 0)).to_bytes()
@@ -247,8 +247,8 @@ def test_a_run_key_file_round_trip(tmp_path):
 def test_remembered_verdicts_never_pass_a_forgery_nor_an_expired_record():
     """Signatures that verified and schema verdicts are remembered (a DHT node re-validates the same
     stored record on every read); what changed bytes, swapped signatures or the clock says still counts."""
-    from peer.protocol import trust
-    from peer.protocol.schema import run_schema_validator
+    from core.protocol import trust
+    from core.protocol.schema import run_schema_validator
 
     subkey, good = stage_record(SERVER, server_body(), RUN_KEY)
     assert read_stage(subkey, good) == server_body()
@@ -277,8 +277,8 @@ def test_remembered_verdicts_hold_digests_not_the_records():
     """A verdict is remembered under the SHA-256 of the bytes it is about, not the bytes: a full cache
     of 4,096 server records (each kilobytes) held them all, megabytes per process, filling in a
     swarm's first minutes (seen as RSS growth in the soak)."""
-    from peer.protocol import trust
-    from peer.protocol.schema import run_schema_validator
+    from core.protocol import trust
+    from core.protocol.schema import run_schema_validator
 
     subkey, good = stage_record(SERVER, server_body(), RUN_KEY)
     read_stage(subkey, good)
@@ -312,7 +312,7 @@ def test_one_unusable_entry_under_a_key_does_not_hide_the_others():
     nodes drop that entry and keep the others (trust.keep_valid_entries)."""
     from hivemind.dht.storage import DictionaryDHTValue
 
-    from peer.protocol.trust import keep_valid_entries
+    from core.protocol.trust import keep_valid_entries
 
     keep_valid_entries()
     protocol = DHTProtocol.__new__(DHTProtocol)  # (only its validator and serializer are used)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+from core.protocol import records
 from peer.host.twin import live_holder
-from peer.protocol import records
 
 PERIOD = 2.0
 WATCH = records.stale_after(PERIOD) + PERIOD

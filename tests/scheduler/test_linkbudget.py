@@ -26,7 +26,7 @@ from scheduler.linkbudget import (
 
 
 def spec(layers: int, hidden: int, seq_len: int = 2048) -> object:
-    per_layer = 72 * hidden**2 + 12 * seq_len * hidden  # the planner's count (peer/model/config.py)
+    per_layer = 72 * hidden**2 + 12 * seq_len * hidden  # the planner's count (core/model/config.py)
     return load_model(
         {
             "layers": layers,
@@ -134,7 +134,7 @@ def test_peer_simulate_link_budget_prints_the_tokens_and_the_batch():
     got = json.loads(out.stdout)
     assert got["tflops"] == 20 and got["stages"] == 2
     rows = {(r["pull"], r["push"], r["mode"]): r["tokens"] for r in got["rows"]}
-    from peer.model.config import get_preset, planner_model_file
+    from core.model.config import get_preset, planner_model_file
 
     preset = load_model(planner_model_file(get_preset("1b"), 64, 4, bytes_per_value=4))
     want = tokens_for(preset, 2, Volunteer(tflops=20, mbps=50), 0.5, "overlapped")
@@ -290,7 +290,7 @@ def test_peer_simulate_choose_layout_says_the_stages_and_the_batch_plainly():
     argv += ["--volunteer-mbps", "50", "--utilisation", "0.5"]
     out = peer(*argv)
     assert out.returncode == 0, out.stderr
-    from peer.model.config import get_preset, planner_model_file
+    from core.model.config import get_preset, planner_model_file
 
     preset = load_model(planner_model_file(get_preset("1b"), 64, 4, bytes_per_value=4))
     _, best = choose_layout(preset, Fleet(1000, (10, 20), (50, 50), memory_gb=24), 0.5)

@@ -15,12 +15,12 @@ import time
 
 from safetensors.torch import load_file
 
+from core.protocol import records
 from peer.addresses import visible_maddrs
 from peer.cli import build_parser
 from peer.launcher.monitor import Monitor
 from peer.launcher.processes import Swarm, kill_group
 from peer.node import start_dht, stop_dht
-from peer.protocol import records
 from peer.server_links import P2PLink
 from peer.swarm import validate
 
@@ -42,7 +42,7 @@ def reference_state(
     recipe=None,
     precision: str = "fp32",
 ):
-    """`peer reference --delay 1`'s parameters after `steps` (with a peer.protocol.recipe.Recipe, or the
+    """`peer reference --delay 1`'s parameters after `steps` (with a core.protocol.recipe.Recipe, or the
     default one at `lr`): computed once per test run and arguments, each caller given its own copy."""
     state = _reference_state(model, steps, seed, batch_size, micro_batches, lr, recipe, precision)
     return {k: v.clone() for k, v in state.items()}
@@ -52,8 +52,8 @@ def reference_state(
 def _reference_state(
     model: str, steps: int, seed: int, batch_size: int, micro_batches: int, lr: float, recipe, precision: str
 ):
-    from peer.model.config import get_preset
-    from peer.model.data import load_corpus
+    from core.model.config import get_preset
+    from core.model.data import load_corpus
     from peer.reference import train_reference
 
     cfg = get_preset(model)
@@ -75,10 +75,10 @@ def _reference_state(
 
 def reference_run(steps: int, recipe=None, eval_every: int = 0, model: str = "tiny") -> tuple[dict, dict]:
     """`peer reference --delay 1` of the swarm tests' settings (seed 0, batch 16 in 4 micro-batches,
-    the default corpus), with a peer.protocol.recipe.Recipe (None: the default at lr 2e-3) and
+    the default corpus), with a core.protocol.recipe.Recipe (None: the default at lr 2e-3) and
     --eval-every: (final state, summary)."""
-    from peer.model.config import get_preset
-    from peer.model.data import load_corpus
+    from core.model.config import get_preset
+    from core.model.data import load_corpus
     from peer.reference import train_reference
 
     cfg = get_preset(model)

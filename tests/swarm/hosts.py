@@ -145,7 +145,7 @@ class HostRun:
 
     def corpus(self, cfg):
         if self._corpus is None:
-            from peer.model.data import load_corpus
+            from core.model.data import load_corpus
 
             self._corpus = load_corpus(None, seq_len=cfg.seq_len)
         return self._corpus

@@ -11,15 +11,15 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from parameter_server.layout import RunLayout
+from core.layout import RunLayout
+from core.model.config import get_preset
+from core.model.data import load_corpus
+from core.model.transformer import init_state
+from core.protocol.leases import LeaseTickets
+from core.protocol.records import RunConfig
 from parameter_server.service import StageServer
 from peer.host.failures import FailureDetector
 from peer.host.maintenance import Maintenance
-from peer.model.config import get_preset
-from peer.model.data import load_corpus
-from peer.model.transformer import init_state
-from peer.protocol.leases import LeaseTickets
-from peer.protocol.records import RunConfig
 from peer.server_links import LocalLink
 from peer.volunteer.worker import StageWorker
 
@@ -41,7 +41,7 @@ def make_run(
     precision="fp32",
     eval_every=0,
 ):
-    """(cfg, layout, run config) of a run; `recipe`: a peer.protocol.recipe.Recipe (its lr is the run's)."""
+    """(cfg, layout, run config) of a run; `recipe`: a core.protocol.recipe.Recipe (its lr is the run's)."""
     cfg = get_preset(model)
     layout = RunLayout.even(stages, cfg.layers, frontal, backward)
     if recipe is not None:

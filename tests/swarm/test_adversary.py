@@ -36,8 +36,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from peer.protocol.tasks import TaskId
-from peer.protocol.wire import RemoteError
+from core.protocol.tasks import TaskId
+from core.protocol.wire import RemoteError
 from peer.server_links import LocalLink
 from peer.volunteer.worker import StageWorker
 from tests.swarm.harness import reference_state, rel_diff

@@ -77,9 +77,9 @@ def test_a_benchmark_whose_out_folder_is_a_file_is_refused_before_it_runs(script
 def test_no_local_first_reaches_every_server_the_swarm_starts(flag, expected, tmp_path):
     """`peer swarm --no-local-first` starts every `peer serve` with it (each server's frontal cut then
     chooses a batch's clients by the rows they are owed only: tests/swarm/test_inprocess.py)."""
-    from parameter_server.layout import RunLayout
+    from core.layout import RunLayout
+    from core.model.config import get_preset
     from peer.launcher.processes import Swarm
-    from peer.model.config import get_preset
 
     args = build_parser().parse_args(["swarm", "--model", "tiny", "--steps", "6", "--no-fork-processes", *flag])
     validate(args)
@@ -98,9 +98,9 @@ def test_the_swarm_passes_its_checked_work_and_compression_flags_to_its_peers(tm
     reaches the commands it starts: every server serves with C, P and R, each honest volunteer is
     slowed by S, and liar i joins stage i mod 2 with `--cheat K` (what those flags do on a live run:
     tests/swarm/test_hosts_trust.py)."""
-    from parameter_server.layout import RunLayout
+    from core.layout import RunLayout
+    from core.model.config import get_preset
     from peer.launcher.processes import Swarm
-    from peer.model.config import get_preset
 
     argv = ["swarm", "--model", "tiny", "--steps", "6", "--no-fork-processes", "--volunteers", "2"]
     argv += ["--compress", "8bit", "--probation", "1", "--verify-rate", "0.5", "--volunteer-slowdown", "8"]

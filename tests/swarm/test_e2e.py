@@ -12,9 +12,9 @@ import signal
 import pytest
 import torch
 
+from core.protocol.recipe import Recipe
+from core.protocol.wire import RemoteError
 from peer.launcher.processes import kill_group
-from peer.protocol.recipe import Recipe
-from peer.protocol.wire import RemoteError
 from tests.swarm.harness import LiveSwarm, no_children_left, reference_state, rel_diff, swarm_cli
 
 # the recipe of the CLI run: flags through the command line, the launcher and the run's config record
@@ -57,7 +57,7 @@ def test_peer_swarm_cli_matches_reference(tmp_path):
     times = [summary["version_seconds"][str(v)] for v in range(1, 4)]
     assert times == sorted(times) and abs(times[-1] - summary["wall_seconds"]) < 1e-3 + 1e-6 * times[-1], summary
     # every call of the run went over a session (one stream per caller and server, the calls
-    # multiplexed on it: peer/protocol/session.py): the parameters below match the reference through them
+    # multiplexed on it: core/protocol/session.py): the parameters below match the reference through them
     over_session, calls = summary["rpc_session_calls"], summary["rpc_calls"]
     assert over_session == calls and {"take", "get_params", "push_grads", "register"} <= set(calls), (
         over_session,

@@ -12,9 +12,9 @@ import os
 import re
 import signal
 
+from core.protocol import records
+from core.protocol.recipe import Recipe
 from peer.launcher.processes import child_groups
-from peer.protocol import records
-from peer.protocol.recipe import Recipe
 from peer.volunteer.worker import KILL_POINTS
 from tests.swarm.harness import LiveSwarm, no_children_left, reference_run, reference_state, rel_diff, swarm_cli
 

@@ -242,7 +242,7 @@ def test_servers_lost_before_the_first_step_and_mid_run_are_failed_over(tmp_path
     it (none is refused as of a stale epoch). Then s0f0, which builds the batches and coordinated
     the first failover, is lost at step 2: the first remaining server fails it over (layout epoch 2),
     and the run ends equal to the reference."""
-    from peer.protocol import records
+    from core.protocol import records
 
     caplog.set_level(logging.INFO, logger="hivepipe")
     steps = 5

@@ -22,13 +22,12 @@ import pytest
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
-from parameter_server.service import StageServer
-from peer.model.config import get_preset
+from core.model.config import get_preset
+from core.protocol import records
+from core.protocol.traffic import TRAFFIC, VALUES
+from core.protocol.trust import SigningKey, config_name, seal, stage_name
+from core.protocol.wire import RemoteError
 from peer.node import stop_dht
-from peer.protocol import records
-from peer.protocol.traffic import TRAFFIC, VALUES
-from peer.protocol.trust import SigningKey, config_name, seal, stage_name
-from peer.protocol.wire import RemoteError
 from peer.reference import DEFAULTS
 from peer.server_links import P2PLink
 from tests.deploy_table import check_refusal
@@ -229,9 +228,7 @@ def test_an_outsider_cannot_forge_records_or_call_server_methods(tmp_path):
                 out["dashboard"] = json.loads(dash.stdout)
                 # 3. server-only methods from the outsider's authenticated peer id
                 p2p = await keeper.replicate_p2p()
-                link = P2PLink(
-                    p2p, real_peer, "s0f0", StageServer, addresses=lambda: real_server["maddrs"], backoff=False
-                )
+                link = P2PLink(p2p, real_peer, "s0f0", addresses=lambda: real_server["maddrs"], backoff=False)
                 out["calls"] = {}
                 for method, meta in (
                     ("adopt_epoch", {"epoch": 5, "from_batch": 0, "layout": {}}),

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
+from core.protocol.tasks import TaskId
 from parameter_server.updates import RETAIN
-from peer.protocol.tasks import TaskId
 from peer.server_links import LocalLink
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import TICKETS, InProcessSwarm, make_run, one_worker_on_a_clock
@@ -238,8 +238,8 @@ def test_an_idle_worker_pushes_each_batch_once_when_the_rest_of_it_is_owed_to_it
 
 
 def test_one_complete_carries_every_task_of_a_push_and_a_bad_list_changes_nothing():
-    from parameter_server.leases import MAX_COMPLETE
-    from peer.protocol.wire import RemoteError
+    from core.protocol.leases import MAX_COMPLETE
+    from core.protocol.wire import RemoteError
 
     cfg, layout, run = make_run(steps=1, stages=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
@@ -300,9 +300,9 @@ def test_finished_tasks_go_with_the_next_take_or_heartbeat_not_a_complete_each(t
     restart replays; a malformed list is refused and changes nothing, an id it does not know
     changes nothing, and ids carried with another layout epoch complete nothing (a task id names
     the same rows in every epoch)."""
-    from parameter_server.leases import MAX_COMPLETE
+    from core.protocol.leases import MAX_COMPLETE
+    from core.protocol.wire import RemoteError
     from parameter_server.requestlog import RequestLog, read_log
-    from peer.protocol.wire import RemoteError
 
     cfg, layout, run = make_run(steps=2, stages=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
@@ -429,7 +429,7 @@ def test_a_worker_fetches_the_next_version_ahead_and_a_server_waits_for_a_versio
     import time
 
     import parameter_server.updates
-    from peer.protocol.wire import RemoteError
+    from core.protocol.wire import RemoteError
 
     MAX_PARAMS_WAIT = 600.0
     monkeypatch.setattr(parameter_server.updates, "MAX_PARAMS_WAIT", MAX_PARAMS_WAIT)

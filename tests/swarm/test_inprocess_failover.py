@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from peer.protocol.refusals import Refusal
+from core.protocol.refusals import Refusal
 from peer.server_links import LocalLink
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import InProcessSwarm, make_run
@@ -55,7 +55,7 @@ def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_r
         assert {sh.microbatches_applied for sh in s.hosted.values()} == {steps * run.micro_batches}
 
     async def refused():
-        from peer.protocol.wire import RemoteError
+        from core.protocol.wire import RemoteError
         from peer.server_links import LocalLink
 
         server = next(iter(swarm.servers.values()))
@@ -208,7 +208,7 @@ def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the
     lineage, as after a rollback or a restart) refuses the step, changing nothing, and the sender
     sends the whole state instead; the same step again (a call repeated after a lost answer) is a
     duplicate, taken once; a step that does not fit is refused with its reason."""
-    from peer.protocol.wire import RemoteError
+    from core.protocol.wire import RemoteError
 
     steps = 5
     cfg, layout, run = make_run(steps=steps, stages=1, frontal=1, backward=1)
@@ -270,8 +270,8 @@ def test_a_replica_takes_the_step_its_own_worker_pushed_by_reference_bit_for_bit
     server in the default swarm): replicas still equal their shards bit for bit and training the
     reference. A step by reference whose digest is not what the worker pushed (or of a batch it
     pushed nothing of) is answered `need_tensors`, changing nothing; the host then sends the tensors."""
+    from core.protocol.wire import RemoteError
     from parameter_server.shard import tensors_digest
-    from peer.protocol.wire import RemoteError
     from peer.server_links import LocalLink
 
     steps = 6
@@ -316,7 +316,7 @@ def test_a_servers_worker_reads_another_servers_slot_from_its_replica_only_when_
     one server's replica made to report other bits, as a replica on another kind of device may
     hold) it pulls the version from the host and keeps pulling for a while; training equals the
     reference either way. A digest answer carries no tensors, and a bad `digest_only` is refused."""
-    from peer.protocol.wire import RemoteError
+    from core.protocol.wire import RemoteError
 
     steps = 8
     cfg, layout, run = make_run(steps=steps, stages=2, frontal=1, backward=1)

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
+from core.protocol.tasks import TaskId
 from parameter_server.clients import DISCONNECT_GRACE, TokenBucket
 from parameter_server.updates import RETAIN
-from peer.protocol.tasks import TaskId
 from peer.server_links import LocalLink
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import InProcessSwarm, make_run, one_worker_on_a_clock
@@ -47,7 +47,7 @@ def test_a_lease_whose_answer_was_lost_goes_back_to_the_pool_at_the_next_heartbe
     """The server leased a task but its answer never reached the worker (a `take` cut on the way
     back). The worker's heartbeat lists the tasks it holds, so the server re-queues the lease once it
     is old enough to have arrived, instead of after --task-timeout; a malformed list is refused."""
-    from peer.protocol.wire import RemoteError
+    from core.protocol.wire import RemoteError
 
     fs, a, link, now = one_worker_on_a_clock()
 
@@ -76,8 +76,8 @@ def test_a_waiting_take_gets_the_task_cut_while_it_waits_and_a_bad_wait_is_refus
     waits comes back at once, without a poll; a wait that ends empty answers no task; a wait out of
     bounds is refused with its name and leases nothing."""
 
+    from core.protocol.wire import RemoteError
     from parameter_server.leases import MAX_TAKE_WAIT
-    from peer.protocol.wire import RemoteError
 
     cfg, layout, run = make_run(steps=1, stages=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
@@ -114,7 +114,7 @@ def test_a_take_answer_cut_after_its_metadata_hands_the_task_back_at_once():
     """The server leased a task, and its answer was cut after the metadata (the stream ended before
     the tensors: seen 4 times in a soak). The worker knows the task id from what arrived
     and hands it back at once, instead of leaving the lease for a heartbeat to reclaim after 5 s."""
-    from peer.protocol.wire import StreamCut
+    from core.protocol.wire import StreamCut
 
     async def then(fs, worker, real):
         worker.links[fs.device_id] = real
@@ -307,8 +307,8 @@ def test_a_client_that_names_queued_tasks_as_held_gets_none_of_them():
     stranger naming queued task ids, with no ticket, another's ticket or one of its own for another
     task, gets none of them, and the `complete` it carries completes nothing; the worker that holds a
     ticket of one gets it back."""
-    from peer.protocol.tasks import task_id
-    from peer.protocol.wire import RemoteError
+    from core.protocol.tasks import task_id
+    from core.protocol.wire import RemoteError
 
     fs, (a,) = one_stage(volunteers=1)
     pa = a.links[fs.device_id].sender
@@ -343,7 +343,7 @@ def test_outputs_are_pushed_for_all_of_a_tasks_rows_or_refused():
     """A forward task's outputs reach a backward server for all of the task's rows that server holds,
     or not at all: a holder that pushed its first row alone and handed the task back made every
     whole re-run overlap that row, refused for ever (the run hung). The whole push is accepted."""
-    from peer.protocol.wire import RemoteError
+    from core.protocol.wire import RemoteError
 
     cfg, layout, run = make_run(steps=1, stages=2)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)

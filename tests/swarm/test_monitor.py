@@ -5,9 +5,9 @@ import asyncio
 import pytest
 import torch
 
-from parameter_server.layout import RunLayout
+from core.layout import RunLayout
+from core.protocol.params import NotReady
 from peer.launcher.monitor import Monitor
-from peer.protocol.params import NotReady
 from peer.server_links import DialError
 
 

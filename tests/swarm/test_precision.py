@@ -10,9 +10,9 @@ import asyncio
 import pytest
 import torch
 
-from peer.model.precision import PRECISIONS, rounded
-from peer.protocol.records import PRECISIONS as RECORD_PRECISIONS
-from peer.protocol.wire import pack, payload_bytes, stream_of, unpack
+from core.model.precision import PRECISIONS, rounded
+from core.protocol.records import PRECISIONS as RECORD_PRECISIONS
+from core.protocol.wire import pack, payload_bytes, stream_of, unpack
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import InProcessSwarm, make_run
 

@@ -10,7 +10,7 @@ import contextvars
 import pytest
 import torch
 
-from peer.protocol.recipe import Recipe
+from core.protocol.recipe import Recipe
 from tests.swarm.harness import reference_run, reference_state, rel_diff
 from tests.swarm.inprocess import InProcessSwarm, make_run
 

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from peer.model.config import get_preset
+from core.model.config import get_preset
 from scheduler import choose_stage_for_volunteer, load_cluster
 from tests.swarm.hosts import TWO_STAGES, HostRun, play, servers_of
 

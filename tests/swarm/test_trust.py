@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.protocol.refusals import Refusal
+from core.protocol.wire import RemoteError
 from parameter_server.service import StageServer
-from peer.protocol.refusals import Refusal
-from peer.protocol.wire import RemoteError
 from peer.server_links import LocalLink
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import InProcessSwarm, make_run

@@ -1,7 +1,7 @@
 """Why a server refused a call, as a code on the wire: clients branch on the code, never on the text.
 
 A refusal's answer is `{"error": TEXT, "refusal": CODE}`: TEXT says it for a person (logs, the CLI),
-CODE for the program. A server raises `PayloadError(text, Refusal.X)` (peer/protocol/wire.py); the
+CODE for the program. A server raises `PayloadError(text, Refusal.X)` (core/protocol/wire.py); the
 caller's link raises `RemoteError` with the same code in `.refusal`. An answer without a code (a peer
 of an older version, a refusal with nothing more to say) reads as BAD_REQUEST.
 """

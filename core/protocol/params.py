@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Awaitable, Callable
 
-from peer.protocol.retry import Attempts
+from core.protocol.retry import Attempts
 
 # the longest a `get_params` may wait on its server for the version it asks for (its `wait` field)
 MAX_PARAMS_WAIT = 5.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from peer.model.transformer import StageSlice, loss_sum
+from core.model.transformer import StageSlice, loss_sum
 
 
 def forward_rows(model: StageSlice, x: torch.Tensor, device: torch.device) -> torch.Tensor:

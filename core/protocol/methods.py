@@ -17,7 +17,7 @@ class Method:
     logged: bool  # changes the server's state: written to its request log, replayed after a restart
     caller: str  # "client" (a registered worker), "server" (of the run), or "anyone"
     # hands the server a task's result: accepted only from a holder of that task's lease, for the task's
-    # own rows and version (a client: the lease ticket that came with `take`, peer/protocol/leases.py;
+    # own rows and version (a client: the lease ticket that came with `take`, core/protocol/leases.py;
     # `complete`: the pool's own record of who held it); from anyone else refused, changing nothing
     leased: bool = False
     # not epoched, but a caller of an epoch may name it: answered from that epoch's lineage (a version
@@ -70,7 +70,7 @@ LOGGED = frozenset(n for n, m in METHODS.items() if m.logged)
 NOT_RETRIED = frozenset(n for n, m in METHODS.items() if not m.retry)
 LEASED = frozenset(n for n, m in METHODS.items() if m.leased)
 SERVER_ONLY = frozenset(n for n, m in METHODS.items() if m.caller == "server")
-# what travels compressed under a run's --compress (peer/protocol/wire.py): activations, their gradients
+# what travels compressed under a run's --compress (core/protocol/wire.py): activations, their gradients
 # and gradient pushes; parameters, replicas and the rows a check reads stay exact
 COMPRESSED_REQUESTS = frozenset({"push_outputs", "push_inputs", "push_input_grads", "push_output_grads", "push_grads"})
 COMPRESSED_ANSWERS = frozenset({"take", "get_inputs"})

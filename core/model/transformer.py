@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from peer.model.config import ModelConfig, param_shapes
-from peer.model.seeding import stable_seed
+from core.model.config import ModelConfig, param_shapes
+from core.model.seeding import stable_seed
 
 INIT_STD = 0.02
 
@@ -143,7 +143,7 @@ class StageSlice(nn.Module):
         target = torch.device("cpu" if device is None else device)
         if target.type != "meta":
             self.to_empty(device=target)
-        # the autocast dtype of the run's --precision (peer.model.precision; None: fp32)
+        # the autocast dtype of the run's --precision (core.model.precision; None: fp32)
         self.compute_dtype: torch.dtype | None = None
         # rotary tables: a plain attribute, not a buffer, so the state_dict holds parameters only
         self._rope_cpu = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)

@@ -21,8 +21,8 @@ import logging
 import weakref
 from typing import AsyncIterator, Callable
 
-from peer.protocol import methods
-from peer.protocol.wire import PayloadError, StreamCut
+from core.protocol import methods
+from core.protocol.wire import PayloadError, StreamCut
 
 logger = logging.getLogger("hivepipe.session")
 
@@ -31,9 +31,14 @@ MAX_UID = 64
 _END = "end"
 
 
-def handle_name(servicer_cls) -> str:
-    """The P2P handler name of a servicer's `rpc_session` (hivemind ServicerBase's naming)."""
-    return servicer_cls._get_handle_name(None, "rpc_session")
+STAGE_SERVICE = "StageServer"  # the class name the stage servers' handlers are registered under
+
+
+def handle_name(service: str = STAGE_SERVICE) -> str:
+    """The P2P handler name of service `service`'s `rpc_session`: hivemind's ServicerBase registers a
+    servicer's `rpc_*` methods as `<class name>.<method>`, so a client needs only the name, not the
+    server's class (tests/protocol/test_session.py checks it against the server class's own)."""
+    return f"{service}.rpc_session"
 
 
 def tag(message, call: int, method: str, last: bool):

@@ -20,11 +20,12 @@ import hmac
 
 import msgpack
 
-from peer.protocol.wire import PayloadError
+from core.protocol.wire import PayloadError
 
 LABEL = b"hivepipe lease tickets"
 MAC_HEX = 32  # 128 bits of HMAC-SHA256: forging one is a 2^128 guess
 MAX_TICKET = 64  # characters: "<attempt>.<epoch>.<mac>"
+MAX_COMPLETE = 1024  # task ids one `complete` (or a take's or heartbeat's 'complete' field) may carry
 
 
 class LeaseTickets:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-from peer.protocol.values import finite_number
+from core.protocol.values import finite_number
 
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
 WSD_DECAY_FRACTION = 0.2  # of the run's steps, the default decay length of wsd
@@ -248,7 +248,7 @@ def add_run_arguments(
 ) -> None:
     """--eval-every and --precision, which every command that trains takes (peer reference, serve,
     swarm); the run config record holds both. A negative --eval-every is refused by argparse (exit 2)."""
-    from peer.protocol.records import PRECISIONS
+    from core.protocol.records import PRECISIONS
 
     group.add_argument("--eval-every", type=_non_negative, default=0, metavar="N", help=eval_help)
     group.add_argument("--precision", default="fp32", choices=list(PRECISIONS), help=precision_help)

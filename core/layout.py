@@ -237,3 +237,15 @@ DEFAULT_TASK_TOKENS = 512
 # compute: at 2,048 tokens 1 byte moves for every 1,500 FLOPs whatever the model's size. The default
 # swarm's whole batch (16 rows of 128 tokens) goes to one client a stage and the next batch to the next.
 DEFAULT_CLIENT_BATCH_TOKENS = 2048
+
+
+def assign_shards(sizes: dict[str, int], n_servers: int) -> list[list[str]]:
+    """Split parameter names among servers, balanced by element count (greedy, largest first,
+    deterministic). Every client and server computes the same assignment."""
+    loads = [0] * n_servers
+    out: list[list[str]] = [[] for _ in range(n_servers)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        j = min(range(n_servers), key=lambda i: (loads[i], i))
+        out[j].append(name)
+        loads[j] += sizes[name]
+    return [sorted(names) for names in out]

@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import SchemaValidator
 
-from peer.protocol.trust import MAX_STAGES, Remembered, digest
+from core.protocol.trust import MAX_STAGES, Remembered, digest
 
 
 class Envelope(pydantic.BaseModel):

@@ -1,6 +1,6 @@
 """The corpus folder's manifest, without torch: `peer data prepare` (peer/data_cmd.py) writes it in a
 process that never imports torch (its memory stays that of numpy and the block in flight), and
-peer.model.data reads it."""
+core.model.data reads it."""
 
 from __future__ import annotations
 

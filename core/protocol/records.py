@@ -50,18 +50,18 @@ ROLES = ("frontal", "backward")
 
 
 def config_key(run_id: str) -> str:
-    from peer.protocol.trust import config_name
+    from core.protocol.trust import config_name
 
     return config_name(run_id)
 
 
 def stage_key(run_id: str, stage: int) -> str:
-    from peer.protocol.trust import stage_name
+    from core.protocol.trust import stage_name
 
     return stage_name(run_id, stage)
 
 
-PRECISIONS = ("fp32", "bf16")  # a run's --precision (peer.model.precision says what each means)
+PRECISIONS = ("fp32", "bf16")  # a run's --precision (core.model.precision says what each means)
 
 
 @dataclass(frozen=True)
@@ -82,11 +82,11 @@ class RunConfig:
     arch: dict | None = None
     # activations, their gradients and gradient pushes on the wire: none (exact) | fp16 | bf16 | 8bit
     compress: str = "none"
-    # the learning-rate schedule and AdamW's settings (peer.protocol.recipe.Recipe.record(); None: defaults)
+    # the learning-rate schedule and AdamW's settings (core.protocol.recipe.Recipe.record(); None: defaults)
     recipe: dict | None = None
-    # the volunteers' compute precision: fp32 | bf16 (autocast on parameters sent in bf16; peer.model.precision)
+    # the volunteers' compute precision: fp32 | bf16 (autocast on parameters sent in bf16; core.model.precision)
     precision: str = "fp32"
-    # the corpus's fingerprint (peer.model.data.Corpus.fingerprint), from a server that reads the data
+    # the corpus's fingerprint (core.model.data.Corpus.fingerprint), from a server that reads the data
     # (stage 0's and the last stage's frontal servers); None from the others
     data: str | None = None
     # the held-out loss of every N-th version (and the last) is computed (parameter_server/evaluate.py); 0: none
@@ -96,8 +96,8 @@ class RunConfig:
         return asdict(self)
 
     def training_recipe(self):
-        """The run's peer.protocol.recipe.Recipe (lr and the recipe map)."""
-        from peer.protocol.recipe import Recipe
+        """The run's core.protocol.recipe.Recipe (lr and the recipe map)."""
+        from core.protocol.recipe import Recipe
 
         return Recipe.from_record(self.lr, self.recipe)
 
@@ -124,14 +124,14 @@ class RunConfig:
         arch = d.get("arch")
         if arch is not None and not isinstance(arch, dict):
             raise ValueError(f"run config record: field 'arch' has the wrong type {type(arch).__name__}")
-        from peer.protocol.wire import COMPRESSION
+        from core.protocol.wire import COMPRESSION
 
         compress = d.get("compress", "none")
         if compress not in COMPRESSION:
             raise ValueError(
                 f"run config record: field 'compress' must be one of {', '.join(COMPRESSION)}, got {compress!r}"
             )
-        from peer.protocol.recipe import Recipe
+        from core.protocol.recipe import Recipe
 
         try:
             recipe = Recipe.from_record(d["lr"], d.get("recipe"))
@@ -263,7 +263,7 @@ def halted_reason(recs) -> str | None:
 
 @dataclass
 class Trust:
-    """What a process knows to write and read its run's records (peer.protocol.trust): the run, the
+    """What a process knows to write and read its run's records (core.protocol.trust): the run, the
     fingerprint of the run key it trusts (None until a reader without one has found the run's),
     its own identity key (signs its records), and the run key itself on a server."""
 
@@ -283,7 +283,7 @@ def trust_of(dht) -> Trust:
 async def publish(dht, body: dict, ttl: float, stage: int | None = None) -> bool:
     """Sign and store this process's record: the run's config (stage None; needs the run key) or its
     own record under a stage key (subkey: its peer id)."""
-    from peer.protocol.trust import seal
+    from core.protocol.trust import seal
 
     trust = trust_of(dht)
     if stage is None:
@@ -312,7 +312,7 @@ def open_config(trust: Trust, raw: Any) -> tuple[dict | None, list[tuple[str, st
     """The run's config among the values under its config key (a map fingerprint -> envelope), and
     [(subkey, why dropped)] of the others. A reader without a fingerprint takes the run key of the
     only config that verifies (and keeps it); with several it cannot choose: ValueError."""
-    from peer.protocol.trust import AmbiguousRunKey, Expired, TrustError, open_record
+    from core.protocol.trust import AmbiguousRunKey, Expired, TrustError, open_record
 
     bodies, dropped = {}, []
     for subkey, value in (subkey_values(raw) if isinstance(raw, dict) else {}).items():
@@ -349,7 +349,7 @@ async def read_config_value(dht) -> dict | None:
 
 def open_stage(trust: Trust, stage: int, raw: Any) -> list[tuple[str, dict | None, str | None]]:
     """The records under a stage key as (peer id, record or None, why it was dropped or None)."""
-    from peer.protocol.trust import Expired, TrustError, open_record
+    from core.protocol.trust import Expired, TrustError, open_record
 
     out = []
     for subkey, value in (subkey_values(raw) if isinstance(raw, dict) else {}).items():
@@ -400,7 +400,7 @@ async def validator_rejections(_dht, node) -> list[dict]:
     """(Run in the DHT process: dht.run_coroutine.) The records its run validator dropped, latest last."""
     from dataclasses import asdict
 
-    from peer.protocol.trust import RunValidator
+    from core.protocol.trust import RunValidator
 
     for v in getattr(node.protocol.record_validator, "_validators", []):
         if isinstance(v, RunValidator):

@@ -2,7 +2,7 @@
 
 - Gradient of a batch: the sum over its d micro-batches of d loss_sum(micro-batch) / d params,
   divided by the batch's total token count (so micro-batch gradients average by token count).
-- Update: torch.optim.AdamW (the run's peer.protocol.recipe.Recipe: betas, eps, weight decay;
+- Update: torch.optim.AdamW (the run's core.protocol.recipe.Recipe: betas, eps, weight decay;
   foreach=False) on fp32 master weights, update t at the learning rate `Recipe.lr_at(t)` of the
   run's schedule. AdamW is applied parameter by parameter, so a server holding a shard of the
   parameters with its own AdamW steps them exactly as one AdamW over all of them would.
@@ -15,12 +15,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from peer.model.data import split_micro_batches
-from peer.model.transformer import loss_sum
+from core.model.data import split_micro_batches
+from core.model.transformer import loss_sum
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], recipe) -> torch.optim.AdamW:
-    """AdamW over fp32 master weights with the settings of `recipe` (a peer.protocol.recipe.Recipe: its
+    """AdamW over fp32 master weights with the settings of `recipe` (a core.protocol.recipe.Recipe: its
     `lr` and `adamw()`), at its peak learning rate until `set_lr` says otherwise."""
     return torch.optim.AdamW(params, lr=recipe.lr, foreach=False, **recipe.adamw())
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from peer.model.config import check_micro_batches
-from peer.model.corpus_format import FORMAT, MANIFEST, manifest_fingerprint  # noqa: F401 (re-exported)
-from peer.model.seeding import stable_seed
+from core.model.config import check_micro_batches
+from core.model.corpus_format import FORMAT, MANIFEST, manifest_fingerprint  # noqa: F401 (re-exported)
+from core.model.seeding import stable_seed
 
 DEFAULT_CORPUS_MAX_BYTES = 8 * 1024 * 1024
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from peer.protocol.aio import check_cancelled
+from core.protocol.aio import check_cancelled
 
 logger = logging.getLogger("hivepipe.retry")
 

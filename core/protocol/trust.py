@@ -43,7 +43,7 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import RecordValidatorBase
 
-from peer.protocol.runid import FINGERPRINT_LEN, split_run_id  # noqa: F401  (re-exported)
+from core.protocol.runid import FINGERPRINT_LEN, split_run_id  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("hivepipe.trust")
 
@@ -107,7 +107,7 @@ class SigningKey:
 
     def derive(self, label: bytes) -> bytes:
         """A 32-byte secret bound to this private key and `label` (SHA-256 of both): what holders of
-        the run key share without sending it (the lease tickets' key, peer/protocol/leases.py)."""
+        the run key share without sending it (the lease tickets' key, core/protocol/leases.py)."""
         der = self._key.private_bytes(
             serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
@@ -276,7 +276,7 @@ def open_record(
     """The body of an envelope read under the run's `kind` key ("config" or "stage"), after every
     check; TrustError with the reason otherwise. `run_fp`: the run key a reader trusts (None:
     any run key whose own signature holds, for a reader that has not learnt the run's yet)."""
-    from peer.protocol import records
+    from core.protocol import records
 
     if not isinstance(value, dict) or set(value) != set(ENVELOPE_FIELDS):
         raise TrustError("not a signed record (expected the fields " + ", ".join(ENVELOPE_FIELDS) + ")")
@@ -451,7 +451,7 @@ def keep_valid_entries() -> None:
 def validators(run_id: str, run_fp: str | None) -> list:
     """What every DHT node of the run is given: the envelope schema and the signature rules (and the
     rule that one bad entry under a key does not hide the others: `keep_valid_entries`)."""
-    from peer.protocol.schema import run_schema_validator
+    from core.protocol.schema import run_schema_validator
 
     keep_valid_entries()
     return [RunValidator(run_id, run_fp), run_schema_validator(run_id)]

@@ -4,7 +4,7 @@ checks and `peer reference`.
 bf16 is mixed precision as torch's autocast makes it: fp32 master parameters and AdamW on the servers;
 a task's forward and backward under `torch.autocast(dtype=bfloat16)` (CPU and CUDA) on the master
 parameters rounded to bfloat16 (what the volunteers are sent: half the bytes of fp32); the loss in
-fp32 (peer.model.transformer.loss_sum); gradients, activations between stages and input gradients
+fp32 (core.model.transformer.loss_sum); gradients, activations between stages and input gradients
 in fp32 on the wire unless `--compress` says otherwise. `peer reference --precision bf16` computes
 each batch gradient on the same rounded parameters under the same autocast, so the only difference
 left between the swarm and the reference is where rows are cut into tasks (bf16 rounds each
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 _DTYPE = {"fp32": None, "bf16": torch.bfloat16}
-PRECISIONS = tuple(_DTYPE)  # (the run config record checks the same names: peer.protocol.records)
+PRECISIONS = tuple(_DTYPE)  # (the run config record checks the same names: core.protocol.records)
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:

@@ -1,5 +1,5 @@
 """A run's name and the fingerprint of its run key, as `--run-id NAME[@FINGERPRINT]` gives them: parsed
-without the cryptography and hivemind that peer.protocol.trust needs, so that a command checks its
+without the cryptography and hivemind that core.protocol.trust needs, so that a command checks its
 arguments (and says its first line) before those are imported."""
 
 from __future__ import annotations

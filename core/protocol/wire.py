@@ -5,7 +5,7 @@ travel in chunks.
 Every RPC of the project is a stream-in, stream-out hivemind handler (ServicerBase `rpc_*`).
 The first message carries the msgpack metadata; tensors follow as hivemind `Tensor` parts
 (split by `split_for_streaming`). An answer whose metadata holds `"error"` is a refusal: the caller
-raises `RemoteError` with the server's message and its code (`"refusal"`, peer/protocol/refusals.py).
+raises `RemoteError` with the server's message and its code (`"refusal"`, core/protocol/refusals.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
-from peer.protocol.refusals import Refusal
+from core.protocol.refusals import Refusal
 
 # hivemind's 8-bit codecs (hivemind.compression.quantization, our --compress 8bit) call torch's
 # quantized-tensor functions and a numpy conversion that warn at every use under torch 2.13 and numpy 2
@@ -64,7 +64,7 @@ def bound_messages(limit: int = MAX_MESSAGE_BYTES) -> None:
 
 class PayloadError(ValueError):
     """A request that does not fit what the handler expects (shape, dtype, NaN, unknown id, size...),
-    or that the server refuses for another reason, named by `refusal` (peer/protocol/refusals.py)."""
+    or that the server refuses for another reason, named by `refusal` (core/protocol/refusals.py)."""
 
     def __init__(self, message: str, refusal: Refusal = Refusal.BAD_REQUEST):
         super().__init__(message)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from peer.protocol.wire import PayloadError
+from core.protocol.wire import PayloadError
 
 _PATTERN = re.compile(r"([FB])(\d+)\.(\d+)\.(\d+)\.(\d+)-(\d+)")
 KINDS = {"F": "forward", "B": "backward"}
