@@ -104,6 +104,7 @@ class Prediction:
     servers_per_stage_needed: int
     dht_mbps_per_holder: float  # what the nodes holding a stage's key serve
     dht_share: float  # of a median volunteer's bandwidth
+    volunteer_utilisation: float = 0.0  # a volunteer's mean share of the time spent computing (the group's)
 
 
 def group_cluster(s: Swarm, per_stage: int) -> dict:
@@ -235,6 +236,8 @@ def predict(
         servers_per_stage_needed=needed,
         dht_mbps_per_holder=dht_bps * 8 / 1e6,
         dht_share=dht_bps / median_vol,
+        # the group's volunteers, stretched when a server resource, not they, sets the step
+        volunteer_utilisation=trace.utilisation() * min(1.0, group_step / step) * factor,
     )
 
 

@@ -118,6 +118,16 @@ class StepTrace:
     calls: int = 0  # RPCs made
     tasks: int = 0  # tasks computed
     recomputed: int = 0  # backward tasks run by another worker than their forward pass
+    compute_seconds: dict = field(default_factory=dict)  # worker -> seconds of its passes and slice builds
+    volunteers: list = field(default_factory=list)  # the workers that are volunteers (not a server's own)
+
+    def utilisation(self) -> float:
+        """The volunteers' mean share of the run spent computing (to the last version), as `peer
+        join` reports its own: the seconds its passes last over the time it is in the run."""
+        end = self.version_times[-1] if self.version_times else 0.0
+        if not self.volunteers or end <= 0:
+            return 0.0
+        return statistics.mean(self.compute_seconds.get(d, 0.0) / end for d in self.volunteers)
 
     def seconds_per_step(self, warmup: int = 2) -> float:
         """Steady state: `steady_seconds_per_step` of the simulated versions."""
@@ -207,7 +217,7 @@ class StepSimulation:
             if not names:
                 raise ValueError(f"stage {k} has no worker (no clients and the servers do not compute)")
             self.stage_workers.append(names)
-        self.trace = StepTrace([])
+        self.trace = StepTrace([], volunteers=[d for st in plan.stages for d in st.clients])
         self.next_batch = 0
         self._ledger: dict = {}  # (backward server, batch, micro) -> [(worker, rows)] of its forward tasks
         self._grad_rows: dict = {}  # (backward server, batch, micro) -> rows of output gradient arrived
@@ -235,7 +245,12 @@ class StepSimulation:
 
     def compute(self, w: _Worker, kind: str, rows: int) -> float:
         per = {"forward": self.cal.forward_row, "fb": self.cal.fb_row, "backward": self.cal.backward_row}[kind][w.stage]
-        return rows * per * self.cal.ref_flops / w.flops * self.cal.compute_factor
+        return self._busy(w, rows * per * self.cal.ref_flops / w.flops * self.cal.compute_factor)
+
+    def _busy(self, w: _Worker, seconds: float) -> float:
+        """`seconds` of compute by `w`, counted in the trace; returned for the worker to wait."""
+        self.trace.compute_seconds[w.device] = self.trace.compute_seconds.get(w.device, 0.0) + seconds
+        return seconds
 
     def shard_bytes(self, stage: int) -> float:
         return self.work.param_bytes[stage] / 2  # two slots: the frontal's and the backward's
@@ -505,7 +520,7 @@ class StepSimulation:
             self._start(self._fetch_ahead(w, ahead))
         if self.cal.slice_build and v not in w.built:  # the slice of a new version is built in its first pass
             w.built = {x for x in w.built if x >= v - 1} | {v}
-            yield self.cal.slice_build[w.stage] * self.cal.ref_flops / w.flops * self.cal.compute_factor
+            yield self._busy(w, self.cal.slice_build[w.stage] * self.cal.ref_flops / w.flops * self.cal.compute_factor)
 
     def _pull(self, w: _Worker, v: int):
         """Version v of every server of the stage, one call each, all at once, once they all have it."""

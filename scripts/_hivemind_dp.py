@@ -42,6 +42,13 @@ def main() -> int:
     p.add_argument("--local-rows", type=int, default=4, help="sequences per local step")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="a local step's forward and backward last this x their processor time (an emulated "
+        "device, as `peer join --slowdown`)",
+    )
     p.add_argument("--matchmaking-time", type=float, default=1.0)
     p.add_argument("--averaging-timeout", type=float, default=10.0)
     p.add_argument(
@@ -103,16 +110,22 @@ def main() -> int:
     began = time.perf_counter()  # the first local step: what a time to a loss counts from
     snapshots: list[dict] = []  # peer 0: its parameters at each epoch's end, for their held-out loss
     local_step = 0
+    computing = 0.0  # seconds its forward and backward passes lasted (on the emulated device)
     while opt.local_epoch < args.steps:
         x, y = make_batch(corpus, args.seed + stream, local_step, args.local_rows, cfg.seq_len)
         local_step += 1
+        t0, c0 = time.perf_counter(), time.thread_time()
         loss = loss_sum(model(x), y) / y.numel()
         loss.backward()
+        lasts = max(time.perf_counter() - t0, args.slowdown * (time.thread_time() - c0))
+        time.sleep(max(0.0, t0 + lasts - time.perf_counter()))
+        computing += lasts
         before = opt.local_epoch
         opt.step()
         opt.zero_grad()
         if opt.local_epoch != before and args.index != 0:  # in its log: which epochs it took part in
-            print(json.dumps({"epoch": opt.local_epoch, "local_steps": local_step}), flush=True)
+            said = {"epoch": opt.local_epoch, "local_steps": local_step, "compute_seconds": computing}
+            print(json.dumps({**said, "since_first_step": time.perf_counter() - began}), flush=True)
         if args.index == 0 and opt.local_epoch != before:
             now = time.perf_counter()
             if started is None:  # the first epoch's end: from here on, as the swarm's wall clock
@@ -140,6 +153,8 @@ def main() -> int:
             "tokens_per_second": timed * args.batch_size * cfg.seq_len / wall if timed else 0.0,
             "losses": [e["loss"] for e in epochs],
             "local_steps": local_step,
+            "compute_seconds": computing,
+            "since_first_step": time.perf_counter() - began,
         }
         (out / "summary.json").write_text(json.dumps(summary))
     opt.shutdown()

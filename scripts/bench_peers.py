@@ -203,6 +203,7 @@ def run_hivemind(
     work: Path,
     timeout: float = 1800,
     place=lambda i: ([], "127.0.0.1"),
+    extra: list[str] = (),
 ) -> dict:
     """`volunteers` peers of scripts/_hivemind_dp.py; with churn, that share of peers 1.. is SIGKILLed
     and replaced each time peer 0 reports a new epoch. `place(i)` is (argv prefix, listen address) of
@@ -212,7 +213,7 @@ def run_hivemind(
     script = str(Path(__file__).resolve().parent / "_hivemind_dp.py")
     run_id = f"{name}-{time.time_ns()}"
     go = out / "go"
-    common = ["--run-id", run_id, "--out", str(out), "--model", model, "--steps", str(steps)]
+    common = ["--run-id", run_id, "--out", str(out), "--model", model, "--steps", str(steps), *extra]
     procs: dict[int, subprocess.Popen] = {}
     incarnations = {i: 0 for i in range(volunteers)}
     logs = []
@@ -293,6 +294,7 @@ def run_hivemind(
         "killed": killed,
         "load": load,
         "sequences": hivemind_sequences(out),
+        "utilisation": hivemind_utilisation(out),
     }
 
 
@@ -332,11 +334,7 @@ def run_netns_swarm(
 
     def kill_some(_version: int) -> None:
         nonlocal killed
-        for host in rng.sample(hosts, min(max(1, round(churn * volunteers)), volunteers)):
-            kill_peer(procs[host])
-            killed += 1
-            incarnations[host] += 1
-            start(host)
+        killed += replace_some(rng, hosts, churn, procs, incarnations, start)
 
     try:
         for host in hosts:
@@ -377,6 +375,17 @@ def run_netns_swarm(
     }
 
 
+def replace_some(rng: random.Random, hosts: list[str], churn: float, procs: dict, incarnations: dict, start) -> int:
+    """SIGKILL `churn` of the hosts' volunteers (at least one; with their DHT process and p2p daemon)
+    and start a new one on each of those hosts (`start(host)`); returns how many were killed."""
+    chosen = rng.sample(hosts, min(max(1, round(churn * len(hosts))), len(hosts)))
+    for host in chosen:
+        kill_peer(procs[host])
+        incarnations[host] += 1
+        start(host)
+    return len(chosen)
+
+
 def checkpoint_applied(ckpt: Path, devices: list[str]) -> int:
     """Micro-batches applied, summed over the stages, from the servers' last checkpoints (each
     server's own slot; a stage's count is its smallest)."""
@@ -394,6 +403,18 @@ def netns_places(rate: float, volunteers: int, tag: str):
     for i in range(volunteers):
         bed.shape(f"h{i}", rate)
     return bed, lambda i: (bed.prefix(f"h{i}"), bed.addrs[f"h{i}"])
+
+
+def hivemind_utilisation(out: Path) -> float:
+    """The mean over a run's first peers of their forward and backward time over their time since
+    their first local step (peer 0's from summary.json, the others' from their logs' last line)."""
+    said = [json.loads((out / "summary.json").read_text())]
+    for log in out.glob("peer*.0.log"):
+        last = [line for line in log.read_text(errors="replace").splitlines() if line.startswith('{"epoch"')]
+        if not log.name.startswith("peer0.") and last:
+            said.append(json.loads(last[-1]))
+    shares = [d["compute_seconds"] / d["since_first_step"] for d in said if d.get("since_first_step")]
+    return sum(shares) / len(shares) if shares else float("nan")
 
 
 def hivemind_sequences(out: Path, local_rows: int = 4) -> int:

@@ -36,7 +36,8 @@ class VolunteerSession:
         self.epoch = 0  # the layout epoch of `layout` (the run config carries it after a failover)
         self.end_layout, self.end_epoch = None, -1  # the newest layout the run config showed, and its epoch
         self.peer_id = ""
-        self.done = {"forward": 0, "backward": 0, "recompute_avoided": 0}
+        self.done = {"forward": 0, "backward": 0, "recompute_avoided": 0, "compute_seconds": 0.0, "param_seconds": 0.0}
+        self.first_task: float | None = None  # (monotonic) when its first task arrived, on any stage
         self.stages_worked: list[int] = []
         self.banned: str | None = None  # a refusal for good, its words and its code (worker.StageWorker)
         self.refusal = None
@@ -363,7 +364,9 @@ class VolunteerSession:
         worker.device.shutdown()
         self.worker = None
         for kind in self.done:
-            self.done[kind] += worker.stats[kind]
+            self.done[kind] += worker.stats.get(kind, 0)
+        if "first_task" in worker.stats and self.first_task is None:
+            self.first_task = worker.stats["first_task"]
         self.stages_worked.append(stage)
         if worker.banned is not None:
             self.banned, self.refusal = worker.banned, worker.refusal
@@ -378,11 +381,22 @@ class VolunteerSession:
     # ---- the whole life -------------------------------------------------------------------------
 
     def what_it_did(self) -> str:
+        """What it did, and how busy it was: the seconds its passes lasted (on the device it emulates,
+        if any) over its time in the run since its first task, and how long its tasks waited for
+        their version's parameters; the rest went to pushing gradients, calls and waiting for work
+        (docs/bench_wan.md)."""
         d = self.done
-        return (
+        said = (
             f"{d['forward']} forward and {d['backward']} backward tasks done on stage(s) "
             f"{' -> '.join(map(str, self.stages_worked)) or 'none'}, {d['recompute_avoided']} of the backward "
             "tasks on their kept forward pass"
+        )
+        if self.first_task is None:
+            return said
+        span = max(time.monotonic() - self.first_task, 1e-9)
+        return (
+            f"{said}; computing {d['compute_seconds']:.1f} s of the {span:.1f} s since its first task "
+            f"({d['compute_seconds'] / span:.0%}), {d['param_seconds']:.1f} s waiting for parameters"
         )
 
     async def run(self, stop: asyncio.Event) -> int:

@@ -364,6 +364,7 @@ class StageWorker:
                     continue
                 link, meta, tensors = got
                 self.current = (link.device, meta["task"])
+                self.stats.setdefault("first_task", time.monotonic())  # its time in the run counts from here
                 started, computed, pulled = time.monotonic(), self.stats["compute_seconds"], self.stats["param_seconds"]
                 try:
                     await self.process(link, meta, tensors)

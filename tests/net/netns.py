@@ -86,6 +86,13 @@ class Testbed:
                 f"{latency_ms}ms",
             )
 
+    def counters(self, host: str) -> dict[str, int]:
+        """Bytes the kernel counted on the host's link since it was made: {"sent": ..., "received": ...}
+        (read on the bridge side of its veth, whose receive is the host's send)."""
+        stats = f"/sys/class/net/{self._veths[host]}/statistics"
+        with open(f"{stats}/rx_bytes") as rx, open(f"{stats}/tx_bytes") as tx:
+            return {"sent": int(rx.read()), "received": int(tx.read())}
+
     def prefix(self, host: str) -> list[str]:
         """argv prefix that runs a command inside the host's namespace."""
         return ["ip", "netns", "exec", self.hosts[host]]

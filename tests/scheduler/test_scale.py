@@ -62,6 +62,42 @@ def test_a_small_swarm_is_the_step_model_and_a_large_one_is_held_by_a_server_res
     assert big.tokens_per_second < small.tokens_per_second * 10_000 / 16
 
 
+def test_a_volunteers_busy_share_is_its_compute_over_the_run_and_grows_with_its_tokens_a_version():
+    """Utilisation: the seconds a volunteer's passes last over the run. Each volunteer fetches and
+    pushes its stage's parameters once a version whatever its share of the batch, so on a home link
+    a larger batch keeps it busier and a slower link idles it more; never more than all of its time."""
+    home = dict(volunteers=4, volunteer_tflops=(0.01, 0.01), volunteer_mbps=(20.0, 20.0))
+    shares = [
+        predict(Swarm(**home, batch_rows=b), MODEL, 128, CAL, group=2).volunteer_utilisation for b in (8, 64, 512)
+    ]
+    assert 0 < shares[0] < shares[1] < shares[2] <= 1, shares
+    fast = predict(Swarm(**{**home, "volunteer_mbps": (1000.0, 1000.0)}, batch_rows=8), MODEL, 128, CAL, group=2)
+    assert fast.volunteer_utilisation > shares[0]
+    # the trace it comes from: each volunteer's compute is the cost of the rows it ran, so the
+    # volunteers' compute together is at least every row's forward and backward once per stage
+    from scheduler.files import load_cluster, load_plan
+    from scheduler.scale import group_cluster, group_plan, workload
+    from scheduler.stepsim import simulate
+
+    s = Swarm(**home, batch_rows=64)
+    cluster = load_cluster(group_cluster(s, 2))
+    trace = simulate(
+        cluster,
+        load_plan(group_plan(s, MODEL, 2), cluster),
+        workload(MODEL, 128, 2, 64, 4, 4, s),
+        CAL,
+        servers_compute=False,
+    )
+    rows_run = 4 * 64  # steps x rows a step, through each stage
+    # stage 0: a forward pass, then a backward pass from kept activations (or a recompute, more);
+    # the last stage: forward, loss and backward in one task; the devices run at 1e10 FLOP/s
+    per_row = CAL.forward_row[0] + CAL.backward_row[0] + CAL.fb_row[1]
+    least = rows_run * per_row * CAL.ref_flops / 1e10
+    assert sum(trace.compute_seconds[d] for d in trace.volunteers) >= least * (1 - 1e-9)
+    assert set(trace.volunteers) == set(trace.compute_seconds) and len(trace.volunteers) == 4
+    assert trace.utilisation() == pytest.approx(sum(trace.compute_seconds.values()) / 4 / trace.version_times[-1])
+
+
 def test_a_slow_uplink_is_named_first_and_the_dht_holder_load_grows_with_the_square_of_a_stage():
     slow = predict(Swarm(volunteers=2_000, server_mbps=50.0, server_tflops=1e3), MODEL, 128, CAL)
     assert slow.bottleneck in ("a server's uplink", "a server's downlink")

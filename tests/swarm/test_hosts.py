@@ -74,6 +74,14 @@ def test_every_peer_says_the_end_and_returns_by_itself(tmp_path, capsys):
     for name in ("v0", "v1"):
         text = run.said[name].getvalue()
         assert re.search(rf"finished: run ends is over at step {steps}: \d+ forward and \d+ backward tasks", text), text
+        # and how busy it was: its passes' seconds over its time since its first task
+        busy = re.search(
+            r"computing ([\d.]+) s of the ([\d.]+) s since its first task \((\d+)%\), ([\d.]+) s wait", text
+        )
+        assert busy is not None, text
+        computing, span, share, waiting = (float(x) for x in busy.groups())
+        assert 0 < computing <= span and computing + waiting <= span + 0.1, busy.group(0)
+        assert abs(share - 100 * computing / span) <= 1 + 100 * 0.05 / span, busy.group(0)  # (rounding)
     assert f"run ends already finished at step {steps}: nothing to do" in run.said["late"].getvalue()
     assert rel_diff(out["state"], reference_state("tiny", steps)) < 1e-5
     # what lasts: each server's run summary in its checkpoint folder, read back by `peer summary`
