@@ -6,9 +6,9 @@ parameters."""
 from __future__ import annotations
 
 from core.layout import owners
+from core.protocol.fields import field as mfield
 from core.protocol.tasks import task_id as make_task_id
 from core.protocol.wire import PayloadError
-from core.protocol.wire import field as mfield
 from parameter_server.ledger import LedgerEntry, RowBuffer
 from taskpool import Task
 

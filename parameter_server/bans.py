@@ -9,9 +9,9 @@ import asyncio
 import logging
 
 from core.model.update_rule import version_for_batch
+from core.protocol.fields import field as mfield
 from core.protocol.retry import Attempts
 from core.protocol.wire import PayloadError
-from core.protocol.wire import field as mfield
 from parameter_server.pins import HOLD_SECONDS
 
 logger = logging.getLogger("hivepipe.server")

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from core.protocol.fields import check_tensor, rows_field
+from core.protocol.fields import field as mfield
 from core.protocol.refusals import Refusal
 from core.protocol.tasks import TaskId
-from core.protocol.wire import PayloadError, check_tensor, rows_field
-from core.protocol.wire import field as mfield
+from core.protocol.wire import PayloadError
 from parameter_server.updates import RETAIN
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from core.protocol.fields import field as mfield
 from core.protocol.leases import MAX_TICKET
 from core.protocol.refusals import Refusal
 from core.protocol.wire import PayloadError
-from core.protocol.wire import field as mfield
 from parameter_server.leases import carried_completes
 
 logger = logging.getLogger("hivepipe.server")

@@ -24,10 +24,10 @@ import asyncio
 import logging
 import math
 
+from core.protocol.fields import field as mfield
 from core.protocol.recipe import clip_scale
 from core.protocol.values import finite_number
 from core.protocol.wire import PayloadError, RemoteError
-from core.protocol.wire import field as mfield
 
 logger = logging.getLogger("hivepipe.server")
 

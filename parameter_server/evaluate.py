@@ -23,8 +23,8 @@ import torch
 from core.model.data import EVAL_ROWS, eval_due, eval_windows
 from core.model.task_math import forward_rows
 from core.model.transformer import loss_sum
+from core.protocol.fields import field as mfield
 from core.protocol.wire import PayloadError, RemoteError
-from core.protocol.wire import field as mfield
 
 logger = logging.getLogger("hivepipe.server")
 

@@ -12,9 +12,9 @@ import time
 
 from core.layout import RunLayout
 from core.model.update_rule import version_for_batch
+from core.protocol.fields import field as mfield
 from core.protocol.retry import Attempts
 from core.protocol.wire import PayloadError
-from core.protocol.wire import field as mfield
 from parameter_server.shard import tensors_digest
 from parameter_server.updates import snapshots_kept
 

@@ -11,9 +11,10 @@ import torch
 
 from core.layout import clients_per_batch, cut_rows, in_flight, local_first, note_cut, owners
 from core.model.update_rule import version_for_batch
+from core.protocol.fields import field as mfield
+from core.protocol.fields import rows_field
 from core.protocol.tasks import task_id as make_task_id
-from core.protocol.wire import PayloadError, rows_field
-from core.protocol.wire import field as mfield
+from core.protocol.wire import PayloadError
 from parameter_server.ledger import RowBuffer
 from taskpool import Task
 

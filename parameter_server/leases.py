@@ -10,10 +10,11 @@ import time
 
 from core.layout import owed_more
 from core.model.update_rule import version_for_batch
+from core.protocol.fields import field as mfield
+from core.protocol.fields import wait_field
 from core.protocol.leases import MAX_COMPLETE
 from core.protocol.tasks import batch_of
-from core.protocol.wire import PayloadError, wait_field
-from core.protocol.wire import field as mfield
+from core.protocol.wire import PayloadError
 from taskpool import Completion, Task
 
 logger = logging.getLogger("hivepipe.server")

@@ -9,8 +9,8 @@ import asyncio
 import logging
 
 from core.model.update_rule import version_for_batch
+from core.protocol.fields import field as mfield
 from core.protocol.wire import PayloadError, RemoteError
-from core.protocol.wire import field as mfield
 from parameter_server.updates import RETAIN
 
 logger = logging.getLogger("hivepipe.server")

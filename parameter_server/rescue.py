@@ -23,9 +23,9 @@ import logging
 import time
 
 from core.layout import owners
+from core.protocol.fields import field as mfield
 from core.protocol.tasks import TaskId
 from core.protocol.wire import PayloadError, RemoteError
-from core.protocol.wire import field as mfield
 from taskpool import Task
 
 logger = logging.getLogger("hivepipe.server")

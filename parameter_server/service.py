@@ -31,6 +31,7 @@ from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 
 from core.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, RunLayout, assign_shards, segment
 from core.protocol import methods, session
+from core.protocol.fields import field as mfield
 from core.protocol.leases import LeaseTickets
 from core.protocol.links import LinkEmulator
 from core.protocol.refusals import Refusal
@@ -38,7 +39,6 @@ from core.protocol.tasks import batch_of
 from core.protocol.traffic import CALLS, SESSION_CALLS, TRAFFIC, VALUES
 from core.protocol.trust import Remembered
 from core.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, pack, refusal_answer, refused, unpack
-from core.protocol.wire import field as mfield
 from parameter_server.arrivals import Arrivals
 from parameter_server.backward import Backward
 from parameter_server.bans import Bans

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from core.model.optim import make_optimizer, set_lr
+from core.protocol.fields import all_finite
 from core.protocol.recipe import Recipe
-from core.protocol.wire import PayloadError, all_finite
+from core.protocol.wire import PayloadError
 from parameter_server.shard_copies import ShardCopies, new_token
 
 

@@ -8,8 +8,9 @@ import uuid
 
 import torch
 
+from core.protocol.fields import all_finite
 from core.protocol.values import finite_number
-from core.protocol.wire import PayloadError, all_finite
+from core.protocol.wire import PayloadError
 
 
 def new_token() -> str:

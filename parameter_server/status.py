@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
+from core.protocol.fields import field as mfield
 from core.protocol.records import ServerRecord
 from core.protocol.traffic import CALLS, SESSION_CALLS, TRAFFIC, VALUES
-from core.protocol.wire import field as mfield
 
 # volunteers a server remembers by peer id to count each once in its announcement's "clients_joined"
 SEEN_VOLUNTEERS = 4096

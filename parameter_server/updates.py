@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.model.precision import wire_dtype
+from core.protocol.fields import field as mfield
+from core.protocol.fields import wait_field
 from core.protocol.params import MAX_PARAMS_WAIT
 from core.protocol.tasks import TaskId
-from core.protocol.wire import PayloadError, wait_field
-from core.protocol.wire import field as mfield
+from core.protocol.wire import PayloadError
 
 if TYPE_CHECKING:
     from parameter_server.shard import ShardState

@@ -37,10 +37,12 @@ from core.model.precision import compute_dtype, rounded
 from core.model.task_math import backward_rows, forward_rows
 from core.model.update_rule import version_for_batch
 from core.protocol import methods
+from core.protocol.codecs import roundtrip
+from core.protocol.fields import field as mfield
+from core.protocol.fields import rows_field
 from core.protocol.params import NotReady, fetch_slot
 from core.protocol.tasks import TaskId
-from core.protocol.wire import PayloadError, RemoteError, roundtrip, rows_field
-from core.protocol.wire import field as mfield
+from core.protocol.wire import PayloadError, RemoteError
 from parameter_server.drift import DriftTest
 
 logger = logging.getLogger("hivepipe.server")

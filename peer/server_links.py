@@ -118,7 +118,7 @@ class P2PLink:
         compress: str = "none",
     ):
         self.p2p = p2p
-        self.compress = compress  # the run's --compress (core/protocol/wire.py)
+        self.compress = compress  # the run's --compress (core/protocol/codecs.py)
         self.peer_id = peer_id
         self.device = device
         self._session_handler = session_handler()

@@ -70,7 +70,7 @@ LOGGED = frozenset(n for n, m in METHODS.items() if m.logged)
 NOT_RETRIED = frozenset(n for n, m in METHODS.items() if not m.retry)
 LEASED = frozenset(n for n, m in METHODS.items() if m.leased)
 SERVER_ONLY = frozenset(n for n, m in METHODS.items() if m.caller == "server")
-# what travels compressed under a run's --compress (core/protocol/wire.py): activations, their gradients
+# what travels compressed under a run's --compress (core/protocol/codecs.py): activations, their gradients
 # and gradient pushes; parameters, replicas and the rows a check reads stay exact
 COMPRESSED_REQUESTS = frozenset({"push_outputs", "push_inputs", "push_input_grads", "push_output_grads", "push_grads"})
 COMPRESSED_ANSWERS = frozenset({"take", "get_inputs"})

@@ -124,7 +124,7 @@ class RunConfig:
         arch = d.get("arch")
         if arch is not None and not isinstance(arch, dict):
             raise ValueError(f"run config record: field 'arch' has the wrong type {type(arch).__name__}")
-        from core.protocol.wire import COMPRESSION
+        from core.protocol.codecs import COMPRESSION
 
         compress = d.get("compress", "none")
         if compress not in COMPRESSION:

@@ -13,23 +13,16 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-import warnings
 from typing import AsyncIterator, Iterable, Sequence
 
 import msgpack
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
+from core.protocol.codecs import CODEC, UNIFORM_8BIT_OVERHEAD, compressed, serialize
 from core.protocol.refusals import Refusal
-
-# hivemind's 8-bit codecs (hivemind.compression.quantization, our --compress 8bit) call torch's
-# quantized-tensor functions and a numpy conversion that warn at every use under torch 2.13 and numpy 2
-# (deprecations, not wrong values: the round trip is tested in tests/protocol/test_compression.py).
-# Silenced for that module alone, so that the warnings a user or the suite sees are about our code.
-warnings.filterwarnings("ignore", category=UserWarning, module=r"hivemind\.compression\.quantization")
-warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"hivemind\.compression\.quantization")
 
 CHUNK_BYTES = 1 << 20  # tensor parts of 1 MiB: far under the 4 MiB unary cap
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
@@ -125,58 +118,6 @@ def decode_meta(raw: bytes) -> dict:
     return meta
 
 
-# Opt-in compression of activations, their gradients and gradient pushes (a run's `--compress`),
-# with hivemind's codecs: fp16 is FLOAT16, 8bit is UNIFORM_8BIT (a 256-level codebook per tensor), and
-# bf16 is a bfloat16 tensor under the NONE codec, widened back to fp32 on arrival. Only fp32 tensors of
-# at least MIN_COMPRESSED elements are compressed (not token ids, labels or tiny tensors); "none" is
-# exact and the default.
-COMPRESSION = ("none", "fp16", "bf16", "8bit")
-MIN_COMPRESSED = 1024
-_CODEC = {
-    "none": runtime_pb2.CompressionType.NONE,
-    "fp16": runtime_pb2.CompressionType.FLOAT16,
-    "bf16": runtime_pb2.CompressionType.NONE,
-    "8bit": runtime_pb2.CompressionType.UNIFORM_8BIT,
-}
-_UNIFORM_8BIT_OVERHEAD = 1032  # bytes beside one per element: the codebook and its header
-
-
-def compressed(t: torch.Tensor, compress: str) -> bool:
-    """Whether `t` travels compressed under the run's `compress`."""
-    return compress != "none" and t.dtype == torch.float32 and t.numel() >= MIN_COMPRESSED
-
-
-def _serialize(t: torch.Tensor, compress: str):
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:  # (a bfloat16 tensor itself: parameters at --precision bf16)
-        return _bf16(t)
-    if not compressed(t, compress):
-        return serialize_torch_tensor(t)
-    if compress == "bf16":
-        return _bf16(t)
-    return serialize_torch_tensor(t, _CODEC[compress])
-
-
-def _bf16(t: torch.Tensor):
-    """`t` as bfloat16 in hivemind's NONE codec's 2-byte form (its serializer widens bfloat16 to 4
-    bytes unless USE_LEGACY_BFLOAT16=0 is set before import; its deserializer reads both)."""
-    return runtime_pb2.Tensor(
-        compression=runtime_pb2.CompressionType.NONE,
-        size=t.shape,
-        dtype="bfloat16",
-        buffer=t.to(torch.bfloat16).view(torch.int16).numpy().tobytes(),
-    )
-
-
-def roundtrip(t: torch.Tensor, compress: str) -> torch.Tensor:
-    """`t` as a peer receives it under `compress` (the identity for "none" and for tensors that are
-    not compressed): what a server's check re-runs on, so that it compares like with like."""
-    if not compressed(t, compress):
-        return t
-    out = deserialize_torch_tensor(_serialize(t, compress))
-    return out.float() if compress == "bf16" else out
-
-
 # Uncompressed fp32 tensors of one message travel as one: hivemind's (de)serialization costs per
 # tensor (a 14-tensor shard of 1 MB: 1.25 ms packed and 4.4 ms unpacked one by one, 0.6 and 0.4 ms
 # as one, the copy into it 0.08 ms). Their shapes go in the metadata under FLAT; unpack splits them.
@@ -211,7 +152,7 @@ def _parts(t: torch.Tensor, compress: str):
     object, into a protobuf message, into the parts, into the messages holding them)."""
     t = t.detach().cpu().contiguous()
     if compressed(t, compress) or t.dtype == torch.bfloat16:
-        whole = _serialize(t, compress)
+        whole = serialize(t, compress)
         for i, part in enumerate(split_for_streaming(whole, CHUNK_BYTES)):
             fields = {"buffer": part.buffer}
             if i == 0:
@@ -378,7 +319,7 @@ def _check_header(i: int, head, arrived: int, accept: str = "none") -> None:
     """PayloadError unless tensor `i`, whose first part is `head` and whose parts hold `arrived`
     bytes, is a tensor of a known dtype, uncompressed or in the run's codec, whose declared shape
     holds exactly those bytes (checked before anything is allocated)."""
-    if head.compression not in (runtime_pb2.CompressionType.NONE, _CODEC.get(accept)):
+    if head.compression not in (runtime_pb2.CompressionType.NONE, CODEC.get(accept)):
         raise PayloadError(
             f"tensor {i}: compression {head.compression} is not accepted (this run's --compress is {accept})"
         )
@@ -387,7 +328,7 @@ def _check_header(i: int, head, arrived: int, accept: str = "none") -> None:
         if head.dtype != "float32" or len(shape) > MAX_DIMS or any(d < 0 for d in shape):
             raise PayloadError(f"tensor {i}: a compressed tensor must be float32 of at most {MAX_DIMS} dims")
         numel = math.prod(shape)
-        need = 2 * numel if head.compression == runtime_pb2.CompressionType.FLOAT16 else numel + _UNIFORM_8BIT_OVERHEAD
+        need = 2 * numel if head.compression == runtime_pb2.CompressionType.FLOAT16 else numel + UNIFORM_8BIT_OVERHEAD
         if arrived != need:
             raise PayloadError(
                 f"tensor {i}: shape {shape} under codec {head.compression} needs {need} bytes, {arrived} arrived"
@@ -404,63 +345,6 @@ def _check_header(i: int, head, arrived: int, accept: str = "none") -> None:
             f"tensor {i}: shape {shape} of {head.dtype} needs {numel * _ITEM_BYTES[head.dtype][0]} "
             f"bytes, {arrived} arrived"
         )
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether no element of the floating-point tensor `t` is NaN or infinite, read off its extremes
-    (NaN propagates through them). torch.isfinite(t).all() materialises a bool tensor first: 1.1 ms
-    against 0.1 ms for a 300k-element fp32 gradient shard on this machine's CPU."""
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool((lo > -math.inf) & (hi < math.inf))
-
-
-def check_tensor(t: torch.Tensor, name: str, shape: Sequence[int], dtype: torch.dtype, finite: bool = True) -> None:
-    """Raise PayloadError naming `name` if `t` is not exactly the expected tensor."""
-    if tuple(t.shape) != tuple(shape):
-        raise PayloadError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.dtype != dtype:
-        raise PayloadError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-    if finite and t.is_floating_point() and not all_finite(t):
-        raise PayloadError(f"{name}: contains NaN or infinite values")
-
-
-def field(meta: dict, key: str, kind, *, optional: bool = False):
-    """Fetch and type-check one metadata field, or raise PayloadError naming it."""
-    if key not in meta:
-        if optional:
-            return None
-        raise PayloadError(f"missing field {key!r}")
-    value = meta[key]
-    if kind is int and isinstance(value, bool):
-        raise PayloadError(f"field {key!r} must be int, got bool")
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind):
-        raise PayloadError(f"field {key!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
-    if kind is float and not math.isfinite(value):
-        raise PayloadError(f"field {key!r} must be finite")
-    return value
-
-
-def wait_field(meta: dict, limit: float) -> float:
-    """The optional 'wait' of a long-polled request (`take`, `get_params`): seconds from 0 to
-    `limit`, 0 when absent."""
-    wait = field(meta, "wait", float, optional=True) or 0.0
-    if not 0.0 <= wait <= limit:
-        raise PayloadError(f"field 'wait' must be between 0 and {limit:g} seconds, got {wait}")
-    return wait
-
-
-def rows_field(meta: dict, key: str, limit: int) -> tuple[int, int]:
-    value = field(meta, key, list)
-    if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise PayloadError(f"field {key!r} must be [lo, hi] integers")
-    lo, hi = value
-    if not 0 <= lo < hi <= limit:
-        raise PayloadError(f"field {key!r}: rows [{lo}, {hi}) outside [0, {limit})")
-    return lo, hi
 
 
 RequestMessage = runtime_pb2.ExpertRequest

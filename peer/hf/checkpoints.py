@@ -46,7 +46,7 @@ def check_state(state: dict, cfg: ModelConfig, where: str) -> dict:
     """`state` as fp32 CPU tensors if it is exactly `cfg`'s parameters (names, shapes, finite)."""
     import torch
 
-    from core.protocol.wire import all_finite
+    from core.protocol.fields import all_finite
 
     shapes = param_shapes(cfg, 0, cfg.layers)
     missing = [n for n in shapes if n not in state]

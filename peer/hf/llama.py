@@ -218,7 +218,7 @@ class HFModelDir:
         import torch
         from safetensors import safe_open
 
-        from core.protocol.wire import all_finite
+        from core.protocol.fields import all_finite
 
         names = param_shapes(self.cfg, lo, hi)
         source = {

@@ -9,7 +9,8 @@ import pytest
 import torch
 from hivemind.proto.runtime_pb2 import ExpertRequest
 
-from core.protocol.wire import COMPRESSION, MIN_COMPRESSED, PayloadError, pack, roundtrip, stream_of, unpack
+from core.protocol.codecs import COMPRESSION, MIN_COMPRESSED, roundtrip
+from core.protocol.wire import PayloadError, pack, stream_of, unpack
 
 
 def _unpack(messages, accept):

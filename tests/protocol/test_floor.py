@@ -10,8 +10,9 @@ import torch
 from hivemind.proto.runtime_pb2 import ExpertRequest
 
 from core.layout import RunLayout, owners, segment, split_by_weights
+from core.protocol.fields import check_tensor
 from core.protocol.records import RunConfig, validate_record
-from core.protocol.wire import PayloadError, StreamCut, check_tensor, pack, unpack
+from core.protocol.wire import PayloadError, StreamCut, pack, unpack
 from parameter_server.requestlog import RequestLog, read_log
 
 
@@ -153,7 +154,7 @@ def test_all_finite_agrees_with_isfinite_everywhere(dtype):
     """The finiteness check of every payload reads a tensor's extremes: a NaN or an infinity of either
     sign anywhere (first, last, inside a transposed view, in a 0-dim tensor) is found, an empty tensor
     and large finite values pass."""
-    from core.protocol.wire import all_finite
+    from core.protocol.fields import all_finite
 
     gen = torch.Generator().manual_seed(0)
     assert all_finite(torch.empty(0, 3, dtype=dtype))
