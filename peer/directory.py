@@ -10,7 +10,7 @@ import time
 
 from hivemind.dht import DHT
 
-from core.protocol import records
+from core.protocol import record_store, records
 from core.protocol.links import LinkEmulator
 from peer.server_links import P2PLink
 
@@ -100,7 +100,7 @@ class Directory:
 
     async def refresh(self) -> dict[str, str]:
         servers, recs, versions, epochs = {}, {}, {}, {}
-        for k, found in enumerate(await records.read_stages(self.dht, self.run_id, self.num_stages)):
+        for k, found in enumerate(await record_store.read_stages(self.dht, self.run_id, self.num_stages)):
             for peer, rec, problem in found:
                 if rec is None:
                     logger.debug("ignoring a malformed record under stage %d: %s", k, problem)

@@ -98,7 +98,7 @@ def start_dht(
 
     from hivemind.p2p import P2P
 
-    from core.protocol.records import Trust
+    from core.protocol.record_store import Trust
     from core.protocol.trust import SigningKey, validators
     from core.protocol.wire import bound_messages
 

@@ -14,7 +14,7 @@ import json
 async def send(a) -> dict:
     from hivemind.p2p import P2P, PeerID
 
-    from core.protocol import records
+    from core.protocol import record_store
     from core.protocol.trust import split_run_id
     from parameter_server.service import StageServer
     from peer.directory import Directory
@@ -25,7 +25,7 @@ async def send(a) -> dict:
     p2p = await dht.replicate_p2p()
     out = {"claimed": a.bytes, "written": 0, "cut": False}
     try:
-        run = await records.read_config(dht, run_id)
+        run = await record_store.read_config(dht, run_id)
         directory = Directory(dht, run_id, len(run.layout["stages"]))
         while a.device not in await directory.refresh():
             await asyncio.sleep(0.5)

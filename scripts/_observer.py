@@ -28,7 +28,7 @@ class RunObserver:
         self.dht = self.run = self.directory = None
 
     async def __aenter__(self) -> "RunObserver":
-        from core.protocol import records
+        from core.protocol import record_store
         from core.protocol.trust import split_run_id
         from peer.directory import Directory
         from peer.node import start_dht
@@ -38,7 +38,7 @@ class RunObserver:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.stop.set)
         try:
             while self.run is None and not self.stop.is_set():
-                self.run = await records.read_config(self.dht, self.run_id)
+                self.run = await record_store.read_config(self.dht, self.run_id)
                 await asyncio.sleep(0.5)
         except BaseException:
             await self.__aexit__()

@@ -235,7 +235,7 @@ RESULT_HEADERS = ["s/step", "micro-batches applied", "killed", "re-queued", "dup
 
 async def _wait_for_version(maddr: str, run: str, version: int, timeout: float) -> None:
     """Until every server of the run announces parameter `version` in the DHT (training is under way)."""
-    from core.protocol import records
+    from core.protocol import record_store
     from peer.node import start_dht
 
     run_id, _, run_fp = run.partition("@")
@@ -247,7 +247,7 @@ async def _wait_for_version(maddr: str, run: str, version: int, timeout: float) 
             for k in range(2):
                 versions += [
                     rec["version"]
-                    for _, rec, _ in await records.read_stage(dht, run_id, k)
+                    for _, rec, _ in await record_store.read_stage(dht, run_id, k)
                     if rec is not None and rec["kind"] == "server"
                 ]
             if len(versions) == len(SERVERS) and min(versions) >= version:

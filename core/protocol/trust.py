@@ -383,7 +383,7 @@ class RunValidator(RecordValidatorBase):
         except Expired as e:
             # one stored to live on past its envelope is a replay. An honest record at its end of
             # life (stored with the envelope's expiry) passes: the DHT drops it at that expiry and
-            # readers skip it (records.open_stage), while refusing it here made hivemind drop the
+            # readers skip it (record_store.open_stage), while refusing it here made hivemind drop the
             # whole stage key a DHT node answered with (it refuses a map when one entry fails), a
             # record that expired between that node's answer and this check hiding every other
             if (

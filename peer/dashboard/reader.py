@@ -10,7 +10,8 @@ import threading
 import time
 from typing import Any
 
-from core.protocol.records import config_key, open_config, open_stage, stage_key, validator_rejections
+from core.protocol.record_store import open_config, open_stage, validator_rejections
+from core.protocol.records import config_key, stage_key
 from core.protocol.values import finite_number
 from peer.dashboard.entries import History
 from peer.dashboard.snapshot import MAX_PROBED_STAGES, build_snapshot, stage_count

@@ -10,7 +10,7 @@ import time
 from typing import Callable
 
 from core.layout import RunLayout
-from core.protocol import records
+from core.protocol import record_store, records
 from core.protocol.records import JOINING_PERIOD
 from core.protocol.retry import Attempts
 
@@ -51,9 +51,9 @@ class Announcer:
             config = self.run_cfg.to_dict() | {"layout": self.server.layout.to_dict(), "epoch": self.server.epoch}
             sent = self._config_sent
             if config != sent["body"] or time.monotonic() - sent["at"] >= ttl / 3:
-                if await records.publish(self.dht, config, ttl=ttl):
+                if await record_store.publish(self.dht, config, ttl=ttl):
                     sent.update(body=config, at=time.monotonic())
-        await records.publish(self.dht, self.record(state), ttl=ttl, stage=self.server.stage)
+        await record_store.publish(self.dht, self.record(state), ttl=ttl, stage=self.server.stage)
 
     async def announce_quietly(self, state: str) -> None:
         try:
@@ -68,7 +68,7 @@ class Announcer:
         server = self.server
         if max(self.directory.epochs.values(), default=0) <= server.epoch:
             return None
-        config = await records.read_config_value(self.dht)
+        config = await record_store.read_config_value(self.dht)
         if not (
             isinstance(config, dict)
             and isinstance(config.get("epoch"), int)

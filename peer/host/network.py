@@ -45,7 +45,7 @@ async def check_own_reachability(
     the DHT through) to dial us back at `maddrs`.
     NetworkError when nobody can, saying what failed and the fix that fits it; a first server on
     private addresses only gets one warning."""
-    from core.protocol import records
+    from core.protocol import record_store
     from peer.addresses import is_public
     from peer.reachability import advice_for, check_reachable, split_peer
 
@@ -62,7 +62,7 @@ async def check_own_reachability(
         return
     servers = []
     for k in range(num_stages):
-        for peer, rec, _ in await records.read_stage(dht, run_id, k):
+        for peer, rec, _ in await record_store.read_stage(dht, run_id, k):
             if rec is not None and rec["kind"] == "server" and peer != peer_id and rec["state"] != "offline":
                 servers.append((peer, [m for m in rec["maddrs"] if isinstance(m, str)]))
     initial = [(split_peer(m)[1], [m]) for m in initial_peers if split_peer(m)[1] not in (None, peer_id)]

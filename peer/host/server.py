@@ -208,14 +208,14 @@ class ServerHost:
         """Read the run's config record: UsageError when the run is published under another run key,
         with other training flags, or without this server (failed over)."""
         from core.layout import RunLayout
-        from core.protocol import records
+        from core.protocol import record_store
 
         t0 = time.perf_counter()
-        current = await records.read_config_value(self.dht)
+        current = await record_store.read_config_value(self.dht)
         logger.info("%s: read the run's config record in %.1f s", self.device, time.perf_counter() - t0)
         run_id, fp = self.run_cfg.run_id, self.options.run_fp
         if current is None:
-            others = await records.other_run_keys(self.dht)
+            others = await record_store.other_run_keys(self.dht)
             if others:
                 raise UsageError(
                     f"run {run_id!r} is published under run key {', '.join(others)}, and this server's "

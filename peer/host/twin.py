@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from core.protocol import records
+from core.protocol import record_store, records
 
 logger = logging.getLogger("hivepipe.serve")
 
@@ -68,6 +68,6 @@ def read_servers(dht, run_id: str, num_stages: int) -> Read:
     """`read` for live_holder: every stage's records of run `run_id`, in one DHT traversal."""
 
     async def read():
-        return [entry for found in await records.read_stages(dht, run_id, num_stages) for entry in found]
+        return [entry for found in await record_store.read_stages(dht, run_id, num_stages) for entry in found]
 
     return read

@@ -94,11 +94,11 @@ class VolunteerSession:
     async def _config(self):
         """The run's config, or None while there is none; UsageError when the run exists under
         another run key than the one --run-id names."""
-        from core.protocol import records
+        from core.protocol import record_store
 
-        run = await records.read_config(self.dht, self.args.run_id)
+        run = await record_store.read_config(self.dht, self.args.run_id)
         if run is None and self.args.run_fp is not None:
-            others = await records.other_run_keys(self.dht)
+            others = await record_store.other_run_keys(self.dht)
             if others:
                 raise UsageError(
                     f"run {self.args.run_id!r} is published under run key {', '.join(others)}, not the "
@@ -144,9 +144,9 @@ class VolunteerSession:
         """(layout, epoch) as the run config carries them now (after a failover: the current epoch's),
         or None when the record is not there; the layout `finished` judges the end by follows it."""
         from core.layout import RunLayout
-        from core.protocol import records
+        from core.protocol import record_store
 
-        value = await records.read_config_value(self.dht)
+        value = await record_store.read_config_value(self.dht)
         if not (isinstance(value, dict) and isinstance(value.get("layout"), dict)):
             return None
         layout = RunLayout.from_dict(value["layout"], self.cfg.layers)
@@ -242,7 +242,7 @@ class VolunteerSession:
     working_on = ""
 
     async def _publish(self, stage: int, worker, state: str) -> None:
-        from core.protocol import records
+        from core.protocol import record_store, records
 
         elapsed = max(time.time() - worker.stats["started"], 1e-6)
         tasks = worker.stats["forward"] + worker.stats["backward"]
@@ -257,7 +257,7 @@ class VolunteerSession:
                 time=time.time(),
             )
         )
-        await records.publish(self.dht, rec, ttl=records.record_ttl(self.run_cfg.announce_period), stage=stage)
+        await record_store.publish(self.dht, rec, ttl=records.record_ttl(self.run_cfg.announce_period), stage=stage)
 
     async def work_on(self, stage: int, picker, slowdown: float, stop: asyncio.Event, over: asyncio.Event):
         """Work on `stage` until stopped, the run is over, or another stage needs this volunteer

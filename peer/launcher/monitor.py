@@ -31,17 +31,17 @@ class Monitor:
 
     async def refresh(self) -> None:
         from core.layout import RunLayout
-        from core.protocol import records
+        from core.protocol import record_store
 
         try:  # after a failover the servers announce the layout of the new epoch
-            config = await records.read_config_value(self.dht)
+            config = await record_store.read_config_value(self.dht)
             if isinstance(config, dict) and config.get("epoch", 0) > self.epoch:
                 self.layout = RunLayout.from_dict(config["layout"], self.num_layers)
                 self.epoch = config["epoch"]
         except Exception as e:
             logger.debug("read config failed: %r", e)
         try:
-            per_stage = await records.read_stages(self.dht, self.run_id, self.layout.num_stages)
+            per_stage = await record_store.read_stages(self.dht, self.run_id, self.layout.num_stages)
         except Exception as e:
             logger.debug("reading the stage records failed: %r", e)
             per_stage = []

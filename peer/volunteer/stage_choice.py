@@ -110,12 +110,12 @@ class StagePicker:
         self.delays, self.bandwidths = delays, bandwidths
 
     async def decide(self, current: int | None):
-        from core.protocol import records
+        from core.protocol import record_store, records
         from scheduler.balance import choose
 
         per_stage = [
             [(peer, rec) for peer, rec, _ in found if rec is not None]
-            for found in await records.read_stages(self.directory.dht, self.run.run_id, self.layout.num_stages)
+            for found in await record_store.read_stages(self.directory.dht, self.run.run_id, self.layout.num_stages)
         ]
         stages = stages_now(
             per_stage,

@@ -14,7 +14,7 @@ import time
 
 import psutil
 
-from core.protocol import records
+from core.protocol import record_store, records
 from peer.addresses import visible_maddrs
 from peer.node import start_dht, stop_dht
 
@@ -26,7 +26,7 @@ def announce(dht, device: str) -> float:
     rec = records.record_to_dict(
         records.ClientRecord(device=device, stage=0, state="online", compute=1.0, time=written)
     )
-    asyncio.run(records.publish(dht, rec, ttl=records.record_ttl(PERIOD), stage=0))
+    asyncio.run(record_store.publish(dht, rec, ttl=records.record_ttl(PERIOD), stage=0))
     return written
 
 
@@ -67,7 +67,7 @@ def test_records_announced_while_a_peer_is_frozen_are_stored_and_read():
         deadline, seen = time.monotonic() + 30.0, {}
         live = [f"n{i}" for i in range(len(nodes)) if i != 1]
         while time.monotonic() < deadline:
-            for peer, rec, _ in asyncio.run(records.read_stage(nodes[0], run, 0)):
+            for peer, rec, _ in asyncio.run(record_store.read_stage(nodes[0], run, 0)):
                 if rec is not None:
                     seen[names.get(peer, peer)] = max(seen.get(names.get(peer, peer), 0.0), rec["time"])
             if all(seen.get(d, 0.0) > frozen_at for d in live):

@@ -12,7 +12,7 @@ from functools import partial
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
-from core.protocol import records
+from core.protocol import record_store
 from core.protocol.trust import SigningKey, stage_name
 from peer.addresses import visible_maddrs
 from peer.node import start_dht, stop_dht
@@ -57,7 +57,7 @@ def test_a_replayed_record_with_a_long_dht_expiry_does_not_hide_the_stage():
 
         def announce() -> None:
             asyncio.run(
-                records.publish(server, _server_body(time.time()), TTL, stage=0)
+                record_store.publish(server, _server_body(time.time()), TTL, stage=0)
             )  # (False where the stranger holds its copy)
 
         announce()
@@ -75,7 +75,7 @@ def test_a_replayed_record_with_a_long_dht_expiry_does_not_hide_the_stage():
         seen_after_expiry = False
         while time.monotonic() < deadline:  # past the copy's signed expiry, the server announcing each period
             announce()
-            got = asyncio.run(records.read_stage(reader, RUN, 0))
+            got = asyncio.run(record_store.read_stage(reader, RUN, 0))
             assert [r["device"] for _, r, _ in got if r is not None] == ["s0f0"], got
             seen_after_expiry = time.time() > copy["expires"] + PERIOD
             time.sleep(PERIOD)

@@ -12,7 +12,7 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
-from core.protocol import records
+from core.protocol import record_store
 from core.protocol.trust import (
     RunValidator,
     SigningKey,
@@ -136,20 +136,20 @@ def test_a_forged_config_is_dropped_and_the_run_key_is_learnt_once():
         open_record("r", "config", None, RUN_KEY.fingerprint, dict(real, body=config_body(steps=1)), None)
     with pytest.raises(TrustError, match="stored under its run key's fingerprint"):
         open_record("r", "config", None, RUN_KEY.fingerprint, forged, None)
-    trust = records.Trust(run_id="r", run_fp=RUN_KEY.fingerprint, identity=VOLUNTEER)
-    config, dropped = records.open_config(trust, {RUN_KEY.fingerprint: real})
+    trust = record_store.Trust(run_id="r", run_fp=RUN_KEY.fingerprint, identity=VOLUNTEER)
+    config, dropped = record_store.open_config(trust, {RUN_KEY.fingerprint: real})
     assert config["steps"] == 100000 and dropped == []
     # a reader without a fingerprint takes the only run key that publishes the run, and keeps it
     own = seal(config_name("r"), OTHER_RUN_KEY.fingerprint, config_body(steps=1), 3.0, OTHER_RUN_KEY, now=time.time())
-    tofu = records.Trust(run_id="r", run_fp=None, identity=VOLUNTEER)
-    config, _ = records.open_config(tofu, {RUN_KEY.fingerprint: real})
+    tofu = record_store.Trust(run_id="r", run_fp=None, identity=VOLUNTEER)
+    config, _ = record_store.open_config(tofu, {RUN_KEY.fingerprint: real})
     assert tofu.run_fp == RUN_KEY.fingerprint
-    config, dropped = records.open_config(tofu, {RUN_KEY.fingerprint: real, OTHER_RUN_KEY.fingerprint: own})
+    config, dropped = record_store.open_config(tofu, {RUN_KEY.fingerprint: real, OTHER_RUN_KEY.fingerprint: own})
     assert config["steps"] == 100000 and "config of another run key" in dropped[0][1]
     # ... and refuses to choose between two
     with pytest.raises(ValueError, match="published under 2 run keys"):
-        records.open_config(
-            records.Trust(run_id="r", run_fp=None, identity=VOLUNTEER),
+        record_store.open_config(
+            record_store.Trust(run_id="r", run_fp=None, identity=VOLUNTEER),
             {RUN_KEY.fingerprint: real, OTHER_RUN_KEY.fingerprint: own},
         )
 
@@ -193,8 +193,8 @@ def test_an_expired_record_passes_the_dht_a_replayed_one_is_counted_and_readers_
     assert v.rejected_total == 0
     assert not v.validate(DHTRecord(key, ser(subkey), ser(value), time.time() + 60))
     assert v.rejected_total == 1 and v.rejected[-1].reason.startswith("replayed: expired")
-    trust = records.Trust(run_id="r", run_fp=RUN_KEY.fingerprint, identity=VOLUNTEER)
-    assert records.open_stage(trust, 0, {subkey: value}) == []  # a reader skips it, listing nothing
+    trust = record_store.Trust(run_id="r", run_fp=RUN_KEY.fingerprint, identity=VOLUNTEER)
+    assert record_store.open_stage(trust, 0, {subkey: value}) == []  # a reader skips it, listing nothing
 
 
 def test_the_validator_remembers_a_record_that_passed_until_its_envelope_expires(monkeypatch):

@@ -15,7 +15,7 @@ import time
 
 from safetensors.torch import load_file
 
-from core.protocol import records
+from core.protocol import record_store
 from peer.addresses import visible_maddrs
 from peer.cli import build_parser
 from peer.launcher.monitor import Monitor
@@ -200,7 +200,7 @@ class LiveSwarm:
 
     async def clients(self, stage: int) -> dict[str, str]:
         """device id -> peer id of the volunteers announced under a stage."""
-        found = await records.read_stage(self.dht, self.args.run_id, stage)
+        found = await record_store.read_stage(self.dht, self.args.run_id, stage)
         return {rec["device"]: peer for peer, rec, _ in found if rec and rec["kind"] == "client"}
 
     def link(self, device: str) -> P2PLink:

@@ -12,7 +12,7 @@ import os
 import re
 import signal
 
-from core.protocol import records
+from core.protocol import record_store
 from core.protocol.recipe import Recipe
 from peer.launcher.processes import child_groups
 from peer.volunteer.worker import KILL_POINTS
@@ -256,7 +256,7 @@ def test_a_server_failed_over_while_it_is_frozen_leaves_the_run_when_it_wakes(tm
         await live.wait(lambda: proc.poll() is not None, 120, "the woken server to leave")
         out["code"] = proc.returncode
         result = await live.finish(steps)
-        config = await records.read_config_value(live.dht)
+        config = await record_store.read_config_value(live.dht)
         out["config_epoch"] = config.get("epoch")
         return result
 

@@ -250,7 +250,7 @@ def test_servers_lost_before_the_first_step_and_mid_run_are_failed_over(tmp_path
     it (none is refused as of a stale epoch). Then s0f0, which builds the batches and coordinated
     the first failover, is lost at step 2: the first remaining server fails it over (layout epoch 2),
     and the run ends equal to the reference."""
-    from core.protocol import records
+    from core.protocol import record_store
 
     caplog.set_level(logging.INFO, logger="hivepipe")
     steps = 5
@@ -266,7 +266,7 @@ def test_servers_lost_before_the_first_step_and_mid_run_are_failed_over(tmp_path
             await run.wait(lambda: first.server.epoch >= 1, 120, "the first failover")
 
             async def config_epoch(epoch: int) -> bool:
-                config = await records.read_config_value(run.servers["s1f0"].dht)
+                config = await record_store.read_config_value(run.servers["s1f0"].dht)
                 return isinstance(config, dict) and config.get("epoch") == epoch
 
             await run.wait(lambda: config_epoch(1), 60, "the run config to carry layout epoch 1", poll=0.5)

@@ -23,7 +23,7 @@ from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
 from core.model.config import get_preset
-from core.protocol import records
+from core.protocol import record_store
 from core.protocol.traffic import TRAFFIC, VALUES
 from core.protocol.trust import SigningKey, config_name, seal, stage_name
 from core.protocol.wire import RemoteError
@@ -199,8 +199,8 @@ def test_an_outsider_cannot_forge_records_or_call_server_methods(tmp_path):
             run.join("v1", "1")
             await run.wait_version("s0f0", 1, timeout=180)
             run_id, run_fp, maddrs = run.run_id, run.run_fp, run.initial
-            real_config = await records.read_config_value(first.dht)
-            found = await records.read_stage(first.dht, run_id, 0)
+            real_config = await record_store.read_config_value(first.dht)
+            found = await record_store.read_stage(first.dht, run_id, 0)
             ((real_peer, real_server),) = [(p, r) for p, r, _ in found if r and r.get("device") == "s0f0"]
             # 1. a client-mode outsider (it stores nothing itself): every node of the run refuses each forgery
             client = DHT(initial_peers=maddrs, start=True, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -213,8 +213,8 @@ def test_an_outsider_cannot_forge_records_or_call_server_methods(tmp_path):
                 out["keeper"] = forge(keeper, key, real_server, real_config, run_fp, run_id, keep=True)
                 out["keeper_id"] = str(keeper.peer_id)
                 # what every reader of the run sees: the real config and the real servers only
-                out["config"] = await records.read_config_value(first.dht)
-                out["stage0"] = await records.read_stage(first.dht, run_id, 0)
+                out["config"] = await record_store.read_config_value(first.dht)
+                out["stage0"] = await record_store.read_stage(first.dht, run_id, 0)
                 # a dashboard on another process, with the run's fingerprint
                 dash = await asyncio.to_thread(
                     subprocess.run,
