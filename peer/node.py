@@ -99,7 +99,8 @@ def start_dht(
     from hivemind.p2p import P2P
 
     from core.protocol.record_store import Trust
-    from core.protocol.trust import SigningKey, validators
+    from core.protocol.trust import SigningKey
+    from core.protocol.validator import validators
     from core.protocol.wire import bound_messages
 
     bound_messages()  # no incoming message read whole past its bound, in this peer and its DHT process

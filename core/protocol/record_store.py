@@ -152,7 +152,7 @@ async def validator_rejections(_dht, node) -> list[dict]:
     """(Run in the DHT process: dht.run_coroutine.) The records its run validator dropped, latest last."""
     from dataclasses import asdict
 
-    from core.protocol.trust import RunValidator
+    from core.protocol.validator import RunValidator
 
     for v in getattr(node.protocol.record_validator, "_validators", []):
         if isinstance(v, RunValidator):

@@ -1,6 +1,6 @@
 """The shape of a run's DHT values, as a pydantic schema for hivemind's SchemaValidator: every key
 of the run (`{run}_config`, `{run}_stage0` ...) maps subkeys to a signed envelope (see trust.py).
-The envelope's signatures and the record inside it are checked by trust.RunValidator."""
+The envelope's signatures and the record inside it are checked by validator.RunValidator (core/protocol/validator.py)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ from hivemind.dht.validation import DHTRecord
 
 from core.protocol import record_store
 from core.protocol.trust import (
-    RunValidator,
     SigningKey,
     TrustError,
     config_name,
@@ -24,6 +23,7 @@ from core.protocol.trust import (
     split_run_id,
     stage_name,
 )
+from core.protocol.validator import RunValidator
 
 NOW = 1_800_000_000.0
 RUN_KEY = SigningKey.generate()
@@ -219,7 +219,7 @@ def test_the_validator_remembers_a_record_that_passed_until_its_envelope_expires
     monkeypatch.setattr(trust, "open_record", refuse)
     assert v.validate(record) and opened == []  # from memory
     assert not v.validate(DHTRecord(key, ser(subkey), ser(value), value["expires"] + 60)) and len(opened) == 1
-    monkeypatch.setattr(trust, "_now", lambda: value["expires"] + 0.5)
+    monkeypatch.setattr(trust, "dht_now", lambda: value["expires"] + 0.5)
     assert not v.validate(record) and len(opened) == 2  # expired: checked again
     assert v.rejected_total == 2 and v.rejected[-1].reason == "checked again"
 
@@ -309,10 +309,10 @@ def test_a_genuine_record_stored_to_outlive_its_signature_is_refused_while_still
 
 def test_one_unusable_entry_under_a_key_does_not_hide_the_others():
     """hivemind refuses a node's whole answer for a key when one entry of its map fails: the run's
-    nodes drop that entry and keep the others (trust.keep_valid_entries)."""
+    nodes drop that entry and keep the others (validator.keep_valid_entries)."""
     from hivemind.dht.storage import DictionaryDHTValue
 
-    from core.protocol.trust import keep_valid_entries
+    from core.protocol.validator import keep_valid_entries
 
     keep_valid_entries()
     protocol = DHTProtocol.__new__(DHTProtocol)  # (only its validator and serializer are used)
