@@ -48,7 +48,7 @@ except ImportError:  # an older checkout (--root)
         dht.shutdown()
 
 
-from peer.swarm import validate  # noqa: E402
+from peer.swarm_flags import validate  # noqa: E402
 
 STAMP = re.compile(rb"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
 

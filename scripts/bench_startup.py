@@ -47,7 +47,7 @@ async def one_start(servers_per_stage: int, volunteers: int, fresh: bool) -> dic
     from peer.launcher.processes import Swarm
     from peer.node import start_dht, stop_dht
     from peer.reachability import DialBackService
-    from peer.swarm import validate
+    from peer.swarm_flags import validate
 
     work = tempfile.mkdtemp(prefix="hivepipe-bench-startup-")
     argv = [

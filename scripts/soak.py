@@ -231,7 +231,7 @@ async def main() -> dict:
     from peer.launcher.processes import Swarm, child_groups
     from peer.node import start_dht, stop_dht
     from peer.reachability import DialBackService
-    from peer.swarm import validate
+    from peer.swarm_flags import validate
 
     shutil.rmtree(args.work_dir, ignore_errors=True)
     os.makedirs(args.out, exist_ok=True)

@@ -318,7 +318,7 @@ def test_a_halt_notice_with_a_state_line_says_each_change_once():
 def test_a_stopping_server_does_not_wait_for_ever_for_a_task_that_ignores_its_cancellation(tmp_path, caplog):
     """A task that swallows its cancellation (the loops check for that: core.protocol.aio) cannot
     hold a server's stop: it waits TASKS_END_S for its tasks, says how many did not end, and goes."""
-    from peer import serve
+    from peer import serve_flags
     from peer.cli import build_parser
     from peer.host import server as host_module
     from peer.host.options import ServerOptions
@@ -330,7 +330,7 @@ def test_a_stopping_server_does_not_wait_for_ever_for_a_task_that_ignores_its_ca
         + ["--run-key", str(tmp_path / "run.key")]
     )
     check_common(args)
-    cfg, layout, device, run_cfg = serve.resolve(args)
+    cfg, layout, device, run_cfg = serve_flags.resolve(args)
     said = io.StringIO()
     host = ServerHost(ServerOptions.from_args(args), cfg, layout, device, run_cfg, out=said)
 

@@ -11,14 +11,14 @@ from peer.host.options import ServerOptions
 
 
 def serve_args(tmp_path, *extra: str):
-    from peer import serve
+    from peer import serve_flags
     from peer.cli import build_parser
     from peer.runtime import check_common
 
     argv = ["serve", "--reliable", "--stages", "1", "--stage", "0", "--role", "frontal", "--model", "tiny"]
     args = build_parser().parse_args(argv + ["--run-key", str(tmp_path / "run.key"), *extra])
     check_common(args)
-    return args, serve.resolve(args)
+    return args, serve_flags.resolve(args)
 
 
 def test_the_options_are_what_the_command_line_said(tmp_path):

@@ -22,7 +22,7 @@ from peer.launcher.monitor import Monitor
 from peer.launcher.processes import Swarm, kill_group
 from peer.node import start_dht, stop_dht
 from peer.server_links import P2PLink
-from peer.swarm import validate
+from peer.swarm_flags import validate
 
 
 def rel_diff(a: dict, b: dict) -> float:

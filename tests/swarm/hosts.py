@@ -127,10 +127,10 @@ class HostRun:
     def start_server(self, device_flags: list[str], initial_peers: list[str] | None = None) -> ServerHost:
         """`peer serve ... device_flags` (through the first server's addresses, or `initial_peers`),
         running in this loop; its name is its device id."""
-        from peer import serve
+        from peer import serve_flags
 
         args = self.parse(self.serve_argv(device_flags, initial_peers))
-        cfg, layout, device, run_cfg = serve.resolve(args)
+        cfg, layout, device, run_cfg = serve_flags.resolve(args)
         if args.identity_path is None:  # (a restart comes back under the same peer id, as with --supervise)
             args.identity_path = str(self.dir / "identities" / f"{device}.key")
             os.makedirs(os.path.dirname(args.identity_path), exist_ok=True)

@@ -9,7 +9,7 @@ import pytest
 
 from peer.cli import build_parser
 from peer.errors import UsageError
-from peer.swarm import validate
+from peer.swarm_flags import validate
 
 
 @pytest.mark.parametrize(
