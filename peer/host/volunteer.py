@@ -18,11 +18,11 @@ import asyncio
 import logging
 import time
 
-from core.protocol.aio import check_cancelled
 from core.protocol.refusals import Refusal
 from core.protocol.retry import Attempts
 from peer.errors import UsageError
 from peer.host.state import PeerState, StateLine
+from peer.host.tally import Tally
 from peer.runtime import freeze_startup_objects, interruptible, link_emulator, until_stopped
 
 logger = logging.getLogger("hivepipe.join")
@@ -36,9 +36,7 @@ class VolunteerSession:
         self.epoch = 0  # the layout epoch of `layout` (the run config carries it after a failover)
         self.end_layout, self.end_epoch = None, -1  # the newest layout the run config showed, and its epoch
         self.peer_id = ""
-        self.done = {"forward": 0, "backward": 0, "recompute_avoided": 0, "compute_seconds": 0.0, "param_seconds": 0.0}
-        self.first_task: float | None = None  # (monotonic) when its first task arrived, on any stage
-        self.stages_worked: list[int] = []
+        self.tally = Tally()  # what it did, stage by stage (peer/host/tally.py)
         self.banned: str | None = None  # a refusal for good, its words and its code (worker.StageWorker)
         self.refusal = None
         self.over = False  # the run reached its last step
@@ -285,7 +283,7 @@ class VolunteerSession:
         worker.compute = args.compute or worker.measure_compute()
         self.worker = worker
         stretched = f" (compute stretched x{slowdown:g} by the link profile)" if slowdown > 1 else ""
-        verb = "moved in run" if self.stages_worked else "joined run"
+        verb = "moved in run" if self.tally.stages_worked else "joined run"
         self.working_on = (
             f"{verb} {run.run_id} as {device} ({self.peer_id}) on stage {stage}, compute {worker.compute:.3g} rows/s"
             f"{stretched}"
@@ -314,30 +312,11 @@ class VolunteerSession:
                 return False
 
         async def rebalance():
-            period = args.rebalance_period
-            # the first look comes soon: volunteers that joined together saw the same records
-            wait = min(period, 3 * run.announce_period + self.rng.uniform(0.0, 2.0))
-            while not await pause(wait):
-                check_cancelled()
-                try:
-                    decision = await picker.decide(stage)
-                    # while some stage has no compute at all, look again within seconds
-                    wait = period if decision.stay[0] == 0 else min(period, 5.0)
-                    if not decision.moves:
-                        continue
-                    # a random pause, then the same question on fresh records: two volunteers that
-                    # saw the same evidence do not both move
-                    if await pause(self.rng.uniform(0.0, min(period / 2, 10.0))):
-                        return
-                    again = await picker.decide(stage)
-                except Exception as e:
-                    logger.info("stage re-check failed: %r", e)
-                    continue
-                if again.moves:
-                    logger.warning("%s: moving from stage %d to stage %d: %s", device, stage, again.stage, again.reason)
-                    moving.append(again.stage)
-                    leave.set()
-                    return
+            first_look = min(args.rebalance_period, 3 * run.announce_period + self.rng.uniform(0.0, 2.0))
+            better = await picker.better_stage(device, stage, args.rebalance_period, first_look, self.rng, pause)
+            if better is not None:
+                moving.append(better)
+                leave.set()
 
         helpers = [
             asyncio.ensure_future(relay(stop)),
@@ -363,11 +342,7 @@ class VolunteerSession:
             logger.debug("offline announce failed: %r", e)
         worker.device.shutdown()
         self.worker = None
-        for kind in self.done:
-            self.done[kind] += worker.stats.get(kind, 0)
-        if "first_task" in worker.stats and self.first_task is None:
-            self.first_task = worker.stats["first_task"]
-        self.stages_worked.append(stage)
+        self.tally.add(stage, worker.stats)
         if worker.banned is not None:
             self.banned, self.refusal = worker.banned, worker.refusal
             return None
@@ -379,25 +354,6 @@ class VolunteerSession:
         return moving[0] if moving and not stop.is_set() and not over.is_set() else None
 
     # ---- the whole life -------------------------------------------------------------------------
-
-    def what_it_did(self) -> str:
-        """What it did, and how busy it was: the seconds its passes lasted (on the device it emulates,
-        if any) over its time in the run since its first task, and how long its tasks waited for
-        their version's parameters; the rest went to pushing gradients, calls and waiting for work
-        (docs/bench_wan.md)."""
-        d = self.done
-        said = (
-            f"{d['forward']} forward and {d['backward']} backward tasks done on stage(s) "
-            f"{' -> '.join(map(str, self.stages_worked)) or 'none'}, {d['recompute_avoided']} of the backward "
-            "tasks on their kept forward pass"
-        )
-        if self.first_task is None:
-            return said
-        span = max(time.monotonic() - self.first_task, 1e-9)
-        return (
-            f"{said}; computing {d['compute_seconds']:.1f} s of the {span:.1f} s since its first task "
-            f"({d['compute_seconds'] / span:.0%}), {d['param_seconds']:.1f} s waiting for parameters"
-        )
 
     async def run(self, stop: asyncio.Event) -> int:
         """0 when the run is over or a signal stopped it; 3 when the run refused this volunteer for
@@ -439,19 +395,16 @@ class VolunteerSession:
                 what = "banned from run" if self.refusal is Refusal.BANNED else "refused by run"
                 self.state.say(
                     PeerState.LEAVING,
-                    f"{what} {run.run_id} as {self.device} ({self.peer_id}) after {self.done['forward']} forward "
-                    f"and {self.done['backward']} backward tasks: {self.banned}",
+                    f"{what} {run.run_id} as {self.device} ({self.peer_id}) after {self.tally.tasks()}: {self.banned}",
                 )
                 return 3
             if over.is_set():
                 # stopped when it learned the end (from a server's answer, or records in which a
                 # server's stop is still fresh): the run went on to its last step meanwhile
                 self.halt.went_on()
-                self.state.say(
-                    PeerState.FINISHED, f"run {run.run_id} is over at step {run.steps}: {self.what_it_did()}"
-                )
+                self.state.say(PeerState.FINISHED, f"run {run.run_id} is over at step {run.steps}: {self.tally.said()}")
             else:
-                self.state.say(PeerState.LEAVING, f"left run {run.run_id} as {self.device}: {self.what_it_did()}")
+                self.state.say(PeerState.LEAVING, f"left run {run.run_id} as {self.device}: {self.tally.said()}")
             return 0
         finally:
             await close_replica(self.p2p)

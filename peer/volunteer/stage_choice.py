@@ -1,12 +1,14 @@
 """`--stage auto`: a volunteer measures its links to every server of the run once (real P2P pings,
 small and large), then chooses its stage, and later re-chooses it, from the DHT records with
-scheduler/balance.py (the cost model on the compute each stage has now). Deciding when to look
-again, and moving, is the caller's (peer/join.py)."""
+scheduler/balance.py (the cost model on the compute each stage has now), every period while it
+works (`better_stage`). Moving is the caller's (peer/host/volunteer.py)."""
 
 from __future__ import annotations
 
 import logging
 import time
+
+from core.protocol.aio import check_cancelled
 
 logger = logging.getLogger("hivepipe.join")
 
@@ -137,3 +139,28 @@ class StagePicker:
             [round(x * 1e3, 1) for x in decision.link_scores],
         )
         return decision
+
+    async def better_stage(self, who: str, stage: int, period: float, first_look: float, rng, pause) -> int | None:
+        """Look again every `period` seconds (the first after `first_look`: volunteers that joined
+        together saw the same records) whether another stage needs this volunteer more; the stage
+        to move to, or None once `pause(seconds)` says it is leaving. A move is asked twice, a
+        random pause apart, on fresh records, so that two volunteers that saw the same evidence do
+        not both move. While some stage has no compute at all, it looks again within seconds."""
+        wait = first_look
+        while not await pause(wait):
+            check_cancelled()
+            try:
+                decision = await self.decide(stage)
+                wait = period if decision.stay[0] == 0 else min(period, 5.0)
+                if not decision.moves:
+                    continue
+                if await pause(rng.uniform(0.0, min(period / 2, 10.0))):
+                    return None
+                again = await self.decide(stage)
+            except Exception as e:
+                logger.info("stage re-check failed: %r", e)
+                continue
+            if again.moves:
+                logger.warning("%s: moving from stage %d to stage %d: %s", who, stage, again.stage, again.reason)
+                return again.stage
+        return None
