@@ -8,7 +8,7 @@ log), and the directory of the run's servers. Each concern lives in a room of it
 - clients.py: registration, heartbeats, departures; checks.py: the checks every handler shares;
 - leases.py: take / complete / fail; updates.py: parameter versions, gradient credits, the step;
 - frontal.py / backward.py (+ ledger.py): the two roles' data path;
-- outbox.py: deliveries to other servers; failover.py: replicas and layout epochs;
+- outbox.py: deliveries to other servers; replicas.py: copies of the shards at the next server; failover.py: layout epochs;
 - arrivals.py: what each volunteer sent, and which of it is drawn for a check; verify.py: the
   re-runs of that sample; bans.py: bans and their rollback epochs; pins.py: the versions a ban may need;
 - clipping.py: the round that gives every shard the run's gradient norm (--clip-grad-norm);
@@ -55,6 +55,7 @@ from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types 
 from parameter_server.outbox import Outbox
 from parameter_server.pins import Pins
 from parameter_server.recovery import Recovery
+from parameter_server.replicas import Replicas
 from parameter_server.rescue import Rescue
 from parameter_server.shard import ShardState
 from parameter_server.status import SEEN_VOLUNTEERS, Status
@@ -117,6 +118,7 @@ class StageServer(
     Rescue,
     Outbox,
     Failover,
+    Replicas,
     Recovery,
     Status,
     ServicerBase,
@@ -197,8 +199,8 @@ class StageServer(
         self.replica_locks: dict[int, asyncio.Lock] = {}
         # slot -> (server, version): the newest version of the slot that its replica there has taken
         self.replica_acked: dict[int, tuple[str, int]] = {}
-        self.replica_catching_up: set[int] = set()  # slots whose replica a held step sends (failover.py)
-        # (slot, batch) -> the gradient sum this server's own worker pushed to the slot's host (failover.py)
+        self.replica_catching_up: set[int] = set()  # slots whose replica a held step sends (replicas.py)
+        # (slot, batch) -> the gradient sum this server's own worker pushed to the slot's host (replicas.py)
         self.own_pushes: dict[tuple[int, int], list | None] = {}
         self.run_versions: dict[str, int] = {}  # versions every server of the run announced
         self.epoch = 0  # the layout epoch: 0 is the first layout, each failover starts the next
