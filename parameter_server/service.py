@@ -1,10 +1,11 @@
 """A reliable parameter server of one stage: frontal (FS) or backward (BS), following "One training
-step" of DESIGN.md and section 3.2 of the design paper. This file is its thin service: the state
-every part shares, the RPC surface (every `rpc_*` only decodes the stream, counts its bytes and
-dispatches to an `on_*` handler through `handle`, which checks the layout epoch, turns a refused
-payload into an error answer that changes nothing, and writes state-changing requests to the request
-log), and the directory of the run's servers. Each concern lives in a room of its own, composed here:
+step" of docs/design.md and section 3.2 of the design paper. This file is its thin service: the
+state every part shares and the directory of the run's servers. Each concern lives in a room of its
+own, composed here:
 
+- rpc.py: the RPC surface (every `rpc_*` only decodes the stream, counts its bytes and dispatches to
+  an `on_*` handler through `handle`, which checks the layout epoch, turns a refused payload into an
+  error answer that changes nothing, and writes state-changing requests to the request log);
 - clients.py: registration, heartbeats, departures; checks.py: the checks every handler shares;
 - leases.py: take / complete / fail; updates.py: parameter versions, gradient credits, the step;
 - frontal.py / backward.py (+ ledger.py): the two roles' data path;
@@ -24,21 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Awaitable, Callable
 
-from hivemind.p2p import P2PContext, ServicerBase
-from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
+from hivemind.p2p import ServicerBase
 
 from core.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, RunLayout, assign_shards, segment
-from core.protocol import methods, session
-from core.protocol.fields import field as mfield
 from core.protocol.leases import LeaseTickets
 from core.protocol.links import LinkEmulator
-from core.protocol.refusals import Refusal
-from core.protocol.tasks import batch_of
-from core.protocol.traffic import CALLS, SESSION_CALLS, TRAFFIC, VALUES
 from core.protocol.trust import Remembered
-from core.protocol.wire import STALL_SECONDS, PayloadError, StreamCut, pack, refusal_answer, refused, unpack
 from parameter_server.arrivals import Arrivals
 from parameter_server.backward import Backward
 from parameter_server.bans import Bans
@@ -57,11 +51,12 @@ from parameter_server.pins import Pins
 from parameter_server.recovery import Recovery
 from parameter_server.replicas import Replicas
 from parameter_server.rescue import Rescue
+from parameter_server.rpc import RpcSurface
 from parameter_server.shard import ShardState
 from parameter_server.status import SEEN_VOLUNTEERS, Status
 from parameter_server.updates import RETAIN, Updates, snapshots_kept
 from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Verification
-from taskpool import TaskPool, TaskPoolError
+from taskpool import TaskPool
 
 logger = logging.getLogger("hivepipe.server")
 
@@ -74,13 +69,6 @@ START_LEASES = 2
 PROBATION_FACTOR, PROBATION_FLOOR = 2.0, 0.25
 
 __all__ = ["RETAIN", "StageServer"]
-
-
-def _batch_of(meta: dict) -> int:
-    """The batch a logged request concerns (for compacting the request log)."""
-    if isinstance(meta.get("batch"), int):
-        return meta["batch"]
-    return batch_of(meta.get("task")) or 0
 
 
 def default_max_request_bytes(stage_params: dict, rows: int, cfg) -> int:
@@ -118,6 +106,7 @@ class StageServer(
     Rescue,
     Outbox,
     Failover,
+    RpcSurface,
     Replicas,
     Recovery,
     Status,
@@ -302,112 +291,6 @@ class StageServer(
         """The parameters version every shard hosted here has reached."""
         return min(sh.version for sh in self.hosted.values())
 
-    async def rpc_session(
-        self, requests: AsyncIterator[ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[ExpertRequest]:
-        """Calls multiplexed over one stream (core/protocol/session.py), each served as `rpc_<method>`
-        serves a stream call of its own."""
-
-        def run_call(method: str, messages: AsyncIterator[ExpertRequest]):
-            SESSION_CALLS[method] += 1
-            return self._serve(method, messages, context, answer_type=ExpertRequest)
-
-        async for message in session.serve(requests, run_call, self.request_limit(str(context.remote_id))):
-            yield message
-
-    def request_limit(self, peer: str) -> int:
-        """The largest request `peer` may send: a server's replicas, or what a volunteer sends."""
-        return self.max_request_bytes if self._is_server(peer) else self.max_client_request_bytes
-
-    async def _serve(
-        self, method: str, requests: AsyncIterator[ExpertRequest], context: P2PContext, answer_type=ExpertResponse
-    ):
-        peer = str(context.remote_id)
-        budget = None if self._is_server(peer) else self.request_budget
-        held = [0]  # bytes of this request counted in the budget, given back once it is answered
-
-        async def counted():
-            async for message in requests:
-                n = message.ByteSize()
-                TRAFFIC[f"{method}.request"] += n
-                if budget is not None:
-                    budget.take(peer, n)
-                    held[0] += n
-                yield message
-
-        CALLS[method] += 1
-        try:
-            async for message in self._serve_counted(method, counted(), peer, answer_type):
-                yield message
-        finally:
-            if budget is not None:
-                budget.give(peer, held[0])
-
-    async def _serve_counted(self, method: str, requests: AsyncIterator, peer: str, answer_type):
-        """Read the request, run it, and yield its answer's messages."""
-        try:
-            # a request beyond the limit is refused while its bytes arrive, before any tensor is built
-            meta, tensors = await unpack(
-                requests, max_bytes=self.request_limit(peer), stall=STALL_SECONDS, accept=self.compress
-            )
-        except (PayloadError, StreamCut) as e:
-            logger.debug("%s: %s request from %s refused: %s", self.device_id, method, peer[-8:], e)
-            rmeta, rtensors = refused(e), []
-        else:
-            VALUES[method] += sum(t.numel() for t in tensors)
-            rmeta, rtensors = await self.handle(method, meta, tensors, peer)
-        out = pack(
-            rmeta, rtensors, answer_type, compress=self.compress if method in methods.COMPRESSED_ANSWERS else "none"
-        )
-        nbytes = sum(m.ByteSize() for m in out)
-        TRAFFIC[f"{method}.response"] += nbytes
-        await self.links.send(self._device_of(peer), nbytes)
-        for message in out:
-            yield message
-
-    async def handle(self, method: str, meta: dict, tensors: list, sender: str) -> tuple[dict, list]:
-        """Run one request; any PayloadError/TaskPoolError becomes an error answer that changes nothing."""
-        handler = getattr(self, f"on_{method}")
-        try:
-            if method in methods.SERVER_ONLY:
-                self._any_server_sender(sender)
-            elif method not in methods.OPEN:
-                self._banned_check(sender)
-            if method in methods.EPOCHED:
-                self._check_epoch(meta)
-            result = await handler(dict(meta), tensors, sender)
-        except (PayloadError, TaskPoolError) as e:
-            self.counters["payload_errors"] += 1
-            logger.info("%s rejected %s from %s: %s", self.device_id, method, sender[-8:], e)
-            return refused(e), []
-        except Exception as e:  # a bug: answer, log, keep serving
-            logger.exception("%s failed on %s", self.device_id, method)
-            return refusal_answer(f"internal error: {type(e).__name__}: {e}", Refusal.INTERNAL), []
-        result = result if isinstance(result, tuple) else (result, [])
-        if (
-            self.log is not None
-            and not self.replaying
-            and method in methods.LOGGED
-            and result[0].get("result") != "duplicate"
-        ):
-            self.log.append({"method": method, "meta": meta, "sender": sender, "batch": _batch_of(meta)}, tensors)
-        return result
-
-    def _check_epoch(self, meta: dict, later_ok: bool = False) -> None:
-        """PayloadError unless `meta`'s layout epoch (0 when absent) is this server's; `later_ok`: a
-        later one passes (the caller waits for this server to adopt it)."""
-        epoch = mfield(meta, "epoch", int, optional=True) or 0
-        if epoch < self.epoch:
-            raise PayloadError(
-                f"stale epoch {epoch}: the run is at layout epoch {self.epoch} since a failover; "
-                "fetch the layout again (get_layout)",
-                Refusal.STALE_EPOCH,
-            )
-        if epoch > self.epoch and not later_ok:
-            raise PayloadError(
-                f"epoch {epoch} is not adopted here yet (this server is at epoch {self.epoch})", Refusal.FUTURE_EPOCH
-            )
-
     def _device_of(self, peer: str) -> str | None:
         c = self.clients.get(peer)
         if c is not None:
@@ -503,17 +386,3 @@ class StageServer(
         )
         logger.info("%s: %s", self.device_id, line)
         return line
-
-
-def _make_rpc(name: str):
-
-    async def rpc(self, requests: AsyncIterator[ExpertRequest], context: P2PContext) -> AsyncIterator[ExpertResponse]:
-        async for message in self._serve(name, requests, context):
-            yield message
-
-    rpc.__name__ = rpc.__qualname__ = f"rpc_{name}"
-    return rpc
-
-
-for _name in methods.NAMES:
-    setattr(StageServer, f"rpc_{_name}", _make_rpc(_name))
