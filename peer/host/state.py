@@ -9,12 +9,15 @@ serving, a server says its progress once a minute too (`progress: step 120/1500,
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import sys
 import time
 from typing import Callable, TextIO
 
 from peer.errors import UsageError
+
+logger = logging.getLogger("hivepipe.state")
 
 
 class PeerState(enum.Enum):
@@ -106,3 +109,25 @@ class StateLine:
 
     def _print(self, text: str) -> None:
         print(f"{self.who}: {text}", file=self._out or sys.stdout, flush=True)
+
+    async def wait_for(self, stop, what: str, check, poll: float = 0.5):
+        """Poll `check()` (a coroutine returning a value, or None to keep waiting) until it gives a
+        value or `stop` is set (then None). The line says what it waits for, once at the start and
+        once a minute; a network failure inside `check` is waiting too, never an exit."""
+        from core.protocol.retry import Attempts
+        from core.protocol.trust import AmbiguousRunKey
+
+        async for _ in Attempts(pause=poll, stop=stop):
+            try:
+                value = await check()
+            except UsageError:
+                raise
+            except AmbiguousRunKey as e:  # nothing to wait for: the user must say which run
+                raise UsageError(str(e)) from None
+            except Exception as e:
+                logger.debug("while waiting for %s: %r", what, e)
+                value = None
+            if value is not None:
+                return value
+            self.say(PeerState.WAITING, f"for {what}")
+        return None

@@ -43,29 +43,6 @@ class VolunteerSession:
         self.worker = None  # the StageWorker of the stage it works on now (None between stages)
         self.halt = None
 
-    # ---- waiting, said once and once a minute --------------------------------------------------
-
-    async def wait_until(self, stop: asyncio.Event, what: str, check, poll: float = 0.5):
-        """Poll `check()` (a coroutine returning a value, or None to keep waiting) until it gives a
-        value or `stop` is set (then None). The state line says what it waits for, once at the start
-        and once a minute; a network failure inside `check` is waiting too, never an exit."""
-        from core.protocol.trust import AmbiguousRunKey
-
-        async for _ in Attempts(pause=poll, stop=stop):
-            try:
-                value = await check()
-            except UsageError:
-                raise
-            except AmbiguousRunKey as e:  # nothing to wait for: the user must say which run
-                raise UsageError(str(e)) from None
-            except Exception as e:
-                logger.debug("while waiting for %s: %r", what, e)
-                value = None
-            if value is not None:
-                return value
-            self.state.say(PeerState.WAITING, f"for {what}")
-        return None
-
     # ---- start and find the run ----------------------------------------------------------------
 
     async def start(self, stop: asyncio.Event) -> None:
@@ -111,7 +88,9 @@ class VolunteerSession:
         from peer.directory import Directory
 
         args = self.args
-        run = await self.wait_until(stop, f"run {args.run_id!r} to appear in the DHT (its config record)", self._config)
+        run = await self.state.wait_for(
+            stop, f"run {args.run_id!r} to appear in the DHT (its config record)", self._config
+        )
         if run is None:
             return False
         try:
@@ -168,7 +147,7 @@ class VolunteerSession:
     async def wait_for_servers(self, stop: asyncio.Event) -> bool:
         servers = " ".join(d for s in self.layout.stages for d in s.servers)
         what = f"the servers of run {self.run_cfg.run_id} in the DHT ({servers} at the start)"
-        return await self.wait_until(stop, what, self._all_servers) is not None
+        return await self.state.wait_for(stop, what, self._all_servers) is not None
 
     async def choose_stage(self, stop: asyncio.Event, slowdown: float):
         """(stage, picker): the stage to work on, and the picker that re-checks it (`--stage auto`)."""
@@ -194,9 +173,9 @@ class VolunteerSession:
             await picker.measure()
             return True
 
-        if await self.wait_until(stop, "link measurements to every server", measured, poll=2.0) is None:
+        if await self.state.wait_for(stop, "link measurements to every server", measured, poll=2.0) is None:
             return None, None
-        decision = await self.wait_until(stop, "the stage records to choose a stage", lambda: picker.decide(None))
+        decision = await self.state.wait_for(stop, "the stage records to choose a stage", lambda: picker.decide(None))
         if decision is None:
             return None, None
         return decision.stage, picker

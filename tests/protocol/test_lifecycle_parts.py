@@ -370,3 +370,43 @@ def test_a_server_that_reads_other_data_is_refused_naming_both_fingerprints():
     ]
     # a server that reads no data (a middle stage's) compares nothing
     assert differing_flags(dict(ours, data=None), dict(ours, data="bbbb", epoch=0)) == []
+
+
+def test_waiting_for_something_says_it_once_treats_a_network_failure_as_waiting_and_stops_when_told():
+    """StateLine.wait_for: polls until the check gives a value; says what it waits for once (then once
+    a minute); a check that fails on the network is still waiting; bad input is an error at once
+    (a run key that does not say which run is a usage error); a stop ends the wait with None."""
+    import asyncio
+
+    from core.protocol.trust import AmbiguousRunKey
+    from peer.errors import UsageError
+
+    out = io.StringIO()
+    line = StateLine("v0", out=out, clock=lambda: 0.0)
+    answers = iter([None, ConnectionError("no route"), None, "found"])
+
+    async def check():
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    assert asyncio.run(line.wait_for(asyncio.Event(), "the run", check, poll=0.001)) == "found"
+    assert out.getvalue() == "v0: waiting: for the run\n"
+
+    async def ambiguous():
+        raise AmbiguousRunKey("two runs named demo: say which with --run-id demo@FINGERPRINT")
+
+    with pytest.raises(UsageError, match="say which"):
+        asyncio.run(line.wait_for(asyncio.Event(), "the run", ambiguous, poll=0.001))
+
+    async def stopped():
+        stop = asyncio.Event()
+
+        async def never():
+            stop.set()
+            return None
+
+        return await line.wait_for(stop, "the servers", never, poll=0.001)
+
+    assert asyncio.run(stopped()) is None
