@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def calibration(args, cfg, model):
     from scheduler.scale import segment_layers
-    from scheduler.stepsim import Calibration
+    from scheduler.step_io import Calibration
 
     if args.calibration:
         try:

@@ -36,7 +36,8 @@ import random
 from dataclasses import dataclass
 
 from scheduler.files import ModelSpec, load_cluster, load_plan
-from scheduler.stepsim import Calibration, Workload, simulate
+from scheduler.step_io import Calibration, Workload
+from scheduler.stepsim import simulate
 
 
 def churn_factor(

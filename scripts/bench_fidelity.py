@@ -60,7 +60,9 @@ from bench_churn import PACE_DEVICE, SERVERS, case3_cluster, scaled, swarm_plan 
 from core.model.config import get_preset, planner_model_file  # noqa: E402
 from peer.runtime import log_time  # noqa: E402
 from scheduler import load_cluster, load_model, load_plan, plan_cost  # noqa: E402
-from scheduler.stepsim import Calibration, Workload, device_flops, simulate, steady_seconds_per_step  # noqa: E402
+from scheduler.step_io import Calibration, Workload, steady_seconds_per_step
+from scheduler.step_state import device_flops
+from scheduler.stepsim import simulate  # noqa: E402
 
 BATCH, MICRO, STAGES = 16, 4, 2
 WARMUP = 3  # versions left out of the steady state, measured and simulated alike

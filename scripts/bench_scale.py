@@ -63,7 +63,8 @@ from bench_fidelity import (  # noqa: E402
 from core.model.config import get_preset  # noqa: E402
 from scheduler import load_cluster, load_plan  # noqa: E402
 from scheduler.scale import churn_factor  # noqa: E402
-from scheduler.stepsim import Calibration, simulate, steady_seconds_per_step  # noqa: E402
+from scheduler.step_io import Calibration, steady_seconds_per_step
+from scheduler.stepsim import simulate  # noqa: E402
 
 BATCH, MICRO, STAGES, CLIENT_TOKENS = 64, 4, 2, 1024
 WARMUP = 3

@@ -11,7 +11,7 @@ import pytest
 
 from scheduler.files import load_model
 from scheduler.scale import Swarm, churn_factor, predict
-from scheduler.stepsim import Calibration
+from scheduler.step_io import Calibration
 
 MODEL = load_model(
     {"layers": 4, "hidden": 128, "bytes_per_value": 4, "batch_tokens": 8192, "micro_batches": 4}

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from scheduler import load_cluster, load_plan
-from scheduler.stepsim import Calibration, Workload, simulate
+from scheduler.step_io import Calibration, Workload
+from scheduler.stepsim import simulate
 
 
 def cluster(delay_ms=0.0, mbps=1e9, volunteers=2, tflops=1e-3):
