@@ -82,7 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ImportError as e:  # a command's module cannot load: an install that is broken or stale
+        print(
+            f"peer: error: a command cannot load: {type(e).__name__}: {e} (reinstall the package: "
+            'pip install -e ".[dev]" in its repository)',
+            file=sys.stderr,
+        )
+        return 1
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     try:

@@ -243,6 +243,24 @@ def test_a_fault_in_a_command_is_one_line_with_exit_1(capsys, monkeypatch):
     assert err == "peer plan: error: RuntimeError: the disk is on fire\n"
 
 
+def test_a_command_that_cannot_load_is_one_line_with_exit_1(capsys, monkeypatch, tmp_path):
+    """A stale or broken install (a command's module imports what is not there) ends `peer` in one
+    line naming what is missing, not a traceback; a command left out of the build is just not listed."""
+    from peer import cli
+
+    (tmp_path / "hp_broken_cmd.py").write_text("import hp_not_installed_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.COMMANDS, "broken", ("hp_broken_cmd", "a command whose module cannot load"))
+    assert cli.main(["plan", "--help"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("peer: error: a command cannot load: ModuleNotFoundError") and "hp_not_installed" in err
+    assert err.count("\n") == 1
+    monkeypatch.setitem(cli.COMMANDS, "broken", ("hp_absent_cmd", "a command not in this build"))
+    with pytest.raises(SystemExit):  # --help lists the others and exits 0
+        cli.main(["--help"])
+    assert "broken" not in capsys.readouterr().out
+
+
 def test_a_missing_optional_dependency_names_the_extra(capsys, monkeypatch):
     from peer import cli
 
