@@ -96,8 +96,9 @@ def test_a_waiting_take_gets_the_task_cut_while_it_waits_and_a_bad_wait_is_refus
         stop = asyncio.Event()
         # a wait far longer than the test's own bound: only the cut task can end it in time
         waiting = asyncio.ensure_future(a.wait_for_task(stop, wait=MAX_TAKE_WAIT))
+        deadline = time.monotonic() + 30.0
         while set(a.waiting) != set(layout.stages[0].servers):  # its takes are open at every server
-            assert not waiting.done()
+            assert not waiting.done() and time.monotonic() < deadline, a.waiting
             await asyncio.sleep(0.01)
         fs.maybe_start_batches()  # batch 0's forward tasks are cut now
         got = await asyncio.wait_for(waiting, MAX_TAKE_WAIT / 2)
