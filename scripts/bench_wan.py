@@ -200,30 +200,15 @@ def main() -> int:
         "model of `peer simulate` for the same layout, batch and links. Written by "
         "`scripts/bench_wan.py`; load 1/5/15 is the machine's when the run started.",
     )
-    rows = []
+    points = []  # per batch: the measured point and the step model's
     largest = max(a.batches)
     with tempfile.TemporaryDirectory(prefix="bench_wan_") as tmp:
         for batch in sorted(a.batches):
             m = run_hivepipe(a, batch, Path(tmp) / f"b{batch}")
-            pr = predicted(a, batch, m["rows_per_s"])
-            tokens_per_volunteer = batch * seq / per_stage
-            rows.append(
-                [
-                    "hivepipe",
-                    batch,
-                    f"{tokens_per_volunteer:,.0f}",
-                    m["utilisation"],
-                    pr["utilisation"],
-                    m["fetching"],
-                    m["tokens_per_second"],
-                    pr["tokens_per_second"],
-                    pr["tokens_per_second"] / m["tokens_per_second"],
-                    m["volunteer_bytes_per_token"],
-                    m["server_bytes_per_token"],
-                    m["load"],
-                ]
+            points.append(
+                {"batch": batch, "tokens": batch * seq / per_stage, "m": m, "pr": predicted(a, batch, m["rows_per_s"])}
             )
-            print(rows[-1], flush=True)
+            print(table_row(points[-1]), flush=True)
         headers = [
             "system",
             "batch (sequences)",
@@ -238,27 +223,48 @@ def main() -> int:
             "server bytes/token",
             "load 1/5/15",
         ]
-        report.section("hivepipe, calm, by batch", md_table(headers, rows) + "\n\n" + reading(rows))
+        rows = [table_row(p) for p in points]
+        report.section("hivepipe, calm, by batch", md_table(headers, rows) + "\n\n" + reading(points))
         if not a.no_baselines:
             report.section("Against the alternatives, on the same links", baselines(a, largest, Path(tmp), seq))
     report.write(Path(a.out))
     return 0
 
 
-def reading(rows: list[list]) -> str:
+def table_row(p: dict) -> list:
+    m, pr = p["m"], p["pr"]
+    return [
+        "hivepipe",
+        p["batch"],
+        f"{p['tokens']:,.0f}",
+        m["utilisation"],
+        pr["utilisation"],
+        m["fetching"],
+        m["tokens_per_second"],
+        pr["tokens_per_second"],
+        pr["tokens_per_second"] / m["tokens_per_second"],
+        m["volunteer_bytes_per_token"],
+        m["server_bytes_per_token"],
+        m["load"],
+    ]
+
+
+def reading(points: list[dict]) -> str:
     """The table in sentences, from its own numbers."""
-    first, last = rows[0], rows[-1]
-    ratios = [r[8] for r in rows]
+    first, last = points[0]["m"], points[-1]["m"]
+    ratios = [p["pr"]["tokens_per_second"] / p["m"]["tokens_per_second"] for p in points]
     within = sum(1 for x in ratios if 0.75 <= x <= 1.25)
+    over = [p["pr"]["utilisation"] - p["m"]["utilisation"] for p in points]
     return (
-        f"A volunteer computes {first[3]:.0%} of its time at {first[2]} tokens a version and {last[3]:.0%} at "
-        f"{last[2]}: its fixed cost a version (the stage's parameters down, their gradient up) is spread "
-        f"over more tokens, so the bytes it moves a token fall from {first[9]:,.0f} to {last[9]:,.0f}. "
-        f"It waits for parameters {first[5]:.0%} to {last[5]:.0%} of its time (the next version is "
-        "fetched while it computes); the rest goes to pushing gradients, calls and waiting for work. "
-        f"The step model's tokens/s is {min(ratios):.2f}-{max(ratios):.2f}x the measured ({within} of "
-        f"{len(rows)} points within 25%); it puts utilisation {min(r[4] - r[3] for r in rows):+.2f} to "
-        f"{max(r[4] - r[3] for r in rows):+.2f} from the measured."
+        f"A volunteer computes {first['utilisation']:.0%} of its time at {points[0]['tokens']:,.0f} tokens a "
+        f"version and {last['utilisation']:.0%} at {points[-1]['tokens']:,.0f}: its fixed cost a version (the "
+        "stage's parameters down, their gradient up) is spread over more tokens, so the bytes it moves a "
+        f"token fall from {first['volunteer_bytes_per_token']:,.0f} to {last['volunteer_bytes_per_token']:,.0f}. "
+        f"It waits for parameters {first['fetching']:.0%} to {last['fetching']:.0%} of its time (the next "
+        "version is fetched while it computes); the rest goes to pushing gradients, calls and waiting for "
+        f"work. The step model's tokens/s is {min(ratios):.2f}-{max(ratios):.2f}x the measured ({within} of "
+        f"{len(points)} points within 25%); it puts utilisation {min(over):+.2f} to {max(over):+.2f} from the "
+        "measured."
     )
 
 
