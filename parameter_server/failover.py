@@ -125,6 +125,7 @@ class Failover:
         self.st, self.index, self.reflow_from = st, index, from_batch
         self.run_versions = {}  # readings of the old epoch no longer say what is applied
         self.replica_acked = {}  # (the ring of replicas changed, or a rollback undid what they took)
+        self.replica_round += 1  # (what was sent to the old ring counts for nothing: replicas.py)
         self._reset_datapath()
         if not self.replaying and _in_event_loop():
             # the stage's ring of replicas changed: every slot hosted here goes to its new next server

@@ -36,23 +36,25 @@ class Replicas:
         the same tasks forever)."""
         if len(self.st.servers) < 2 or self.replaying:
             return
-        buddy = self.replica_buddy()
         lock = self.replica_locks.setdefault(slot, asyncio.Lock())
         async with lock:
+            # read under the lock: a copy of an earlier round (an epoch whose ring had another next
+            # server) may have held it until now
+            buddy, round_ = self.replica_buddy(), self.replica_round
             shard = self.hosted.get(slot)
             if shard is None:
                 return
             # in a steady run one version a step, sent as the step that made it (the summed gradient:
             # a third of the state's bytes) to a replica that mirrors the version before; the whole
             # state when the replica does not (its first copy, a gap, a restart, a rollback)
-            sent = getattr(lock, "sent", -1)
+            sent = self._sent(slot, buddy)
             for version in [v for v in sorted(shard.snapshots) if v > sent and v in shard.moments]:
                 if version not in shard.snapshots:  # forgotten meanwhile (the shard stepped on)
                     continue
                 # each copy carries the layout epoch it was made in: one that reaches the replica after
                 # it adopted a ban's rollback is refused (a version of the undone lineage, whose batch
                 # totals held the banned work's norms)
-                step = shard.export_step(version) if version - 1 == getattr(lock, "sent", -1) else None
+                step = shard.export_step(version) if version - 1 == self._sent(slot, buddy) else None
                 taken = step is not None and await self._replica_step(
                     buddy, slot, dict(step[0], epoch=self.epoch), step[1], self._buddy_made(shard, version, buddy)
                 )
@@ -61,9 +63,19 @@ class Replicas:
                         continue  # rolled back while the step was on its way
                     meta, tensors = shard.export(version)
                     taken = await self._deliver(buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60)
-                lock.sent = version
-                if taken and buddy in self.st.servers:  # (a buddy failed over meanwhile took nothing)
+                if self.replica_round != round_:
+                    # a layout epoch began while this copy was on its way: what it sent counts for
+                    # nothing there, and the new round's copies (replicate_hosted) start afresh; saying
+                    # it was sent would have them skip the versions the new next server needs
+                    return
+                self.replica_sent[slot] = (buddy, round_, version)
+                if taken:
                     self._replica_taken(slot, buddy, version)
+
+    def _sent(self, slot: int, buddy: str) -> int:
+        """The newest version of `slot` sent to `buddy` in this round of copies (-1: none)."""
+        to, round_, version = self.replica_sent.get(slot, (None, -1, -1))
+        return version if (to, round_) == (buddy, self.replica_round) else -1
 
     def _replica_taken(self, slot: int, buddy: str, version: int) -> None:
         """`buddy` holds `version` of `slot` now: a step this slot held for it (`replica_behind`) goes on."""
@@ -95,8 +107,7 @@ class Replicas:
         holds for it. The copies sent after each step do it too; this one starts the first copy (and
         one after a copy was given up on), which no step would start."""
         try:
-            lock = self.replica_locks.setdefault(slot, asyncio.Lock())
-            lock.sent = min(getattr(lock, "sent", -1), acked)
+            self.replica_sent[slot] = (buddy, self.replica_round, min(self._sent(slot, buddy), acked))
             await self._send_replica(slot)
         finally:
             self.replica_catching_up.discard(slot)
@@ -141,8 +152,7 @@ class Replicas:
         """Send every slot hosted here to the stage's next server now, whatever was sent before:
         when the run comes online (a server lost before the first step must have a copy somewhere)
         and when a layout epoch changes the ring of replicas (a second loss must find one)."""
-        for lock in self.replica_locks.values():
-            lock.sent = -1
+        self.replica_round += 1
         for slot in sorted(self.hosted):
             self._spawn(self._send_replica(slot))
 

@@ -186,6 +186,10 @@ class StageServer(
         self.hosted: dict[int, ShardState] = {self.slot: self.shard}
         self.replicas: dict[int, ShardState] = {}  # slots of other servers of the stage copied here after each step
         self.replica_locks: dict[int, asyncio.Lock] = {}
+        # slot -> (server, round, version): the newest version of the slot sent to its replica at that
+        # server in that round of copies (replicas.py: a round begins with every layout epoch)
+        self.replica_sent: dict[int, tuple[str, int, int]] = {}
+        self.replica_round = 0
         # slot -> (server, version): the newest version of the slot that its replica there has taken
         self.replica_acked: dict[int, tuple[str, int]] = {}
         self.replica_catching_up: set[int] = set()  # slots whose replica a held step sends (replicas.py)
@@ -344,8 +348,15 @@ class StageServer(
         self.report_stall(time.time())
         self.maybe_rescue()
         self.order_pending_bans()
-        if (self.hold_steps_until is not None and not self.steps_held()) or self.check_hold_since is not None:
-            self._maybe_step()  # a ban's hold (or a check's) ran out with every credit already here
+        if (
+            (self.hold_steps_until is not None and not self.steps_held())
+            or self.check_hold_since is not None
+            or any(shard.ready_to_step() for shard in self.hosted.values())
+        ):
+            # a step held with every credit already here is looked at again each pass, not only when a
+            # push comes: a ban's hold or a check's that ran out, a replica copy that was taken or
+            # given up on (no push may be left to come: the next batch needs this step's version)
+            self._maybe_step()
 
     def report_stall(self, now: float) -> str | None:
         """Once per version, when the next batch has not been applied for STALL_REPORT_FACTOR x the

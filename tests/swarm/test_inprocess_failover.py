@@ -352,3 +352,49 @@ def test_a_servers_worker_reads_another_servers_slot_from_its_replica_only_when_
 
     meta, tensors = asyncio.run(ask())
     assert tensors == [] and meta["digest"] == b0.shard.digest(steps) and len(meta["digest"]) == 64
+
+
+@pytest.mark.stress
+def test_a_copy_to_a_lost_buddy_still_on_its_way_when_the_epoch_begins_holds_no_step_for_ever():
+    """s0b0's first copy of its slot goes to s0b1 (the stage's next server), which never answers it: its
+    step of batch 0 waits for that copy. s0b1 is lost for good and failed over while the copy is still
+    on its way; the new epoch's copy to s0b0's new next server waits behind it. The old copy fails only
+    once s0b0 holds every gradient of batches 0 and 1 (no push is left to make it look again: seen in a
+    `peer swarm --lose-server` run that waited for ever). The new copy still goes whole to the new next
+    server, the step it held is taken, and the run equals the reference."""
+    steps = 4
+    cfg, layout, run = make_run(steps=steps, stages=1, frontal=2, backward=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    s0b0, s0b1 = (swarm.servers[d] for d in layout.stages[0].backward)
+    slot = s0b0.slot
+    on_its_way, let_fail = asyncio.Event(), asyncio.Event()
+    handle = s0b1.handle
+
+    async def deaf(method, meta, tensors, sender):
+        if method == "push_replica" and sender == s0b0.peer_id:
+            on_its_way.set()
+            await let_fail.wait()
+            raise ConnectionError("s0b1 is gone")
+        return await handle(method, meta, tensors, sender)
+
+    s0b1.handle = deaf
+
+    def holds_both() -> bool:
+        batches = s0b0.hosted[slot].batches
+        return s0b0.epoch == 1 and all(t in batches and batches[t].complete() for t in (0, 1))
+
+    async def fail_late():
+        for _ in range(6000):  # (bounded: the test fails, not hangs, if the batches never come)
+            if holds_both():
+                break
+            await asyncio.sleep(0.01)
+        let_fail.set()
+
+    async def lose():
+        await asyncio.wait_for(on_its_way.wait(), 60)
+        await swarm.lose(s0b1.device_id)
+        asyncio.ensure_future(fail_late())
+
+    state = asyncio.run(swarm.train(timeout=120, at_version={0: lose}))
+    assert let_fail.is_set() and s0b0.epoch == 1
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
