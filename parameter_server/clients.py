@@ -124,7 +124,7 @@ class Clients:
             logger.info("%s: client %s (%s) registered, compute %.3g", self.device_id, sender[-8:], device, compute)
             self.pool.set_client_speed(sender, compute)
             if self._is_server(sender):  # a worker of the run's servers: trusted, it need not earn its leases
-                self.pool.trust(sender)
+                self.pool.standing.trust(sender)
             if holding and self.requeue:
                 # a client new here that holds tasks of ours: this server restarted (its leases are
                 # not in its log, so their tasks were queued again) or dropped it as silent. It goes
@@ -198,8 +198,8 @@ class Clients:
         struck = [
             p
             for p in self.clients
-            if self.pool.strikes(p) >= STRIKES_TO_DROP
-            and (self.pool.probation_cap(p) or DROP_CAP_S) >= DROP_CAP_S
+            if self.pool.standing.strikes(p) >= STRIKES_TO_DROP
+            and (self.pool.standing.probation_cap(p) or DROP_CAP_S) >= DROP_CAP_S
             and not self._is_server(p)
         ]
         for p in struck:

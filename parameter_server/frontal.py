@@ -91,12 +91,12 @@ class Frontal:
         # clients without a measurement yet get the median measured share of their registered compute
         scale = sorted(thr[p] / self.clients[p].compute for p in have)[len(have) // 2]
         weights = [(p, thr[p] if thr[p] > 0 else c.compute * scale) for p, c in clients]
-        proven = sorted(w for p, w in weights if self.pool.proven(p))
-        unproven = sum(w for p, w in weights if not self.pool.proven(p))
+        proven = sorted(w for p, w in weights if self.pool.standing.proven(p))
+        unproven = sum(w for p, w in weights if not self.pool.standing.proven(p))
         seat = proven[len(proven) // 2] if proven else 0.0
         if not proven or unproven <= seat:
             return weights
-        return [(p, w if self.pool.proven(p) else w * seat / unproven) for p, w in weights]
+        return [(p, w if self.pool.standing.proven(p) else w * seat / unproven) for p, w in weights]
 
     def _make_forward_tasks(self, t: int, m: int) -> None:
         """One micro-batch's rows of this stage cut into forward tasks, each preferred for the client

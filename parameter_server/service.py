@@ -262,7 +262,7 @@ class StageServer(
         # tasks of two batches, see StageWorker) and works on one more
         # ... leases it earns by delivering (taskpool/standing.py): taking work without doing it costs the taker
         self.pool = TaskPool(
-            clock=self.clock,
+            clock=lambda: self.clock(),  # (the server's clock as it is now: a test may set another)
             default_timeout=self.task_timeout,
             max_leases_per_client=2 * self.run.micro_batches + 1,
             preference_grace=self.preference_grace,
@@ -276,7 +276,7 @@ class StageServer(
         for peer, c in self.clients.items():
             self.pool.set_client_speed(peer, c.compute)
             if self._is_server(peer):
-                self.pool.trust(peer)
+                self.pool.standing.trust(peer)
         self.issued: set[str] = set()  # every task id this server created, of batches >= forgotten_before
         self.forgotten_before = 0  # the closed tasks of earlier batches are forgotten (updates._forget_before)
         self.waiting_inputs: list[tuple[int, int]] = []  # FS k>0: complete inputs waiting for their version

@@ -203,3 +203,18 @@ class SpeedBook:
             if med:
                 return clamp_factor(med / rec.seed)
         return 1.0
+
+    def figures(self, now: float, allowance) -> dict[str, dict]:
+        """Each client's figures for the pool's stats: ``throughput`` (0.0 without a measurement),
+        ``capacity`` (rows a second while it holds a lease, 0.0 unknown: `ClientRecord.capacity`),
+        ``done``, ``leases`` held and ``allowance`` (`allowance(client)`, taskpool/standing.py)."""
+        return {
+            name: {
+                "throughput": rec.rate(now, self.decay) or 0.0,
+                "capacity": rec.capacity() or 0.0,
+                "done": rec.done,
+                "leases": len(rec.leases),
+                "allowance": allowance(name),
+            }
+            for name, rec in self.clients.items()
+        }

@@ -101,9 +101,9 @@ class Standing:
         strikes = self._strikes[client] = self._strikes.get(client, 0) + 1
         return strikes
 
-    def probation_cap(self, client: str, factor: float) -> float | None:
-        """The longest a new lease of `client` may last, or None (no cap: it has delivered, or nothing
-        is known yet of how long a lease takes here)."""
+    def probation_cap(self, client: str, factor: float = 1.0) -> float | None:
+        """The longest a new lease of `client` may last at a deadline factor of `factor`, or None (no
+        cap: it has delivered, or nothing is known yet of how long a lease takes here)."""
         typical = self.typical if self.typical_first is None else self.typical_first
         if self.probation_factor is None or typical is None or client in self._proven:
             return None

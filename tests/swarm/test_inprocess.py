@@ -391,7 +391,9 @@ def test_a_take_says_whether_more_tasks_wait_and_a_server_without_is_asked_only_
 
     async def scenario():
         await a.register()
-        fs.pool.trust(link.sender)  # (one client takes every task: not a newcomer's allowance, tested elsewhere)
+        fs.pool.standing.trust(
+            link.sender
+        )  # (one client takes every task: not a newcomer's allowance, tested elsewhere)
         fs.maybe_start_batches()
         n = fs.pool.queued()
         assert n >= 2
@@ -541,12 +543,12 @@ def test_a_worker_handed_a_task_it_cannot_work_on_asks_every_server_again():
 
     async def scenario():
         await other.call("register", {"device": "other", "compute": 1.0, "stage": 0})
-        f0.pool.trust("peer-other")  # (it holds a batch's tasks at once: not a newcomer's allowance)
+        f0.pool.standing.trust("peer-other")  # (it holds a batch's tasks at once: not a newcomer's allowance)
         f0.maybe_start_batches()  # cut for `other` alone
         while (await other.call("take", {}))[0].get("task"):
             pass
         await a.register()
-        f1.pool.trust(a.links[f1.device_id].sender)  # (it takes all of f1's tasks at once, as above)
+        f1.pool.standing.trust(a.links[f1.device_id].sender)  # (it takes all of f1's tasks at once, as above)
         f1.maybe_start_batches()
         held = []
         while (got := await a._take(f1.device_id)) is not None:

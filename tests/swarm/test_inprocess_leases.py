@@ -148,7 +148,7 @@ def test_a_client_whose_connection_closed_is_dropped_and_its_leases_requeued():
 
     task = asyncio.run(scenario())
     now = [fs.clock()]
-    fs.clock = fs.pool._clock = lambda: now[0]
+    fs.clock = lambda: now[0]
     assert [lease.task.task_id for lease in fs.pool.leases_of(pa)] == [task]
     assert fs.drop_disconnected_clients({pb}) == []  # first read without a: not yet
     now[0] += 0.6 * DISCONNECT_GRACE
@@ -451,7 +451,7 @@ def test_a_server_that_stalled_itself_does_not_drop_its_clients_as_silent():
     pa = a.links[fs.device_id].sender
     asyncio.run(a.register())
     now = [fs.clock()]
-    fs.clock = fs.pool._clock = lambda: now[0]
+    fs.clock = lambda: now[0]
     fs.client_timeout = 3.0
     fs.drop_stale_clients()
     now[0] += 5.0  # the server's own stall: 5 s without a check
@@ -544,7 +544,7 @@ def test_a_server_forgets_volunteers_gone_for_good_and_counts_each_join_once():
     fs = swarm.servers[layout.stages[0].frontal[0]]
     servers = {f"peer-{d}" for d in swarm.servers}
     now = [fs.clock()]
-    fs.clock = fs.pool._clock = lambda: now[0]
+    fs.clock = lambda: now[0]
     peers = [f"peer-v{i}" for i in range(30)]
 
     fs.admissions = TokenBucket(1.0, 10_000)  # (thirty joins at one frozen instant: not the limit tested here)

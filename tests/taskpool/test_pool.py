@@ -550,14 +550,14 @@ def test_lease_and_task_are_immutable(clock):
 
 
 def test_stale_heap_items_are_compacted(clock):
-    pool = make_pool(clock, max_leases_per_client=1)
-    pool._min_stale = 16
+    pool = make_pool(clock, max_leases_per_client=1, compact_min_stale=16)
     for i in range(2000):
         pool.add(task(f"t{i}", preferred_client="p" if i % 3 else None))
         pool.take("p")
         pool.complete(f"t{i}", "p")
-        assert len(pool._deadlines) <= 4 * 1 + 16 + 1
-        assert len(pool._open) + len(pool._oldest) + len(pool._pending) + pool._pref_items <= 25
+        items = pool.heap_items()
+        assert items["deadlines"] <= 4 * 1 + 16 + 1
+        assert items["queues"] <= 25
     assert pool.stats()["done"] == 2000
 
 
@@ -660,7 +660,7 @@ def backup_pool(clock: FakeClock) -> TaskPool:
     pool.add(task("warm"))
     assert take_id(pool, "p") == "warm"
     clock.now += 2.0
-    assert pool.complete("warm", "p") is Completion.ACCEPTED and pool.proven("p")
+    assert pool.complete("warm", "p") is Completion.ACCEPTED and pool.standing.proven("p")
     return pool
 
 
@@ -673,7 +673,7 @@ def test_an_idle_proven_client_backs_up_a_strangers_lease_and_the_first_result_w
     pool = backup_pool(clock)
     pool.add(task("t"))
     clock.now += 1.5  # (a new task waits its grace for the proven clients first)
-    assert take_id(pool, "stranger") == "t" and not pool.proven("stranger")
+    assert take_id(pool, "stranger") == "t" and not pool.standing.proven("stranger")
     assert pool.take("p") is None  # not before the stranger has had the typical lease (2 s)
     clock.now += 2.5
     backup = pool.take("p")
@@ -696,7 +696,7 @@ def test_a_lease_that_runs_out_passes_to_its_backups_holder_with_the_strike(cloc
     assert pool.take("p") is not None
     clock.now = stranger.deadline + 0.1
     assert [t.task_id for t in pool.expire()] == ["t"]
-    assert pool.strikes("stranger") == 1 and pool.leases_of("stranger") == []
+    assert pool.standing.strikes("stranger") == 1 and pool.leases_of("stranger") == []
     assert pool.lease_of("t").client == "p" and pool.stats()["queued"] == 0  # not queued again
     assert pool.complete("t", "p") is Completion.ACCEPTED
     counts_add_up(pool)
@@ -711,7 +711,7 @@ def test_the_strangers_result_first_drops_the_backup_and_a_backup_holder_that_le
     clock.now += 2.5
     assert take_id(pool, "p") == "a"
     assert pool.complete("a", "s1") is Completion.ACCEPTED  # the slow newcomer was first after all
-    assert pool.leases_of("p") == [] and pool.proven("s1")
+    assert pool.leases_of("p") == [] and pool.standing.proven("s1")
     assert pool.complete("a", "p") is Completion.DUPLICATE
     assert take_id(pool, "p") == "b"
     assert pool.client_left("p") == [pool.lease_of("b").task]  # its backup goes; s2's lease runs on
@@ -728,7 +728,7 @@ def test_no_backups_unless_asked_for_and_none_of_a_proven_clients_lease(clock):
     pool.add(task("t"))
     assert take_id(pool, "p") == "t"
     clock.now += 10.0
-    assert pool.proven("r") and pool.take("r") is None  # p is proven: no backup of its lease
+    assert pool.standing.proven("r") and pool.take("r") is None  # p is proven: no backup of its lease
     plain = make_pool(clock, start_leases=1, probation_factor=3.0, max_leases_per_client=3)
     plain.add(task("warm"))
     take_id(plain, "p")
@@ -787,10 +787,10 @@ def test_a_lease_beaten_by_its_backup_still_runs_out_for_its_holder_unless_it_de
         backup = pool.take("p")
         assert pool.complete(backup.task.task_id, "p") is Completion.ACCEPTED
     assert pool.complete(slow.task.task_id, "slow") is Completion.DUPLICATE
-    assert pool.proven("slow") and pool.strikes("slow") == 0
+    assert pool.standing.proven("slow") and pool.standing.strikes("slow") == 0
     clock.now = hoarder.deadline + 0.1
     assert [t.task_id for t in pool.expire()] == [hoarder.task.task_id]
-    assert pool.strikes("hoarder") == 1 and not pool.proven("hoarder")
+    assert pool.standing.strikes("hoarder") == 1 and not pool.standing.proven("hoarder")
     assert pool.expire() == []
     counts_add_up(pool)
 

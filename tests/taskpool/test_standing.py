@@ -26,17 +26,17 @@ def test_a_new_client_holds_few_leases_and_earns_more_by_delivering():
     pool = earning_pool(clock)
     fill(pool, 20)
     held = [pool.take("a"), pool.take("a")]
-    assert all(held) and pool.take("a") is None and pool.allowance("a") == 2
+    assert all(held) and pool.take("a") is None and pool.standing.allowance("a") == 2
     clock.now = 1.0
     assert pool.complete(held[0].task.task_id, "a").value == "accepted"  # on time: one more
-    assert pool.allowance("a") == 3
+    assert pool.standing.allowance("a") == 3
     assert pool.take("a") is not None and pool.take("a") is not None and pool.take("a") is None
     for _ in range(10):  # up to the most, never past it
         lease = pool.leases_of("a")[0]
         pool.complete(lease.task.task_id, "a")
         while pool.take("a") is not None:
             pass
-    assert pool.allowance("a") == 8 and len(pool.leases_of("a")) == 8
+    assert pool.standing.allowance("a") == 8 and len(pool.leases_of("a")) == 8
 
 
 def test_leases_that_run_out_halve_the_allowance_and_count_as_strikes_until_one_is_delivered():
@@ -46,17 +46,17 @@ def test_leases_that_run_out_halve_the_allowance_and_count_as_strikes_until_one_
     for _ in range(6):  # earn: 2 -> 8
         lease = pool.take("h")
         pool.complete(lease.task.task_id, "h")
-    assert pool.allowance("h") == 8
+    assert pool.standing.allowance("h") == 8
     for _ in range(8):
         pool.take("h")
     clock.now = 100.0
     assert len(pool.expire()) == 8
     # each expiry halves: 8 -> 4 -> 2 -> 1 -> 1 ...; one round of leases run out is one strike
-    assert pool.allowance("h") == 1 and pool.strikes("h") == 1
+    assert pool.standing.allowance("h") == 1 and pool.standing.strikes("h") == 1
     clock.now = 102.0  # past the shun
     lease = pool.take("h")
     pool.complete(lease.task.task_id, "h")
-    assert pool.strikes("h") == 0 and pool.allowance("h") == 2
+    assert pool.standing.strikes("h") == 0 and pool.standing.allowance("h") == 2
 
 
 def test_a_task_whose_lease_ran_out_goes_to_another_client_first_and_is_no_longer_preferred():
@@ -91,9 +91,9 @@ def test_an_unproven_clients_leases_are_cut_short_once_the_typical_lease_is_know
     assert pool.take("honest").deadline == pytest.approx(11.5)  # proven: full timeout
     assert pool.take("stranger").deadline == pytest.approx(1.5 + 2.0)  # 4 x 0.5 s, floored at 2 s
     assert pool.take("new").deadline == pytest.approx(1.5 + 2.0)
-    pool.trust("server-worker")
+    pool.standing.trust("server-worker")
     assert pool.take("server-worker").deadline == pytest.approx(11.5)
-    assert pool.allowance("server-worker") == 8
+    assert pool.standing.allowance("server-worker") == 8
 
 
 def test_a_late_result_of_an_expired_lease_still_counts_but_earns_nothing():
@@ -105,7 +105,9 @@ def test_a_late_result_of_an_expired_lease_still_counts_but_earns_nothing():
     pool.expire()
     assert pool.complete(lease.task.task_id, "slow").value == "accepted"
     # delivered, late: slow, not hoarding (its strike goes), but nothing earned
-    assert pool.strikes("slow") == 0 and pool.allowance("slow") == 1 and not pool.proven("slow")
+    assert (
+        pool.standing.strikes("slow") == 0 and pool.standing.allowance("slow") == 1 and not pool.standing.proven("slow")
+    )
 
 
 def test_the_plain_pool_is_unchanged_and_bad_settings_are_named():
@@ -115,7 +117,7 @@ def test_the_plain_pool_is_unchanged_and_bad_settings_are_named():
     assert [pool.take("a") is not None for _ in range(4)] == [True, True, True, False]
     clock.now = 20.0
     pool.expire()
-    assert pool.take("a") is not None and pool.allowance("a") == 3  # no shun, nothing halved
+    assert pool.take("a") is not None and pool.standing.allowance("a") == 3  # no shun, nothing halved
     with pytest.raises(TaskPoolError, match="start_leases"):
         TaskPool(clock=clock, start_leases=0)
     with pytest.raises(TaskPoolError, match="probation_factor"):
@@ -148,13 +150,13 @@ def test_a_slow_newcomer_that_delivers_late_is_not_dropped_and_its_probation_lea
     assert first.deadline == pytest.approx(2.0 + 0.25)
     clock.now = 2.5
     pool.expire()
-    assert pool.strikes("slow") == 1
+    assert pool.standing.strikes("slow") == 1
     assert pool.take("fast").task.task_id == first.task.task_id  # its expired task: others first
     second = pool.take("slow")
     assert second.deadline == pytest.approx(2.5 + 0.5)  # its probation lease doubled after a strike
     clock.now = 2.7
     assert pool.complete(first.task.task_id, "slow").value == "accepted"  # late, and first: it counts
-    assert pool.strikes("slow") == 0 and not pool.proven("slow")  # slow, not hoarding; nothing earned
+    assert pool.standing.strikes("slow") == 0 and not pool.standing.proven("slow")  # slow, not hoarding; nothing earned
 
 
 def test_leases_taken_before_a_strike_add_none_and_each_later_round_adds_one():
@@ -171,14 +173,14 @@ def test_leases_taken_before_a_strike_add_none_and_each_later_round_adds_one():
     a, b = pool.take("hoarder"), pool.take("hoarder")
     assert a and b and a.deadline == b.deadline == pytest.approx(2.25)
     clock.now = 2.3
-    assert len(pool.expire()) == 2 and pool.strikes("hoarder") == 1
+    assert len(pool.expire()) == 2 and pool.standing.strikes("hoarder") == 1
     for round_ in (2, 3):
         clock.now += 1.1  # (past the grace in which open tasks wait for proven clients)
         lease = pool.take("hoarder")
         assert lease.deadline == pytest.approx(clock.now + 0.25 * 2 ** (round_ - 1))  # doubled at each strike
         clock.now = lease.deadline + 0.01
         pool.expire()
-        assert pool.strikes("hoarder") == round_
+        assert pool.standing.strikes("hoarder") == round_
 
 
 def test_probation_leases_follow_what_newcomers_needed_not_what_proven_clients_take():

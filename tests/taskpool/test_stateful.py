@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from taskpool import Completion, Task, TaskPool, TaskPoolError
+from taskpool.queues import MIN_STALE
 
 CLIENTS = ["a", "b", "c", "d"]
 K = 2
@@ -37,13 +38,7 @@ class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
-        self.pool = TaskPool(
-            clock=lambda: self.now,
-            default_timeout=DEFAULT_TIMEOUT,
-            max_leases_per_client=K,
-            preference_grace=GRACE,
-            throughput_halflife=3.0,
-        )
+        self.pool = self.new_pool(MIN_STALE)
         self.tasks: dict[str, Task] = {}
         self.order: dict[str, int] = {}
         self.state: dict[str, str] = {}  # queued | leased | done | abandoned
@@ -55,6 +50,16 @@ class PoolMachine(RuleBasedStateMachine):
         self.accepted: Counter[str] = Counter()
         self.duplicates = 0
         self.requeued = 0
+
+    def new_pool(self, min_stale: int) -> TaskPool:
+        return TaskPool(
+            clock=lambda: self.now,
+            default_timeout=DEFAULT_TIMEOUT,
+            max_leases_per_client=K,
+            preference_grace=GRACE,
+            throughput_halflife=3.0,
+            compact_min_stale=min_stale,
+        )
 
     # ---------------------------------------------------------------- model helpers
 
@@ -111,7 +116,7 @@ class PoolMachine(RuleBasedStateMachine):
     @initialize(min_stale=st.sampled_from([2, 64]))
     def compaction_threshold(self, min_stale):
         """Rebuild the lazy heaps often (2), or let stale items pile up (64)."""
-        self.pool._min_stale = min_stale
+        self.pool = self.new_pool(min_stale)  # (nothing added yet)
 
     @rule(specs=st.lists(task_specs, min_size=1, max_size=4))
     def add(self, specs):
