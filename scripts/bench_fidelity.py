@@ -26,7 +26,7 @@ calibration.
 Keeping two cores from being the bottleneck (the issue's condition): devices are declared slower
 than this CPU (servers at 1/--pace of it, volunteers at half a server) and every process stretches
 its compute to its declared speed by sleeping `slowdown x processor time - wall time` after each pass
-(peer/volunteer/worker.py), so a pass that waited for a core is not stretched further, and the
+(peer/volunteer/device.py), so a pass that waited for a core is not stretched further, and the
 processor time of a garbage collection that falls inside a pass is left out (stretched x10-20 it
 stalled steps by 2 s: a one-sided gap); with 4
 servers and at most 4 volunteers the compute asks for under 0.6 of a core. The protocol's own work

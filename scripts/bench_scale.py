@@ -12,7 +12,7 @@ batch, so a batch has work for up to 8 volunteers a stage: 16 in all), on the on
 scripts/bench_fidelity.py (the servers in one data centre, volunteers at home 20-80 ms and 20-100
 Mbit/s away) with every delay and bandwidth x --link-scale. Every volunteer is an emulated device
 declared --pace times slower than this CPU: it stretches its passes to that speed by sleeping
-(peer/volunteer/worker.py), so 16 volunteers ask for 16/--pace of a core of compute and this
+(peer/volunteer/device.py), so 16 volunteers ask for 16/--pace of a core of compute and this
 machine's two cores are not what runs out; the protocol's own work (serialization, p2p daemons,
 the servers' handlers) is real and shares the cores.
 

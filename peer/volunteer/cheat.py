@@ -12,11 +12,14 @@ Not a feature for users."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger("hivepipe.worker")
 
 KINDS = ("scale", "signflip", "noise", "zeros", "bias", "relay", "unsent", "support", "creep")
 SCALE = 1e4  # "multiplies its gradients by 1e4"
@@ -33,6 +36,7 @@ class Cheat:
     after: int = 0  # honest tasks before the lies start
     seed: int = 0
     every: int = 1  # from then on, lie on one task in `every`
+    said: bool = field(default=False, repr=False, compare=False)  # the first lie was logged
 
     @classmethod
     def parse(cls, text: str, seed: int = 0) -> "Cheat":
@@ -100,4 +104,27 @@ class Cheat:
             return x
         return {"scale": x * SCALE, "signflip": -x, "zeros": 0.0, "creep": x * (1 + CREEP)}.get(
             self.kind, x * (1 + NOISE)
+        )
+
+    def lies_now(self, tasks_done: int, device_id: str, batch: int | None = None) -> bool:
+        """Whether the task after `tasks_done` finished ones is a lie (said once, when the lies start)."""
+        lying = self.active(tasks_done)
+        if lying and not self.said:
+            self.said = True
+            logger.warning(
+                "%s: cheat %s: handing in wrong results from task %d (batch %s) on%s",
+                device_id,
+                self.kind,
+                tasks_done + 1,
+                batch,
+                f", one task in {self.every}" if self.every > 1 else "",
+            )
+        return lying
+
+    def corrupt(self, gin, grads: dict, loss):
+        """A task's input gradient (or None), parameter gradients and loss, as this liar hands them in."""
+        return (
+            None if gin is None else self.tensor(gin),
+            {n: self.gradient(g) for n, g in grads.items()},
+            self.loss(loss),
         )

@@ -39,7 +39,7 @@ class Versions:
     `on_pulled()` called after each pull from a host (a kill point), and the `stats` dict it counts
     its prefetches and replica reads in (under COUNTERS, which it adds to that dict)."""
 
-    COUNTERS = ("prefetched", "params_from_replica", "replica_misses")
+    COUNTERS = ("prefetched", "params_from_replica", "replica_late", "replica_other_bits")
 
     def __init__(
         self,
@@ -153,7 +153,8 @@ class Versions:
         meta, _ = await self._ask_host(device, slot, names, version, patience, epoch, digest_only=True)
         kept = await server.replica_at(slot, version, REPLICA_WAIT)
         if kept is None or kept[0] != meta.get("digest"):
-            self.stats["replica_misses"] += 1
+            # (told apart: a late copy is the load's doing, other bits a replica that is not the slot's)
+            self.stats["replica_late" if kept is None else "replica_other_bits"] += 1
             self.replica_skip_until[slot] = version + REPLICA_BACKOFF
             logger.debug(
                 "%s: the replica of slot %d %s version %d: pulling it from %s",

@@ -53,10 +53,10 @@ def test_every_leased_method_refuses_all_but_the_holder_of_the_lease():
 
     async def scenario():
         fs0.maybe_start_batches()
-        await holder.register()
-        await other.register()
-        _, mine, _ = await holder.take_one()
-        _, theirs, _ = await other.take_one()
+        await holder.member.register()
+        await other.member.register()
+        _, mine, _ = await holder.intake.take_one()
+        _, theirs, _ = await other.intake.take_one()
         assert mine["task"] != theirs["task"] and mine["lease"] and theirs["lease"]
         stranger = LocalLink(bs0, "peer-stranger")
         await stranger.call("register", {"device": "stranger", "compute": 1.0, "stage": 0})
@@ -150,8 +150,8 @@ def test_labels_come_from_the_runs_data_never_through_a_volunteer():
 
     async def scenario():
         fs0.maybe_start_batches()
-        await first.register()
-        link, meta, tensors = await first.take_one()
+        await first.member.register()
+        link, meta, tensors = await first.intake.take_one()
         assert len(tensors) == 1  # the inputs only
         t, m, (a, b) = meta["batch"], meta["micro"], meta["rows"]
         out = {
@@ -167,7 +167,7 @@ def test_labels_come_from_the_runs_data_never_through_a_volunteer():
             await first.links[bs0.device_id].call(
                 "push_outputs", out, [torch.zeros(b - a, cfg.seq_len, cfg.hidden), forged]
             )
-        await first.process(link, meta, tensors)
+        await first.passes.process(link, meta, tensors)
         state = await swarm.train(timeout=120)
         return state
 

@@ -64,8 +64,11 @@ def make_run(
 
 
 class InProcessSwarm:
-    def __init__(self, cfg, layout, run, corpus=None, volunteers_per_stage=1, servers_compute=True):
+    def __init__(
+        self, cfg, layout, run, corpus=None, volunteers_per_stage=1, servers_compute=True, server_options=None
+    ):
         self.cfg, self.layout, self.run = cfg, layout, run
+        self.server_options = dict(server_options or {})  # more of StageServer's arguments, for every server
         self.corpus = corpus or load_corpus(None, seq_len=cfg.seq_len)
         self.servers: dict[str, StageServer] = {dev: self.new_server(dev) for st in layout.stages for dev in st.servers}
         directory = {d: f"peer-{d}" for d in self.servers}
@@ -105,6 +108,7 @@ class InProcessSwarm:
             corpus=self.corpus,
             connector=lambda d: LocalLink(self.servers[d], f"peer-{dev}"),
             lease_tickets=TICKETS,
+            **self.server_options,
         )
 
     def connected(self) -> set[str]:

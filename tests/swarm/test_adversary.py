@@ -19,7 +19,7 @@ over about 5 checks, which a handful of such pushes in 8 steps may not reach; th
 banned, in tests/swarm/test_trust.py (bias, creep, support) and tests/protocol/test_drift.py.
 Hypothesis draws up to FUZZ_STEPS rules an example (a few hundred to two thousand: what its buffer
 holds); the rule `burst` plays up to BURST of them in a row, chosen by a generator it seeds, for
-volume. CI runs FUZZ_EXAMPLES examples and checks that they made MIN_ACTIONS actions or more (15,093,
+volume. CI runs FUZZ_EXAMPLES examples and checks that they made MIN_ACTIONS actions or more (14,636,
 about a minute, much of it waiting for the leases the adversary sat on to run out);
 `FUZZ_EXAMPLES=40 python -m pytest tests/swarm/test_adversary.py` many more (docs/stress.md)."""
 
@@ -32,7 +32,7 @@ import sys
 from collections import Counter
 
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
@@ -55,6 +55,10 @@ SLICE = 0.001  # seconds the swarm runs between two of the adversary's actions
 DONE: list = []  # each example's adversary (its `actions` and `tally`)
 
 
+# the examples are drawn from this seed, not from a digest of this class's source: else any edit of a
+# rule drew other examples, and another volume of actions (15,093 became 9,260 when three rules
+# reached their worker's parts by new names)
+@seed(20261204)
 class Adversary(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
@@ -114,11 +118,11 @@ class Adversary(RuleBasedStateMachine):
     # ---- honest work -----------------------------------------------------------------------------
     @rule()
     def register(self):
-        self.act(self.me.register())
+        self.act(self.me.member.register())
 
     @rule()
     def take(self):
-        got = self.act(self.me.take_one())
+        got = self.act(self.me.intake.take_one())
         if got is not None:
             self.held.append(got)
 
@@ -132,7 +136,7 @@ class Adversary(RuleBasedStateMachine):
             self.take()
             return
         link, meta, tensors = self.held.pop(i % len(self.held))
-        self.act(self.me.process(link, meta, tensors))
+        self.act(self.me.passes.process(link, meta, tensors))
 
     @rule()
     def flush(self):

@@ -56,23 +56,23 @@ def test_a_sum_that_overlaps_another_clients_push_in_part_is_rerun_not_lost():
 
     async def scenario():
         fs.maybe_start_batches()  # before any client registers: one task per micro-batch, open to all
-        await a.register()
-        await b.register()
+        await a.member.register()
+        await b.member.register()
         held = []
         for _ in range(2):
-            link, meta, tensors = await a.take_one()
-            await a.process(link, meta, tensors)
+            link, meta, tensors = await a.intake.take_one()
+            await a.passes.process(link, meta, tensors)
             held.append(meta["task"])
         assert [tid for _, tid, _, _ in a.sums.pending[0].tasks] == held and a.stats["pushes"] == 0
         fs.pool.fail(held[1], a.links[fs.device_id].sender)  # A's lease of T2 is lost
-        link, meta, tensors = await b.take_one()
+        link, meta, tensors = await b.intake.take_one()
         assert (meta["task"], meta["attempt"]) == (held[1], 2)
-        await b.process(link, meta, tensors)  # a second attempt is pushed alone, at once
+        await b.passes.process(link, meta, tensors)  # a second attempt is pushed alone, at once
         assert b.stats["pushes"] == 1 and not b.sums.pending
         await a.sums.flush([0])
         assert a.stats["conflicts"] == len(swarm.servers) and a.stats["dropped"] == 1
-        await a.register()  # what the workers finished goes with their next heartbeat (or take)
-        await b.register()
+        await a.member.register()  # what the workers finished goes with their next heartbeat (or take)
+        await b.member.register()
         assert fs.pool.is_done(held[1]) and fs.pool.lease_of(held[0]) is None  # T1 queued again
         # A's conflicts, one a server, and no other (the training below may make more, handled the
         # same way, when timing has B back up a task A holds past the typical time: A is unproven
@@ -93,7 +93,7 @@ def test_a_step_that_waits_far_longer_than_usual_says_once_at_info_what_it_waits
     fs, a, link, now = one_worker_on_a_clock()
 
     async def scenario():
-        await a.register()
+        await a.member.register()
         fs.maybe_start_batches()
         held = fs.pool.take(link.sender)
         fs.step_times = {-3: 1000.0, -2: 1001.0, -1: 1002.0}  # a median step of 1 s, last one at 1002
@@ -120,10 +120,10 @@ def test_tasks_that_arrived_while_the_worker_was_busy_are_taken_oldest_batch_fir
         {"task": "B0.3.0.0-2", "batch": 0, "micro": 3, "kind": "backward"},
         {"task": "B0.1.0.0-2", "batch": 0, "micro": 1, "kind": "backward"},
     ]
-    a.ready = [(link, meta, []) for meta in arrived]
+    a.intake.ready = [(link, meta, []) for meta in arrived]
 
     async def scenario():
-        return [(await a.take_one())[1]["task"] for _ in arrived]
+        return [(await a.intake.take_one())[1]["task"] for _ in arrived]
 
     assert asyncio.run(scenario()) == ["B0.1.0.0-2", "B0.3.0.0-2", "F0.3.0.0-2", "F1.0.0.0-2"]
 
@@ -249,7 +249,7 @@ def test_one_complete_carries_every_task_of_a_push_and_a_bad_list_changes_nothin
     link = a.links[fs.device_id]
 
     async def scenario():
-        await a.register()
+        await a.member.register()
         fs.maybe_start_batches()
         ids = []
         while True:
@@ -321,31 +321,31 @@ def test_finished_tasks_go_with_the_next_take_or_heartbeat_not_a_complete_each(t
     fs.handle = counted
 
     async def one_task():
-        got = await a.take_one()
-        await a.process(*got)
+        got = await a.intake.take_one()
+        await a.passes.process(*got)
         await a.sums.flush_all()  # the sum is credited by every server
         return got[1]["task"]
 
     async def scenario():
-        await a.register()
+        await a.member.register()
         fs.maybe_start_batches()
         first = await one_task()
-        assert fs.pool.lease_of(first) is not None and a.hand_ins.finished == {dev: [first]}
-        await link.call("register", a._registration(dev))  # a heartbeat without it lists it as held
+        assert fs.pool.lease_of(first) is not None and a.member.hand_ins.finished == {dev: [first]}
+        await link.call("register", a.member.registration(dev))  # a heartbeat without it lists it as held
         assert fs.pool.lease_of(first) is not None and first in a.holding(dev)
         second = await one_task()  # its take carried the first one in
-        assert fs.pool.is_done(first) and a.hand_ins.finished == {dev: [second]}
+        assert fs.pool.is_done(first) and a.member.hand_ins.finished == {dev: [second]}
         stop = asyncio.Event()
-        beat = asyncio.ensure_future(a._beat(dev, stop))
+        beat = asyncio.ensure_future(a.member.beats_to(dev, stop))
         for _ in range(500):
             if fs.pool.is_done(second):
                 break
             await asyncio.sleep(0.01)
         stop.set()
         await beat
-        assert fs.pool.is_done(second) and a.hand_ins.finished == {}
+        assert fs.pool.is_done(second) and a.member.hand_ins.finished == {}
         # what a bad or foreign list does
-        _, meta, _ = await a.take_one()
+        _, meta, _ = await a.intake.take_one()
         third = meta["task"]
         held = sorted(lease.task.task_id for lease in fs.pool.leases_of(link.sender))
         for bad in ("T1", [], [1], ["x" * 100], [third] * (MAX_COMPLETE + 1)):
@@ -390,7 +390,7 @@ def test_a_take_says_whether_more_tasks_wait_and_a_server_without_is_asked_only_
     fs.handle = counted
 
     async def scenario():
-        await a.register()
+        await a.member.register()
         fs.pool.standing.trust(
             link.sender
         )  # (one client takes every task: not a newcomer's allowance, tested elsewhere)
@@ -399,20 +399,20 @@ def test_a_take_says_whether_more_tasks_wait_and_a_server_without_is_asked_only_
         assert n >= 2
         held, more = [], []
         for _ in range(n):
-            _, meta, _ = await a._take(dev)
+            _, meta, _ = await a.intake.take(dev)
             held.append(meta["task"])
             more.append(meta["more"])
-        assert more == [True] * (n - 1) + [False] and a.more[dev] is False
-        assert await a.take_one() is None and len(takes) == n  # not asked again at once
+        assert more == [True] * (n - 1) + [False] and a.intake.more[dev] is False
+        assert await a.intake.take_one() is None and len(takes) == n  # not asked again at once
         stop = asyncio.Event()
-        waiting = asyncio.ensure_future(a.wait_for_task(stop, wait=3.0))
+        waiting = asyncio.ensure_future(a.intake.wait_for_task(stop, wait=3.0))
         await asyncio.sleep(0.05)
         await link.call("fail", {"task": held[0]})  # a task queued there again
         got = await asyncio.wait_for(waiting, 2.0)
         assert got[1]["task"] == held[0] and got[1]["more"] is False
         assert takes[n:] == [3.0]  # one waiting take, no take answered at once
         stop.set()
-        await a._stop_waiting()
+        await a.intake.stop_waiting()
 
     asyncio.run(scenario())
 
@@ -547,13 +547,13 @@ def test_a_worker_handed_a_task_it_cannot_work_on_asks_every_server_again():
         f0.maybe_start_batches()  # cut for `other` alone
         while (await other.call("take", {}))[0].get("task"):
             pass
-        await a.register()
+        await a.member.register()
         f1.pool.standing.trust(a.links[f1.device_id].sender)  # (it takes all of f1's tasks at once, as above)
         f1.maybe_start_batches()
         held = []
-        while (got := await a._take(f1.device_id)) is not None:
+        while (got := await a.intake.take(f1.device_id)) is not None:
             held.append(got[1]["task"])
-        assert held and a.more[f1.device_id] is False
+        assert held and a.intake.more[f1.device_id] is False
         for tid in held:
             await a.links[f1.device_id].call("fail", {"task": tid})
         f1.handle = counted
@@ -593,12 +593,12 @@ def test_only_a_heartbeats_answer_tells_a_worker_that_the_run_is_over():
 
     async def scenario():
         fs.maybe_start_batches()
-        await a.register()
-        await b.register()
+        await a.member.register()
+        await b.member.register()
         fs.run_over = True
-        await b.take_one()
+        await b.intake.take_one()
         assert not b.over and b.links[fs.device_id].sender not in fs.told_over
-        await a.register()
+        await a.member.register()
         assert a.over and fs.told_over == {a.links[fs.device_id].sender}
 
     asyncio.run(scenario())

@@ -26,7 +26,7 @@ def test_a_lease_that_runs_out_its_deadline_is_requeued_counted_and_logged(caplo
     fs, a, link, now = one_worker_on_a_clock()
 
     async def scenario():
-        await a.register()
+        await a.member.register()
         fs.maybe_start_batches()
         held = fs.pool.take(link.sender)
         fs.maintenance()
@@ -52,16 +52,16 @@ def test_a_lease_whose_answer_was_lost_goes_back_to_the_pool_at_the_next_heartbe
     fs, a, link, now = one_worker_on_a_clock()
 
     async def scenario():
-        await a.register()
+        await a.member.register()
         fs.maybe_start_batches()
         lost = fs.pool.take(link.sender)  # leased; the answer is lost
         now[0] += 1.0
-        await a.register()  # a young lease may still be on its way: kept
+        await a.member.register()  # a young lease may still be on its way: kept
         assert fs.pool.lease_of(lost.task.task_id) is not None
         now[0] += 5.0
-        await a.register()
+        await a.member.register()
         assert fs.pool.lease_of(lost.task.task_id) is None and fs.counters["leases_reclaimed"] == 1
-        _, meta, _ = await a.take_one()
+        _, meta, _ = await a.intake.take_one()
         assert (meta["task"], meta["attempt"]) == (lost.task.task_id, 2)
         for bad in ("T1", [1, 2], ["x" * 100]):
             with pytest.raises(RemoteError, match="holding"):
@@ -86,7 +86,7 @@ def test_a_waiting_take_gets_the_task_cut_while_it_waits_and_a_bad_wait_is_refus
     link = a.links[fs.device_id]
 
     async def scenario():
-        await a.register()
+        await a.member.register()
         t0 = time.monotonic()
         meta, _ = await link.call("take", {"wait": 0.3})
         assert meta["task"] is None and time.monotonic() - t0 >= 0.25  # waited, found nothing
@@ -95,18 +95,18 @@ def test_a_waiting_take_gets_the_task_cut_while_it_waits_and_a_bad_wait_is_refus
                 await link.call("take", {"wait": bad})
         stop = asyncio.Event()
         # a wait far longer than the test's own bound: only the cut task can end it in time
-        waiting = asyncio.ensure_future(a.wait_for_task(stop, wait=MAX_TAKE_WAIT))
+        waiting = asyncio.ensure_future(a.intake.wait_for_task(stop, wait=MAX_TAKE_WAIT))
         deadline = time.monotonic() + 30.0
-        while set(a.waiting) != set(layout.stages[0].servers):  # its takes are open at every server
-            assert not waiting.done() and time.monotonic() < deadline, a.waiting
+        while set(a.intake.waiting) != set(layout.stages[0].servers):  # its takes are open at every server
+            assert not waiting.done() and time.monotonic() < deadline, a.intake.waiting
             await asyncio.sleep(0.01)
         fs.maybe_start_batches()  # batch 0's forward tasks are cut now
         got = await asyncio.wait_for(waiting, MAX_TAKE_WAIT / 2)
         assert got is not None and got[1]["kind"] == "forward"
-        assert set(a.waiting) == set(layout.stages[0].backward)  # the backward server's wait goes on
+        assert set(a.intake.waiting) == set(layout.stages[0].backward)  # the backward server's wait goes on
         stop.set()
-        await a._stop_waiting()  # what it was still waiting for is cancelled; nothing stays leased to it unseen
-        assert not a.waiting and not a.ready
+        await a.intake.stop_waiting()  # what it was still waiting for is cancelled; nothing stays leased to it unseen
+        assert not a.intake.waiting and not a.intake.ready
 
     asyncio.run(scenario())
 
@@ -119,7 +119,7 @@ def test_a_take_answer_cut_after_its_metadata_hands_the_task_back_at_once():
 
     async def then(fs, worker, real):
         worker.links[fs.device_id] = real
-        got = await worker._take(fs.device_id)  # and the same task is there to take again
+        got = await worker.intake.take(fs.device_id)  # and the same task is there to take again
         assert got is not None
         return got[1]["task"]
 
@@ -141,9 +141,9 @@ def test_a_client_whose_connection_closed_is_dropped_and_its_leases_requeued():
 
     async def scenario():
         fs.maybe_start_batches()
-        await a.register()
-        await b.register()
-        got = await a.take_one()
+        await a.member.register()
+        await b.member.register()
+        got = await a.intake.take_one()
         return got[1]["task"]
 
     task = asyncio.run(scenario())
@@ -175,7 +175,7 @@ def test_a_server_that_forgot_its_clients_is_registered_with_again_not_refused()
 
     async def scenario():
         fs.maybe_start_batches()
-        await worker.register()
+        await worker.member.register()
         fs.clients.clear()  # as after a restart
         meta, _ = await worker.call(link, "take", {})
         return meta
@@ -220,9 +220,9 @@ def test_a_take_given_up_while_it_still_waits_at_the_server_leases_nothing():
     real = worker.links[fs.device_id]
 
     async def scenario():
-        await worker.register()
+        await worker.member.register()
         cut = worker.links[fs.device_id] = TakeCutWhileWaiting(real)
-        assert await worker._take(fs.device_id, wait=3.0) is None
+        assert await worker.intake.take(fs.device_id, wait=3.0) is None
         (handler,) = cut.handlers
         assert cut.waiting_when_cut == [True]
         fs.maybe_start_batches()  # the task it waited for is cut now
@@ -230,7 +230,7 @@ def test_a_take_given_up_while_it_still_waits_at_the_server_leases_nothing():
         assert answer["task"] is None and fs.pool.leases_of(real.sender) == []
         assert fs.counters["takes_dropped"] == 1
         worker.links[fs.device_id] = real
-        got = await worker._take(fs.device_id)
+        got = await worker.intake.take(fs.device_id)
         assert got is not None and got[1]["task"].startswith("F0.")
 
     asyncio.run(scenario())
@@ -245,9 +245,9 @@ def take_with_its_answer_lost(error, then=None):
 
     async def scenario():
         fs.maybe_start_batches()
-        await worker.register()
+        await worker.member.register()
         worker.links[fs.device_id] = TakeAnswerLost(real, error)
-        assert await worker._take(fs.device_id) is None
+        assert await worker.intake.take(fs.device_id) is None
         assert fs.pool.leases_of(real.sender) == []
         return await then(fs, worker, real) if then is not None else None
 
@@ -263,13 +263,13 @@ def test_a_worker_that_just_started_gets_its_predecessors_leases_requeued_at_onc
 
     async def scenario():
         fs.maybe_start_batches()
-        await worker.register()
-        got = await worker.take_one()
+        await worker.member.register()
+        got = await worker.intake.take_one()
         assert got is not None and fs.pool.leases_of(worker.links[fs.device_id].sender)
-        await worker.register()  # an ordinary heartbeat: the young lease may still be on its way
+        await worker.member.register()  # an ordinary heartbeat: the young lease may still be on its way
         assert fs.pool.leases_of(worker.links[fs.device_id].sender)
         worker.current = None  # its successor holds nothing
-        await worker.register(first=True)
+        await worker.member.register(first=True)
         return fs.pool.leases_of(worker.links[fs.device_id].sender), got[1]["task"]
 
     leases, task = asyncio.run(scenario())
@@ -286,13 +286,13 @@ def test_a_restarted_server_leases_back_what_its_clients_still_hold():
 
     async def scenario():
         fs.maybe_start_batches()
-        await a.register()
-        await b.register()
-        link, meta, _ = await a.take_one()
+        await a.member.register()
+        await b.member.register()
+        link, meta, _ = await a.intake.take_one()
         a.current = (link.device, meta["task"])  # what run_loop records for the task it works on
         fs.pool.client_left(pa)  # the restart: the lease is gone and the task queued again,
         del fs.clients[pa]  # and the client unknown
-        await a.register()
+        await a.member.register()
         return meta["task"]
 
     task = asyncio.run(scenario())
@@ -328,12 +328,12 @@ def test_a_client_that_names_queued_tasks_as_held_gets_none_of_them():
         assert fs.counters["holding_unproven"] == 3
         with pytest.raises(RemoteError, match="one lease ticket"):  # malformed: refused whole
             await LocalLink(fs, "peer-other").call("register", hello | {"holding": queued[:2], "leases": [None]})
-        await a.register()
-        link, meta, _ = await a.take_one()
+        await a.member.register()
+        link, meta, _ = await a.intake.take_one()
         a.current = (link.device, meta["task"])
         fs.pool.client_left(pa)  # the restart: the lease is gone, the task queued again, the client unknown
         del fs.clients[pa]
-        await a.register()  # its ticket proves the lease
+        await a.member.register()  # its ticket proves the lease
         return meta["task"]
 
     task = asyncio.run(scenario())
@@ -352,9 +352,9 @@ def test_outputs_are_pushed_for_all_of_a_tasks_rows_or_refused():
     worker = next(w for w in swarm.workers if w.stage == 0)
 
     async def scenario():
-        await worker.register()
+        await worker.member.register()
         fs.maybe_start_batches()
-        link, meta, _ = await worker.take_one()
+        link, meta, _ = await worker.intake.take_one()
         a, b = TaskId.parse(meta["task"]).rows
         push = {k: meta[k] for k in ("task", "batch", "micro", "frontal", "lease")}
         with pytest.raises(RemoteError, match=rf"rows \[{a}, {a + 1}\) are not the rows \[{a}, {b}\)"):
@@ -449,7 +449,7 @@ def test_a_server_that_stalled_itself_does_not_drop_its_clients_as_silent():
 
     fs, (a,) = one_stage(volunteers=1)
     pa = a.links[fs.device_id].sender
-    asyncio.run(a.register())
+    asyncio.run(a.member.register())
     now = [fs.clock()]
     fs.clock = lambda: now[0]
     fs.client_timeout = 3.0
@@ -470,7 +470,7 @@ def test_heartbeats_to_a_slow_server_do_not_hold_back_the_others():
     (its loop busy, or restarting) must not delay the heartbeats to the others, which would count
     that as the worker's silence."""
     fs, (a,) = one_stage(volunteers=1)
-    a.heartbeat = 0.1
+    a.member.heartbeat = 0.1
     devices = sorted(d for d in a.st.servers if d in a.links)
     assert len(devices) >= 2, devices
     slow = devices[0]
@@ -493,7 +493,7 @@ def test_heartbeats_to_a_slow_server_do_not_hold_back_the_others():
 
         for d in devices:
             a.links[d].call = wrap(d, a.links[d].call)
-        beat = asyncio.ensure_future(a.heartbeat_loop(stop))
+        beat = asyncio.ensure_future(a.member.heartbeat_loop(stop))
         await asyncio.wait_for(others_beat.wait(), 60)  # four beats each while the slow one hangs
         assert registers[slow] == 1
         stop.set()
@@ -518,13 +518,13 @@ def test_hand_backs_cancelled_before_they_start_leave_no_call_unawaited():
     link = next(iter(worker.links.values()))
 
     async def scenario():
-        worker.ready = [(link, {"task": f"t{i}", "epoch": 0}, ()) for i in range(3)]
-        stopping = asyncio.ensure_future(worker._stop_waiting())
+        worker.intake.ready = [(link, {"task": f"t{i}", "epoch": 0}, ()) for i in range(3)]
+        stopping = asyncio.ensure_future(worker.intake.stop_waiting())
         await asyncio.sleep(0)  # it reached the gather of hand-backs, whose tasks have not started
         stopping.cancel()
         with pytest.raises(asyncio.CancelledError):
             await stopping
-        return worker.ready
+        return worker.intake.ready
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -607,7 +607,7 @@ def test_a_client_that_never_held_a_task_cannot_complete_it():
     hello = {"device": "x", "compute": 1.0, "stage": 0}
 
     async def scenario():
-        await a.register()
+        await a.member.register()
         await stranger.call("register", hello)
         fs.maybe_start_batches()
         meta, _ = await holder.call("take", {})
