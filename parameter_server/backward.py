@@ -10,7 +10,7 @@ from core.protocol.fields import field as mfield
 from core.protocol.tasks import task_id as make_task_id
 from core.protocol.wire import PayloadError
 from parameter_server.ledger import LedgerEntry, RowBuffer
-from taskpool import Task
+from taskpool import Task, TaskKind
 
 
 class Backward:
@@ -27,7 +27,7 @@ class Backward:
         # the outputs only: the labels a loss is computed against come from the run's data at the
         # frontal servers (frontal.py `_run_labels`), never through a volunteer
         t, m, a, b = self._rows_payload(meta, tensors, "push_outputs", ("hidden",))
-        self._answers_lease(meta.get("lease"), task_id, sender, "forward", t, m, (a, b))
+        self._answers_lease(meta.get("lease"), task_id, sender, TaskKind.FORWARD, t, m, (a, b))
         buf = self.buffers.setdefault((t, m), RowBuffer(*self.seg))
         if not buf.add(a, b, tensors[0], None):
             self.counters["output_duplicates"] += 1
@@ -68,11 +68,11 @@ class Backward:
         for entry in self.ledger.get((t, m), []) if buf is not None else []:
             if entry.backward_task is None and buf.has(*entry.rows):
                 x, y = entry.rows
-                entry.backward_task = make_task_id("backward", t, m, self.stage, (x, y))
+                entry.backward_task = make_task_id(TaskKind.BACKWARD, t, m, self.stage, (x, y))
                 self._add_task(
                     Task(
                         task_id=entry.backward_task,
-                        kind="backward",
+                        kind=TaskKind.BACKWARD,
                         batch=t,
                         micro_batch=m,
                         stage=self.stage,

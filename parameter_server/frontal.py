@@ -16,7 +16,7 @@ from core.protocol.fields import rows_field
 from core.protocol.tasks import task_id as make_task_id
 from core.protocol.wire import PayloadError
 from parameter_server.ledger import RowBuffer
-from taskpool import Task
+from taskpool import Task, TaskKind
 
 logger = logging.getLogger("hivepipe.server")
 
@@ -128,8 +128,8 @@ class Frontal:
         for client, a, b in pieces:
             self._add_task(
                 Task(
-                    task_id=make_task_id("forward", t, m, self.stage, (a, b)),
-                    kind="forward",
+                    task_id=make_task_id(TaskKind.FORWARD, t, m, self.stage, (a, b)),
+                    kind=TaskKind.FORWARD,
                     batch=t,
                     micro_batch=m,
                     stage=self.stage,
@@ -199,7 +199,14 @@ class Frontal:
         task_id = mfield(meta, "task", str)
         t, m, a, b = self._rows_payload(meta, tensors, "push_input_grads", ("input gradient",))
         self._answers_lease(
-            meta.get("lease"), task_id, sender, "forward" if self.last else "backward", t, m, (a, b), exact=True
+            meta.get("lease"),
+            task_id,
+            sender,
+            TaskKind.FORWARD if self.last else TaskKind.BACKWARD,
+            t,
+            m,
+            (a, b),
+            exact=True,
         )
         buf = self.grad_buffers.setdefault((t, m), RowBuffer(*self.seg))
         fresh = buf.add(a, b, tensors[0], None)

@@ -15,7 +15,7 @@ from core.protocol.fields import wait_field
 from core.protocol.leases import MAX_COMPLETE
 from core.protocol.tasks import batch_of
 from core.protocol.wire import PayloadError
-from taskpool import Completion, Task
+from taskpool import Completion, Task, TaskKind
 
 logger = logging.getLogger("hivepipe.server")
 SEEN_DEVICES = 4096  # workers counted by name in tasks_by_device; the rest under "(others)"
@@ -109,7 +109,7 @@ class Leases:
             "more": self.pool.queued() > 0,
             "lease": self.lease_tickets.issue(task.task_id, lease.client, lease.attempt, self.epoch),
         }
-        if task.kind == "forward":
+        if task.kind == TaskKind.FORWARD:
             x, y = self.buffers[(t, m)].slice(a, b)
             if not self.last:  # only the last stage computes a loss: the labels stay here
                 y = None
@@ -130,7 +130,7 @@ class Leases:
     def _add_task(self, task: Task) -> None:
         """Forward tasks depend on the clients registered when they were cut, so they are logged and,
         in a replay, re-created from the log; backward tasks follow from the ledger."""
-        if task.kind == "forward":
+        if task.kind == TaskKind.FORWARD:
             if self.replaying:
                 return
             if self.log is not None:

@@ -5,7 +5,7 @@ Must not write the log (the handlers skip it while replaying)."""
 from __future__ import annotations
 
 from parameter_server.updates import RETAIN
-from taskpool import Task
+from taskpool import Task, TaskKind
 
 
 class Recovery:
@@ -33,7 +33,7 @@ class Recovery:
                         self.pool.add(
                             Task(
                                 task_id=tid,
-                                kind="forward",
+                                kind=TaskKind.FORWARD,
                                 batch=t,
                                 micro_batch=m,
                                 stage=self.stage,

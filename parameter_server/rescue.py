@@ -26,7 +26,7 @@ from core.layout import owners
 from core.protocol.fields import field as mfield
 from core.protocol.tasks import TaskId
 from core.protocol.wire import PayloadError, RemoteError
-from taskpool import Task
+from taskpool import Task, TaskKind
 
 logger = logging.getLogger("hivepipe.server")
 
@@ -76,15 +76,15 @@ class Rescue:
                 covered = [] if bc is None else bc.intervals.get(m, [])
                 for lo, hi in gaps(covered, 0, shard.rows_per_micro):
                     if self.last:
-                        ask("frontal", "forward", t, m, lo, hi)
+                        ask("frontal", TaskKind.FORWARD, t, m, lo, hi)
                     else:
-                        ask("backward", "backward", t, m, lo, hi)
+                        ask("backward", TaskKind.BACKWARD, t, m, lo, hi)
         if self.role == "backward" and not self.last and self.version < self.run.steps:
             t = self.version
             for m in range(self.run.micro_batches):
                 buf = self.buffers.get((t, m))
                 for lo, hi in gaps([] if buf is None else buf.covered, *self.seg):
-                    ask("frontal", "forward", t, m, lo, hi)
+                    ask("frontal", TaskKind.FORWARD, t, m, lo, hi)
         return asks
 
     def rescue_due(self, now: float) -> bool:
@@ -140,7 +140,7 @@ class Rescue:
         """A server of this stage lacks the results of rows of batch `batch`: the done tasks of `kind`
         leased here that owe them are queued again."""
         kind = mfield(meta, "kind", str)
-        want = {"frontal": "forward", "backward": "backward"}[self.role]
+        want = {"frontal": TaskKind.FORWARD, "backward": TaskKind.BACKWARD}[self.role]
         if kind != want:
             raise PayloadError(f"a {self.role} server leases {want} tasks, not {kind} tasks")
         self._server_sender(sender, self.stage, "frontal", "backward")
@@ -166,7 +166,7 @@ class Rescue:
                 micro_batch=tid.micro,
                 stage=self.stage,
                 rows=(lo, hi),
-                payload_ref=self._ledger_entry(t, tid.micro, task_id) if kind == "backward" else None,
+                payload_ref=self._ledger_entry(t, tid.micro, task_id) if kind == TaskKind.BACKWARD else None,
             )
             if self.pool.reopen(task):
                 reopened.append(task_id)

@@ -18,6 +18,7 @@ from core.protocol.fields import wait_field
 from core.protocol.params import MAX_PARAMS_WAIT
 from core.protocol.tasks import TaskId
 from core.protocol.wire import PayloadError
+from taskpool import TaskKind
 
 if TYPE_CHECKING:
     from parameter_server.shard import ShardState
@@ -126,7 +127,7 @@ class Updates:
             kind, batch, micro, stage, rows = tid.kind, tid.batch, tid.micro, tid.stage, tid.rows
             if stage != self.stage or batch != t:
                 raise PayloadError(f"task {task_id} is not of batch {t} of stage {self.stage}")
-            if kind != ("forward" if self.last else "backward"):
+            if kind != (TaskKind.FORWARD if self.last else TaskKind.BACKWARD):
                 raise PayloadError(
                     f"task {task_id}: only {'forward' if self.last else 'backward'} tasks carry "
                     f"gradients on stage {self.stage}"
@@ -136,7 +137,7 @@ class Updates:
         if self.last and loss is None:
             raise PayloadError("the last stage's gradient pushes must carry 'loss_sum'")
         tickets = mfield(meta, "leases", list, optional=True) or []
-        kind = "forward" if self.last else "backward"
+        kind = TaskKind.FORWARD if self.last else TaskKind.BACKWARD
 
         def leased() -> None:  # after the payload's checks: a malformed push is named as such
             if len(tickets) != len(ids) and not self.replaying:

@@ -12,6 +12,7 @@ from hivemind.dht import DHT
 
 from core.protocol import record_store, records
 from core.protocol.links import LinkEmulator
+from core.protocol.records import RecordState
 from peer.server_links import P2PLink
 
 logger = logging.getLogger("hivepipe.node")
@@ -109,9 +110,9 @@ class Directory:
                 if rec["kind"] == "server":
                     self.addresses[peer] = [m for m in rec["maddrs"] if isinstance(m, str)]
                     self._note(rec)
-                    if rec["state"] == "finished":
+                    if rec["state"] == RecordState.FINISHED:
                         self.finished.add(rec["device"])
-                if rec["kind"] == "server" and rec["state"] != "offline":
+                if rec["kind"] == "server" and rec["state"] != RecordState.OFFLINE:
                     servers[rec["device"]] = peer
                     versions[rec["device"]] = rec["version"]
                     epochs[rec["device"]] = rec.get("epoch", 0)
@@ -121,7 +122,7 @@ class Directory:
 
     def _note(self, rec: dict) -> None:
         device, written = rec["device"], float(rec["time"])
-        if rec["state"] == "offline":  # it said it left
+        if rec["state"] == RecordState.OFFLINE:  # it said it left
             self._heard[device] = (written, float("-inf"))
             return
         last = self._heard.get(device)

@@ -6,6 +6,6 @@ invariants and :mod:`taskpool.speed` for how deadlines scale with a client's spe
 """
 
 from .pool import TaskPool
-from .types import BACKWARD, FORWARD, Completion, Lease, Task, TaskPoolError
+from .types import BACKWARD, FORWARD, Completion, Lease, Task, TaskKind, TaskPoolError
 
-__all__ = ["TaskPool", "Task", "Lease", "Completion", "TaskPoolError", "FORWARD", "BACKWARD"]
+__all__ = ["TaskPool", "Task", "TaskKind", "Lease", "Completion", "TaskPoolError", "FORWARD", "BACKWARD"]

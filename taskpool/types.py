@@ -10,9 +10,21 @@ import enum
 import math
 from dataclasses import dataclass
 
-FORWARD = "forward"
-BACKWARD = "backward"
-KINDS = (FORWARD, BACKWARD)
+
+class TaskKind(str, enum.Enum):
+    """What a task computes: a forward pass of its rows, or a backward pass (on the last stage a
+    forward task computes the loss and its backward pass too). Equal to its value as a str, so a kind
+    read from the wire compares and hashes the same."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+FORWARD, BACKWARD = TaskKind.FORWARD, TaskKind.BACKWARD
+KINDS = tuple(TaskKind)
 
 
 class TaskPoolError(ValueError):

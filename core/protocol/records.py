@@ -4,6 +4,7 @@ role, state, load and version, re-announced on a period and expiring by itself."
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -11,7 +12,21 @@ from typing import Any
 
 logger = logging.getLogger("hivepipe.records")
 
-STATES = ("online", "joining", "offline", "finished")
+
+class RecordState(str, enum.Enum):
+    """What a peer's DHT record says it is doing (its `state`). Equal to its value as a str, so a state
+    read from a record compares and hashes the same."""
+
+    JOINING = "joining"  # a server that has not yet seen every server of the layout
+    ONLINE = "online"
+    OFFLINE = "offline"  # it said it left
+    FINISHED = "finished"  # a server that saw every server of the run reach the last step
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+STATES = tuple(RecordState)
 
 # An announcement is stored to live STALE_PERIODS announce periods, and never less than
 # MIN_RECORD_TTL: a store that meets a silent DHT peer (frozen, gone, behind a dead NAT) waits
@@ -213,8 +228,14 @@ RECORD_KINDS = {"server": ServerRecord, "client": ClientRecord}
 
 
 def record_to_dict(rec: "ServerRecord | ClientRecord") -> dict:
-    """What goes into the DHT: the kind and every field that is set."""
-    return {"kind": rec.kind} | {f.name: getattr(rec, f.name) for f in fields(rec) if getattr(rec, f.name) is not None}
+    """What goes into the DHT: the kind and every field that is set (a RecordState as its plain str: the
+    DHT's serializer takes exact types only)."""
+    out = {"kind": rec.kind}
+    for f in fields(rec):
+        value = getattr(rec, f.name)
+        if value is not None:
+            out[f.name] = value.value if isinstance(value, enum.Enum) else value
+    return out
 
 
 def parse_record(value: Any) -> "ServerRecord | ClientRecord":
@@ -255,7 +276,7 @@ def halted_reason(recs) -> str | None:
         {
             r["halted"]
             for r in recs
-            if r.get("kind") == "server" and r["state"] != "offline" and isinstance(r.get("halted"), str)
+            if r.get("kind") == "server" and r["state"] != RecordState.OFFLINE and isinstance(r.get("halted"), str)
         }
     )
     return reasons[0] if reasons else None

@@ -11,21 +11,22 @@ import re
 from dataclasses import dataclass
 
 from core.protocol.wire import PayloadError
+from taskpool.types import TaskKind
 
 _PATTERN = re.compile(r"([FB])(\d+)\.(\d+)\.(\d+)\.(\d+)-(\d+)")
-KINDS = {"F": "forward", "B": "backward"}
+KINDS = {"F": TaskKind.FORWARD, "B": TaskKind.BACKWARD}
 
 
 @dataclass(frozen=True)
 class TaskId:
-    kind: str  # "forward" or "backward"
+    kind: TaskKind
     batch: int
     micro: int
     stage: int
     rows: tuple[int, int]
 
     def __str__(self) -> str:
-        letter = "F" if self.kind == "forward" else "B"
+        letter = "F" if self.kind == TaskKind.FORWARD else "B"
         return f"{letter}{self.batch}.{self.micro}.{self.stage}.{self.rows[0]}-{self.rows[1]}"
 
     @classmethod

@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from core.layout import RunLayout
-from core.protocol.records import RunConfig, validate_record
+from core.protocol.records import RecordState, RunConfig, validate_record
 from core.protocol.values import finite_number
 
-LIVE_STATES = ("online", "joining")
+LIVE_STATES = (RecordState.ONLINE, RecordState.JOINING)
 POOL_FIELDS = ("queued", "leased", "done", "requeued", "duplicates", "oldest_queued_age")
 STATS_FIELDS = (
     "microbatches_applied",

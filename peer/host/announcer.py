@@ -11,7 +11,7 @@ from typing import Callable
 
 from core.layout import RunLayout
 from core.protocol import record_store, records
-from core.protocol.records import JOINING_PERIOD
+from core.protocol.records import JOINING_PERIOD, RecordState
 from core.protocol.retry import Attempts
 
 logger = logging.getLogger("hivepipe.serve")
@@ -29,7 +29,7 @@ class Announcer:
         self.maddrs, self.peer_id, self.device = maddrs, peer_id, device
         self.compute: Callable[[], float] = compute or (lambda: 0.0)
         self.period = run_cfg.announce_period
-        self.record_state = "joining"
+        self.record_state = RecordState.JOINING
         self.online = asyncio.Event()
         self.fenced: list[str] = []
         self.on_refresh: list[Callable[[], None]] = []
@@ -104,8 +104,8 @@ class Announcer:
                 await self.announce(self.record_state)
                 servers = await self.directory.refresh()
                 self.server.set_directory(servers, self.directory.versions, self.directory.epochs)
-                if self.record_state == "joining" and self.everyone_seen():
-                    self.record_state = "online"
+                if self.record_state == RecordState.JOINING and self.everyone_seen():
+                    self.record_state = RecordState.ONLINE
                     self.online.set()
                     self.server.replicate_hosted()  # a server lost before the first step can be failed over
                     await self.announce(self.record_state)  # at once, not a period later: readers date the start by it

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+from core.protocol.records import RecordState
 from peer.errors import NetworkError
 
 logger = logging.getLogger("hivepipe.serve")
@@ -63,7 +64,7 @@ async def check_own_reachability(
     servers = []
     for k in range(num_stages):
         for peer, rec, _ in await record_store.read_stage(dht, run_id, k):
-            if rec is not None and rec["kind"] == "server" and peer != peer_id and rec["state"] != "offline":
+            if rec is not None and rec["kind"] == "server" and peer != peer_id and rec["state"] != RecordState.OFFLINE:
                 servers.append((peer, [m for m in rec["maddrs"] if isinstance(m, str)]))
     initial = [(split_peer(m)[1], [m]) for m in initial_peers if split_peer(m)[1] not in (None, peer_id)]
     t0 = time.perf_counter()

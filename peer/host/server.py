@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 
+from core.protocol.records import RecordState
 from core.protocol.retry import Attempts
 from peer.errors import NetworkError, UsageError
 from peer.host.assembly import build_parts
@@ -121,12 +122,12 @@ class ServerHost:
         records of the servers that left have expired."""
         self.server.run_over = True
         if self.announcer is not None:
-            self.announcer.record_state = "finished"
+            self.announcer.record_state = RecordState.FINISHED
         self.finished.set()
 
     def _on_step(self, version: int):
         if version == self.run_cfg.steps and self.announcer.online.is_set():
-            return self.announcer.announce_quietly("online")
+            return self.announcer.announce_quietly(RecordState.ONLINE)
         return None
 
     # ---- states ---------------------------------------------------------------------------------
@@ -308,7 +309,7 @@ class ServerHost:
         if self.state.state is not PeerState.FINISHED:
             self.state.say(PeerState.LEAVING, why)
         if self.announcer is not None:
-            final = "finished" if self.finished.is_set() else "offline"
+            final = RecordState.FINISHED if self.finished.is_set() else RecordState.OFFLINE
             try:
                 await asyncio.wait_for(self.announcer.announce(final), 5)
             except Exception:

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 
+from core.protocol.records import RecordState
 from core.protocol.refusals import Refusal
 from core.protocol.retry import Attempts
 from peer.errors import UsageError
@@ -229,8 +230,8 @@ class VolunteerSession:
                 stage=stage,
                 state=state,
                 compute=float(worker.compute),
-                tasks_done=tasks if state == "online" else None,
-                throughput=tasks / elapsed if state == "online" else None,
+                tasks_done=tasks if state == RecordState.ONLINE else None,
+                throughput=tasks / elapsed if state == RecordState.ONLINE else None,
                 time=time.time(),
             )
         )
@@ -278,7 +279,7 @@ class VolunteerSession:
         async def announce():
             async for _ in Attempts(pause=run.announce_period, stop=leave):
                 try:
-                    await self._publish(stage, worker, "online")
+                    await self._publish(stage, worker, RecordState.ONLINE)
                 except Exception as e:
                     logger.debug("announce failed: %r", e)
 
@@ -316,7 +317,7 @@ class VolunteerSession:
             except Exception:
                 pass
         try:  # say at once that we left this stage, rather than let the record expire
-            await self._publish(stage, worker, "offline")
+            await self._publish(stage, worker, RecordState.OFFLINE)
         except Exception as e:
             logger.debug("offline announce failed: %r", e)
         worker.device.shutdown()

@@ -10,6 +10,7 @@ import functools
 import logging
 import time
 
+from core.protocol.records import RecordState
 from core.protocol.wire import wait_to_redial
 
 logger = logging.getLogger("hivepipe.swarm")
@@ -50,7 +51,7 @@ class Monitor:
                 if rec is not None and rec["kind"] == "server":
                     self.servers[rec["device"]] = (peer, rec)
                     self.reached.note(rec["device"], rec.get("step_times"))
-                    if rec["state"] == "online":
+                    if rec["state"] == RecordState.ONLINE:
                         self.online_since.setdefault(rec["device"], float(rec["time"]))
 
     def halted(self) -> str | None:
@@ -66,7 +67,8 @@ class Monitor:
         """Every server of the layout announced itself online (or finished, which a holding server
         says once the run is over: a reader that first looks after a short run's end sees that)."""
         return all(
-            d in self.servers and self.servers[d][1]["state"] in ("online", "finished") for d in self.all_devices()
+            d in self.servers and self.servers[d][1]["state"] in (RecordState.ONLINE, RecordState.FINISHED)
+            for d in self.all_devices()
         )
 
     def online_at(self) -> float:

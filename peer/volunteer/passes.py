@@ -15,6 +15,7 @@ import torch
 from core.layout import owners
 from core.model.task_math import backward_kept, backward_rows, forward_keeping, forward_rows
 from core.protocol.wire import RemoteError
+from taskpool.types import TaskKind
 
 
 class Passes:
@@ -61,11 +62,11 @@ class Passes:
         self.stats["param_seconds"] += time.monotonic() - pulling
         self.versions.prefetch_next(meta["version"])
         self.kept.drop_inputs_before(t - 1)
-        if meta["kind"] == "forward":  # whether its server will cut more of the batch for this worker
+        if meta["kind"] == TaskKind.FORWARD:  # whether its server will cut more of the batch for this worker
             self.sums.owed(t, bool(meta.get("owed")))
-        if meta["kind"] == "forward" and not self.last:
+        if meta["kind"] == TaskKind.FORWARD and not self.last:
             await self._forward(link, meta, tensors)
-        elif meta["kind"] == "forward":
+        elif meta["kind"] == TaskKind.FORWARD:
             await self._forward_backward(link, meta, tensors)
         else:
             await self._backward(link, meta, tensors)

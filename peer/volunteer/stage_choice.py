@@ -9,6 +9,7 @@ import logging
 import time
 
 from core.protocol.aio import check_cancelled
+from core.protocol.records import RecordState
 
 logger = logging.getLogger("hivepipe.join")
 
@@ -61,7 +62,7 @@ def stages_now(stage_records: list[list[tuple[str, dict]]], layout, cfg, own_pee
         n = st.layers[1] - st.layers[0]
         now = StageNow(frontal=list(st.frontal), backward=list(st.backward), layers=tuple(st.layers))
         for peer, rec in recs:
-            if peer == own_peer or rec.get("state") != "online" or not fresh(rec):
+            if peer == own_peer or rec.get("state") != RecordState.ONLINE or not fresh(rec):
                 continue
             flops = float(rec.get("compute") or 0.0) * per_row_layer * n
             if rec["kind"] == "server":
