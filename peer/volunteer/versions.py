@@ -39,7 +39,7 @@ class Versions:
     `on_pulled()` called after each pull from a host (a kill point), and the `stats` dict it counts
     its prefetches and replica reads in (under COUNTERS, which it adds to that dict)."""
 
-    COUNTERS = ("prefetched", "params_from_replica", "replica_late", "replica_other_bits")
+    COUNTERS = ("prefetched", "params_from_replica", "replica_late", "replica_other_bits", "other_slots_pulled")
 
     def __init__(
         self,
@@ -114,6 +114,10 @@ class Versions:
             kept = await self._from_own_replica(device, slot, names, version, patience, epoch)
             if kept is not None:
                 return kept
+            if (
+                device != self.device_id and self.own_server() is not None
+            ):  # (a server's worker: its replica was not used)
+                self.stats["other_slots_pulled"] += 1
             meta, tensors = await self._ask_host(device, slot, names, version, patience, epoch)
             self.on_pulled()
             return dict(zip(meta["names"], tensors))

@@ -108,7 +108,6 @@ class InProcessSwarm:
             corpus=self.corpus,
             connector=lambda d: LocalLink(self.servers[d], f"peer-{dev}"),
             lease_tickets=TICKETS,
-            **self.server_options,
         )
 
     def connected(self) -> set[str]:
