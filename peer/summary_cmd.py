@@ -1,5 +1,5 @@
 """`peer summary DIR`: the run's end as its servers wrote it. At the last step every server writes
-`DEVICE.run-summary.json` into its checkpoint folder (peer.host.server `ServerHost.write_summary`):
+`DEVICE.run-summary.json` into its checkpoint folder (`peer.host.report.RunReport.write_summary`):
 the run, its steps, the last loss and held-out loss it knows, tokens/s over its last versions,
 micro-batches applied, and what each volunteer gave it (tasks completed there, checks of its work
 passed there, banned or not). This command reads every such file in the folders it is given (one
