@@ -336,10 +336,9 @@ def test_a_servers_worker_reads_another_servers_slot_from_its_replica_only_when_
     async def train():
         for server in swarm.servers.values():  # what a server does when the run comes online
             server.replicate_hosted()
-        for _ in range(3000):  # (bounded: the test fails, not hangs, if a first copy never arrives)
-            if all(s.replicas for s in swarm.servers.values()):
-                break
-            await asyncio.sleep(0.01)
+        for server in swarm.servers.values():  # each first copy's arrival (bounded: a missing one fails the test)
+            while not server.replicas:
+                await asyncio.wait_for(server.replica_event.wait(), 30)
         return await swarm.train(timeout=120)
 
     state = asyncio.run(train())
