@@ -45,7 +45,7 @@ class Arrivals:
         if sender in self.banned:
             raise PayloadError(f"peer {sender[-8:]} is {BANNED}: {self.banned[sender]}", Refusal.BANNED)
 
-    def _note_contribution(self, sender: str, t: int, shared_by: int = 1) -> bool:
+    def note_contribution(self, sender: str, t: int, shared_by: int = 1) -> bool:
         """Remember that `sender` (a volunteer) sent work of batch t; True if this one is to be checked.
         Work that `shared_by` servers receive (a gradient push goes to every shard server) is checked by
         each with probability p = 1 - (1 - verify_rate) ** (1 / shared_by), drawn apart, so that it is

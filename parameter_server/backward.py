@@ -33,8 +33,8 @@ class Backward:
             self.counters["output_duplicates"] += 1
             return {"result": "duplicate"}
         self.ledger.setdefault((t, m), []).append(LedgerEntry(sender, (a, b), frontal, task_id))
-        if self._note_contribution(sender, t):
-            self._check_later(t, self._check_outputs, sender, t, m, a, b, tensors[0])
+        if self.note_contribution(sender, t):
+            self.check_later(t, self._check_outputs, sender, t, m, a, b, tensors[0])
         self._make_backward_tasks(t, m)  # (the gradients can come first after a failover)
         if buf.complete:
             self._send_outputs(t, m)
@@ -48,7 +48,7 @@ class Backward:
         nxt = self.layout.stages[self.stage + 1]
         for j, x, y in owners(self.rows, len(nxt.frontal), buf.lo, buf.hi):
             d, _ = buf.slice(x, y)
-            self._spawn(self._deliver(nxt.frontal[j], "push_inputs", {"batch": t, "micro": m, "rows": [x, y]}, [d]))
+            self._spawn(self.deliver(nxt.frontal[j], "push_inputs", {"batch": t, "micro": m, "rows": [x, y]}, [d]))
 
     async def on_push_output_grads(self, meta, tensors, sender):
         if self.role != "backward" or self.last:
@@ -69,7 +69,7 @@ class Backward:
             if entry.backward_task is None and buf.has(*entry.rows):
                 x, y = entry.rows
                 entry.backward_task = make_task_id(TaskKind.BACKWARD, t, m, self.stage, (x, y))
-                self._add_task(
+                self.add_task(
                     Task(
                         task_id=entry.backward_task,
                         kind=TaskKind.BACKWARD,

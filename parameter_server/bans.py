@@ -44,7 +44,7 @@ class Bans:
         self.ban_lock = asyncio.Lock()
 
     # bans --------------------------------------------------------------------------------------
-    def _ban_here(self, peer: str, why: str) -> None:
+    def ban_here(self, peer: str, why: str) -> None:
         if peer in self.banned:
             return
         self.banned[peer] = why
@@ -56,7 +56,7 @@ class Bans:
         if peer in self.banned:
             return
         self.verify_counts["caught"] += 1
-        self._ban_here(peer, why)
+        self.ban_here(peer, why)
         self.pending_bans.setdefault(peer, why)
         self.hold_steps_until = self.clock() + HOLD_SECONDS  # no step until the ban's rollback (on_ban)
         self._spawn(self._report(peer, why))
@@ -139,7 +139,7 @@ class Bans:
         kept window too: the coordinator then says which of its work stays applied), the oldest version
         kept and the versions of the slots hosted here."""
         peer, why = mfield(meta, "peer", str), mfield(meta, "why", str)
-        self._ban_here(peer, why)
+        self.ban_here(peer, why)
         if peer not in self.ordered_bans():
             self.pending_bans.setdefault(peer, why)
         # no step until the rollback's epoch arrives: a step now would apply the liar's work and could

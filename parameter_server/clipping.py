@@ -171,7 +171,7 @@ class Clipping:
         for answer in answers:
             if answer is not None:
                 self._merge(answer)
-        self._maybe_step()
+        self.maybe_step()
 
     async def _ask_sums(self, device: str, meta: dict) -> dict | None:
         try:
@@ -203,7 +203,7 @@ class Clipping:
                 for answer in await asyncio.gather(*(self._ask_sums(d, meta) for d in sorted(hosts))):
                     if answer is not None:
                         self._merge(answer)
-                self._maybe_step()
+                self.maybe_step()
                 if self._waiting_on(batch):
                     logger.info(
                         "%s: batch %d waits for the gradient sums of slots %s",
@@ -252,7 +252,7 @@ class Clipping:
             self._note_sum(batch, (stage, slot), epoch, value)
         if total is not None:
             self._note_total(batch, epoch, total)
-        self._maybe_step()
+        self.maybe_step()
         return self._sums_known(batch)
 
 

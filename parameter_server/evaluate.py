@@ -70,7 +70,7 @@ class Evaluation:
         """Run this stage's slice at `version` (of layout epoch `epoch`'s lineage) on `x`; the loss
         here on the last stage, else on to the next stage's first frontal server. An epoch that
         begins meanwhile ends it (a rollback re-makes the version: it is evaluated again)."""
-        out = await self._recompute(version, lambda model: forward_rows(model, x, self.verify_device))
+        out = await self.recompute(version, lambda model: forward_rows(model, x, self.verify_device))
         if self.epoch != epoch:
             logger.info("%s: the evaluation of version %d ends at layout epoch %d", self.device_id, version, self.epoch)
             return

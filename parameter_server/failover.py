@@ -117,7 +117,7 @@ class Failover:
                     del self.replicas[slot]
             self._verify_params = {}
         for peer in record.get("banned", []):
-            self._ban_here(peer, f"banned by layout epoch {epoch}")
+            self.ban_here(peer, f"banned by layout epoch {epoch}")
         self.hold_steps_until = None  # the epoch a ban waited for (pins.py)
         for shard in self.hosted.values():
             shard.batches = {}
@@ -126,7 +126,7 @@ class Failover:
         self.run_versions = {}  # readings of the old epoch no longer say what is applied
         self.replica_acked = {}  # (the ring of replicas changed, or a rollback undid what they took)
         self.replica_round += 1  # (what was sent to the old ring counts for nothing: replicas.py)
-        self._reset_datapath()
+        self.reset_datapath()
         if not self.replaying and _in_event_loop():
             # the stage's ring of replicas changed: every slot hosted here goes to its new next server
             # now, not at its next step, so that a second loss in the stage finds a copy

@@ -39,7 +39,7 @@ class Frontal:
             t = self.next_batch
             self._build_inputs(t)
             for m in range(self.run.micro_batches):
-                self._make_forward_tasks(t, m)
+                self.make_forward_tasks(t, m)
             self.next_batch += 1
 
     def _run_batch(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +98,7 @@ class Frontal:
             return weights
         return [(p, w if self.pool.standing.proven(p) else w * seat / unproven) for p, w in weights]
 
-    def _make_forward_tasks(self, t: int, m: int) -> None:
+    def make_forward_tasks(self, t: int, m: int) -> None:
         """One micro-batch's rows of this stage cut into forward tasks, each preferred for the client
         it was cut for (scheduler/rows.py `cut_rows`: by the clients' split weights and, when rows
         are fewer than clients x min_task_rows, by the rows each is owed), among the batch's members
@@ -126,7 +126,7 @@ class Frontal:
             )
         note_cut(self.batch_cut, t, {client for client, _, _ in pieces})
         for client, a, b in pieces:
-            self._add_task(
+            self.add_task(
                 Task(
                     task_id=make_task_id(TaskKind.FORWARD, t, m, self.stage, (a, b)),
                     kind=TaskKind.FORWARD,
@@ -175,7 +175,7 @@ class Frontal:
         ready = [(t, m) for t, m in self.waiting_inputs if version_for_batch(t) <= self.version]
         for key in ready:
             self.waiting_inputs.remove(key)
-            self._make_forward_tasks(*key)
+            self.make_forward_tasks(*key)
 
     async def on_get_inputs(self, meta, tensors, sender):
         self._client(sender)
@@ -226,7 +226,7 @@ class Frontal:
         prev = self.layout.stages[self.stage - 1]
         for j, x, y in owners(self.rows, len(prev.backward), a, b):
             self._spawn(
-                self._deliver(
+                self.deliver(
                     prev.backward[j],
                     "push_output_grads",
                     {"batch": t, "micro": m, "rows": [x, y]},

@@ -127,7 +127,7 @@ class Leases:
             raise PayloadError(f"unknown task id {task_id!r}")
         return task_id
 
-    def _add_task(self, task: Task) -> None:
+    def add_task(self, task: Task) -> None:
         """Forward tasks depend on the clients registered when they were cut, so they are logged and,
         in a replay, re-created from the log; backward tasks follow from the ledger."""
         if task.kind == TaskKind.FORWARD:

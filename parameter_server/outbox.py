@@ -23,7 +23,7 @@ class Outbox:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    def _deliver(self, device: str, method: str, meta: dict, tensors: list, attempts: int = 600):
+    def deliver(self, device: str, method: str, meta: dict, tensors: list, attempts: int = 600):
         """A coroutine that delivers one message, retrying until it is taken. A message of the data
         path is stamped now with this server's layout epoch: after a failover it is refused, not
         retried, since the new epoch runs that work again."""

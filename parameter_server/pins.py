@@ -37,7 +37,7 @@ class Pins:
         self.check_hold_since: float | None = None  # when a step began to wait for a check (checks_hold)
 
     def steps_held(self) -> bool:
-        """True while a ban's rollback epoch is awaited (Updates._maybe_step does not step)."""
+        """True while a ban's rollback epoch is awaited (Updates.maybe_step does not step)."""
         if self.hold_steps_until is None:
             return False
         if self.clock() < self.hold_steps_until:

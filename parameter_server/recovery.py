@@ -51,11 +51,11 @@ class Recovery:
             for t in batches:  # micro-batches whose tasks were not cut before the crash
                 for m in range(self.run.micro_batches):
                     if (t, m) not in cut and t >= self.version - (RETAIN - 1):
-                        self._make_forward_tasks(t, m)
+                        self.make_forward_tasks(t, m)
         # inputs whose tasks were cut before the crash must not be cut again (differently)
         self.waiting_inputs = [key for key in self.waiting_inputs if key not in cut]
         self.release_waiting()
-        self._maybe_step()  # (a step held during the replay for the run's gradient norm asks for it now)
+        self.maybe_step()  # (a step held during the replay for the run's gradient norm asks for it now)
         if self.role == "backward" and not self.last:
             for (t, m), buf in list(self.buffers.items()):
                 if buf.complete:

@@ -62,7 +62,7 @@ class Replicas:
                     if version not in shard.snapshots or version not in shard.moments:
                         continue  # rolled back while the step was on its way
                     meta, tensors = shard.export(version)
-                    taken = await self._deliver(buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60)
+                    taken = await self.deliver(buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60)
                 if self.replica_round != round_:
                     # a layout epoch began while this copy was on its way: what it sent counts for
                     # nothing there, and the new round's copies (replicate_hosted) start afresh; saying
@@ -81,7 +81,7 @@ class Replicas:
         """`buddy` holds `version` of `slot` now: a step this slot held for it (`replica_behind`) goes on."""
         acked_by, acked = self.replica_acked.get(slot, (None, -1))
         self.replica_acked[slot] = (buddy, version if acked_by != buddy else max(acked, version))
-        self._maybe_step()
+        self.maybe_step()
 
     def replica_behind(self, slot: int, version: int) -> bool:
         """True while stepping `slot` from `version` would put it more than REPLICA_LAG versions ahead

@@ -41,7 +41,7 @@ class RpcSurface:
 
         def run_call(method: str, messages: AsyncIterator[ExpertRequest]):
             SESSION_CALLS[method] += 1
-            return self._serve(method, messages, context, answer_type=ExpertRequest)
+            return self.serve(method, messages, context, answer_type=ExpertRequest)
 
         async for message in session.serve(requests, run_call, self.request_limit(str(context.remote_id))):
             yield message
@@ -50,7 +50,7 @@ class RpcSurface:
         """The largest request `peer` may send: a server's replicas, or what a volunteer sends."""
         return self.max_request_bytes if self._is_server(peer) else self.max_client_request_bytes
 
-    async def _serve(
+    async def serve(
         self, method: str, requests: AsyncIterator[ExpertRequest], context: P2PContext, answer_type=ExpertResponse
     ):
         peer = str(context.remote_id)
@@ -143,7 +143,7 @@ class RpcSurface:
 def _make_rpc(name: str):
 
     async def rpc(self, requests: AsyncIterator[ExpertRequest], context: P2PContext) -> AsyncIterator[ExpertResponse]:
-        async for message in self._serve(name, requests, context):
+        async for message in self.serve(name, requests, context):
             yield message
 
     rpc.__name__ = rpc.__qualname__ = f"rpc_{name}"

@@ -211,7 +211,7 @@ class StageServer(
         self.admissions = TokenBucket(REGISTER_RATE, REGISTER_BURST)  # new clients (Clients._admit)
         self.struck_out = Remembered(SEEN_VOLUNTEERS)  # peer -> (drops, may register again at)
         self.last_silence_check: float | None = None  # (Clients.drop_stale_clients)
-        self._reset_datapath()
+        self.reset_datapath()
         self.counters = {
             "payload_errors": 0,
             "relay_duplicates": 0,
@@ -228,6 +228,7 @@ class StageServer(
         self.on_epoch: list[Callable[[dict], None]] = []
         self.on_adopt: list[Callable[[dict], None]] = []  # slots taken over (before the epoch is logged)
         self.on_replica: list[Callable[[int], Awaitable[None] | None]] = []  # a newer replica of a slot arrived
+        self.on_credit: list[Callable[[int, int], None]] = []  # (slot, batch): a gradient push was credited
         self.step_times: dict[int, float] = {}  # version -> wall time it was reached (note_step)
         self._stall_reported: int | None = None  # the version whose stall report_stall logged
         self.missing_versions: set[tuple[int, int]] = set()  # (asked, current) refused and logged (get_params)
@@ -254,7 +255,7 @@ class StageServer(
             keep_versions=snapshots_kept(self.layout.num_stages),
         )
 
-    def _reset_datapath(self) -> None:
+    def reset_datapath(self) -> None:
         """Fresh pools, rows and ledgers (at start, and when a failover starts a layout epoch)."""
         # my segment of each micro-batch's rows, among this stage's servers of my role
         self.seg = segment(self.rows, len(self.st.frontal if self.role == "frontal" else self.st.backward), self.index)
@@ -278,7 +279,7 @@ class StageServer(
             if self._is_server(peer):
                 self.pool.standing.trust(peer)
         self.issued: set[str] = set()  # every task id this server created, of batches >= forgotten_before
-        self.forgotten_before = 0  # the closed tasks of earlier batches are forgotten (updates._forget_before)
+        self.forgotten_before = 0  # the closed tasks of earlier batches are forgotten (updates.forget_before)
         self.waiting_inputs: list[tuple[int, int]] = []  # FS k>0: complete inputs waiting for their version
         self.buffers: dict[tuple[int, int], "RowBuffer"] = {}  # FS: inputs; BS: outputs
         self.grad_buffers: dict[tuple[int, int], "RowBuffer"] = {}  # BS: output grads; FS: relayed input grads
@@ -356,7 +357,7 @@ class StageServer(
             # a step held with every credit already here is looked at again each pass, not only when a
             # push comes: a ban's hold or a check's that ran out, a replica copy that was taken or
             # given up on (no push may be left to come: the next batch needs this step's version)
-            self._maybe_step()
+            self.maybe_step()
 
     def report_stall(self, now: float) -> str | None:
         """Once per version, when the next batch has not been applied for STALL_REPORT_FACTOR x the

@@ -157,8 +157,10 @@ class Updates:
             unusual = not self._is_server(sender) and self.unusual_norm(
                 self.slot if slot is None else slot, tensors, rows
             )
-            if self._note_contribution(sender, t, shared_by=len(self.st.hosts)) or (unusual and not self.replaying):
-                self._check_later(
+            for cb in self.on_credit:
+                cb(self.slot if slot is None else slot, t)
+            if self.note_contribution(sender, t, shared_by=len(self.st.hosts)) or (unusual and not self.replaying):
+                self.check_later(
                     t,
                     self._check_push,
                     sender,
@@ -168,10 +170,10 @@ class Updates:
                     tensors,
                     loss,
                 )
-            self._maybe_step()
+            self.maybe_step()
         return {"result": result, "credited": already}
 
-    def _maybe_step(self) -> None:
+    def maybe_step(self) -> None:
         if self.steps_held():
             return
         if any(shard.ready_to_step() for shard in self.hosted.values()):
@@ -204,7 +206,7 @@ class Updates:
                 self._spawn(self._send_replica(slot))
                 if self.version == before:
                     continue
-                self._forget_before(self.version - (RETAIN - 1))
+                self.forget_before(self.version - (RETAIN - 1))
                 for cb in self.on_step:
                     r = cb(self.version)
                     if asyncio.iscoroutine(r):
@@ -214,7 +216,7 @@ class Updates:
             self.maybe_start_batches()
             self.release_waiting()
 
-    def _forget_before(self, batch: int) -> None:
+    def forget_before(self, batch: int) -> None:
         """Drop the rows and ledgers of batches < batch (applied by every server of the stage), their
         tasks still open (a re-queued copy of work done, which `take` would abandon when handed out,
         and which would else stay open to the run's end), the ids of their closed tasks (a run of

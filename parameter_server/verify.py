@@ -93,7 +93,7 @@ class Verification:
         self._verify_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.checks_pending: dict[int, int] = {}  # batch -> checks of its work not judged yet
 
-    def _check_later(self, t: int, check, *args) -> None:
+    def check_later(self, t: int, check, *args) -> None:
         """Check work of batch t beside the step (`check(epoch, *args)`), counted in checks_pending."""
         self.checks_pending[t] = self.checks_pending.get(t, 0) + 1
         self._spawn(self._guarded(t, check(self.epoch, *args)))
@@ -115,7 +115,7 @@ class Verification:
             else:
                 self.checks_pending.pop(t, None)
             if self.check_hold_since is not None:
-                self._maybe_step()  # a step waited for this check
+                self.maybe_step()  # a step waited for this check
 
     # re-running --------------------------------------------------------------------------------
     async def _server_call(self, device: str, method: str, meta: dict) -> tuple[dict, list]:
@@ -172,7 +172,7 @@ class Verification:
             del self._verify_params[v]
         return state
 
-    async def _recompute(self, version: int, fn):
+    async def recompute(self, version: int, fn):
         """Run fn(model) on this stage's slice holding parameters `version`, in the check's own thread."""
         from core.model.transformer import build_slice
 
@@ -229,7 +229,7 @@ class Verification:
         )
         return True
 
-    def _passed(self, sender: str, seen: list) -> None:
+    def passed_check(self, sender: str, seen: list) -> None:
         """A whole check passed (every distance within the tolerance, no drift yet). Its distances count
         as an honest re-run's while the volunteer is not banned (a liar under the tolerance passes
         checks until the drift test has seen enough of them): `honest_distance`."""
@@ -243,7 +243,7 @@ class Verification:
     async def _check_outputs(self, epoch: int, sender: str, t: int, m: int, a: int, b: int, out: torch.Tensor) -> None:
         (x, _) = await self._held_rows("inputs", t, m, a, b)
         want = roundtrip(
-            await self._recompute(version_for_batch(t), lambda model: forward_rows(model, x, self.verify_device)),
+            await self.recompute(version_for_batch(t), lambda model: forward_rows(model, x, self.verify_device)),
             self.compress,
         )
         self.verify_counts["checked"] += 1
@@ -252,7 +252,7 @@ class Verification:
         if self._judge(
             epoch, sender, f"the outputs of rows {a}-{b} of micro-batch {m}", distance(out, want), t, seen
         ) and not await self._drifts(epoch, sender, "outputs", out, want, t):
-            self._passed(sender, seen)
+            self.passed_check(sender, seen)
 
     async def _check_push(
         self, epoch: int, sender: str, t: int, ids: list[str], slot: int, grads: list[torch.Tensor], loss: float | None
@@ -317,7 +317,7 @@ class Verification:
                         seen,
                     ) or await self._drifts(epoch, sender, "input gradients", theirs, mine, t):
                         return
-        self._passed(sender, seen)
+        self.passed_check(sender, seen)
 
     async def _backward_rows_held(self, t: int, m: int, a: int, b: int) -> tuple:
         """What re-running rows [a, b) of micro-batch m of batch t backward needs: (inputs, labels,
@@ -331,7 +331,7 @@ class Verification:
         version batch t computes on."""
         x, labels, g = rows
         tokens = self.run.batch_size * self.cfg.seq_len
-        return await self._recompute(
+        return await self.recompute(
             version_for_batch(t),
             lambda model: backward_rows(
                 model, x, self.verify_device, tokens, out_grad=g, labels=labels if self.last else None
@@ -353,7 +353,7 @@ class Verification:
                 continue
             self.gin_orphans.add(key)
             self.counters["input_grads_orphaned"] = self.counters.get("input_grads_orphaned", 0) + 1
-            self._check_later(t, self._check_input_grad, first, t, m, a, b)
+            self.check_later(t, self._check_input_grad, first, t, m, a, b)
 
     async def _check_input_grad(self, epoch: int, sender: str, t: int, m: int, a: int, b: int) -> None:
         """Re-run rows [a, b) of micro-batch m of batch t and compare the input gradient `sender` handed
@@ -370,7 +370,7 @@ class Verification:
         if self._judge(epoch, sender, what, distance(theirs, mine), t, seen) and not await self._drifts(
             epoch, sender, "input gradients", theirs, mine, t
         ):
-            self._passed(sender, seen)
+            self.passed_check(sender, seen)
 
     # the rows a check needs --------------------------------------------------------------------
     async def on_get_held(self, meta, tensors, sender):

@@ -50,7 +50,7 @@ class Swarm:
         os.makedirs(work_dir, exist_ok=True)
         return SigningKey.load_or_create(os.path.join(work_dir, "run.key"))[0]
 
-    def _spawn(self, name: str, argv: list[str]):
+    def spawn(self, name: str, argv: list[str]):
         path = os.path.join(self.work_dir, f"{name}.log")
         # `peer swarm -vv` (debug) makes every process log at debug too, not only at info
         argv = (["-" + "v" * self.args.verbose] if self.args.verbose else []) + argv
@@ -170,7 +170,7 @@ class Swarm:
                     if name in self.dying:  # (--lose-server: the server kills itself right after that step)
                         argv += ["--die-at-version", str(self.dying[name])]
                     self.server_argv[name] = argv
-                    self.servers[name] = self._spawn(name, argv)
+                    self.servers[name] = self.spawn(name, argv)
 
     def start_volunteer(self, stage_arg: str, name: str | None = None, extra: list[str] = ()) -> str:
         if name is None:
@@ -181,7 +181,7 @@ class Swarm:
             argv += ["--slowdown", str(self.args.volunteer_slowdown)]
         if getattr(self.args, "device", "cpu") != "cpu":
             argv += ["--device", self.args.device]
-        self.volunteers[name] = (self._spawn(name, argv), stage_arg)
+        self.volunteers[name] = (self.spawn(name, argv), stage_arg)
         return name
 
     def start_volunteers(self) -> None:
@@ -218,7 +218,7 @@ class Swarm:
             return
         kill_group(proc, signal.SIGKILL)
         proc.wait()
-        self.servers[name] = self._spawn(name, self.server_argv[name])
+        self.servers[name] = self.spawn(name, self.server_argv[name])
 
     def lose_server(self, name: str) -> None:
         """SIGKILL a server (its whole process group) for good: the others fail it over."""
@@ -240,7 +240,7 @@ class Swarm:
     def bring_back(self, name: str) -> None:
         """Start a server lost with lose_server again, with its identity and checkpoint dir."""
         self.lost.remove(name)
-        self.servers[name] = self._spawn(name, self.server_argv[name])
+        self.servers[name] = self.spawn(name, self.server_argv[name])
 
     def check_alive(self) -> None:
         for name, proc in self.servers.items():

@@ -52,7 +52,7 @@ def test_a_peer_holding_unfinished_requests_open_is_refused_past_its_share_and_g
         await hang.wait()  # the last message never comes (until the stranger's streams end)
 
     async def answer_of(stream, peer):
-        return [m async for m in fs._serve("push_grads", stream, SimpleNamespace(remote_id=peer), ExpertRequest)]
+        return [m async for m in fs.serve("push_grads", stream, SimpleNamespace(remote_id=peer), ExpertRequest)]
 
     async def scenario():
         calls = [asyncio.ensure_future(answer_of(unfinished(), "peer-stranger")) for _ in range(16)]
@@ -94,7 +94,7 @@ def test_a_volunteers_request_is_bounded_by_what_a_volunteer_sends_and_a_servers
             for m in messages:
                 yield m
 
-        return [m async for m in fs._serve("push_grads", stream(), SimpleNamespace(remote_id=peer), ExpertRequest)]
+        return [m async for m in fs.serve("push_grads", stream(), SimpleNamespace(remote_id=peer), ExpertRequest)]
 
     answer = asyncio.run(answer_of("peer-stranger"))
     assert f"payload exceeds {fs.max_client_request_bytes} bytes" in answer[0].metadata.decode(errors="replace")

@@ -213,6 +213,6 @@ def one_worker_on_a_clock():
     fs = swarm.servers[layout.stages[0].frontal[0]]
     now = [100.0]
     fs.clock = lambda: now[0]
-    fs._reset_datapath()  # its pool on the injected clock
+    fs.reset_datapath()  # its pool on the injected clock
     (a,) = swarm.workers
     return fs, a, a.links[fs.device_id], now

@@ -85,7 +85,7 @@ def test_no_local_first_reaches_every_server_the_swarm_starts(flag, expected, tm
     validate(args)
     layout = RunLayout.even(args.stages, get_preset("tiny").layers, 1, 1)
     swarm = Swarm(args, layout, 1, 1, ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"], str(tmp_path))
-    swarm._spawn = lambda name, argv: argv
+    swarm.spawn = lambda name, argv: argv
     swarm.start_servers()
     assert len(swarm.servers) == 2 * args.stages
     for argv in swarm.servers.values():
@@ -108,7 +108,7 @@ def test_the_swarm_passes_its_checked_work_and_compression_flags_to_its_peers(tm
     validate(args)
     layout = RunLayout.even(args.stages, get_preset("tiny").layers, 1, 1)
     swarm = Swarm(args, layout, 1, 1, ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"], str(tmp_path))
-    swarm._spawn = lambda name, argv: argv
+    swarm.spawn = lambda name, argv: argv
     swarm.start_servers()
     swarm.start_volunteers()
     for argv in swarm.servers.values():

@@ -144,12 +144,12 @@ def test_a_micro_batch_goes_whole_to_the_clients_owed_the_most_rows():
     for name in ("c1", "c2", "c3", "c4"):
         fs.clients[f"peer-{name}"] = ClientInfo(name, 1.0, fs.clock())
     made = []
-    fs._add_task = made.append
+    fs.add_task = made.append
 
     def cut(micro_batches: int) -> collections.Counter:
         made.clear()
         for m in range(micro_batches):
-            fs._make_forward_tasks(0, m % run.micro_batches)
+            fs.make_forward_tasks(0, m % run.micro_batches)
         rows = collections.Counter()
         for task in made:
             rows[task.preferred_client] += task.rows[1] - task.rows[0]
@@ -179,15 +179,15 @@ def test_a_batch_goes_whole_to_one_client_and_the_next_batch_to_the_next_by_defa
     for name in ("c1", "c2", "c3", "c4"):
         fs.clients[f"peer-{name}"] = ClientInfo(name, 1.0, fs.clock())
     made = []
-    fs._add_task = made.append
+    fs.add_task = made.append
     for t in range(8):
         for m in range(run.micro_batches):
-            fs._make_forward_tasks(t, m)
+            fs.make_forward_tasks(t, m)
     by_batch = {t: {task.preferred_client for task in made if task.batch == t} for t in range(8)}
     assert all(len(clients) == 1 for clients in by_batch.values())
     assert [by_batch[t] | by_batch[t + 4] for t in range(4)] == [{f"peer-c{i}"} for i in range(1, 5)]
     assert sorted(fs.batch_members) == list(range(8))
-    fs._forget_before(6)  # what is kept of a batch goes with its rows
+    fs.forget_before(6)  # what is kept of a batch goes with its rows
     assert sorted(fs.batch_members) == [6, 7]
 
 
@@ -208,11 +208,11 @@ def test_a_batch_goes_first_to_a_free_worker_of_a_stage_server():
         for name in (*st.servers, "v1", "v2"):
             fs.clients[f"peer-{name}"] = ClientInfo(name, 1.0, fs.clock())
         made = []
-        fs._add_task = made.append
+        fs.add_task = made.append
         for t in range(8):
             fs.shard.version = max(t - 1, 0)  # batch t is cut once version t - 1 is made; t - 1 is in flight
             for m in range(run.micro_batches):
-                fs._make_forward_tasks(t, m)
+                fs.make_forward_tasks(t, m)
         by_batch = [{task.preferred_client for task in made if task.batch == t} for t in range(8)]
         assert all(len(clients) == 1 for clients in by_batch)
         return [clients.pop().removeprefix("peer-") for clients in by_batch]

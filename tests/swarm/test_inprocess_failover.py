@@ -164,10 +164,16 @@ def test_two_servers_of_one_role_lost_one_after_the_other_are_failed_over():
         host = swarm.servers["s1b2"]
         seen["hosted"], seen["version"] = sorted(host.hosted), host.version
         others = [s for d, s in swarm.servers.items() if d != "s1b2" and d.startswith("s1")]
-        for _ in range(3000):  # the copies the adoption sent, delivered in this loop
+        copied = asyncio.Event()  # the copies the adoption sent, delivered in this loop
+
+        def look(_slot: int) -> None:
             if all(any(slot in s.replicas for s in others) for slot in host.hosted):
-                break
-            await asyncio.sleep(0.01)
+                copied.set()
+
+        for s in others:
+            s.on_replica.append(look)
+        look(-1)
+        await asyncio.wait_for(copied.wait(), 30)
         seen["version_at_loss"] = host.version
         records.append(await swarm.lose("s1b2"))
 
@@ -395,21 +401,16 @@ def test_a_copy_to_a_lost_buddy_still_on_its_way_when_the_epoch_begins_holds_no_
 
     s0b1.handle = deaf
 
-    def holds_both() -> bool:
+    def holds_both(credited_slot: int, batch: int) -> None:
         batches = s0b0.hosted[slot].batches
-        return s0b0.epoch == 1 and all(t in batches and batches[t].complete() for t in (0, 1))
-
-    async def fail_late():
-        for _ in range(6000):  # (bounded: the test fails, not hangs, if the batches never come)
-            if holds_both():
-                break
-            await asyncio.sleep(0.01)
-        let_fail.set()
+        if s0b0.epoch == 1 and all(t in batches and batches[t].complete() for t in (0, 1)):
+            let_fail.set()
 
     async def lose():
         await asyncio.wait_for(on_its_way.wait(), 60)
         await swarm.lose(s0b1.device_id)
-        asyncio.ensure_future(fail_late())
+        s0b0.on_credit.append(holds_both)  # looked at as each push of the new epoch is credited
+        holds_both(slot, -1)  # (and now, should they all be in already)
 
     state = asyncio.run(swarm.train(timeout=120, at_version={0: lose}))
     assert let_fail.is_set() and s0b0.epoch == 1

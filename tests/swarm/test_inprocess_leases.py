@@ -565,14 +565,14 @@ def test_a_server_forgets_volunteers_gone_for_good_and_counts_each_join_once():
                 )[0]
                 == "credited"
             )
-        fs._maybe_step()
+        fs.maybe_step()
         await asyncio.sleep(0)
 
     async def scenario():
         for p in peers:
             await register(p)
-            fs._note_contribution(p, fs.version)
-            fs._passed(p, [])
+            fs.note_contribution(p, fs.version)
+            fs.passed_check(p, [])
         assert stats()["clients_joined"] == 30 and stats()["clients_left"] == 0
         fs.drop_disconnected_clients({peers[0]})
         now[0] += DISCONNECT_GRACE

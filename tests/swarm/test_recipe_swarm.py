@@ -124,7 +124,7 @@ def checked_after_its_step(server, peer: str, until=None, news=None) -> None:
     re-run waits: the check fetches its rows when the work arrives, as the product's checks do (a
     check held back whole found them forgotten by their holders, 1 run in 20 beside load, and judged
     nothing)."""
-    check_later, recompute = server._check_later, server._recompute
+    check_later, recompute = server.check_later, server.recompute
     if until is None:
         until, news = (lambda t: server.version > t), server  # (woken at each step: server.step_event)
 
@@ -150,7 +150,7 @@ def checked_after_its_step(server, peer: str, until=None, news=None) -> None:
             await woken.wait()
         return await recompute(version, fn)
 
-    server._check_later, server._recompute = marked, late
+    server.check_later, server.recompute = marked, late
 
 
 @pytest.mark.stress

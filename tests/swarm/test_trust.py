@@ -341,7 +341,7 @@ def test_a_liar_cannot_outrun_checks_that_fall_behind(monkeypatch):
     because a step waits for the checks of work it would otherwise put beyond a rollback's reach."""
     from peer.volunteer.cheat import Cheat
 
-    original = StageServer._recompute
+    original = StageServer.recompute
 
     async def loaded(self, version, fn):
         def slow(model):
@@ -350,7 +350,7 @@ def test_a_liar_cannot_outrun_checks_that_fall_behind(monkeypatch):
 
         return await original(self, version, slow)
 
-    monkeypatch.setattr(StageServer, "_recompute", loaded)
+    monkeypatch.setattr(StageServer, "recompute", loaded)
     steps = 10
     cfg, layout, run = make_run(steps=steps, stages=2)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
@@ -404,7 +404,7 @@ def test_a_ban_made_here_while_another_is_ordered_is_still_ordered_in_its_turn()
 
     async def bans():
         coordinator = swarm.servers[layout.stages[0].frontal[0]]
-        coordinator._ban_here("peer-u11", "caught by the coordinator's own check")  # (its ban awaits the lock)
+        coordinator.ban_here("peer-u11", "caught by the coordinator's own check")  # (its ban awaits the lock)
         records.append(await coordinator.ban_and_roll_back("peer-u01", "a test's ban"))
         records.append(await coordinator.ban_and_roll_back("peer-u11", "caught by the coordinator's own check"))
 
@@ -482,14 +482,14 @@ def test_a_volunteer_whose_probation_ends_drifting_stays_pinned_to_its_first_wor
     bias[3] = 3e-4 * float(want.norm())
     for peer in ("peer-liar", "peer-honest"):
         server.clients[peer] = ClientInfo(peer, 1.0, server.clock())
-        server._note_contribution(peer, 2)
+        server.note_contribution(peer, 2)
     assert server.unsettled_first() == 2
     gen = torch.Generator().manual_seed(0)
     for n in range(server.probation):
         for peer, got in (("peer-liar", want + bias), ("peer-honest", want + 1e-8 * torch.randn(64, generator=gen))):
-            server._note_contribution(peer, 3 + n)
+            server.note_contribution(peer, 3 + n)
             server.drift.add(peer, "outputs", got, want)
-            server._passed(peer, [])
+            server.passed_check(peer, [])
     assert server.cleared == {"peer-honest"} and server.drift.suspicious("peer-liar")
     for batches in server.contributed.values():
         batches.discard(2)  # (the kept window moved past batch 2: its first work is remembered apart)
@@ -511,7 +511,7 @@ def test_which_work_is_checked_cannot_be_computed_from_what_a_volunteer_knows():
         server = InProcessSwarm(cfg, layout, run, servers_compute=False).servers[device]
         server.clients["peer-x"] = ClientInfo("peer-x", 1.0, server.clock())
         server.checks_passed["peer-x"] = server.probation  # past probation: the sample decides
-        drawn.append([server._note_contribution("peer-x", 2) for _ in range(200)])
+        drawn.append([server.note_contribution("peer-x", 2) for _ in range(200)])
     assert drawn[0] != drawn[1]
     assert all(0.01 < sum(d) / len(d) < 0.3 for d in drawn), [sum(d) for d in drawn]  # about verify_rate (0.1)
 
@@ -532,7 +532,7 @@ def test_work_that_k_servers_receive_is_rerun_by_one_of_them_at_the_verify_rate(
     server.verify_rng = random.Random(0)  # (the test's draws fixed; the server's own come from os.urandom)
 
     def one_of(k: int) -> bool:  # k servers' draws for the same push
-        return any([server._note_contribution("peer-x", 2, shared_by=k) for _ in range(k)])
+        return any([server.note_contribution("peer-x", 2, shared_by=k) for _ in range(k)])
 
     server.verify_rate = 1.0
     assert all(one_of(2) for _ in range(500)) and all(one_of(4) for _ in range(500))
@@ -633,7 +633,7 @@ def test_a_replica_copy_made_before_a_rollback_is_refused_where_the_rollback_is_
     replica = bs.replicas[fs.slot]
     assert replica.version == steps - 1 and bs.run_total(steps - 1) is None
 
-    taken = asyncio.run(fs._deliver(bs.device_id, "push_replica", dict(meta, slot=fs.slot), tensors, attempts=3))
+    taken = asyncio.run(fs.deliver(bs.device_id, "push_replica", dict(meta, slot=fs.slot), tensors, attempts=3))
     assert not taken
     assert bs.replicas[fs.slot] is replica and replica.version == steps - 1
     assert steps - 1 not in replica.totals and bs.run_total(steps - 1) is None
