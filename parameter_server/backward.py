@@ -48,7 +48,9 @@ class Backward:
         nxt = self.layout.stages[self.stage + 1]
         for j, x, y in owners(self.rows, len(nxt.frontal), buf.lo, buf.hi):
             d, _ = buf.slice(x, y)
-            self._spawn(self.deliver(nxt.frontal[j], "push_inputs", {"batch": t, "micro": m, "rows": [x, y]}, [d]))
+            self.outbox.spawn(
+                self.outbox.deliver(nxt.frontal[j], "push_inputs", {"batch": t, "micro": m, "rows": [x, y]}, [d])
+            )
 
     async def on_push_output_grads(self, meta, tensors, sender):
         if self.role != "backward" or self.last:

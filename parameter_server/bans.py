@@ -59,7 +59,7 @@ class Bans:
         self.ban_here(peer, why)
         self.pending_bans.setdefault(peer, why)
         self.hold_steps_until = self.clock() + HOLD_SECONDS  # no step until the ban's rollback (on_ban)
-        self._spawn(self._report(peer, why))
+        self.outbox.spawn(self._report(peer, why))
 
     def order_pending_bans(self) -> None:
         """Periodic (maintenance): the run's coordinator orders, one at a time, the bans it heard of
@@ -83,7 +83,7 @@ class Bans:
             finally:
                 self._ordering_ban = False
 
-        self._spawn(order())
+        self.outbox.spawn(order())
 
     def coordinator(self) -> str:
         """The server that orders bans (and their rollbacks) into layout epochs: the run's first."""
@@ -98,7 +98,7 @@ class Bans:
                 if coordinator == self.device_id:
                     await self.ban_and_roll_back(peer, why)
                 else:
-                    await self._server_call(coordinator, "report_cheat", {"peer": peer, "why": why})
+                    await self.server_call(coordinator, "report_cheat", {"peer": peer, "why": why})
                 return
             except Exception as e:
                 attempt.failed(e)
@@ -107,12 +107,12 @@ class Bans:
         )
 
     async def _server_call_patiently(self, device: str, method: str, meta: dict) -> tuple[dict, list]:
-        """_server_call, tried again for up to BAN_PATIENCE seconds while `device` cannot be reached
+        """server_call, tried again for up to BAN_PATIENCE seconds while `device` cannot be reached
         (a ban early in a run met a coordinator whose directory did not list a server of another stage
         yet: the ban's epoch was never made, and the liar's work stayed applied)."""
         async for attempt in Attempts(f"{self.device_id}: {method} to {device}", within=BAN_PATIENCE, log=logger):
             try:
-                return await self._server_call(device, method, meta)
+                return await self.server_call(device, method, meta)
             except (ConnectionError, asyncio.TimeoutError) as e:
                 if attempt.last:
                     raise
@@ -131,7 +131,7 @@ class Bans:
             raise PayloadError(f"{self.device_id} does not coordinate this run's bans ({self.coordinator()} does)")
         if self._is_server(peer):
             raise PayloadError(f"{peer[-8:]} is a server of this run: servers are trusted, not banned")
-        self._spawn(self._ban_reported(peer, why))
+        self.outbox.spawn(self._ban_reported(peer, why))
         return {"ok": True}
 
     async def on_ban(self, meta, tensors, sender):

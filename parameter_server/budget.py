@@ -2,7 +2,7 @@
 
 A request's messages are read into memory as they arrive (hivemind reads each one whole), and a
 request is bounded (a server's by `--max-request-bytes`, any other peer's by the largest request a
-volunteer sends: `service.client_request_bytes`); but nothing bounded how many of them one peer keeps
+volunteer sends: `client_request_bytes` below); but nothing bounded how many of them one peer keeps
 unfinished: one outsider session holding 64 unfinished 14 MiB requests open grew a server by 1.0 GiB
 (three sessions: 2.3 GiB). Every request of a peer that is not one of the run's servers takes its
 bytes from this budget as they arrive and gives them back once it is answered (or cut); a message
@@ -64,3 +64,22 @@ class RequestBudget:
         else:
             self.held.pop(peer, None)
         self.in_all = max(0, self.in_all - n)
+
+
+def default_max_request_bytes(stage_params: dict, rows: int, cfg) -> int:
+    """The largest request a server of this stage needs, with room to spare: a replica of the whole
+    stage's shard (parameters and AdamW's two moments, fp32), or a micro-batch's activations and
+    their gradients, plus 16 MiB for metadata and framing."""
+    stage_bytes = sum(t.numel() for t in stage_params.values()) * 4
+    activations = rows * cfg.seq_len * max(cfg.hidden, cfg.vocab_size) * 4
+    return 3 * stage_bytes + 2 * activations + (16 << 20)
+
+
+def client_request_bytes(stage_params: dict, rows: int, cfg) -> int:
+    """The largest request a volunteer sends a server of this stage: a gradient push of every slot of
+    the stage in fp32 (after failovers one server may host them all) or a micro-batch's activations and
+    their gradients, plus 4 MiB for its task list and framing. A third of a server's own bound (no
+    AdamW moments: replicas travel only between servers)."""
+    stage_bytes = sum(t.numel() for t in stage_params.values()) * 4
+    activations = rows * cfg.seq_len * max(cfg.hidden, cfg.vocab_size) * 4
+    return max(stage_bytes, 2 * activations) + (4 << 20)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from typing import Awaitable, Callable
 
 from core.protocol.fields import field as mfield
 from core.protocol.recipe import clip_scale
@@ -37,10 +38,33 @@ NORMS_KEPT = 64  # batches whose gradient norm a server keeps for its status
 
 
 class Clipping:
-    """StageServer's part of the global gradient-norm round (a part of parameter_server.service.StageServer)."""
+    """A server's part of the global gradient-norm round, given what it reads of its server: its
+    `device_id`, `stage` and the run's `steps`; `layout()`, `epoch()` and `replaying()` as they are
+    now; `hosted()` and `replicas()` (slot -> ShardState); `outbox` for its background asks; `call`
+    (device, method, meta) -> (answer, tensors), a call to another server; and `on_news()`, called
+    when what it learnt may let a step go (the server's maybe_step). `clip` None: no clipping, and
+    nothing is sent."""
 
-    def _init_clipping(self, clip: float | None) -> None:
+    def __init__(
+        self,
+        clip: float | None,
+        *,
+        device_id: str,
+        stage: int,
+        steps: int,
+        layout: Callable[[], object],
+        epoch: Callable[[], int],
+        replaying: Callable[[], bool],
+        hosted: Callable[[], dict],
+        replicas: Callable[[], dict],
+        outbox,
+        call: Callable[[str, str, dict], Awaitable[tuple[dict, list]]],
+        on_news: Callable[[], None],
+    ) -> None:
         self.clip = clip
+        self.device_id, self.stage, self.steps = device_id, stage, steps
+        self.layout, self.epoch, self.replaying, self.hosted, self.replicas = layout, epoch, replaying, hosted, replicas
+        self.outbox, self.call, self.on_news = outbox, call, on_news
         # batch -> (stage, slot) -> (the layout epoch the sum was made in, the slot's sum of squares)
         self.slot_sums: dict[int, dict[tuple[int, int], tuple[int, float]]] = {}
         # batch -> (epoch, the run's total) heard from a server whose shard stepped it (ShardState.totals)
@@ -51,7 +75,7 @@ class Clipping:
         self.grad_norms: dict[int, float] = {}  # batch -> the norm its step saw (before clipping)
 
     def all_slots(self) -> list[tuple[int, int]]:
-        return [(st.index, k) for st in self.layout.stages for k in range(len(st.hosts))]
+        return [(st.index, k) for st in self.layout().stages for k in range(len(st.hosts))]
 
     def _stale(self, batch: int, epoch: int) -> bool:
         """A sum of `batch` made in `epoch` predates a rollback that undid that batch."""
@@ -79,7 +103,7 @@ class Clipping:
 
     def run_total(self, batch: int) -> float | None:
         """The run's sum of squares of batch `batch`'s gradient, once known here; None before."""
-        for shard in [*self.hosted.values(), *self.replicas.values()]:
+        for shard in [*self.hosted().values(), *self.replicas().values()]:
             if batch in shard.totals:
                 return shard.totals[batch]
         if batch in self.heard_totals:
@@ -96,17 +120,17 @@ class Clipping:
         step here: the other stages' steps wait on it)."""
         if self.clip is None:
             return
-        for slot, shard in self.hosted.items():
+        for slot, shard in self.hosted().items():
             if shard.ready_to_step():
                 self._announce(slot, shard)
 
     def _announce(self, slot: int, shard) -> None:
         """The sum of `shard`'s complete batch noted here and, once per layout epoch, sent to the others."""
         t = shard.version
-        self._note_sum(t, (self.stage, slot), self.epoch, shard.batch_sumsq())
-        if not self.replaying and (self.epoch, t, slot) not in self.sums_sent:
-            self.sums_sent.add((self.epoch, t, slot))
-            self._spawn(self._send_sums(t, slot, shard.batch_sumsq()))
+        self._note_sum(t, (self.stage, slot), self.epoch(), shard.batch_sumsq())
+        if not self.replaying() and (self.epoch(), t, slot) not in self.sums_sent:
+            self.sums_sent.add((self.epoch(), t, slot))
+            self.outbox.spawn(self._send_sums(t, slot, shard.batch_sumsq()))
 
     def clip_hold(self, slot: int, shard) -> bool:
         """True while the step of `shard` (slot `slot`, ready to step) waits for the run's total of its
@@ -122,11 +146,11 @@ class Clipping:
         self._announce(slot, shard)
         if self.run_total(t) is not None:
             return False
-        if self.replaying:
+        if self.replaying():
             return True
         if t not in self.sums_pulling:
             self.sums_pulling.add(t)
-            self._spawn(self._pull_sums(t))
+            self.outbox.spawn(self._pull_sums(t))
         return True
 
     def clip_step(self, slot: int, shard) -> tuple[float, float | None]:
@@ -139,7 +163,7 @@ class Clipping:
         self.grad_norms[t] = norm
         for old in sorted(self.grad_norms)[:-NORMS_KEPT]:
             del self.grad_norms[old]
-        self._forget_sums_before(t - 2 * len(self.layout.stages) - 4)
+        self._forget_sums_before(t - 2 * len(self.layout().stages) - 4)
         return clip_scale(self.clip, total), total
 
     def _forget_sums_before(self, batch: int) -> None:
@@ -150,7 +174,7 @@ class Clipping:
 
     def _sums_known(self, batch: int) -> dict:
         sums = [[s, k, v] for (s, k), (_, v) in sorted(self.slot_sums.get(batch, {}).items())]
-        return {"batch": batch, "epoch": self.epoch, "sums": sums, "total": self.run_total(batch)}
+        return {"batch": batch, "epoch": self.epoch(), "sums": sums, "total": self.run_total(batch)}
 
     def _merge(self, answer: dict) -> None:
         """Take what another server's `grad_norm` answer says it knows (a malformed answer is ignored)."""
@@ -165,17 +189,17 @@ class Clipping:
             self._note_total(batch, epoch, total)
 
     async def _send_sums(self, batch: int, slot: int, value: float) -> None:
-        meta = {"batch": batch, "epoch": self.epoch, "sums": [[self.stage, slot, value]], "total": None}
-        others = [d for st in self.layout.stages for d in st.servers if d != self.device_id]
+        meta = {"batch": batch, "epoch": self.epoch(), "sums": [[self.stage, slot, value]], "total": None}
+        others = [d for st in self.layout().stages for d in st.servers if d != self.device_id]
         answers = await asyncio.gather(*(self._ask_sums(d, meta) for d in others))
         for answer in answers:
             if answer is not None:
                 self._merge(answer)
-        self.maybe_step()
+        self.on_news()
 
     async def _ask_sums(self, device: str, meta: dict) -> dict | None:
         try:
-            answer, _ = await self._server_call(device, "grad_norm", meta)
+            answer, _ = await self.call(device, "grad_norm", meta)
             return answer
         except (ConnectionError, RemoteError, PayloadError, asyncio.TimeoutError) as e:
             logger.debug("%s: grad_norm to %s: %r", self.device_id, device, e)
@@ -183,7 +207,7 @@ class Clipping:
 
     def _waiting_on(self, batch: int) -> bool:
         return (
-            any(sh.version == batch and sh.ready_to_step() for sh in self.hosted.values())
+            any(sh.version == batch and sh.ready_to_step() for sh in self.hosted().values())
             and self.run_total(batch) is None
         )
 
@@ -195,15 +219,15 @@ class Clipping:
             while self._waiting_on(batch):
                 have = self.slot_sums.get(batch, {})
                 hosts = {
-                    self.layout.stages[s].hosts[k]
+                    self.layout().stages[s].hosts[k]
                     for s, k in self.all_slots()
-                    if (s, k) not in have and self.layout.stages[s].hosts[k] != self.device_id
+                    if (s, k) not in have and self.layout().stages[s].hosts[k] != self.device_id
                 }
-                meta = {"batch": batch, "epoch": self.epoch, "sums": [], "total": None}
+                meta = {"batch": batch, "epoch": self.epoch(), "sums": [], "total": None}
                 for answer in await asyncio.gather(*(self._ask_sums(d, meta) for d in sorted(hosts))):
                     if answer is not None:
                         self._merge(answer)
-                self.maybe_step()
+                self.on_news()
                 if self._waiting_on(batch):
                     logger.info(
                         "%s: batch %d waits for the gradient sums of slots %s",
@@ -217,8 +241,8 @@ class Clipping:
 
     def _read_sums(self, meta: dict) -> tuple[int, int, list[tuple[int, int, float]], float | None]:
         batch, epoch = mfield(meta, "batch", int), mfield(meta, "epoch", int)
-        if not 0 <= batch < self.run.steps:
-            raise PayloadError(f"field 'batch' must be in 0..{self.run.steps - 1}, got {batch}")
+        if not 0 <= batch < self.steps:
+            raise PayloadError(f"field 'batch' must be in 0..{self.steps - 1}, got {batch}")
         if epoch < 0:
             raise PayloadError(f"field 'epoch' must be >= 0, got {epoch}")
         raw = mfield(meta, "sums", list)
@@ -252,7 +276,7 @@ class Clipping:
             self._note_sum(batch, (stage, slot), epoch, value)
         if total is not None:
             self._note_total(batch, epoch, total)
-        self.maybe_step()
+        self.on_news()
         return self._sums_known(batch)
 
 

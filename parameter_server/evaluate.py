@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -32,31 +34,76 @@ EVAL_WAIT = 300.0  # the longest a stage waits for the version an evaluation is 
 EVALS_KEPT = 256  # evaluations a server keeps in its status
 
 
-class Evaluation:
-    """StageServer's part of the held-out evaluation (a part of parameter_server.service.StageServer)."""
+@dataclass(frozen=True)
+class ServerPlace:
+    """Where a server sits in the run: its device id, stage, role and index in that role, and
+    whether its stage is the last."""
 
-    def _init_evaluation(self, every: int) -> None:
+    device_id: str
+    stage: int
+    role: str
+    index: int
+    last: bool
+
+
+class Evaluation:
+    """A server's part of the held-out evaluation, given what it reads of its server: `place` (its
+    device id, stage, role, index in the role, whether its stage is the last), the run (`run`: its
+    seed and steps), the model's `cfg`, the `corpus` and the sequence length `seq`; `epoch()`,
+    `layout()`, `version()`, `step_event()` and `replaying()` as they are now; `recompute(version, fn)`
+    (fn run on this stage's slice at that version, in the checks' thread), `device` (where),
+    `connector` (device -> a link, or None) and `outbox` (its background work). `every` 0: nothing is
+    evaluated. `maybe_evaluate(version)` is the step callback of the server that `starts` each
+    evaluation; `on_eval` callbacks (version, held-out loss) are called on the last stage."""
+
+    def __init__(
+        self,
+        every: int,
+        *,
+        place: ServerPlace,
+        run,
+        cfg,
+        corpus,
+        seq: int,
+        epoch: Callable[[], int],
+        layout: Callable[[], object],
+        version: Callable[[], int],
+        step_event: Callable[[], asyncio.Event],
+        replaying: Callable[[], bool],
+        recompute: Callable,
+        device,
+        connector: Callable[[str], object],
+        outbox,
+    ) -> None:
         self.eval_every = every
+        self.place, self.run, self.cfg, self.corpus, self.seq = place, run, cfg, corpus, seq
+        self.epoch, self.layout, self.version, self.step_event = epoch, layout, version, step_event
+        self.replaying, self.recompute, self.device = replaying, recompute, device
+        self.connector, self.outbox = connector, outbox
         self.eval_losses: dict[int, float] = {}
         self.evals_started: set[int] = set()  # versions whose evaluation this server started (stage 0)
         self.evals_seen: set[int] = set()  # versions whose activations reached this server
         self.on_eval: list = []  # callbacks (version, held-out loss) on the last stage
-        if every > 0 and self.stage == 0 and self.role == "frontal" and self.index == 0:
-            self.on_step.append(self._maybe_evaluate)
 
-    def _maybe_evaluate(self, version: int) -> None:
-        if self.replaying or not eval_due(version, self.eval_every, self.run.steps) or version in self.evals_started:
+    @property
+    def starts(self) -> bool:
+        """Whether this server starts each evaluation (stage 0's first frontal server, evaluating)."""
+        p = self.place
+        return self.eval_every > 0 and p.stage == 0 and p.role == "frontal" and p.index == 0
+
+    def maybe_evaluate(self, version: int) -> None:
+        if self.replaying() or not eval_due(version, self.eval_every, self.run.steps) or version in self.evals_started:
             return
         self.evals_started.add(version)
-        self._spawn(self._evaluate(version))
+        self.outbox.spawn(self._evaluate(version))
 
     async def _evaluate(self, version: int) -> None:
         """Stage 0's part of the evaluation of `version`, then the rest of the pipeline's."""
         try:
             x, _ = eval_windows(self.corpus, self.run.seed, self.seq)
-            await self._eval_stage(version, x, self.epoch)
+            await self._eval_stage(version, x, self.epoch())
         except Exception as e:  # (an evaluation never stops training: said, and the run goes on)
-            logger.warning("%s: the evaluation of version %d failed: %s", self.device_id, version, e)
+            logger.warning("%s: the evaluation of version %d failed: %s", self.place.device_id, version, e)
 
     def forget_evals_from(self, version: int) -> None:
         """A ban's rollback to `version` (Failover.adopt): the versions after it are made again, and so
@@ -70,17 +117,19 @@ class Evaluation:
         """Run this stage's slice at `version` (of layout epoch `epoch`'s lineage) on `x`; the loss
         here on the last stage, else on to the next stage's first frontal server. An epoch that
         begins meanwhile ends it (a rollback re-makes the version: it is evaluated again)."""
-        out = await self.recompute(version, lambda model: forward_rows(model, x, self.verify_device))
-        if self.epoch != epoch:
-            logger.info("%s: the evaluation of version %d ends at layout epoch %d", self.device_id, version, self.epoch)
+        out = await self.recompute(version, lambda model: forward_rows(model, x, self.device))
+        if self.epoch() != epoch:
+            logger.info(
+                "%s: the evaluation of version %d ends at layout epoch %d", self.place.device_id, version, self.epoch()
+            )
             return
-        if self.last:
+        if self.place.last:
             _, labels = eval_windows(self.corpus, self.run.seed, self.seq)
             loss = float(loss_sum(out, labels)) / labels.numel()
             self._note_eval(version, loss)
             return
-        nxt = self.layout.stages[self.stage + 1].frontal[0]
-        link = self.connector(nxt) if self.connector is not None else None
+        nxt = self.layout().stages[self.place.stage + 1].frontal[0]
+        link = self.connector(nxt)
         if link is None:
             raise ConnectionError(f"{nxt} is not reachable from here")
         await link.call("eval_forward", {"version": version, "epoch": epoch}, [out], timeout=EVAL_WAIT + 60.0)
@@ -91,7 +140,7 @@ class Evaluation:
             del self.eval_losses[old]
         logger.info(
             "%s: held-out loss at version %d: %.4f (perplexity %.2f)",
-            self.device_id,
+            self.place.device_id,
             version,
             loss,
             math.exp(min(loss, 50.0)),
@@ -104,8 +153,8 @@ class Evaluation:
         version = mfield(meta, "version", int)
         if self.eval_every <= 0 or not eval_due(version, self.eval_every, self.run.steps):
             raise PayloadError(f"version {version} is not one this run evaluates (--eval-every {self.eval_every})")
-        if self.role != "frontal" or self.stage == 0:
-            raise PayloadError(f"{self.device_id} is not a frontal server past stage 0")
+        if self.place.role != "frontal" or self.place.stage == 0:
+            raise PayloadError(f"{self.place.device_id} is not a frontal server past stage 0")
         if len(tensors) != 1:
             raise PayloadError(f"eval_forward carries one tensor, got {len(tensors)}")
         x = tensors[0]
@@ -118,16 +167,16 @@ class Evaluation:
             return {"ok": True, "duplicate": True}
         self.evals_seen.add(version)
         deadline = asyncio.get_running_loop().time() + EVAL_WAIT
-        while self.version < version:  # (this stage may be a version behind the one before it)
+        while self.version() < version:  # (this stage may be a version behind the one before it)
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 raise PayloadError(f"version {version} was not made here within {EVAL_WAIT:.0f} s")
             try:
-                await asyncio.wait_for(self.step_event.wait(), left)
+                await asyncio.wait_for(self.step_event().wait(), left)
             except asyncio.TimeoutError:
                 pass
         try:  # (of the sender's epoch, checked on arrival: one that began since ends it)
             await self._eval_stage(version, x, mfield(meta, "epoch", int, optional=True) or 0)
         except (ConnectionError, RemoteError, asyncio.TimeoutError) as e:
-            logger.warning("%s: the evaluation of version %d stopped here: %s", self.device_id, version, e)
+            logger.warning("%s: the evaluation of version %d stopped here: %s", self.place.device_id, version, e)
         return {"ok": True}

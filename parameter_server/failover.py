@@ -104,8 +104,8 @@ class Failover:
             logger.warning("%s: took over shard slot %d at version %d", self.device_id, i, shard.version)
         rolled = False
         if rollback_to is not None:
-            self.forget_sums_from(rollback_to, epoch)
-            self.forget_evals_from(rollback_to)
+            self.clipping.forget_sums_from(rollback_to, epoch)
+            self.evaluation.forget_evals_from(rollback_to)
             for slot, shard in self.hosted.items():
                 if shard.rollback(rollback_to, epoch):
                     rolled = True

@@ -225,8 +225,8 @@ class Frontal:
             return
         prev = self.layout.stages[self.stage - 1]
         for j, x, y in owners(self.rows, len(prev.backward), a, b):
-            self._spawn(
-                self.deliver(
+            self.outbox.spawn(
+                self.outbox.deliver(
                     prev.backward[j],
                     "push_output_grads",
                     {"batch": t, "micro": m, "rows": [x, y]},

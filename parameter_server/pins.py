@@ -109,7 +109,7 @@ class Pins:
             self.pins[self.peer_id] = mine
         if mine != self.pin_sent[0] or (mine is not None and now - self.pin_sent[1] > PIN_REFRESH):
             self.pin_sent = (mine, now)
-            self._spawn(self._send_pin(mine))
+            self.outbox.spawn(self._send_pin(mine))
         self._apply_pins()
 
     def _apply_pins(self) -> None:
@@ -123,7 +123,7 @@ class Pins:
         meta = {"batch": -1 if batch is None else batch, "seq": self.pin_seq}
         for d in [d for st in self.layout.stages for d in st.servers if d != self.device_id]:
             try:
-                await self._server_call(d, "pin", meta)
+                await self.server_call(d, "pin", meta)
             except (ConnectionError, RemoteError, PayloadError, asyncio.TimeoutError) as e:
                 logger.debug("%s: pin to %s: %r", self.device_id, d, e)  # (sent again within PIN_REFRESH)
 

@@ -62,7 +62,9 @@ class Replicas:
                     if version not in shard.snapshots or version not in shard.moments:
                         continue  # rolled back while the step was on its way
                     meta, tensors = shard.export(version)
-                    taken = await self.deliver(buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60)
+                    taken = await self.outbox.deliver(
+                        buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60
+                    )
                 if self.replica_round != round_:
                     # a layout epoch began while this copy was on its way: what it sent counts for
                     # nothing there, and the new round's copies (replicate_hosted) start afresh; saying
@@ -99,7 +101,7 @@ class Replicas:
             return False
         if slot not in self.replica_catching_up:  # (one catch-up at a time: this is asked at every credit)
             self.replica_catching_up.add(slot)
-            self._spawn(self._catch_up_replica(slot, buddy, acked if acked_by == buddy else -1))
+            self.outbox.spawn(self._catch_up_replica(slot, buddy, acked if acked_by == buddy else -1))
         return True
 
     async def _catch_up_replica(self, slot: int, buddy: str, acked: int) -> None:
@@ -154,7 +156,7 @@ class Replicas:
         and when a layout epoch changes the ring of replicas (a second loss must find one)."""
         self.replica_round += 1
         for slot in sorted(self.hosted):
-            self._spawn(self._send_replica(slot))
+            self.outbox.spawn(self._send_replica(slot))
 
     async def on_push_replica(self, meta, tensors, sender):
         self._server_sender(sender, self.stage, "frontal", "backward")

@@ -105,7 +105,7 @@ class Rescue:
         now = time.monotonic()
         if not self._rescuing and self.rescue_due(now):
             self._rescued_at, self._rescuing = now, True
-            self._spawn(self._rescue())
+            self.outbox.spawn(self._rescue())
 
     async def _rescue(self) -> int:
         """Ask each leasing server to reopen the done tasks owing what this one lacks; how many were."""
@@ -119,7 +119,7 @@ class Rescue:
         for device, (kind, t, pieces) in sorted(self.missing_work().items()):
             meta = {"kind": kind, "batch": t, "pieces": [list(p) for p in pieces[:MAX_PIECES]], "epoch": epoch}
             try:
-                answer, _ = await self._server_call(device, "requeue_missing", meta)
+                answer, _ = await self.server_call(device, "requeue_missing", meta)
             except (RemoteError, ConnectionError, asyncio.TimeoutError) as e:
                 logger.debug("%s: asking %s for missing work failed: %r", self.device_id, device, e)
                 continue

@@ -1,7 +1,11 @@
 """A reliable parameter server of one stage: frontal (FS) or backward (BS), following "One training
 step" of docs/design.md and section 3.2 of the design paper. This file is its thin service: the
-state every part shares and the directory of the run's servers. Each concern lives in a room of its
-own, composed here:
+state the mixed-in rooms share and the directory of the run's servers. Each concern lives in a room
+of its own. Three are parts built with their dependencies (parts.py; each reads only what it is
+given, and is tested alone): outbox.py (deliveries to other servers, background work), clipping.py
+(the round that gives every shard the run's gradient norm, --clip-grad-norm) and evaluate.py (the
+held-out loss of every N-th version, through the servers, --eval-every). The others are still
+mixed into StageServer and share its attributes:
 
 - rpc.py: the RPC surface (every `rpc_*` only decodes the stream, counts its bytes and dispatches to
   an `on_*` handler through `handle`, which checks the layout epoch, turns a refused payload into an
@@ -9,11 +13,9 @@ own, composed here:
 - clients.py: registration, heartbeats, departures; checks.py: the checks every handler shares;
 - leases.py: take / complete / fail; updates.py: parameter versions, gradient credits, the step;
 - frontal.py / backward.py (+ ledger.py): the two roles' data path;
-- outbox.py: deliveries to other servers; replicas.py: copies of the shards at the next server; failover.py: layout epochs;
+- replicas.py: copies of the shards at the next server; failover.py: layout epochs;
 - arrivals.py: what each volunteer sent, and which of it is drawn for a check; verify.py: the
   re-runs of that sample; bans.py: bans and their rollback epochs; pins.py: the versions a ban may need;
-- clipping.py: the round that gives every shard the run's gradient norm (--clip-grad-norm);
-- evaluate.py: the held-out loss of every N-th version, through the servers (--eval-every);
 - recovery.py: request-log replay; status.py: ping and status; checkpoint.py: the shard on disk.
 
 Every handler checks its payload (shape, dtype, finite values, known ids, registered sender) and
@@ -36,17 +38,15 @@ from core.protocol.trust import Remembered
 from parameter_server.arrivals import Arrivals
 from parameter_server.backward import Backward
 from parameter_server.bans import Bans
-from parameter_server.budget import RequestBudget
+from parameter_server.budget import RequestBudget, client_request_bytes, default_max_request_bytes
 from parameter_server.checks import Checks
 from parameter_server.clients import REGISTER_BURST, REGISTER_RATE, ClientInfo, Clients, TokenBucket
-from parameter_server.clipping import Clipping
 from parameter_server.contributions import Contributions
-from parameter_server.evaluate import Evaluation
 from parameter_server.failover import Failover
 from parameter_server.frontal import Frontal
 from parameter_server.leases import Leases
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
-from parameter_server.outbox import Outbox
+from parameter_server.parts import compose_parts
 from parameter_server.pins import Pins
 from parameter_server.recovery import Recovery
 from parameter_server.replicas import Replicas
@@ -71,25 +71,6 @@ PROBATION_FACTOR, PROBATION_FLOOR = 2.0, 0.25
 __all__ = ["RETAIN", "StageServer"]
 
 
-def default_max_request_bytes(stage_params: dict, rows: int, cfg) -> int:
-    """The largest request a server of this stage needs, with room to spare: a replica of the whole
-    stage's shard (parameters and AdamW's two moments, fp32), or a micro-batch's activations and
-    their gradients, plus 16 MiB for metadata and framing."""
-    stage_bytes = sum(t.numel() for t in stage_params.values()) * 4
-    activations = rows * cfg.seq_len * max(cfg.hidden, cfg.vocab_size) * 4
-    return 3 * stage_bytes + 2 * activations + (16 << 20)
-
-
-def client_request_bytes(stage_params: dict, rows: int, cfg) -> int:
-    """The largest request a volunteer sends a server of this stage: a gradient push of every slot of
-    the stage in fp32 (after failovers one server may host them all) or a micro-batch's activations and
-    their gradients, plus 4 MiB for its task list and framing. A third of a server's own bound (no
-    AdamW moments: replicas travel only between servers)."""
-    stage_bytes = sum(t.numel() for t in stage_params.values()) * 4
-    activations = rows * cfg.seq_len * max(cfg.hidden, cfg.vocab_size) * 4
-    return max(stage_bytes, 2 * activations) + (4 << 20)
-
-
 class StageServer(
     Clients,
     Checks,
@@ -101,10 +82,7 @@ class StageServer(
     Arrivals,
     Bans,
     Pins,
-    Clipping,
-    Evaluation,
     Rescue,
-    Outbox,
     Failover,
     RpcSurface,
     Replicas,
@@ -219,7 +197,6 @@ class StageServer(
             "replicas_received": 0,
             "replica_steps_by_reference": 0,
         }
-        self.background: set[asyncio.Task] = set()
         self.log = None  # RequestLog when the server has a checkpoint dir
         self.replaying = False
         self.step_event = asyncio.Event()
@@ -240,8 +217,7 @@ class StageServer(
         self._init_arrivals()
         self._init_bans()
         self._init_pins()
-        self._init_clipping(run.training_recipe().clip_grad_norm)
-        self._init_evaluation(run.eval_every)
+        compose_parts(self, run, cfg)
         self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (Updates._params_on_wire)
 
     def _new_shard(self, slot: int) -> ShardState:
@@ -295,6 +271,13 @@ class StageServer(
     def version(self) -> int:
         """The parameters version every shard hosted here has reached."""
         return min(sh.version for sh in self.hosted.values())
+
+    # the handlers of the parts composed here (the RPC surface finds a method's handler as on_<method>)
+    async def on_grad_norm(self, meta, tensors, sender):
+        return await self.clipping.on_grad_norm(meta, tensors, sender)
+
+    async def on_eval_forward(self, meta, tensors, sender):
+        return await self.evaluation.on_eval_forward(meta, tensors, sender)
 
     def _device_of(self, peer: str) -> str | None:
         c = self.clients.get(peer)

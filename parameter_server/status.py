@@ -49,9 +49,12 @@ class Status:
             "kept_from": {str(k): sh.kept_from() for k, sh in self.hosted.items()},
             "losses": {str(k): v for k, v in (losses if recent is None else losses[-recent:])},
             # version -> its held-out loss (--eval-every; the last stage's first frontal server)
-            "eval_losses": {str(k): v for k, v in sorted(self.eval_losses.items())},
+            "eval_losses": {str(k): v for k, v in sorted(self.evaluation.eval_losses.items())},
             # batch -> its gradient's global L2 norm before clipping (--clip-grad-norm runs only)
-            "grad_norms": {str(k): v for k, v in sorted(self.grad_norms.items())[-(recent or len(self.grad_norms)) :]},
+            "grad_norms": {
+                str(k): v
+                for k, v in sorted(self.clipping.grad_norms.items())[-(recent or len(self.clipping.grad_norms)) :]
+            },
             "microbatches_applied": min(sh.microbatches_applied for sh in self.hosted.values()),
             "duplicates": self.shard.duplicates
             + pool.get("duplicates", 0)

@@ -179,16 +179,16 @@ class Updates:
         if any(shard.ready_to_step() for shard in self.hosted.values()):
             self.update_pins()  # before a step forgets a version a ban may still need
         stepped = False
-        self.announce_sums()  # (before any other hold: the other stages wait on these sums)
+        self.clipping.announce_sums()  # (before any other hold: the other stages wait on these sums)
         for slot, shard in sorted(self.hosted.items()):
             while (
                 shard.ready_to_step()
                 and not self.checks_hold(shard.version)
                 and not self.replica_behind(slot, shard.version)
-                and not self.clip_hold(slot, shard)
+                and not self.clipping.clip_hold(slot, shard)
             ):
                 before = self.version
-                scale, total = self.clip_step(slot, shard)
+                scale, total = self.clipping.clip_step(slot, shard)
                 v = shard.step(scale, total)
                 stepped = True
                 if total is None:
@@ -203,14 +203,14 @@ class Updates:
                         total**0.5,
                         f", clipped x{scale:.4g}" if scale < 1.0 else "",
                     )
-                self._spawn(self._send_replica(slot))
+                self.outbox.spawn(self._send_replica(slot))
                 if self.version == before:
                     continue
                 self.forget_before(self.version - (RETAIN - 1))
                 for cb in self.on_step:
                     r = cb(self.version)
                     if asyncio.iscoroutine(r):
-                        self._spawn(r)
+                        self.outbox.spawn(r)
         if stepped:
             self.wake_waiters()
             self.maybe_start_batches()

@@ -96,7 +96,7 @@ class Verification:
     def check_later(self, t: int, check, *args) -> None:
         """Check work of batch t beside the step (`check(epoch, *args)`), counted in checks_pending."""
         self.checks_pending[t] = self.checks_pending.get(t, 0) + 1
-        self._spawn(self._guarded(t, check(self.epoch, *args)))
+        self.outbox.spawn(self._guarded(t, check(self.epoch, *args)))
 
     async def _guarded(self, t: int, coro) -> None:
         try:
@@ -118,7 +118,7 @@ class Verification:
                 self.maybe_step()  # a step waited for this check
 
     # re-running --------------------------------------------------------------------------------
-    async def _server_call(self, device: str, method: str, meta: dict) -> tuple[dict, list]:
+    async def server_call(self, device: str, method: str, meta: dict) -> tuple[dict, list]:
         if method in methods.STAMPED and "epoch" not in meta:  # (a check reads its own epoch's lineage)
             meta = dict(meta, epoch=self.epoch)
         if device == self.device_id:
@@ -137,7 +137,7 @@ class Verification:
         servers = self.st.frontal if what == "inputs" else self.st.backward
         parts = []
         for j, x, y in owners(self.rows, len(servers), a, b):
-            _, tensors = await self._server_call(
+            _, tensors = await self.server_call(
                 servers[j], "get_held", {"what": what, "batch": t, "micro": m, "rows": [x, y]}
             )
             parts.append(tensors)
@@ -158,7 +158,7 @@ class Verification:
                 continue
             try:
                 meta, tensors = await fetch_slot(
-                    functools.partial(self._server_call, host), host, slot, version, patience=5.0, poll=0.05
+                    functools.partial(self.server_call, host), host, slot, version, patience=5.0, poll=0.05
                 )
             except NotReady as e:
                 raise PayloadError(str(e)) from None

@@ -116,7 +116,7 @@ async def main() -> None:
         swarm.servers[args.victim].wait()
         await asyncio.sleep(args.down)
         t1 = time.time()
-        swarm.servers[args.victim] = swarm._spawn(args.victim, swarm.server_argv[args.victim])
+        swarm.servers[args.victim] = swarm.spawn(args.victim, swarm.server_argv[args.victim])
         await asyncio.sleep(args.after)
         t2 = time.time()
         await monitor.refresh()

@@ -103,7 +103,7 @@ async def build_parts(host) -> StageParts:
 
         trainlog = TrainingLog(args.log_dir, server)
         server.on_step.append(trainlog.on_step)
-        server.on_eval.append(trainlog.on_eval)
+        server.evaluation.on_eval.append(trainlog.on_eval)
     # who the run's servers are, before this server answers anyone: a restarted server refused the
     # others' replicas and inputs ("not a server of this run") until its first announcement round
     try:

@@ -54,7 +54,7 @@ class RunReport:
         if not checkpoint_dir:
             return None
         server, loss, per_step = self.server, self.latest_loss(), self.seconds_per_step()
-        evals = server.eval_losses
+        evals = server.evaluation.eval_losses
         servers = set(self.directory.known.values()) | {self.peer_id}
         summary = {
             "run_id": self.run_cfg.run_id,

@@ -65,7 +65,7 @@ class TrainingLog:
             "loss": None if loss is None else loss / self.tokens,
             "val_loss": None,
             "lr": self.recipe.lr_at(t, s.run.steps),
-            "grad_norm": s.grad_norms.get(t),
+            "grad_norm": s.clipping.grad_norms.get(t),
             "tokens_per_s": rate,
             "volunteers": sum(1 for p in s.clients if p != s.peer_id and p not in servers),
             "tasks": sum(c.tasks_done for c in s.clients.values()),

@@ -24,17 +24,15 @@ class SwallowingLink:
             raise ConnectionError("the connection closed before an answer") from None
 
 
-class Owed(Outbox):
-    def __init__(self):
-        self.device_id = "s0b0"
-        self.layout = SimpleNamespace(stages=[SimpleNamespace(servers=["s1f0"])])
-        self.connector = lambda device: SwallowingLink()
+def owed() -> Outbox:
+    layout = SimpleNamespace(stages=[SimpleNamespace(servers=["s1f0"])])
+    return Outbox("s0b0", layout=lambda: layout, epoch=lambda: 0, connector=lambda device: SwallowingLink())
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="Task.cancelling() is Python 3.11+")
 def test_a_cancelled_delivery_stops_even_if_the_call_swallows_the_cancellation():
     async def scenario():
-        task = asyncio.ensure_future(Owed()._deliver_loop("s1f0", "push_inputs", {}, [], attempts=600))
+        task = asyncio.ensure_future(owed().deliver_loop("s1f0", "push_inputs", {}, [], attempts=600))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

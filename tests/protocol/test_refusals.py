@@ -5,6 +5,7 @@ delivery up) follows the code whatever the words say."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -57,11 +58,9 @@ class _Refusing:
         raise RemoteError(self.text, self.refusal)
 
 
-class _Sender(Outbox):
-    def __init__(self, link):
-        self.device_id, self.epoch, self.link = "s0b0", 0, link
-        self.layout = type("L", (), {"stages": [type("S", (), {"servers": ["s1f0"]})()]})()
-        self.connector = lambda device: self.link
+def _sender(link) -> Outbox:
+    layout = SimpleNamespace(stages=[SimpleNamespace(servers=["s1f0"])])
+    return Outbox("s0b0", layout=lambda: layout, epoch=lambda: 0, connector=lambda device: link)
 
 
 @pytest.mark.parametrize(
@@ -72,5 +71,5 @@ def test_a_delivery_gives_up_on_the_code_not_the_words(refusal, calls):
     """A delivery refused as already applied or of a stale epoch is not owed any more: given up at
     once, whatever the refusal's words (here words that name neither); any other is tried again."""
     link = _Refusing(refusal, "words that name no reason")
-    taken = asyncio.run(_Sender(link)._deliver_loop("s1f0", "push_outputs", {}, [], attempts=3))
+    taken = asyncio.run(_sender(link).deliver_loop("s1f0", "push_outputs", {}, [], attempts=3))
     assert taken is False and link.calls == calls

@@ -93,7 +93,7 @@ def test_a_gradient_sum_message_that_does_not_fit_is_refused_and_changes_nothing
         for meta, words in bad:
             answer = await call(meta)
             assert words in answer.get("error", ""), (meta, answer)
-        assert server.slot_sums == {}
+        assert server.clipping.slot_sums == {}
         answer = await call(good)
         assert answer["sums"] == [[1, 0, 2.5]] and answer["total"] is None
         outsider, _ = await server.handle("grad_norm", good, [], "peer-stranger")
@@ -175,7 +175,7 @@ def test_a_liar_banned_in_a_clipped_run_leaves_no_stale_norm_behind():
     state = asyncio.run(swarm.train(timeout=240, at_version={1: lie_from_now}))
     bans = {p for s in swarm.servers.values() for p in s.banned}
     assert bans == {"peer-u11"}
-    assert any(s.sum_rollbacks for s in swarm.servers.values())
+    assert any(s.clipping.sum_rollbacks for s in swarm.servers.values())
     ref, _ = reference_run(steps, CLIPPED)
     assert rel_diff(state, ref) < 1e-5
 
@@ -192,7 +192,7 @@ def test_the_held_out_loss_of_every_nth_version_equals_the_references(stages):
 
     async def scenario():
         last_done = asyncio.Event()  # (the last version's evaluation follows its step: the event it means)
-        last.on_eval.append(lambda v, loss: (noted.append(v), v == steps and last_done.set()))
+        last.evaluation.on_eval.append(lambda v, loss: (noted.append(v), v == steps and last_done.set()))
         state = await swarm.train(timeout=180)
         await asyncio.wait_for(last_done.wait(), 60)
         return state
@@ -200,8 +200,11 @@ def test_the_held_out_loss_of_every_nth_version_equals_the_references(stages):
     asyncio.run(scenario())
     _, summary = reference_run(steps, eval_every=2)
     want = {int(v): x for v, x in summary["eval_losses"].items()}
-    assert sorted(want) == [2, 4, 5] and sorted(last.eval_losses) == [2, 4, 5] and sorted(noted) == [2, 4, 5]
-    assert all(abs(last.eval_losses[v] - want[v]) < 1e-5 * want[v] for v in want), (last.eval_losses, want)
+    assert sorted(want) == [2, 4, 5] and sorted(last.evaluation.eval_losses) == [2, 4, 5] and sorted(noted) == [2, 4, 5]
+    assert all(abs(last.evaluation.eval_losses[v] - want[v]) < 1e-5 * want[v] for v in want), (
+        last.evaluation.eval_losses,
+        want,
+    )
     assert want[5] < want[2]  # (the model learned)
 
 
@@ -225,7 +228,7 @@ def test_held_out_activations_that_do_not_fit_are_refused():
             "not a frontal server past stage 0"
             in ((await swarm.servers["s1b0"].handle("eval_forward", {"version": 2}, [good], "peer-s0f0"))[0]["error"])
         )
-        assert server.evals_seen == set()
+        assert server.evaluation.evals_seen == set()
 
     asyncio.run(scenario())
 
@@ -243,7 +246,7 @@ def test_the_evaluations_of_versions_a_ban_rolls_back_are_made_again_on_the_new_
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
     last = swarm.servers[layout.stages[-1].frontal[0]]
     noted, evaluated = [], News()
-    last.on_eval.append(lambda v, loss: (noted.append((last.epoch, v)), evaluated.fire()))
+    last.evaluation.on_eval.append(lambda v, loss: (noted.append((last.epoch, v)), evaluated.fire()))
     for server in swarm.servers.values():
         server.probation, server.verify_rate = 0, 1.0
         checked_after_its_step(server, "peer-u11", until=lambda t: any(v > t for _, v in noted), news=evaluated)
@@ -272,5 +275,8 @@ def test_the_evaluations_of_versions_a_ban_rolls_back_are_made_again_on_the_new_
     back_to = asyncio.run(scenario())
     assert {p for s in swarm.servers.values() for p in s.banned} == {"peer-u11"}
     assert any(v > back_to for _, v in noted if _ == 0), noted  # an undone version had been evaluated
-    assert sorted(last.eval_losses) == sorted(want)
-    assert all(abs(last.eval_losses[v] - want[v]) < 1e-5 * want[v] for v in want), (last.eval_losses, want)
+    assert sorted(last.evaluation.eval_losses) == sorted(want)
+    assert all(abs(last.evaluation.eval_losses[v] - want[v]) < 1e-5 * want[v] for v in want), (
+        last.evaluation.eval_losses,
+        want,
+    )

@@ -628,15 +628,15 @@ def test_a_replica_copy_made_before_a_rollback_is_refused_where_the_rollback_is_
     steps = 5
     fs, bs, record = _rolled_back_at_one_server(steps, recipe=CLIPPED)
     meta, tensors = fs.hosted[fs.slot].export(steps)  # made at epoch 0, then on its way
-    assert bs.run_total(steps - 1) is not None
+    assert bs.clipping.run_total(steps - 1) is not None
     bs.adopt(record)
     replica = bs.replicas[fs.slot]
-    assert replica.version == steps - 1 and bs.run_total(steps - 1) is None
+    assert replica.version == steps - 1 and bs.clipping.run_total(steps - 1) is None
 
-    taken = asyncio.run(fs.deliver(bs.device_id, "push_replica", dict(meta, slot=fs.slot), tensors, attempts=3))
+    taken = asyncio.run(fs.outbox.deliver(bs.device_id, "push_replica", dict(meta, slot=fs.slot), tensors, attempts=3))
     assert not taken
     assert bs.replicas[fs.slot] is replica and replica.version == steps - 1
-    assert steps - 1 not in replica.totals and bs.run_total(steps - 1) is None
+    assert steps - 1 not in replica.totals and bs.clipping.run_total(steps - 1) is None
 
 
 @pytest.mark.stress

@@ -1,0 +1,55 @@
+"""The parts a StageServer is composed of, each built here with what it reads of its server (as
+the server is at each call: a failover changes its layout, epoch, hosted slots and replicas) rather
+than sharing the server's attributes: the outbox (deliveries and background work), the gradient-norm
+round (clipping.py) and the held-out evaluation (evaluate.py)."""
+
+from __future__ import annotations
+
+from parameter_server.clipping import Clipping
+from parameter_server.evaluate import Evaluation, ServerPlace
+from parameter_server.outbox import Outbox
+
+
+def compose_parts(server, run, cfg) -> None:
+    """Give `server` (a StageServer being built) its `outbox`, `clipping` and `evaluation`; the server
+    that starts each evaluation gets the evaluation's step callback."""
+
+    def connector(device: str):
+        return server.connector(device) if server.connector else None
+
+    server.outbox = Outbox(
+        server.device_id, layout=lambda: server.layout, epoch=lambda: server.epoch, connector=connector
+    )
+    server.clipping = Clipping(
+        run.training_recipe().clip_grad_norm,
+        device_id=server.device_id,
+        stage=server.stage,
+        steps=run.steps,
+        layout=lambda: server.layout,
+        epoch=lambda: server.epoch,
+        replaying=lambda: server.replaying,
+        hosted=lambda: server.hosted,
+        replicas=lambda: server.replicas,
+        outbox=server.outbox,
+        call=server.server_call,
+        on_news=server.maybe_step,
+    )
+    server.evaluation = Evaluation(
+        run.eval_every,
+        place=ServerPlace(server.device_id, server.stage, server.role, server.index, server.last),
+        run=run,
+        cfg=cfg,
+        corpus=server.corpus,
+        seq=server.seq,
+        epoch=lambda: server.epoch,
+        layout=lambda: server.layout,
+        version=lambda: server.version,
+        step_event=lambda: server.step_event,
+        replaying=lambda: server.replaying,
+        recompute=server.recompute,
+        device=server.verify_device,
+        connector=connector,
+        outbox=server.outbox,
+    )
+    if server.evaluation.starts:
+        server.on_step.append(server.evaluation.maybe_evaluate)
