@@ -74,6 +74,22 @@ class Arrivals:
         self.verify_counts["unusual_norms"] = self.verify_counts.get("unusual_norms", 0) + 1
         return True
 
+    def unsettled_first(self) -> int | None:
+        """The oldest batch of work sent here by a registered volunteer not yet past its checks: its
+        first work on while its probation has not ended with differences that do not drift (a liar
+        under the tolerance drifts from its 3rd check: it stays there until banned), its work in the
+        kept window on while its differences drift after that (drift.suspicious). A ban of it would
+        roll back there."""
+        firsts, suspects = [], self.drift.suspects()
+        for peer, batches in self.contributed.items():
+            if peer not in self.clients or peer in self.banned or not batches:
+                continue
+            if self.probation > 0 and peer not in self.cleared:
+                firsts.append(self.first_contributed.get(peer, min(batches)))
+            elif peer in suspects:
+                firsts.append(min(batches))
+        return min(firsts, default=None)
+
     def _note_work(self, sender: str, t: int) -> bool:
         """Remember that `sender` (a volunteer) sent work of batch t, which a ban's rollback must reach:
         also work checked with another message (an input gradient, relayed to the previous stage at

@@ -12,7 +12,6 @@ from core.model.update_rule import version_for_batch
 from core.protocol.fields import field as mfield
 from core.protocol.retry import Attempts
 from core.protocol.wire import PayloadError
-from parameter_server.pins import HOLD_SECONDS
 
 logger = logging.getLogger("hivepipe.server")
 
@@ -58,7 +57,7 @@ class Bans:
         self.verify_counts["caught"] += 1
         self.ban_here(peer, why)
         self.pending_bans.setdefault(peer, why)
-        self.hold_steps_until = self.clock() + HOLD_SECONDS  # no step until the ban's rollback (on_ban)
+        self.pins.hold_for_ban()  # no step until the ban's rollback (on_ban)
         self.outbox.spawn(self._report(peer, why))
 
     def order_pending_bans(self) -> None:
@@ -122,7 +121,7 @@ class Bans:
     async def _ban_reported(self, peer: str, why: str) -> None:
         try:
             await self.ban_and_roll_back(peer, why)
-        except Exception as e:  # said, not lost in a task nobody awaits; the servers step again after HOLD_SECONDS
+        except Exception as e:  # said, not lost in a task nobody awaits; the servers step again after pins.HOLD_SECONDS
             logger.error("%s: the ban of %s could not be ordered: %r", self.device_id, peer[-8:], e)
 
     async def on_report_cheat(self, meta, tensors, sender):
@@ -142,9 +141,7 @@ class Bans:
         self.ban_here(peer, why)
         if peer not in self.ordered_bans():
             self.pending_bans.setdefault(peer, why)
-        # no step until the rollback's epoch arrives: a step now would apply the liar's work and could
-        # push the version to roll back to out of the kept window (bounded, should the coordinator die)
-        self.hold_steps_until = self.clock() + HOLD_SECONDS
+        self.pins.hold_for_ban()  # (bounded, should the coordinator die)
         batches = self.contributed.get(peer)
         first = min(batches) if batches else -1
         return {

@@ -118,7 +118,7 @@ class Failover:
             self._verify_params = {}
         for peer in record.get("banned", []):
             self.ban_here(peer, f"banned by layout epoch {epoch}")
-        self.hold_steps_until = None  # the epoch a ban waited for (pins.py)
+        self.pins.release()  # the epoch a ban waited for
         for shard in self.hosted.values():
             shard.batches = {}
         self.epoch, self.epoch_record, self.layout = epoch, dict(record), layout

@@ -1,17 +1,19 @@
 """The parts a StageServer is composed of, each built here with what it reads of its server (as
 the server is at each call: a failover changes its layout, epoch, hosted slots and replicas) rather
 than sharing the server's attributes: the outbox (deliveries and background work), the gradient-norm
-round (clipping.py) and the held-out evaluation (evaluate.py)."""
+round (clipping.py), the held-out evaluation (evaluate.py) and the holds and pins that keep what a
+ban may need (pins.py)."""
 
 from __future__ import annotations
 
 from parameter_server.clipping import Clipping
 from parameter_server.evaluate import Evaluation, ServerPlace
 from parameter_server.outbox import Outbox
+from parameter_server.pins import Pins
 
 
 def compose_parts(server, run, cfg) -> None:
-    """Give `server` (a StageServer being built) its `outbox`, `clipping` and `evaluation`; the server
+    """Give `server` (a StageServer being built) its `outbox`, `clipping`, `evaluation` and `pins`; the server
     that starts each evaluation gets the evaluation's step callback."""
 
     def connector(device: str):
@@ -49,6 +51,18 @@ def compose_parts(server, run, cfg) -> None:
         recompute=server.recompute,
         device=server.verify_device,
         connector=connector,
+        outbox=server.outbox,
+    )
+    server.pins = Pins(
+        device_id=server.device_id,
+        peer_id=server.peer_id,
+        clock=lambda: server.clock(),  # (a test may set the server's clock after it is built)
+        layout=lambda: server.layout,
+        shards=lambda: [*server.hosted.values(), *server.replicas.values()],
+        checks_pending=lambda: server.checks_pending,
+        unsettled=server.unsettled_first,
+        counts=server.verify_counts,
+        call=server.server_call,
         outbox=server.outbox,
     )
     if server.evaluation.starts:

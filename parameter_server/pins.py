@@ -1,12 +1,13 @@
 """What a ban may still need, kept: a step waits while a ban's rollback epoch is awaited or while it
 would put work still being checked beyond a rollback's reach, and every server pins the oldest batch
 of work not yet past its checks, so that every server of the run keeps the versions a ban of it would
-roll back to (a part of parameter_server.service.StageServer)."""
+roll back to. A part of a server, built with what it reads of it (parameter_server/parts.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Awaitable, Callable
 
 from core.model.update_rule import version_for_batch
 from core.protocol.fields import field as mfield
@@ -23,18 +24,57 @@ PIN_REFRESH, PIN_EXPIRY = 5.0, 15.0  # a server's pin is said again this often, 
 
 
 class Pins:
-    """StageServer's holds and pins."""
+    """A server's holds and pins, given what it reads of its server: `device_id` and `peer_id`; its
+    `clock`; `layout()` and `shards()` (every shard kept here, hosted and replicas) as they are now;
+    `checks_pending()` (batch -> checks of its work still running); `unsettled()` (the oldest batch of
+    work not yet past its checks: Arrivals.unsettled_first); `counts` (the server's check counters);
+    `call` (device, method, meta) -> (answer, tensors) to another server; `outbox`."""
 
-    def _init_pins(self) -> None:
-        self.hold_steps_until: float | None = None  # set by a ban, cleared by the next layout epoch
-        # pins: the oldest batch each server of the run (by peer id, this one's included) asks every
-        # server to keep within a rollback's reach; of each other server, its last pin's seq and when
+    def __init__(
+        self,
+        *,
+        device_id: str,
+        peer_id: str,
+        clock: Callable[[], float],
+        layout: Callable[[], object],
+        shards: Callable[[], list],
+        checks_pending: Callable[[], dict],
+        unsettled: Callable[[], int | None],
+        counts: dict,
+        call: Callable[[str, str, dict], Awaitable[tuple[dict, list]]],
+        outbox,
+    ) -> None:
+        self.device_id, self.peer_id, self.clock, self.layout, self.shards = device_id, peer_id, clock, layout, shards
+        self.checks_pending, self.unsettled, self.counts, self.call, self.outbox = (
+            checks_pending,
+            unsettled,
+            counts,
+            call,
+            outbox,
+        )
+        self.hold_steps_until: float | None = None  # set by a ban (hold_for_ban), cleared by the next layout epoch
+        # asked: the oldest batch each server of the run (by peer id, this one's included) asks every
+        # server to keep within a rollback's reach (its pin); of each other server, its last pin's seq and when
         # it came (pins_heard: a pin not said again for PIN_EXPIRY is forgotten)
-        self.pins: dict[str, int] = {}
+        self.asked: dict[str, int] = {}
         self.pins_heard: dict[str, tuple[int, float]] = {}
         self.pin_sent: tuple[int | None, float] = (None, float("-inf"))  # (none said yet: nothing to clear)
         self.pin_seq = 0  # the last pin sent from here
         self.check_hold_since: float | None = None  # when a step began to wait for a check (checks_hold)
+
+    def hold_for_ban(self) -> None:
+        """No step until the ban's rollback epoch comes (`release`), at most HOLD_SECONDS: a step now
+        would apply the liar's work and could push the version to roll back to out of the kept window."""
+        self.hold_steps_until = self.clock() + HOLD_SECONDS
+
+    def release(self) -> None:
+        """The layout epoch a ban waited for has come."""
+        self.hold_steps_until = None
+
+    @property
+    def held_or_waiting(self) -> bool:
+        """A hold that ran out, or a step waiting for a check: the server looks at its steps again."""
+        return (self.hold_steps_until is not None and not self.steps_held()) or self.check_hold_since is not None
 
     def steps_held(self) -> bool:
         """True while a ban's rollback epoch is awaited (Updates.maybe_step does not step)."""
@@ -56,14 +96,14 @@ class Pins:
         machine they lagged a dozen tasks behind, and a liar's first batches then stayed applied). Bounded
         by CHECK_HOLD_SECONDS, should a check hang on a lost server."""
         reach = version + 2 - RETAIN
-        late = [t for t in self.checks_pending if version_for_batch(t) < reach]
+        late = [t for t in self.checks_pending() if version_for_batch(t) < reach]
         if not late:
             self.check_hold_since = None
             return False
         now = self.clock()
         if self.check_hold_since is None:
             self.check_hold_since = now
-            self.verify_counts["steps_held_for_checks"] = self.verify_counts.get("steps_held_for_checks", 0) + 1
+            self.counts["steps_held_for_checks"] = self.counts.get("steps_held_for_checks", 0) + 1
             logger.debug("%s: version %d waits for the checks of batch %d", self.device_id, version + 1, min(late))
         if now - self.check_hold_since < CHECK_HOLD_SECONDS:
             return True
@@ -76,22 +116,6 @@ class Pins:
         return False
 
     # pins ----------------------------------------------------------------------------------------
-    def unsettled_first(self) -> int | None:
-        """The oldest batch of work sent here by a registered volunteer not yet past its checks: its
-        first work on while its probation has not ended with differences that do not drift (a liar
-        under the tolerance drifts from its 3rd check: it stays there until banned), its work in the
-        kept window on while its differences drift after that (drift.suspicious). A ban of it would
-        roll back there."""
-        firsts, suspects = [], self.drift.suspects()
-        for peer, batches in self.contributed.items():
-            if peer not in self.clients or peer in self.banned or not batches:
-                continue
-            if self.probation > 0 and peer not in self.cleared:
-                firsts.append(self.first_contributed.get(peer, min(batches)))
-            elif peer in suspects:
-                firsts.append(min(batches))
-        return min(firsts, default=None)
-
     def update_pins(self) -> None:
         """Pin the versions a ban may still need: this server's pin (unsettled_first) goes to every
         server of the run when it changes (and every PIN_REFRESH seconds while there is one), and every shard kept here
@@ -101,29 +125,29 @@ class Pins:
         now = self.clock()
         for peer, (_, at) in self.pins_heard.items():  # (its seq stays: a late, older pin is still refused)
             if now - at > PIN_EXPIRY:
-                self.pins.pop(peer, None)
-        mine = self.unsettled_first()
+                self.asked.pop(peer, None)
+        mine = self.unsettled()
         if mine is None:
-            self.pins.pop(self.peer_id, None)
+            self.asked.pop(self.peer_id, None)
         else:
-            self.pins[self.peer_id] = mine
+            self.asked[self.peer_id] = mine
         if mine != self.pin_sent[0] or (mine is not None and now - self.pin_sent[1] > PIN_REFRESH):
             self.pin_sent = (mine, now)
             self.outbox.spawn(self._send_pin(mine))
         self._apply_pins()
 
     def _apply_pins(self) -> None:
-        oldest = min(self.pins.values(), default=None)
+        oldest = min(self.asked.values(), default=None)
         pinned = None if oldest is None else version_for_batch(oldest)
-        for shard in [*self.hosted.values(), *self.replicas.values()]:
+        for shard in self.shards():
             shard.pinned_from = pinned
 
     async def _send_pin(self, batch: int | None) -> None:
         self.pin_seq += 1
         meta = {"batch": -1 if batch is None else batch, "seq": self.pin_seq}
-        for d in [d for st in self.layout.stages for d in st.servers if d != self.device_id]:
+        for d in [d for st in self.layout().stages for d in st.servers if d != self.device_id]:
             try:
-                await self.server_call(d, "pin", meta)
+                await self.call(d, "pin", meta)
             except (ConnectionError, RemoteError, PayloadError, asyncio.TimeoutError) as e:
                 logger.debug("%s: pin to %s: %r", self.device_id, d, e)  # (sent again within PIN_REFRESH)
 
@@ -136,8 +160,8 @@ class Pins:
             return {"ok": True}
         self.pins_heard[sender] = (seq, self.clock())
         if batch < 0:
-            self.pins.pop(sender, None)
+            self.asked.pop(sender, None)
         else:
-            self.pins[sender] = batch
+            self.asked[sender] = batch
         self._apply_pins()
         return {"ok": True}

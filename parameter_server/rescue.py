@@ -89,7 +89,7 @@ class Rescue:
 
     def rescue_due(self, now: float) -> bool:
         """Whether the next batch has waited long enough for its missing work to be asked for again."""
-        if self.version >= self.run.steps or self.replaying or self.steps_held():
+        if self.version >= self.run.steps or self.replaying or self.pins.steps_held():
             return False
         if self._waiting_since is None or self._waiting_since[0] != self.version:
             self._waiting_since = (self.version, now)

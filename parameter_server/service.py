@@ -1,11 +1,12 @@
 """A reliable parameter server of one stage: frontal (FS) or backward (BS), following "One training
 step" of docs/design.md and section 3.2 of the design paper. This file is its thin service: the
 state the mixed-in rooms share and the directory of the run's servers. Each concern lives in a room
-of its own. Three are parts built with their dependencies (parts.py; each reads only what it is
+of its own. Four are parts built with their dependencies (parts.py; each reads only what it is
 given, and is tested alone): outbox.py (deliveries to other servers, background work), clipping.py
-(the round that gives every shard the run's gradient norm, --clip-grad-norm) and evaluate.py (the
-held-out loss of every N-th version, through the servers, --eval-every). The others are still
-mixed into StageServer and share its attributes:
+(the round that gives every shard the run's gradient norm, --clip-grad-norm), evaluate.py (the
+held-out loss of every N-th version, through the servers, --eval-every) and pins.py (a ban's hold,
+and the versions a ban may need, kept). The others are still mixed into StageServer and share its
+attributes:
 
 - rpc.py: the RPC surface (every `rpc_*` only decodes the stream, counts its bytes and dispatches to
   an `on_*` handler through `handle`, which checks the layout epoch, turns a refused payload into an
@@ -15,7 +16,7 @@ mixed into StageServer and share its attributes:
 - frontal.py / backward.py (+ ledger.py): the two roles' data path;
 - replicas.py: copies of the shards at the next server; failover.py: layout epochs;
 - arrivals.py: what each volunteer sent, and which of it is drawn for a check; verify.py: the
-  re-runs of that sample; bans.py: bans and their rollback epochs; pins.py: the versions a ban may need;
+  re-runs of that sample; bans.py: bans and their rollback epochs;
 - recovery.py: request-log replay; status.py: ping and status; checkpoint.py: the shard on disk.
 
 Every handler checks its payload (shape, dtype, finite values, known ids, registered sender) and
@@ -47,7 +48,6 @@ from parameter_server.frontal import Frontal
 from parameter_server.leases import Leases
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.parts import compose_parts
-from parameter_server.pins import Pins
 from parameter_server.recovery import Recovery
 from parameter_server.replicas import Replicas
 from parameter_server.rescue import Rescue
@@ -81,7 +81,6 @@ class StageServer(
     Verification,
     Arrivals,
     Bans,
-    Pins,
     Rescue,
     Failover,
     RpcSurface,
@@ -216,7 +215,6 @@ class StageServer(
         self._init_verification(verify_rate, probation, verify_device)
         self._init_arrivals()
         self._init_bans()
-        self._init_pins()
         compose_parts(self, run, cfg)
         self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (Updates._params_on_wire)
 
@@ -279,6 +277,9 @@ class StageServer(
     async def on_eval_forward(self, meta, tensors, sender):
         return await self.evaluation.on_eval_forward(meta, tensors, sender)
 
+    async def on_pin(self, meta, tensors, sender):
+        return await self.pins.on_pin(meta, tensors, sender)
+
     def _device_of(self, peer: str) -> str | None:
         c = self.clients.get(peer)
         if c is not None:
@@ -328,15 +329,11 @@ class StageServer(
             )
             self.drop_struck_clients()
         self.drop_stale_clients()
-        self.update_pins()
+        self.pins.update_pins()
         self.report_stall(time.time())
         self.maybe_rescue()
         self.order_pending_bans()
-        if (
-            (self.hold_steps_until is not None and not self.steps_held())
-            or self.check_hold_since is not None
-            or any(shard.ready_to_step() for shard in self.hosted.values())
-        ):
+        if self.pins.held_or_waiting or any(shard.ready_to_step() for shard in self.hosted.values()):
             # a step held with every credit already here is looked at again each pass, not only when a
             # push comes: a ban's hold or a check's that ran out, a replica copy that was taken or
             # given up on (no push may be left to come: the next batch needs this step's version)
@@ -374,7 +371,9 @@ class StageServer(
             )
             or "none"
         )
-        why = " (steps held)" if self.steps_held() else " (waiting for checks)" if self.check_hold_since else ""
+        why = (
+            " (steps held)" if self.pins.steps_held() else " (waiting for checks)" if self.pins.check_hold_since else ""
+        )
         line = (
             f"no step for {waited:.1f} s (median {median:.2f} s){why}: {'; '.join(missing)}; "
             f"its open tasks here: {held}"

@@ -174,16 +174,16 @@ class Updates:
         return {"result": result, "credited": already}
 
     def maybe_step(self) -> None:
-        if self.steps_held():
+        if self.pins.steps_held():
             return
         if any(shard.ready_to_step() for shard in self.hosted.values()):
-            self.update_pins()  # before a step forgets a version a ban may still need
+            self.pins.update_pins()  # before a step forgets a version a ban may still need
         stepped = False
         self.clipping.announce_sums()  # (before any other hold: the other stages wait on these sums)
         for slot, shard in sorted(self.hosted.items()):
             while (
                 shard.ready_to_step()
-                and not self.checks_hold(shard.version)
+                and not self.pins.checks_hold(shard.version)
                 and not self.replica_behind(slot, shard.version)
                 and not self.clipping.clip_hold(slot, shard)
             ):

@@ -114,7 +114,7 @@ class Verification:
                 self.checks_pending[t] = left
             else:
                 self.checks_pending.pop(t, None)
-            if self.check_hold_since is not None:
+            if self.pins.check_hold_since is not None:
                 self.maybe_step()  # a step waited for this check
 
     # re-running --------------------------------------------------------------------------------
