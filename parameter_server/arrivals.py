@@ -17,6 +17,16 @@ BANNED = "banned from this run"  # (the refusal's words for a person; its code i
 # its shard slot (anyone's) is re-run whatever the sample says: a patient liar that scales a few
 # percent of its pushes after probation is caught at its first such lie, not after 1 / verify_rate
 NORM_FACTOR, NORM_HISTORY = 4.0, 64
+# A gradient push that agrees with its slot's AdamW first moment less than all but DIRECTION_QUANTILE of
+# the slot's last NORM_HISTORY pushes (cosine) is re-run too, on a slot whose pushes do agree with it
+# (their median cosine at least DIRECTION_MIN_MEDIAN, over at least DIRECTION_MIN_HISTORY pushes): a
+# sign flip keeps its norm but points against the direction honest pushes share. Measured on `tiny`
+# (scripts/bench_directions.py, docs/bench_directions.md): the slot holding the output head re-runs
+# 60-67% of sign-flipped pushes (`small`, 40 steps: 26-31%), the one holding the embedding 27-29% (`small`:
+# its pushes never agree enough), for 4-11% more re-runs of honest pushes there; the slots of
+# transformer layers alone do not agree with their moment (median cosine about 0) and are left to
+# the sample
+DIRECTION_QUANTILE, DIRECTION_MIN_MEDIAN, DIRECTION_MIN_HISTORY = 0.05, 0.2, 8
 
 
 class Arrivals:
@@ -24,6 +34,8 @@ class Arrivals:
 
     def _init_arrivals(self) -> None:
         self.push_norms: dict[int, collections.deque] = {}  # slot -> recent pushes' norms per row
+        # slot -> recent pushes' (sender, cosine with the slot's moment)
+        self.push_cosines: dict[int, collections.deque] = {}
         # per volunteer, forgotten once it has left and its batches are out of the kept window
         # (forget_departed; a run of days sees tens of thousands of volunteers come and go)
         self.checks_passed: dict[str, int] = {}  # peer id -> its checks passed here (probation ends at `probation`)
@@ -89,6 +101,24 @@ class Arrivals:
             elif peer in suspects:
                 firsts.append(min(batches))
         return min(firsts, default=None)
+
+    def unusual_direction(self, slot: int, shard, grads: list[torch.Tensor], sender: str) -> bool:
+        """Whether `sender`'s gradient push for `slot` (held here as `shard`) agrees with the slot's AdamW
+        first moment less than all but DIRECTION_QUANTILE of the slot's recent pushes by others, where
+        those agree with it; the push joins the slot's history either way. (Others' only: a liar's own
+        flips, once in the history, would lower the bar its next flips are held to.)"""
+        cosine = shard.momentum_cosine(grads)
+        if cosine is None:
+            return False
+        history = self.push_cosines.setdefault(slot, collections.deque(maxlen=NORM_HISTORY))
+        ranked = sorted(c for who, c in history if who != sender)
+        history.append((sender, cosine))
+        if len(ranked) < DIRECTION_MIN_HISTORY or ranked[len(ranked) // 2] < DIRECTION_MIN_MEDIAN:
+            return False
+        if cosine >= ranked[int(DIRECTION_QUANTILE * (len(ranked) - 1))]:
+            return False
+        self.verify_counts["unusual_directions"] = self.verify_counts.get("unusual_directions", 0) + 1
+        return True
 
     def _note_work(self, sender: str, t: int) -> bool:
         """Remember that `sender` (a volunteer) sent work of batch t, which a ban's rollback must reach:

@@ -360,6 +360,19 @@ class ShardState(ShardCopies):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def momentum_cosine(self, grads: list[torch.Tensor]) -> float | None:
+        """The cosine between a gradient push (tensors in `names` order) and AdamW's first moment here:
+        how far the push agrees with the direction the slot's recent batches took. None before the
+        first step (no moment yet) or for a zero push."""
+        dot = push = moment = 0.0
+        for name, g in zip(self.names, grads):
+            state = self.optimizer.state.get(self.params[name])
+            if not state or "exp_avg" not in state:
+                return None
+            m, g = state["exp_avg"].reshape(-1), g.reshape(-1)  # (dot products: no copy of either)
+            dot, push, moment = dot + float(g @ m), push + float(g @ g), moment + float(m @ m)
+        return dot / (push * moment) ** 0.5 if push > 0 and moment > 0 else None
+
     def pushed_by(self, version: int) -> tuple:
         """Who pushed the gradient sums that made kept version `version`, in the order summed (empty
         when that step is not kept)."""

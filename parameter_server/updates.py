@@ -148,14 +148,16 @@ class Updates:
                 self._answers_lease(ticket, task_id, sender, kind, t)
 
         slot = mfield(meta, "slot", int, optional=True)
-        result, already = self._hosted(meta).credit(
+        shard = self._hosted(meta)
+        result, already = shard.credit(
             batch=t, pieces=pieces, grads=tensors, loss_sum=loss, sender=sender, authorize=leased
         )
         if result == "credited":
             self._back_input_grads(sender, t, pieces)
             rows = sum(hi - lo for _, _, (lo, hi) in pieces)
-            unusual = not self._is_server(sender) and self.unusual_norm(
-                self.slot if slot is None else slot, tensors, rows
+            unusual = not self._is_server(sender) and (
+                self.unusual_norm(self.slot if slot is None else slot, tensors, rows)
+                | self.unusual_direction(self.slot if slot is None else slot, shard, tensors, sender)
             )
             for cb in self.on_credit:
                 cb(self.slot if slot is None else slot, t)

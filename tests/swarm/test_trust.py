@@ -303,6 +303,18 @@ def test_a_ban_outlives_the_coordinator_that_ordered_it():
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
 
 
+def unsampled_swarm(steps: int, volunteers_per_stage: int):
+    """A 2-stage `tiny` swarm of servers that do not compute, whose sample rate is 0 past probation
+    (only probation and the push checks re-run work): the swarm, the last stage's volunteer u11 (the
+    liar to be) and the last stage's servers (its judges)."""
+    cfg, layout, run = make_run(steps=steps, stages=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=volunteers_per_stage, servers_compute=False)
+    for server in swarm.servers.values():
+        server.verify_rate = 0.0
+    liar = next(w for w in swarm.workers if w.device_id == "u11")
+    return swarm, liar, [s for s in swarm.servers.values() if s.stage == 1]
+
+
 def test_a_patient_liar_past_probation_is_checked_at_its_first_outsized_push():
     """A volunteer honest through its probation, then scaling its results x1e4, with a sample rate of
     0 past probation: no draw would ever check it again. A push whose norm per row passes 4x the median
@@ -311,12 +323,7 @@ def test_a_patient_liar_past_probation_is_checked_at_its_first_outsized_push():
     from peer.volunteer.cheat import Cheat
 
     steps = 14
-    cfg, layout, run = make_run(steps=steps, stages=2)
-    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
-    for server in swarm.servers.values():
-        server.verify_rate = 0.0
-    liar = next(w for w in swarm.workers if w.device_id == "u11")
-    judges = [s for s in swarm.servers.values() if s.stage == 1]
+    swarm, liar, judges = unsampled_swarm(steps, volunteers_per_stage=2)
     armed = []
 
     async def lie_once_past_probation():  # (the event the test means: its probation over at both servers)
@@ -332,6 +339,49 @@ def test_a_patient_liar_past_probation_is_checked_at_its_first_outsized_push():
     assert armed and armed[0] < steps - 2, armed  # (lies began with batches left to lie on)
     assert list(bans) == ["peer-u11"] and "(relative L2) from this server's re-run" in bans["peer-u11"], bans
     assert sum(s.verify_counts.get("unusual_norms", 0) for s in judges) >= 1
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
+
+
+@pytest.mark.stress
+def test_a_patient_liar_that_flips_signs_past_probation_is_checked_by_the_direction_of_its_pushes():
+    """A patient liar on the last stage whose lies keep their norm: every result of one task in 2
+    negated, from the moment its probation is over and the direction check is on (the event, seen at
+    each push credited). Sample rate 0 past probation, so only a push's direction can get it checked: a
+    push that agrees with its slot's AdamW first moment less than all but 5% of the slot's recent
+    pushes by others is re-run, on a slot whose pushes agree with it (the one holding the output head).
+    The liar is banned and its work rolled back; the run equals the reference (never banned without
+    the check)."""
+    from parameter_server.arrivals import DIRECTION_MIN_HISTORY, DIRECTION_MIN_MEDIAN
+    from peer.volunteer.cheat import Cheat
+
+    steps = 30
+    swarm, liar, judges = unsampled_swarm(steps, volunteers_per_stage=3)
+    armed = []
+
+    def direction_checked(server) -> bool:  # (the slot's pushes by others agree with its moment)
+        others = sorted(c for who, c in server.push_cosines.get(server.slot, ()) if who != "peer-u11")
+        return len(others) >= DIRECTION_MIN_HISTORY and others[len(others) // 2] >= DIRECTION_MIN_MEDIAN
+
+    premise: dict = {}
+
+    def arm(slot: int, batch: int) -> None:  # (at each push credited: probation over, the check on)
+        if "probation" not in premise and all(s.checks_passed.get("peer-u11", 0) >= s.probation for s in judges):
+            premise["probation"] = min(swarm.versions())
+        if "direction" not in premise and any(direction_checked(s) for s in judges):
+            premise["direction"] = min(swarm.versions())
+        if not armed and len(premise) == 2:
+            liar.cheat = Cheat("signflip", after=liar.stats["forward"] + liar.stats["backward"], every=2)
+            armed.append(min(swarm.versions()))
+
+    for server in judges:
+        server.on_credit.append(arm)
+    state = asyncio.run(swarm.train(timeout=240))
+    bans = {p: why for s in swarm.servers.values() for p, why in s.banned.items()}
+    seen = {s.device_id: (s.verify_counts, [(w[-3:], round(c, 2)) for w, c in s.push_cosines[s.slot]]) for s in judges}
+    assert armed and armed[0] < steps - 10, (premise, liar.stats, seen)  # (lies began with batches left)
+    assert list(bans) == ["peer-u11"], (bans, armed, seen)
+    assert sum(s.verify_counts.get("unusual_directions", 0) for s in judges) >= 1
+    assert sum(s.verify_counts.get("unusual_norms", 0) for s in judges) == 0  # (its norms were honest)
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
 
 
