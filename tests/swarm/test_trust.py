@@ -326,15 +326,14 @@ def test_a_patient_liar_past_probation_is_checked_at_its_first_outsized_push():
     swarm, liar, judges = unsampled_swarm(steps, volunteers_per_stage=2)
     armed = []
 
-    async def lie_once_past_probation():  # (the event the test means: its probation over at both servers)
-        deadline = asyncio.get_running_loop().time() + 120
-        while not all(s.checks_passed.get("peer-u11", 0) >= s.probation for s in judges):
-            assert asyncio.get_running_loop().time() < deadline, {s.device_id: s.checks_passed for s in judges}
-            await asyncio.sleep(0.01)
-        liar.cheat = Cheat("scale", after=liar.stats["forward"] + liar.stats["backward"])
-        armed.append(min(swarm.versions()))
+    def lie_past_probation(slot: int, batch: int) -> None:  # (at each push credited: its probation over?)
+        if not armed and all(s.checks_passed.get("peer-u11", 0) >= s.probation for s in judges):
+            liar.cheat = Cheat("scale", after=liar.stats["forward"] + liar.stats["backward"])
+            armed.append(min(swarm.versions()))
 
-    state = asyncio.run(swarm.train(timeout=240, at_version={1: lie_once_past_probation}))
+    for server in judges:
+        server.on_credit.append(lie_past_probation)
+    state = asyncio.run(swarm.train(timeout=240))
     bans = {p: why for s in swarm.servers.values() for p, why in s.banned.items()}
     assert armed and armed[0] < steps - 2, armed  # (lies began with batches left to lie on)
     assert list(bans) == ["peer-u11"] and "(relative L2) from this server's re-run" in bans["peer-u11"], bans
