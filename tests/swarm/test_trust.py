@@ -344,41 +344,43 @@ def test_a_patient_liar_past_probation_is_checked_at_its_first_outsized_push():
 @pytest.mark.stress
 def test_a_patient_liar_that_flips_signs_past_probation_is_checked_by_the_direction_of_its_pushes():
     """A patient liar on the last stage whose lies keep their norm: every result of one task in 2
-    negated, from the moment its probation is over and the direction check is on (the event, seen at
-    each push credited). Sample rate 0 past probation, so only a push's direction can get it checked: a
-    push that agrees with its slot's AdamW first moment less than all but 5% of the slot's recent
-    pushes by others is re-run, on a slot whose pushes agree with it (the one holding the output head).
-    The liar is banned and its work rolled back; the run equals the reference (never banned without
-    the check)."""
+    negated. It is the first of the stage's 3 volunteers whose probation is over at both of the
+    stage's servers while the direction check is on for it (the event, looked at as each push is
+    credited: which volunteer gets work follows the machine's load). Sample rate 0 past probation, so
+    only a push's direction can get it checked: a push that agrees with its slot's AdamW first moment
+    less than all but 5% of the slot's recent pushes by others is re-run, on a slot whose pushes agree
+    with it (the one holding the output head). The liar is banned and its work rolled back; the run
+    equals the reference (never banned without the check)."""
     from parameter_server.arrivals import DIRECTION_MIN_HISTORY, DIRECTION_MIN_MEDIAN
     from peer.volunteer.cheat import Cheat
 
     steps = 30
-    swarm, liar, judges = unsampled_swarm(steps, volunteers_per_stage=3)
+    swarm, _, judges = unsampled_swarm(steps, volunteers_per_stage=3)
+    stage_1 = [w for w in swarm.workers if w.device_id.startswith("u1")]
     armed = []
 
-    def direction_checked(server) -> bool:  # (the slot's pushes by others agree with its moment)
-        others = sorted(c for who, c in server.push_cosines.get(server.slot, ()) if who != "peer-u11")
+    def direction_checked(server, peer: str) -> bool:  # (the slot's pushes by others agree with its moment)
+        others = sorted(c for who, c in server.push_cosines.get(server.slot, ()) if who != peer)
         return len(others) >= DIRECTION_MIN_HISTORY and others[len(others) // 2] >= DIRECTION_MIN_MEDIAN
 
-    premise: dict = {}
-
-    def arm(slot: int, batch: int) -> None:  # (at each push credited: probation over, the check on)
-        if "probation" not in premise and all(s.checks_passed.get("peer-u11", 0) >= s.probation for s in judges):
-            premise["probation"] = min(swarm.versions())
-        if "direction" not in premise and any(direction_checked(s) for s in judges):
-            premise["direction"] = min(swarm.versions())
-        if not armed and len(premise) == 2:
-            liar.cheat = Cheat("signflip", after=liar.stats["forward"] + liar.stats["backward"], every=2)
-            armed.append(min(swarm.versions()))
+    def arm(slot: int, batch: int) -> None:
+        for w in [] if armed else stage_1:
+            peer = f"peer-{w.device_id}"
+            if all(s.checks_passed.get(peer, 0) >= s.probation for s in judges) and any(
+                direction_checked(s, peer) for s in judges
+            ):
+                w.cheat = Cheat("signflip", after=w.stats["forward"] + w.stats["backward"], every=2)
+                armed.append((peer, min(swarm.versions())))
+                return
 
     for server in judges:
         server.on_credit.append(arm)
     state = asyncio.run(swarm.train(timeout=240))
     bans = {p: why for s in swarm.servers.values() for p, why in s.banned.items()}
     seen = {s.device_id: (s.verify_counts, [(w[-3:], round(c, 2)) for w, c in s.push_cosines[s.slot]]) for s in judges}
-    assert armed and armed[0] < steps - 10, (premise, liar.stats, seen)  # (lies began with batches left)
-    assert list(bans) == ["peer-u11"], (bans, armed, seen)
+    done = {w.device_id: w.stats["forward"] + w.stats["backward"] for w in stage_1}
+    assert armed and armed[0][1] < steps - 10, (done, seen)  # (lies began with batches left to lie on)
+    assert list(bans) == [armed[0][0]], (bans, armed, done, seen)
     assert sum(s.verify_counts.get("unusual_directions", 0) for s in judges) >= 1
     assert sum(s.verify_counts.get("unusual_norms", 0) for s in judges) == 0  # (its norms were honest)
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
