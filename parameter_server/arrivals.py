@@ -29,6 +29,17 @@ NORM_FACTOR, NORM_HISTORY = 4.0, 64
 DIRECTION_QUANTILE, DIRECTION_MIN_MEDIAN, DIRECTION_MIN_HISTORY = 0.05, 0.2, 8
 
 
+def direction_bar(history, sender: str) -> float | None:
+    """The cosine under which `sender`'s next push is re-run, from a slot's recent pushes `history`
+    ((sender, cosine) pairs): all but DIRECTION_QUANTILE of the others' cosines are above it. None
+    while the others' pushes are too few or do not agree with the slot's moment (their median under
+    DIRECTION_MIN_MEDIAN): no direction check there."""
+    ranked = sorted(c for who, c in history if who != sender)
+    if len(ranked) < DIRECTION_MIN_HISTORY or ranked[len(ranked) // 2] < DIRECTION_MIN_MEDIAN:
+        return None
+    return ranked[int(DIRECTION_QUANTILE * (len(ranked) - 1))]
+
+
 class Arrivals:
     """StageServer's record of what its volunteers sent."""
 
@@ -111,11 +122,9 @@ class Arrivals:
         if cosine is None:
             return False
         history = self.push_cosines.setdefault(slot, collections.deque(maxlen=NORM_HISTORY))
-        ranked = sorted(c for who, c in history if who != sender)
+        bar = direction_bar(history, sender)
         history.append((sender, cosine))
-        if len(ranked) < DIRECTION_MIN_HISTORY or ranked[len(ranked) // 2] < DIRECTION_MIN_MEDIAN:
-            return False
-        if cosine >= ranked[int(DIRECTION_QUANTILE * (len(ranked) - 1))]:
+        if bar is None or cosine >= bar:
             return False
         self.verify_counts["unusual_directions"] = self.verify_counts.get("unusual_directions", 0) + 1
         return True

@@ -19,17 +19,24 @@ def compose_parts(server, run, cfg) -> None:
     def connector(device: str):
         return server.connector(device) if server.connector else None
 
-    server.outbox = Outbox(
-        server.device_id, layout=lambda: server.layout, epoch=lambda: server.epoch, connector=connector
-    )
+    def layout():
+        return server.layout
+
+    def epoch() -> int:
+        return server.epoch
+
+    def replaying() -> bool:
+        return server.replaying
+
+    server.outbox = Outbox(server.device_id, layout=layout, epoch=epoch, connector=connector)
     server.clipping = Clipping(
         run.training_recipe().clip_grad_norm,
         device_id=server.device_id,
         stage=server.stage,
         steps=run.steps,
-        layout=lambda: server.layout,
-        epoch=lambda: server.epoch,
-        replaying=lambda: server.replaying,
+        layout=layout,
+        epoch=epoch,
+        replaying=replaying,
         hosted=lambda: server.hosted,
         replicas=lambda: server.replicas,
         outbox=server.outbox,
@@ -43,11 +50,11 @@ def compose_parts(server, run, cfg) -> None:
         cfg=cfg,
         corpus=server.corpus,
         seq=server.seq,
-        epoch=lambda: server.epoch,
-        layout=lambda: server.layout,
+        epoch=epoch,
+        layout=layout,
         version=lambda: server.version,
         step_event=lambda: server.step_event,
-        replaying=lambda: server.replaying,
+        replaying=replaying,
         recompute=server.recompute,
         device=server.verify_device,
         connector=connector,
@@ -57,7 +64,7 @@ def compose_parts(server, run, cfg) -> None:
         device_id=server.device_id,
         peer_id=server.peer_id,
         clock=lambda: server.clock(),  # (a test may set the server's clock after it is built)
-        layout=lambda: server.layout,
+        layout=layout,
         shards=lambda: [*server.hosted.values(), *server.replicas.values()],
         checks_pending=lambda: server.checks_pending,
         unsettled=server.unsettled_first,

@@ -99,6 +99,9 @@ class ShardState(ShardCopies):
         # a name for each kept version's contents, new whenever a version is made (a rollback re-makes
         # later versions with other contents): a checkpoint writes each version's file once, by it
         self.tokens: dict[int, str] = {0: new_token()}
+        # ((version, its token), the squared norm of AdamW's first moment there): momentum_cosine reads
+        # it for every push, and the moment changes only when a version is made
+        self._moment_sq: tuple[tuple[int, str | None] | None, float] = (None, 0.0)
         self.rollback_epoch = 0  # the last layout epoch whose rollback this shard applied
         self.batches: dict[int, BatchCredit] = {}
         self.losses: dict[int, float] = {}
@@ -364,13 +367,19 @@ class ShardState(ShardCopies):
         """The cosine between a gradient push (tensors in `names` order) and AdamW's first moment here:
         how far the push agrees with the direction the slot's recent batches took. None before the
         first step (no moment yet) or for a zero push."""
-        dot = push = moment = 0.0
+        dot = push = 0.0
+        moments = []
         for name, g in zip(self.names, grads):
             state = self.optimizer.state.get(self.params[name])
             if not state or "exp_avg" not in state:
                 return None
             m, g = state["exp_avg"].reshape(-1), g.reshape(-1)  # (dot products: no copy of either)
-            dot, push, moment = dot + float(g @ m), push + float(g @ g), moment + float(m @ m)
+            dot, push = dot + float(g @ m), push + float(g @ g)
+            moments.append(m)
+        key = (self.version, self.tokens.get(self.version))
+        if key[1] is None or self._moment_sq[0] != key:
+            self._moment_sq = (key, sum(float(m @ m) for m in moments))
+        moment = self._moment_sq[1]
         return dot / (push * moment) ** 0.5 if push > 0 and moment > 0 else None
 
     def pushed_by(self, version: int) -> tuple:

@@ -57,15 +57,15 @@ class Rule:
 
     def judge(self, cosine: float, keep: bool = True) -> tuple[bool, bool]:
         """(whether the check applied, whether this push would be re-run)."""
-        from parameter_server.arrivals import DIRECTION_MIN_HISTORY, DIRECTION_MIN_MEDIAN, Arrivals
+        from parameter_server.arrivals import Arrivals, direction_bar
 
+        self.pushes += 1
+        sender = f"volunteer-{self.pushes}"
         history = self.server.push_cosines.get(0)
-        ranked = sorted(c for _, c in history or ())
-        applies = len(ranked) >= DIRECTION_MIN_HISTORY and ranked[len(ranked) // 2] >= DIRECTION_MIN_MEDIAN
+        applies = direction_bar(history or (), sender) is not None
         kept = None if history is None else collections.deque(history, maxlen=history.maxlen)
         shard = SimpleNamespace(momentum_cosine=lambda grads: cosine)
-        self.pushes += 1
-        rerun = Arrivals.unusual_direction(self.server, 0, shard, [], f"volunteer-{self.pushes}")
+        rerun = Arrivals.unusual_direction(self.server, 0, shard, [], sender)
         if not keep:  # (a push put to the rule and not added to what it remembers)
             if kept is None:
                 del self.server.push_cosines[0]

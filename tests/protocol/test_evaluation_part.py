@@ -22,7 +22,11 @@ def make(place: ServerPlace, every: int = 2, version: int = 2):
     """A part of a 2-stage run whose `recompute` returns its input: the last stage's 'loss' is read
     of the input it was handed."""
     layout = SimpleNamespace(stages=[SimpleNamespace(frontal=["s0f0"]), SimpleNamespace(frontal=["s1f0"])])
-    state = {"version": version, "event": asyncio.Event(), "ran": []}
+    state = {"version": version, "event": asyncio.Event(), "ran": [], "waiting": asyncio.Event()}
+
+    def step_event() -> asyncio.Event:  # (asked for only to wait on it)
+        state["waiting"].set()
+        return state["event"]
 
     async def recompute(v, fn):
         state["ran"].append(v)
@@ -38,7 +42,7 @@ def make(place: ServerPlace, every: int = 2, version: int = 2):
         epoch=lambda: 0,
         layout=lambda: layout,
         version=lambda: state["version"],
-        step_event=lambda: state["event"],
+        step_event=step_event,
         replaying=lambda: False,
         recompute=recompute,
         device="cpu",
@@ -91,7 +95,7 @@ def test_a_version_not_made_yet_is_waited_for_then_evaluated_once_and_a_rollback
 
     async def scenario():
         call = asyncio.ensure_future(part.on_eval_forward({"version": 2}, acts(), "peer-s0f0"))
-        await asyncio.sleep(0)  # (it waits on the step event: version 2 is not made here yet)
+        await asyncio.wait_for(state["waiting"].wait(), 5)  # (version 2 is not made here yet)
         assert not call.done() and state["ran"] == []
         state["version"] = 2
         state["event"].set()

@@ -351,7 +351,7 @@ def test_a_patient_liar_that_flips_signs_past_probation_is_checked_by_the_direct
     less than all but 5% of the slot's recent pushes by others is re-run, on a slot whose pushes agree
     with it (the one holding the output head). The liar is banned and its work rolled back; the run
     equals the reference (never banned without the check)."""
-    from parameter_server.arrivals import DIRECTION_MIN_HISTORY, DIRECTION_MIN_MEDIAN
+    from parameter_server.arrivals import direction_bar
     from peer.volunteer.cheat import Cheat
 
     steps = 30
@@ -360,8 +360,7 @@ def test_a_patient_liar_that_flips_signs_past_probation_is_checked_by_the_direct
     armed = []
 
     def direction_checked(server, peer: str) -> bool:  # (the slot's pushes by others agree with its moment)
-        others = sorted(c for who, c in server.push_cosines.get(server.slot, ()) if who != peer)
-        return len(others) >= DIRECTION_MIN_HISTORY and others[len(others) // 2] >= DIRECTION_MIN_MEDIAN
+        return direction_bar(server.push_cosines.get(server.slot, ()), peer) is not None
 
     def arm(slot: int, batch: int) -> None:
         for w in [] if armed else stage_1:
