@@ -52,11 +52,14 @@ class Membership:
         # last step): nothing more will come, and the worker stops (`over`, and `halt` set)
         self.over = False
         self.halt: asyncio.Event | None = None
+        # device -> the parameter version its last `register` answer said it is at (Worker.warm_up)
+        self.versions_told: dict[str, int] = {}
 
     def clear(self) -> None:
         """A new layout epoch: the old epoch's leases are gone, and their tasks run again in it."""
         self.hand_ins.clear()
         self.held_tickets.clear()
+        self.versions_told.clear()
 
     def _stage(self) -> list[str]:
         return [d for d in self.servers() if d in self.links]
@@ -69,6 +72,12 @@ class Membership:
         extra = {"first": True} if first else {}
         self.forget_tickets()
         await asyncio.gather(*(self.beat_once(d, **extra) for d in self._stage()))
+
+    def stage_version(self) -> int | None:
+        """The newest parameter version every server of the stage has said it holds (their `register`
+        answers), or None before all of them answered."""
+        told = [self.versions_told.get(d) for d in self._stage()]
+        return None if not told or None in told else min(told)
 
     def forget_tickets(self) -> None:
         """Forget the tickets of tasks no longer held anywhere (done, handed back, or an old epoch's)."""
@@ -86,6 +95,8 @@ class Membership:
             self.hand_ins.release(device, done)
         if answer is not None:
             self.hand_ins.arrived(device, done)
+            if isinstance(answer, tuple) and isinstance(answer[0], dict) and isinstance(answer[0].get("version"), int):
+                self.versions_told[device] = answer[0]["version"]
             if isinstance(answer, tuple) and isinstance(answer[0], dict) and answer[0].get("over") is True:
                 self.over = True
                 if self.halt is not None:

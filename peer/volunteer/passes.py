@@ -58,6 +58,8 @@ class Passes:
         """Compute task `meta` (its inputs `tensors`), leased through `link`, and hand its results in."""
         t = meta["batch"]
         pulling = time.monotonic()
+        # whether the worker's first task had to fetch its parameters inside its lease (Worker.warm_up)
+        self.stats.setdefault("first_task_fetched", meta["version"] not in self.versions.held)
         await self.versions.ensure(meta["version"])
         self.stats["param_seconds"] += time.monotonic() - pulling
         self.versions.prefetch_next(meta["version"])

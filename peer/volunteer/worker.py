@@ -43,6 +43,8 @@ logger = logging.getLogger("hivepipe.worker")
 # after this wait); each is safe to repeat (core/protocol/methods.py)
 WAITS_FOR_RESTART = frozenset({"get_params", "get_inputs", "push_outputs", "push_input_grads", "push_grads"})
 AWAY_GRACE_S = 5.0
+# how long a newcomer waits for its stage's current parameters before its first take (warm_up)
+WARM_UP_PATIENCE_S = 10.0
 
 
 class StageWorker:
@@ -272,6 +274,7 @@ class StageWorker:
         await self.member.register(first=True)
         beat = asyncio.ensure_future(self.member.heartbeat_loop(stop))
         try:
+            await self.warm_up(stop)
             while not stop.is_set() and self.banned is None and not self.over:
                 check_cancelled()
                 got = await self.intake.take_one()
@@ -330,6 +333,35 @@ class StageWorker:
             beat.cancel()
             self.versions.drop_prefetches()
             await self.intake.stop_waiting()
+
+    async def warm_up(self, stop: asyncio.Event) -> None:
+        """Fetch the parameter version the stage's servers said they are at (their answers to the
+        first `register`) before the first take. A newcomer's first lease is short (an unproven
+        client's, docs/trust.md): spent downloading, it ran out before the task was computed, and the
+        task waited for the lease's end. The download is the task's cost either way, so it is paid
+        outside the lease here. Best effort: a server that has not made the version within
+        WARM_UP_PATIENCE_S, a failed call or the stop leave it to the first task."""
+        version = self.member.stage_version()
+        if version is None:
+            return
+        pulling = time.monotonic()
+        fetch = asyncio.ensure_future(self.versions.ensure(version, patience=WARM_UP_PATIENCE_S))
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([fetch, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if not fetch.done():
+            fetch.cancel()
+            await asyncio.gather(fetch, return_exceptions=True)
+            return
+        e = fetch.exception()
+        if e is not None:
+            logger.info("%s: version %d not fetched before the first task: %r", self.device_id, version, e)
+            return
+        self.stats["warmed_up"] = version
+        self.stats["param_seconds"] += time.monotonic() - pulling
+        logger.debug("%s: holds version %d before its first task", self.device_id, version)
 
     # ------------------------------------------------------------------------------------------
     async def _fetch_slot(

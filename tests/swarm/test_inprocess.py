@@ -470,6 +470,41 @@ def test_a_worker_fetches_the_next_version_ahead_and_a_server_waits_for_a_versio
     assert all(n >= steps - 3 for n in fetched.values()), fetched
 
 
+def test_a_worker_holds_its_stages_current_parameters_before_its_first_take():
+    """A worker fetches the version its stage's servers told it at registration before it takes a
+    task (StageWorker.warm_up): its first lease is spent computing, not downloading. The first
+    workers hold version 0 when their first task (on version 0) arrives; one that joins at version 3
+    holds a version of at least 3 before its first take. Training still equals the reference."""
+    from peer.volunteer.worker import StageWorker
+
+    steps = 6
+    cfg, layout, run = make_run(steps=steps, stages=2)
+    swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
+    late_stop, late = asyncio.Event(), {}
+
+    async def join_late():
+        st = layout.stages[1]
+        links = {d: LocalLink(swarm.servers[d], "peer-late") for d in st.servers}
+        worker = StageWorker(
+            run=run, layout=layout, cfg=cfg, stage=1, device_id="late", links=links, compute=1.0, poll=0.005
+        )
+        late["worker"], late["task"] = worker, asyncio.ensure_future(worker.run_loop(late_stop))
+
+    async def scenario():
+        try:
+            return await swarm.train(timeout=120, at_version={3: join_late})
+        finally:
+            late_stop.set()
+            if "task" in late:
+                await asyncio.gather(late["task"], return_exceptions=True)
+
+    state = asyncio.run(scenario())
+    assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
+    for w in swarm.workers:
+        assert w.stats["warmed_up"] == 0 and w.stats["first_task_fetched"] is False, (w.device_id, w.stats)
+    assert late["worker"].stats["warmed_up"] >= 3, late["worker"].stats
+
+
 def test_an_emulated_device_registers_the_compute_it_will_deliver_however_loaded_the_machine():
     """A device emulated `slowdown` times slower than this CPU stretches each pass to `slowdown` x
     the processor time it used (not x its wall time, which counts the waits for a core), and it
