@@ -162,8 +162,22 @@ def test_hoarders_hold_little_briefly_are_dropped_and_the_run_ends_exact(monkeyp
 
         server.handle = take_when_open
 
+    all_struck = asyncio.Event()  # set when the servers have dropped every hoarder
+
+    def noting(server):  # a drop of struck-out clients says whether every hoarder is dropped now
+        drop = server.drop_struck_clients
+
+        def drop_and_note():
+            dropped = drop()
+            if struck() >= len(hoarders):
+                all_struck.set()
+            return dropped
+
+        server.drop_struck_clients = drop_and_note
+
     for server in swarm.servers.values():
         gated(server)
+        noting(server)
 
     async def scenario():
         started = []
@@ -178,10 +192,7 @@ def test_hoarders_hold_little_briefly_are_dropped_and_the_run_ends_exact(monkeyp
             if struck() < len(hoarders):
                 gate.clear()
                 try:
-                    for _ in range(2400):
-                        if struck() >= len(hoarders):
-                            break
-                        await asyncio.sleep(0.05)
+                    await asyncio.wait_for(all_struck.wait(), 120.0)
                 finally:
                     gate.set()
 
