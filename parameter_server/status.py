@@ -102,6 +102,11 @@ class Status:
             "payload_errors": s["counters"]["payload_errors"],
             "clients_joined": self.volunteers_joined,
             "clients_left": self.volunteers_joined - len(volunteers),
+            # the stage's volunteers as this server sees them (registered here), and their compute in
+            # rows/s of the stage's slice: what a volunteer choosing its stage reads (stage_choice.py),
+            # in place of every volunteer's own record
+            "volunteers": len(volunteers),
+            "volunteer_compute": float(sum(self.clients[p].compute for p in volunteers)),
             "checked": self.verify_counts["checked"],
             "banned": len(self.banned),
         }

@@ -16,10 +16,15 @@ group of volunteers runs the same protocol against the same servers. So:
    A server's uplink and downlink (`server_mbps`) and its processor (the calibration's cost per
    call and per byte, the re-runs of checked work on the server's own FLOP/s, its step of the
    shard) each take a time per step; the step takes the longest of these and the group's step;
-3. the **DHT**: every peer stores its record under its stage's key every announce period and reads
-   the stage's key (all of its subkeys: one record per peer of the stage) as often; the nodes that
-   hold a key (`dht_replicas` of them, volunteers' machines like any other) answer every read of
-   it, so a stage of V peers asks V x V x record bytes per period of them;
+3. the **DHT** (`dht_holder_bps`): a stage has two keys. Its servers' key holds one record per
+   server, stored every announce period; every server reads every stage's servers' key (and the
+   run's config) each announce period, and every volunteer once a `calm_read_s` while it works and
+   its servers answer (peer/host/run_watch.py) and once a `rebalance_s` to re-choose its stage
+   (`--stage auto`; it reads the servers' counts of their volunteers). Its volunteers' key holds one
+   record per volunteer, stored every VOLUNTEER_PERIODS announce periods and read by dashboards
+   only. The nodes that hold a key (`dht_replicas` of them, volunteers' machines like any other)
+   each take every store under it and a share of the reads: what they serve grows with the
+   volunteers, not with their square;
 4. **churn** (a fraction of the volunteers lost and replaced each step): `churn_factor`.
 
 The first resource to saturate is the one whose time per step passes the group's step first as N
@@ -38,6 +43,32 @@ from dataclasses import dataclass
 from scheduler.files import ModelSpec, load_cluster, load_plan
 from scheduler.step_io import Calibration, Workload
 from scheduler.stepsim import simulate
+
+# how often a working volunteer whose servers answer reads the run's records (peer/host/run_watch.py's
+# CALM_READ_PERIOD_S), and how many announce periods apart a volunteer stores its own record
+# (core/protocol/records.py's VOLUNTEER_PERIODS); tests/scheduler/test_scale.py checks both equal
+CALM_READ_S = 60.0
+VOLUNTEER_PERIODS = 5
+
+
+def dht_holder_bps(s: "Swarm", per_stage: int, servers_per_stage: int) -> float:
+    """Bytes a second that each node holding one of a stage's keys takes in and serves, for the
+    busier of the stage's two keys (point 3 of the module's doc): every store reaches each holder,
+    reads are shared among the `dht_replicas` holders."""
+    servers, volunteers = servers_per_stage * s.stages, per_stage * s.stages
+    reads = servers / s.announce_period + volunteers / s.calm_read_s  # of every stage's servers' key
+    if s.rebalance_s > 0:
+        reads += volunteers / s.rebalance_s
+    servers_key = (
+        servers_per_stage * s.server_record_bytes / s.announce_period
+        + reads * servers_per_stage * s.server_record_bytes / s.dht_replicas
+    )
+    volunteers_key = (
+        per_stage * s.client_record_bytes / (VOLUNTEER_PERIODS * s.announce_period)
+        + s.dashboards * per_stage * s.client_record_bytes / s.announce_period / s.dht_replicas
+    )
+    config_key = reads * s.config_bytes / s.dht_replicas  # (the config is read with the servers' keys)
+    return max(servers_key, volunteers_key, config_key)
 
 
 def churn_factor(
@@ -87,8 +118,15 @@ class Swarm:
     task_timeout: float = 30.0
     verify_rate: float = 0.05
     announce_period: float = 5.0
-    record_bytes: float = 1500.0  # a signed record as stored (envelope, two signatures)
+    # signed records as stored (envelope, signatures; measured): a server's (with its last losses and
+    # step times), a volunteer's, and the run's config
+    server_record_bytes: float = 1900.0
+    client_record_bytes: float = 800.0
+    config_bytes: float = 1000.0
     dht_replicas: int = 5
+    calm_read_s: float = CALM_READ_S
+    rebalance_s: float = 60.0  # peer join --rebalance-period (0: volunteers never re-choose)
+    dashboards: int = 1  # dashboards reading the run every announce period
     seed: int = 0
 
 
@@ -103,7 +141,7 @@ class Prediction:
     calm_tokens_per_second: float
     bottleneck: str  # 'volunteers' when no server resource is the limit
     servers_per_stage_needed: int
-    dht_mbps_per_holder: float  # what the nodes holding a stage's key serve
+    dht_mbps_per_holder: float  # what each node holding one of a stage's keys takes in and serves
     dht_share: float  # of a median volunteer's bandwidth
     volunteer_utilisation: float = 0.0  # a volunteer's mean share of the time spent computing (the group's)
 
@@ -220,8 +258,7 @@ def predict(
     worst = max(resource, key=resource.get)
     bottleneck = worst if resource[worst] > group_step else "volunteers"
     needed = S if resource[worst] <= group_step else math.ceil(S * resource[worst] / group_step)
-    peers_stage = per_stage + 2 * S // 2
-    dht_bps = peers_stage * peers_stage * s.record_bytes / s.announce_period / s.dht_replicas
+    dht_bps = dht_holder_bps(s, per_stage, S)
     median_vol = (s.volunteer_mbps[0] + s.volunteer_mbps[1]) / 2 * 1e6 / 8
     calm = tokens / step
     factor = churn_factor(s.churn, step, s.rejoin_s, s.requeue, s.task_timeout, micro) if s.churn else 1.0

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from core.protocol.records import RunConfig, config_key, stage_key
+from core.protocol.records import RunConfig, clients_key, config_key, stage_key
 
 logger = logging.getLogger("hivepipe.records")
 
@@ -34,7 +34,8 @@ def trust_of(dht) -> Trust:
 
 async def publish(dht, body: dict, ttl: float, stage: int | None = None) -> bool:
     """Sign and store this process's record: the run's config (stage None; needs the run key) or its
-    own record under a stage key (subkey: its peer id)."""
+    own record under its stage's key, a server's under the servers' key and a volunteer's under the
+    volunteers' (subkey: its peer id)."""
     from core.protocol.trust import seal
 
     trust = trust_of(dht)
@@ -44,8 +45,9 @@ async def publish(dht, body: dict, ttl: float, stage: int | None = None) -> bool
         name, subkey, run_key = config_key(trust.run_id), trust.run_key.fingerprint, None
         signer = trust.run_key
     else:
-        name, subkey, signer = stage_key(trust.run_id, stage), str(dht.peer_id), trust.identity
-        run_key = trust.run_key if body.get("kind") == "server" else None
+        server = body.get("kind") == "server"
+        name = (stage_key if server else clients_key)(trust.run_id, stage)
+        subkey, signer, run_key = str(dht.peer_id), trust.identity, trust.run_key if server else None
     value = seal(name, subkey, body, ttl, signer, run_key=run_key)
     return await dht.store(name, value, expiration_time=value["expires"], subkey=subkey, return_future=True)
 
@@ -99,14 +101,15 @@ async def read_config_value(dht) -> dict | None:
     return config
 
 
-def open_stage(trust: Trust, stage: int, raw: Any) -> list[tuple[str, dict | None, str | None]]:
-    """The records under a stage key as (peer id, record or None, why it was dropped or None)."""
+def open_stage(trust: Trust, stage: int, raw: Any, kind: str = "stage") -> list[tuple[str, dict | None, str | None]]:
+    """The records under a stage's servers' key (`kind` "stage") or its volunteers' ("clients") as
+    (peer id, record or None, why it was dropped or None)."""
     from core.protocol.trust import Expired, TrustError, open_record
 
     out = []
     for subkey, value in (subkey_values(raw) if isinstance(raw, dict) else {}).items():
         try:
-            out.append((subkey, open_record(trust.run_id, "stage", stage, subkey, value, trust.run_fp), None))
+            out.append((subkey, open_record(trust.run_id, kind, stage, subkey, value, trust.run_fp), None))
         except Expired:
             continue  # at its end of life (a replay is counted by the DHT node's validator)
         except TrustError as e:
@@ -121,24 +124,29 @@ async def _latest_of_each(_dht, node, keys: tuple[str, ...]) -> dict[str, Any]:
     return {k: None if v is None else v.value for k, v in found.items()}
 
 
-async def read_stages(dht, run_id: str, num_stages: int) -> list[list[tuple[str, dict | None, str | None]]]:
+async def read_stages(
+    dht, run_id: str, num_stages: int, kind: str = "stage"
+) -> list[list[tuple[str, dict | None, str | None]]]:
     """read_stage of stages 0..num_stages-1, in one DHT traversal rather than one per stage (each
-    server and volunteer reads every stage each announce period: most of an idle swarm's DHT calls)."""
+    server and volunteer reads every stage's servers each announce period: most of an idle swarm's
+    DHT calls). `kind` "clients": the stages' volunteers' records instead (the dashboard's read)."""
     import functools
 
     trust = trust_of(dht)
     assert run_id == trust.run_id, (run_id, trust.run_id)
-    keys = tuple(stage_key(run_id, k) for k in range(num_stages))
+    keys = tuple((stage_key if kind == "stage" else clients_key)(run_id, k) for k in range(num_stages))
     raw = await dht.run_coroutine(functools.partial(_latest_of_each, keys=keys), return_future=True)
-    return [open_stage(trust, k, raw.get(key)) for k, key in enumerate(keys)]
+    return [open_stage(trust, k, raw.get(key), kind) for k, key in enumerate(keys)]
 
 
-async def read_stage(dht, run_id: str, stage: int) -> list[tuple[str, dict | None, str | None]]:
-    """All records under a stage key as (peer id, record or None, problem or None): a record counts
-    only if its peer signed it (and, for a server, the run key)."""
+async def read_stage(dht, run_id: str, stage: int, kind: str = "stage") -> list[tuple[str, dict | None, str | None]]:
+    """All records under a stage's servers' key (`kind` "clients": its volunteers') as (peer id,
+    record or None, problem or None): a record counts only if its peer signed it (and, for a
+    server, the run key)."""
     trust = trust_of(dht)
     assert run_id == trust.run_id, (run_id, trust.run_id)
-    return open_stage(trust, stage, await get(dht, stage_key(run_id, stage)))
+    key = (stage_key if kind == "stage" else clients_key)(run_id, stage)
+    return open_stage(trust, stage, await get(dht, key), kind)
 
 
 async def read_config(dht, run_id: str) -> RunConfig | None:

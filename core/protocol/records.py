@@ -44,6 +44,16 @@ MIN_RECORD_TTL = 15.0
 # seen every server of the run, so that a run comes online as soon as at 1 s.
 DEFAULT_ANNOUNCE_PERIOD = 3.0
 JOINING_PERIOD = 1.0
+# A volunteer's own record is read by dashboards only (a volunteer choosing its stage reads the
+# servers' counts of their volunteers): it is stored every VOLUNTEER_PERIODS announce periods, so
+# that what the nodes holding a stage's volunteers' key receive stays a few percent of a home link
+# at 10,000 volunteers (docs/scale.md); a dashboard judges its freshness by that period.
+VOLUNTEER_PERIODS = 5
+
+
+def volunteer_period(announce_period: float) -> float:
+    """How often a volunteer stores its own record, in a run that announces every `announce_period`."""
+    return VOLUNTEER_PERIODS * announce_period
 
 
 def record_ttl(period: float) -> float:
@@ -71,9 +81,17 @@ def config_key(run_id: str) -> str:
 
 
 def stage_key(run_id: str, stage: int) -> str:
+    """The key of a stage's servers' records."""
     from core.protocol.trust import stage_name
 
     return stage_name(run_id, stage)
+
+
+def clients_key(run_id: str, stage: int) -> str:
+    """The key of a stage's volunteers' records (read by the dashboard, not by every peer)."""
+    from core.protocol.trust import clients_name
+
+    return clients_name(run_id, stage)
 
 
 PRECISIONS = ("fp32", "bf16")  # a run's --precision (core.model.precision says what each means)

@@ -1,5 +1,5 @@
 """The shape of a run's DHT values, as a pydantic schema for hivemind's SchemaValidator: every key
-of the run (`{run}_config`, `{run}_stage0` ...) maps subkeys to a signed envelope (see trust.py).
+of the run (`{run}_config`, `{run}_stage0` ..., `{run}_clients0` ...) maps subkeys to a signed envelope (see trust.py).
 The envelope's signatures and the record inside it are checked by validator.RunValidator (core/protocol/validator.py)."""
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ Records = Dict[pydantic.StrictStr, Envelope]
 
 # one field per key of a run: the SchemaValidator's prefix (the run id) makes them `{run}_{field}`
 RunKeys = pydantic.create_model(
-    "RunKeys", config=(Optional[Records], None), **{f"stage{k}": (Optional[Records], None) for k in range(MAX_STAGES)}
+    "RunKeys",
+    config=(Optional[Records], None),
+    **{f"{kind}{k}": (Optional[Records], None) for kind in ("stage", "clients") for k in range(MAX_STAGES)},
 )
 
 

@@ -67,7 +67,25 @@ def config_name(run_id: str) -> str:
 
 
 def stage_name(run_id: str, stage: int) -> str:
+    """The key of a stage's servers' records (each signed by the run key too)."""
     return f"{run_id}_stage{stage}"
+
+
+def clients_name(run_id: str, stage: int) -> str:
+    """The key of the records of a stage's volunteers: apart from its servers' key, so that what
+    every peer reads each announce period (the servers) does not grow with the volunteers."""
+    return f"{run_id}_clients{stage}"
+
+
+# the kinds of a run's keys, and the record kind each holds ("config": the run's config)
+KEY_KINDS = {"config": None, "stage": "server", "clients": "client"}
+
+
+def key_name(run_id: str, kind: str, stage: int | None) -> str:
+    """The DHT key of `kind` ("config", "stage" or "clients") of stage `stage`."""
+    if kind == "config":
+        return config_name(run_id)
+    return stage_name(run_id, stage) if kind == "stage" else clients_name(run_id, stage)
 
 
 def fingerprint(public_der: bytes) -> str:
@@ -268,8 +286,8 @@ ENVELOPE_FIELDS = ("body", "time", "expires", "signer", "sig", "run_key", "run_s
 def open_record(
     run_id: str, kind: str, stage: int | None, subkey: Any, value: Any, run_fp: str | None, now: float | None = None
 ) -> dict:
-    """The body of an envelope read under the run's `kind` key ("config" or "stage"), after every
-    check; TrustError with the reason otherwise. `run_fp`: the run key a reader trusts (None:
+    """The body of an envelope read under the run's `kind` key ("config", "stage": a stage's servers,
+    "clients": its volunteers), after every check; TrustError with the reason otherwise. `run_fp`: the run key a reader trusts (None:
     any run key whose own signature holds, for a reader that has not learnt the run's yet)."""
     from core.protocol import records
 
@@ -287,7 +305,9 @@ def open_record(
         raise Expired(f"expired {now - expires:.0f} s ago")
     if not 0 <= expires - t <= MAX_TTL:
         raise TrustError(f"claims a life of {expires - t:.0f} s (at most {MAX_TTL:.0f})")
-    name = config_name(run_id) if kind == "config" else stage_name(run_id, stage)
+    if kind not in KEY_KINDS:
+        raise TrustError(f"unknown key kind {kind!r}")
+    name = key_name(run_id, kind, stage)
     payload = _payload(name, subkey, body, t, expires)
     _verify(value["signer"], payload, value["sig"], "writer's")
     if kind == "config":
@@ -308,6 +328,9 @@ def open_record(
         raise TrustError(str(e)) from None
     if rec.stage != stage:
         raise TrustError(f"record of stage {rec.stage} under stage {stage}'s key")
+    if rec.kind != KEY_KINDS[kind]:
+        whose = "servers'" if kind == "stage" else "volunteers'"
+        raise TrustError(f"a {rec.kind} record under stage {stage}'s {whose} key")
     if rec.kind == "server":
         _verify(value["run_key"], payload, value["run_sig"], "run")
         if run_fp is not None and fingerprint(value["run_key"]) != run_fp:

@@ -22,7 +22,7 @@ from core.protocol.trust import (
     TrustError,
     config_name,
     digest,
-    stage_name,
+    key_name,
 )
 
 logger = logging.getLogger("hivepipe.trust")
@@ -45,8 +45,9 @@ class RunValidator(RecordValidatorBase):
         self.keys: dict[bytes, tuple[str, int | None]] = {
             DHTID.generate(source=config_name(run_id)).to_bytes(): ("config", None)
         }
-        for k in range(MAX_STAGES):
-            self.keys[DHTID.generate(source=stage_name(run_id, k)).to_bytes()] = ("stage", k)
+        for kind in ("stage", "clients"):
+            for k in range(MAX_STAGES):
+                self.keys[DHTID.generate(source=key_name(run_id, kind, k)).to_bytes()] = (kind, k)
         self.rejected: collections.deque[Rejection] = collections.deque(maxlen=100)
         self.rejected_total = 0
         self._passed = Remembered()  # digest of a record that passed -> its envelope's expiry
@@ -113,8 +114,7 @@ class RunValidator(RecordValidatorBase):
         reason = self.check(record)
         if reason is None:
             return True
-        where = self.keys[record.key]
-        key = config_name(self.run_id) if where[0] == "config" else stage_name(self.run_id, where[1])
+        key = key_name(self.run_id, *self.keys[record.key])
         try:
             subkey = str(DHTProtocol.serializer.loads(record.subkey))
         except Exception:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from core.layout import RunLayout
-from core.protocol.records import RecordState, RunConfig, validate_record
+from core.protocol.records import VOLUNTEER_PERIODS, RecordState, RunConfig, validate_record
 from core.protocol.values import finite_number
 
 LIVE_STATES = (RecordState.ONLINE, RecordState.JOINING)
@@ -192,6 +192,9 @@ def server_entry(
 
 
 def volunteer_entry(peer: str, rec: dict, now: float, stale_after: float, vanished: bool = False) -> dict:
+    """A volunteer's row; `stale_after` is the servers' (in announce periods): a volunteer stores
+    its record every VOLUNTEER_PERIODS of them (core/protocol/records.py), and is judged by that."""
+    stale_after *= VOLUNTEER_PERIODS
     age = max(0.0, now - rec["time"])
     state = (
         ("offline" if rec["state"] == "offline" else "unreachable")

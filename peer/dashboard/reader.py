@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from core.protocol.record_store import open_config, open_stage, validator_rejections
-from core.protocol.records import config_key, stage_key
+from core.protocol.records import clients_key, config_key, stage_key
 from core.protocol.values import finite_number
 from peer.dashboard.entries import History
 from peer.dashboard.snapshot import MAX_PROBED_STAGES, build_snapshot, stage_count
@@ -69,17 +69,31 @@ class DhtReader:
             values.append(None if found is None else found.value)
         return values
 
-    def _stage(self, k: int) -> dict | None:
-        """{peer id: record} of the records under stage k that verify (None: no value at all)."""
-        return self._open_stage(k, self._get(stage_key(self.run_id, k)))
+    def _stage_keys(self, k: int) -> list[str]:
+        """Stage k's keys: its servers' records, and its volunteers' (which only a dashboard reads)."""
+        return [stage_key(self.run_id, k), clients_key(self.run_id, k)]
 
-    def _open_stage(self, k: int, raw: Any) -> dict | None:
-        """The records of stage k's value `raw` that verify (None: no value at all)."""
-        if raw is None:
+    def _stage(self, k: int) -> dict | None:
+        """{peer id: record} of the records of stage k (servers and volunteers) that verify (None:
+        no value at all)."""
+        return self._open_stage(k, *self._get_many(self._stage_keys(k)))
+
+    def _open_stage(self, k: int, servers: Any, volunteers: Any = None) -> dict | None:
+        """The records that verify of stage k's servers' value and volunteers' value (None: no
+        value at all)."""
+        if servers is None and volunteers is None:
             return None
-        read_at = self.read_times.get(stage_key(self.run_id, k), time.time())
         out = {}
-        for peer, rec, problem in open_stage(self.trust, k, raw):
+        for kind, raw in (("stage", servers), ("clients", volunteers)):
+            if raw is not None:
+                out.update(self._open_key(k, kind, raw))
+        return out
+
+    def _open_key(self, k: int, kind: str, raw: Any) -> dict:
+        key = (stage_key if kind == "stage" else clients_key)(self.run_id, k)
+        read_at = self.read_times.get(key, time.time())
+        out = {}
+        for peer, rec, problem in open_stage(self.trust, k, raw, kind):
             if rec is None:
                 self.rejected.append({"stage": k, "peer": peer, "short": peer[-8:], "reason": f"dropped: {problem}"})
             else:
@@ -90,14 +104,16 @@ class DhtReader:
     def fetch(self) -> tuple[Any, list[Any]]:
         """(config, [stage maps]) of the records that verify: as many stages as the config's layout
         names, or, without a usable config, the stage keys up to the first empty one. What did not
-        verify is in `rejected` after the call. When nothing of a run seen before is found, the
-        servers it has seen are reached at their announced addresses and the run read once more."""
+        verify is in `rejected` after the call. When no server of a run seen before is found (a config
+        this node still holds does not count: it outlives the servers' records), the servers it has
+        seen are reached at their announced addresses and the run read once more."""
         import functools
 
         from peer.node import reach_peers
 
         config, stages = self._fetch()
-        if config is None and not any(s for s in stages) and self.known:
+        servers = [r for found in stages for r in (found or {}).values() if r.get("kind") == "server"]
+        if not servers and self.known:
             reached = self.dht.run_coroutine(functools.partial(reach_peers, peers=sorted(self.known.items())))
             logger.info(
                 "nothing of the run found: %d of the %d servers seen before reached again", reached, len(self.known)
@@ -123,10 +139,8 @@ class DhtReader:
         ]
         n = stage_count(config)
         if n is not None:
-            stages = [
-                self._open_stage(k, raw)
-                for k, raw in enumerate(self._get_many([stage_key(self.run_id, k) for k in range(n)]))
-            ]
+            raw = self._get_many([key for k in range(n) for key in self._stage_keys(k)])
+            stages = [self._open_stage(k, raw[2 * k], raw[2 * k + 1]) for k in range(n)]
         else:
             stages = []
             for k in range(MAX_PROBED_STAGES):

@@ -139,7 +139,13 @@ def _stage_view(
     stage_joined = max([stage_joined] + [r.get("stats", {}).get("clients_joined", 0) for _, r in servers])
     stage_lost = max([stage_lost] + [r.get("stats", {}).get("clients_left", 0) for _, r in servers])
 
-    compute = sum(v["compute"] for v in live_vols) + sum(r.get("compute") or 0.0 for r in stage_live)
+    # the volunteers registered now, as the servers count them (fresher than a volunteer's own record,
+    # stored every 5 announce periods); a server from before the count: the records that are live
+    counts = [r["stats"] for r in stage_live if isinstance(r.get("stats", {}).get("volunteers"), int)]
+    best = max(counts, key=lambda c: (c["volunteers"], c.get("volunteer_compute", 0.0)), default=None)
+    live = len(live_vols) if best is None else best["volunteers"]
+    helping = sum(v["compute"] for v in live_vols) if best is None else best.get("volunteer_compute", 0.0)
+    compute = helping + sum(r.get("compute") or 0.0 for r in stage_live)
     # a server from before the compute field: its registered clients say whether anything computes
     unknown = any("compute" not in r and r.get("stats", {}).get("clients", 0) > 0 for r in stage_live)
     live_pools = [pool_view(r) for r in stage_live]
@@ -155,7 +161,7 @@ def _stage_view(
     for role in ("frontal", "backward"):
         if not any(e["state"] in LIVE_STATES for e in roles[role]):
             blocking.append(f"no live {role} server")
-    if not live_vols and compute <= 0 and not unknown:
+    if not live and compute <= 0 and not unknown:
         blocking.append("no compute: no live volunteer and no server computes")
     layers = (
         list(st.layers)
@@ -177,7 +183,7 @@ def _stage_view(
         "pools": pools,
         "version": version,
         "compute": round(compute, 6),
-        "volunteers_live": len(live_vols),
+        "volunteers_live": live,
         "volunteers_joined": stage_joined,
         "volunteers_lost": stage_lost,
         "microbatches_applied": min(applied) if applied else None,

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 
-from core.protocol.records import RecordState
+from core.protocol.records import RecordState, volunteer_period
 from core.protocol.refusals import Refusal
 from core.protocol.retry import Attempts
 from peer.errors import UsageError
@@ -210,8 +210,13 @@ class VolunteerSession:
         """Say so when the run stops (a server announces that a role lost its last server), a
         minute while it stays stopped, and when it goes on; set `over` at its last step. The
         directory (and the servers' addresses, which a restarted server may have changed) stays
-        fresh meanwhile."""
-        async for _ in Attempts(pause=2 * self.run_cfg.announce_period, stop=stop):
+        fresh meanwhile: read every two announce periods, or once a minute while calm (run_watch.py)."""
+        from peer.host.run_watch import ReadSchedule, calm
+
+        self.reads = ReadSchedule(self.run_cfg.announce_period)
+        async for _ in Attempts(pause=self.reads.look, stop=stop):
+            if not self.reads.due(calm(self.worker, self.halt)):
+                continue
             await self.look_at_run()
             if self.over:
                 over.set()
@@ -235,7 +240,8 @@ class VolunteerSession:
                 time=time.time(),
             )
         )
-        await record_store.publish(self.dht, rec, ttl=records.record_ttl(self.run_cfg.announce_period), stage=stage)
+        ttl = records.record_ttl(records.volunteer_period(self.run_cfg.announce_period))
+        await record_store.publish(self.dht, rec, ttl=ttl, stage=stage)
 
     async def work_on(self, stage: int, picker, slowdown: float, stop: asyncio.Event, over: asyncio.Event):
         """Work on `stage` until stopped, the run is over, or another stage needs this volunteer
@@ -277,7 +283,7 @@ class VolunteerSession:
             leave.set()
 
         async def announce():
-            async for _ in Attempts(pause=run.announce_period, stop=leave):
+            async for _ in Attempts(pause=volunteer_period(run.announce_period), stop=leave):
                 try:
                     await self._publish(stage, worker, RecordState.ONLINE)
                 except Exception as e:

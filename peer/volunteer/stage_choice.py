@@ -49,27 +49,44 @@ def planner_model(run, cfg):
     return load_model(planner_model_file(cfg, run.batch_size, run.micro_batches, bytes_per_value=4))
 
 
-def stages_now(stage_records: list[list[tuple[str, dict]]], layout, cfg, own_peer: str, fresh=lambda rec: True):
-    """StageNow per stage from the stage keys' records: each server's and each online volunteer's
-    announced compute (rows/s of its slice) as FLOP/s; our own record left out, and records that
-    `fresh` says are stale (a killed volunteer's record outlives it: records.record_ttl)."""
+def stages_now(
+    stage_records: list[list[tuple[str, dict]]],
+    layout,
+    cfg,
+    fresh=lambda rec: True,
+    own_stage: int | None = None,
+    own_flops: float = 0.0,
+):
+    """StageNow per stage from the stages' servers' records: each server's own worker's announced
+    compute (rows/s of its slice) as FLOP/s, and the stage's volunteers as its servers count them
+    (the record's `volunteers` and `volunteer_compute`: the server with the most of them, a volunteer
+    being registered at every server of its stage), shared equally among them. Records that `fresh`
+    says are stale are left out. The deciding volunteer, registered on `own_stage` with `own_flops`,
+    is taken out of that stage's count. Reading the servers' records only keeps what a volunteer
+    reads bounded by the servers, however many volunteers there are (docs/scale.md)."""
     from core.model.config import flops_per_token_per_layer
     from scheduler.balance import StageNow
 
     per_row_layer = cfg.seq_len * flops_per_token_per_layer(cfg)
     out = []
-    for st, recs in zip(layout.stages, stage_records):
+    for k, (st, recs) in enumerate(zip(layout.stages, stage_records)):
         n = st.layers[1] - st.layers[0]
         now = StageNow(frontal=list(st.frontal), backward=list(st.backward), layers=tuple(st.layers))
-        for peer, rec in recs:
-            if peer == own_peer or rec.get("state") != RecordState.ONLINE or not fresh(rec):
+        counted = (0, 0.0)
+        for _, rec in recs:
+            if rec.get("kind") != "server" or rec.get("state") != RecordState.ONLINE or not fresh(rec):
                 continue
-            flops = float(rec.get("compute") or 0.0) * per_row_layer * n
-            if rec["kind"] == "server":
-                if rec["device"] in st.servers:
-                    now.server_flops[rec["device"]] = flops
-            else:
-                now.volunteer_flops.append(flops)
+            if rec["device"] in st.servers:
+                now.server_flops[rec["device"]] = float(rec.get("compute") or 0.0) * per_row_layer * n
+            stats = rec.get("stats") or {}
+            count, rows_s = stats.get("volunteers"), stats.get("volunteer_compute")
+            if isinstance(count, int) and isinstance(rows_s, (int, float)) and count > 0 and rows_s > 0:
+                counted = max(counted, (count, float(rows_s) * per_row_layer * n))
+        count, flops = counted
+        if k == own_stage and count > 0:
+            count, flops = count - 1, max(0.0, flops - own_flops)
+        if count > 0 and flops > 0:
+            now.volunteer_flops = [flops / count] * count
         out.append(now)
     return out
 
@@ -124,8 +141,9 @@ class StagePicker:
             per_stage,
             self.layout,
             self.cfg,
-            self.peer_id,
             fresh=lambda rec: records.is_fresh(rec, self.run.announce_period),
+            own_stage=current,
+            own_flops=self.own_flops,
         )
         decision = choose(
             stages, self.model, self.own_flops, self.delays, self.bandwidths, self.nbytes, current=current

@@ -378,12 +378,33 @@ def test_a_stale_offline_record_stays_offline():
 
 
 def test_a_stale_volunteer_is_unreachable_and_counts_as_lost():
+    """A volunteer stores its record every VOLUNTEER_PERIODS announce periods: it is stale after
+    that many times the servers' threshold (3 periods of 1 s here)."""
     stages = healthy()
-    stages[1][PEERS["v1"]] = client("v1", 1, age=5.0)
+    stages[1][PEERS["v1"]] = client("v1", 1, age=14.0)
+    assert entry(snap(stages), 1, "v1")["state"] == "online"
+    stages[1][PEERS["v1"]] = client("v1", 1, age=16.0)
     s = snap(stages)
     assert entry(s, 1, "v1")["state"] == "unreachable"
     assert s["progress"]["volunteers_lost"] == 1 and s["progress"]["volunteers_live"] == 1
     assert s["health"]["blocking"] == [{"stage": 1, "reason": "no compute: no live volunteer and no server computes"}]
+
+
+def test_the_servers_count_of_the_volunteers_registered_now_is_the_stages_live_volunteers():
+    """A server counts the volunteers registered with it now (`stats.volunteers`, their compute in
+    `stats.volunteer_compute`): fresher than a volunteer's own record, so it says the stage's live
+    volunteers and compute; the server that counts the most (a volunteer registers at all of them)."""
+    stages = healthy()
+    stats = server("s1f0")["stats"]
+    stages[1][PEERS["s1f0"]] = server("s1f0", stats=stats | {"volunteers": 0, "volunteer_compute": 0.0})
+    stages[1][PEERS["s1b0"]] = server("s1b0", stats=stats | {"volunteers": 0, "volunteer_compute": 0.0})
+    s = snap(stages)  # v1's record is still fresh, but no server has it registered: it is gone
+    assert s["stages"][1]["volunteers_live"] == 0 and s["stages"][1]["compute"] == 0.0
+    assert s["health"]["blocking"] == [{"stage": 1, "reason": "no compute: no live volunteer and no server computes"}]
+    stages[1][PEERS["s1b0"]] = server("s1b0", stats=stats | {"volunteers": 2, "volunteer_compute": 250.0})
+    s = snap(stages)
+    assert s["stages"][1]["volunteers_live"] == 2 and s["stages"][1]["compute"] == 250.0
+    assert s["health"]["blocking"] == []
 
 
 def test_the_servers_count_of_departed_volunteers_is_used():

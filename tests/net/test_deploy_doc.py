@@ -292,7 +292,9 @@ class Watcher:
 
 
 def s0f0_state(snap: dict) -> str | None:
-    return next((e["state"] for e in snap["stages"][0]["frontal"] if e["device"] == "s0f0"), None)
+    """s0f0's state as the dashboard shows it (None while it shows no stage: it has lost the run)."""
+    frontal = snap["stages"][0]["frontal"] if snap["stages"] else []
+    return next((e["state"] for e in frontal if e["device"] == "s0f0"), None)
 
 
 def restart_first(walk: Walk, servers: dict, lines: dict, tmp_path: Path, watcher: Watcher) -> None:

@@ -67,7 +67,7 @@ def test_records_announced_while_a_peer_is_frozen_are_stored_and_read():
         deadline, seen = time.monotonic() + 30.0, {}
         live = [f"n{i}" for i in range(len(nodes)) if i != 1]
         while time.monotonic() < deadline:
-            for peer, rec, _ in asyncio.run(record_store.read_stage(nodes[0], run, 0)):
+            for peer, rec, _ in asyncio.run(record_store.read_stage(nodes[0], run, 0, "clients")):
                 if rec is not None:
                     seen[names.get(peer, peer)] = max(seen.get(names.get(peer, peer), 0.0), rec["time"])
             if all(seen.get(d, 0.0) > frozen_at for d in live):

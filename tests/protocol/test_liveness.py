@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from core.protocol import records
 from peer.directory import Directory
 
@@ -56,19 +58,38 @@ def test_a_stale_halt_notice_does_not_stop_the_run():
     assert d.halted(1.0) == "stage 1 has no backward server"
 
 
-def test_stage_choice_counts_fresh_volunteers_only():
+def test_stage_choice_reads_the_volunteers_its_servers_count_from_fresh_records_and_leaves_itself_out():
+    """A volunteer choosing its stage reads the servers' records only: each counts the volunteers
+    registered with it and their compute (a volunteer registers at every server of its stage, so the
+    server that counts the most is taken); a stale record counts nothing; the deciding volunteer is
+    taken out of its own stage's count; counts that are not numbers are ignored."""
     from core.layout import RunLayout
-    from core.model.config import get_preset
+    from core.model.config import flops_per_token_per_layer, get_preset
     from peer.volunteer.stage_choice import stages_now
 
     cfg = get_preset("tiny")
     layout = RunLayout.even(2, cfg.layers)
     now = time.time()
-    vol = {"kind": "client", "device": "v", "stage": 0, "state": "online", "compute": 100.0}
-    recs = [[("p1", vol | {"time": now}), ("p2", vol | {"time": now - 60.0})], []]
-    every = stages_now(recs, layout, cfg, "me")
-    fresh = stages_now(recs, layout, cfg, "me", fresh=lambda r: records.is_fresh(r, 1.0, now))
-    assert len(every[0].volunteer_flops) == 2 and len(fresh[0].volunteer_flops) == 1
+    (a, b), (c, d) = (st.servers for st in layout.stages)
+
+    def server(device, stage, count, rows_s, t=now, compute=0.0):
+        stats = {"volunteers": count, "volunteer_compute": rows_s}
+        return server_rec(device, t) | {"stage": stage, "compute": compute, "stats": stats}
+
+    recs = [
+        [("pa", server(a, 0, 3, 30.0, compute=5.0)), ("pb", server(b, 0, 2, 20.0))],
+        [("pc", server(c, 1, 4, 40.0, t=now - 60.0)), ("pd", server(d, 1, "4", 40.0))],
+    ]
+    per_row = cfg.seq_len * flops_per_token_per_layer(cfg)
+    layers = [st.layers[1] - st.layers[0] for st in layout.stages]
+    fresh = stages_now(recs, layout, cfg, fresh=lambda r: records.is_fresh(r, 1.0, now))
+    assert fresh[0].volunteer_flops == pytest.approx([10.0 * per_row * layers[0]] * 3)
+    assert fresh[0].server_flops == {a: pytest.approx(5.0 * per_row * layers[0]), b: 0.0}
+    assert fresh[1].volunteer_flops == [] and fresh[1].server_flops == {d: 0.0}  # stale, and junk counts
+    every = stages_now(recs, layout, cfg)
+    assert every[1].volunteer_flops == pytest.approx([10.0 * per_row * layers[1]] * 4)
+    me = stages_now(recs, layout, cfg, own_stage=0, own_flops=10.0 * per_row * layers[0])
+    assert me[0].volunteer_flops == pytest.approx([10.0 * per_row * layers[0]] * 2)
 
 
 def test_a_peer_leaving_a_stream_handler_is_not_logged_as_an_error():

@@ -17,6 +17,7 @@ from core.protocol.trust import (
     SigningKey,
     TrustError,
     config_name,
+    key_name,
     open_record,
     peer_id_of,
     seal,
@@ -65,13 +66,20 @@ def config_body(steps=100000) -> dict:
     }
 
 
-def stage_record(signer, body, run_key=None, subkey=None, run_id="r", ttl=3.0, now=NOW):
+def key_kind(body) -> str:
+    """The key a record of this body belongs under: its stage's servers' or its volunteers'."""
+    return "stage" if isinstance(body, dict) and body.get("kind") == "server" else "clients"
+
+
+def stage_record(signer, body, run_key=None, subkey=None, run_id="r", ttl=3.0, now=NOW, kind=None):
     subkey = subkey or peer_id_of(signer.public_der)
-    return subkey, seal(stage_name(run_id, body["stage"]), subkey, body, ttl, signer, run_key=run_key, now=now)
+    name = key_name(run_id, kind or key_kind(body), body["stage"])
+    return subkey, seal(name, subkey, body, ttl, signer, run_key=run_key, now=now)
 
 
-def read_stage(subkey, value, run_fp=RUN_KEY.fingerprint, stage=0, now=NOW + 1):
-    return open_record("r", "stage", stage, subkey, value, run_fp, now=now)
+def read_stage(subkey, value, run_fp=RUN_KEY.fingerprint, stage=0, now=NOW + 1, kind=None):
+    kind = kind or key_kind(value.get("body") if isinstance(value, dict) else None)
+    return open_record("r", kind, stage, subkey, value, run_fp, now=now)
 
 
 def test_records_signed_as_the_rules_say_are_believed():
@@ -118,6 +126,19 @@ def test_forged_stage_records_are_dropped_with_the_reason(forge, reason):
         read_stage(subkey, value)
 
 
+def test_a_record_under_the_other_key_of_its_stage_is_dropped():
+    """A stage's servers' key holds server records only (every peer reads it each announce period:
+    a stranger's records there would grow every read), its volunteers' key volunteer records only."""
+    subkey, value = stage_record(VOLUNTEER, client_body(), kind="stage")
+    with pytest.raises(TrustError, match="a client record under stage 0's servers' key"):
+        read_stage(subkey, value, kind="stage")
+    subkey, value = stage_record(SERVER, server_body(), RUN_KEY, kind="clients")
+    with pytest.raises(TrustError, match="a server record under stage 0's volunteers' key"):
+        read_stage(subkey, value, kind="clients")
+    with pytest.raises(TrustError, match="unknown key kind"):
+        read_stage(subkey, value, kind="servers")
+
+
 def test_a_tampered_record_fails_its_signature():
     subkey, value = stage_record(SERVER, server_body(), RUN_KEY)
     value["body"] = dict(value["body"], version=99)
@@ -159,9 +180,9 @@ def test_the_validator_drops_and_counts_what_breaks_the_rules():
     v = RunValidator("r", RUN_KEY.fingerprint)
     key = DHTID.generate(source=stage_name("r", 0)).to_bytes()
 
-    def record(subkey, value):  # stored as publish() stores it: to expire when its signature does
+    def record(subkey, value, under=key):  # stored as publish() stores it: to expire when its signature does
         return DHTRecord(
-            key, DHTProtocol.serializer.dumps(subkey), DHTProtocol.serializer.dumps(value), value["expires"]
+            under, DHTProtocol.serializer.dumps(subkey), DHTProtocol.serializer.dumps(value), value["expires"]
         )
 
     good = stage_record(SERVER, server_body(), RUN_KEY, now=time.time())
@@ -169,6 +190,11 @@ def test_the_validator_drops_and_counts_what_breaks_the_rules():
     forged = stage_record(OUTSIDER, server_body(), now=time.time())
     assert not v.validate(record(*forged))
     assert v.rejected_total == 1 and v.rejected[-1].key == "r_stage0" and "run key" in v.rejected[-1].reason
+    # a volunteer's record: under its stage's volunteers' key, never the servers'
+    volunteers = DHTID.generate(source=key_name("r", "clients", 0)).to_bytes()
+    assert v.validate(record(*stage_record(VOLUNTEER, client_body(), now=time.time()), under=volunteers))
+    assert not v.validate(record(*stage_record(VOLUNTEER, client_body(), now=time.time(), kind="stage")))
+    assert v.rejected_total == 2 and "a client record under stage 0's servers' key" in v.rejected[-1].reason
     elsewhere = DHTRecord(
         DHTID.generate(source="another-run_stage0").to_bytes(),
         DHTProtocol.serializer.dumps("x"),

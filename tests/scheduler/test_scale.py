@@ -98,12 +98,32 @@ def test_a_volunteers_busy_share_is_its_compute_over_the_run_and_grows_with_its_
     assert trace.utilisation() == pytest.approx(sum(trace.compute_seconds.values()) / 4 / trace.version_times[-1])
 
 
-def test_a_slow_uplink_is_named_first_and_the_dht_holder_load_grows_with_the_square_of_a_stage():
+def test_a_slow_uplink_is_named_first_and_the_dht_holder_load_grows_with_the_volunteers_not_their_square():
     slow = predict(Swarm(volunteers=2_000, server_mbps=50.0, server_tflops=1e3), MODEL, 128, CAL)
     assert slow.bottleneck in ("a server's uplink", "a server's downlink")
     a = predict(Swarm(volunteers=1_000), MODEL, 128, CAL).dht_mbps_per_holder
     b = predict(Swarm(volunteers=2_000), MODEL, 128, CAL).dht_mbps_per_holder
-    assert b / a == pytest.approx(4.0, rel=0.02)
+    assert b / a == pytest.approx(2.0, rel=0.02)
+
+
+def test_the_dht_holders_load_by_hand_and_its_constants_are_the_products():
+    """10,000 volunteers on 2 stages of 2 servers, announcing every 5 s: the servers' key of a stage
+    is read by every peer (servers each period, volunteers once a minute calm and once a minute to
+    re-choose), the volunteers' key takes a store from each volunteer every 5 periods and one
+    dashboard's reads. The constants are those of the volunteer (run_watch) and the records."""
+    from core.protocol.records import VOLUNTEER_PERIODS
+    from peer.host.run_watch import CALM_READ_PERIOD_S
+    from scheduler.scale import CALM_READ_S, dht_holder_bps
+    from scheduler.scale import VOLUNTEER_PERIODS as MODELLED
+
+    assert (CALM_READ_S, MODELLED) == (CALM_READ_PERIOD_S, VOLUNTEER_PERIODS)
+    s = Swarm(volunteers=10_000)
+    reads = 4 / 5.0 + 10_000 / 60.0 + 10_000 / 60.0
+    servers_key = 2 * 1900.0 / 5.0 + reads * 2 * 1900.0 / 5
+    volunteers_key = 5_000 * 800.0 / 25.0 + 5_000 * 800.0 / 5.0 / 5
+    assert dht_holder_bps(s, 5_000, 2) == pytest.approx(max(servers_key, volunteers_key, reads * 1000.0 / 5))
+    # a volunteer's link of 50 Mbit/s: the holders' load is under 10% of it
+    assert dht_holder_bps(s, 5_000, 2) * 8 / 50e6 < 0.10
 
 
 def test_churn_lowers_the_prediction_by_its_factor():

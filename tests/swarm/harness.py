@@ -200,8 +200,8 @@ class LiveSwarm:
 
     async def clients(self, stage: int) -> dict[str, str]:
         """device id -> peer id of the volunteers announced under a stage."""
-        found = await record_store.read_stage(self.dht, self.args.run_id, stage)
-        return {rec["device"]: peer for peer, rec, _ in found if rec and rec["kind"] == "client"}
+        found = await record_store.read_stage(self.dht, self.args.run_id, stage, "clients")
+        return {rec["device"]: peer for peer, rec, _ in found if rec is not None}
 
     def link(self, device: str) -> P2PLink:
         return self.monitor._link(device)
