@@ -492,6 +492,20 @@ def starved_windows(lines: list, t0: float, end: float) -> dict[int, list[tuple[
     return out
 
 
+def stalls_over(manned: list[tuple[float, float, float]], median: float, factor: float = 3.0) -> dict:
+    """Of the steps outside the failover and restarts, as (second it began, seconds, of which some
+    stage had no volunteer registered): how many took over `factor` x the median, how many of those
+    overlap a time without a volunteer, and [began, seconds, without a volunteer] of each that is
+    still over `factor` x the median less that time, longest first."""
+    over = [s for s in manned if s[1] > factor * median]
+    left = sorted((s for s in over if s[1] - s[2] > factor * median), key=lambda s: -(s[1] - s[2]))
+    return {
+        "count": len(over),
+        "with_a_stage_without_volunteer": sum(1 for s in over if s[2] > 0),
+        "over_less_that_time": [[round(a), round(d, 1), round(o, 1)] for a, d, o in left],
+    }
+
+
 def overlap(a: float, b: float, windows: list[tuple[float, float]]) -> float:
     """Seconds of [a, b] inside the union of `windows`."""
     covered, cur = 0.0, a
@@ -694,6 +708,9 @@ def report(r: dict) -> dict:
         "stalls_outside_failover_and_restarts": [
             [round(a), round(d, 1), round(o, 1)] for a, d, o in sorted(manned, key=lambda x: -x[1])[:6]
         ],
+        # every step over 3x the median there: how many, how many with a stage without a volunteer,
+        # and each one still over 3x the median less that time
+        "stalls_over_3x_median": stalls_over(manned, median),
         "seconds_a_stage_had_no_volunteer": round(sum(b - a for a, b in starved if times and a < times[-1]), 1),
         "t0": r["t0"],
         "step_times_from": "servers' step_times" if r["steps"] else "polled minimum version",

@@ -59,3 +59,14 @@ def test_a_stage_without_a_volunteer_and_the_drops_after_kills_are_read_from_the
     drops = s.departures(read, T0, [(9.0, "kill v0"), (30.0, "kill v7")])
     assert drops["drops"] == 2 and drops["max_s"] == 2.0 and drops["drops_that_requeued"] == 1
     assert drops["requeued_median_s"] == 1.0
+
+
+def test_the_stalls_over_three_medians_are_counted_and_those_left_without_a_stage_s_empty_time_listed():
+    stalls = soak().stalls_over
+    steps = [(10.0, 1.0, 0.0), (20.0, 5.0, 4.0), (30.0, 7.0, 1.0), (40.0, 3.5, 0.0), (50.0, 2.0, 2.0)]
+    assert stalls(steps, median=1.0) == {
+        "count": 3,  # 5.0, 7.0, 3.5 s
+        "with_a_stage_without_volunteer": 2,
+        "over_less_that_time": [[30, 7.0, 1.0], [40, 3.5, 0.0]],  # 6.0 and 3.5 s left; 1.0 left at 20 s
+    }
+    assert stalls([], median=1.0) == {"count": 0, "with_a_stage_without_volunteer": 0, "over_less_that_time": []}
