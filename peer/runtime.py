@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 
@@ -226,13 +227,22 @@ class interruptible:
     """While inside, SIGTERM and SIGINT raise Interrupted in the main thread, also in the middle of a
     blocking call (starting a DHT node waits for its initial peers up to --timeout without giving the
     event loop a turn); `stop` is set too. On the way out the Python-level handlers that were there
-    (the event loop's) are back; the loop's own registration is never touched."""
+    (the event loop's) are back; the loop's own registration is never touched. A process forked
+    inside (hivemind's DHT process, started by the blocking call) inherits the handler: there the
+    signal does what it does by default, it ends the process (it raised Interrupted into the child's
+    own event loop instead, which logged a traceback and went on running)."""
 
     def __init__(self, stop: asyncio.Event):
         self.stop = stop
 
     def __enter__(self):
+        pid = os.getpid()
+
         def raise_interrupted(signum, frame):
+            if os.getpid() != pid:  # a forked child: as if this handler had never been set
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
             self.stop.set()
             raise Interrupted(signal.Signals(signum).name)
 

@@ -58,3 +58,36 @@ def test_a_signal_during_a_blocking_call_raises_interrupted(kind):
         return stop.is_set()
 
     assert run_on(kind, blocking) is True
+
+
+@pytest.mark.parametrize("kind", sorted(LOOPS))
+def test_a_process_forked_inside_ends_by_the_signal_without_a_traceback(kind):
+    """hivemind forks the DHT process inside the blocking start that `interruptible` guards: the
+    child inherits the handler. SIGTERM there ends the child as it would by default, instead of
+    raising Interrupted into the child's own event loop (a traceback in the volunteer's log, and a
+    child that went on running)."""
+    before = signal.getsignal(signal.SIGTERM)
+    read, write = os.pipe()
+    stop = asyncio.Event()
+    try:
+        with interruptible(stop):
+            pid = os.fork()
+            if pid == 0:  # the child: its own loop, idle until the signal (or 30 s)
+                os.close(read)
+                os.dup2(write, 2)  # what it would log goes to the pipe
+                os.write(write, b"ready\n")
+                try:
+                    run_on(kind, lambda: asyncio.sleep(30))
+                finally:
+                    os._exit(7)
+            os.close(write)
+            with os.fdopen(read, "rb") as out:
+                assert out.readline() == b"ready\n"  # the event it means: the child's loop is about to run
+                os.kill(pid, signal.SIGTERM)
+                _, status = os.waitpid(pid, 0)
+                said = out.read()
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+        assert b"Traceback" not in said and b"Interrupted" not in said, said
+        assert not stop.is_set()  # the parent's stop is the parent's own
+    finally:
+        assert signal.getsignal(signal.SIGTERM) == before
