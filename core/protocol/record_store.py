@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.protocol.records import RunConfig, clients_key, config_key, stage_key
+from core.protocol.trust import key_name
 
 logger = logging.getLogger("hivepipe.records")
 
@@ -134,7 +135,7 @@ async def read_stages(
 
     trust = trust_of(dht)
     assert run_id == trust.run_id, (run_id, trust.run_id)
-    keys = tuple((stage_key if kind == "stage" else clients_key)(run_id, k) for k in range(num_stages))
+    keys = tuple(key_name(run_id, kind, k) for k in range(num_stages))
     raw = await dht.run_coroutine(functools.partial(_latest_of_each, keys=keys), return_future=True)
     return [open_stage(trust, k, raw.get(key), kind) for k, key in enumerate(keys)]
 
@@ -145,7 +146,7 @@ async def read_stage(dht, run_id: str, stage: int, kind: str = "stage") -> list[
     server, the run key)."""
     trust = trust_of(dht)
     assert run_id == trust.run_id, (run_id, trust.run_id)
-    key = (stage_key if kind == "stage" else clients_key)(run_id, stage)
+    key = key_name(run_id, kind, stage)
     return open_stage(trust, stage, await get(dht, key), kind)
 
 

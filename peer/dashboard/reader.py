@@ -12,6 +12,7 @@ from typing import Any
 
 from core.protocol.record_store import open_config, open_stage, validator_rejections
 from core.protocol.records import clients_key, config_key, stage_key
+from core.protocol.trust import key_name
 from core.protocol.values import finite_number
 from peer.dashboard.entries import History
 from peer.dashboard.snapshot import MAX_PROBED_STAGES, build_snapshot, stage_count
@@ -90,7 +91,7 @@ class DhtReader:
         return out
 
     def _open_key(self, k: int, kind: str, raw: Any) -> dict:
-        key = (stage_key if kind == "stage" else clients_key)(self.run_id, k)
+        key = key_name(self.run_id, kind, k)
         read_at = self.read_times.get(key, time.time())
         out = {}
         for peer, rec, problem in open_stage(self.trust, k, raw, kind):
