@@ -107,9 +107,11 @@ def main() -> int:
             ["run", "clipped", "repeat", "tokens/s", "s/step", "micro-batches", "final vs reference (rel. L2)"], rows
         ),
     )
-    lines = []
+    lines, calm = [], None
     for churn, by in ratios.items():
         ratio = statistics.median(by[True]) / statistics.median(by[False])
+        if churn == 0:
+            calm = (ratio, min(by[False]), max(by[False]), min(by[True]), max(by[True]))
         lines.append(
             f"- {'calm' if churn == 0 else f'churn {churn}'}: median tokens/s {statistics.median(by[True]):,.0f} "
             f"clipped against {statistics.median(by[False]):,.0f} unclipped: **{ratio:.2f}x**"
@@ -129,9 +131,15 @@ def main() -> int:
         "(parameter_server/clipping.py). What it does not hide: a stage's two slots live on two servers "
         "(frontal and backward), so each waits one message from the other after its own slot's batch is "
         "complete, and stage 0's frontal server publishes the next batch's tasks only after that step: one "
-        "message between two servers on the critical path of every step, which on this 2-core machine "
-        "(a dozen processes) is most of the calm runs' 0.86x. Under churn the step waits on volunteers "
-        "far longer than that, and the cost is within the runs' spread.",
+        "message between two servers on the critical path of every step: on this machine the calm runs' "
+        + (
+            f"{calm[0]:.2f}x (the repeats' tokens/s: {calm[1]:,.0f}-{calm[2]:,.0f} unclipped, "
+            f"{calm[3]:,.0f}-{calm[4]:,.0f} clipped)"
+            if calm
+            else "cost (no calm runs here)"
+        )
+        + ". Under churn the step waits on volunteers far longer than that, and the cost is within the "
+        "runs' spread.",
     )
     report.write(out / "bench_train.md")
     return 0
