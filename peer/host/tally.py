@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+from core.protocol.records import ClientRecord, RecordState
+
 # the worker's counters a volunteer adds up over the stages it worked on
 COUNTED = ("forward", "backward", "recompute_avoided", "compute_seconds", "param_seconds")
 
@@ -44,3 +46,20 @@ class Tally:
             f"{said}; computing {d['compute_seconds']:.1f} s of the {span:.1f} s since its first task "
             f"({d['compute_seconds'] / span:.0%}), {d['param_seconds']:.1f} s waiting for parameters"
         )
+
+
+def client_record(device: str, stage: int, worker, state: str) -> ClientRecord:
+    """The record a volunteer announces of its work on `stage` (a StageWorker): its compute, and while
+    online the tasks it did and their rate since the worker started."""
+    elapsed = max(time.time() - worker.stats["started"], 1e-6)
+    tasks = worker.stats["forward"] + worker.stats["backward"]
+    online = state == RecordState.ONLINE
+    return ClientRecord(
+        device=device,
+        stage=stage,
+        state=state,
+        compute=float(worker.compute),
+        tasks_done=tasks if online else None,
+        throughput=tasks / elapsed if online else None,
+        time=time.time(),
+    )

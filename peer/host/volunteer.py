@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from core.protocol.records import RecordState, volunteer_period
 from core.protocol.refusals import Refusal
 from core.protocol.retry import Attempts
 from peer.errors import UsageError
+from peer.host.join_clock import JoinClock
 from peer.host.state import PeerState, StateLine
-from peer.host.tally import Tally
+from peer.host.tally import Tally, client_record
 from peer.runtime import freeze_startup_objects, interruptible, link_emulator, until_stopped
 
 logger = logging.getLogger("hivepipe.join")
@@ -38,6 +38,7 @@ class VolunteerSession:
         self.end_layout, self.end_epoch = None, -1  # the newest layout the run config showed, and its epoch
         self.peer_id = ""
         self.tally = Tally()  # what it did, stage by stage (peer/host/tally.py)
+        self.join_clock = JoinClock()  # where its join's seconds went (peer/host/join_clock.py)
         self.banned: str | None = None  # a refusal for good, its words and its code (worker.StageWorker)
         self.refusal = None
         self.over = False  # the run reached its last step
@@ -66,6 +67,7 @@ class VolunteerSession:
             raise NetworkError(str(e)) from None
         self.p2p = await self.dht.replicate_p2p()
         self.peer_id = str(self.dht.peer_id)
+        self.join_clock.mark("dht")
 
     async def _config(self):
         """The run's config, or None while there is none; UsageError when the run exists under
@@ -103,6 +105,7 @@ class VolunteerSession:
         if args.stage != "auto" and int(args.stage) >= self.layout.num_stages:
             raise UsageError(f"--stage {args.stage}: the run has {self.layout.num_stages} stages")
         self.directory = Directory(self.dht, run.run_id, self.layout.num_stages)
+        self.join_clock.mark("run")
         return True
 
     async def _all_servers(self):
@@ -148,7 +151,9 @@ class VolunteerSession:
     async def wait_for_servers(self, stop: asyncio.Event) -> bool:
         servers = " ".join(d for s in self.layout.stages for d in s.servers)
         what = f"the servers of run {self.run_cfg.run_id} in the DHT ({servers} at the start)"
-        return await self.state.wait_for(stop, what, self._all_servers) is not None
+        seen = await self.state.wait_for(stop, what, self._all_servers) is not None
+        self.join_clock.mark("servers")
+        return seen
 
     async def choose_stage(self, stop: asyncio.Event, slowdown: float):
         """(stage, picker): the stage to work on, and the picker that re-checks it (`--stage auto`)."""
@@ -227,21 +232,15 @@ class VolunteerSession:
     async def _publish(self, stage: int, worker, state: str) -> None:
         from core.protocol import record_store, records
 
-        elapsed = max(time.time() - worker.stats["started"], 1e-6)
-        tasks = worker.stats["forward"] + worker.stats["backward"]
-        rec = records.record_to_dict(
-            records.ClientRecord(
-                device=self.device,
-                stage=stage,
-                state=state,
-                compute=float(worker.compute),
-                tasks_done=tasks if state == RecordState.ONLINE else None,
-                throughput=tasks / elapsed if state == RecordState.ONLINE else None,
-                time=time.time(),
-            )
-        )
+        rec = records.record_to_dict(client_record(self.device, stage, worker, state))
         ttl = records.record_ttl(records.volunteer_period(self.run_cfg.announce_period))
         await record_store.publish(self.dht, rec, ttl=ttl, stage=stage)
+
+    def _step(self, step: str) -> None:
+        """A step of its join ended (peer/host/join_clock.py); at the first task, where it went."""
+        self.join_clock.mark(step)
+        if step == "first_task":
+            logger.info("%s: %s", self.device, self.join_clock.said())
 
     async def work_on(self, stage: int, picker, slowdown: float, stop: asyncio.Event, over: asyncio.Event):
         """Work on `stage` until stopped, the run is over, or another stage needs this volunteer
@@ -265,8 +264,10 @@ class VolunteerSession:
             cheat=args.cheat,
             activation_memory=int(args.activation_memory * 2**20),
             epoch=self.epoch,
+            on_step=self._step,
         )
         worker.compute = args.compute or worker.measure_compute()
+        self.join_clock.mark("compute")
         self.worker = worker
         stretched = f" (compute stretched x{slowdown:g} by the link profile)" if slowdown > 1 else ""
         verb = "moved in run" if self.tally.stages_worked else "joined run"
@@ -367,6 +368,7 @@ class VolunteerSession:
             self.links_emulator = link_emulator(self.args, self.device)
             slowdown = self.args.slowdown or self.links_emulator.compute_slowdown()
             stage, picker = await self.choose_stage(stop, slowdown)
+            self.join_clock.mark("stage")
             if stage is None:
                 self.state.say(PeerState.LEAVING, "stopped before it joined")
                 return 0

@@ -66,8 +66,10 @@ class StageWorker:
         cheat=None,
         activation_memory: int = 1 << 30,
         epoch: int = 0,
+        on_step=None,
     ):
         self.run, self.layout, self.cfg = run, layout, cfg
+        self.on_step = on_step or (lambda step: None)  # its join's steps as they end (peer/host/join_clock.py)
         self.stage = stage
         self.st = layout.stages[stage]
         self.lo, self.hi = self.st.layers
@@ -272,9 +274,11 @@ class StageWorker:
         relay = asyncio.ensure_future(outer.wait())
         relay.add_done_callback(lambda _: stop.set())
         await self.member.register(first=True)
+        self.on_step("registered")
         beat = asyncio.ensure_future(self.member.heartbeat_loop(stop))
         try:
             await self.warm_up(stop)
+            self.on_step("warmed")
             while not stop.is_set() and self.banned is None and not self.over:
                 check_cancelled()
                 got = await self.intake.take_one()
@@ -288,6 +292,8 @@ class StageWorker:
                     continue
                 link, meta, tensors = got
                 self.current = (link.device, meta["task"])
+                if "first_task" not in self.stats:
+                    self.on_step("first_task")
                 self.stats.setdefault("first_task", time.monotonic())  # its time in the run counts from here
                 started, computed, pulled = time.monotonic(), self.stats["compute_seconds"], self.stats["param_seconds"]
                 try:

@@ -144,7 +144,17 @@ def test_an_operators_run_from_first_server_to_the_end(tmp_path, capsys):
         wrong_fp = peer("join", "--run-id", f"life@{fp_b}", "--initial-peers", *initial, "--stage", "0", verbose=False)
         check_refusal("a volunteer given a wrong fingerprint", wrong_fp.returncode, wrong_fp.stderr, example)
 
-        volunteer = Peer("join", "--run-id", f"life@{fp_a}", "--initial-peers", *initial, "--stage", "0")
+        volunteer = Peer(
+            "join",
+            "--run-id",
+            f"life@{fp_a}",
+            "--initial-peers",
+            *initial,
+            "--stage",
+            "0",
+            "-v",
+            log=tmp_path / "volunteer.log",
+        )
         peers.append(volunteer)
         assert re.match(r"^v-\w+: starting: joining run life@", volunteer.wait_line(r"starting", timeout=10))
         volunteer.wait_line(r"waiting: for the servers of run life")
@@ -159,6 +169,22 @@ def test_an_operators_run_from_first_server_to_the_end(tmp_path, capsys):
         assert second.proc.wait(timeout=60) == 0
         assert "finished: run life is over at step 3" in volunteer.wait_line("finished|leaving")
         assert volunteer.proc.wait(timeout=60) == 0
+        # where its join went, step by step, said at its first task (-v); the servers' step took as
+        # long as the second server's start
+        joined = re.search(r"v-\w+: joined in ([\d.]+) s: (.*)", (tmp_path / "volunteer.log").read_text())
+        assert joined, (tmp_path / "volunteer.log").read_text()[-3000:]
+        steps = dict(re.findall(r"([a-zA-Z' -]+?) ([\d.]+) s(?:, |$)", joined.group(2)))
+        assert list(steps) == [
+            "DHT node",
+            "run record",
+            "servers' records",
+            "stage choice",
+            "compute measured",
+            "registered",
+            "warm-up",
+            "first task",
+        ], joined.group(0)
+        assert sum(map(float, steps.values())) == pytest.approx(float(joined.group(1)), abs=0.02)
         first.wait_line(r"finished: run life finished at step 3")
         first.wait_line(r"holding its final state")
         assert json.loads((tmp_path / "ckpt-backward" / "s0b0.json").read_text())["version"] == STEPS
