@@ -427,6 +427,30 @@ def client_lines(work_dir: str) -> list[tuple[int, float, str, str, str | None, 
     return out
 
 
+def join_steps(work_dir: str) -> dict | None:
+    """Where the volunteers' joins went (their `-v` logs' "joined in" line, peer/host/join_clock.py):
+    per step, the median and 90th percentile seconds over every join; None without such lines."""
+    per_step: dict[str, list[float]] = {}
+    totals = []
+    for log in sorted(glob.glob(os.path.join(work_dir, "v*.log"))):
+        with open(log, errors="replace") as f:
+            for line in f:
+                m = re.search(r": joined in ([\d.]+) s: (.*)$", line)
+                if not m:
+                    continue
+                totals.append(float(m.group(1)))
+                for step, seconds in re.findall(r"([a-zA-Z' -]+?) ([\d.]+) s(?:, |$)", m.group(2)):
+                    per_step.setdefault(step, []).append(float(seconds))
+    if not totals:
+        return None
+
+    def spread(values: list[float]) -> list[float]:
+        values = sorted(values)
+        return [round(statistics.median(values), 2), round(values[int(0.9 * (len(values) - 1))], 2)]
+
+    return {"joins": len(totals), "total": spread(totals), **{k: spread(v) for k, v in per_step.items()}}
+
+
 def departures(lines: list, t0: float, events: list) -> dict | None:
     """How long the servers took to drop a SIGKILLed volunteer: from each kill (events, seconds since
     t0) to every server's "client X left (its connection closed)" line (`client_lines`) for that
@@ -731,6 +755,8 @@ def report(r: dict) -> dict:
         "volunteers": r["participation"],
         # kill -> each server's drop of the killed volunteer (parameter_server.clients.DISCONNECT_GRACE)
         "departures": departures(lines, r["t0"], r["events"]),
+        # each step of a volunteer's join, [median, 90th percentile] seconds (-v logs only)
+        "join_steps": join_steps(args.work_dir),
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -839,6 +865,10 @@ elif __name__ == "__main__":
         f"killed before joining; {v['kills_of_joined_volunteers']} kills hit a joined volunteer; "
         f"{v['mean_volunteers_joined']} volunteers joined at a time on average"
     )
+    j = s.get("join_steps")
+    if j:
+        steps = ", ".join(f"{k} {m} s ({p} s)" for k, (m, p) in j.items() if k not in ("joins", "total"))
+        print(f"joins ({j['joins']}, -v logs): {j['total'][0]} s median ({j['total'][1]} s 90th percentile): {steps}")
     d = s.get("departures")
     if d:
         print(

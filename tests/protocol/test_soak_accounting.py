@@ -70,3 +70,27 @@ def test_the_stalls_over_three_medians_are_counted_and_those_left_without_a_stag
         "over_less_that_time": [[30, 7.0, 1.0], [40, 3.5, 0.0]],  # 6.0 and 3.5 s left; 1.0 left at 20 s
     }
     assert stalls([], median=1.0) == {"count": 0, "with_a_stage_without_volunteer": 0, "over_less_that_time": []}
+
+
+def test_the_volunteers_join_steps_are_read_from_their_logs(tmp_path):
+    said = "INFO hivepipe.join: {v}: joined in {t} s: DHT node {d} s, run record 0.10 s, first task {f} s\n"
+    (tmp_path / "v0.log").write_text(
+        "v0: starting: joining run soak@abc\n"
+        + stamp(1.0)
+        + " "
+        + said.format(v="v0", t="3.10", d="2.00", f="1.00")
+        + stamp(9.0)
+        + " "
+        + said.format(v="v0", t="1.10", d="0.50", f="0.50")  # the process that replaced it
+    )
+    (tmp_path / "v1.log").write_text(stamp(2.0) + " " + said.format(v="v1", t="5.10", d="4.00", f="1.00"))
+    (tmp_path / "s0f0.log").write_text(stamp(2.0) + " " + said.format(v="s0f0", t="9.0", d="9.0", f="0.0"))
+    steps = soak().join_steps(str(tmp_path))
+    assert steps == {
+        "joins": 3,
+        "total": [3.1, 3.1],
+        "DHT node": [2.0, 2.0],
+        "run record": [0.1, 0.1],
+        "first task": [1.0, 1.0],
+    }
+    assert soak().join_steps(str(tmp_path / "none")) is None
