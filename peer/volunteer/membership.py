@@ -28,7 +28,7 @@ class Membership:
         *,
         device_id: str,
         stage: int,
-        compute: float,
+        compute: Callable[[], float],
         links: dict,
         servers: Callable[[], list[str]],
         epoch: Callable[[], int],
@@ -36,6 +36,7 @@ class Membership:
         call,
         heartbeat: float,
     ):
+        # the rows/s it registers, read at each registration: its worker measures it after it is built
         self.device_id, self.stage, self.compute, self.links = device_id, stage, compute, links
         self.servers, self.epoch, self.holding, self.call, self.heartbeat = servers, epoch, holding, call, heartbeat
         # the tasks finished (credited by every server, or a forward pass's outputs delivered) and
@@ -104,7 +105,7 @@ class Membership:
 
     def registration(self, device: str | None = None, **extra) -> dict:
         """A `register` request; with `device`, listing what this worker holds at that server."""
-        meta = {"device": self.device_id, "compute": float(self.compute), "stage": self.stage, **extra}
+        meta = {"device": self.device_id, "compute": float(self.compute()), "stage": self.stage, **extra}
         if device is not None:
             meta["holding"] = self.holding(device)
             meta["leases"] = [self.held_tickets.get(t) for t in meta["holding"]]

@@ -118,7 +118,7 @@ class StageWorker:
         self.member = Membership(
             device_id=device_id,
             stage=stage,
-            compute=compute,
+            compute=lambda: self.compute,
             links=links,
             servers=lambda: self.st.servers,
             epoch=lambda: self.epoch,

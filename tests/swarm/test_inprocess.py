@@ -488,11 +488,14 @@ def test_a_worker_holds_its_stages_current_parameters_before_its_first_take():
         worker = StageWorker(
             run=run, layout=layout, cfg=cfg, stage=1, device_id="late", links=links, compute=1.0, poll=0.005
         )
+        worker.compute = 7.25  # measured once built, as `peer join` does: the servers hear this
         late["worker"], late["task"] = worker, asyncio.ensure_future(worker.run_loop(late_stop))
 
     async def scenario():
         try:
-            return await swarm.train(timeout=120, at_version={3: join_late})
+            state = await swarm.train(timeout=120, at_version={3: join_late})
+            late["registered"] = {d: swarm.servers[d].clients["peer-late"].compute for d in layout.stages[1].servers}
+            return state
         finally:
             late_stop.set()
             if "task" in late:
@@ -503,6 +506,7 @@ def test_a_worker_holds_its_stages_current_parameters_before_its_first_take():
     for w in swarm.workers:
         assert w.stats["warmed_up"] == 0 and w.stats["first_task_fetched"] is False, (w.device_id, w.stats)
     assert late["worker"].stats["warmed_up"] >= 3, late["worker"].stats
+    assert late["registered"] == dict.fromkeys(layout.stages[1].servers, 7.25)
 
 
 def test_an_emulated_device_registers_the_compute_it_will_deliver_however_loaded_the_machine():
