@@ -3,7 +3,7 @@
 task pool against `--no-requeue`, with the step model's prediction beside every point; and what a
 server spends per volunteer and per task.
 
-    python scripts/bench_scale.py [--quick] [--counts 2,4,8,16] [--steps 10] [--churn 0.5]
+    python scripts/bench_scale.py [--quick] [--counts 2,4,8,16] [--steps 10] [--churn 0.5] [--series fixed,weak]
                                   [--pace 32] [--link-scale 0.1] [--out DIR] [--work DIR]
 
 The swarm: `peer swarm --model small --servers-compute no`, 2 stages x (frontal + backward server),
@@ -26,6 +26,11 @@ model (scheduler/stepsim.py) on the same cluster with costs measured here first 
 calibration), fed what each volunteer registered of its own speed; under churn: the calm
 prediction x the share of volunteer time churn leaves (scheduler/scale.py `churn_factor`, with the
 re-join time measured in the run's own logs).
+
+The weak series (`--series weak`; both by default): calm, the batch grows with the volunteers
+(ROWS_PER_VOLUNTEER rows each, in micro-batches of the fixed series' size), so a volunteer's tokens
+a version, and its fixed work a version (its stage's parameters down, their gradient up), stay the
+same at every count.
 
 Last, `peer simulate`'s model (scheduler/scale.py) on every measured point and to 10,000 volunteers.
 
@@ -67,6 +72,9 @@ from scheduler.step_io import Calibration, steady_seconds_per_step
 from scheduler.stepsim import simulate  # noqa: E402
 
 BATCH, MICRO, STAGES, CLIENT_TOKENS = 64, 4, 2, 1024
+# the weak series: the batch grows with the volunteers, this many rows each (2 volunteers: the fixed
+# batch), in micro-batches of the fixed series' size, so a volunteer's tokens a version stay the same
+ROWS_PER_VOLUNTEER, MICRO_ROWS = BATCH // 2, BATCH // MICRO
 WARMUP = 3
 TASK_TIMEOUT = 20.0  # peer swarm's default lease of an unproven client is shorter; this bounds --no-requeue's wait
 
@@ -124,6 +132,12 @@ def main(argv=None) -> int:
     p.add_argument("--counts", default="2,4,8,16", help="volunteer counts")
     p.add_argument("--steps", type=int, default=None, help="steps a run (default 10, --quick 6)")
     p.add_argument("--churn", type=float, default=0.5)
+    p.add_argument(
+        "--series",
+        default="fixed,weak",
+        help="fixed: batch 64 at every count, calm, churn and --no-requeue; weak: the batch grows with the "
+        f"volunteers ({ROWS_PER_VOLUNTEER} rows each), calm",
+    )
     p.add_argument("--pace", type=float, default=32.0, help="volunteers compute this many times slower than this CPU")
     p.add_argument("--link-scale", type=float, default=0.1)
     p.add_argument("--model", default="small")
@@ -156,18 +170,25 @@ def main(argv=None) -> int:
     apply_s = calibrate_apply(cfg, 5)
     call_s, byte_s, _ = calibrate_calls(20)
     cal = Calibration(call_seconds=call_s, byte_seconds=byte_s, ref_flops=flops, apply_seconds=apply_s, **compute)
-    work_model = workload(cfg, steps, BATCH, MICRO, CLIENT_TOKENS)
     (work / "calibration.json").write_text(json.dumps(dataclasses.asdict(cal), indent=1))
 
     results = []
-    modes = [("calm", 0.0, "pool"), ("churn", args.churn, "pool"), ("churn", args.churn, "no-requeue")]
+    series = set(args.series.split(","))
+    if not series or series - {"fixed", "weak"}:
+        p.error(f"--series {args.series}: fixed, weak or both")
     for n in counts:
         profile = work / f"one-site-{n}v.json"
         profile.write_text(json.dumps(one_site_cluster(n, vol_tflops, 1.0, args.seed, flops / 1e12)))
         planner = load_cluster(scaled(one_site_cluster(n, vol_tflops, 1.0, args.seed), args.link_scale))
         plan = load_plan(swarm_plan(cfg, n), planner)
-        calm_pred = None
-        for kind, churn, mode in modes:
+        calm_pred: dict[int, float] = {}  # batch rows -> the step model's calm seconds a step
+        modes = []  # (kind, churn, mode, batch rows, micro-batches)
+        if "fixed" in series:
+            modes += [("calm", 0.0, "pool"), ("churn", args.churn, "pool"), ("churn", args.churn, "no-requeue")]
+            modes = [m + (BATCH, MICRO) for m in modes]
+        if "weak" in series:
+            modes.append(("weak", 0.0, "pool", ROWS_PER_VOLUNTEER * n, ROWS_PER_VOLUNTEER * n // MICRO_ROWS))
+        for kind, churn, mode, batch, micro in modes:
             name = f"n{n}-{kind}-{mode}"
             print(f"[{time.strftime('%H:%M:%S')}] {name} (load {loadavg()})", flush=True)
             argv = [
@@ -185,9 +206,9 @@ def main(argv=None) -> int:
                 "--servers-compute",
                 "no",
                 "--batch-size",
-                str(BATCH),
+                str(batch),
                 "--micro-batches",
-                str(MICRO),
+                str(micro),
                 "--client-batch-tokens",
                 str(CLIENT_TOKENS),
                 "--link-profile",
@@ -206,29 +227,31 @@ def main(argv=None) -> int:
             s = run_swarm(name, argv, work, timeout=args.run_timeout, sample_cpu=True)
             sps = steady_seconds_per_step(version_times(work / name), WARMUP)
             registered = measured_compute(work / name)
-            if calm_pred is None:
+            if batch not in calm_pred:
                 factors = device_factors(registered, plan, planner, cal)
                 cf = statistics.median(factors.values()) if factors else 1.0
                 trace = simulate(
                     planner,
                     plan,
-                    work_model,
+                    workload(cfg, steps, batch, micro, CLIENT_TOKENS),
                     dataclasses.replace(cal, compute_factor=cf, weights=registered),
                     servers_compute=False,
                 )
-                calm_pred = trace.seconds_per_step(WARMUP)
+                calm_pred[batch] = trace.seconds_per_step(WARMUP)
             rejoin = rejoin_seconds(work / f"{name}.log")
-            predicted = calm_pred
+            predicted = calm_pred[batch]
             if churn:
-                predicted = calm_pred / churn_factor(
-                    churn, calm_pred, rejoin or 10.0, requeue=mode == "pool", task_timeout=TASK_TIMEOUT, tasks=MICRO
+                predicted = predicted / churn_factor(
+                    churn, predicted, rejoin or 10.0, requeue=mode == "pool", task_timeout=TASK_TIMEOUT, tasks=micro
                 )
-            tokens = BATCH * cfg.seq_len
+            tokens = batch * cfg.seq_len
             r = {
                 "volunteers": n,
                 "kind": kind,
                 "churn": churn,
                 "mode": mode,
+                "batch_rows": batch,
+                "micro_batches": micro,
                 "seconds_per_step": sps,
                 "tokens_per_second": tokens / sps,
                 "predicted_seconds_per_step": predicted,
@@ -277,7 +300,6 @@ def rewrite(args) -> int:
     cfg = get_preset(data["setup"].get("model", args.model))
     results = data["results"]
     calm = {r["volunteers"]: r["predicted_seconds_per_step"] for r in results if r["kind"] == "calm"}
-    tokens = BATCH * cfg.seq_len
     for r in results:
         if r["churn"]:
             s0 = calm[r["volunteers"]]
@@ -287,10 +309,12 @@ def rewrite(args) -> int:
                 r["rejoin_seconds"] or 10.0,
                 requeue=r["mode"] == "pool",
                 task_timeout=TASK_TIMEOUT,
-                tasks=MICRO,
+                tasks=r.get("micro_batches", MICRO),
             )
             r["predicted_seconds_per_step"] = s0 / factor
-            r["predicted_tokens_per_second"] = tokens / r["predicted_seconds_per_step"]
+            r["predicted_tokens_per_second"] = (
+                r.get("batch_rows", BATCH) * cfg.seq_len / r["predicted_seconds_per_step"]
+            )
     args.work, args.churn = work, next((r["churn"] for r in results if r["churn"]), args.churn)
     # (the run's length: from its calibration to its last point)
     seconds = (work / "results.json").stat().st_mtime - (work / "calibration.json").stat().st_mtime
@@ -328,20 +352,94 @@ def short_of(r: dict, work: Path, cores: int = 2) -> str:
     )
 
 
+def per_volunteer_base(series: dict) -> float | None:
+    """The smallest count's calm tokens/s per volunteer: what `linear` multiplies."""
+    if not series:
+        return None
+    n = min(series)
+    return series[n]["tokens_per_second"] / n
+
+
 def write_report(args, cfg, cal, results, work: Path, seconds: float) -> None:
     calm, pool, nore = by(results, "calm", "pool"), by(results, "churn", "pool"), by(results, "churn", "no-requeue")
-    counts = sorted(calm)
-    base_n = counts[0]
-    per_volunteer = calm[base_n]["tokens_per_second"] / base_n
+    weak = by(results, "weak", "pool")
     report = Report(
         "Scaling with volunteers (scripts/bench_scale.py)",
         f"""
 `python scripts/bench_scale.py{" --quick" if args.quick else ""}` on this machine (2 cores, no GPU): model
-`{args.model}`, batch {BATCH} = {MICRO} micro-batches, 2 stages x (frontal + backward server), servers that do not
+`{args.model}`, batch {BATCH} = {MICRO} micro-batches (the weak series: {ROWS_PER_VOLUNTEER} rows a volunteer, in
+micro-batches of {MICRO_ROWS}), 2 stages x (frontal + backward server), servers that do not
 compute, `--client-batch-tokens {CLIENT_TOKENS}`, one-site cluster x {args.link_scale:g}, every volunteer an
 emulated device {args.pace:g}x slower than this CPU, churn {args.churn:g} (a fraction of the volunteers SIGKILLed
 and replaced each step). {seconds / 60:.0f} minutes in all. The script's docstring says what is measured and how.""",
     )
+    goals = []
+    if calm:
+        fixed_batch(report, goals, args, calm, pool, nore, results, work)
+    if weak:
+        weak_scaling(report, goals, weak, work)
+    report.section("Goals", "\n".join(goals))
+    whatif(report, cfg, cal, results, work, args.out / "scale_whatif.png")
+    report.write(args.out / "bench_scale.md")
+    plot(results, args.out / "scale.png")
+
+
+def weak_scaling(report: Report, goals: list, weak: dict, work: Path) -> None:
+    counts = sorted(weak)
+    per_volunteer = per_volunteer_base(weak)
+    rows = []
+    for n in counts:
+        r = weak[n]
+        busy = cores_busy(r, work)
+        rows.append(
+            [
+                n,
+                r["batch_rows"],
+                r["micro_batches"],
+                round(r["tokens_per_second"]),
+                round(r["predicted_tokens_per_second"]),
+                f"{r['tokens_per_second'] / (per_volunteer * n):.0%}",
+                f"{r['seconds_per_step']:.2f}",
+                f"{r['bytes_per_step'] / 1e6 / n:.1f}",
+                "-" if busy is None else f"{busy:.2f}",
+                r["applied"],
+                r["load"],
+            ]
+        )
+    report.section(
+        "Weak scaling: the batch grows with the volunteers",
+        md_table(
+            [
+                "volunteers",
+                "batch (rows)",
+                "micro-batches",
+                "tokens/s",
+                "predicted",
+                "of linear",
+                "s a step",
+                "MB a step per volunteer",
+                "cores busy (of 2)",
+                "micro-batches applied",
+                "load",
+            ],
+            rows,
+        )
+        + f"\n\nEach volunteer computes about {ROWS_PER_VOLUNTEER} rows a version whatever their number, so "
+        "its fixed work a version (its stage's parameters down, their gradient up) is spread over the same "
+        f"tokens at every count. Linear: {counts[0]} volunteers' tokens/s per volunteer x N.",
+    )
+    top = counts[-1]
+    eff = weak[top]["tokens_per_second"] / (per_volunteer * top)
+    goals.append(
+        f"- weak scaling, {top} volunteers (batch {weak[top]['batch_rows']} rows): {eff:.0%} of linear (goal: at least "
+        "90%)" + ("." if eff >= 0.9 else f"; short of: {short_of(weak[top], work)}.")
+    )
+
+
+def fixed_batch(report: Report, goals: list, args, calm: dict, pool: dict, nore: dict, results, work: Path) -> None:
+    counts = sorted(calm)
+    base_n = counts[0]
+    per_volunteer = per_volunteer_base(calm)
     rows = []
     for n in counts:
         c = calm[n]
@@ -422,7 +520,6 @@ and replaced each step). {seconds / 60:.0f} minutes in all. The script's docstri
         "spends about V x that share of a core and V x that bandwidth (the parameters each volunteer fetches "
         "and the gradients it pushes every step dominate the bytes).",
     )
-    goals = []
     top = counts[-1]
     eff = calm[top]["tokens_per_second"] / (per_volunteer * top)
     goals.append(
@@ -437,10 +534,6 @@ and replaced each step). {seconds / 60:.0f} minutes in all. The script's docstri
         )
     dup = max(c["duplicates"] / max(c["tasks_completed"], 1) for c in calm.values())
     goals.append(f"- duplicate work with no churn: at most {dup:.1%} of tasks (goal: at most 5%).")
-    report.section("Goals", "\n".join(goals))
-    whatif(report, cfg, cal, results, work, args.out / "scale_whatif.png")
-    report.write(args.out / "bench_scale.md")
-    plot(results, per_volunteer, args.out / "scale.png")
 
 
 WHATIF_COUNTS = [16, 32, 64, 128, 256, 512, 1000, 2000, 4000, 10000]
@@ -458,7 +551,9 @@ def whatif(report: Report, cfg, cal, results, work: Path, path: Path) -> None:
     setup.setdefault("batch_rows", BATCH)  # (a results file from before it was written there)
     rows = []
     for r in results:
-        p = predict_measured(Swarm(volunteers=1), setup, r, model, cfg.seq_len, cal)
+        p = predict_measured(
+            Swarm(volunteers=1), dict(setup, batch_rows=r.get("batch_rows", BATCH)), r, model, cfg.seq_len, cal
+        )
         rows.append(
             [
                 r["volunteers"],
@@ -526,19 +621,28 @@ def whatif(report: Report, cfg, cal, results, work: Path, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def plot(results, per_volunteer: float, path: Path) -> None:
+def plot(results, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for (kind, mode), style in {("calm", "pool"): "o-", ("churn", "pool"): "s-", ("churn", "no-requeue"): "^-"}.items():
+    labels = {
+        ("calm", "pool"): ("o-", "calm"),
+        ("churn", "pool"): ("s-", "churn, task pool"),
+        ("churn", "no-requeue"): ("^-", "churn, --no-requeue"),
+        ("weak", "pool"): ("D-", "calm, batch grows (weak)"),
+    }
+    for (kind, mode), (style, label) in labels.items():
         pts = sorted(by(results, kind, mode).items())
         if not pts:
             continue
         ns = [n for n, _ in pts]
-        label = "calm" if kind == "calm" else f"churn, {'task pool' if mode == 'pool' else '--no-requeue'}"
+        # each series' linear: the fixed batch's calm base for the fixed series, its own for the weak one
+        per_volunteer = per_volunteer_base(by(results, "weak" if kind == "weak" else "calm", "pool"))
+        if per_volunteer is None:
+            continue
         line = ax.plot(ns, [r["tokens_per_second"] for _, r in pts], style, label=f"{label} (measured)")[0]
         ax.plot(
             ns,
@@ -549,7 +653,8 @@ def plot(results, per_volunteer: float, path: Path) -> None:
         )
         ax2.plot(ns, [r["tokens_per_second"] / (per_volunteer * n) for n, r in pts], style, label=label)
     ns = sorted({r["volunteers"] for r in results})
-    ax.plot(ns, [per_volunteer * n for n in ns], "k--", lw=0.8, label="linear")
+    base = per_volunteer_base(by(results, "calm", "pool")) or per_volunteer_base(by(results, "weak", "pool"))
+    ax.plot(ns, [base * n for n in ns], "k--", lw=0.8, label="linear")
     ax.set(xlabel="volunteers", ylabel="tokens/s", title="Throughput", xscale="log", yscale="log")
     ax.set_xticks(ns, [str(n) for n in ns])
     ax2.axhline(1.0, color="k", ls="--", lw=0.8)
