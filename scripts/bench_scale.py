@@ -28,7 +28,8 @@ prediction x the share of volunteer time churn leaves (scheduler/scale.py `churn
 re-join time measured in the run's own logs).
 
 The weak series (`--series weak`; both by default): calm, the batch grows with the volunteers
-(ROWS_PER_VOLUNTEER rows each, in micro-batches of the fixed series' size), so a volunteer's tokens
+(ROWS_PER_VOLUNTEER rows of the batch a volunteer, in micro-batches of the fixed series' size; each
+volunteer works on one of the 2 stages, so it computes 2 x that of its stage a version), so a volunteer's tokens
 a version, and its fixed work a version (its stage's parameters down, their gradient up), stay the
 same at every count.
 
@@ -72,7 +73,7 @@ from scheduler.step_io import Calibration, steady_seconds_per_step
 from scheduler.stepsim import simulate  # noqa: E402
 
 BATCH, MICRO, STAGES, CLIENT_TOKENS = 64, 4, 2, 1024
-# the weak series: the batch grows with the volunteers, this many rows each (2 volunteers: the fixed
+# the weak series: the batch grows with the volunteers, this many rows a volunteer (2 volunteers: the fixed
 # batch), in micro-batches of the fixed series' size, so a volunteer's tokens a version stay the same
 ROWS_PER_VOLUNTEER, MICRO_ROWS = BATCH // 2, BATCH // MICRO
 WARMUP = 3
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
         "--series",
         default="fixed,weak",
         help="fixed: batch 64 at every count, calm, churn and --no-requeue; weak: the batch grows with the "
-        f"volunteers ({ROWS_PER_VOLUNTEER} rows each), calm",
+        f"volunteers ({ROWS_PER_VOLUNTEER} rows of the batch a volunteer), calm",
     )
     p.add_argument("--pace", type=float, default=32.0, help="volunteers compute this many times slower than this CPU")
     p.add_argument("--link-scale", type=float, default=0.1)
@@ -367,7 +368,7 @@ def write_report(args, cfg, cal, results, work: Path, seconds: float) -> None:
         "Scaling with volunteers (scripts/bench_scale.py)",
         f"""
 `python scripts/bench_scale.py{" --quick" if args.quick else ""}` on this machine (2 cores, no GPU): model
-`{args.model}`, batch {BATCH} = {MICRO} micro-batches (the weak series: {ROWS_PER_VOLUNTEER} rows a volunteer, in
+`{args.model}`, batch {BATCH} = {MICRO} micro-batches (the weak series: {ROWS_PER_VOLUNTEER} rows of the batch a volunteer, in
 micro-batches of {MICRO_ROWS}), 2 stages x (frontal + backward server), servers that do not
 compute, `--client-batch-tokens {CLIENT_TOKENS}`, one-site cluster x {args.link_scale:g}, every volunteer an
 emulated device {args.pace:g}x slower than this CPU, churn {args.churn:g} (a fraction of the volunteers SIGKILLed
@@ -424,7 +425,8 @@ def weak_scaling(report: Report, goals: list, weak: dict, work: Path) -> None:
             ],
             rows,
         )
-        + f"\n\nEach volunteer computes about {ROWS_PER_VOLUNTEER} rows a version whatever their number, so "
+        + f"\n\nEach volunteer computes about {STAGES * ROWS_PER_VOLUNTEER} rows of its stage a version whatever "
+        "their number, so "
         "its fixed work a version (its stage's parameters down, their gradient up) is spread over the same "
         f"tokens at every count. Linear: {counts[0]} volunteers' tokens/s per volunteer x N.",
     )
