@@ -1,19 +1,20 @@
 """The parts a StageServer is composed of, each built here with what it reads of its server (as
 the server is at each call: a failover changes its layout, epoch, hosted slots and replicas) rather
 than sharing the server's attributes: the outbox (deliveries and background work), the gradient-norm
-round (clipping.py), the held-out evaluation (evaluate.py) and the holds and pins that keep what a
-ban may need (pins.py)."""
+round (clipping.py), the held-out evaluation (evaluate.py), the holds and pins that keep what a
+ban may need (pins.py) and the parameter versions sent as differences (param_deltas.py)."""
 
 from __future__ import annotations
 
 from parameter_server.clipping import Clipping
 from parameter_server.evaluate import Evaluation, ServerPlace
 from parameter_server.outbox import Outbox
+from parameter_server.param_deltas import ParamDeltas
 from parameter_server.pins import Pins
 
 
 def compose_parts(server, run, cfg) -> None:
-    """Give `server` (a StageServer being built) its `outbox`, `clipping`, `evaluation` and `pins`; the server
+    """Give `server` (a StageServer being built) its `outbox`, `clipping`, `evaluation`, `pins` and `deltas`; the server
     that starts each evaluation gets the evaluation's step callback."""
 
     def connector(device: str):
@@ -72,5 +73,6 @@ def compose_parts(server, run, cfg) -> None:
         call=server.server_call,
         outbox=server.outbox,
     )
+    server.deltas = ParamDeltas(server.params_on_wire)
     if server.evaluation.starts:
         server.on_step.append(server.evaluation.maybe_evaluate)

@@ -216,7 +216,7 @@ class StageServer(
         self._init_arrivals()
         self._init_bans()
         compose_parts(self, run, cfg)
-        self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (Updates._params_on_wire)
+        self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (Updates.params_on_wire)
 
     def _new_shard(self, slot: int) -> ShardState:
         names = self.slot_names[slot]

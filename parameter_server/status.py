@@ -63,6 +63,8 @@ class Status:
             "requeued": pool.get("requeued", 0),
             "pool": pool,
             "counters": dict(self.counters),
+            # get_params answered as a difference from the asker's version, or asked so and sent whole
+            "param_deltas": {"sent": self.deltas.sent, "declined": self.deltas.declined},
             "clients": {
                 p: {"device": c.device, "compute": c.compute, "tasks_done": c.tasks_done}
                 for p, c in self.clients.items()

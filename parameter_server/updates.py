@@ -15,6 +15,7 @@ import torch
 from core.model.precision import wire_dtype
 from core.protocol.fields import field as mfield
 from core.protocol.fields import wait_field
+from core.protocol.param_delta import ENCODING
 from core.protocol.params import MAX_PARAMS_WAIT
 from core.protocol.tasks import TaskId
 from core.protocol.wire import PayloadError
@@ -81,9 +82,18 @@ class Updates:
             raise PayloadError(f"version {version} is no longer held (current {shard.version})")
         if mfield(meta, "digest_only", bool, optional=True):  # (a worker that holds a replica of the slot)
             return {"names": shard.names, "version": version, "digest": shard.digest(version)}, []
-        return {"names": shard.names, "version": version}, self._params_on_wire(shard, version, snap)
+        wire = self.params_on_wire(shard, version, snap)
+        base = mfield(meta, "base", int, optional=True)  # a version the worker holds (param_deltas.py)
+        if base is not None:
+            if not 0 <= base < version:
+                raise PayloadError(f"field 'base': {base} is not a version older than {version}")
+            blob = await self.deltas.against(shard, base, mfield(meta, "base_digest", str), version, wire)
+            if blob is not None:
+                answer = {"names": shard.names, "version": version, "encoding": ENCODING, "base": base}
+                return answer, [torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
+        return {"names": shard.names, "version": version}, wire
 
-    def _params_on_wire(self, shard: ShardState, version: int, snap: dict) -> list:
+    def params_on_wire(self, shard: ShardState, version: int, snap: dict) -> list:
         """The tensors of `version` as a volunteer is sent them: fp32, or at --precision bf16 rounded to
         bfloat16 (half the bytes: the rounding a task computes on anyway), made once per version."""
         dtype = wire_dtype(self.run.precision)

@@ -23,6 +23,12 @@ def add_arguments(p) -> None:
     p.add_argument("--probe-bytes", type=int, default=1 << 20, help="payload of the bandwidth probe")
     p.add_argument("--compute", type=float, default=None, help="override the measured compute power (rows/s)")
     p.add_argument(
+        "--no-param-deltas",
+        action="store_true",
+        help="pull every parameter version whole (default: as its exact difference from the version held "
+        "before it where the server finds that smaller; docs/scale.md)",
+    )
+    p.add_argument(
         "--rebalance-period",
         type=float,
         default=60.0,

@@ -52,6 +52,11 @@ def add_arguments(p) -> None:
         help="stretch the volunteers' compute by this factor (emulates slower devices)",
     )
     p.add_argument(
+        "--no-param-deltas",
+        action="store_true",
+        help="volunteers pull every parameter version whole (peer join --no-param-deltas)",
+    )
+    p.add_argument(
         "--cluster",
         default=None,
         metavar="CLUSTER.json",

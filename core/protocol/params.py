@@ -30,16 +30,23 @@ async def fetch_slot(
     poll: float,
     clock=time.monotonic,
     digest_only: bool = False,
+    base: tuple[int, str] | None = None,
 ) -> tuple[dict, list]:
     """`call(method, meta)` is one request to `host` (whatever retries of the link it makes); the
     answer of the first `get_params` that is not `retry`. Each asks the host to wait for the version
     for what is left of `patience` (at most MAX_PARAMS_WAIT). `digest_only`: the answer carries the
-    version's digest (ShardState.digest) instead of its parameters."""
+    version's digest (ShardState.digest) instead of its parameters. `base`: (a version the caller
+    holds, the digest of its tensors as sent): the host may answer with the difference from it
+    (core/protocol/param_delta.py; the answer's `encoding` says so)."""
     attempts = Attempts(within=patience, pause=poll, clock=clock)
     async for attempt in attempts:
         wait = min(max(attempts.deadline - clock(), 0.0), MAX_PARAMS_WAIT)
         ask = {"version": version, "slot": slot, "wait": wait}
-        meta, tensors = await call("get_params", dict(ask, digest_only=True) if digest_only else ask)
+        if digest_only:
+            ask["digest_only"] = True
+        elif base is not None:
+            ask["base"], ask["base_digest"] = base
+        meta, tensors = await call("get_params", ask)
         if not meta.get("retry"):
             return meta, tensors
         if attempt.last:

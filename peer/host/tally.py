@@ -9,7 +9,7 @@ import time
 from core.protocol.records import ClientRecord, RecordState
 
 # the worker's counters a volunteer adds up over the stages it worked on
-COUNTED = ("forward", "backward", "recompute_avoided", "compute_seconds", "param_seconds")
+COUNTED = ("forward", "backward", "recompute_avoided", "compute_seconds", "param_seconds", "delta_pulls")
 
 
 class Tally:
@@ -45,6 +45,7 @@ class Tally:
         return (
             f"{said}; computing {d['compute_seconds']:.1f} s of the {span:.1f} s since its first task "
             f"({d['compute_seconds'] / span:.0%}), {d['param_seconds']:.1f} s waiting for parameters"
+            f" ({d['delta_pulls']} shard versions pulled as differences)"
         )
 
 

@@ -265,6 +265,7 @@ class VolunteerSession:
             activation_memory=int(args.activation_memory * 2**20),
             epoch=self.epoch,
             on_step=self._step,
+            param_deltas=not args.no_param_deltas,
         )
         worker.compute = args.compute or worker.measure_compute()
         self.join_clock.mark("compute")

@@ -179,6 +179,8 @@ class Swarm:
         argv = ["join", "--stage", stage_arg, "--device-id", name] + self.common() + list(extra)
         if self.args.volunteer_slowdown:
             argv += ["--slowdown", str(self.args.volunteer_slowdown)]
+        if getattr(self.args, "no_param_deltas", False):
+            argv.append("--no-param-deltas")
         if getattr(self.args, "device", "cpu") != "cpu":
             argv += ["--device", self.args.device]
         self.volunteers[name] = (self.spawn(name, argv), stage_arg)

@@ -12,8 +12,9 @@ from typing import Awaitable, Callable
 
 import torch
 
-from core.model.precision import compute_dtype, rounded
+from core.model.precision import compute_dtype, rounded, wire_dtype
 from core.model.transformer import StageSlice, slice_from_state
+from core.protocol import param_delta
 from core.protocol.params import NotReady
 from core.protocol.wire import RemoteError
 from scheduler.prefetch import version_to_fetch
@@ -28,8 +29,9 @@ PREFETCH_PATIENCE = 15.0
 REPLICA_WAIT = 2.0
 REPLICA_BACKOFF = 10
 
-# (device, slot, version, patience, layout epoch, digest_only) -> (meta, tensors): a host's get_params
-Fetch = Callable[[str, int, int, float, int, bool], Awaitable[tuple[dict, list]]]
+# (device, slot, version, patience, layout epoch, digest_only, base) -> (meta, tensors): a host's
+# get_params; base: (a version held, its digest as sent) to pull the version as a difference from
+Fetch = Callable[[str, int, int, float, int, bool, tuple | None], Awaitable[tuple[dict, list]]]
 
 
 class Versions:
@@ -37,9 +39,17 @@ class Versions:
     (host device, slot, parameter names) now, `epoch()` the worker's layout epoch now, `fetch` a
     slot's get_params from its host, `own_server()` the server the worker runs in (or None),
     `on_pulled()` called after each pull from a host (a kill point), and the `stats` dict it counts
-    its prefetches and replica reads in (under COUNTERS, which it adds to that dict)."""
+    its prefetches and replica reads in (under COUNTERS, which it adds to that dict). `deltas`: pull a
+    version as its difference from the one held before it (core/protocol/param_delta.py)."""
 
-    COUNTERS = ("prefetched", "params_from_replica", "replica_late", "replica_other_bits", "other_slots_pulled")
+    COUNTERS = (
+        "prefetched",
+        "params_from_replica",
+        "replica_late",
+        "replica_other_bits",
+        "other_slots_pulled",
+        "delta_pulls",
+    )
 
     def __init__(
         self,
@@ -56,11 +66,13 @@ class Versions:
         own_server: Callable[[], object | None],
         stats: dict,
         on_pulled: Callable[[], None] = lambda: None,
+        deltas: bool = True,
     ):
         self.cfg, (self.lo, self.hi), self.stage, self.device_id = cfg, layers, stage, device_id
         self.torch_device, self.precision = torch_device, precision
         self.shards, self.epoch, self.fetch, self.own_server = shards, epoch, fetch, own_server
-        self.stats, self.on_pulled = stats, on_pulled
+        self.stats, self.on_pulled, self.deltas = stats, on_pulled, deltas
+        self.base_digests: dict[tuple[int, int], str] = {}  # (version, slot) -> its digest as sent (_base)
         for name in self.COUNTERS:
             stats.setdefault(name, 0)
         self.held: dict[int, dict[str, torch.Tensor]] = {}
@@ -75,6 +87,7 @@ class Versions:
         """Forget every version (a new layout epoch: a rollback re-makes the versions after its batch)."""
         self.held.clear()
         self.models.clear()
+        self.base_digests.clear()
         self.drop_prefetches()
 
     async def ensure(self, version: int, patience: float = 2.0) -> None:
@@ -131,11 +144,36 @@ class Versions:
         self, device: str, slot: int, names: list, version: int, patience: float, epoch: int, digest_only: bool = False
     ) -> tuple[dict, list]:
         """`get_params` of `slot` at `version` of layout epoch `epoch` from its host `device`,
-        RemoteError unless the host serves the shard of `names`."""
-        meta, tensors = await self.fetch(device, slot, version, patience, epoch, digest_only)
+        RemoteError unless the host serves the shard of `names`; asked against the version held
+        before it, when there is one (the host answers the difference where it is smaller)."""
+        # (its own server's slot is read in-process: a difference would save no bytes there)
+        base = None if digest_only or device == self.device_id else await self._base(slot, names, version)
+        meta, tensors = await self.fetch(device, slot, version, patience, epoch, digest_only, base and base[:2])
         if meta.get("names") != names:
             raise RemoteError(f"{device} serves shard {meta.get('names')}, expected {names}")
+        if meta.get("encoding") == param_delta.ENCODING:
+            if base is None or meta.get("base") != base[0] or len(tensors) != 1:
+                raise RemoteError(f"{device} sent a difference from version {meta.get('base')}, not asked for")
+            try:
+                tensors = await asyncio.to_thread(param_delta.decode, base[2], tensors[0].numpy().tobytes())
+            except ValueError as e:
+                raise RemoteError(f"{device}: {e}") from None
+            self.stats["delta_pulls"] += 1
         return meta, tensors
+
+    async def _base(self, slot: int, names: list, version: int) -> tuple[int, str, list] | None:
+        """(version, digest, tensors as a host sends them) of the newest version held before `version`
+        with every tensor of `names`: what to pull `version` against. None when none is held, or
+        differences are off."""
+        older = [v for v in self.held if v < version and all(n in self.held[v] for n in names)]
+        if not self.deltas or not older:
+            return None
+        v = max(older)
+        dtype = wire_dtype(self.precision)  # (a version read from a replica is held in fp32)
+        tensors = [self.held[v][n].to(dtype) for n in names]
+        if (v, slot) not in self.base_digests:
+            self.base_digests[(v, slot)] = await asyncio.to_thread(param_delta.digest, names, tensors)
+        return v, self.base_digests[(v, slot)], tensors
 
     async def _from_own_replica(
         self, device: str, slot: int, names: list, version: int, patience: float, epoch: int
@@ -178,6 +216,7 @@ class Versions:
         for v in [v for v in self.held if v < version - 1]:
             del self.held[v]
             self.models.pop(v, None)
+        self.base_digests = {k: d for k, d in self.base_digests.items() if k[0] in self.held}
 
     def prefetch_next(self, version: int) -> None:
         """Fetch version + 1 in the background while the worker computes on `version`, when the rule

@@ -67,6 +67,7 @@ class StageWorker:
         activation_memory: int = 1 << 30,
         epoch: int = 0,
         on_step=None,
+        param_deltas: bool = True,
     ):
         self.run, self.layout, self.cfg = run, layout, cfg
         self.on_step = on_step or (lambda step: None)  # its join's steps as they end (peer/host/join_clock.py)
@@ -110,6 +111,7 @@ class StageWorker:
             shards=lambda: self.shards,
             epoch=lambda: self.epoch,
             fetch=self._fetch_slot,
+            deltas=param_deltas,
             own_server=self._own_server,
             stats=self.stats,
             on_pulled=lambda: self._point("pulling_params"),
@@ -371,12 +373,12 @@ class StageWorker:
 
     # ------------------------------------------------------------------------------------------
     async def _fetch_slot(
-        self, device: str, slot: int, version: int, patience: float, epoch: int, digest_only: bool
+        self, device: str, slot: int, version: int, patience: float, epoch: int, digest_only: bool, base=None
     ) -> tuple[dict, list]:
         """`get_params` of `slot` at `version` of layout epoch `epoch` from its host `device`
         (core.protocol.params.fetch_slot), over this worker's link to it."""
         call = functools.partial(self.call, self.links[device], timeout=60.0, epoch=epoch)
-        return await fetch_slot(call, device, slot, version, patience, self.poll, digest_only=digest_only)
+        return await fetch_slot(call, device, slot, version, patience, self.poll, digest_only=digest_only, base=base)
 
     def _own_server(self):
         """The server this worker runs in (its link to itself is a LocalLink to it), or None."""

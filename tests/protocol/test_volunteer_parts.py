@@ -11,13 +11,13 @@ def test_the_tally_adds_the_stages_and_says_the_busy_share_from_the_first_task()
         "0 forward and 0 backward tasks done on stage(s) none, 0 of the backward tasks on their kept forward pass"
     )
     tally.add(0, {"forward": 3, "backward": 2, "recompute_avoided": 1, "compute_seconds": 4.0, "param_seconds": 1.5})
-    tally.add(1, {"forward": 1, "compute_seconds": 2.0, "param_seconds": 0.5, "first_task": 200.0})
+    tally.add(1, {"forward": 1, "compute_seconds": 2.0, "param_seconds": 0.5, "first_task": 200.0, "delta_pulls": 7})
     assert tally.stages_worked == [0, 1] and tally.tasks() == "4 forward and 2 backward tasks"
     # the first task was seen on the second stage's worker (the first never got one)
     said = tally.said(now=230.0)
     assert said.endswith(
         "done on stage(s) 0 -> 1, 1 of the backward tasks on their kept forward pass; computing 6.0 s of the "
-        "30.0 s since its first task (20%), 2.0 s waiting for parameters"
+        "30.0 s since its first task (20%), 2.0 s waiting for parameters (7 shard versions pulled as differences)"
     ), said
     tally.add(0, {"first_task": 100.0})  # a later stage's first task does not move the start
     assert "of the 30.0 s since its first task" in tally.said(now=230.0)
