@@ -8,6 +8,7 @@ measured: the machine has 2 cores shared with other jobs, so wall-clock numbers 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -15,12 +16,32 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+
+def swarm_bench_parser(doc: str, *, steps: int, volunteers: int = 4) -> argparse.ArgumentParser:
+    """The flags of a benchmark that runs `peer swarm` a few times: --model, --steps, --volunteers,
+    --out (its report's folder) and --work (its runs' logs)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--model", default="small")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--volunteers", type=int, default=volunteers)
+    p.add_argument("--out", type=Path, default=REPO / "docs")
+    p.add_argument("--work", type=Path, default=None, help="keep the runs' logs here (default: a temporary folder)")
+    return p
+
+
+def work_folder(path: Path | None, prefix: str) -> Path:
+    """--work, made when missing, or a fresh temporary folder."""
+    work = path or Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    return work
 
 
 def out_folder(parser, path: Path) -> Path:
@@ -258,11 +279,13 @@ def run_reference(model: str, steps: int, work: Path, timeout: float = 900) -> d
     return summary
 
 
-def train_run_reference(model: str, steps: int, on_step=None, recipe=None, summary: dict | None = None) -> dict:
+def train_run_reference(
+    model: str, steps: int, on_step=None, recipe=None, summary: dict | None = None, precision: str = "fp32"
+) -> dict:
     """`peer reference`'s final parameters, in this process, with the settings every benchmark's
     swarm runs with (batch 16 in 4 micro-batches, the delayed update, lr 2e-3, seed 0); `on_step`
     as peer.reference.train_reference takes it; `recipe` a core.protocol.recipe.Recipe at lr 2e-3
-    (None: the default one). `summary`, a dict, receives the run's summary."""
+    (None: the default one); `precision` the run's. `summary`, a dict, receives the run's summary."""
     from core.model.config import get_preset
     from core.model.data import load_corpus
     from peer.reference import train_reference
@@ -278,6 +301,7 @@ def train_run_reference(model: str, steps: int, on_step=None, recipe=None, summa
         delay=1,
         lr=2e-3,
         recipe=recipe,
+        precision=precision,
         progress=False,
         on_step=on_step,
     )
@@ -316,6 +340,13 @@ def run_swarm(
         summary["cpu"] = sampler.seconds_by_kind(start, start + summary["wall_seconds"])
         summary["cpu_by_owner"] = sampler.seconds_by_owner(start, start + summary["wall_seconds"])
     return summary
+
+
+def rel_l2(a: dict, b: dict) -> float:
+    """Relative L2 distance of parameter dicts `a` from `b` (over b's names)."""
+    num = sum(float((a[k] - b[k]).double().square().sum()) for k in b)
+    den = sum(float(b[k].double().square().sum()) for k in b)
+    return (num / den) ** 0.5
 
 
 def exactly_once(summary: dict) -> str:

@@ -12,40 +12,34 @@ DIR/bench_train.md (DIR defaults to docs/)."""
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import (  # noqa: E402
-    REPO,
     Report,
     exactly_once,
     loadavg,
     md_table,
     out_folder,
+    rel_l2,
     run_swarm,
+    swarm_bench_parser,
     train_run_reference,
+    work_folder,
 )
 
 CLIP = 1.0
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="small")
-    p.add_argument("--steps", type=int, default=30)
+    p = swarm_bench_parser(__doc__, steps=30)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--churn", type=float, default=0.25)
-    p.add_argument("--volunteers", type=int, default=4)
-    p.add_argument("--out", type=Path, default=REPO / "docs")
-    p.add_argument("--work", type=Path, default=None, help="keep the runs' logs here (default: a temporary folder)")
     args = p.parse_args()
     out = out_folder(p, args.out)
-    work = args.work or Path(tempfile.mkdtemp(prefix="bench_train."))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_folder(args.work, "bench_train.")
 
     import torch
     from safetensors.torch import load_file
@@ -62,11 +56,6 @@ def main() -> int:
             )
             references[clip] = (state, summary)
         return references[clip]
-
-    def rel(a, b):
-        num = sum(float((a[k] - b[k]).double().square().sum()) for k in b)
-        den = sum(float(b[k].double().square().sum()) for k in b)
-        return (num / den) ** 0.5
 
     report = Report(
         "Training recipe: what global gradient clipping costs",
@@ -96,7 +85,7 @@ def main() -> int:
                         f"{s['tokens_per_second']:,.0f}",
                         f"{s['wall_seconds'] / args.steps:.2f}",
                         exactly_once(s),
-                        f"{rel(state, ref_state):.1e}",
+                        f"{rel_l2(state, ref_state):.1e}",
                     ]
                 )
                 ratios.setdefault(churn, {}).setdefault(bool(clip), []).append(s["tokens_per_second"])

@@ -52,9 +52,8 @@ def digest(names: list[str], tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def encode(base: list[torch.Tensor], target: list[torch.Tensor]) -> bytes | None:
-    """`target` as its difference from `base` (same shapes and dtype), or None when the difference is
-    not under DELTA_SMALLER of `target`'s bytes."""
+def difference(base: list[torch.Tensor], target: list[torch.Tensor]) -> bytes:
+    """`target` as its difference from `base` (same shapes and dtype), whatever its size."""
     if [tuple(t.shape) for t in base] != [tuple(t.shape) for t in target] or {t.dtype for t in base} != {
         t.dtype for t in target
     }:
@@ -62,8 +61,14 @@ def encode(base: list[torch.Tensor], target: list[torch.Tensor]) -> bytes | None
     width = _width(target)
     x = np.bitwise_xor(_bytes(base), _bytes(target))
     planes = x.reshape(-1, width).T  # row k: byte k of every value
-    blob = zlib.compress(np.ascontiguousarray(planes).tobytes(), LEVEL)
-    return blob if len(blob) < DELTA_SMALLER * x.size else None
+    return zlib.compress(np.ascontiguousarray(planes).tobytes(), LEVEL)
+
+
+def encode(base: list[torch.Tensor], target: list[torch.Tensor]) -> bytes | None:
+    """`target` as its difference from `base`, or None when that is not under DELTA_SMALLER of
+    `target`'s bytes (the version goes whole)."""
+    blob = difference(base, target)
+    return blob if len(blob) < DELTA_SMALLER * sum(t.numel() * t.element_size() for t in target) else None
 
 
 def decode(base: list[torch.Tensor], blob: bytes) -> list[torch.Tensor]:

@@ -233,6 +233,10 @@ class Monitor:
             "wall_seconds": round(wall, 3),
             "tokens_per_second": round(args.steps * args.batch_size * cfg.seq_len / max(wall, 1e-9), 1),
             "bytes_on_wire": sum(sum(s.get("traffic", {}).values()) for s in statuses.values()),
+            # parameter versions answered as differences from the asker's, and asked so but sent whole
+            "param_deltas": {
+                k: sum(s.get("param_deltas", {}).get(k, 0) for s in statuses.values()) for k in ("sent", "declined")
+            },
             "traffic": dict(
                 sum((collections.Counter(s.get("traffic", {})) for s in statuses.values()), collections.Counter())
             ),

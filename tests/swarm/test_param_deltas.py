@@ -52,7 +52,7 @@ def test_a_base_the_server_does_not_hold_as_the_worker_does_gets_the_version_who
     right = param_delta.digest(shard.names, base)
 
     async def ask(**fields):
-        meta = {"version": steps, "slot": server.slot, "wait": 0.0, **fields}
+        meta = {"version": steps, "slot": server.slot, "wait": 0.0} | fields
         return await server.handle("get_params", meta, [], "peer-u00")
 
     async def scenario():
@@ -63,7 +63,14 @@ def test_a_base_the_server_does_not_hold_as_the_worker_does_gets_the_version_who
         declined = server.deltas.declined
         meta, tensors = await ask(base=steps - 1, base_digest="0" * 64)  # other bits under that version
         assert "encoding" not in meta and len(tensors) == len(shard.names)
-        assert server.deltas.declined == declined + 1
+        # only the newest version, from one of the two before it: what a server makes is bounded
+        older = [shard.params_at(steps - 2)[n] for n in shard.names]
+        meta, _ = await ask(version=steps - 1, base=steps - 2, base_digest=param_delta.digest(shard.names, older))
+        assert "encoding" not in meta
+        first = [shard.params_at(0)[n] for n in shard.names]
+        meta, _ = await ask(base=0, base_digest=param_delta.digest(shard.names, first))  # three before
+        assert "encoding" not in meta
+        assert server.deltas.declined == declined + 3
         for fields, said in (
             ({"base": steps, "base_digest": right}, "'base': 3 is not a version older than 3"),
             ({"base": -1, "base_digest": right}, "'base'"),
