@@ -50,6 +50,8 @@ LONGEST_FIRST = [
     "swarm/test_inprocess_leases.py",
     "swarm/test_inprocess.py",
     "swarm/test_inprocess_failover.py",
+    "swarm/test_inprocess_worker.py",
+    "swarm/test_inprocess_assignment.py",
 ]
 
 

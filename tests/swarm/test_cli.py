@@ -76,7 +76,7 @@ def test_a_benchmark_whose_out_folder_is_a_file_is_refused_before_it_runs(script
 @pytest.mark.parametrize("flag,expected", [((), False), (("--no-local-first",), True)])
 def test_no_local_first_reaches_every_server_the_swarm_starts(flag, expected, tmp_path):
     """`peer swarm --no-local-first` starts every `peer serve` with it (each server's frontal cut then
-    chooses a batch's clients by the rows they are owed only: tests/swarm/test_inprocess.py)."""
+    chooses a batch's clients by the rows they are owed only: tests/swarm/test_inprocess_assignment.py)."""
     from core.layout import RunLayout
     from core.model.config import get_preset
     from peer.launcher.processes import Swarm
