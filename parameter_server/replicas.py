@@ -10,9 +10,9 @@ import inspect
 import logging
 import time
 
+from core.protocol import param_delta
 from core.protocol.fields import field as mfield
 from core.protocol.wire import PayloadError
-from parameter_server.shard import tensors_digest
 
 logger = logging.getLogger("hivepipe.server")
 
@@ -137,7 +137,7 @@ class Replicas:
             return False
         try:
             if by_reference:
-                digest = tensors_digest(meta["names"], dict(zip(meta["names"], tensors)))
+                digest = param_delta.digest(meta["names"], tensors)
                 answer, _ = await link.call("push_replica", dict(meta, slot=slot, grad_digest=digest), [], timeout=30.0)
                 if answer.get("result") in ("accepted", "duplicate"):
                     self.counters["replica_steps_by_reference"] += 1
@@ -205,11 +205,7 @@ class Replicas:
                 "a replica step by reference needs an int 'version', a 'names' list and a 'grad_digest' string"
             )
         pushed = self.own_pushes.get((slot, version - 1))
-        if (
-            pushed is None
-            or len(pushed) != len(names)
-            or tensors_digest(names, dict(zip(names, pushed))) != meta["grad_digest"]
-        ):
+        if pushed is None or len(pushed) != len(names) or param_delta.digest(names, pushed) != meta["grad_digest"]:
             return None
         return pushed
 

@@ -16,13 +16,13 @@ batches 0..t-2), and update t is applied when version == t, producing version t 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from core.model.optim import make_optimizer, set_lr
+from core.protocol import param_delta
 from core.protocol.fields import all_finite
 from core.protocol.recipe import Recipe
 from core.protocol.wire import PayloadError
@@ -52,17 +52,6 @@ class BatchCredit:
 # versions: each costs 3 x the shard's parameters in memory (snapshot and AdamW's two moments)
 PIN_EXTRA = 2
 LOSS_HISTORY = 4096  # batches whose loss a shard keeps (status, dashboard, replicas, checkpoints)
-
-
-def tensors_digest(names: list[str], tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-256 of `tensors` (each one's name, dtype, shape and bytes, in `names` order)."""
-    h = hashlib.sha256()
-    for n in names:
-        t = tensors[n].detach().cpu().contiguous()
-        h.update(f"{n}:{t.dtype}:{tuple(t.shape)};".encode())
-        if t.numel():
-            h.update(memoryview(t.reshape(-1).numpy()).cast("B"))
-    return h.hexdigest()
 
 
 class ShardState(ShardCopies):
@@ -131,7 +120,7 @@ class ShardState(ShardCopies):
             return None
         if (version, token) not in self._digests:
             self._digests = {k: d for k, d in self._digests.items() if self.tokens.get(k[0]) == k[1]}
-            self._digests[(version, token)] = tensors_digest(self.names, snap)
+            self._digests[(version, token)] = param_delta.digest(self.names, [snap[n] for n in self.names])
         return self._digests[(version, token)]
 
     def _snapshot(self) -> dict[str, torch.Tensor]:

@@ -42,8 +42,9 @@ def _width(tensors: list[torch.Tensor]) -> int:
 
 
 def digest(names: list[str], tensors: list[torch.Tensor]) -> str:
-    """SHA-256 of the tensors as sent (each one's name, dtype, shape and bytes, in order): what a
-    receiver and a server compare before a difference against that version is used."""
+    """SHA-256 of the tensors (each one's name, dtype, shape and bytes, in order, whatever the dtype):
+    what a receiver and a server compare before a difference against a version is used, and the
+    digest of a kept version (ShardState.digest) and of a replica's step by reference."""
     h = hashlib.sha256()
     for n, t in zip(names, tensors):
         h.update(f"{n}:{t.dtype}:{tuple(t.shape)};".encode())

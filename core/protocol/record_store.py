@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from core.protocol.records import RunConfig, clients_key, config_key, stage_key
+from core.protocol.records import RunConfig, config_key
 from core.protocol.trust import key_name
 
 logger = logging.getLogger("hivepipe.records")
@@ -47,7 +47,7 @@ async def publish(dht, body: dict, ttl: float, stage: int | None = None) -> bool
         signer = trust.run_key
     else:
         server = body.get("kind") == "server"
-        name = (stage_key if server else clients_key)(trust.run_id, stage)
+        name = key_name(trust.run_id, "stage" if server else "clients", stage)
         subkey, signer, run_key = str(dht.peer_id), trust.identity, trust.run_key if server else None
     value = seal(name, subkey, body, ttl, signer, run_key=run_key)
     return await dht.store(name, value, expiration_time=value["expires"], subkey=subkey, return_future=True)

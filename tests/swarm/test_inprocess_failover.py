@@ -276,8 +276,8 @@ def test_a_replica_takes_the_step_its_own_worker_pushed_by_reference_bit_for_bit
     server in the default swarm): replicas still equal their shards bit for bit and training the
     reference. A step by reference whose digest is not what the worker pushed (or of a batch it
     pushed nothing of) is answered `need_tensors`, changing nothing; the host then sends the tensors."""
+    from core.protocol import param_delta
     from core.protocol.wire import RemoteError
-    from parameter_server.shard import tensors_digest
     from peer.server_links import LocalLink
 
     steps = 6
@@ -298,7 +298,7 @@ def test_a_replica_takes_the_step_its_own_worker_pushed_by_reference_bit_for_bit
         link = LocalLink(bs, fs.peer_id)
         wrong, _ = await link.call("push_replica", dict(meta, slot=fs.slot, grad_digest="0" * 64), [])
         bs.own_pushes.pop((fs.slot, steps - 1), None)
-        digest = tensors_digest(meta["names"], dict(zip(meta["names"], tensors)))
+        digest = param_delta.digest(meta["names"], tensors)
         none, _ = await link.call("push_replica", dict(meta, slot=fs.slot, grad_digest=digest), [])
         with pytest.raises(RemoteError, match="grad_digest"):
             await link.call("push_replica", dict(meta, slot=fs.slot, grad_digest=5), [])
