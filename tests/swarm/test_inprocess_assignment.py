@@ -136,10 +136,13 @@ def test_a_take_says_whether_more_tasks_wait_and_a_server_without_is_asked_only_
     link = a.links[dev]
     takes = []
     handle = fs.handle
+    waiting_take = asyncio.Event()  # a take that waits for a task reached the server
 
     async def counted(method, meta, *args, **kwargs):
         if method == "take":
             takes.append(meta.get("wait", 0.0))
+            if takes[-1] > 0:
+                waiting_take.set()
         return await handle(method, meta, *args, **kwargs)
 
     fs.handle = counted
@@ -161,7 +164,7 @@ def test_a_take_says_whether_more_tasks_wait_and_a_server_without_is_asked_only_
         assert await a.intake.take_one() is None and len(takes) == n  # not asked again at once
         stop = asyncio.Event()
         waiting = asyncio.ensure_future(a.intake.wait_for_task(stop, wait=3.0))
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(waiting_take.wait(), 2.0)
         await link.call("fail", {"task": held[0]})  # a task queued there again
         got = await asyncio.wait_for(waiting, 2.0)
         assert got[1]["task"] == held[0] and got[1]["more"] is False

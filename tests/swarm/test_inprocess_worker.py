@@ -190,12 +190,14 @@ def test_a_worker_handed_a_task_it_cannot_work_on_asks_every_server_again():
     (a,) = swarm.workers
     other = LocalLink(f0, "peer-other")  # another volunteer, which holds f0's tasks of batches 0 and 1
     took_at_f1 = []
+    took = asyncio.Event()  # the worker took a task of f1's
     handle = f1.handle
 
     async def counted(method, meta, tensors, sender):
         answer = await handle(method, meta, tensors, sender)
         if method == "take" and answer[0].get("task"):
             took_at_f1.append(answer[0]["task"])
+            took.set()
         return answer
 
     async def scenario():
@@ -227,9 +229,9 @@ def test_a_worker_handed_a_task_it_cannot_work_on_asks_every_server_again():
         assert {h for b in (0, 1) for _, h, _ in f0.pool.open_tasks(b)} == {"peer-other"}  # all held
         stop = asyncio.Event()
         loop = asyncio.ensure_future(a.run_loop(stop))
-        deadline = time.monotonic() + 15.0
-        while not took_at_f1 and time.monotonic() < deadline and not loop.done():
-            await asyncio.sleep(0.05)
+        took_one = asyncio.ensure_future(took.wait())
+        await asyncio.wait([took_one, loop], timeout=15.0, return_when=asyncio.FIRST_COMPLETED)
+        took_one.cancel()
         stop.set()
         await asyncio.wait_for(loop, 30.0)
         return f0.pool.stats()["requeued"]
