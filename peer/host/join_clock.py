@@ -7,6 +7,7 @@ soak, scripts/soak.py) sees which step of it to shorten."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
@@ -52,7 +53,17 @@ class JoinClock:
         return None if end is None else end - self.start
 
     def said(self) -> str:
-        parts = ", ".join(f"{STEPS[s]} {v:.2f} s" for s, v in self.seconds().items())
-        total = self.total()
-        head = f"joined in {total:.2f} s" if total is not None else "joining"
-        return f"{head}: {parts}" if parts else head
+        """The line: each step's hundredths are the difference of the rounded times from the start at
+        its two marks, so the steps said add up to the total said, to the hundredth."""
+        cents, parts, before = 0, [], 0
+        for step in STEPS:
+            if step in self.marks:
+                cents = max(cents, _hundredths(self.marks[step] - self.start))
+                parts.append(f"{STEPS[step]} {(cents - before) / 100:.2f} s")
+                before = cents
+        head = f"joined in {cents / 100:.2f} s" if "first_task" in self.marks else "joining"
+        return f"{head}: {', '.join(parts)}" if parts else head
+
+
+def _hundredths(seconds: float) -> int:
+    return int(math.floor(seconds * 100 + 0.5))

@@ -36,8 +36,8 @@ def test_each_step_counts_from_the_mark_before_it():
     }
     assert join.total() == pytest.approx(5.125)
     assert join.said() == (
-        "joined in 5.12 s: DHT node 1.50 s, run record 0.25 s, servers' records 0.50 s, stage choice 2.00 s, "
-        "compute measured 0.12 s, registered 0.50 s, first task 0.25 s"
+        "joined in 5.13 s: DHT node 1.50 s, run record 0.25 s, servers' records 0.50 s, stage choice 2.00 s, "
+        "compute measured 0.13 s, registered 0.50 s, first task 0.25 s"
     )
 
 
@@ -55,3 +55,17 @@ def test_an_unknown_step_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown join step 'joined'"):
         JoinClock().mark("joined")
     assert list(STEPS)[0] == "dht" and list(STEPS)[-1] == "first_task"
+
+
+def test_the_steps_said_add_up_to_the_total_said():
+    # eight steps of 4.4 ms: each rounded alone would say 0.00 s eight times beside a total of 0.04 s
+    clock = Clock()
+    join = JoinClock(clock)
+    for step in STEPS:
+        clock.now += 0.0044
+        join.mark(step)
+    said = join.said()
+    head, steps = said.split(": ", 1)
+    hundredths = [round(float(part.rsplit(" ", 2)[1]) * 100) for part in steps.split(", ")]
+    assert head == "joined in 0.04 s"
+    assert len(hundredths) == len(STEPS) and sum(hundredths) == 4

@@ -184,7 +184,8 @@ def test_an_operators_run_from_first_server_to_the_end(tmp_path, capsys):
             "warm-up",
             "first task",
         ], joined.group(0)
-        assert sum(map(float, steps.values())) == pytest.approx(float(joined.group(1)), abs=0.02)
+        # said so that the steps add up to the total to the hundredth (each is a difference of rounded times)
+        assert sum(round(float(v) * 100) for v in steps.values()) == round(float(joined.group(1)) * 100)
         first.wait_line(r"finished: run life finished at step 3")
         first.wait_line(r"holding its final state")
         assert json.loads((tmp_path / "ckpt-backward" / "s0b0.json").read_text())["version"] == STEPS
