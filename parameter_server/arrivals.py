@@ -144,7 +144,7 @@ class Arrivals:
         return True
 
     def _kept_from(self) -> int:
-        return self.version - self.shard.keep_versions
+        return self.version - self.shard.reach()
 
     def forget_departed(self) -> None:
         """Forget what this server remembers of volunteers that have left (not registered here) and

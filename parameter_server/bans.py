@@ -193,7 +193,7 @@ class Bans:
                 self.device_id,
                 peer[-8:],
                 record["epoch"],
-                f"rolled back to version {record['rollback_to']}"
+                f"rolled back to version {record['rollback_to']} from {max(versions)}"
                 if "rollback_to" in record
                 else "(nothing of it was applied)",
             )

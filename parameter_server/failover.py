@@ -97,10 +97,12 @@ class Failover:
         rollback_to = record.get("rollback_to")
         if rollback_to is not None:  # a caught cheater's applied work is undone (parameter_server/bans.py)
             for slot, shard in self.hosted.items():
-                if shard.version > rollback_to and shard.rollback_epoch < epoch and rollback_to not in shard.moments:
+                if shard.version > rollback_to and shard.rollback_epoch < epoch and not shard.keeps(rollback_to):
                     raise PayloadError(f"slot {slot} no longer keeps version {rollback_to} to roll back to")
         for i in take_over:
             shard = self.hosted[i] = self.replicas.pop(i)
+            if self.old_versions is not None:  # (a ban's reach on disk, from now on)
+                shard.old = self.old_versions.slot(i)
             logger.warning("%s: took over shard slot %d at version %d", self.device_id, i, shard.version)
         rolled = False
         if rollback_to is not None:

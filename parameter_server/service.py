@@ -154,6 +154,7 @@ class StageServer(
         self.slot_names = assign_shards({n: t.numel() for n, t in stage_params.items()}, len(self.st.hosts))
         self.slot = self.st.hosts.index(device_id)
         self.shard = self._new_shard(self.slot)
+        self.old_versions = None  # versions kept on disk for bans (use_old_versions; None: memory only)
         self.max_request_bytes = max_request_bytes or default_max_request_bytes(stage_params, self.rows, cfg)
         # a peer that is not one of the run's servers sends no replica: its requests are bounded by the
         # largest a volunteer sends, and so is its share of the budget below
@@ -217,6 +218,13 @@ class StageServer(
         self._init_bans()
         compose_parts(self, run, cfg)
         self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (Updates.params_on_wire)
+
+    def use_old_versions(self, old_versions) -> None:
+        """Keep the versions memory lets go on disk, within a ban's reach (old_versions.py): the slots
+        hosted here now, and those a failover gives it."""
+        self.old_versions = old_versions
+        for slot, shard in self.hosted.items():
+            shard.old = old_versions.slot(slot)
 
     def _new_shard(self, slot: int) -> ShardState:
         names = self.slot_names[slot]

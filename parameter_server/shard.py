@@ -81,6 +81,7 @@ class ShardState(ShardCopies):
         # the oldest version a ban may still have to roll back to (its server's pin: pins.py), kept
         # beyond keep_versions, up to PIN_EXTRA x keep_versions more; None: no pin
         self.pinned_from: int | None = None
+        self.old = None  # the versions memory let go that a ban may still reach, on disk (old_versions.py)
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
         # AdamW's state at each kept version (step count, exp_avg, exp_avg_sq per parameter): with the
         # parameter snapshot, what a rollback to that version restores
@@ -142,6 +143,11 @@ class ShardState(ShardCopies):
         self.snapshots[version] = self._snapshot()
         self.moments[version] = self._moments()
         self.tokens[version] = new_token()
+        if self.old is not None:  # what memory lets go now stays within a ban's reach, on disk
+            for v in [v for v in self.snapshots if self._forgotten(v, version) and v in self.moments]:
+                if v > version - self.reach():
+                    self.old.put(v, self.snapshots[v], self.moments[v])
+            self.old.forget(lambda v: v > version - self.reach())
         for store in (self.snapshots, self.moments, self.tokens):
             for v in [v for v in store if self._forgotten(v, version)]:
                 del store[v]
@@ -154,9 +160,19 @@ class ShardState(ShardCopies):
         pinned = self.pinned_from is not None and v >= self.pinned_from
         return not pinned or v <= version - (1 + PIN_EXTRA) * self.keep_versions
 
+    def reach(self) -> int:
+        """How many versions back a rollback can go here at most: those memory keeps, and those on disk."""
+        return self.keep_versions + (self.old.depth if self.old is not None else 0)
+
+    def keeps(self, version: int) -> bool:
+        """Whether a rollback to `version` is possible here (in memory, or on disk)."""
+        in_memory = version in self.snapshots and version in self.moments
+        return in_memory or (self.old is not None and version in self.old.files)
+
     def kept_from(self) -> int:
         """The oldest version a rollback can go back to here (parameters and AdamW state both kept)."""
-        return min(v for v in self.snapshots if v in self.moments)
+        on_disk = self.old.versions() if self.old is not None else []
+        return min([v for v in self.snapshots if v in self.moments] + on_disk)
 
     def _restore(self, version: int) -> None:
         """Parameters and AdamW state as they were right after `version` was made: its kept snapshot
@@ -184,9 +200,14 @@ class ShardState(ShardCopies):
         if epoch <= self.rollback_epoch or self.version <= version:
             self.rollback_epoch = max(self.rollback_epoch, epoch)
             return False
-        if version not in self.snapshots or version not in self.moments:
-            raise PayloadError(f"version {version} is no longer kept (kept: {sorted(self.snapshots)})")
+        if not self.keeps(version):
+            raise PayloadError(f"version {version} is no longer kept (kept from {self.kept_from()})")
+        if version not in self.snapshots or version not in self.moments:  # read back from disk
+            self.snapshots[version], self.moments[version] = self.old.get(version)
+            self.tokens[version] = new_token()
         self._restore(version)
+        if self.old is not None:
+            self.old.forget(lambda v: v < version)  # (the later ones are undone; it is in memory again)
         for store in (self.snapshots, self.moments, self.tokens):
             for v in [v for v in store if v > version]:
                 del store[v]

@@ -185,6 +185,21 @@ def add_arguments(p) -> None:
         metavar="N",
         help="re-run every one of a new volunteer's first N contributions here (default 4)",
     )
+    checks.add_argument(
+        "--ban-reach",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep N versions of each shard on disk beyond those in memory, so that a ban rolls a liar "
+        "caught late back that far (default 64: see docs/trust.md, 'A ban's reach'); 0 keeps memory's only",
+    )
+    checks.add_argument(
+        "--ban-reach-gb",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="at most GB of disk for them (default 20; fewer versions where each costs more)",
+    )
     add_common_arguments(p)
 
 
@@ -260,6 +275,14 @@ def resolve(args):
     if args.die_at_version is not None and not 1 <= args.die_at_version < args.steps:
         raise UsageError(f"--die-at-version must be a step in 1..{args.steps - 1}, got {args.die_at_version}")
     args.probation = DEFAULT_PROBATION if args.probation is None else args.probation
+    from parameter_server.old_versions import DEFAULT_BAN_REACH, DEFAULT_BAN_REACH_GB
+
+    args.ban_reach = DEFAULT_BAN_REACH if args.ban_reach is None else args.ban_reach
+    args.ban_reach_gb = DEFAULT_BAN_REACH_GB if args.ban_reach_gb is None else args.ban_reach_gb
+    if args.ban_reach < 0:
+        raise UsageError(f"--ban-reach must be >= 0 versions, got {args.ban_reach}")
+    if not args.ban_reach_gb > 0:
+        raise UsageError(f"--ban-reach-gb must be a positive number of GB, got {args.ban_reach_gb}")
     if args.probation < 0:
         raise UsageError(f"--probation must be >= 0 contributions, got {args.probation}")
     # a key file that is not there is made in memory now and written once the run admits this server

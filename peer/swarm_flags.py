@@ -115,6 +115,13 @@ def add_arguments(p) -> None:
         help="servers re-run each volunteer contribution with probability P after its probation (default 0.1)",
     )
     p.add_argument(
+        "--ban-reach",
+        type=int,
+        default=None,
+        metavar="N",
+        help="servers keep N versions on disk beyond memory's for a ban's rollback (default 64; 0: memory only)",
+    )
+    p.add_argument(
         "--probation",
         type=int,
         default=None,
@@ -200,6 +207,8 @@ def validate(args):
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: torch sees no CUDA device (the volunteers would fail at their start)")
+    if args.ban_reach is not None and args.ban_reach < 0:
+        raise UsageError(f"--ban-reach must be >= 0 versions, got {args.ban_reach}")
     if args.volunteer_slowdown is not None and args.volunteer_slowdown < 1:
         raise UsageError("--volunteer-slowdown must be >= 1")
     if not 0 <= args.churn <= 1:

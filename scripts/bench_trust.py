@@ -172,12 +172,18 @@ def patient(a, work: Path, out: Path, refs: dict) -> None:
                 "tasks": tasks,
                 "lies": lies,
                 "stays_applied": sum(p.read_text().count("stays applied") for p in logs),
+                # the coordinator's ban line: the version a rollback went back to, and when (its version then)
+                "rolled_back": sorted(
+                    {(int(v), int(at)) for p in logs for v, at in re.findall(BAN_LINE, p.read_text())}
+                ),
                 "distance": reference_distance(ckpt / "model.safetensors", a.patient_steps, refs),
                 "applied": exactly_once(s),
             }
             results.append(r)
             rows.append(
-                [cheat, i + 1, r["banned"], r["tasks"], r["lies"], r["stays_applied"], r["distance"], r["applied"]]
+                [cheat, i + 1, r["banned"], r["tasks"], r["lies"]]
+                + [", ".join(f"{v} (at {at})" for v, at in r["rolled_back"]) or "-"]
+                + [r["stays_applied"], r["distance"], r["applied"]]
             )
     report.section(
         "A liar past its probation that lies on a few of its tasks, keeping the result's norm",
@@ -192,7 +198,8 @@ def patient(a, work: Path, out: Path, refs: dict) -> None:
     )
     report.add(
         md_table(
-            ["cheat", "run", "banned", "tasks", "lies", "bans that left work applied", "distance", "micro-batches"],
+            ["cheat", "run", "banned", "tasks", "lies", "rolled back to version (at version)"]
+            + ["bans that left work applied", "distance", "micro-batches"],
             rows,
         )
     )
@@ -227,6 +234,7 @@ def plot(cost: list[dict], detect: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+BAN_LINE = r"banned from the run; epoch \d+ rolled back to version (\d+) from (\d+)"
 ATTACK_SWARM = ["--model", "tiny", "--servers-compute", "no", "--volunteers", "4", "--announce-period", "0.5"]
 
 

@@ -93,6 +93,7 @@ async def build_parts(host) -> StageParts:
         lease_tickets=LeaseTickets.of_run_key(args.run_key_obj),
     )
     logger.info("%s: its stage server built in %.1f s", device, time.perf_counter() - t0)
+    keep_old_versions(server, args, device)
     writer = await resume(server, args, host.cfg, device) if args.checkpoint_dir else None
     server.on_step.append(server.note_step)
     if args.die_at_version is not None:
@@ -204,3 +205,23 @@ async def resume(server, args, cfg, device: str):
     server.on_adopt.append(lambda record: writer.now())
     server.on_replica.append(writer.replica)
     return writer
+
+
+def keep_old_versions(server, args, device: str) -> None:
+    """The versions memory lets go, kept on disk within a ban's reach (parameter_server/old_versions.py):
+    beside the checkpoint (a folder of their own), or in a temporary folder removed at the end."""
+    from parameter_server.old_versions import OldVersions, reach_depth
+
+    shard_bytes = sum(p.numel() * p.element_size() for p in server.shard.params.values())
+    depth = reach_depth(args.ban_reach, args.ban_reach_gb, shard_bytes)
+    if depth < 1:
+        return
+    folder = os.path.join(args.checkpoint_dir, f"{device}.old-versions") if args.checkpoint_dir else None
+    server.use_old_versions(OldVersions(folder, depth))
+    logger.info(
+        "%s: keeps %d versions on disk for bans beyond memory's (%.1f MB at most, in %s)",
+        device,
+        depth,
+        3 * depth * shard_bytes / 2**20,
+        server.old_versions.directory,
+    )

@@ -38,6 +38,8 @@ class ServerOptions:
     allowed: frozenset[str] | None  # peer ids a closed run admits (--volunteers-allow)
     verify_rate: float
     probation: int
+    ban_reach: int  # versions of each shard kept on disk for bans beyond memory's (old_versions.py)
+    ban_reach_gb: float  # at most this much disk for them
     task_tokens: int
     client_batch_tokens: int
     no_local_first: bool

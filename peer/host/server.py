@@ -326,6 +326,8 @@ class ServerHost:
             self.writer.close()  # the last step's checkpoint is on disk before the process ends
         if self.trainlog is not None:
             self.trainlog.close()
+        if self.server is not None and self.server.old_versions is not None:
+            self.server.old_versions.close()
         if self.held is None and self.dht is not None:
             await close_replica(self.p2p)
             stop_dht(self.dht)

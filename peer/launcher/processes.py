@@ -164,6 +164,8 @@ class Swarm:
                         argv += ["--verify-rate", str(a.verify_rate)]
                     if a.probation is not None:
                         argv += ["--probation", str(a.probation)]
+                    if getattr(a, "ban_reach", None) is not None:
+                        argv += ["--ban-reach", str(a.ban_reach)]
                     for flag in ("task_tokens", "client_batch_tokens"):
                         if getattr(a, flag, None) is not None:
                             argv += ["--" + flag.replace("_", "-"), str(getattr(a, flag))]

@@ -47,3 +47,17 @@ def test_the_server_refuses_the_namespace_itself(tmp_path):
     args, (cfg, layout, device, run_cfg) = serve_args(tmp_path)
     with pytest.raises(TypeError, match="ServerOptions"):
         ServerHost(args, cfg, layout, device, run_cfg)
+
+
+def test_a_bans_reach_defaults_and_bad_values_are_named(tmp_path):
+    from parameter_server.old_versions import DEFAULT_BAN_REACH, DEFAULT_BAN_REACH_GB
+    from peer.errors import UsageError
+
+    options = ServerOptions.from_args(serve_args(tmp_path)[0])
+    assert (options.ban_reach, options.ban_reach_gb) == (DEFAULT_BAN_REACH, DEFAULT_BAN_REACH_GB)
+    options = ServerOptions.from_args(serve_args(tmp_path, "--ban-reach", "0", "--ban-reach-gb", "0.5")[0])
+    assert (options.ban_reach, options.ban_reach_gb) == (0, 0.5)
+    with pytest.raises(UsageError, match="--ban-reach must be >= 0 versions, got -1"):
+        serve_args(tmp_path, "--ban-reach", "-1")
+    with pytest.raises(UsageError, match="--ban-reach-gb must be a positive number of GB, got 0.0"):
+        serve_args(tmp_path, "--ban-reach-gb", "0")

@@ -94,8 +94,8 @@ def test_no_local_first_reaches_every_server_the_swarm_starts(flag, expected, tm
 
 
 def test_the_swarm_passes_its_checked_work_and_compression_flags_to_its_peers(tmp_path):
-    """`peer swarm --cheater K --compress C --probation P --verify-rate R --volunteer-slowdown S`
-    reaches the commands it starts: every server serves with C, P and R, each honest volunteer is
+    """`peer swarm --cheater K --compress C --probation P --verify-rate R --ban-reach B --volunteer-slowdown
+    S` reaches the commands it starts: every server serves with C, P, R and B, each honest volunteer is
     slowed by S, and liar i joins stage i mod 2 with `--cheat K` (what those flags do on a live run:
     tests/swarm/test_hosts_trust.py)."""
     from core.layout import RunLayout
@@ -104,6 +104,7 @@ def test_the_swarm_passes_its_checked_work_and_compression_flags_to_its_peers(tm
 
     argv = ["swarm", "--model", "tiny", "--steps", "6", "--no-fork-processes", "--volunteers", "2"]
     argv += ["--compress", "8bit", "--probation", "1", "--verify-rate", "0.5", "--volunteer-slowdown", "8"]
+    argv += ["--ban-reach", "3"]
     args = build_parser().parse_args([*argv, "--cheater", "scale", "--cheater", "zeros@6"])
     validate(args)
     layout = RunLayout.even(args.stages, get_preset("tiny").layers, 1, 1)
@@ -113,7 +114,7 @@ def test_the_swarm_passes_its_checked_work_and_compression_flags_to_its_peers(tm
     swarm.start_volunteers()
     for argv in swarm.servers.values():
         served = build_parser().parse_args(argv)
-        assert (served.compress, served.probation, served.verify_rate) == ("8bit", 1, 0.5), argv
+        assert (served.compress, served.probation, served.verify_rate, served.ban_reach) == ("8bit", 1, 0.5, 3), argv
     joined = {name: build_parser().parse_args(argv) for name, (argv, _) in swarm.volunteers.items()}
     assert sorted(joined) == ["cheat0", "cheat1", "v0", "v1"]
     assert [(joined[n].stage, joined[n].slowdown) for n in ("v0", "v1")] == [("0", 8.0), ("1", 8.0)]

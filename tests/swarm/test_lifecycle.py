@@ -189,6 +189,8 @@ def test_an_operators_run_from_first_server_to_the_end(tmp_path, capsys):
         first.wait_line(r"finished: run life finished at step 3")
         first.wait_line(r"holding its final state")
         assert json.loads((tmp_path / "ckpt-backward" / "s0b0.json").read_text())["version"] == STEPS
+        # the versions its memory lets go are kept beside the checkpoint for a ban's reach (none yet in 3 steps)
+        assert (tmp_path / "ckpt-backward" / "s0b0.old-versions").is_dir()
 
         late = peer("join", "--run-id", f"life@{fp_a}", "--initial-peers", *initial, "--stage", "0")
         assert late.returncode == 0, late.stderr[-3000:]

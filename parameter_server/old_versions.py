@@ -1,0 +1,121 @@
+"""Versions a ban may still roll back to, kept on disk once a shard's memory lets them go.
+
+A shard keeps its last few versions in memory (parameters and AdamW state of each: 3 + 2 x stages
+of them, more while a pin asks: shard.py, pins.py). A liar past its probation that lies on a few of
+its tasks meets the sample only: at a sample rate r, a lie on a fraction f of its contributions is
+seen after about 1 / (f x r) of them, and by then its first lies are older than memory keeps. What a
+ban cannot reach stays applied. So each version memory lets go is written to a file of its own here,
+up to `depth` versions back, and a rollback to one of them reads it back: the run then goes back to
+the liar's first work within that reach and runs again from there, exactly as from a kept version.
+
+The files are written by one thread (in the order they were asked for, deletions among them), so a
+step only hands the version over; a rollback waits for the file it reads. Each version costs three
+times its shard's parameters on disk. A restarted server begins with none (its reach on disk grows
+again a version a step): what is kept here is a ban's reach, not a checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from parameter_server import blob
+
+logger = logging.getLogger("hivepipe.server")
+
+DEFAULT_BAN_REACH = 64  # versions kept on disk for bans beyond those in memory (`--ban-reach`)
+DEFAULT_BAN_REACH_GB = 20.0  # at most this much disk for them, per server (`--ban-reach-gb`)
+
+
+class OldVersions:
+    """A server's versions on disk for bans: one folder, one writer thread, a store per shard slot."""
+
+    def __init__(self, directory: str | None, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"a ban's reach on disk is at least 1 version, got {depth}")
+        self.depth = depth
+        self.own = directory is None  # a temporary folder, removed at close
+        self.directory = tempfile.mkdtemp(prefix="hivepipe-old-versions-") if directory is None else directory
+        if not self.own:  # what an earlier process left is not this one's (a restart begins with none)
+            shutil.rmtree(self.directory, ignore_errors=True)
+            os.makedirs(self.directory)
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="old-versions")
+        self.slots: dict[int, SlotVersions] = {}
+
+    def slot(self, slot: int) -> "SlotVersions":
+        if slot not in self.slots:
+            self.slots[slot] = SlotVersions(self, slot)
+        return self.slots[slot]
+
+    def bytes_on_disk(self) -> int:
+        total = 0
+        for name in os.listdir(self.directory):
+            try:
+                total += os.path.getsize(os.path.join(self.directory, name))
+            except FileNotFoundError:  # (deleted by the writer meanwhile)
+                pass
+        return total
+
+    def close(self) -> None:
+        self.writer.shutdown(wait=True)
+        if self.own:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class SlotVersions:
+    """One shard slot's versions on disk: version -> its file, written (or being written) by the
+    server's writer thread."""
+
+    def __init__(self, owner: OldVersions, slot: int) -> None:
+        self.owner, self.slot = owner, slot
+        self.files: dict[int, tuple[str, Future]] = {}
+        self.count = 0  # files written in all (a version re-made after a rollback is a new file)
+
+    @property
+    def depth(self) -> int:
+        return self.owner.depth
+
+    def versions(self) -> list[int]:
+        return sorted(self.files)
+
+    def put(self, version: int, snapshot: dict, moments: dict) -> None:
+        """Keep `version` (its parameter snapshot and AdamW moments, never changed in place: the
+        thread writes them as they are) unless it is kept already."""
+        if version in self.files:
+            return
+        self.count += 1
+        path = os.path.join(self.owner.directory, f"s{self.slot}.v{version}.{self.count}.pt")
+        saved = {"snapshot": snapshot, "moments": moments}
+        self.files[version] = (path, self.owner.writer.submit(blob.save, saved, path))
+
+    def get(self, version: int) -> tuple[dict, dict] | None:
+        """(snapshot, moments) of `version`, read back once its file is written; None if not kept."""
+        if version not in self.files:
+            return None
+        path, written = self.files[version]
+        written.result()
+        saved = blob.load(path)
+        return saved["snapshot"], saved["moments"]
+
+    def forget(self, keep) -> None:
+        """Delete the versions for which `keep(version)` is false (after their writes: same thread)."""
+        for v in [v for v in self.files if not keep(v)]:
+            path, _ = self.files.pop(v)
+            self.owner.writer.submit(_remove, path)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def reach_depth(versions: int, max_gb: float, shard_bytes: int) -> int:
+    """How many versions a server keeps on disk for bans: `versions` (`--ban-reach`), fewer where three
+    copies of its shards' parameters a version would pass `max_gb` (`--ban-reach-gb`); 0: none."""
+    if versions <= 0 or shard_bytes <= 0:
+        return max(0, versions)
+    return max(0, min(versions, int(max_gb * 2**30 // (3 * shard_bytes))))

@@ -1,0 +1,74 @@
+"""A ban's reach on disk (parameter_server/old_versions.py): the versions a shard's memory lets go,
+kept in files up to a depth, read back by a rollback exactly; what is beyond it refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from core.protocol.wire import PayloadError
+from parameter_server.old_versions import OldVersions, reach_depth
+from tests.protocol.test_checked_work import _run, _shard
+
+
+def _same(a, b) -> None:
+    for n in a.names:
+        assert torch.equal(a.params[n], b.params[n]), n
+        sa, sb = a.optimizer.state[a.params[n]], b.optimizer.state[b.params[n]]
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+        assert float(sa["step"]) == float(sb["step"])
+
+
+def test_a_rollback_beyond_memory_reads_the_version_back_from_disk_exactly(tmp_path):
+    """Memory keeps 2 versions, the disk 5 more: at version 12 a ban rolls back to 6 (from its file),
+    and the shard run again honestly equals one that never saw the lies, AdamW moments included."""
+    clean, dirty = _shard(keep=2), _shard(keep=2)
+    clean.steps = dirty.steps = 16
+    old = OldVersions(str(tmp_path / "old"), depth=5)
+    dirty.old = old.slot(0)
+    _run(clean, range(14))
+    _run(dirty, range(6))
+    _run(dirty, range(6, 12), scale=1e4)  # lies from batch 6 on, caught at version 12
+    assert sorted(dirty.snapshots) == [11, 12] and dirty.old.versions() == [6, 7, 8, 9, 10]
+    assert dirty.reach() == 7 and dirty.kept_from() == 6 and dirty.keeps(6) and not dirty.keeps(5)
+    assert dirty.rollback(6, epoch=1) is True and dirty.version == 6
+    assert dirty.old.versions() == [] and sorted(dirty.snapshots) == [6]  # later ones undone; 6 in memory
+    _run(dirty, range(6, 14))
+    _same(clean, dirty)
+    old.close()
+    assert dirty.old.versions() == [8, 9, 10, 11, 12]  # at version 14: memory keeps 13 and 14
+    assert sorted(int(name.split(".")[1][1:]) for name in os.listdir(tmp_path / "old")) == [8, 9, 10, 11, 12]
+
+
+def test_beyond_the_reach_a_rollback_is_refused_and_changes_nothing(tmp_path):
+    shard = _shard(keep=2)
+    shard.steps = 16
+    old = OldVersions(None, depth=3)  # a temporary folder, gone at close
+    shard.old = old.slot(0)
+    _run(shard, range(10))
+    before = {n: p.detach().clone() for n, p in shard.params.items()}
+    assert shard.kept_from() == 6
+    with pytest.raises(PayloadError, match="version 5 is no longer kept \\(kept from 6\\)"):
+        shard.rollback(5, epoch=1)
+    assert shard.version == 10 and all(torch.equal(before[n], shard.params[n]) for n in before)
+    assert shard.old.versions() == [6, 7, 8]  # memory keeps 9 and 10
+    folder = old.directory
+    old.close()
+    assert not os.path.exists(folder)
+
+
+def test_a_folder_an_earlier_process_left_is_emptied_and_the_depth_follows_the_disk_bound(tmp_path):
+    folder = tmp_path / "old"
+    folder.mkdir()
+    (folder / "s0.v3.1.pt").write_bytes(b"left by a process before a restart")
+    old = OldVersions(str(folder), depth=4)
+    assert os.listdir(folder) == [] and old.slot(0).versions() == []
+    old.close()
+    with pytest.raises(ValueError, match="at least 1 version"):
+        OldVersions(None, depth=0)
+    mb = 2**20
+    assert reach_depth(64, 20.0, 1 * mb) == 64  # 3 MiB a version: 64 fit in 20 GB
+    assert reach_depth(64, 1.0, 16 * mb) == 21  # 48 MiB a version: 21 fit in 1 GB
+    assert reach_depth(64, 0.01, 16 * mb) == 0 and reach_depth(0, 20.0, mb) == 0
