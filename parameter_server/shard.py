@@ -202,9 +202,11 @@ class ShardState(ShardCopies):
             return False
         if not self.keeps(version):
             raise PayloadError(f"version {version} is no longer kept (kept from {self.kept_from()})")
-        if version not in self.snapshots or version not in self.moments:  # read back from disk
-            self.snapshots[version], self.moments[version] = self.old.get(version)
-            self.tokens[version] = new_token()
+        # from disk: `version` and the versions below it memory would hold (batch `version` re-runs on version - 1)
+        for v in range(version - self.keep_versions + 1, version + 1):
+            if (v not in self.snapshots or v not in self.moments) and self.old is not None and v in self.old.files:
+                self.snapshots[v], self.moments[v] = self.old.get(v)
+                self.tokens[v] = new_token()
         self._restore(version)
         if self.old is not None:
             self.old.forget(lambda v: v < version)  # (the later ones are undone; it is in memory again)
@@ -220,9 +222,6 @@ class ShardState(ShardCopies):
         self.mirror = None
         self.rollback_epoch = epoch
         return True
-
-    def shapes(self) -> dict[str, tuple]:
-        return {n: tuple(p.shape) for n, p in self.params.items()}
 
     def params_at(self, version: int) -> dict[str, torch.Tensor] | None:
         return self.snapshots.get(version)

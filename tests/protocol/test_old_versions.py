@@ -22,20 +22,22 @@ def _same(a, b) -> None:
 
 
 def test_a_rollback_beyond_memory_reads_the_version_back_from_disk_exactly(tmp_path):
-    """Memory keeps 2 versions, the disk 5 more: at version 12 a ban rolls back to 6 (from its file),
-    and the shard run again honestly equals one that never saw the lies, AdamW moments included."""
+    """Memory keeps 2 versions, the disk 5 more: at version 12 a ban rolls back to 7 (from its file, with
+    6, which batch 7's re-run computes on), and the shard run again honestly equals one that never saw
+    the lies, AdamW moments included."""
     clean, dirty = _shard(keep=2), _shard(keep=2)
     clean.steps = dirty.steps = 16
     old = OldVersions(str(tmp_path / "old"), depth=5)
     dirty.old = old.slot(0)
     _run(clean, range(14))
-    _run(dirty, range(6))
-    _run(dirty, range(6, 12), scale=1e4)  # lies from batch 6 on, caught at version 12
+    _run(dirty, range(7))
+    _run(dirty, range(7, 12), scale=1e4)  # lies from batch 7 on, caught at version 12
     assert sorted(dirty.snapshots) == [11, 12] and dirty.old.versions() == [6, 7, 8, 9, 10]
     assert dirty.reach() == 7 and dirty.kept_from() == 6 and dirty.keeps(6) and not dirty.keeps(5)
-    assert dirty.rollback(6, epoch=1) is True and dirty.version == 6
-    assert dirty.old.versions() == [] and sorted(dirty.snapshots) == [6]  # later ones undone; 6 in memory
-    _run(dirty, range(6, 14))
+    assert dirty.rollback(7, epoch=1) is True and dirty.version == 7
+    # the later ones are undone; 7 is in memory again, with 6 (memory keeps two: batch 7 re-runs on 6)
+    assert dirty.old.versions() == [6] and sorted(dirty.snapshots) == [6, 7] and dirty.params_at(6) is not None
+    _run(dirty, range(7, 14))
     _same(clean, dirty)
     old.close()
     assert dirty.old.versions() == [8, 9, 10, 11, 12]  # at version 14: memory keeps 13 and 14

@@ -13,27 +13,40 @@ from tests.swarm.inprocess import InProcessSwarm, make_run
 
 def test_a_liar_caught_after_memory_let_its_lies_go_is_rolled_back_from_disk(tmp_path):
     """A volunteer of stage 0 adds noise (0.1 of each result's RMS: norm and direction kept) to every
-    result from its first task, unseen: no probation, sample rate 0. A check that hits it late (here
-    the coordinator's ban at version 16, as a sampled re-run would order it) finds its first work at
-    batch 0 or 1, nine versions older than any server keeps in memory (7). Each server keeps the
-    versions memory let go on disk (64 deep): every shard, the other stage's too, reads its rollback's
-    version back from its file, and the run ends equal to the reference."""
+    result from the first task it takes once every server is at version 4, unseen: no probation,
+    sample rate 0. A check that hits it late (here the coordinator's ban at version 16, as a sampled
+    re-run would order it) finds its first lie at batch 4 (its honest work before is forgotten, as
+    if it had joined then), older than any version kept in memory (7). Each server keeps the
+    versions memory let go on disk (64 deep): every shard, the other stage's too, reads version 4 back
+    from its file, and version 3 that batch 4's re-run computes on, and the run ends equal to the
+    reference."""
     from peer.volunteer.cheat import Cheat
 
     steps, ban_at = 20, 16
     cfg, layout, run = make_run(steps=steps, stages=2)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
-    olds = []
+    liar = next(w for w in swarm.workers if w.device_id == "u01")
+    olds, armed = [], []
+
+    def arm(slot: int, batch: int) -> None:  # (at each push credited: every server at version 4 yet?)
+        if not armed and min(swarm.versions()) >= 4:
+            liar.cheat = Cheat("noise", after=liar.stats["forward"] + liar.stats["backward"])
+            armed.append(min(swarm.versions()))  # every task it takes from now on is of a later batch
+
     for device, server in swarm.servers.items():
         server.probation, server.verify_rate = 0, 0.0
         olds.append(OldVersions(str(tmp_path / device), depth=64))
         server.use_old_versions(olds[-1])
-    next(w for w in swarm.workers if w.device_id == "u01").cheat = Cheat("noise")
+        server.on_credit.append(arm)
     records, in_memory = [], []
 
     async def ban():
-        coordinator = swarm.servers[layout.stages[0].frontal[0]]
+        (since,) = armed
+        for server in swarm.servers.values():  # its honest work before the lies: as if it had joined then
+            server.contributed["peer-u01"] = {t for t in server.contributed.get("peer-u01", ()) if t >= since}
+            server.first_contributed["peer-u01"] = since
         in_memory.append(min(min(sh.snapshots) for s in swarm.servers.values() for sh in s.hosted.values()))
+        coordinator = swarm.servers[layout.stages[0].frontal[0]]
         records.append(await coordinator.ban_and_roll_back("peer-u01", "a check that hit it late"))
 
     try:
@@ -41,8 +54,9 @@ def test_a_liar_caught_after_memory_let_its_lies_go_is_rolled_back_from_disk(tmp
     finally:
         for old in olds:
             old.close()
-    (record,), (memory_from,) = records, in_memory
+    (record,), (memory_from,), (since,) = records, in_memory, armed
     bans = {p for s in swarm.servers.values() for p in s.banned}
     assert bans == {"peer-u01"}, bans  # (no check caught it before the test's ban)
-    assert record["rollback_to"] <= 1 < memory_from, (record, memory_from)  # read back from disk
+    assert since < ban_at - 2 and liar.stats["forward"] + liar.stats["backward"] > liar.cheat.after  # it lied
+    assert record["rollback_to"] == since < memory_from, (record, memory_from)  # read back from disk
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
