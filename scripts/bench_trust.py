@@ -190,11 +190,13 @@ def patient(a, work: Path, out: Path, refs: dict) -> None:
         f"tiny, {a.patient_steps} steps, the checked-work swarm (2 stages x 2 servers not computing, 4 "
         f"volunteers slowed down 8x) with the defaults (probation 4, --verify-rate 0.1) plus one "
         f"`--cheater KIND@{a.after}/EVERY`: honest for {a.after} tasks, then one task in EVERY a lie "
-        "(signflip: every result negated; noise: + 0.1 x its RMS). Both keep the result's norm, so the "
-        "outsized-norm check does not see them: only the sample (and the drift test) does. Lies: tasks "
-        "it lied on, from its task count; 'bans that left work applied': the coordinator's log of lies older "
-        "than the kept versions; distance: the final parameters from `peer reference --delay 1` (honest "
-        "runs end within 5e-8).",
+        "(signflip: every result negated; noise: + 0.1 x its RMS; scale: x1e4). The first two keep the "
+        "result's norm, so the outsized-norm check does not see them: only the sample (and the drift "
+        "test) does; that check sees scale's gradient pushes. Lies: tasks it lied on, from its task count; rolled back: the "
+        "coordinator's ban line, the version the run went back to and the one it went back from; 'bans "
+        "that left work applied': the coordinator's log of work older than the kept versions (memory's, "
+        "and --ban-reach's on disk, default 64); distance: the final parameters from `peer reference "
+        "--delay 1` (honest runs end within 5e-8).",
     )
     report.add(
         md_table(
