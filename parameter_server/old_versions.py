@@ -27,6 +27,7 @@ logger = logging.getLogger("hivepipe.server")
 
 DEFAULT_BAN_REACH = 64  # versions kept on disk for bans beyond those in memory (`--ban-reach`)
 DEFAULT_BAN_REACH_GB = 20.0  # at most this much disk for them, per server (`--ban-reach-gb`)
+TEMP_PREFIX = "hivepipe-old-versions-"  # a server's temporary folder (without --checkpoint-dir): + its pid
 
 
 class OldVersions:
@@ -37,7 +38,10 @@ class OldVersions:
             raise ValueError(f"a ban's reach on disk is at least 1 version, got {depth}")
         self.depth = depth
         self.own = directory is None  # a temporary folder, removed at close
-        self.directory = tempfile.mkdtemp(prefix="hivepipe-old-versions-") if directory is None else directory
+        if directory is None:
+            _remove_orphans()
+            directory = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
+        self.directory = directory
         if not self.own:  # what an earlier process left is not this one's (a restart begins with none)
             shutil.rmtree(self.directory, ignore_errors=True)
             os.makedirs(self.directory)
@@ -104,6 +108,25 @@ class SlotVersions:
         for v in [v for v in self.files if not keep(v)]:
             path, _ = self.files.pop(v)
             self.owner.writer.submit(_remove, path)
+
+
+def _remove_orphans() -> None:
+    """Remove the temporary folders of servers that are gone (a SIGKILL leaves its folder behind)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        pid = name[len(TEMP_PREFIX) :].split("-", 1)[0]
+        if name.startswith(TEMP_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's process)
+        return True
+    return True
 
 
 def _remove(path: str) -> None:

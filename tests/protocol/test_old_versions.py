@@ -74,3 +74,26 @@ def test_a_folder_an_earlier_process_left_is_emptied_and_the_depth_follows_the_d
     assert reach_depth(64, 20.0, 1 * mb) == 64  # 3 MiB a version: 64 fit in 20 GB
     assert reach_depth(64, 1.0, 16 * mb) == 21  # 48 MiB a version: 21 fit in 1 GB
     assert reach_depth(64, 0.01, 16 * mb) == 0 and reach_depth(0, 20.0, mb) == 0
+
+
+def test_a_temporary_folder_left_by_a_killed_server_is_removed_by_the_next(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from parameter_server.old_versions import TEMP_PREFIX
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # (read TMPDIR again)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"{TEMP_PREFIX}{gone.stdout.strip()}-abc"  # a server SIGKILLed: its pid is gone
+    live = tmp_path / f"{TEMP_PREFIX}{os.getpid()}-def"  # a live server's (this process)
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "s0.v1.1.pt").write_bytes(b"x")
+    old = OldVersions(None, depth=2)
+    assert old.directory.startswith(str(tmp_path / f"{TEMP_PREFIX}{os.getpid()}-"))
+    assert not dead.exists() and live.exists()
+    old.close()
+    assert not os.path.exists(old.directory) and live.exists()
