@@ -111,6 +111,8 @@ class Status:
             "volunteer_compute": float(sum(self.clients[p].compute for p in volunteers)),
             "checked": self.verify_counts["checked"],
             "banned": len(self.banned),
+            # how many versions back a ban can undo here now (memory's and those on disk: old_versions.py)
+            "ban_reach": self.version - max(sh.kept_from() for sh in self.hosted.values()),
         }
         return ServerRecord(
             device=self.device_id,

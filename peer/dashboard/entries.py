@@ -23,6 +23,7 @@ STATS_FIELDS = (
     "clients_left",
     "checked",
     "banned",
+    "ban_reach",
 )
 RATE_WINDOW = 8  # steps over which seconds per step are measured
 

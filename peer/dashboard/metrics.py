@@ -36,6 +36,7 @@ METRICS = {  # name -> help; every metric is a gauge
     "hivepipe_volunteers_lost": "volunteers seen to leave the run",
     "hivepipe_volunteers_banned": "volunteers banned because a server's re-run of their work disagreed",
     "hivepipe_checks": "volunteer contributions re-run by the live servers (checked work)",
+    "hivepipe_ban_reach": "versions a ban can roll the run back now (the live server keeping the fewest)",
     "hivepipe_run_stopped": "1 while a server says the run is stopped (a role lost its last server)",
     "hivepipe_malformed_records": "DHT records under the run's keys that do not fit the schema",
     "hivepipe_stage_blocked": "1 when the stage blocks the run (no live frontal or backward server, or no compute)",
@@ -90,6 +91,7 @@ class SnapshotCollector:
             "volunteers_lost",
             "volunteers_banned",
             "checks",
+            "ban_reach",
         ):
             add(f"hivepipe_{key}", p[key])
         add("hivepipe_loss", p["last_loss"])

@@ -272,6 +272,7 @@ def build_snapshot(
     eval_version = max(evals, default=None)
     norm_batch = max(norms, default=None)
     applied = [s["microbatches_applied"] for s in stage_views]
+    reaches = [r.get("stats", {}).get("ban_reach") for r in live_recs]
     progress = {
         "step": step,
         "steps": run.steps if run else None,
@@ -300,6 +301,8 @@ def build_snapshot(
         # banned (a ban reaches every server, so the most any server counts)
         "checks": sum(r.get("stats", {}).get("checked", 0) for r in live_recs),
         "volunteers_banned": max([r.get("stats", {}).get("banned", 0) for r in live_recs], default=0),
+        # how far back a ban can roll the run now (versions): the live server that keeps the fewest says
+        "ban_reach": min([v for v in reaches if v is not None], default=None),
     }
 
     blocking = [{"stage": s["index"], "reason": r} for s in stage_views for r in s["blocking"]]

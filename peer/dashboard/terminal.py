@@ -60,7 +60,7 @@ def summary_lines(snap: dict) -> list[str]:
         f"s/step {fmt(p['seconds_per_step'], '.3g')} measured, {plan} planned   "
         f"micro-batches {fmt(p['microbatches_applied'])}/{fmt(p['microbatches_expected'])}",
         f"volunteers {p['volunteers_live']} live, {p['volunteers_joined']} joined, {p['volunteers_lost']} lost, "
-        f"{p.get('volunteers_banned', 0)} banned ({p.get('checks', 0)} checks)",
+        f"{p.get('volunteers_banned', 0)} banned ({p.get('checks', 0)} checks, ban reach {fmt(p.get('ban_reach'))})",
     ]
 
 

@@ -170,6 +170,7 @@ def check_shows_the_swarm(snap: dict, running: Running, volunteers: dict[int, di
     assert p["grad_norm_batch"] is not None and p["grad_norm"] > 0, p
     assert p["microbatches_expected"] == 1000 * 4 * 2 and p["microbatches_applied"] >= 2 * 4 * 2
     assert p["volunteers_live"] == 3 and p["volunteers_joined"] >= 3 and p["volunteers_lost"] == 0
+    assert p["ban_reach"] >= min(p["step"], 64), p  # every version so far, or --ban-reach's 64 on disk
     assert snap["health"]["ok"] and snap["health"]["status"] == "ok", snap["health"]
 
 

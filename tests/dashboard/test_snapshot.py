@@ -407,6 +407,20 @@ def test_the_servers_count_of_the_volunteers_registered_now_is_the_stages_live_v
     assert s["health"]["blocking"] == []
 
 
+def test_a_bans_reach_is_what_the_live_server_keeping_the_fewest_versions_says():
+    assert snap()["progress"]["ban_reach"] is None  # (servers that do not say it)
+    stages = healthy()
+    for device, reach in (("s0f0", 70), ("s0b0", 9), ("s1f0", 70), ("s1b0", 71)):
+        rec = stages[int(device[1])][PEERS[device]]
+        rec["stats"] = rec["stats"] | {"ban_reach": reach}
+    assert snap(stages)["progress"]["ban_reach"] == 9  # s0b0 restarted: its disk holds none yet
+    stages[0][PEERS["s0b0"]]["state"] = "offline"
+    assert snap(stages)["progress"]["ban_reach"] == 70  # (an offline server's record does not count)
+    stages[0][PEERS["s0f0"]]["stats"]["ban_reach"] = float("nan")
+    s = snap(stages)
+    assert [m["reason"] for m in s["malformed"]] == ["server record: stats.ban_reach is not a finite number (nan)"]
+
+
 def test_the_servers_count_of_departed_volunteers_is_used():
     stages = healthy()
     stages[0][PEERS["s0f0"]] = server(
