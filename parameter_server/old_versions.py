@@ -53,15 +53,6 @@ class OldVersions:
             self.slots[slot] = SlotVersions(self, slot)
         return self.slots[slot]
 
-    def bytes_on_disk(self) -> int:
-        total = 0
-        for name in os.listdir(self.directory):
-            try:
-                total += os.path.getsize(os.path.join(self.directory, name))
-            except FileNotFoundError:  # (deleted by the writer meanwhile)
-                pass
-        return total
-
     def close(self) -> None:
         self.writer.shutdown(wait=True)
         if self.own:
@@ -76,13 +67,17 @@ class SlotVersions:
         self.owner, self.slot = owner, slot
         self.files: dict[int, tuple[str, Future]] = {}
         self.count = 0  # files written in all (a version re-made after a rollback is a new file)
+        self.failed: set[str] = set()  # files whose write failed (a full disk): not kept (set by the thread)
 
     @property
     def depth(self) -> int:
         return self.owner.depth
 
     def versions(self) -> list[int]:
-        return sorted(self.files)
+        return sorted(v for v, (path, _) in self.files.items() if path not in self.failed)
+
+    def has(self, version: int) -> bool:
+        return version in self.files and self.files[version][0] not in self.failed
 
     def put(self, version: int, snapshot: dict, moments: dict) -> None:
         """Keep `version` (its parameter snapshot and AdamW moments, never changed in place: the
@@ -92,16 +87,28 @@ class SlotVersions:
         self.count += 1
         path = os.path.join(self.owner.directory, f"s{self.slot}.v{version}.{self.count}.pt")
         saved = {"snapshot": snapshot, "moments": moments}
-        self.files[version] = (path, self.owner.writer.submit(blob.save, saved, path))
+        written = self.owner.writer.submit(blob.save, saved, path)
+        written.add_done_callback(lambda done: self._written(done, path, version))
+        self.files[version] = (path, written)
 
-    def get(self, version: int) -> tuple[dict, dict] | None:
-        """(snapshot, moments) of `version`, read back once its file is written; None if not kept."""
-        if version not in self.files:
-            return None
-        path, written = self.files[version]
-        written.result()
-        saved = blob.load(path)
-        return saved["snapshot"], saved["moments"]
+    def _written(self, done: Future, path: str, version: int) -> None:
+        if done.exception() is not None:  # (on the writer thread: a ban then reaches less far, and says so)
+            self.failed.add(path)
+            logger.warning("slot %d: version %d not kept on disk for bans: %r", self.slot, version, done.exception())
+
+    def read(self, versions) -> dict[int, tuple[dict, dict]]:
+        """version -> (snapshot, moments) of those of `versions` kept here, read back once their files
+        are written (those whose write or read failed are left out)."""
+        out = {}
+        for v in versions:
+            if v in self.files and self.files[v][1].exception() is None:
+                try:
+                    saved = blob.load(self.files[v][0])
+                except Exception as e:  # (a file gone or torn under it: that version is not kept after all)
+                    logger.warning("slot %d: version %d could not be read back: %r", self.slot, v, e)
+                    continue
+                out[v] = saved["snapshot"], saved["moments"]
+        return out
 
     def forget(self, keep) -> None:
         """Delete the versions for which `keep(version)` is false (after their writes: same thread)."""

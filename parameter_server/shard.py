@@ -166,8 +166,8 @@ class ShardState(ShardCopies):
 
     def keeps(self, version: int) -> bool:
         """Whether a rollback to `version` is possible here (in memory, or on disk)."""
-        in_memory = version in self.snapshots and version in self.moments
-        return in_memory or (self.old is not None and version in self.old.files)
+        kept = version in self.snapshots and version in self.moments
+        return kept or (self.old is not None and self.old.has(version))
 
     def kept_from(self) -> int:
         """The oldest version a rollback can go back to here (parameters and AdamW state both kept)."""
@@ -203,10 +203,12 @@ class ShardState(ShardCopies):
         if not self.keeps(version):
             raise PayloadError(f"version {version} is no longer kept (kept from {self.kept_from()})")
         # from disk: `version` and the versions below it memory would hold (batch `version` re-runs on version - 1)
-        for v in range(version - self.keep_versions + 1, version + 1):
-            if (v not in self.snapshots or v not in self.moments) and self.old is not None and v in self.old.files:
-                self.snapshots[v], self.moments[v] = self.old.get(v)
-                self.tokens[v] = new_token()
+        wanted = [v for v in range(version - self.keep_versions + 1, version + 1) if v not in self.moments]
+        back = self.old.read(wanted) if self.old is not None else {}
+        if version not in self.moments and version not in back:  # (read before anything changes)
+            raise PayloadError(f"version {version} could not be read back from disk")
+        for v, (snap, moments) in back.items():
+            self.snapshots[v], self.moments[v], self.tokens[v] = snap, moments, new_token()
         self._restore(version)
         if self.old is not None:
             self.old.forget(lambda v: v < version)  # (the later ones are undone; it is in memory again)

@@ -97,3 +97,33 @@ def test_a_temporary_folder_left_by_a_killed_server_is_removed_by_the_next(tmp_p
     assert not dead.exists() and live.exists()
     old.close()
     assert not os.path.exists(old.directory) and live.exists()
+
+
+def test_a_version_the_disk_did_not_take_is_not_kept_and_a_rollback_to_it_changes_nothing(
+    tmp_path, monkeypatch, caplog
+):
+    from parameter_server import blob
+
+    shard = _shard(keep=2)
+    shard.steps = 16
+    old = OldVersions(str(tmp_path / "old"), depth=3)
+    shard.old = old.slot(0)
+    _run(shard, range(4))  # versions 0-2 on disk, 3 and 4 in memory
+
+    def full(obj, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(blob, "save", full)
+    _run(shard, range(4, 6))  # 3 and 4 are let go, their writes fail; 0 and 1 fall out of reach
+    before = {n: p.detach().clone() for n, p in shard.params.items()}
+    pending = shard.old.read([4])  # (waits for the writes) nothing read: the write failed
+    assert pending == {} and shard.old.versions() == [2] and not shard.keeps(4) and shard.kept_from() == 2
+    assert "version 4 not kept on disk for bans" in caplog.text
+    with pytest.raises(PayloadError, match="version 4 is no longer kept"):
+        shard.rollback(4, epoch=1)
+    # a version whose write fails after the check said kept: refused once read, before anything changes
+    shard.old.files[3] = (str(tmp_path / "old" / "gone.pt"), shard.old.files[2][1])
+    with pytest.raises(PayloadError, match="version 3 could not be read back from disk"):
+        shard.rollback(3, epoch=1)
+    assert shard.version == 6 and all(torch.equal(before[n], shard.params[n]) for n in before)
+    old.close()
