@@ -12,6 +12,7 @@ from core.model.update_rule import version_for_batch
 from core.protocol.fields import field as mfield
 from core.protocol.retry import Attempts
 from core.protocol.wire import PayloadError
+from parameter_server.old_versions import STRIDE
 
 logger = logging.getLogger("hivepipe.server")
 
@@ -19,15 +20,19 @@ BAN_PATIENCE = 30.0  # how long the coordinator tries to reach each server with 
 REPORT_TRIES = 30  # how often a server that caught a cheater tries to tell the run's coordinator (0.5 s apart)
 
 
-def rollback_target(first: int, kept_from: int, versions: list[int]) -> int:
+def rollback_target(first: int, kept_from: int, versions: list[int], memory_from: int | None = None) -> int:
     """The version a ban rolls every shard back to, for a liar whose first work was batch `first`, when
-    the oldest version every server still keeps is `kept_from` and the servers' slots are at `versions`.
-    The first batch re-run, t, computes on version_for_batch(t) (t - 1, the delayed update), which must
-    still be kept: past the window's start the oldest version kept is where a re-run starts from, not
-    where it rolls back to. And a server that has not reached the liar's first batch applied none of
-    its work: the run goes back no further than the slowest server's version (an epoch's
-    `rollback_to` is at most its `from_batch`)."""
+    the oldest version every server still keeps is `kept_from` (`memory_from` in memory; below it, on
+    disk, only old_versions.STRIDE's grid) and the servers' slots are at `versions`. The first batch
+    re-run, t, computes on version_for_batch(t) (t - 1, the delayed update), which must still be kept:
+    past the window's start the oldest version kept is where a re-run starts from, not where it rolls
+    back to; below memory, the grid's version at or before t (or, past the reach, after it). And a
+    server that has not reached the liar's first batch applied none of its work: the run goes back no
+    further than the slowest server's version (an epoch's `rollback_to` is at most its `from_batch`)."""
     target = first if version_for_batch(first) >= kept_from else max(first, kept_from + 1)
+    if memory_from is not None and version_for_batch(target) < memory_from:
+        below = target // STRIDE * STRIDE
+        target = below if version_for_batch(below) >= kept_from else -(-target // STRIDE) * STRIDE
     return min(target, min(versions))
 
 
@@ -148,6 +153,7 @@ class Bans:
             "first_batch": min(first, self.first_contributed.get(peer, first)) if batches else -1,
             "versions": [sh.version for sh in self.hosted.values()],
             "kept_from": max(sh.kept_from() for sh in self.hosted.values()),
+            "memory_from": max(sh.memory_from() for sh in self.hosted.values()),
         }
 
     async def ban_and_roll_back(self, peer: str, why: str) -> dict | None:
@@ -165,6 +171,7 @@ class Bans:
             firsts = [a["first_batch"] for a, _ in answers if a["first_batch"] >= 0]
             versions = [v for a, _ in answers for v in a["versions"]]
             kept_from = max(a["kept_from"] for a, _ in answers)
+            memory_from = max(a.get("memory_from", kept_from) for a, _ in answers)
             record = {
                 "epoch": self.epoch + 1,
                 "layout": self.layout.to_dict(),
@@ -173,7 +180,7 @@ class Bans:
             }
             first = min(firsts) if firsts else None
             if first is not None and first < max(versions):
-                target = rollback_target(first, kept_from, versions)
+                target = rollback_target(first, kept_from, versions, memory_from)
                 if target > first:
                     logger.error(
                         "%s: %s's work of batches %d..%d stays applied: versions before %d are no longer kept",

@@ -5,8 +5,9 @@ of them, more while a pin asks: shard.py, pins.py). A liar past its probation th
 its tasks meets the sample only: at a sample rate r, a lie on a fraction f of its contributions is
 seen after about 1 / (f x r) of them, and by then its first lies are older than memory keeps. What a
 ban cannot reach stays applied. So each version memory lets go is written to a file of its own here,
-up to `depth` versions back, and a rollback to one of them reads it back: the run then goes back to
-the liar's first work within that reach and runs again from there, exactly as from a kept version.
+up to `depth` versions back (those of STRIDE's grid: below), and a rollback to one of them reads it
+back: the run then goes back to the liar's first work within that reach (or the grid's version at or
+before it) and runs again from there, exactly as from a kept version.
 
 The files are written by one thread (in the order they were asked for, deletions among them), so a
 step only hands the version over; a rollback waits for the file it reads. Each version costs three
@@ -25,7 +26,11 @@ from parameter_server import blob
 
 logger = logging.getLogger("hivepipe.server")
 
-DEFAULT_BAN_REACH = 64  # versions kept on disk for bans beyond those in memory (`--ban-reach`)
+DEFAULT_BAN_REACH = 64  # versions back a ban reaches on disk beyond those in memory (`--ban-reach`)
+# on disk, of every STRIDE versions: the one a multiple of STRIDE and the one before it (a rollback to V
+# re-runs batch V on version V - 1), a quarter of the writes of keeping every version; a ban rolls back
+# to the multiple at or below the liar's first batch (at most STRIDE - 1 versions more re-done)
+STRIDE = 8
 DEFAULT_BAN_REACH_GB = 20.0  # at most this much disk for them, per server (`--ban-reach-gb`)
 TEMP_PREFIX = "hivepipe-old-versions-"  # a server's temporary folder (without --checkpoint-dir): + its pid
 
@@ -96,6 +101,14 @@ class SlotVersions:
             self.failed.add(path)
             logger.warning("slot %d: version %d not kept on disk for bans: %r", self.slot, version, done.exception())
 
+    def spill(self, versions, snapshots: dict, moments: dict, after: int) -> None:
+        """Keep those of `versions` (let go by memory now) newer than `after` and on the grid (on_grid),
+        and forget every older one."""
+        for v in versions:
+            if v > after and on_grid(v):
+                self.put(v, snapshots[v], moments[v])
+        self.forget(lambda v: v > after)
+
     def read(self, versions) -> dict[int, tuple[dict, dict]]:
         """version -> (snapshot, moments) of those of `versions` kept here, read back once their files
         are written (those whose write or read failed are left out)."""
@@ -115,6 +128,11 @@ class SlotVersions:
         for v in [v for v in self.files if not keep(v)]:
             path, _ = self.files.pop(v)
             self.owner.writer.submit(_remove, path)
+
+
+def on_grid(version: int) -> bool:
+    """Whether `version` is kept on disk: a multiple of STRIDE, or the one before it."""
+    return version % STRIDE in (0, STRIDE - 1)
 
 
 def _remove_orphans() -> None:

@@ -144,10 +144,8 @@ class ShardState(ShardCopies):
         self.moments[version] = self._moments()
         self.tokens[version] = new_token()
         if self.old is not None:  # what memory lets go now stays within a ban's reach, on disk
-            for v in [v for v in self.snapshots if self._forgotten(v, version) and v in self.moments]:
-                if v > version - self.reach():
-                    self.old.put(v, self.snapshots[v], self.moments[v])
-            self.old.forget(lambda v: v > version - self.reach())
+            dropped = [v for v in self.snapshots if self._forgotten(v, version) and v in self.moments]
+            self.old.spill(dropped, self.snapshots, self.moments, after=version - self.reach())
         for store in (self.snapshots, self.moments, self.tokens):
             for v in [v for v in store if self._forgotten(v, version)]:
                 del store[v]
@@ -169,10 +167,13 @@ class ShardState(ShardCopies):
         kept = version in self.snapshots and version in self.moments
         return kept or (self.old is not None and self.old.has(version))
 
+    def memory_from(self) -> int:
+        """The oldest version kept in memory (parameters and AdamW state): what can be served and re-run on."""
+        return min(v for v in self.snapshots if v in self.moments)
+
     def kept_from(self) -> int:
         """The oldest version a rollback can go back to here (parameters and AdamW state both kept)."""
-        on_disk = self.old.versions() if self.old is not None else []
-        return min([v for v in self.snapshots if v in self.moments] + on_disk)
+        return min([self.memory_from()] + (self.old.versions() if self.old is not None else []))
 
     def _restore(self, version: int) -> None:
         """Parameters and AdamW state as they were right after `version` was made: its kept snapshot
@@ -192,11 +193,10 @@ class ShardState(ShardCopies):
 
     def rollback(self, version: int, epoch: int) -> bool:
         """Go back to the state right after version `version` was reached (parameters and AdamW state
-        from the kept history), forgetting every later version, credit and loss: the update of a batch
-        that carried a cheater's work is undone and the batch is credited again. Applied once per
-        layout epoch (a replayed request log does not roll back twice). False when nothing changes
-        (already at or below `version`, or this epoch's rollback already applied); PayloadError when
-        `version` is no longer kept."""
+        from the kept history, in memory or on disk), forgetting every later version, credit and loss:
+        the update of a batch that carried a cheater's work is undone and credited again. Once per layout
+        epoch (a replayed request log does not roll back twice). False when nothing changes (at or below
+        `version` already, or this epoch's rollback applied); PayloadError when it is no longer kept."""
         if epoch <= self.rollback_epoch or self.version <= version:
             self.rollback_epoch = max(self.rollback_epoch, epoch)
             return False

@@ -45,8 +45,9 @@ class Status:
             "epoch": self.epoch,
             "hosted": {str(k): sh.version for k, sh in self.hosted.items()},
             "replicas": {str(k): sh.version for k, sh in self.replicas.items()},
-            # the oldest version each hosted slot still keeps: where a failover's re-run can start
-            "kept_from": {str(k): sh.kept_from() for k, sh in self.hosted.items()},
+            # the oldest version each hosted slot still keeps in memory: where a failover's re-run can start
+            # (one kept on disk for bans is not served: old_versions.py)
+            "kept_from": {str(k): sh.memory_from() for k, sh in self.hosted.items()},
             "losses": {str(k): v for k, v in (losses if recent is None else losses[-recent:])},
             # version -> its held-out loss (--eval-every; the last stage's first frontal server)
             "eval_losses": {str(k): v for k, v in sorted(self.evaluation.eval_losses.items())},

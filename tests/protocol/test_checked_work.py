@@ -240,15 +240,20 @@ def test_a_checkpoint_writes_each_kept_version_once_and_reads_back_the_whole_his
 
 
 @pytest.mark.parametrize(
-    "first,kept_from,versions,want",
+    "first,kept_from,versions,memory_from,want",
     [
-        (0, 0, [3, 3, 2, 3], 0),  # nothing has left the window: back to the liar's first batch
-        (1, 0, [0, 2, 1, 2], 0),  # a server still at version 0 applied nothing of it: no further than 0
-        (2, 4, [9, 10, 9, 10], 5),  # its first work left the window: from where a re-run can start (4 kept)
-        (6, 4, [9, 10, 9, 10], 6),  # all of it within the window
+        (0, 0, [3, 3, 2, 3], None, 0),  # nothing has left the window: back to the liar's first batch
+        (1, 0, [0, 2, 1, 2], None, 0),  # a server still at version 0 applied nothing of it: no further than 0
+        (2, 4, [9, 10, 9, 10], None, 5),  # its first work left the window: from where a re-run can start (4 kept)
+        (6, 4, [9, 10, 9, 10], None, 6),  # all of it within the window
+        # below memory (from 23), on disk only every 8th version with the one before it (old_versions.STRIDE):
+        (25, 7, [30, 30], 23, 25),  # batch 25 re-runs on 24, in memory
+        (12, 7, [30, 30], 23, 8),  # the grid's version at or before it: 8 (7 and 8 on disk)
+        (4, 0, [16, 16], 10, 0),  # the same, to the run's start
+        (9, 8, [30, 30], 23, 16),  # 8 is kept but not 7, which its re-run needs: the grid's next, 16
     ],
 )
-def test_a_bans_rollback_target(first, kept_from, versions, want):
+def test_a_bans_rollback_target(first, kept_from, versions, memory_from, want):
     from parameter_server.bans import rollback_target
 
-    assert rollback_target(first, kept_from, versions) == want
+    assert rollback_target(first, kept_from, versions, memory_from) == want

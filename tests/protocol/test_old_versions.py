@@ -22,26 +22,28 @@ def _same(a, b) -> None:
 
 
 def test_a_rollback_beyond_memory_reads_the_version_back_from_disk_exactly(tmp_path):
-    """Memory keeps 2 versions, the disk 5 more: at version 12 a ban rolls back to 7 (from its file, with
-    6, which batch 7's re-run computes on), and the shard run again honestly equals one that never saw
-    the lies, AdamW moments included."""
+    """Memory keeps 2 versions, the disk 5 more of the grid (every 8th and the one before it): at
+    version 12 a ban rolls back to 8 (from its file, with 7, which batch 8's re-run computes on), and
+    the shard run again honestly equals one that never saw the lies, AdamW moments included."""
     clean, dirty = _shard(keep=2), _shard(keep=2)
     clean.steps = dirty.steps = 16
     old = OldVersions(str(tmp_path / "old"), depth=5)
     dirty.old = old.slot(0)
     _run(clean, range(14))
-    _run(dirty, range(7))
-    _run(dirty, range(7, 12), scale=1e4)  # lies from batch 7 on, caught at version 12
-    assert sorted(dirty.snapshots) == [11, 12] and dirty.old.versions() == [6, 7, 8, 9, 10]
-    assert dirty.reach() == 7 and dirty.kept_from() == 6 and dirty.keeps(6) and not dirty.keeps(5)
-    assert dirty.rollback(7, epoch=1) is True and dirty.version == 7
-    # the later ones are undone; 7 is in memory again, with 6 (memory keeps two: batch 7 re-runs on 6)
-    assert dirty.old.versions() == [6] and sorted(dirty.snapshots) == [6, 7] and dirty.params_at(6) is not None
-    _run(dirty, range(7, 14))
+    _run(dirty, range(8))
+    _run(dirty, range(8, 12), scale=1e4)  # lies from batch 8 on, caught at version 12
+    assert sorted(dirty.snapshots) == [11, 12] and dirty.old.versions() == [7, 8]  # (of 6..10: the grid's)
+    assert dirty.reach() == 7 and dirty.kept_from() == 7 and dirty.keeps(8) and not dirty.keeps(9)
+    # what can be served (and a failover's re-run start from: a server's status) is memory's alone
+    assert dirty.memory_from() == 11 and dirty.params_at(10) is None
+    assert dirty.rollback(8, epoch=1) is True and dirty.version == 8
+    # the later ones are undone; 8 is in memory again, with 7 (batch 8 re-runs on 7)
+    assert dirty.old.versions() == [7] and sorted(dirty.snapshots) == [7, 8] and dirty.params_at(7) is not None
+    _run(dirty, range(8, 14))
     _same(clean, dirty)
+    assert dirty.old.versions() == [8]  # at version 14: 8..12 within reach, 8 the grid's
     old.close()
-    assert dirty.old.versions() == [8, 9, 10, 11, 12]  # at version 14: memory keeps 13 and 14
-    assert sorted(int(name.split(".")[1][1:]) for name in os.listdir(tmp_path / "old")) == [8, 9, 10, 11, 12]
+    assert [name.split(".")[1] for name in os.listdir(tmp_path / "old")] == ["v8"]
 
 
 def test_beyond_the_reach_a_rollback_is_refused_and_changes_nothing(tmp_path):
@@ -51,11 +53,11 @@ def test_beyond_the_reach_a_rollback_is_refused_and_changes_nothing(tmp_path):
     shard.old = old.slot(0)
     _run(shard, range(10))
     before = {n: p.detach().clone() for n, p in shard.params.items()}
-    assert shard.kept_from() == 6
-    with pytest.raises(PayloadError, match="version 5 is no longer kept \\(kept from 6\\)"):
-        shard.rollback(5, epoch=1)
+    assert shard.kept_from() == 7 and shard.old.versions() == [7, 8]  # 6..8 within reach; memory keeps 9, 10
+    for version, why in ((6, "no longer kept \\(kept from 7\\)"), (5, "no longer kept")):
+        with pytest.raises(PayloadError, match=f"version {version} is {why}"):
+            shard.rollback(version, epoch=1)
     assert shard.version == 10 and all(torch.equal(before[n], shard.params[n]) for n in before)
-    assert shard.old.versions() == [6, 7, 8]  # memory keeps 9 and 10
     folder = old.directory
     old.close()
     assert not os.path.exists(folder)
@@ -108,22 +110,22 @@ def test_a_version_the_disk_did_not_take_is_not_kept_and_a_rollback_to_it_change
     shard.steps = 16
     old = OldVersions(str(tmp_path / "old"), depth=3)
     shard.old = old.slot(0)
-    _run(shard, range(4))  # versions 0-2 on disk, 3 and 4 in memory
+    _run(shard, range(9))  # 7 on disk (of 5..7 within reach, the grid's), 8 and 9 in memory
 
     def full(obj, path):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(blob, "save", full)
-    _run(shard, range(4, 6))  # 3 and 4 are let go, their writes fail; 0 and 1 fall out of reach
+    _run(shard, range(9, 11))  # 8 and 9 are let go; 8's write fails
     before = {n: p.detach().clone() for n, p in shard.params.items()}
-    pending = shard.old.read([4])  # (waits for the writes) nothing read: the write failed
-    assert pending == {} and shard.old.versions() == [2] and not shard.keeps(4) and shard.kept_from() == 2
-    assert "version 4 not kept on disk for bans" in caplog.text
-    with pytest.raises(PayloadError, match="version 4 is no longer kept"):
-        shard.rollback(4, epoch=1)
-    # a version whose write fails after the check said kept: refused once read, before anything changes
-    shard.old.files[3] = (str(tmp_path / "old" / "gone.pt"), shard.old.files[2][1])
-    with pytest.raises(PayloadError, match="version 3 could not be read back from disk"):
-        shard.rollback(3, epoch=1)
-    assert shard.version == 6 and all(torch.equal(before[n], shard.params[n]) for n in before)
+    assert shard.old.read([8]) == {}  # (waits for the write) nothing read: it failed
+    assert shard.old.versions() == [7] and not shard.keeps(8) and shard.kept_from() == 7
+    assert "version 8 not kept on disk for bans" in caplog.text
+    with pytest.raises(PayloadError, match="version 8 is no longer kept"):
+        shard.rollback(8, epoch=1)
+    # a version whose file is gone after the check said kept: refused once read, before anything changes
+    shard.old.files[8] = (str(tmp_path / "old" / "gone.pt"), shard.old.files[7][1])
+    with pytest.raises(PayloadError, match="version 8 could not be read back from disk"):
+        shard.rollback(8, epoch=1)
+    assert shard.version == 11 and all(torch.equal(before[n], shard.params[n]) for n in before)
     old.close()

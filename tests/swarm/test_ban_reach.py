@@ -6,30 +6,30 @@ from __future__ import annotations
 
 import asyncio
 
-from parameter_server.old_versions import OldVersions
+from parameter_server.old_versions import STRIDE, OldVersions
 from tests.swarm.harness import reference_state, rel_diff
 from tests.swarm.inprocess import InProcessSwarm, make_run
 
 
 def test_a_liar_caught_after_memory_let_its_lies_go_is_rolled_back_from_disk(tmp_path):
     """A volunteer of stage 0 adds noise (0.1 of each result's RMS: norm and direction kept) to every
-    result from the first task it takes once every server is at version 4, unseen: no probation,
-    sample rate 0, no direction re-run. A check that hits it late (here the coordinator's ban at version 16, as a sampled
-    re-run would order it) finds its first lie at batch 4 (its honest work before is forgotten, as
-    if it had joined then), older than any version kept in memory (7). Each server keeps the
-    versions memory let go on disk (64 deep): every shard, the other stage's too, reads version 4 back
-    from its file, and version 3 that batch 4's re-run computes on, and the run ends equal to the
-    reference."""
+    result from the first task it takes once every server is at version 9, unseen: no probation,
+    sample rate 0, no direction re-run. A check that hits it late (here the coordinator's ban at
+    version 20, as a sampled re-run would order it) finds its first lie at batch 9 or 10 (its honest
+    work before is forgotten, as if it had joined then), older than any version kept in memory (7).
+    Each server keeps the versions memory let go on disk (64 deep, every 8th with the one before it):
+    every shard, the other stage's too, reads version 8 back from its file, and version 7 that batch
+    8's re-run computes on, and the run ends equal to the reference."""
     from peer.volunteer.cheat import Cheat
 
-    steps, ban_at = 20, 16
+    steps, ban_at = 24, 20
     cfg, layout, run = make_run(steps=steps, stages=2)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
     liar = next(w for w in swarm.workers if w.device_id == "u01")
     olds, armed = [], []
 
-    def arm(slot: int, batch: int) -> None:  # (at each push credited: every server at version 4 yet?)
-        if not armed and min(swarm.versions()) >= 4:
+    def arm(slot: int, batch: int) -> None:  # (at each push credited: every server at version 9 yet?)
+        if not armed and min(swarm.versions()) >= 9:
             liar.cheat = Cheat("noise", after=liar.stats["forward"] + liar.stats["backward"])
             armed.append(min(swarm.versions()))  # every task it takes from now on is of a later batch
 
@@ -61,5 +61,6 @@ def test_a_liar_caught_after_memory_let_its_lies_go_is_rolled_back_from_disk(tmp
     bans = {p for s in swarm.servers.values() for p in s.banned}
     assert bans == {"peer-u01"}, bans  # (no check caught it before the test's ban)
     assert since < ban_at - 2 and liar.stats["forward"] + liar.stats["backward"] > liar.cheat.after  # it lied
-    assert record["rollback_to"] == since < memory_from, (record, memory_from)  # read back from disk
+    # read back from disk: the grid's version at or before its first lie
+    assert record["rollback_to"] == since // STRIDE * STRIDE == 8 and since < memory_from, (record, memory_from)
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
