@@ -162,8 +162,10 @@ def _remove(path: str) -> None:
 
 
 def reach_depth(versions: int, max_gb: float, shard_bytes: int) -> int:
-    """How many versions a server keeps on disk for bans: `versions` (`--ban-reach`), fewer where three
-    copies of its shards' parameters a version would pass `max_gb` (`--ban-reach-gb`); 0: none."""
+    """How many versions back a server's disk reaches for bans: `versions` (`--ban-reach`), fewer where
+    the files would pass `max_gb` (`--ban-reach-gb`): three copies of its shards' parameters each, two
+    files every STRIDE versions; 0: none."""
     if versions <= 0 or shard_bytes <= 0:
         return max(0, versions)
-    return max(0, min(versions, int(max_gb * 2**30 // (3 * shard_bytes))))
+    files = int(max_gb * 2**30 // (3 * shard_bytes))
+    return max(0, min(versions, files * STRIDE // 2))

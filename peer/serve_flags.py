@@ -190,8 +190,9 @@ def add_arguments(p) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="keep N versions of each shard on disk beyond those in memory, so that a ban rolls a liar "
-        "caught late back that far (default 64: see docs/trust.md, 'A ban's reach'); 0 keeps memory's only",
+        help="keep each shard's versions on disk up to N versions beyond those in memory (every 8th and "
+        "the one before it), so that a ban rolls a liar caught late back that far (default 64: see "
+        "docs/trust.md, 'A ban's reach'); 0 keeps memory's only",
     )
     checks.add_argument(
         "--ban-reach-gb",

@@ -73,8 +73,8 @@ def test_a_folder_an_earlier_process_left_is_emptied_and_the_depth_follows_the_d
     with pytest.raises(ValueError, match="at least 1 version"):
         OldVersions(None, depth=0)
     mb = 2**20
-    assert reach_depth(64, 20.0, 1 * mb) == 64  # 3 MiB a version: 64 fit in 20 GB
-    assert reach_depth(64, 1.0, 16 * mb) == 21  # 48 MiB a version: 21 fit in 1 GB
+    assert reach_depth(64, 20.0, 1 * mb) == 64  # 3 MiB a file: 16 files (2 every 8 versions) fit in 20 GB
+    assert reach_depth(64, 0.25, 16 * mb) == 20  # 48 MiB a file: 5 fit in 0.25 GB, 20 versions' worth
     assert reach_depth(64, 0.01, 16 * mb) == 0 and reach_depth(0, 20.0, mb) == 0
 
 
