@@ -72,6 +72,7 @@ def compose_parts(server, run, cfg) -> None:
         counts=server.verify_counts,
         call=server.server_call,
         outbox=server.outbox,
+        steps=run.steps,
     )
     server.deltas = ParamDeltas(server.params_on_wire)
     if server.evaluation.starts:

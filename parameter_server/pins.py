@@ -43,7 +43,9 @@ class Pins:
         counts: dict,
         call: Callable[[str, str, dict], Awaitable[tuple[dict, list]]],
         outbox,
+        steps: int,
     ) -> None:
+        self.steps = steps  # the run's last version: made only once every check here has been judged
         self.device_id, self.peer_id, self.clock, self.layout, self.shards = device_id, peer_id, clock, layout, shards
         self.checks_pending, self.unsettled, self.counts, self.call, self.outbox = (
             checks_pending,
@@ -94,9 +96,12 @@ class Pins:
         keep every version from `version + 2 - RETAIN` on. So a check of work of such a batch is waited
         for: a lying volunteer's work cannot outrun its checks, however far behind they fall (on a loaded
         machine they lagged a dozen tasks behind, and a liar's first batches then stayed applied). Bounded
-        by CHECK_HOLD_SECONDS, should a check hang on a lost server."""
+        by CHECK_HOLD_SECONDS, should a check hang on a lost server. The run's last version waits for
+        every check: the run's end is a ban's last chance (a lie in the last batches, checked for its
+        outsized norm, ended applied when the last step came before its check)."""
         reach = version + 2 - RETAIN
-        late = [t for t in self.checks_pending() if version_for_batch(t) < reach]
+        last = version + 1 >= self.steps
+        late = [t for t in self.checks_pending() if last or version_for_batch(t) < reach]
         if not late:
             self.check_hold_since = None
             return False

@@ -37,6 +37,7 @@ def make():
         counts={},
         call=call,
         outbox=Outbox("s0f0", layout=lambda: layout, epoch=lambda: 0, connector=lambda d: None),
+        steps=20,
     )
     return pins, state, shards
 
@@ -64,6 +65,17 @@ def test_a_step_waits_for_a_check_of_work_a_rollback_must_reach_at_most_check_ho
     assert pins.checks_hold(version) and pins.counts == {"steps_held_for_checks": 1} and pins.held_or_waiting
     state["now"] += CHECK_HOLD_SECONDS
     assert not pins.checks_hold(version)  # (bounded: a check stuck on a lost server's answers)
+
+
+def test_the_runs_last_version_waits_for_every_check():
+    """A check of work well within a rollback's reach holds no step, except the run's last (version
+    20 here, made from 19): the run's end is a ban's last chance."""
+    pins, state, _ = make()
+    state["pending"] = {18: 1}
+    assert not pins.checks_hold(18)  # (version 19: a ban from that check still reaches batch 18)
+    assert pins.checks_hold(19) and pins.counts == {"steps_held_for_checks": 1}
+    state["pending"] = {}
+    assert not pins.checks_hold(19)
 
 
 def test_the_pin_goes_to_every_other_server_when_it_changes_and_keeps_every_shard_here():
