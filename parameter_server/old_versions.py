@@ -168,4 +168,10 @@ def reach_depth(versions: int, max_gb: float, shard_bytes: int) -> int:
     if versions <= 0 or shard_bytes <= 0:
         return max(0, versions)
     files = int(max_gb * 2**30 // (3 * shard_bytes))
-    return max(0, min(versions, files * STRIDE // 2))
+    return max(0, min(versions, files // 2 * STRIDE))  # (so that disk_bytes stays under max_gb)
+
+
+def disk_bytes(depth: int, shard_bytes: int) -> int:
+    """The most a reach of `depth` versions holds on disk: two files every STRIDE versions (on_grid),
+    three copies of the shards' parameters each."""
+    return 2 * -(-depth // STRIDE) * 3 * shard_bytes

@@ -82,8 +82,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     out = out_folder(p, a.out)
     sizes = [float(s) for s in a.sizes.split(",")]
-    if a.steps < KEEP + 2 * 8 + 1:
-        p.error(f"--steps must be at least {KEEP + 2 * 8 + 1}: the window fills first, then two of the grid's 8")
+    from parameter_server.old_versions import STRIDE
+
+    if a.steps < KEEP + 2 * STRIDE + 1:
+        p.error(f"--steps must be at least {KEEP + 2 * STRIDE + 1}: the window fills first, then two of the grid's")
     report = Report(
         "A ban's reach on disk: what it costs a server's step (scripts/bench_ban_reach.py)",
         f"Measured {time.strftime('%Y-%m-%d')} on this machine (2 cores, no GPU, the work area's disk); "

@@ -210,7 +210,7 @@ async def resume(server, args, cfg, device: str):
 def keep_old_versions(server, args, device: str) -> None:
     """The versions memory lets go, kept on disk within a ban's reach (parameter_server/old_versions.py):
     beside the checkpoint (a folder of their own), or in a temporary folder removed at the end."""
-    from parameter_server.old_versions import OldVersions, reach_depth
+    from parameter_server.old_versions import STRIDE, OldVersions, disk_bytes, reach_depth
 
     shard_bytes = sum(p.numel() * p.element_size() for p in server.shard.params.values())
     depth = reach_depth(args.ban_reach, args.ban_reach_gb, shard_bytes)
@@ -219,9 +219,11 @@ def keep_old_versions(server, args, device: str) -> None:
     folder = os.path.join(args.checkpoint_dir, f"{device}.old-versions") if args.checkpoint_dir else None
     server.use_old_versions(OldVersions(folder, depth))
     logger.info(
-        "%s: keeps %d versions on disk for bans beyond memory's (%.1f MB at most, in %s)",
+        "%s: a ban reaches %d versions back on disk beyond memory's (every %dth with the one before it: "
+        "%.1f MB at most, in %s)",
         device,
         depth,
-        3 * depth * shard_bytes / 2**20,
+        STRIDE,
+        disk_bytes(depth, shard_bytes) / 2**20,
         server.old_versions.directory,
     )

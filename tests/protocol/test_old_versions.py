@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from core.protocol.wire import PayloadError
-from parameter_server.old_versions import OldVersions, reach_depth
+from parameter_server.old_versions import OldVersions, disk_bytes, reach_depth
 from tests.protocol.test_checked_work import _run, _shard
 
 
@@ -74,8 +74,11 @@ def test_a_folder_an_earlier_process_left_is_emptied_and_the_depth_follows_the_d
         OldVersions(None, depth=0)
     mb = 2**20
     assert reach_depth(64, 20.0, 1 * mb) == 64  # 3 MiB a file: 16 files (2 every 8 versions) fit in 20 GB
-    assert reach_depth(64, 0.25, 16 * mb) == 20  # 48 MiB a file: 5 fit in 0.25 GB, 20 versions' worth
+    assert reach_depth(64, 0.25, 16 * mb) == 16  # 48 MiB a file: 5 fit in 0.25 GB, 2 of every 8 versions
+    for versions, gb, size in ((64, 0.25, 16 * mb), (64, 1.0, 7 * mb), (30, 20.0, mb)):
+        assert disk_bytes(reach_depth(versions, gb, size), size) <= gb * 2**30
     assert reach_depth(64, 0.01, 16 * mb) == 0 and reach_depth(0, 20.0, mb) == 0
+    assert disk_bytes(64, mb) == 16 * 3 * mb and disk_bytes(20, 16 * mb) == 6 * 3 * 16 * mb  # (the grid's files)
 
 
 def test_a_temporary_folder_left_by_a_killed_server_is_removed_by_the_next(tmp_path, monkeypatch):
