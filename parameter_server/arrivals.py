@@ -1,11 +1,13 @@
 """What each volunteer sent a server: the batches of its work a ban's rollback must reach, its checks
 passed (probation), whether a contribution is drawn for a check, an unusually large gradient push, and
-forgetting volunteers that left beyond every rollback's reach (a part of
-parameter_server.service.StageServer, beside its checks in verify.py)."""
+forgetting volunteers that left beyond every rollback's reach. A part of a server, built with what it
+reads of it (parameter_server/parts.py); its checks are verify.py's."""
 
 from __future__ import annotations
 
 import collections
+import random
+from typing import Callable, Mapping
 
 import torch
 
@@ -41,9 +43,34 @@ def direction_bar(history, sender: str) -> float | None:
 
 
 class Arrivals:
-    """StageServer's record of what its volunteers sent."""
+    """A server's record of what its volunteers sent, given what it reads of its server: the check
+    settings (`verify_rate`, `probation`, the secret `rng` that draws the sample, the `drift` test) and
+    `counts` (the server's check counters, written here too); `banned` (peer id -> why) and `clients`
+    (the registered ones) as they are now; `is_server(peer)`; `replaying()` (a request-log replay
+    remembers nothing); `kept_from()` (the oldest batch a rollback can still reach)."""
 
-    def _init_arrivals(self) -> None:
+    def __init__(
+        self,
+        *,
+        verify_rate: float,
+        probation: int,
+        rng: random.Random,
+        drift,
+        counts: dict,
+        banned: Mapping[str, str],
+        clients: Mapping,
+        is_server: Callable[[str], bool],
+        replaying: Callable[[], bool],
+        kept_from: Callable[[], int],
+    ) -> None:
+        self.verify_rate, self.probation, self.rng, self.drift, self.counts = verify_rate, probation, rng, drift, counts
+        self.banned, self.clients, self.is_server, self.replaying, self.kept_from = (
+            banned,
+            clients,
+            is_server,
+            replaying,
+            kept_from,
+        )
         self.push_norms: dict[int, collections.deque] = {}  # slot -> recent pushes' norms per row
         # slot -> recent pushes' (sender, cosine with the slot's moment)
         self.push_cosines: dict[int, collections.deque] = {}
@@ -64,9 +91,18 @@ class Arrivals:
         """The largest distance of a passed check of a volunteer not banned: how far honest re-runs go."""
         return max([self.departed_distance] + [d for p, d in self.passed_distance.items() if p not in self.banned])
 
-    def _banned_check(self, sender: str) -> None:
+    def refuse_banned(self, sender: str) -> None:
+        """Refuse a request of a banned peer."""
         if sender in self.banned:
             raise PayloadError(f"peer {sender[-8:]} is {BANNED}: {self.banned[sender]}", Refusal.BANNED)
+
+    def passed(self, sender: str, seen: list[float]) -> None:
+        """A whole check of `sender`'s work passed with these distances (every one within the tolerance)."""
+        self.passed_distance[sender] = max([self.passed_distance.get(sender, 0.0), *seen])
+        self.counts["passed"] += 1
+        self.checks_passed[sender] = self.checks_passed.get(sender, 0) + 1
+        if self.checks_passed[sender] >= self.probation and not self.drift.suspicious(sender):
+            self.cleared.add(sender)
 
     def note_contribution(self, sender: str, t: int, shared_by: int = 1) -> bool:
         """Remember that `sender` (a volunteer) sent work of batch t; True if this one is to be checked.
@@ -75,14 +111,14 @@ class Arrivals:
         re-run by at least one of them with probability verify_rate: every time at 1.0 (as
         verify_rate / shared_by, a push of two shard servers went unchecked one time in four at 1.0);
         on probation every server checks it."""
-        if not self._note_work(sender, t):
+        if not self.note_work(sender, t):
             return False
         # on probation until `probation` checks passed (a check skipped for want of its rows does not count),
         # and again while its differences drift one way (drift.py)
         return (
             self.checks_passed.get(sender, 0) < self.probation
             or self.drift.suspicious(sender)
-            or self.verify_rng.random() < 1.0 - (1.0 - self.verify_rate) ** (1.0 / shared_by)
+            or self.rng.random() < 1.0 - (1.0 - self.verify_rate) ** (1.0 / shared_by)
         )
 
     def unusual_norm(self, slot: int, grads: list[torch.Tensor], rows: int) -> bool:
@@ -94,7 +130,7 @@ class Arrivals:
         history.append(norm)
         if typical is None or norm <= NORM_FACTOR * typical:
             return False
-        self.verify_counts["unusual_norms"] = self.verify_counts.get("unusual_norms", 0) + 1
+        self.counts["unusual_norms"] = self.counts.get("unusual_norms", 0) + 1
         return True
 
     def unsettled_first(self) -> int | None:
@@ -126,31 +162,28 @@ class Arrivals:
         history.append((sender, cosine))
         if bar is None or cosine >= bar:
             return False
-        self.verify_counts["unusual_directions"] = self.verify_counts.get("unusual_directions", 0) + 1
+        self.counts["unusual_directions"] = self.counts.get("unusual_directions", 0) + 1
         return True
 
-    def _note_work(self, sender: str, t: int) -> bool:
+    def note_work(self, sender: str, t: int) -> bool:
         """Remember that `sender` (a volunteer) sent work of batch t, which a ban's rollback must reach:
         also work checked with another message (an input gradient, relayed to the previous stage at
         once and checked with its sender's gradient push, which may never come). False when there is
         nothing to remember: a replayed request, or a server's work."""
-        if self.replaying or self._is_server(sender):
+        if self.replaying() or self.is_server(sender):
             return False
-        kept = self._kept_from()
+        kept = self.kept_from()
         batches = self.contributed.setdefault(sender, set())
         batches.add(t)
         self.first_contributed[sender] = min(t, self.first_contributed.get(sender, t))
         batches.difference_update([b for b in batches if b < kept])
         return True
 
-    def _kept_from(self) -> int:
-        return self.version - self.shard.reach()
-
     def forget_departed(self) -> None:
         """Forget what this server remembers of volunteers that have left (not registered here) and
         whose contributions are all older than the kept versions, which no rollback can reach: their
         batches for a ban, and their passed checks (one that comes back is on probation again)."""
-        kept = self._kept_from()
+        kept = self.kept_from()
         for peer in [p for p in self.contributed if p not in self.clients]:
             if all(b < kept for b in self.contributed[peer]):
                 del self.contributed[peer]

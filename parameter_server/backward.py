@@ -33,7 +33,7 @@ class Backward:
             self.counters["output_duplicates"] += 1
             return {"result": "duplicate"}
         self.ledger.setdefault((t, m), []).append(LedgerEntry(sender, (a, b), frontal, task_id))
-        if self.note_contribution(sender, t):
+        if self.arrivals.note_contribution(sender, t):
             self.check_later(t, self._check_outputs, sender, t, m, a, b, tensors[0])
         self._make_backward_tasks(t, m)  # (the gradients can come first after a failover)
         if buf.complete:

@@ -147,10 +147,10 @@ class Bans:
         if peer not in self.ordered_bans():
             self.pending_bans.setdefault(peer, why)
         self.pins.hold_for_ban()  # (bounded, should the coordinator die)
-        batches = self.contributed.get(peer)
+        batches = self.arrivals.contributed.get(peer)
         first = min(batches) if batches else -1
         return {
-            "first_batch": min(first, self.first_contributed.get(peer, first)) if batches else -1,
+            "first_batch": min(first, self.arrivals.first_contributed.get(peer, first)) if batches else -1,
             "versions": [sh.version for sh in self.hosted.values()],
             "kept_from": max(sh.kept_from() for sh in self.hosted.values()),
             "memory_from": max(sh.memory_from() for sh in self.hosted.values()),

@@ -214,7 +214,7 @@ class Frontal:
             self.gin_senders[(t, m, a, b)] = sender  # checked with its sender's gradient push (verify.py)
             # relayed now, and the previous stage may apply batch t with it before that push comes (a
             # liar banned first never sends it): a ban's rollback must reach batch t all the same
-            self._note_work(sender, t)
+            self.arrivals.note_work(sender, t)
             self._relay_input_grads(t, m, a, b, tensors[0])
         else:
             self.counters["relay_duplicates"] += 1

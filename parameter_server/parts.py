@@ -1,11 +1,13 @@
 """The parts a StageServer is composed of, each built here with what it reads of its server (as
 the server is at each call: a failover changes its layout, epoch, hosted slots and replicas) rather
-than sharing the server's attributes: the outbox (deliveries and background work), the gradient-norm
+than sharing the server's attributes: the outbox (deliveries and background work), what volunteers sent
+(arrivals.py), the gradient-norm
 round (clipping.py), the held-out evaluation (evaluate.py), the holds and pins that keep what a
 ban may need (pins.py) and the parameter versions sent as differences (param_deltas.py)."""
 
 from __future__ import annotations
 
+from parameter_server.arrivals import Arrivals
 from parameter_server.clipping import Clipping
 from parameter_server.evaluate import Evaluation, ServerPlace
 from parameter_server.outbox import Outbox
@@ -13,9 +15,10 @@ from parameter_server.param_deltas import ParamDeltas
 from parameter_server.pins import Pins
 
 
-def compose_parts(server, run, cfg) -> None:
-    """Give `server` (a StageServer being built) its `outbox`, `clipping`, `evaluation`, `pins` and `deltas`; the server
-    that starts each evaluation gets the evaluation's step callback."""
+def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> None:
+    """Give `server` (a StageServer being built, its checks' settings and bans made) its `outbox`,
+    `arrivals`, `clipping`, `evaluation`, `pins` and `deltas`; the server that starts each evaluation
+    gets the evaluation's step callback."""
 
     def connector(device: str):
         return server.connector(device) if server.connector else None
@@ -29,6 +32,18 @@ def compose_parts(server, run, cfg) -> None:
     def replaying() -> bool:
         return server.replaying
 
+    server.arrivals = Arrivals(
+        verify_rate=verify_rate,
+        probation=probation,
+        rng=server.verify_rng,
+        drift=server.drift,
+        counts=server.verify_counts,
+        banned=server.banned,
+        clients=server.clients,
+        is_server=server._is_server,
+        replaying=replaying,
+        kept_from=lambda: server.version - server.shard.reach(),
+    )
     server.outbox = Outbox(server.device_id, layout=layout, epoch=epoch, connector=connector)
     server.clipping = Clipping(
         run.training_recipe().clip_grad_norm,
@@ -68,7 +83,7 @@ def compose_parts(server, run, cfg) -> None:
         layout=layout,
         shards=lambda: [*server.hosted.values(), *server.replicas.values()],
         checks_pending=lambda: server.checks_pending,
-        unsettled=server.unsettled_first,
+        unsettled=server.arrivals.unsettled_first,
         counts=server.verify_counts,
         call=server.server_call,
         outbox=server.outbox,

@@ -103,7 +103,7 @@ class RpcSurface:
             if method in methods.SERVER_ONLY:
                 self._any_server_sender(sender)
             elif method not in methods.OPEN:
-                self._banned_check(sender)
+                self.arrivals.refuse_banned(sender)
             if method in methods.EPOCHED:
                 self._check_epoch(meta)
             result = await handler(dict(meta), tensors, sender)

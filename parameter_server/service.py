@@ -1,12 +1,12 @@
 """A reliable parameter server of one stage: frontal (FS) or backward (BS), following "One training
 step" of docs/design.md and section 3.2 of the design paper. This file is its thin service: the
 state the mixed-in rooms share and the directory of the run's servers. Each concern lives in a room
-of its own. Four are parts built with their dependencies (parts.py; each reads only what it is
-given, and is tested alone): outbox.py (deliveries to other servers, background work), clipping.py
-(the round that gives every shard the run's gradient norm, --clip-grad-norm), evaluate.py (the
-held-out loss of every N-th version, through the servers, --eval-every) and pins.py (a ban's hold,
-and the versions a ban may need, kept). The others are still mixed into StageServer and share its
-attributes:
+of its own. Five are parts built with their dependencies (parts.py; each reads only what it is
+given, and is tested alone): outbox.py (deliveries to other servers, background work), arrivals.py
+(what each volunteer sent, and which of it is drawn for a check), clipping.py (the round that gives
+every shard the run's gradient norm, --clip-grad-norm), evaluate.py (the held-out loss of every N-th
+version, through the servers, --eval-every) and pins.py (a ban's hold, and the versions a ban may
+need, kept). The others are still mixed into StageServer and share its attributes:
 
 - rpc.py: the RPC surface (every `rpc_*` only decodes the stream, counts its bytes and dispatches to
   an `on_*` handler through `handle`, which checks the layout epoch, turns a refused payload into an
@@ -15,8 +15,7 @@ attributes:
 - leases.py: take / complete / fail; updates.py: parameter versions, gradient credits, the step;
 - frontal.py / backward.py (+ ledger.py): the two roles' data path;
 - replicas.py: copies of the shards at the next server; failover.py: layout epochs;
-- arrivals.py: what each volunteer sent, and which of it is drawn for a check; verify.py: the
-  re-runs of that sample; bans.py: bans and their rollback epochs;
+- verify.py: the re-runs of the sample arrivals.py draws; bans.py: bans and their rollback epochs;
 - recovery.py: request-log replay; status.py: ping and status; checkpoint.py: the shard on disk.
 
 Every handler checks its payload (shape, dtype, finite values, known ids, registered sender) and
@@ -36,7 +35,6 @@ from core.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, RunLay
 from core.protocol.leases import LeaseTickets
 from core.protocol.links import LinkEmulator
 from core.protocol.trust import Remembered
-from parameter_server.arrivals import Arrivals
 from parameter_server.backward import Backward
 from parameter_server.bans import Bans
 from parameter_server.budget import RequestBudget, client_request_bytes, default_max_request_bytes
@@ -79,7 +77,6 @@ class StageServer(
     Frontal,
     Backward,
     Verification,
-    Arrivals,
     Bans,
     Rescue,
     Failover,
@@ -214,9 +211,8 @@ class StageServer(
         self.volunteers_joined = 0
         self.seen_volunteers = Remembered(SEEN_VOLUNTEERS)
         self._init_verification(verify_rate, probation, verify_device)
-        self._init_arrivals()
         self._init_bans()
-        compose_parts(self, run, cfg)
+        compose_parts(self, run, cfg, verify_rate=verify_rate, probation=probation)
         self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (Updates.params_on_wire)
 
     def use_old_versions(self, old_versions) -> None:

@@ -75,7 +75,7 @@ class Status:
             "traffic_values": dict(VALUES),
             "calls": dict(CALLS),
             "session_calls": dict(SESSION_CALLS),
-            "checks": dict(self.verify_counts, max_honest_distance=self.honest_distance()),
+            "checks": dict(self.verify_counts, max_honest_distance=self.arrivals.honest_distance()),
             "banned": dict(self.banned),
         }
 

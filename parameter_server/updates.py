@@ -166,12 +166,14 @@ class Updates:
             self._back_input_grads(sender, t, pieces)
             rows = sum(hi - lo for _, _, (lo, hi) in pieces)
             unusual = not self._is_server(sender) and (
-                self.unusual_norm(self.slot if slot is None else slot, tensors, rows)
-                | self.unusual_direction(self.slot if slot is None else slot, shard, tensors, sender)
+                self.arrivals.unusual_norm(self.slot if slot is None else slot, tensors, rows)
+                | self.arrivals.unusual_direction(self.slot if slot is None else slot, shard, tensors, sender)
             )
             for cb in self.on_credit:
                 cb(self.slot if slot is None else slot, t)
-            if self.note_contribution(sender, t, shared_by=len(self.st.hosts)) or (unusual and not self.replaying):
+            if self.arrivals.note_contribution(sender, t, shared_by=len(self.st.hosts)) or (
+                unusual and not self.replaying
+            ):
                 self.check_later(
                     t,
                     self._check_push,
@@ -244,4 +246,4 @@ class Updates:
         self.pool.abandon_before(batch)
         self.issued.difference_update(self.pool.forget_closed(batch))
         self.forgotten_before = max(self.forgotten_before, batch)
-        self.forget_departed()
+        self.arrivals.forget_departed()

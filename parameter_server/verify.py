@@ -78,11 +78,12 @@ class Verification:
     check that fails hands the volunteer to Bans (bans.py), and Pins (pins.py) keeps what a ban needs."""
 
     def _init_verification(self, verify_rate: float, probation: int, device: str = "cpu") -> None:
+        """The check settings' values are checked here; what was sent, and the sample, are the
+        `arrivals` part's (built from them: StageServer)."""
         if not 0.0 <= verify_rate <= 1.0:
             raise ValueError(f"verify rate must be in [0, 1], got {verify_rate}")
         if probation < 0:
             raise ValueError(f"probation must be >= 0 contributions, got {probation}")
-        self.verify_rate, self.probation = verify_rate, probation
         self.verify_device = torch.device(device)  # where re-runs compute (the server's --device)
         secret = os.urandom(32)  # which contributions are re-run, and the drift test's directions
         self.verify_rng = random.Random(secret[:16])
@@ -233,12 +234,8 @@ class Verification:
         """A whole check passed (every distance within the tolerance, no drift yet). Its distances count
         as an honest re-run's while the volunteer is not banned (a liar under the tolerance passes
         checks until the drift test has seen enough of them): `honest_distance`."""
-        self.passed_distance[sender] = max([self.passed_distance.get(sender, 0.0), *seen])
-        self.verify_counts["passed"] += 1
-        self.checks_passed[sender] = self.checks_passed.get(sender, 0) + 1
+        self.arrivals.passed(sender, seen)
         self.contributions.check_passed(sender)
-        if self.checks_passed[sender] >= self.probation and not self.drift.suspicious(sender):
-            self.cleared.add(sender)
 
     async def _check_outputs(self, epoch: int, sender: str, t: int, m: int, a: int, b: int, out: torch.Tensor) -> None:
         (x, _) = await self._held_rows("inputs", t, m, a, b)

@@ -48,16 +48,31 @@ def slot_names(cfg, layout) -> list[list[list[str]]]:
 
 
 class Rule:
-    """The server's direction rule for one slot (parameter_server.arrivals.Arrivals.unusual_direction,
-    the method itself), fed cosines in order, each from another volunteer."""
+    """The server's direction rule for one slot (parameter_server.arrivals.Arrivals.unusual_direction:
+    the part itself), fed cosines in order, each from another volunteer."""
 
     def __init__(self):
-        self.server = SimpleNamespace(push_cosines={}, verify_counts={})
+        import random
+
+        from parameter_server.arrivals import Arrivals
+
+        self.server = Arrivals(
+            verify_rate=0.0,
+            probation=0,
+            rng=random.Random(0),
+            drift=None,
+            counts={},
+            banned={},
+            clients={},
+            is_server=lambda peer: False,
+            replaying=lambda: False,
+            kept_from=lambda: 0,
+        )
         self.pushes = 0
 
     def judge(self, cosine: float, keep: bool = True) -> tuple[bool, bool]:
         """(whether the check applied, whether this push would be re-run)."""
-        from parameter_server.arrivals import Arrivals, direction_bar
+        from parameter_server.arrivals import direction_bar
 
         self.pushes += 1
         sender = f"volunteer-{self.pushes}"
@@ -65,7 +80,7 @@ class Rule:
         applies = direction_bar(history or (), sender) is not None
         kept = None if history is None else collections.deque(history, maxlen=history.maxlen)
         shard = SimpleNamespace(momentum_cosine=lambda grads: cosine)
-        rerun = Arrivals.unusual_direction(self.server, 0, shard, [], sender)
+        rerun = self.server.unusual_direction(0, shard, [], sender)
         if not keep:  # (a push put to the rule and not added to what it remembers)
             if kept is None:
                 del self.server.push_cosines[0]

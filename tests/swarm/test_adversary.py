@@ -74,7 +74,7 @@ class Adversary(RuleBasedStateMachine):
         self.rng = random.Random(seed)
         swarm = self.swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
         for s in swarm.servers.values():
-            s.verify_rate = 1.0
+            s.arrivals.verify_rate = 1.0
         connected = swarm.connected
         swarm.connected = lambda: connected() | {ADV}  # (its node would list the adversary as connected)
         st_ = layout.stages[stage]

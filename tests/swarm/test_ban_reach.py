@@ -34,10 +34,10 @@ def test_a_liar_caught_after_memory_let_its_lies_go_is_rolled_back_from_disk(tmp
             armed.append(min(swarm.versions()))  # every task it takes from now on is of a later batch
 
     for device, server in swarm.servers.items():
-        server.probation, server.verify_rate = 0, 0.0
+        server.arrivals.probation, server.arrivals.verify_rate = 0, 0.0
         # nor re-run for its direction (a push in its slot's lowest 5% of cosines is, liar's or not):
         # seen only by the test's ban
-        server.unusual_direction = lambda *args: False
+        server.arrivals.unusual_direction = lambda *args: False
         olds.append(OldVersions(str(tmp_path / device), depth=64))
         server.use_old_versions(olds[-1])
         server.on_credit.append(arm)
@@ -46,8 +46,10 @@ def test_a_liar_caught_after_memory_let_its_lies_go_is_rolled_back_from_disk(tmp
     async def ban():
         (since,) = armed
         for server in swarm.servers.values():  # its honest work before the lies: as if it had joined then
-            server.contributed["peer-u01"] = {t for t in server.contributed.get("peer-u01", ()) if t >= since}
-            server.first_contributed["peer-u01"] = since
+            server.arrivals.contributed["peer-u01"] = {
+                t for t in server.arrivals.contributed.get("peer-u01", ()) if t >= since
+            }
+            server.arrivals.first_contributed["peer-u01"] = since
         in_memory.append(min(min(sh.snapshots) for s in swarm.servers.values() for sh in s.hosted.values()))
         coordinator = swarm.servers[layout.stages[0].frontal[0]]
         records.append(await coordinator.ban_and_roll_back("peer-u01", "a check that hit it late"))

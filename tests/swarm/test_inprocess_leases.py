@@ -571,7 +571,7 @@ def test_a_server_forgets_volunteers_gone_for_good_and_counts_each_join_once():
     async def scenario():
         for p in peers:
             await register(p)
-            fs.note_contribution(p, fs.version)
+            fs.arrivals.note_contribution(p, fs.version)
             fs.passed_check(p, [])
         assert stats()["clients_joined"] == 30 and stats()["clients_left"] == 0
         fs.drop_disconnected_clients({peers[0]})
@@ -579,13 +579,13 @@ def test_a_server_forgets_volunteers_gone_for_good_and_counts_each_join_once():
         assert len(fs.drop_disconnected_clients({peers[0]})) == 29
         assert stats()["clients_joined"] == 30 and stats()["clients_left"] == 29
         await step()
-        assert set(fs.contributed) == set(peers)  # a rollback may still reach their batch 0
+        assert set(fs.arrivals.contributed) == set(peers)  # a rollback may still reach their batch 0
         for _ in range(fs.shard.keep_versions + RETAIN):
             await step()
-        assert set(fs.contributed) == {peers[0]} and set(fs.checks_passed) == {peers[0]}
+        assert set(fs.arrivals.contributed) == {peers[0]} and set(fs.arrivals.checks_passed) == {peers[0]}
         await register(peers[1])  # back: counted once, on probation again
         assert stats()["clients_joined"] == 30 and stats()["clients_left"] == 28
-        assert fs.checks_passed.get(peers[1], 0) == 0
+        assert fs.arrivals.checks_passed.get(peers[1], 0) == 0
 
     asyncio.run(scenario())
 

@@ -57,7 +57,7 @@ def test_a_bf16_swarm_makes_the_references_casts_and_passes_its_checks(servers_p
     )
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
     for server in swarm.servers.values():  # every push re-run: honest bf16 work must pass them all
-        server.verify_rate = 1.0
+        server.arrivals.verify_rate = 1.0
     state = asyncio.run(swarm.train(timeout=180))
     bf16_ref = reference_state("tiny", steps, precision="bf16")
     far = rel_diff(bf16_ref, reference_state("tiny", steps))

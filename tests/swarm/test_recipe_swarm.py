@@ -164,7 +164,7 @@ def test_a_liar_banned_in_a_clipped_run_leaves_no_stale_norm_behind():
     cfg, layout, run = make_run(steps=steps, stages=2, recipe=CLIPPED)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
     for server in swarm.servers.values():  # no probation: its work may be applied before its check ends
-        server.probation, server.verify_rate = 0, 1.0
+        server.arrivals.probation, server.arrivals.verify_rate = 0, 1.0
     liar = next(w for w in swarm.workers if w.device_id == "u11")
     for server in swarm.servers.values():
         checked_after_its_step(server, "peer-u11")
@@ -248,7 +248,7 @@ def test_the_evaluations_of_versions_a_ban_rolls_back_are_made_again_on_the_new_
     noted, evaluated = [], News()
     last.evaluation.on_eval.append(lambda v, loss: (noted.append((last.epoch, v)), evaluated.fire()))
     for server in swarm.servers.values():
-        server.probation, server.verify_rate = 0, 1.0
+        server.arrivals.probation, server.arrivals.verify_rate = 0, 1.0
         checked_after_its_step(server, "peer-u11", until=lambda t: any(v > t for _, v in noted), news=evaluated)
     liar = next(w for w in swarm.workers if w.device_id == "u11")
 

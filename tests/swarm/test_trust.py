@@ -321,7 +321,7 @@ def unsampled_swarm(steps: int, volunteers_per_stage: int):
     cfg, layout, run = make_run(steps=steps, stages=2)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=volunteers_per_stage, servers_compute=False)
     for server in swarm.servers.values():
-        server.verify_rate = 0.0
+        server.arrivals.verify_rate = 0.0
     liar = next(w for w in swarm.workers if w.device_id == "u11")
     return swarm, liar, [s for s in swarm.servers.values() if s.stage == 1]
 
@@ -338,7 +338,7 @@ def test_a_patient_liar_past_probation_is_checked_at_its_first_outsized_push():
     armed = []
 
     def lie_past_probation(slot: int, batch: int) -> None:  # (at each push credited: its probation over?)
-        if not armed and all(s.checks_passed.get("peer-u11", 0) >= s.probation for s in judges):
+        if not armed and all(s.arrivals.checks_passed.get("peer-u11", 0) >= s.arrivals.probation for s in judges):
             liar.cheat = Cheat("scale", after=liar.stats["forward"] + liar.stats["backward"])
             armed.append(min(swarm.versions()))
 
@@ -371,12 +371,12 @@ def test_a_patient_liar_that_flips_signs_past_probation_is_checked_by_the_direct
     armed = []
 
     def direction_checked(server, peer: str) -> bool:  # (the slot's pushes by others agree with its moment)
-        return direction_bar(server.push_cosines.get(server.slot, ()), peer) is not None
+        return direction_bar(server.arrivals.push_cosines.get(server.slot, ()), peer) is not None
 
     def arm(slot: int, batch: int) -> None:
         for w in [] if armed else stage_1:
             peer = f"peer-{w.device_id}"
-            if all(s.checks_passed.get(peer, 0) >= s.probation for s in judges) and any(
+            if all(s.arrivals.checks_passed.get(peer, 0) >= s.arrivals.probation for s in judges) and any(
                 direction_checked(s, peer) for s in judges
             ):
                 w.cheat = Cheat("signflip", after=w.stats["forward"] + w.stats["backward"], every=2)
@@ -387,7 +387,10 @@ def test_a_patient_liar_that_flips_signs_past_probation_is_checked_by_the_direct
         server.on_credit.append(arm)
     state = asyncio.run(swarm.train(timeout=240))
     bans = {p: why for s in swarm.servers.values() for p, why in s.banned.items()}
-    seen = {s.device_id: (s.verify_counts, [(w[-3:], round(c, 2)) for w, c in s.push_cosines[s.slot]]) for s in judges}
+    seen = {
+        s.device_id: (s.verify_counts, [(w[-3:], round(c, 2)) for w, c in s.arrivals.push_cosines[s.slot]])
+        for s in judges
+    }
     done = {w.device_id: w.stats["forward"] + w.stats["backward"] for w in stage_1}
     assert armed and armed[0][1] < steps - 10, (done, seen)  # (lies began with batches left to lie on)
     assert list(bans) == [armed[0][0]], (bans, armed, done, seen)
@@ -513,7 +516,7 @@ def test_work_on_probation_stays_within_a_rollbacks_reach():
     cfg, layout, run = make_run(steps=steps, stages=2)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
     for server in swarm.servers.values():  # stage 1's servers keep the old versions for stage 0's pins
-        server.probation = 10_000 if server.stage == 0 else 0
+        server.arrivals.probation = 10_000 if server.stage == 0 else 0
     records, kept = [], []
 
     async def ban():
@@ -543,20 +546,20 @@ def test_a_volunteer_whose_probation_ends_drifting_stays_pinned_to_its_first_wor
     bias[3] = 3e-4 * float(want.norm())
     for peer in ("peer-liar", "peer-honest"):
         server.clients[peer] = ClientInfo(peer, 1.0, server.clock())
-        server.note_contribution(peer, 2)
-    assert server.unsettled_first() == 2
+        server.arrivals.note_contribution(peer, 2)
+    assert server.arrivals.unsettled_first() == 2
     gen = torch.Generator().manual_seed(0)
-    for n in range(server.probation):
+    for n in range(server.arrivals.probation):
         for peer, got in (("peer-liar", want + bias), ("peer-honest", want + 1e-8 * torch.randn(64, generator=gen))):
-            server.note_contribution(peer, 3 + n)
+            server.arrivals.note_contribution(peer, 3 + n)
             server.drift.add(peer, "outputs", got, want)
             server.passed_check(peer, [])
-    assert server.cleared == {"peer-honest"} and server.drift.suspicious("peer-liar")
-    for batches in server.contributed.values():
+    assert server.arrivals.cleared == {"peer-honest"} and server.drift.suspicious("peer-liar")
+    for batches in server.arrivals.contributed.values():
         batches.discard(2)  # (the kept window moved past batch 2: its first work is remembered apart)
-    assert server.unsettled_first() == 2  # the liar's first batch, though its probation is over
+    assert server.arrivals.unsettled_first() == 2  # the liar's first batch, though its probation is over
     del server.clients["peer-liar"]
-    assert server.unsettled_first() is None  # gone: nothing to ban; the honest one is cleared
+    assert server.arrivals.unsettled_first() is None  # gone: nothing to ban; the honest one is cleared
 
 
 def test_which_work_is_checked_cannot_be_computed_from_what_a_volunteer_knows():
@@ -571,8 +574,8 @@ def test_which_work_is_checked_cannot_be_computed_from_what_a_volunteer_knows():
     for _ in range(2):
         server = InProcessSwarm(cfg, layout, run, servers_compute=False).servers[device]
         server.clients["peer-x"] = ClientInfo("peer-x", 1.0, server.clock())
-        server.checks_passed["peer-x"] = server.probation  # past probation: the sample decides
-        drawn.append([server.note_contribution("peer-x", 2) for _ in range(200)])
+        server.arrivals.checks_passed["peer-x"] = server.arrivals.probation  # past probation: the sample decides
+        drawn.append([server.arrivals.note_contribution("peer-x", 2) for _ in range(200)])
     assert drawn[0] != drawn[1]
     assert all(0.01 < sum(d) / len(d) < 0.3 for d in drawn), [sum(d) for d in drawn]  # about verify_rate (0.1)
 
@@ -589,15 +592,15 @@ def test_work_that_k_servers_receive_is_rerun_by_one_of_them_at_the_verify_rate(
     cfg, layout, run = make_run(steps=30, stages=1)
     server = InProcessSwarm(cfg, layout, run, servers_compute=False).servers[layout.stages[0].frontal[0]]
     server.clients["peer-x"] = ClientInfo("peer-x", 1.0, server.clock())
-    server.checks_passed["peer-x"] = server.probation  # past probation: the sample decides
-    server.verify_rng = random.Random(0)  # (the test's draws fixed; the server's own come from os.urandom)
+    server.arrivals.checks_passed["peer-x"] = server.arrivals.probation  # past probation: the sample decides
+    server.arrivals.rng = random.Random(0)  # (the test's draws fixed; the server's own come from os.urandom)
 
     def one_of(k: int) -> bool:  # k servers' draws for the same push
-        return any([server.note_contribution("peer-x", 2, shared_by=k) for _ in range(k)])
+        return any([server.arrivals.note_contribution("peer-x", 2, shared_by=k) for _ in range(k)])
 
-    server.verify_rate = 1.0
+    server.arrivals.verify_rate = 1.0
     assert all(one_of(2) for _ in range(500)) and all(one_of(4) for _ in range(500))
-    server.verify_rate = 0.1
+    server.arrivals.verify_rate = 0.1
     for k in (1, 2, 4):
         share = sum(one_of(k) for _ in range(4000)) / 4000
         assert 0.085 < share < 0.115, (k, share)  # (binomial sd 0.0047)
@@ -615,13 +618,13 @@ def test_a_ban_whose_liar_worked_before_the_kept_versions_rolls_back_as_far_as_a
     # a loaded machine one still was at version 9 (version 0 kept, the rollback rightly went to 0): the
     # kept versions here are the window alone, which the volunteer's first work is older than
     for server in swarm.servers.values():
-        server.probation = 0
+        server.arrivals.probation = 0
     records = []
 
     async def ban():
         coordinator = swarm.servers[layout.stages[0].frontal[0]]
         for server in swarm.servers.values():
-            server.contributed.setdefault("peer-u01", set()).add(0)  # (as if its first work were batch 0)
+            server.arrivals.contributed.setdefault("peer-u01", set()).add(0)  # (as if its first work were batch 0)
         records.append(await coordinator.ban_and_roll_back("peer-u01", "a test's ban"))
 
     state = asyncio.run(swarm.train(timeout=240, at_version={9: ban}))
