@@ -1,12 +1,14 @@
 """Bans: a volunteer caught by a check is refused here at once and reported to the run's coordinator
 (its first server), which bans it on every server and starts a layout epoch that rolls every shard
-back to the first batch it contributed to, within the kept versions, and runs again from there (a
-part of parameter_server.service.StageServer; the epoch's machinery is failover's)."""
+back to the first batch it contributed to, within the kept versions, and runs again from there. A
+part of a server, built with what it reads of it (parameter_server/parts.py); the epoch's machinery
+is failover's."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Awaitable, Callable
 
 from core.model.update_rule import version_for_batch
 from core.protocol.fields import field as mfield
@@ -37,15 +39,59 @@ def rollback_target(first: int, kept_from: int, versions: list[int], memory_from
 
 
 class Bans:
-    """StageServer's bans and their rollback epochs."""
+    """A server's bans and their rollback epochs, given what it reads of its server: `device_id`;
+    `banned` (peer id -> why: the bans made, written here);
+    `clients` (a banned one is dropped) and `pool()` (its leases re-queued) as they are now; `counts`
+    (the check counters: `caught`); `arrivals` (what each volunteer sent: the first batch a rollback
+    must reach); `pins` (a ban holds the steps until its epoch); `outbox`; `call` to another server;
+    `layout()`, `epoch()`, `epoch_record()` and the `shards()` hosted here as they are now;
+    `replaying()`; `is_server(peer)`; `steps` (the run's last version); and failover's `send_epoch` and
+    `adopt`, which make and take the ban's layout epoch."""
 
-    def _init_bans(self) -> None:
-        self.banned: dict[str, str] = {}  # peer id -> why (kept across layout epochs)
+    def __init__(
+        self,
+        *,
+        device_id: str,
+        banned: dict[str, str],
+        clients: dict,
+        pool: Callable[[], object],
+        counts: dict,
+        arrivals,
+        pins,
+        outbox,
+        call: Callable[[str, str, dict], Awaitable[tuple[dict, list]]],
+        layout: Callable[[], object],
+        epoch: Callable[[], int],
+        epoch_record: Callable[[], dict | None],
+        shards: Callable[[], list],
+        replaying: Callable[[], bool],
+        is_server: Callable[[str], bool],
+        steps: int,
+        send_epoch: Callable[[dict, list], Awaitable[None]],
+        adopt: Callable[[dict], bool],
+    ) -> None:
+        self.device_id, self.clients, self.pool, self.counts, self.arrivals = device_id, clients, pool, counts, arrivals
+        self.pins, self.outbox, self.call, self.layout, self.epoch = pins, outbox, call, layout, epoch
+        self.epoch_record, self.shards, self.replaying, self.is_server, self.steps = (
+            epoch_record,
+            shards,
+            replaying,
+            is_server,
+            steps,
+        )
+        self.send_epoch, self.adopt = send_epoch, adopt
+        self.banned = banned  # peer id -> why (kept across layout epochs; arrivals.py refuses them)
         # bans heard of (made here, or ordered by a coordinator) whose rollback epoch has not come yet:
         # the ban log a new coordinator orders itself, should the one that banned die before its epoch
-        self.pending_bans: dict[str, str] = {}
-        self._ordering_ban = False
-        self.ban_lock = asyncio.Lock()
+        self.pending: dict[str, str] = {}
+        self._ordering = False
+        self.lock = asyncio.Lock()
+
+    def ordered(self) -> list[str]:
+        """The bans the layout epochs so far have ordered, each with its rollback: what a new epoch
+        lists as banned. Not every ban made here: a peer this server caught waits for its own turn
+        (ban_and_roll_back), and listed as done before it, its rollback would never come."""
+        return list((self.epoch_record() or {}).get("banned", []))
 
     # bans --------------------------------------------------------------------------------------
     def ban_here(self, peer: str, why: str) -> None:
@@ -53,31 +99,32 @@ class Bans:
             return
         self.banned[peer] = why
         self.clients.pop(peer, None)
-        n = len(self.pool.client_left(peer))
+        n = len(self.pool().client_left(peer))
         logger.warning("%s: volunteer %s banned (%s); %d of its leases re-queued", self.device_id, peer[-8:], why, n)
 
-    def _caught(self, peer: str, why: str, t: int) -> None:
+    def caught(self, peer: str, why: str) -> None:
+        """A check here found `peer` lying: refused here at once, reported to the run's coordinator."""
         if peer in self.banned:
             return
-        self.verify_counts["caught"] += 1
+        self.counts["caught"] += 1
         self.ban_here(peer, why)
-        self.pending_bans.setdefault(peer, why)
+        self.pending.setdefault(peer, why)
         self.pins.hold_for_ban()  # no step until the ban's rollback (on_ban)
         self.outbox.spawn(self._report(peer, why))
 
-    def order_pending_bans(self) -> None:
+    def order_pending(self) -> None:
         """Periodic (maintenance): the run's coordinator orders, one at a time, the bans it heard of
         whose rollback epoch never came: a coordinator that died (or froze and was failed over) after
         every server heard its ban and before its epoch left the liar's work applied (0.27 from the
         reference in the third trust pass); the next coordinator holds the same ban log."""
-        for peer in [p for p in self.pending_bans if p in self.ordered_bans()]:
-            del self.pending_bans[peer]
-        if not self.pending_bans or self._ordering_ban or self.ban_lock.locked() or self.replaying:
+        for peer in [p for p in self.pending if p in self.ordered()]:
+            del self.pending[peer]
+        if not self.pending or self._ordering or self.lock.locked() or self.replaying():
             return
         if self.coordinator() != self.device_id:
             return
-        peer, why = next(iter(self.pending_bans.items()))
-        self._ordering_ban = True
+        peer, why = next(iter(self.pending.items()))
+        self._ordering = True
 
         async def order():
             try:
@@ -85,13 +132,13 @@ class Bans:
             except Exception as e:  # (a server not reachable yet: tried again at the next maintenance)
                 logger.info("%s: ordering the ban of %s failed: %r", self.device_id, peer[-8:], e)
             finally:
-                self._ordering_ban = False
+                self._ordering = False
 
         self.outbox.spawn(order())
 
     def coordinator(self) -> str:
         """The server that orders bans (and their rollbacks) into layout epochs: the run's first."""
-        return next(d for st in self.layout.stages for d in st.servers)
+        return next(d for st in self.layout().stages for d in st.servers)
 
     async def _report(self, peer: str, why: str) -> None:
         async for attempt in Attempts(
@@ -102,7 +149,7 @@ class Bans:
                 if coordinator == self.device_id:
                     await self.ban_and_roll_back(peer, why)
                 else:
-                    await self.server_call(coordinator, "report_cheat", {"peer": peer, "why": why})
+                    await self.call(coordinator, "report_cheat", {"peer": peer, "why": why})
                 return
             except Exception as e:
                 attempt.failed(e)
@@ -116,7 +163,7 @@ class Bans:
         yet: the ban's epoch was never made, and the liar's work stayed applied)."""
         async for attempt in Attempts(f"{self.device_id}: {method} to {device}", within=BAN_PATIENCE, log=logger):
             try:
-                return await self.server_call(device, method, meta)
+                return await self.call(device, method, meta)
             except (ConnectionError, asyncio.TimeoutError) as e:
                 if attempt.last:
                     raise
@@ -133,7 +180,7 @@ class Bans:
         peer, why = mfield(meta, "peer", str), mfield(meta, "why", str)
         if self.coordinator() != self.device_id:
             raise PayloadError(f"{self.device_id} does not coordinate this run's bans ({self.coordinator()} does)")
-        if self._is_server(peer):
+        if self.is_server(peer):
             raise PayloadError(f"{peer[-8:]} is a server of this run: servers are trusted, not banned")
         self.outbox.spawn(self._ban_reported(peer, why))
         return {"ok": True}
@@ -144,16 +191,16 @@ class Bans:
         kept and the versions of the slots hosted here."""
         peer, why = mfield(meta, "peer", str), mfield(meta, "why", str)
         self.ban_here(peer, why)
-        if peer not in self.ordered_bans():
-            self.pending_bans.setdefault(peer, why)
+        if peer not in self.ordered():
+            self.pending.setdefault(peer, why)
         self.pins.hold_for_ban()  # (bounded, should the coordinator die)
         batches = self.arrivals.contributed.get(peer)
         first = min(batches) if batches else -1
         return {
             "first_batch": min(first, self.arrivals.first_contributed.get(peer, first)) if batches else -1,
-            "versions": [sh.version for sh in self.hosted.values()],
-            "kept_from": max(sh.kept_from() for sh in self.hosted.values()),
-            "memory_from": max(sh.memory_from() for sh in self.hosted.values()),
+            "versions": [sh.version for sh in self.shards()],
+            "kept_from": max(sh.kept_from() for sh in self.shards()),
+            "memory_from": max(sh.memory_from() for sh in self.shards()),
         }
 
     async def ban_and_roll_back(self, peer: str, why: str) -> dict | None:
@@ -161,11 +208,11 @@ class Bans:
         unapplied contribution and rolls every shard back to the first batch it contributed to (as far
         as the kept versions allow), then runs again from there. Returns the epoch record (None if the
         peer was banned by an earlier epoch)."""
-        async with self.ban_lock:
-            if peer in self.ordered_bans():
+        async with self.lock:
+            if peer in self.ordered():
                 return None
             answers = []
-            for st in self.layout.stages:
+            for st in self.layout().stages:
                 for d in st.servers:
                     answers.append(await self._server_call_patiently(d, "ban", {"peer": peer, "why": why}))
             firsts = [a["first_batch"] for a, _ in answers if a["first_batch"] >= 0]
@@ -173,10 +220,10 @@ class Bans:
             kept_from = max(a["kept_from"] for a, _ in answers)
             memory_from = max(a.get("memory_from", kept_from) for a, _ in answers)
             record = {
-                "epoch": self.epoch + 1,
-                "layout": self.layout.to_dict(),
-                "banned": sorted(set(self.ordered_bans()) | {peer}),
-                "lost": list((self.epoch_record or {}).get("lost", [])),
+                "epoch": self.epoch() + 1,
+                "layout": self.layout().to_dict(),
+                "banned": sorted(set(self.ordered()) | {peer}),
+                "lost": list((self.epoch_record() or {}).get("lost", [])),
             }
             first = min(firsts) if firsts else None
             if first is not None and first < max(versions):
@@ -192,8 +239,8 @@ class Bans:
                     )
                 record["rollback_to"] = target
             low = min(versions + ([record["rollback_to"]] if "rollback_to" in record else []))
-            record["from_batch"] = min(low, self.run.steps - 1)
-            await self.send_epoch(record, [d for st in self.layout.stages for d in st.servers])
+            record["from_batch"] = min(low, self.steps - 1)
+            await self.send_epoch(record, [d for st in self.layout().stages for d in st.servers])
             self.adopt(record)
             logger.warning(
                 "%s: volunteer %s banned from the run; epoch %d %s",

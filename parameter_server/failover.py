@@ -29,12 +29,6 @@ def _in_event_loop() -> bool:
 class Failover:
     """StageServer's layout epochs (a part of parameter_server.service.StageServer)."""
 
-    def ordered_bans(self) -> list[str]:
-        """The bans the layout epochs so far have ordered, each with its rollback: what a new epoch
-        lists as banned. Not every ban made here: a peer this server caught waits for its own turn
-        (bans.py, ban_and_roll_back), and listed as done before it, its rollback would never come."""
-        return list((self.epoch_record or {}).get("banned", []))
-
     async def on_get_layout(self, meta, tensors, sender):
         """The current layout epoch: {"epoch", "layout", "from_batch"} (epoch 0 is the first layout)."""
         return self.epoch_record or {"epoch": 0, "layout": self.layout.to_dict(), "from_batch": 0}
@@ -119,7 +113,7 @@ class Failover:
                     del self.replicas[slot]
             self._verify_params = {}
         for peer in record.get("banned", []):
-            self.ban_here(peer, f"banned by layout epoch {epoch}")
+            self.bans.ban_here(peer, f"banned by layout epoch {epoch}")
         self.pins.release()  # the epoch a ban waited for
         for shard in self.hosted.values():
             shard.batches = {}
@@ -209,7 +203,7 @@ class Failover:
             "layout": layout.to_dict(),
             "from_batch": min(from_batch, self.run.steps - 1),
             "lost": sorted(lost),
-            "banned": self.ordered_bans(),
+            "banned": self.bans.ordered(),
         }
         await self.send_epoch(record, alive)
         self.adopt(record)

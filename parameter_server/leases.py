@@ -52,7 +52,7 @@ class Leases:
         info = self.clients.get(sender)
         lost = info.takes_lost if info is not None else 0
         while True:
-            if self.epoch != epoch or sender in self.banned or sender not in self.clients:
+            if self.epoch != epoch or sender in self.bans.banned or sender not in self.clients:
                 return None  # its next call hears why (stale epoch, banned, not registered)
             if self.clients[sender] is not info or info.takes_lost != lost:
                 # the client said this take's answer never reached it (register with 'take_lost')

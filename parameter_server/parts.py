@@ -1,24 +1,35 @@
 """The parts a StageServer is composed of, each built here with what it reads of its server (as
 the server is at each call: a failover changes its layout, epoch, hosted slots and replicas) rather
-than sharing the server's attributes: the outbox (deliveries and background work), what volunteers sent
-(arrivals.py), the gradient-norm
-round (clipping.py), the held-out evaluation (evaluate.py), the holds and pins that keep what a
-ban may need (pins.py) and the parameter versions sent as differences (param_deltas.py)."""
+than sharing the server's attributes: the outbox (deliveries and background work), what volunteers
+sent (arrivals.py), the bans (bans.py), the gradient-norm round (clipping.py), the held-out evaluation
+(evaluate.py), the holds and pins that keep what a ban may need (pins.py) and the parameter versions
+sent as differences (param_deltas.py)."""
 
 from __future__ import annotations
 
 from parameter_server.arrivals import Arrivals
+from parameter_server.bans import Bans
 from parameter_server.clipping import Clipping
 from parameter_server.evaluate import Evaluation, ServerPlace
 from parameter_server.outbox import Outbox
 from parameter_server.param_deltas import ParamDeltas
 from parameter_server.pins import Pins
 
+# method -> (the attribute of the part that answers it on a server, the part's class): the RPC surface
+# finds a method's handler as on_<method> of the server or of the part named here
+PART_HANDLERS: dict[str, tuple[str, type]] = {
+    "grad_norm": ("clipping", Clipping),
+    "eval_forward": ("evaluation", Evaluation),
+    "pin": ("pins", Pins),
+    "ban": ("bans", Bans),
+    "report_cheat": ("bans", Bans),
+}
+
 
 def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> None:
-    """Give `server` (a StageServer being built, its checks' settings and bans made) its `outbox`,
-    `arrivals`, `clipping`, `evaluation`, `pins` and `deltas`; the server that starts each evaluation
-    gets the evaluation's step callback."""
+    """Give `server` (a StageServer being built, its checks' secret drawn) its `arrivals`, `outbox`,
+    `clipping`, `evaluation`, `pins`, `bans` and `deltas`; the server that starts each evaluation gets
+    the evaluation's step callback."""
 
     def connector(device: str):
         return server.connector(device) if server.connector else None
@@ -32,13 +43,14 @@ def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> No
     def replaying() -> bool:
         return server.replaying
 
+    banned: dict[str, str] = {}  # peer id -> why: made by `bans`, read by `arrivals`
     server.arrivals = Arrivals(
         verify_rate=verify_rate,
         probation=probation,
         rng=server.verify_rng,
         drift=server.drift,
         counts=server.verify_counts,
-        banned=server.banned,
+        banned=banned,
         clients=server.clients,
         is_server=server._is_server,
         replaying=replaying,
@@ -88,6 +100,26 @@ def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> No
         call=server.server_call,
         outbox=server.outbox,
         steps=run.steps,
+    )
+    server.bans = Bans(
+        device_id=server.device_id,
+        banned=banned,
+        clients=server.clients,
+        pool=lambda: server.pool,
+        counts=server.verify_counts,
+        arrivals=server.arrivals,
+        pins=server.pins,
+        outbox=server.outbox,
+        call=server.server_call,
+        layout=layout,
+        epoch=epoch,
+        epoch_record=lambda: server.epoch_record,
+        shards=lambda: list(server.hosted.values()),
+        replaying=replaying,
+        is_server=server._is_server,
+        steps=run.steps,
+        send_epoch=server.send_epoch,
+        adopt=server.adopt,
     )
     server.deltas = ParamDeltas(server.params_on_wire)
     if server.evaluation.starts:

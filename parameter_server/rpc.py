@@ -98,7 +98,7 @@ class RpcSurface:
 
     async def handle(self, method: str, meta: dict, tensors: list, sender: str) -> tuple[dict, list]:
         """Run one request; any PayloadError/TaskPoolError becomes an error answer that changes nothing."""
-        handler = getattr(self, f"on_{method}")
+        handler = self.handler_of(method)
         try:
             if method in methods.SERVER_ONLY:
                 self._any_server_sender(sender)

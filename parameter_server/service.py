@@ -1,12 +1,13 @@
 """A reliable parameter server of one stage: frontal (FS) or backward (BS), following "One training
 step" of docs/design.md and section 3.2 of the design paper. This file is its thin service: the
 state the mixed-in rooms share and the directory of the run's servers. Each concern lives in a room
-of its own. Five are parts built with their dependencies (parts.py; each reads only what it is
+of its own. Six are parts built with their dependencies (parts.py; each reads only what it is
 given, and is tested alone): outbox.py (deliveries to other servers, background work), arrivals.py
-(what each volunteer sent, and which of it is drawn for a check), clipping.py (the round that gives
-every shard the run's gradient norm, --clip-grad-norm), evaluate.py (the held-out loss of every N-th
-version, through the servers, --eval-every) and pins.py (a ban's hold, and the versions a ban may
-need, kept). The others are still mixed into StageServer and share its attributes:
+(what each volunteer sent, and which of it is drawn for a check), bans.py (bans and their rollback
+epochs), clipping.py (the round that gives every shard the run's gradient norm, --clip-grad-norm),
+evaluate.py (the held-out loss of every N-th version, through the servers, --eval-every) and pins.py
+(a ban's hold, and the versions a ban may need, kept); a part's RPC handlers are found through
+parts.PART_HANDLERS. The others are still mixed into StageServer and share its attributes:
 
 - rpc.py: the RPC surface (every `rpc_*` only decodes the stream, counts its bytes and dispatches to
   an `on_*` handler through `handle`, which checks the layout epoch, turns a refused payload into an
@@ -15,7 +16,7 @@ need, kept). The others are still mixed into StageServer and share its attribute
 - leases.py: take / complete / fail; updates.py: parameter versions, gradient credits, the step;
 - frontal.py / backward.py (+ ledger.py): the two roles' data path;
 - replicas.py: copies of the shards at the next server; failover.py: layout epochs;
-- verify.py: the re-runs of the sample arrivals.py draws; bans.py: bans and their rollback epochs;
+- verify.py: the re-runs of the sample arrivals.py draws;
 - recovery.py: request-log replay; status.py: ping and status; checkpoint.py: the shard on disk.
 
 Every handler checks its payload (shape, dtype, finite values, known ids, registered sender) and
@@ -36,7 +37,6 @@ from core.protocol.leases import LeaseTickets
 from core.protocol.links import LinkEmulator
 from core.protocol.trust import Remembered
 from parameter_server.backward import Backward
-from parameter_server.bans import Bans
 from parameter_server.budget import RequestBudget, client_request_bytes, default_max_request_bytes
 from parameter_server.checks import Checks
 from parameter_server.clients import REGISTER_BURST, REGISTER_RATE, ClientInfo, Clients, TokenBucket
@@ -45,7 +45,7 @@ from parameter_server.failover import Failover
 from parameter_server.frontal import Frontal
 from parameter_server.leases import Leases
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
-from parameter_server.parts import compose_parts
+from parameter_server.parts import PART_HANDLERS, compose_parts
 from parameter_server.recovery import Recovery
 from parameter_server.replicas import Replicas
 from parameter_server.rescue import Rescue
@@ -77,7 +77,6 @@ class StageServer(
     Frontal,
     Backward,
     Verification,
-    Bans,
     Rescue,
     Failover,
     RpcSurface,
@@ -211,7 +210,6 @@ class StageServer(
         self.volunteers_joined = 0
         self.seen_volunteers = Remembered(SEEN_VOLUNTEERS)
         self._init_verification(verify_rate, probation, verify_device)
-        self._init_bans()
         compose_parts(self, run, cfg, verify_rate=verify_rate, probation=probation)
         self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (Updates.params_on_wire)
 
@@ -275,14 +273,10 @@ class StageServer(
         return min(sh.version for sh in self.hosted.values())
 
     # the handlers of the parts composed here (the RPC surface finds a method's handler as on_<method>)
-    async def on_grad_norm(self, meta, tensors, sender):
-        return await self.clipping.on_grad_norm(meta, tensors, sender)
-
-    async def on_eval_forward(self, meta, tensors, sender):
-        return await self.evaluation.on_eval_forward(meta, tensors, sender)
-
-    async def on_pin(self, meta, tensors, sender):
-        return await self.pins.on_pin(meta, tensors, sender)
+    def handler_of(self, method: str):
+        """The `on_<method>` of the part that answers `method` (parts.PART_HANDLERS), or of this server."""
+        part = PART_HANDLERS.get(method)
+        return getattr(getattr(self, part[0]) if part else self, f"on_{method}")
 
     def _device_of(self, peer: str) -> str | None:
         c = self.clients.get(peer)
@@ -336,7 +330,7 @@ class StageServer(
         self.pins.update_pins()
         self.report_stall(time.time())
         self.maybe_rescue()
-        self.order_pending_bans()
+        self.bans.order_pending()
         if self.pins.held_or_waiting or any(shard.ready_to_step() for shard in self.hosted.values()):
             # a step held with every credit already here is looked at again each pass, not only when a
             # push comes: a ban's hold or a check's that ran out, a replica copy that was taken or

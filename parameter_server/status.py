@@ -76,7 +76,7 @@ class Status:
             "calls": dict(CALLS),
             "session_calls": dict(SESSION_CALLS),
             "checks": dict(self.verify_counts, max_honest_distance=self.arrivals.honest_distance()),
-            "banned": dict(self.banned),
+            "banned": dict(self.bans.banned),
         }
 
     def note_step(self, version: int) -> None:
@@ -111,7 +111,7 @@ class Status:
             "volunteers": len(volunteers),
             "volunteer_compute": float(sum(self.clients[p].compute for p in volunteers)),
             "checked": self.verify_counts["checked"],
-            "banned": len(self.banned),
+            "banned": len(self.bans.banned),
             # how many versions back a ban can undo here now (memory's and those on disk: old_versions.py)
             "ban_reach": self.version - max(sh.kept_from() for sh in self.hosted.values()),
         }

@@ -206,7 +206,7 @@ class Verification:
                 return True
         elif d <= tolerance:
             return True
-        self._caught(sender, f"{what} of batch {t} is {d:.3g} (relative L2) from this server's re-run", t)
+        self.bans.caught(sender, f"{what} of batch {t} is {d:.3g} (relative L2) from this server's re-run")
         return False
 
     async def _drifts(self, epoch: int, sender: str, kind: str, got: torch.Tensor, want: torch.Tensor, t: int) -> bool:
@@ -222,11 +222,10 @@ class Verification:
             raise PayloadError(f"the check began in layout epoch {epoch}, the run is at {self.epoch}")
         n = self.drift.sums[(sender, kind)][1]
         self.verify_counts["drift_caught"] = self.verify_counts.get("drift_caught", 0) + 1
-        self._caught(
+        self.bans.caught(
             sender,
             f"its {kind} differ from this server's re-runs the same way check after check "
             f"(Q {hit[0]:.1f} > {hit[1]:.1f} after {n} checks)",
-            t,
         )
         return True
 

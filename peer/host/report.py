@@ -71,7 +71,7 @@ class RunReport:
             "eval_version": max(evals) if evals else None,
             "tokens_per_second": self.run_cfg.batch_size * self.cfg.seq_len / per_step if per_step else None,
             "microbatches_applied": min(sh.microbatches_applied for sh in server.hosted.values()),
-            "volunteers": server.contributions.table(server.banned, servers),
+            "volunteers": server.contributions.table(server.bans.banned, servers),
         }
         try:
             return write_summary(checkpoint_dir, self.device, summary)

@@ -43,7 +43,7 @@ def test_a_servers_refusals_carry_their_codes():
         assert await code("peer-listed", "take", {}) is Refusal.NOT_REGISTERED
         assert await code("peer-listed", "take", {"epoch": 5}) is Refusal.FUTURE_EPOCH
         assert await code("peer-listed", "register", {"device": 3}) is Refusal.BAD_REQUEST
-        server.ban_here("peer-listed", "a test's ban")
+        server.bans.ban_here("peer-listed", "a test's ban")
         assert await code("peer-listed", "take", {}) is Refusal.BANNED
 
     asyncio.run(scenario())

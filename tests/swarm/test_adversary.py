@@ -278,7 +278,7 @@ class Adversary(RuleBasedStateMachine):
         try:
             state = self.loop.run_until_complete(self.training)  # (a stall raises TimeoutError here)
             assert rel_diff(state, reference_state("tiny", STEPS)) < 1e-6, {
-                d: dict(s.banned) for d, s in self.swarm.servers.items()
+                d: dict(s.bans.banned) for d, s in self.swarm.servers.items()
             }
         finally:
             for task in asyncio.all_tasks(self.loop):

@@ -52,7 +52,7 @@ def test_a_liar_caught_after_memory_let_its_lies_go_is_rolled_back_from_disk(tmp
             server.arrivals.first_contributed["peer-u01"] = since
         in_memory.append(min(min(sh.snapshots) for s in swarm.servers.values() for sh in s.hosted.values()))
         coordinator = swarm.servers[layout.stages[0].frontal[0]]
-        records.append(await coordinator.ban_and_roll_back("peer-u01", "a check that hit it late"))
+        records.append(await coordinator.bans.ban_and_roll_back("peer-u01", "a check that hit it late"))
 
     try:
         state = asyncio.run(swarm.train(timeout=240, at_version={ban_at: ban}))
@@ -60,7 +60,7 @@ def test_a_liar_caught_after_memory_let_its_lies_go_is_rolled_back_from_disk(tmp
         for old in olds:
             old.close()
     (record,), (memory_from,), (since,) = records, in_memory, armed
-    bans = {p for s in swarm.servers.values() for p in s.banned}
+    bans = {p for s in swarm.servers.values() for p in s.bans.banned}
     assert bans == {"peer-u01"}, bans  # (no check caught it before the test's ban)
     assert since < ban_at - 2 and liar.stats["forward"] + liar.stats["backward"] > liar.cheat.after  # it lied
     # read back from disk: the grid's version at or before its first lie

@@ -67,7 +67,9 @@ def test_a_bf16_swarm_makes_the_references_casts_and_passes_its_checks(servers_p
     else:
         assert rel_diff(state, bf16_ref) < 0.5 * far
     checks = [s.verify_counts for s in swarm.servers.values()]
-    assert sum(c.get("checked", 0) for c in checks) > 0 and not any(s.banned for s in swarm.servers.values()), checks
+    assert sum(c.get("checked", 0) for c in checks) > 0 and not any(s.bans.banned for s in swarm.servers.values()), (
+        checks
+    )
 
 
 def test_a_liar_in_a_bf16_run_is_caught():
@@ -78,4 +80,4 @@ def test_a_liar_in_a_bf16_run_is_caught():
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
     next(w for w in swarm.workers if w.device_id == "u11").cheat = Cheat("scale")
     asyncio.run(swarm.train(timeout=240))
-    assert {p for s in swarm.servers.values() for p in s.banned} == {"peer-u11"}
+    assert {p for s in swarm.servers.values() for p in s.bans.banned} == {"peer-u11"}

@@ -173,7 +173,7 @@ def test_a_liar_banned_in_a_clipped_run_leaves_no_stale_norm_behind():
         liar.cheat = Cheat("scale", after=liar.stats["forward"] + liar.stats["backward"])
 
     state = asyncio.run(swarm.train(timeout=240, at_version={1: lie_from_now}))
-    bans = {p for s in swarm.servers.values() for p in s.banned}
+    bans = {p for s in swarm.servers.values() for p in s.bans.banned}
     assert bans == {"peer-u11"}
     assert any(s.clipping.sum_rollbacks for s in swarm.servers.values())
     ref, _ = reference_run(steps, CLIPPED)
@@ -273,7 +273,7 @@ def test_the_evaluations_of_versions_a_ban_rolls_back_are_made_again_on_the_new_
         return back_to
 
     back_to = asyncio.run(scenario())
-    assert {p for s in swarm.servers.values() for p in s.banned} == {"peer-u11"}
+    assert {p for s in swarm.servers.values() for p in s.bans.banned} == {"peer-u11"}
     assert any(v > back_to for _, v in noted if _ == 0), noted  # an undone version had been evaluated
     assert sorted(last.evaluation.eval_losses) == sorted(want)
     assert all(abs(last.evaluation.eval_losses[v] - want[v]) < 1e-5 * want[v] for v in want), (

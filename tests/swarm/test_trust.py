@@ -220,7 +220,7 @@ def run_with_a_liar(steps: int, liar: str, kind: str):
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
     next(w for w in swarm.workers if w.device_id == liar).cheat = Cheat(kind)
     state = asyncio.run(swarm.train(timeout=240))
-    return state, swarm, {p: why for s in swarm.servers.values() for p, why in s.banned.items()}
+    return state, swarm, {p: why for s in swarm.servers.values() for p, why in s.bans.banned.items()}
 
 
 def test_a_volunteer_biased_under_the_tolerance_is_banned_and_its_work_rolled_back():
@@ -303,13 +303,13 @@ def test_a_ban_outlives_the_coordinator_that_ordered_it():
 
     async def ban_then_die():
         for d, server in list(swarm.servers.items()):
-            await server.on_ban({"peer": "peer-u01", "why": "a test's ban"}, [], f"peer-{first}")
+            await server.bans.on_ban({"peer": "peer-u01", "why": "a test's ban"}, [], f"peer-{first}")
         records.append(await swarm.lose(first))
 
     state = asyncio.run(swarm.train(timeout=240, at_version={3: ban_then_die}))
     assert records[0]["lost"] == [first] and "peer-u01" not in records[0].get("banned", [])
     for server in swarm.servers.values():
-        assert "peer-u01" in server.ordered_bans() and server.epoch >= 2 and not server.pending_bans
+        assert "peer-u01" in server.bans.ordered() and server.epoch >= 2 and not server.bans.pending
         assert server.epoch_record.get("rollback_to") is not None or server.epoch_record["epoch"] > 2
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-6
 
@@ -345,7 +345,7 @@ def test_a_patient_liar_past_probation_is_checked_at_its_first_outsized_push():
     for server in judges:
         server.on_credit.append(lie_past_probation)
     state = asyncio.run(swarm.train(timeout=240))
-    bans = {p: why for s in swarm.servers.values() for p, why in s.banned.items()}
+    bans = {p: why for s in swarm.servers.values() for p, why in s.bans.banned.items()}
     assert armed and armed[0] < steps - 2, armed  # (lies began with batches left to lie on)
     assert list(bans) == ["peer-u11"] and "(relative L2) from this server's re-run" in bans["peer-u11"], bans
     assert sum(s.verify_counts.get("unusual_norms", 0) for s in judges) >= 1
@@ -386,7 +386,7 @@ def test_a_patient_liar_that_flips_signs_past_probation_is_checked_by_the_direct
     for server in judges:
         server.on_credit.append(arm)
     state = asyncio.run(swarm.train(timeout=240))
-    bans = {p: why for s in swarm.servers.values() for p, why in s.banned.items()}
+    bans = {p: why for s in swarm.servers.values() for p, why in s.bans.banned.items()}
     seen = {
         s.device_id: (s.verify_counts, [(w[-3:], round(c, 2)) for w, c in s.arrivals.push_cosines[s.slot]])
         for s in judges
@@ -420,7 +420,7 @@ def test_a_liar_cannot_outrun_checks_that_fall_behind(monkeypatch):
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
     next(w for w in swarm.workers if w.device_id == "u01").cheat = Cheat("bias")
     state = asyncio.run(swarm.train(timeout=300))
-    bans = {p for s in swarm.servers.values() for p in s.banned}
+    bans = {p for s in swarm.servers.values() for p in s.bans.banned}
     assert bans == {"peer-u01"}, bans
     held = sum(s.verify_counts.get("steps_held_for_checks", 0) for s in swarm.servers.values())
     assert held >= 1
@@ -447,12 +447,12 @@ def test_a_ban_waits_for_a_server_the_coordinator_cannot_reach_yet():
             return connect(d)
 
         coordinator.connector = not_yet
-        records.append(await coordinator.ban_and_roll_back("peer-u01", "a test's ban"))
+        records.append(await coordinator.bans.ban_and_roll_back("peer-u01", "a test's ban"))
 
     state = asyncio.run(swarm.train(timeout=240, at_version={3: ban}))
     (record,) = records
     assert len(refused) == 3 and record["banned"] == ["peer-u01"] and "rollback_to" in record, record
-    assert all("peer-u01" in s.banned for s in swarm.servers.values())
+    assert all("peer-u01" in s.bans.banned for s in swarm.servers.values())
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
 
 
@@ -468,16 +468,16 @@ def test_a_ban_made_here_while_another_is_ordered_is_still_ordered_in_its_turn()
 
     async def bans():
         coordinator = swarm.servers[layout.stages[0].frontal[0]]
-        coordinator.ban_here("peer-u11", "caught by the coordinator's own check")  # (its ban awaits the lock)
-        records.append(await coordinator.ban_and_roll_back("peer-u01", "a test's ban"))
-        records.append(await coordinator.ban_and_roll_back("peer-u11", "caught by the coordinator's own check"))
+        coordinator.bans.ban_here("peer-u11", "caught by the coordinator's own check")  # (its ban awaits the lock)
+        records.append(await coordinator.bans.ban_and_roll_back("peer-u01", "a test's ban"))
+        records.append(await coordinator.bans.ban_and_roll_back("peer-u11", "caught by the coordinator's own check"))
 
     state = asyncio.run(swarm.train(timeout=240, at_version={3: bans}))
     first, second = records
     assert first["banned"] == ["peer-u01"], first
     assert second is not None and second["epoch"] == first["epoch"] + 1, second
     assert second["banned"] == ["peer-u01", "peer-u11"]
-    assert all({"peer-u01", "peer-u11"} <= set(s.banned) for s in swarm.servers.values())
+    assert all({"peer-u01", "peer-u11"} <= set(s.bans.banned) for s in swarm.servers.values())
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
 
 
@@ -500,7 +500,7 @@ def test_an_input_gradient_relayed_is_work_a_ban_rolls_back_to():
         await link.call("register", {"device": "u10", "compute": 1.0, "stage": 1})
         answer, _ = await link.call("push_input_grads", gin, [torch.zeros(rows, cfg.seq_len, cfg.hidden)])
         assert answer["result"] == "accepted", answer
-        return await fs1.on_ban({"peer": "peer-u10", "why": "a test's ban"}, [], "peer-s0f0")
+        return await fs1.bans.on_ban({"peer": "peer-u10", "why": "a test's ban"}, [], "peer-s0f0")
 
     told = asyncio.run(scenario())
     assert told["first_batch"] == 1, told
@@ -522,7 +522,7 @@ def test_work_on_probation_stays_within_a_rollbacks_reach():
     async def ban():
         coordinator = swarm.servers[layout.stages[0].frontal[0]]
         kept.append({d: min(sh.kept_from() for sh in s.hosted.values()) for d, s in swarm.servers.items()})
-        records.append(await coordinator.ban_and_roll_back("peer-u01", "a test's ban"))
+        records.append(await coordinator.bans.ban_and_roll_back("peer-u01", "a test's ban"))
 
     state = asyncio.run(swarm.train(timeout=240, at_version={10: ban}))
     (record,), (oldest,) = records, kept
@@ -625,7 +625,7 @@ def test_a_ban_whose_liar_worked_before_the_kept_versions_rolls_back_as_far_as_a
         coordinator = swarm.servers[layout.stages[0].frontal[0]]
         for server in swarm.servers.values():
             server.arrivals.contributed.setdefault("peer-u01", set()).add(0)  # (as if its first work were batch 0)
-        records.append(await coordinator.ban_and_roll_back("peer-u01", "a test's ban"))
+        records.append(await coordinator.bans.ban_and_roll_back("peer-u01", "a test's ban"))
 
     state = asyncio.run(swarm.train(timeout=240, at_version={9: ban}))
     assert rel_diff(state, reference_state("tiny", steps)) < 1e-5
