@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -27,23 +26,12 @@ from core.model.task_math import forward_rows
 from core.model.transformer import loss_sum
 from core.protocol.fields import field as mfield
 from core.protocol.wire import PayloadError, RemoteError
+from parameter_server.place import ServerPlace
 
 logger = logging.getLogger("hivepipe.server")
 
 EVAL_WAIT = 300.0  # the longest a stage waits for the version an evaluation is of
 EVALS_KEPT = 256  # evaluations a server keeps in its status
-
-
-@dataclass(frozen=True)
-class ServerPlace:
-    """Where a server sits in the run: its device id, stage, role and index in that role, and
-    whether its stage is the last."""
-
-    device_id: str
-    stage: int
-    role: str
-    index: int
-    last: bool
 
 
 class Evaluation:

@@ -1,7 +1,7 @@
 """The parts a StageServer is composed of, each built here with what it reads of its server (as
 the server is at each call: a failover changes its layout, epoch, hosted slots and replicas) rather
 than sharing the server's attributes: the outbox (deliveries and background work), what volunteers
-sent (arrivals.py), the bans (bans.py), the gradient-norm round (clipping.py), the held-out evaluation
+sent (arrivals.py), the bans (bans.py), the re-queueing of work whose results never came (rescue.py), the gradient-norm round (clipping.py), the held-out evaluation
 (evaluate.py), the holds and pins that keep what a ban may need (pins.py) and the parameter versions
 sent as differences (param_deltas.py)."""
 
@@ -10,10 +10,12 @@ from __future__ import annotations
 from parameter_server.arrivals import Arrivals
 from parameter_server.bans import Bans
 from parameter_server.clipping import Clipping
-from parameter_server.evaluate import Evaluation, ServerPlace
+from parameter_server.evaluate import Evaluation
 from parameter_server.outbox import Outbox
 from parameter_server.param_deltas import ParamDeltas
 from parameter_server.pins import Pins
+from parameter_server.place import ServerPlace
+from parameter_server.rescue import Rescue
 
 # method -> (the attribute of the part that answers it on a server, the part's class): the RPC surface
 # finds a method's handler as on_<method> of the server or of the part named here
@@ -23,13 +25,16 @@ PART_HANDLERS: dict[str, tuple[str, type]] = {
     "pin": ("pins", Pins),
     "ban": ("bans", Bans),
     "report_cheat": ("bans", Bans),
+    "requeue_missing": ("rescue", Rescue),
 }
 
 
 def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> None:
     """Give `server` (a StageServer being built, its checks' secret drawn) its `arrivals`, `outbox`,
-    `clipping`, `evaluation`, `pins`, `bans` and `deltas`; the server that starts each evaluation gets
+    `clipping`, `evaluation`, `pins`, `bans`, `rescue` and `deltas`; the server that starts each evaluation gets
     the evaluation's step callback."""
+
+    place = ServerPlace(server.device_id, server.stage, server.role, server.index, server.last)
 
     def connector(device: str):
         return server.connector(device) if server.connector else None
@@ -73,7 +78,7 @@ def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> No
     )
     server.evaluation = Evaluation(
         run.eval_every,
-        place=ServerPlace(server.device_id, server.stage, server.role, server.index, server.last),
+        place=place,
         run=run,
         cfg=cfg,
         corpus=server.corpus,
@@ -120,6 +125,29 @@ def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> No
         steps=run.steps,
         send_epoch=server.send_epoch,
         adopt=server.adopt,
+    )
+    server.rescue = Rescue(
+        place=place,
+        rows=server.rows,
+        micro_batches=run.micro_batches,
+        steps=run.steps,
+        stage_servers=lambda: server.st,
+        shards=lambda: server.hosted,
+        buffers=lambda: server.buffers,
+        segment=lambda: server.seg,
+        version=lambda: server.version,
+        epoch=epoch,
+        replaying=replaying,
+        steps_held=server.pins.steps_held,
+        issued=lambda: server.issued,
+        pool=lambda: server.pool,
+        ledger=lambda: server.ledger,
+        step_times=server.step_times,
+        outbox=server.outbox,
+        call=server.server_call,
+        server_sender=server._server_sender,
+        signal_tasks=server._signal_tasks,
+        counters=server.counters,
     )
     server.deltas = ParamDeltas(server.params_on_wire)
     if server.evaluation.starts:

@@ -14,13 +14,15 @@ reopen their done tasks of those rows (`requeue_missing`, a server-only method):
 its shard slots have not been credited for that batch, and, on a backward server of a stage before
 the last, the output rows of its segment not received. The leasing server queues again each done
 task of that kind, batch and micro-batch whose rows meet the missing ones; a task still queued or
-leased is left alone (its lease runs out as any other). Must not step parameters itself."""
+leased is left alone (its lease runs out as any other). Must not step parameters itself. A part of a
+server, built with what it reads of it (parameter_server/parts.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from typing import Awaitable, Callable
 
 from core.layout import owners
 from core.protocol.fields import field as mfield
@@ -50,12 +52,61 @@ def gaps(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, in
 
 
 class Rescue:
-    """StageServer's re-queueing of done work whose results never came (a part of
-    parameter_server.service.StageServer)."""
+    """A server's re-queueing of done work whose results never came, given what it reads of its
+    server: its `place` (device id, stage, role, last), `rows` a micro-batch and `micro_batches` a
+    batch, `steps` (the run's last version); as they are now: `stage_servers()` (its stage in the
+    layout), `shards()` (slot -> shard hosted here), `buffers()` (the rows received) and `segment()` (its rows of each micro-batch), `version()`,
+    `epoch()`, `replaying()`, `steps_held()` (a ban's hold), `issued()` (the task ids made here),
+    `pool()` and `ledger()`; `step_times` (version -> when reached: the median step); `outbox`; `call`
+    to another server; `server_sender(sender, stage, *roles)` (refuses any other caller); `signal_tasks()`
+    (wakes the takes waiting); `counters`."""
 
-    _rescued_at = float("-inf")
-    _rescuing = False  # an ask is on its way (one at a time: a lost server answers in 30 s)
-    _waiting_since: tuple[int, float] | None = None  # (version, since when) the next batch waits
+    def __init__(
+        self,
+        *,
+        place,
+        rows: int,
+        micro_batches: int,
+        steps: int,
+        stage_servers: Callable[[], object],
+        shards: Callable[[], dict],
+        buffers: Callable[[], dict],
+        segment: Callable[[], tuple[int, int]],
+        version: Callable[[], int],
+        epoch: Callable[[], int],
+        replaying: Callable[[], bool],
+        steps_held: Callable[[], bool],
+        issued: Callable[[], set],
+        pool: Callable[[], object],
+        ledger: Callable[[], dict],
+        step_times: dict,
+        outbox,
+        call: Callable[[str, str, dict], Awaitable[tuple[dict, list]]],
+        server_sender: Callable[..., str],
+        signal_tasks: Callable[[], None],
+        counters: dict,
+    ) -> None:
+        self.place, self.rows, self.micro_batches, self.steps = place, rows, micro_batches, steps
+        self.segment = segment
+        self.stage_servers, self.shards, self.buffers, self.version, self.epoch = (
+            stage_servers,
+            shards,
+            buffers,
+            version,
+            epoch,
+        )
+        self.replaying, self.steps_held, self.issued, self.pool, self.ledger = (
+            replaying,
+            steps_held,
+            issued,
+            pool,
+            ledger,
+        )
+        self.step_times, self.outbox, self.call, self.server_sender = step_times, outbox, call, server_sender
+        self.signal_tasks, self.counters = signal_tasks, counters
+        self.rescued_at = float("-inf")
+        self.rescuing = False  # an ask is on its way (one at a time: a lost server answers in 30 s)
+        self.waiting_since: tuple[int, float] | None = None  # (version, since when) the next batch waits
 
     def missing_work(self) -> dict[str, tuple[str, int, list[tuple[int, int, int]]]]:
         """Device -> (task kind, batch, [(micro, lo, hi)]): the work this server lacks for its next
@@ -63,48 +114,51 @@ class Rescue:
         asks: dict[str, tuple[str, int, list]] = {}
 
         def ask(role: str, kind: str, t: int, m: int, lo: int, hi: int) -> None:
-            servers = self.st.frontal if role == "frontal" else self.st.backward
+            st = self.stage_servers()
+            servers = st.frontal if role == "frontal" else st.backward
             for j, x, y in owners(self.rows, len(servers), lo, hi):
                 asks.setdefault(servers[j], (kind, t, []))[2].append((m, x, y))
 
-        for shard in self.hosted.values():
+        for shard in self.shards().values():
             t = shard.version
-            if t >= self.run.steps:
+            if t >= self.steps:
                 continue
             bc = shard.batches.get(t)
             for m in range(shard.micro_batches):
                 covered = [] if bc is None else bc.intervals.get(m, [])
                 for lo, hi in gaps(covered, 0, shard.rows_per_micro):
-                    if self.last:
+                    if self.place.last:
                         ask("frontal", TaskKind.FORWARD, t, m, lo, hi)
                     else:
                         ask("backward", TaskKind.BACKWARD, t, m, lo, hi)
-        if self.role == "backward" and not self.last and self.version < self.run.steps:
-            t = self.version
-            for m in range(self.run.micro_batches):
-                buf = self.buffers.get((t, m))
-                for lo, hi in gaps([] if buf is None else buf.covered, *self.seg):
+        p = self.place
+        if p.role == "backward" and not p.last and self.version() < self.steps:
+            t = self.version()
+            for m in range(self.micro_batches):
+                buf = self.buffers().get((t, m))
+                for lo, hi in gaps([] if buf is None else buf.covered, *self.segment()):
                     ask("frontal", TaskKind.FORWARD, t, m, lo, hi)
         return asks
 
     def rescue_due(self, now: float) -> bool:
         """Whether the next batch has waited long enough for its missing work to be asked for again."""
-        if self.version >= self.run.steps or self.replaying or self.pins.steps_held():
+        version = self.version()
+        if version >= self.steps or self.replaying() or self.steps_held():
             return False
-        if self._waiting_since is None or self._waiting_since[0] != self.version:
-            self._waiting_since = (self.version, now)
+        if self.waiting_since is None or self.waiting_since[0] != version:
+            self.waiting_since = (version, now)
         times = sorted(self.step_times.values())
         step_gaps = sorted(b - a for a, b in zip(times, times[1:]))
         median = step_gaps[len(step_gaps) // 2] if step_gaps else 0.0
-        if now - self._waiting_since[1] < max(RESCUE_MIN, RESCUE_FACTOR * median):
+        if now - self.waiting_since[1] < max(RESCUE_MIN, RESCUE_FACTOR * median):
             return False
-        return now - self._rescued_at >= RESCUE_PERIOD
+        return now - self.rescued_at >= RESCUE_PERIOD
 
     def maybe_rescue(self) -> None:
         """Periodic (maintenance): ask for the missing work of a batch that has waited too long."""
         now = time.monotonic()
-        if not self._rescuing and self.rescue_due(now):
-            self._rescued_at, self._rescuing = now, True
+        if not self.rescuing and self.rescue_due(now):
+            self.rescued_at, self.rescuing = now, True
             self.outbox.spawn(self._rescue())
 
     async def _rescue(self) -> int:
@@ -112,23 +166,23 @@ class Rescue:
         try:
             return await self._ask_for_missing()
         finally:
-            self._rescuing = False
+            self.rescuing = False
 
     async def _ask_for_missing(self) -> int:
-        epoch, reopened = self.epoch, 0
+        epoch, reopened = self.epoch(), 0
         for device, (kind, t, pieces) in sorted(self.missing_work().items()):
             meta = {"kind": kind, "batch": t, "pieces": [list(p) for p in pieces[:MAX_PIECES]], "epoch": epoch}
             try:
-                answer, _ = await self.server_call(device, "requeue_missing", meta)
+                answer, _ = await self.call(device, "requeue_missing", meta)
             except (RemoteError, ConnectionError, asyncio.TimeoutError) as e:
-                logger.debug("%s: asking %s for missing work failed: %r", self.device_id, device, e)
+                logger.debug("%s: asking %s for missing work failed: %r", self.place.device_id, device, e)
                 continue
             got = answer.get("reopened") or []
             if got:
                 reopened += len(got)
                 logger.info(
                     "%s: %s had %d task(s) of batch %d done whose results never came: queued again (%s)",
-                    self.device_id,
+                    self.place.device_id,
                     device,
                     len(got),
                     t,
@@ -140,10 +194,11 @@ class Rescue:
         """A server of this stage lacks the results of rows of batch `batch`: the done tasks of `kind`
         leased here that owe them are queued again."""
         kind = mfield(meta, "kind", str)
-        want = {"frontal": TaskKind.FORWARD, "backward": TaskKind.BACKWARD}[self.role]
+        role = self.place.role
+        want = {"frontal": TaskKind.FORWARD, "backward": TaskKind.BACKWARD}[role]
         if kind != want:
-            raise PayloadError(f"a {self.role} server leases {want} tasks, not {kind} tasks")
-        self._server_sender(sender, self.stage, "frontal", "backward")
+            raise PayloadError(f"a {role} server leases {want} tasks, not {kind} tasks")
+        self.server_sender(sender, self.place.stage, "frontal", "backward")
         t = mfield(meta, "batch", int)
         pieces = mfield(meta, "pieces", list)
         if len(pieces) > MAX_PIECES or not all(
@@ -152,9 +207,10 @@ class Rescue:
         ):
             raise PayloadError(f"field 'pieces' must list at most {MAX_PIECES} [micro, lo, hi] triples")
         reopened = []
-        for task_id in sorted(self.issued):
+        pool = self.pool()
+        for task_id in sorted(self.issued()):
             tid = TaskId.parse(task_id)
-            if tid.kind != kind or tid.batch != t or not self.pool.is_done(task_id):
+            if tid.kind != kind or tid.batch != t or not pool.is_done(task_id):
                 continue
             lo, hi = tid.rows
             if not any(m == tid.micro and x < hi and lo < y for m, x, y in pieces):
@@ -164,16 +220,16 @@ class Rescue:
                 kind=kind,
                 batch=t,
                 micro_batch=tid.micro,
-                stage=self.stage,
+                stage=self.place.stage,
                 rows=(lo, hi),
-                payload_ref=self._ledger_entry(t, tid.micro, task_id) if kind == TaskKind.BACKWARD else None,
+                payload_ref=self.ledger_entry(t, tid.micro, task_id) if kind == TaskKind.BACKWARD else None,
             )
-            if self.pool.reopen(task):
+            if pool.reopen(task):
                 reopened.append(task_id)
         if reopened:
             self.counters["tasks_reopened"] = self.counters.get("tasks_reopened", 0) + len(reopened)
-            self._signal_tasks()
+            self.signal_tasks()
         return {"reopened": reopened}
 
-    def _ledger_entry(self, t: int, m: int, task_id: str):
-        return next((e for e in self.ledger.get((t, m), []) if e.backward_task == task_id), None)
+    def ledger_entry(self, t: int, m: int, task_id: str):
+        return next((e for e in self.ledger().get((t, m), []) if e.backward_task == task_id), None)

@@ -48,7 +48,6 @@ from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types 
 from parameter_server.parts import PART_HANDLERS, compose_parts
 from parameter_server.recovery import Recovery
 from parameter_server.replicas import Replicas
-from parameter_server.rescue import Rescue
 from parameter_server.rpc import RpcSurface
 from parameter_server.shard import ShardState
 from parameter_server.status import SEEN_VOLUNTEERS, Status
@@ -77,7 +76,6 @@ class StageServer(
     Frontal,
     Backward,
     Verification,
-    Rescue,
     Failover,
     RpcSurface,
     Replicas,
@@ -329,7 +327,7 @@ class StageServer(
         self.drop_stale_clients()
         self.pins.update_pins()
         self.report_stall(time.time())
-        self.maybe_rescue()
+        self.rescue.maybe_rescue()
         self.bans.order_pending()
         if self.pins.held_or_waiting or any(shard.ready_to_step() for shard in self.hosted.values()):
             # a step held with every credit already here is looked at again each pass, not only when a

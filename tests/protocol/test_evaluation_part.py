@@ -12,8 +12,9 @@ import torch
 
 from core.model.data import EVAL_ROWS
 from core.protocol.wire import PayloadError
-from parameter_server.evaluate import Evaluation, ServerPlace
+from parameter_server.evaluate import Evaluation
 from parameter_server.outbox import Outbox
+from parameter_server.place import ServerPlace
 
 SEQ, HIDDEN = 4, 8
 
