@@ -164,7 +164,7 @@ class Failover:
             link = None if d == self.device_id else self.connector(d)
             if link is None and d != self.device_id:
                 raise PayloadError(f"{d} is not in the DHT right now")
-            statuses[d] = self.status() if link is None else (await link.call("status", {}, timeout=10.0))[0]
+            statuses[d] = self.report.status() if link is None else (await link.call("status", {}, timeout=10.0))[0]
         versions = [v for d in alive for v in statuses[d]["hosted"].values()]
         moves = {}
         for dev in lost:

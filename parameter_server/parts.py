@@ -16,6 +16,7 @@ from parameter_server.param_deltas import ParamDeltas
 from parameter_server.pins import Pins
 from parameter_server.place import ServerPlace
 from parameter_server.rescue import Rescue
+from parameter_server.status import Status
 
 # method -> (the attribute of the part that answers it on a server, the part's class): the RPC surface
 # finds a method's handler as on_<method> of the server or of the part named here
@@ -26,12 +27,14 @@ PART_HANDLERS: dict[str, tuple[str, type]] = {
     "ban": ("bans", Bans),
     "report_cheat": ("bans", Bans),
     "requeue_missing": ("rescue", Rescue),
+    "ping": ("report", Status),
+    "status": ("report", Status),
 }
 
 
 def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> None:
     """Give `server` (a StageServer being built, its checks' secret drawn) its `arrivals`, `outbox`,
-    `clipping`, `evaluation`, `pins`, `bans`, `rescue` and `deltas`; the server that starts each evaluation gets
+    `clipping`, `evaluation`, `pins`, `bans`, `deltas`, `report` (its status) and `rescue`; the server that starts each evaluation gets
     the evaluation's step callback."""
 
     place = ServerPlace(server.device_id, server.stage, server.role, server.index, server.last)
@@ -126,6 +129,28 @@ def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> No
         send_epoch=server.send_epoch,
         adopt=server.adopt,
     )
+    server.deltas = ParamDeltas(server.params_on_wire)
+    server.report = Status(
+        place=place,
+        links=server.links,
+        clients=server.clients,
+        shard=server.shard,
+        stage_layers=lambda: server.st.layers,
+        pool=lambda: server.pool,
+        hosted=lambda: server.hosted,
+        replicas=lambda: server.replicas,
+        version=lambda: server.version,
+        epoch=epoch,
+        halted=lambda: server.halted,
+        evaluation=server.evaluation,
+        clipping=server.clipping,
+        deltas=server.deltas,
+        arrivals=server.arrivals,
+        bans=server.bans,
+        counters=server.counters,
+        check_counts=server.verify_counts,
+        tasks_by_device=server.tasks_by_device,
+    )
     server.rescue = Rescue(
         place=place,
         rows=server.rows,
@@ -142,13 +167,12 @@ def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> No
         issued=lambda: server.issued,
         pool=lambda: server.pool,
         ledger=lambda: server.ledger,
-        step_times=server.step_times,
+        step_times=server.report.step_times,
         outbox=server.outbox,
         call=server.server_call,
         server_sender=server._server_sender,
         signal_tasks=server._signal_tasks,
         counters=server.counters,
     )
-    server.deltas = ParamDeltas(server.params_on_wire)
     if server.evaluation.starts:
         server.on_step.append(server.evaluation.maybe_evaluate)

@@ -50,7 +50,7 @@ from parameter_server.recovery import Recovery
 from parameter_server.replicas import Replicas
 from parameter_server.rpc import RpcSurface
 from parameter_server.shard import ShardState
-from parameter_server.status import SEEN_VOLUNTEERS, Status
+from parameter_server.status import SEEN_VOLUNTEERS
 from parameter_server.updates import RETAIN, Updates, snapshots_kept
 from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Verification
 from taskpool import TaskPool
@@ -80,7 +80,6 @@ class StageServer(
     RpcSurface,
     Replicas,
     Recovery,
-    Status,
     ServicerBase,
 ):
     def __init__(
@@ -200,13 +199,8 @@ class StageServer(
         self.on_adopt: list[Callable[[dict], None]] = []  # slots taken over (before the epoch is logged)
         self.on_replica: list[Callable[[int], Awaitable[None] | None]] = []  # a newer replica of a slot arrived
         self.on_credit: list[Callable[[int, int], None]] = []  # (slot, batch): a gradient push was credited
-        self.step_times: dict[int, float] = {}  # version -> wall time it was reached (note_step)
         self._stall_reported: int | None = None  # the version whose stall report_stall logged
         self.missing_versions: set[tuple[int, int]] = set()  # (asked, current) refused and logged (get_params)
-        # volunteers that registered here (announcement): the count, and the last SEEN_VOLUNTEERS of
-        # them to tell a new one from one seen before (one that returns after that many others counts again)
-        self.volunteers_joined = 0
-        self.seen_volunteers = Remembered(SEEN_VOLUNTEERS)
         self._init_verification(verify_rate, probation, verify_device)
         compose_parts(self, run, cfg, verify_rate=verify_rate, probation=probation)
         self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (Updates.params_on_wire)
@@ -340,9 +334,9 @@ class StageServer(
         median of the last steps (at least STALL_REPORT_MIN s): log at INFO what it waits for (the
         micro-batches whose gradients are missing here, and this server's tasks of that batch not
         done yet, with their holders), so that a stall in a long run can be explained from -v logs."""
-        if len(self.step_times) < 3 or self.version >= self.run.steps or self._stall_reported == self.version:
+        if len(self.report.step_times) < 3 or self.version >= self.run.steps or self._stall_reported == self.version:
             return None
-        times = sorted(self.step_times.values())
+        times = sorted(self.report.step_times.values())
         gaps = sorted(b - a for a, b in zip(times, times[1:]))
         median = gaps[len(gaps) // 2]
         limit = max(STALL_REPORT_MIN, STALL_REPORT_FACTOR * median)

@@ -38,7 +38,7 @@ class Announcer:
 
     def record(self, state: str) -> dict:
         servers = set(self.directory.servers.values()) | {self.peer_id}
-        announced = self.server.announcement(state, self.maddrs, float(self.compute()), servers, self.says())
+        announced = self.server.report.announcement(state, self.maddrs, float(self.compute()), servers, self.says())
         return records.record_to_dict(announced)
 
     async def announce(self, state: str) -> None:

@@ -95,7 +95,7 @@ async def build_parts(host) -> StageParts:
     logger.info("%s: its stage server built in %.1f s", device, time.perf_counter() - t0)
     keep_old_versions(server, args, device)
     writer = await resume(server, args, host.cfg, device) if args.checkpoint_dir else None
-    server.on_step.append(server.note_step)
+    server.on_step.append(server.report.note_step)
     if args.die_at_version is not None:
         server.on_step.append(host._die_at)
     trainlog = None

@@ -41,7 +41,7 @@ class RunReport:
 
     def seconds_per_step(self) -> float | None:
         """Seconds per version over this server's last versions (their wall times), None before two."""
-        times = sorted(self.server.step_times.items())
+        times = sorted(self.server.report.step_times.items())
         if len(times) < 2 or times[-1][1] <= times[0][1]:
             return None
         return (times[-1][1] - times[0][1]) / (times[-1][0] - times[0][0])

@@ -56,7 +56,7 @@ async def run_with(run: HostRun, volunteers: dict[str, tuple[str, ...]]) -> dict
         for name, (stage, *flags) in volunteers.items():
             run.join(name, stage, *flags)
         codes = await run.ended(timeout=400)
-        statuses = {d: host.server.status() for d, host in run.servers.items()}
+        statuses = {d: host.server.report.status() for d, host in run.servers.items()}
         return {"codes": codes, "statuses": statuses, "state": run.state()}
     finally:
         await run.close()

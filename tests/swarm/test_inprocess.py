@@ -92,7 +92,7 @@ def test_a_step_that_waits_far_longer_than_usual_says_once_at_info_what_it_waits
         await a.member.register()
         fs.maybe_start_batches()
         held = fs.pool.take(link.sender)
-        fs.step_times = {-3: 1000.0, -2: 1001.0, -1: 1002.0}  # a median step of 1 s, last one at 1002
+        fs.report.step_times.update({-3: 1000.0, -2: 1001.0, -1: 1002.0})  # a median step of 1 s, last one at 1002
         assert fs.report_stall(1004.5) is None  # 2.5 s: under the 3 s floor
         with caplog.at_level(logging.INFO, logger="hivepipe.server"):
             line = fs.report_stall(1009.0)

@@ -553,7 +553,7 @@ def test_a_server_forgets_volunteers_gone_for_good_and_counts_each_join_once():
         await LocalLink(fs, peer).call("register", {"device": peer[5:], "compute": 1.0, "stage": 0})
 
     def stats():
-        return fs.announcement("online", [], 1.0, servers).stats
+        return fs.report.announcement("online", [], 1.0, servers).stats
 
     async def step():  # every row of the next batch credited at every hosted slot: the real step path
         for shard in fs.hosted.values():

@@ -27,7 +27,7 @@ def test_workers_pull_differences_and_the_run_equals_the_reference(precision):
         assert w.stats["delta_pulls"] >= steps - 2, (w.device_id, w.stats)
     sent = sum(s.deltas.sent for s in swarm.servers.values())
     assert sent == sum(w.stats["delta_pulls"] for w in swarm.workers)
-    assert all(s.status()["param_deltas"]["sent"] == s.deltas.sent for s in swarm.servers.values())
+    assert all(s.report.status()["param_deltas"]["sent"] == s.deltas.sent for s in swarm.servers.values())
 
 
 def test_a_worker_with_deltas_off_pulls_every_version_whole():

@@ -61,7 +61,7 @@ def test_global_norm_clipping_equals_clip_grad_norm_over_the_whole_model(lose):
     assert rel_diff(state, ref) < 1e-5
     assert rel_diff(state, reference_state("tiny", steps)) > 1e-3  # clipping changed the run
     for s in swarm.servers.values():  # every server saw the run's norms, the reference's to float32
-        norms = {int(t): n for t, n in s.status(recent=None)["grad_norms"].items()}
+        norms = {int(t): n for t, n in s.report.status(recent=None)["grad_norms"].items()}
         assert norms and all(
             abs(n - summary["grad_norms"][t]) < 1e-5 * summary["grad_norms"][t] for t, n in norms.items()
         )
