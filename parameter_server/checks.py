@@ -22,13 +22,13 @@ class Checks:
         """A method only servers call (the method table's caller column): the sender's peer id, which
         libp2p authenticates, must be a server of the current layout as the run-key-signed records
         name them (the handler then checks its stage and role)."""
-        if not self._is_server(sender):
+        if not self.directory.is_server(sender):
             raise PayloadError(f"{sender[-8:]} is not a server of this run: only its servers may call this")
 
     def _server_sender(self, sender: str, stage: int, *roles: str) -> str:
         if self.replaying:
             return "replay"
-        dev = self.directory_reverse().get(sender)
+        dev = self.directory.device_of(sender)
         st = self.layout.stages[stage]
         allowed = (st.frontal if "frontal" in roles else ()) + (st.backward if "backward" in roles else ())
         if dev is None or dev not in allowed:

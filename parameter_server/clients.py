@@ -87,7 +87,11 @@ class Clients:
         stage = mfield(meta, "stage", int)
         if stage != self.stage:
             raise PayloadError(f"this server serves stage {self.stage}, not {stage}")
-        if self.volunteers_allow is not None and sender not in self.volunteers_allow and not self._is_server(sender):
+        if (
+            self.volunteers_allow is not None
+            and sender not in self.volunteers_allow
+            and not self.directory.is_server(sender)
+        ):
             raise PayloadError(f"peer {sender} {NOT_ALLOWED}", Refusal.NOT_ALLOWED)
         holding = mfield(meta, "holding", list, optional=True)
         if holding is not None and (
@@ -114,7 +118,7 @@ class Clients:
         carried = carried_completes(meta)
         carried_epoch = mfield(meta, "epoch", int, optional=True) or 0
         new = sender not in self.clients
-        if new and not self._is_server(sender):
+        if new and not self.directory.is_server(sender):
             self._admit(sender)
         info = self.clients.setdefault(sender, ClientInfo(device, compute, self.clock()))
         info.compute, info.device, info.last_seen = compute, device, self.clock()
@@ -123,7 +127,7 @@ class Clients:
         if new:
             logger.info("%s: client %s (%s) registered, compute %.3g", self.device_id, sender[-8:], device, compute)
             self.pool.set_client_speed(sender, compute)
-            if self._is_server(sender):  # a worker of the run's servers: trusted, it need not earn its leases
+            if self.directory.is_server(sender):  # a worker of the run's servers: trusted, it need not earn its leases
                 self.pool.standing.trust(sender)
             if holding and self.requeue:
                 # a client new here that holds tasks of ours: this server restarted (its leases are
@@ -200,7 +204,7 @@ class Clients:
             for p in self.clients
             if self.pool.standing.strikes(p) >= STRIKES_TO_DROP
             and (self.pool.standing.probation_cap(p) or DROP_CAP_S) >= DROP_CAP_S
-            and not self._is_server(p)
+            and not self.directory.is_server(p)
         ]
         for p in struck:
             drops = self.struck_out.get(p, (0, 0.0))[0] + 1
@@ -208,13 +212,6 @@ class Clients:
             self.counters["clients_struck_out"] = self.counters.get("clients_struck_out", 0) + 1
             self._client_left(p, f"{STRIKES_TO_DROP} leases in a row ran out unanswered")
         return struck
-
-    def _is_server(self, peer: str) -> bool:
-        """The peer is this server or a server of the run (whose workers compute too)."""
-        if peer == self.peer_id or self.replaying:
-            return True
-        dev = self.directory_reverse().get(peer)
-        return dev is not None and any(dev in st.servers for st in self.layout.stages)
 
     def drop_stale_clients(self) -> list[str]:
         now = self.clock()

@@ -35,10 +35,8 @@ class Failover:
 
     async def on_adopt_epoch(self, meta, tensors, sender):
         """A failover's new layout epoch, from the server that coordinates it (any server of the run)."""
-        if sender != self.peer_id and not self.replaying:
-            dev = self.directory_reverse().get(sender)
-            if dev is None or not any(dev in st.servers for st in self.layout.stages):
-                raise PayloadError(f"sender {sender[-8:]} is not a server of this run")
+        if not self.directory.is_server(sender):
+            raise PayloadError(f"sender {sender[-8:]} is not a server of this run")
         self.adopt(meta)
         return {"ok": True, "epoch": self.epoch}
 
@@ -119,7 +117,7 @@ class Failover:
             shard.batches = {}
         self.epoch, self.epoch_record, self.layout = epoch, dict(record), layout
         self.st, self.index, self.reflow_from = st, index, from_batch
-        self.run_versions = {}  # readings of the old epoch no longer say what is applied
+        self.directory.new_epoch()  # readings of the old epoch no longer say what is applied
         self.replica_acked = {}  # (the ring of replicas changed, or a rollback undid what they took)
         self.replica_round += 1  # (what was sent to the old ring counts for nothing: replicas.py)
         self.reset_datapath()

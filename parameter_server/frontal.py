@@ -147,7 +147,7 @@ class Frontal:
         workers it took them from, and keep them."""
         if not self.local_first:
             return set()
-        servers, reverse = set(self.st.servers), self.directory_reverse()
+        servers, reverse = set(self.st.servers), self.directory.devices
         speeds = [(p, c.compute) for p, c in sorted(self.clients.items())]
         local = {p for p, _ in speeds if p == self.peer_id or reverse.get(p) in servers}
         return local_first(speeds, local, in_flight(self.batch_members, self.version, t))

@@ -87,7 +87,7 @@ class Leases:
                     self._check_epoch(meta)  # a failover came while it waited: the client fetches the layout
                 return {"task": None, "version": self.version, "epoch": self.epoch, "more": self.pool.queued() > 0}
             task = lease.task
-            if task.batch < self.run_min_version():  # applied by every server: nothing left to do
+            if task.batch < self.directory.run_min_version():  # applied by every server: nothing left to do
                 self.pool.abandon(task.task_id)
                 continue
             break

@@ -10,6 +10,7 @@ from __future__ import annotations
 from parameter_server.arrivals import Arrivals
 from parameter_server.bans import Bans
 from parameter_server.clipping import Clipping
+from parameter_server.directory import Directory
 from parameter_server.evaluate import Evaluation
 from parameter_server.outbox import Outbox
 from parameter_server.param_deltas import ParamDeltas
@@ -33,9 +34,9 @@ PART_HANDLERS: dict[str, tuple[str, type]] = {
 
 
 def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> None:
-    """Give `server` (a StageServer being built, its checks' secret drawn) its `arrivals`, `outbox`,
-    `clipping`, `evaluation`, `pins`, `bans`, `deltas`, `report` (its status) and `rescue`; the server that starts each evaluation gets
-    the evaluation's step callback."""
+    """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `arrivals`,
+    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `deltas`, `report` (its status) and `rescue`;
+    the server that starts each evaluation gets the evaluation's step callback."""
 
     place = ServerPlace(server.device_id, server.stage, server.role, server.index, server.last)
 
@@ -51,6 +52,14 @@ def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> No
     def replaying() -> bool:
         return server.replaying
 
+    server.directory = Directory(
+        device_id=server.device_id,
+        peer_id=server.peer_id,
+        layout=layout,
+        epoch=epoch,
+        version=lambda: server.version,
+        replaying=replaying,
+    )
     banned: dict[str, str] = {}  # peer id -> why: made by `bans`, read by `arrivals`
     server.arrivals = Arrivals(
         verify_rate=verify_rate,
@@ -60,7 +69,7 @@ def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> No
         counts=server.verify_counts,
         banned=banned,
         clients=server.clients,
-        is_server=server._is_server,
+        is_server=server.directory.is_server,
         replaying=replaying,
         kept_from=lambda: server.version - server.shard.reach(),
     )
@@ -124,7 +133,7 @@ def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> No
         epoch_record=lambda: server.epoch_record,
         shards=lambda: list(server.hosted.values()),
         replaying=replaying,
-        is_server=server._is_server,
+        is_server=server.directory.is_server,
         steps=run.steps,
         send_epoch=server.send_epoch,
         adopt=server.adopt,

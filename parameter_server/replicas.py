@@ -122,7 +122,7 @@ class Replicas:
     def _buddy_made(self, shard, version: int, buddy: str) -> bool:
         """Whether `version`'s summed gradient is one push from `buddy`'s own worker, which `buddy`
         therefore holds already (exact runs only: a compressed push arrives other than it was sent)."""
-        peer = self.peer_of(buddy)
+        peer = self.directory.peer_of(buddy)
         return self.compress == "none" and peer is not None and shard.pushed_by(version) == (peer,)
 
     async def _replica_step(self, buddy: str, slot: int, meta: dict, tensors: list, by_reference: bool = False) -> bool:

@@ -48,13 +48,13 @@ class RpcSurface:
 
     def request_limit(self, peer: str) -> int:
         """The largest request `peer` may send: a server's replicas, or what a volunteer sends."""
-        return self.max_request_bytes if self._is_server(peer) else self.max_client_request_bytes
+        return self.max_request_bytes if self.directory.is_server(peer) else self.max_client_request_bytes
 
     async def serve(
         self, method: str, requests: AsyncIterator[ExpertRequest], context: P2PContext, answer_type=ExpertResponse
     ):
         peer = str(context.remote_id)
-        budget = None if self._is_server(peer) else self.request_budget
+        budget = None if self.directory.is_server(peer) else self.request_budget
         held = [0]  # bytes of this request counted in the budget, given back once it is answered
 
         async def counted():
@@ -92,7 +92,7 @@ class RpcSurface:
         )
         nbytes = sum(m.ByteSize() for m in out)
         TRAFFIC[f"{method}.response"] += nbytes
-        await self.links.send(self._device_of(peer), nbytes)
+        await self.links.send(self.device_of(peer), nbytes)
         for message in out:
             yield message
 

@@ -166,7 +166,6 @@ class StageServer(
         self.replica_catching_up: set[int] = set()  # slots whose replica a held step sends (replicas.py)
         # (slot, batch) -> the gradient sum this server's own worker pushed to the slot's host (replicas.py)
         self.own_pushes: dict[tuple[int, int], list | None] = {}
-        self.run_versions: dict[str, int] = {}  # versions every server of the run announced
         self.epoch = 0  # the layout epoch: 0 is the first layout, each failover starts the next
         self.epoch_record: dict | None = None
         self.reflow_from: int | None = None  # since the last failover: the first batch run again
@@ -244,7 +243,7 @@ class StageServer(
         )
         for peer, c in self.clients.items():
             self.pool.set_client_speed(peer, c.compute)
-            if self._is_server(peer):
+            if self.directory.is_server(peer):
                 self.pool.standing.trust(peer)
         self.issued: set[str] = set()  # every task id this server created, of batches >= forgotten_before
         self.forgotten_before = 0  # the closed tasks of earlier batches are forgotten (updates.forget_before)
@@ -270,40 +269,10 @@ class StageServer(
         part = PART_HANDLERS.get(method)
         return getattr(getattr(self, part[0]) if part else self, f"on_{method}")
 
-    def _device_of(self, peer: str) -> str | None:
+    def device_of(self, peer: str) -> str | None:
+        """The device of a registered client, or of a server of the run."""
         c = self.clients.get(peer)
-        if c is not None:
-            return c.device
-        return self.directory_reverse().get(peer)
-
-    def directory_reverse(self) -> dict:
-        return getattr(self, "_directory_reverse", {})
-
-    def peer_of(self, device: str) -> str | None:
-        """The peer id the run's records gave server `device`, if any has been read."""
-        return getattr(self, "_directory", {}).get(device)
-
-    def set_directory(
-        self,
-        device_to_peer: dict[str, str],
-        versions: dict[str, int] | None = None,
-        epochs: dict[str, int] | None = None,
-    ) -> None:
-        """Merge what one read of the DHT found: a server once seen stays known (a read can miss a
-        record). Versions are taken only from announcements of this server's layout epoch: a
-        server that takes over a lagging shard slot announces a lower version than before."""
-        self._directory = getattr(self, "_directory", {}) | dict(device_to_peer)
-        self._directory_reverse = {p: d for d, p in self._directory.items()}
-        if versions is not None:
-            epochs = epochs or {}
-            self.run_versions.update({d: v for d, v in versions.items() if epochs.get(d, 0) == self.epoch})
-
-    def run_min_version(self) -> int:
-        """The lowest version any server of the run has announced: a batch below it is applied by
-        every shard, so no task of it is needed by anyone (after a failover, a stage re-runs the
-        forward and backward of batches it has applied itself for the stages that have not)."""
-        known = [self.run_versions.get(d, 0) for st in self.layout.stages for d in st.servers if d != self.device_id]
-        return min([self.version] + known)
+        return c.device if c is not None else self.directory.device_of(peer)
 
     def maintenance(self) -> None:
         """Periodic: re-queue expired leases, drop clients that keep letting theirs run out, forget

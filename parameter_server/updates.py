@@ -165,7 +165,7 @@ class Updates:
         if result == "credited":
             self._back_input_grads(sender, t, pieces)
             rows = sum(hi - lo for _, _, (lo, hi) in pieces)
-            unusual = not self._is_server(sender) and (
+            unusual = not self.directory.is_server(sender) and (
                 self.arrivals.unusual_norm(self.slot if slot is None else slot, tensors, rows)
                 | self.arrivals.unusual_direction(self.slot if slot is None else slot, shard, tensors, sender)
             )

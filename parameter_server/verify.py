@@ -345,7 +345,7 @@ class Verification:
         for _, m, (a, b) in pieces:
             key = (t, m, a, b)
             first = self.gin_senders.get(key)
-            if first is None or first == sender or key in self.gin_orphans or self._is_server(first):
+            if first is None or first == sender or key in self.gin_orphans or self.directory.is_server(first):
                 continue
             self.gin_orphans.add(key)
             self.counters["input_grads_orphaned"] = self.counters.get("input_grads_orphaned", 0) + 1

@@ -103,7 +103,7 @@ class Announcer:
                     break
                 await self.announce(self.record_state)
                 servers = await self.directory.refresh()
-                self.server.set_directory(servers, self.directory.versions, self.directory.epochs)
+                self.server.directory.update(servers, self.directory.versions, self.directory.epochs)
                 if self.record_state == RecordState.JOINING and self.everyone_seen():
                     self.record_state = RecordState.ONLINE
                     self.online.set()

@@ -108,7 +108,7 @@ async def build_parts(host) -> StageParts:
     # who the run's servers are, before this server answers anyone: a restarted server refused the
     # others' replicas and inputs ("not a server of this run") until its first announcement round
     try:
-        server.set_directory(await directory.refresh(), directory.versions, directory.epochs)
+        server.directory.update(await directory.refresh(), directory.versions, directory.epochs)
     except Exception as e:
         logger.debug("%s: reading the run's servers before serving failed: %r", device, e)
     bound_messages(min(MAX_MESSAGE_BYTES, server.max_request_bytes))  # no message read past the bound

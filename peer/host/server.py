@@ -246,7 +246,7 @@ class ServerHost:
                 )
         if not args.no_compute and await self.wait_for_stage(stop):
             # after a replayed failover the server is already in a later layout epoch: its worker starts there
-            server.set_directory(self.directory.servers)
+            server.directory.update(self.directory.servers)
             self.worker = worker = StageWorker(
                 run=self.run_cfg,
                 layout=server.layout,
@@ -285,7 +285,7 @@ class ServerHost:
         server = self.server
         deadline = time.monotonic() + FAREWELL_S
         while time.monotonic() < deadline and not stop.is_set():
-            told = all(p in server.told_over for p in server.clients if not server._is_server(p))
+            told = all(p in server.told_over for p in server.clients if not server.directory.is_server(p))
             if told:
                 return
             try:

@@ -59,7 +59,7 @@ class TrainingLog:
         if self._last is not None and self._last[0] == version - 1 and now > self._last[1]:
             rate = self.tokens / (now - self._last[1])
         self._last = (version, now)
-        servers = set(s.directory_reverse())
+        servers = set(s.directory.devices)
         return {
             "step": version,
             "loss": None if loss is None else loss / self.tokens,

@@ -73,7 +73,7 @@ class InProcessSwarm:
         self.servers: dict[str, StageServer] = {dev: self.new_server(dev) for st in layout.stages for dev in st.servers}
         directory = {d: f"peer-{d}" for d in self.servers}
         for s in self.servers.values():
-            s.set_directory(directory)
+            s.directory.update(directory)
         self.workers: list[StageWorker] = []
         for st in layout.stages:
             names = (list(st.servers) if servers_compute else []) + [
@@ -187,7 +187,7 @@ class InProcessSwarm:
             while min(self.versions()) < self.run.steps:
                 versions = {d: s.version for d, s in self.servers.items()}
                 for s in self.servers.values():
-                    s.run_versions = versions
+                    s.directory.run_versions = versions
                 for v in [v for v in at_version if min(self.versions()) >= v]:
                     await at_version.pop(v)()
                 if loop.time() > deadline:
