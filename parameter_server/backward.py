@@ -26,8 +26,8 @@ class Backward:
             raise PayloadError(f"{frontal!r} is not a frontal server of stage {self.stage}")
         # the outputs only: the labels a loss is computed against come from the run's data at the
         # frontal servers (frontal.py `_run_labels`), never through a volunteer
-        t, m, a, b = self._rows_payload(meta, tensors, "push_outputs", ("hidden",))
-        self._answers_lease(meta.get("lease"), task_id, sender, TaskKind.FORWARD, t, m, (a, b))
+        t, m, a, b = self.checks.rows_payload(meta, tensors, "push_outputs", ("hidden",))
+        self.checks.answers_lease(meta.get("lease"), task_id, sender, TaskKind.FORWARD, t, m, (a, b))
         buf = self.buffers.setdefault((t, m), RowBuffer(*self.seg))
         if not buf.add(a, b, tensors[0], None):
             self.counters["output_duplicates"] += 1
@@ -55,8 +55,8 @@ class Backward:
     async def on_push_output_grads(self, meta, tensors, sender):
         if self.role != "backward" or self.last:
             raise PayloadError("push_output_grads goes to a backward server of a stage that is not the last")
-        self._server_sender(sender, self.stage + 1, "frontal")
-        t, m, a, b = self._rows_payload(meta, tensors, "push_output_grads", ("output gradient",))
+        self.checks.server_of(sender, self.stage + 1, "frontal")
+        t, m, a, b = self.checks.rows_payload(meta, tensors, "push_output_grads", ("output gradient",))
         buf = self.grad_buffers.setdefault((t, m), RowBuffer(*self.seg))
         if not buf.add(a, b, tensors[0], None):
             self.counters["relay_duplicates"] += 1

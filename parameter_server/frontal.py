@@ -155,8 +155,8 @@ class Frontal:
     async def on_push_inputs(self, meta, tensors, sender):
         if self.role != "frontal" or self.stage == 0:
             raise PayloadError("push_inputs goes to a frontal server of a stage > 0")
-        self._server_sender(sender, self.stage - 1, "backward")
-        t, m, a, b = self._rows_payload(meta, tensors, "push_inputs", ("hidden",))
+        self.checks.server_of(sender, self.stage - 1, "backward")
+        t, m, a, b = self.checks.rows_payload(meta, tensors, "push_inputs", ("hidden",))
         buf = self.buffers.setdefault((t, m), RowBuffer(*self.seg))
         if not buf.add(a, b, tensors[0], self._run_labels(t, m, a, b) if self.last else None):
             self.counters["relay_duplicates"] += 1
@@ -181,7 +181,7 @@ class Frontal:
         self._client(sender)
         if self.role != "frontal":
             raise PayloadError("get_inputs goes to a frontal server")
-        t, m = self._batch_micro(meta)
+        t, m = self.checks.batch_micro(meta)
         a, b = rows_field(meta, "rows", self.rows)
         buf = self.buffers.get((t, m))
         if buf is None or not buf.has(a, b):
@@ -197,8 +197,8 @@ class Frontal:
         if self.role != "frontal" or self.stage == 0:
             raise PayloadError("push_input_grads goes to a frontal server of a stage > 0")
         task_id = mfield(meta, "task", str)
-        t, m, a, b = self._rows_payload(meta, tensors, "push_input_grads", ("input gradient",))
-        self._answers_lease(
+        t, m, a, b = self.checks.rows_payload(meta, tensors, "push_input_grads", ("input gradient",))
+        self.checks.answers_lease(
             meta.get("lease"),
             task_id,
             sender,

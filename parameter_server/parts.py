@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from parameter_server.arrivals import Arrivals
 from parameter_server.bans import Bans
+from parameter_server.checks import Checks
 from parameter_server.clipping import Clipping
 from parameter_server.directory import Directory
 from parameter_server.evaluate import Evaluation
@@ -34,7 +35,7 @@ PART_HANDLERS: dict[str, tuple[str, type]] = {
 
 
 def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> None:
-    """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `arrivals`,
+    """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `checks`, `arrivals`,
     `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `deltas`, `report` (its status) and `rescue`;
     the server that starts each evaluation gets the evaluation's step callback."""
 
@@ -58,6 +59,23 @@ def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> No
         layout=layout,
         epoch=epoch,
         version=lambda: server.version,
+        replaying=replaying,
+    )
+    server.checks = Checks(
+        stage=server.stage,
+        rows=server.rows,
+        steps=run.steps,
+        micro_batches=run.micro_batches,
+        seq=cfg.seq_len,
+        hidden=cfg.hidden,
+        vocab=cfg.vocab_size,
+        lease_tickets=server.lease_tickets,
+        directory=server.directory,
+        layout=layout,
+        epoch=epoch,
+        version=lambda: server.version,
+        segment=lambda: server.seg,
+        reflow_from=lambda: server.reflow_from,
         replaying=replaying,
     )
     banned: dict[str, str] = {}  # peer id -> why: made by `bans`, read by `arrivals`
@@ -179,7 +197,7 @@ def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> No
         step_times=server.report.step_times,
         outbox=server.outbox,
         call=server.server_call,
-        server_sender=server._server_sender,
+        server_sender=server.checks.server_of,
         signal_tasks=server._signal_tasks,
         counters=server.counters,
     )

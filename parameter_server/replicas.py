@@ -159,7 +159,7 @@ class Replicas:
             self.outbox.spawn(self._send_replica(slot))
 
     async def on_push_replica(self, meta, tensors, sender):
-        self._server_sender(sender, self.stage, "frontal", "backward")
+        self.checks.server_of(sender, self.stage, "frontal", "backward")
         slot = mfield(meta, "slot", int)
         if not 0 <= slot < len(self.slot_names) or slot in self.hosted:
             raise PayloadError(f"shard slot {slot} is not another server's slot of stage {self.stage}")

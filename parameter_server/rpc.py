@@ -101,7 +101,7 @@ class RpcSurface:
         handler = self.handler_of(method)
         try:
             if method in methods.SERVER_ONLY:
-                self._any_server_sender(sender)
+                self.checks.only_servers(sender)
             elif method not in methods.OPEN:
                 self.arrivals.refuse_banned(sender)
             if method in methods.EPOCHED:

@@ -38,7 +38,6 @@ from core.protocol.links import LinkEmulator
 from core.protocol.trust import Remembered
 from parameter_server.backward import Backward
 from parameter_server.budget import RequestBudget, client_request_bytes, default_max_request_bytes
-from parameter_server.checks import Checks
 from parameter_server.clients import REGISTER_BURST, REGISTER_RATE, ClientInfo, Clients, TokenBucket
 from parameter_server.contributions import Contributions
 from parameter_server.failover import Failover
@@ -70,7 +69,6 @@ __all__ = ["RETAIN", "StageServer"]
 
 class StageServer(
     Clients,
-    Checks,
     Leases,
     Updates,
     Frontal,

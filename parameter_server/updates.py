@@ -155,7 +155,7 @@ class Updates:
                     f"field 'leases' must hold one lease ticket per task: {len(ids)} tasks, {len(tickets)} tickets"
                 )
             for (task_id, _, _), ticket in zip(pieces, tickets):
-                self._answers_lease(ticket, task_id, sender, kind, t)
+                self.checks.answers_lease(ticket, task_id, sender, kind, t)
 
         slot = mfield(meta, "slot", int, optional=True)
         shard = self._hosted(meta)

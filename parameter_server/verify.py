@@ -373,7 +373,7 @@ class Verification:
         """Rows this server holds for a check: 'inputs' (a frontal server: inputs and labels) or
         'output_grads' (a backward server)."""
         what = mfield(meta, "what", str)
-        t, m = self._batch_micro(meta, check_applied=False)
+        t, m = self.checks.batch_micro(meta, check_applied=False)
         a, b = rows_field(meta, "rows", self.rows)
         want = {"inputs": ("frontal", self.buffers), "output_grads": ("backward", self.grad_buffers)}.get(what)
         if want is None:
