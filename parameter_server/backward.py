@@ -17,7 +17,7 @@ class Backward:
     """StageServer's the backward server's outputs, ledger and backward tasks (a part of parameter_server.service.StageServer)."""
 
     async def on_push_outputs(self, meta, tensors, sender):
-        self._client(sender)
+        self.registry.caller(sender)
         if self.role != "backward" or self.last:
             raise PayloadError("push_outputs goes to a backward server of a stage that is not the last")
         task_id = mfield(meta, "task", str)

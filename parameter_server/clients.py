@@ -1,15 +1,18 @@
 """Who computes for this server: the registry of clients (volunteers, and the servers' own
 workers), their registration and heartbeats, and dropping the silent ones, whose leases go back to
-the pool at once. Owns ClientInfo; must not touch rows, tasks' contents or parameters."""
+the pool at once. Owns ClientInfo; must not touch rows, tasks' contents or parameters. A part of a
+server, built with what it reads of it (parameter_server/parts.py)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from core.protocol.fields import field as mfield
 from core.protocol.leases import MAX_TICKET
 from core.protocol.refusals import Refusal
+from core.protocol.trust import Remembered
 from core.protocol.wire import PayloadError
 from parameter_server.leases import carried_completes
 
@@ -77,7 +80,60 @@ class ClientInfo:
 
 
 class Clients:
-    """StageServer's registration, heartbeats and departures of the clients (a part of parameter_server.service.StageServer)."""
+    """A server's registry of its clients, given what it reads of its server: `device_id`, `peer_id`
+    and `stage` (its own), `rows` a micro-batch and `micro_batches` a batch, its `clock`,
+    `client_timeout` (silence that drops a client), `volunteers_allow` (None: open), `requeue` (a
+    departed client's leases go back at once), the run's `lease_tickets`, its `directory`, `counters`;
+    as they are now: `pool()`, `version()`, `epoch()`, `replaying()` and `run_over()`; and
+    `complete_carried(ids, sender)` (the leases part: what a call says it finished). It keeps the
+    `clients` given (peer id -> ClientInfo) and `told_over` (peers told the run is over); `seen` bounds
+    the peers it remembers as dropped."""
+
+    def __init__(
+        self,
+        *,
+        device_id: str,
+        peer_id: str,
+        stage: int,
+        rows: int,
+        micro_batches: int,
+        clock: Callable[[], float],
+        client_timeout: float,
+        volunteers_allow: frozenset[str] | None,
+        requeue: bool,
+        lease_tickets,
+        directory,
+        counters: dict,
+        pool: Callable[[], object],
+        version: Callable[[], int],
+        epoch: Callable[[], int],
+        replaying: Callable[[], bool],
+        run_over: Callable[[], bool],
+        complete_carried: Callable[[list, str], None],
+        seen: int,
+        clients: dict,
+    ) -> None:
+        self.device_id, self.peer_id, self.stage, self.rows, self.micro_batches = (
+            device_id,
+            peer_id,
+            stage,
+            rows,
+            micro_batches,
+        )
+        self.clock, self.client_timeout, self.volunteers_allow, self.requeue = (
+            clock,
+            client_timeout,
+            volunteers_allow,
+            requeue,
+        )
+        self.lease_tickets, self.directory, self.counters, self.pool = lease_tickets, directory, counters, pool
+        self.version, self.epoch, self.replaying, self.run_over = version, epoch, replaying, run_over
+        self.complete_carried = complete_carried
+        self.clients = clients  # peer id -> ClientInfo (written here; the server's other parts read it)
+        self.told_over: set[str] = set()  # peer ids a heartbeat's answer told that the run is over
+        self.admissions = TokenBucket(REGISTER_RATE, REGISTER_BURST)  # new clients (_admit)
+        self.struck_out = Remembered(seen)  # peer -> (drops, may register again at)
+        self.last_silence_check: float | None = None  # (drop_stale_clients)
 
     async def on_register(self, meta, tensors, sender):
         device = mfield(meta, "device", str)
@@ -95,7 +151,7 @@ class Clients:
             raise PayloadError(f"peer {sender} {NOT_ALLOWED}", Refusal.NOT_ALLOWED)
         holding = mfield(meta, "holding", list, optional=True)
         if holding is not None and (
-            len(holding) > 4 * self.run.micro_batches * self.rows + 8
+            len(holding) > 4 * self.micro_batches * self.rows + 8
             or not all(isinstance(t, str) and len(t) <= 64 for t in holding)
         ):
             raise PayloadError("field 'holding' must list the task ids the client holds")
@@ -126,9 +182,9 @@ class Clients:
             info.takes_lost += 1
         if new:
             logger.info("%s: client %s (%s) registered, compute %.3g", self.device_id, sender[-8:], device, compute)
-            self.pool.set_client_speed(sender, compute)
+            self.pool().set_client_speed(sender, compute)
             if self.directory.is_server(sender):  # a worker of the run's servers: trusted, it need not earn its leases
-                self.pool.standing.trust(sender)
+                self.pool().standing.trust(sender)
             if holding and self.requeue:
                 # a client new here that holds tasks of ours: this server restarted (its leases are
                 # not in its log, so their tasks were queued again) or dropped it as silent. It goes
@@ -136,16 +192,16 @@ class Clients:
                 # restart, a worker would otherwise take such tasks again and sum them twice);
                 # before its carried completions, which this server takes only from a task's holder
                 proven = self._proven_leases(sender, holding, tickets or [None] * len(holding))
-                adopted = [t for t in proven if self.pool.adopt(sender, t) is not None]
+                adopted = [t for t in proven if self.pool().adopt(sender, t) is not None]
                 if adopted:
                     self.counters["leases_adopted"] = self.counters.get("leases_adopted", 0) + len(adopted)
                     logger.info("%s: %s holds %s: leased to it again", self.device_id, sender[-8:], ", ".join(adopted))
-        if carried_epoch == self.epoch:  # (closed before the reclaim below looks at its leases)
+        if carried_epoch == self.epoch():  # (closed before the reclaim below looks at its leases)
             self.complete_carried(carried, sender)
         if holding is not None and self.requeue:  # (--no-requeue, the SWARM-like baseline, waits them out)
             # leases the client does not know it holds (a lost `take` answer, a lost hand-back) go
             # back to the pool now, not after --task-timeout; young ones may still be in flight
-            lost = self.pool.reclaim(sender, holding, min_age=0.0 if take_lost or first else LEASE_IN_FLIGHT)
+            lost = self.pool().reclaim(sender, holding, min_age=0.0 if take_lost or first else LEASE_IN_FLIGHT)
             if lost:
                 self.counters["leases_reclaimed"] = self.counters.get("leases_reclaimed", 0) + len(lost)
                 logger.info(
@@ -154,8 +210,8 @@ class Clients:
                     sender[-8:],
                     ", ".join(t.task_id for t in lost),
                 )
-        answer = {"ok": True, "version": self.version, "epoch": self.epoch}
-        if not self.run_over:
+        answer = {"ok": True, "version": self.version(), "epoch": self.epoch()}
+        if not self.run_over():
             return answer
         self.told_over.add(sender)  # (only this answer says so: a finished server waits for it, farewell)
         return answer | {"over": True}
@@ -167,7 +223,7 @@ class Clients:
         proven = []
         for task_id, ticket in zip(holding, tickets):
             try:
-                self.lease_tickets.check(ticket, task_id, sender, self.epoch)
+                self.lease_tickets.check(ticket, task_id, sender, self.epoch())
             except PayloadError:
                 continue
             proven.append(task_id)
@@ -202,15 +258,15 @@ class Clients:
         struck = [
             p
             for p in self.clients
-            if self.pool.standing.strikes(p) >= STRIKES_TO_DROP
-            and (self.pool.standing.probation_cap(p) or DROP_CAP_S) >= DROP_CAP_S
+            if self.pool().standing.strikes(p) >= STRIKES_TO_DROP
+            and (self.pool().standing.probation_cap(p) or DROP_CAP_S) >= DROP_CAP_S
             and not self.directory.is_server(p)
         ]
         for p in struck:
             drops = self.struck_out.get(p, (0, 0.0))[0] + 1
             self.struck_out.put(p, (drops, self.clock() + STRUCK_OUT_S * 2 ** (drops - 1)))
             self.counters["clients_struck_out"] = self.counters.get("clients_struck_out", 0) + 1
-            self._client_left(p, f"{STRIKES_TO_DROP} leases in a row ran out unanswered")
+            self.left(p, f"{STRIKES_TO_DROP} leases in a row ran out unanswered")
         return struck
 
     def drop_stale_clients(self) -> list[str]:
@@ -221,7 +277,7 @@ class Clients:
                 c.last_seen = min(c.last_seen + (now - last), now)
         gone = [p for p, c in self.clients.items() if now - c.last_seen > self.client_timeout and p != self.peer_id]
         for p in gone:
-            self._client_left(p, "silent")
+            self.left(p, "silent")
         return gone
 
     def drop_disconnected_clients(self, connected: set[str]) -> list[str]:
@@ -237,17 +293,18 @@ class Clients:
             elif now - c.unconnected_since >= DISCONNECT_GRACE and now - c.last_seen >= DISCONNECT_GRACE:
                 gone.append(p)
         for p in gone:
-            self._client_left(p, "its connection closed")
+            self.left(p, "its connection closed")
         return gone
 
-    def _client_left(self, peer: str, why: str) -> None:
+    def left(self, peer: str, why: str) -> None:
+        """`peer` left (or was dropped): its leases go back (kept to run out with --no-requeue)."""
         del self.clients[peer]
         if why in ("its connection closed", "silent"):
             key = "clients_disconnected" if why == "its connection closed" else "clients_timed_out"
             self.counters[key] = self.counters.get(key, 0) + 1
         # with --no-requeue the departed client's leases are left to run out their full timeout
         # (as a SWARM trainer waits out a request to a dead peer); the work is then done again
-        n = len(self.pool.client_left(peer)) if self.requeue else len(self.pool.leases_of(peer))
+        n = len(self.pool().client_left(peer)) if self.requeue else len(self.pool().leases_of(peer))
         logger.info(
             "%s: client %s left (%s); %d tasks %s",
             self.device_id,
@@ -257,8 +314,9 @@ class Clients:
             "re-queued" if self.requeue else "left to time out",
         )
 
-    def _client(self, sender: str) -> ClientInfo:
-        if self.replaying:  # the request was checked when it first arrived
+    def caller(self, sender: str) -> ClientInfo:
+        """The registered client calling (refused as not registered otherwise), seen now."""
+        if self.replaying():  # the request was checked when it first arrived
             return ClientInfo("replay", 1.0, self.clock())
         c = self.clients.get(sender)
         if c is None:

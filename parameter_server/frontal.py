@@ -178,7 +178,7 @@ class Frontal:
             self.make_forward_tasks(*key)
 
     async def on_get_inputs(self, meta, tensors, sender):
-        self._client(sender)
+        self.registry.caller(sender)
         if self.role != "frontal":
             raise PayloadError("get_inputs goes to a frontal server")
         t, m = self.checks.batch_micro(meta)
@@ -193,7 +193,7 @@ class Frontal:
         """A client's input gradient for rows of this FS: kept, and relayed to stage k-1's BS until
         it is taken. Workers send it before their gradient shards, so once this stage has applied
         batch t, every input gradient of t is held here."""
-        self._client(sender)
+        self.registry.caller(sender)
         if self.role != "frontal" or self.stage == 0:
             raise PayloadError("push_input_grads goes to a frontal server of a stage > 0")
         task_id = mfield(meta, "task", str)

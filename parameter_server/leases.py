@@ -73,7 +73,7 @@ class Leases:
                 pass
 
     async def on_take(self, meta, tensors, sender):
-        self._client(sender)
+        self.registry.caller(sender)
         wait = wait_field(meta, MAX_TAKE_WAIT)
         self.complete_carried(carried_completes(meta), sender)
         epoch = self.epoch
@@ -154,7 +154,7 @@ class Leases:
     async def on_complete(self, meta, tensors, sender):
         """One task ("task": id) or several ("tasks": [ids], what a gradient push covered at this
         server: one call instead of one per task); every id is checked before any is completed."""
-        c = self._client(sender)
+        c = self.registry.caller(sender)
         if "tasks" not in meta:
             task_ids = [self._known_task(meta)]
         else:
@@ -173,7 +173,7 @@ class Leases:
         request's others (`carried_completes`) and its epoch: a refused call completes nothing."""
         if not task_ids:
             return
-        c = self._client(sender)
+        c = self.registry.caller(sender)
         accepted = [
             t
             for t, r in self._complete(c, [t for t in task_ids if t in self.issued], sender).items()
@@ -228,7 +228,7 @@ class Leases:
         return results
 
     async def on_fail(self, meta, tensors, sender):
-        self._client(sender)
+        self.registry.caller(sender)
         task_id = self._known_task(meta)
         self.pool.fail(task_id, sender)
         return {"ok": True}

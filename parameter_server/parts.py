@@ -10,6 +10,7 @@ from __future__ import annotations
 from parameter_server.arrivals import Arrivals
 from parameter_server.bans import Bans
 from parameter_server.checks import Checks
+from parameter_server.clients import Clients
 from parameter_server.clipping import Clipping
 from parameter_server.directory import Directory
 from parameter_server.evaluate import Evaluation
@@ -18,7 +19,7 @@ from parameter_server.param_deltas import ParamDeltas
 from parameter_server.pins import Pins
 from parameter_server.place import ServerPlace
 from parameter_server.rescue import Rescue
-from parameter_server.status import Status
+from parameter_server.status import SEEN_VOLUNTEERS, Status
 
 # method -> (the attribute of the part that answers it on a server, the part's class): the RPC surface
 # finds a method's handler as on_<method> of the server or of the part named here
@@ -29,13 +30,23 @@ PART_HANDLERS: dict[str, tuple[str, type]] = {
     "ban": ("bans", Bans),
     "report_cheat": ("bans", Bans),
     "requeue_missing": ("rescue", Rescue),
+    "register": ("registry", Clients),
     "ping": ("report", Status),
     "status": ("report", Status),
 }
 
 
-def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> None:
-    """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `checks`, `arrivals`,
+def compose_parts(
+    server,
+    run,
+    cfg,
+    *,
+    verify_rate: float,
+    probation: int,
+    client_timeout: float,
+    volunteers_allow: frozenset[str] | None,
+) -> None:
+    """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `checks`, `registry` (its clients), `arrivals`,
     `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `deltas`, `report` (its status) and `rescue`;
     the server that starts each evaluation gets the evaluation's step callback."""
 
@@ -77,6 +88,28 @@ def compose_parts(server, run, cfg, *, verify_rate: float, probation: int) -> No
         segment=lambda: server.seg,
         reflow_from=lambda: server.reflow_from,
         replaying=replaying,
+    )
+    server.registry = Clients(
+        device_id=server.device_id,
+        peer_id=server.peer_id,
+        stage=server.stage,
+        rows=server.rows,
+        micro_batches=run.micro_batches,
+        clock=lambda: server.clock(),  # (a test may set the server's clock after it is built)
+        client_timeout=client_timeout,
+        volunteers_allow=volunteers_allow,  # peer ids a closed run admits (None: open to anyone)
+        requeue=server.requeue,
+        lease_tickets=server.lease_tickets,
+        directory=server.directory,
+        counters=server.counters,
+        pool=lambda: server.pool,
+        version=lambda: server.version,
+        epoch=epoch,
+        replaying=replaying,
+        run_over=lambda: server.run_over,
+        complete_carried=server.complete_carried,
+        seen=SEEN_VOLUNTEERS,
+        clients=server.clients,
     )
     banned: dict[str, str] = {}  # peer id -> why: made by `bans`, read by `arrivals`
     server.arrivals = Arrivals(

@@ -35,10 +35,9 @@ from hivemind.p2p import ServicerBase
 from core.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, RunLayout, assign_shards, segment
 from core.protocol.leases import LeaseTickets
 from core.protocol.links import LinkEmulator
-from core.protocol.trust import Remembered
 from parameter_server.backward import Backward
 from parameter_server.budget import RequestBudget, client_request_bytes, default_max_request_bytes
-from parameter_server.clients import REGISTER_BURST, REGISTER_RATE, ClientInfo, Clients, TokenBucket
+from parameter_server.clients import ClientInfo
 from parameter_server.contributions import Contributions
 from parameter_server.failover import Failover
 from parameter_server.frontal import Frontal
@@ -49,7 +48,6 @@ from parameter_server.recovery import Recovery
 from parameter_server.replicas import Replicas
 from parameter_server.rpc import RpcSurface
 from parameter_server.shard import ShardState
-from parameter_server.status import SEEN_VOLUNTEERS
 from parameter_server.updates import RETAIN, Updates, snapshots_kept
 from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Verification
 from taskpool import TaskPool
@@ -68,7 +66,6 @@ __all__ = ["RETAIN", "StageServer"]
 
 
 class StageServer(
-    Clients,
     Leases,
     Updates,
     Frontal,
@@ -120,11 +117,9 @@ class StageServer(
         self.corpus = corpus
         self.links = links or LinkEmulator()
         self.clock = clock
-        self.client_timeout = client_timeout
         self.connector = connector
         self.requeue = requeue
         self.compress = getattr(run, "compress", "none")  # activations and gradients on the wire (wire.py)
-        self.volunteers_allow = volunteers_allow  # peer ids a closed run admits (None: open to anyone)
         self.rows = run.batch_size // run.micro_batches  # rows per micro-batch
         self.seq = cfg.seq_len
         self.hidden = cfg.hidden
@@ -172,13 +167,9 @@ class StageServer(
         # set by its host once every server of the run has applied the last step: the answers to
         # heartbeats say so, and a worker that hears it stops (peer.host.server)
         self.run_over = False
-        self.told_over: set[str] = set()  # peer ids a heartbeat's answer told that the run is over
         # tasks completed here by each worker's device id, also of workers that have left since
         self.tasks_by_device: dict[str, int] = {}
         self.contributions = Contributions()  # by peer id: tasks done, checks passed (the run's summary)
-        self.admissions = TokenBucket(REGISTER_RATE, REGISTER_BURST)  # new clients (Clients._admit)
-        self.struck_out = Remembered(SEEN_VOLUNTEERS)  # peer -> (drops, may register again at)
-        self.last_silence_check: float | None = None  # (Clients.drop_stale_clients)
         self.reset_datapath()
         self.counters = {
             "payload_errors": 0,
@@ -199,7 +190,15 @@ class StageServer(
         self._stall_reported: int | None = None  # the version whose stall report_stall logged
         self.missing_versions: set[tuple[int, int]] = set()  # (asked, current) refused and logged (get_params)
         self._init_verification(verify_rate, probation, verify_device)
-        compose_parts(self, run, cfg, verify_rate=verify_rate, probation=probation)
+        compose_parts(
+            self,
+            run,
+            cfg,
+            verify_rate=verify_rate,
+            probation=probation,
+            client_timeout=client_timeout,
+            volunteers_allow=volunteers_allow,
+        )
         self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (Updates.params_on_wire)
 
     def use_old_versions(self, old_versions) -> None:
@@ -284,8 +283,8 @@ class StageServer(
                 len(expired),
                 " ".join(str(t.task_id) for t in expired[:8]),
             )
-            self.drop_struck_clients()
-        self.drop_stale_clients()
+            self.registry.drop_struck_clients()
+        self.registry.drop_stale_clients()
         self.pins.update_pins()
         self.report_stall(time.time())
         self.rescue.maybe_rescue()

@@ -122,7 +122,7 @@ class Updates:
     async def on_push_grads(self, meta, tensors, sender):
         """A client's gradient shard accumulated over the tasks `tasks` (ids) of batch `batch`."""
         if sender != self.peer_id:
-            self._client(sender)
+            self.registry.caller(sender)
         t = mfield(meta, "batch", int)
         ids = mfield(meta, "tasks", list)
         if len(ids) > self.run.micro_batches * self.rows:

@@ -43,7 +43,7 @@ class Maintenance:
             self._next_read = self.clock() + CONNECTION_READ_PERIOD
             try:
                 peers = await asyncio.wait_for(self.p2p.list_peers(), 5.0)
-                self.server.drop_disconnected_clients({str(info.peer_id) for info in peers})
+                self.server.registry.drop_disconnected_clients({str(info.peer_id) for info in peers})
             except Exception as e:
                 logger.debug("%s: reading the node's connections failed: %r", self.device, e)
 

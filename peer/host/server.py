@@ -285,7 +285,7 @@ class ServerHost:
         server = self.server
         deadline = time.monotonic() + FAREWELL_S
         while time.monotonic() < deadline and not stop.is_set():
-            told = all(p in server.told_over for p in server.clients if not server.directory.is_server(p))
+            told = all(p in server.registry.told_over for p in server.clients if not server.directory.is_server(p))
             if told:
                 return
             try:

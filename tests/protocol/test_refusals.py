@@ -30,7 +30,7 @@ def test_a_servers_refusals_carry_their_codes():
     cfg, layout, run = make_run(steps=2)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=0, servers_compute=False)
     server = swarm.servers["s0f0"]
-    server.volunteers_allow = frozenset({"peer-listed"})
+    server.registry.volunteers_allow = frozenset({"peer-listed"})
 
     async def code(sender, method, meta):
         with pytest.raises(RemoteError) as caught:

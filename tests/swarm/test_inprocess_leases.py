@@ -150,20 +150,20 @@ def test_a_client_whose_connection_closed_is_dropped_and_its_leases_requeued():
     now = [fs.clock()]
     fs.clock = lambda: now[0]
     assert [lease.task.task_id for lease in fs.pool.leases_of(pa)] == [task]
-    assert fs.drop_disconnected_clients({pb}) == []  # first read without a: not yet
+    assert fs.registry.drop_disconnected_clients({pb}) == []  # first read without a: not yet
     now[0] += 0.6 * DISCONNECT_GRACE
-    assert fs.drop_disconnected_clients({pb}) == []  # within the grace
+    assert fs.registry.drop_disconnected_clients({pb}) == []  # within the grace
     now[0] += 0.5 * DISCONNECT_GRACE
     fs.clients[pb].last_seen = now[0] - 5.0  # b is silent, but connected: stays
-    assert fs.drop_disconnected_clients({pb}) == [pa]
+    assert fs.registry.drop_disconnected_clients({pb}) == [pa]
     assert pa not in fs.clients and pb in fs.clients
     assert fs.pool.leases_of(pa) == [] and fs.pool.lease_of(task) is None and not fs.pool.is_done(task)
     assert fs.pool.take(pb).task.task_id == task  # back in the pool, for another client
     # a client that reappears among the connections starts over; one that called meanwhile stays
-    assert fs.drop_disconnected_clients(set()) == []
+    assert fs.registry.drop_disconnected_clients(set()) == []
     fs.clients[pb].last_seen = now[0] + 1.5 * DISCONNECT_GRACE
     now[0] += 1.5 * DISCONNECT_GRACE
-    assert fs.drop_disconnected_clients(set()) == []
+    assert fs.registry.drop_disconnected_clients(set()) == []
 
 
 def test_a_server_that_forgot_its_clients_is_registered_with_again_not_refused():
@@ -452,16 +452,16 @@ def test_a_server_that_stalled_itself_does_not_drop_its_clients_as_silent():
     asyncio.run(a.member.register())
     now = [fs.clock()]
     fs.clock = lambda: now[0]
-    fs.client_timeout = 3.0
-    fs.drop_stale_clients()
+    fs.registry.client_timeout = 3.0
+    fs.registry.drop_stale_clients()
     now[0] += 5.0  # the server's own stall: 5 s without a check
-    assert fs.drop_stale_clients() == [] and pa in fs.clients
+    assert fs.registry.drop_stale_clients() == [] and pa in fs.clients
     for _ in range(14):  # then it checks every 0.2 s, and the client stays silent
         now[0] += 0.2
-        assert fs.drop_stale_clients() == []
+        assert fs.registry.drop_stale_clients() == []
     assert now[0] - fs.clients[pa].last_seen <= 3.0 + 1e-9
     now[0] += 0.2
-    assert fs.drop_stale_clients() == [pa]  # 3 s of silence the server saw: gone
+    assert fs.registry.drop_stale_clients() == [pa]  # 3 s of silence the server saw: gone
     assert OWN_STALL < 3.0
 
 
@@ -547,7 +547,7 @@ def test_a_server_forgets_volunteers_gone_for_good_and_counts_each_join_once():
     fs.clock = lambda: now[0]
     peers = [f"peer-v{i}" for i in range(30)]
 
-    fs.admissions = TokenBucket(1.0, 10_000)  # (thirty joins at one frozen instant: not the limit tested here)
+    fs.registry.admissions = TokenBucket(1.0, 10_000)  # (thirty joins at one frozen instant: not the limit tested here)
 
     async def register(peer):
         await LocalLink(fs, peer).call("register", {"device": peer[5:], "compute": 1.0, "stage": 0})
@@ -574,9 +574,9 @@ def test_a_server_forgets_volunteers_gone_for_good_and_counts_each_join_once():
             fs.arrivals.note_contribution(p, fs.version)
             fs.passed_check(p, [])
         assert stats()["clients_joined"] == 30 and stats()["clients_left"] == 0
-        fs.drop_disconnected_clients({peers[0]})
+        fs.registry.drop_disconnected_clients({peers[0]})
         now[0] += DISCONNECT_GRACE
-        assert len(fs.drop_disconnected_clients({peers[0]})) == 29
+        assert len(fs.registry.drop_disconnected_clients({peers[0]})) == 29
         assert stats()["clients_joined"] == 30 and stats()["clients_left"] == 29
         await step()
         assert set(fs.arrivals.contributed) == set(peers)  # a rollback may still reach their batch 0

@@ -256,8 +256,8 @@ def test_only_a_heartbeats_answer_tells_a_worker_that_the_run_is_over():
         await b.member.register()
         fs.run_over = True
         await b.intake.take_one()
-        assert not b.over and b.links[fs.device_id].sender not in fs.told_over
+        assert not b.over and b.links[fs.device_id].sender not in fs.registry.told_over
         await a.member.register()
-        assert a.over and fs.told_over == {a.links[fs.device_id].sender}
+        assert a.over and fs.registry.told_over == {a.links[fs.device_id].sender}
 
     asyncio.run(scenario())

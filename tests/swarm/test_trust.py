@@ -27,7 +27,7 @@ def test_a_closed_run_admits_only_its_listed_volunteers():
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
     listed = frozenset(f"peer-u{k}0" for k in range(layout.num_stages))
     for server in swarm.servers.values():
-        server.volunteers_allow = listed
+        server.registry.volunteers_allow = listed
 
     async def attempt():
         server = swarm.servers["s0f0"]
@@ -87,7 +87,7 @@ def test_a_volunteer_refused_for_good_stops_asking():
     cfg, layout, run = make_run(steps=2)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=2, servers_compute=False)
     for server in swarm.servers.values():
-        server.volunteers_allow = frozenset({"peer-u00", "peer-u10"})
+        server.registry.volunteers_allow = frozenset({"peer-u00", "peer-u10"})
     intruder = next(w for w in swarm.workers if w.device_id == "u01")
     calls = []
     for server in swarm.servers.values():
@@ -165,7 +165,7 @@ def test_hoarders_hold_little_briefly_are_dropped_and_the_run_ends_exact(monkeyp
     all_struck = asyncio.Event()  # set when the servers have dropped every hoarder
 
     def noting(server):  # a drop of struck-out clients says whether every hoarder is dropped now
-        drop = server.drop_struck_clients
+        drop = server.registry.drop_struck_clients
 
         def drop_and_note():
             dropped = drop()
@@ -173,7 +173,7 @@ def test_hoarders_hold_little_briefly_are_dropped_and_the_run_ends_exact(monkeyp
                 all_struck.set()
             return dropped
 
-        server.drop_struck_clients = drop_and_note
+        server.registry.drop_struck_clients = drop_and_note
 
     for server in swarm.servers.values():
         gated(server)
