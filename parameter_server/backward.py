@@ -71,7 +71,7 @@ class Backward:
             if entry.backward_task is None and buf.has(*entry.rows):
                 x, y = entry.rows
                 entry.backward_task = make_task_id(TaskKind.BACKWARD, t, m, self.stage, (x, y))
-                self.add_task(
+                self.leases.add_task(
                     Task(
                         task_id=entry.backward_task,
                         kind=TaskKind.BACKWARD,

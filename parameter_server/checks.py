@@ -148,3 +148,19 @@ class Checks:
                 self.activation(x, b - a, kind, tokens=False)
         self.not_applied(t)  # after the checks: a malformed payload is named as such whatever its batch
         return t, m, a, b
+
+    def check_epoch(self, meta: dict, later_ok: bool = False) -> None:
+        """PayloadError unless `meta`'s layout epoch (0 when absent) is this server's; `later_ok`: a
+        later one passes (the caller waits for this server to adopt it)."""
+        epoch = mfield(meta, "epoch", int, optional=True) or 0
+        current = self.epoch()
+        if epoch < current:
+            raise PayloadError(
+                f"stale epoch {epoch}: the run is at layout epoch {current} since a failover; "
+                "fetch the layout again (get_layout)",
+                Refusal.STALE_EPOCH,
+            )
+        if epoch > current and not later_ok:
+            raise PayloadError(
+                f"epoch {epoch} is not adopted here yet (this server is at epoch {current})", Refusal.FUTURE_EPOCH
+            )

@@ -126,7 +126,7 @@ class Frontal:
             )
         note_cut(self.batch_cut, t, {client for client, _, _ in pieces})
         for client, a, b in pieces:
-            self.add_task(
+            self.leases.add_task(
                 Task(
                     task_id=make_task_id(TaskKind.FORWARD, t, m, self.stage, (a, b)),
                     kind=TaskKind.FORWARD,

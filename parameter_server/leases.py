@@ -1,12 +1,14 @@
 """The task pool's face to clients: `take` (a lease with the rows or gradients it needs),
 `complete` and `fail`, and the one place tasks enter the pool (forward tasks are logged, so that a
-restart re-creates the very same cut). Must not build rows or step parameters."""
+restart re-creates the very same cut). Must not build rows or step parameters. A part of a server,
+built with what it reads of it (parameter_server/parts.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from typing import Callable
 
 from core.layout import owed_more
 from core.model.update_rule import version_for_batch
@@ -28,17 +30,73 @@ NOT_HELD = "not_held"  # a completion's result when its sender never held a leas
 
 
 class Leases:
-    """StageServer's take, complete and fail (a part of parameter_server.service.StageServer)."""
+    """A server's take, complete and fail, given what they read of it: `device_id`, `peer_id`, `stage`,
+    `last` and `micro_batches`; its `clock`; the run's `lease_tickets`; its `registry` (the clients),
+    `bans`, `directory`, `checks`, `contributions`, `counters` and `tasks_by_device`; as they are now:
+    `epoch()`, `version()`, `pool()`, `issued()` (the task ids made here), `buffers()` and
+    `grad_buffers()` (the rows and gradients tasks carry), `batch_cut()`, `log()` (the request log, or
+    None) and `replaying()`."""
 
-    def _tasks_event(self) -> asyncio.Event:
-        """What a waiting `take` waits on: set (and replaced) when a task is added."""
-        if getattr(self, "_tasks_added", None) is None:
-            self._tasks_added = asyncio.Event()
-        return self._tasks_added
+    def __init__(
+        self,
+        *,
+        device_id: str,
+        peer_id: str,
+        stage: int,
+        last: bool,
+        micro_batches: int,
+        clock: Callable[[], float],
+        lease_tickets,
+        registry,
+        bans,
+        directory,
+        checks,
+        contributions,
+        counters: dict,
+        tasks_by_device: dict,
+        epoch: Callable[[], int],
+        version: Callable[[], int],
+        pool: Callable[[], object],
+        issued: Callable[[], set],
+        buffers: Callable[[], dict],
+        grad_buffers: Callable[[], dict],
+        batch_cut: Callable[[], dict],
+        log: Callable[[], object],
+        replaying: Callable[[], bool],
+    ) -> None:
+        self.device_id, self.peer_id, self.stage, self.last, self.micro_batches = (
+            device_id,
+            peer_id,
+            stage,
+            last,
+            micro_batches,
+        )
+        self.clock, self.lease_tickets, self.registry, self.bans, self.directory = (
+            clock,
+            lease_tickets,
+            registry,
+            bans,
+            directory,
+        )
+        self.checks, self.contributions, self.counters, self.tasks_by_device = (
+            checks,
+            contributions,
+            counters,
+            tasks_by_device,
+        )
+        self.epoch, self.version, self.pool, self.issued = epoch, version, pool, issued
+        self.buffers, self.grad_buffers, self.batch_cut, self.log, self.replaying = (
+            buffers,
+            grad_buffers,
+            batch_cut,
+            log,
+            replaying,
+        )
+        self._tasks_added = asyncio.Event()
 
-    def _signal_tasks(self) -> None:
+    def signal_tasks(self) -> None:
         """Wake every `take` waiting for a task."""
-        self._tasks_event().set()
+        self._tasks_added.set()
         self._tasks_added = asyncio.Event()
 
     async def _wait_for_task(self, sender: str, wait: float, epoch: int):
@@ -49,12 +107,12 @@ class Leases:
         deadline = time.monotonic() + wait
         # (None only while a restart replays its log: _client does not check the sender then, and
         # the loop's first test answers None)
-        info = self.clients.get(sender)
+        info = self.registry.clients.get(sender)
         lost = info.takes_lost if info is not None else 0
         while True:
-            if self.epoch != epoch or sender in self.bans.banned or sender not in self.clients:
+            if self.epoch() != epoch or sender in self.bans.banned or sender not in self.registry.clients:
                 return None  # its next call hears why (stale epoch, banned, not registered)
-            if self.clients[sender] is not info or info.takes_lost != lost:
+            if self.registry.clients[sender] is not info or info.takes_lost != lost:
                 # the client said this take's answer never reached it (register with 'take_lost')
                 # while it still waited here: a lease now would be answered into a closed stream
                 # and wait for a heartbeat to be re-queued (a stall of a heartbeat period or more)
@@ -63,12 +121,12 @@ class Leases:
                     "%s: a take by %s that it gave up as lost was still waiting: dropped", self.device_id, sender[-8:]
                 )
                 return None
-            lease = self.pool.take(sender)
+            lease = self.pool().take(sender)
             left = deadline - time.monotonic()
             if lease is not None or left <= 0:
                 return lease
             try:
-                await asyncio.wait_for(self._tasks_event().wait(), min(RECHECK, left))
+                await asyncio.wait_for(self._tasks_added.wait(), min(RECHECK, left))
             except asyncio.TimeoutError:
                 pass
 
@@ -76,7 +134,7 @@ class Leases:
         self.registry.caller(sender)
         wait = wait_field(meta, MAX_TAKE_WAIT)
         self.complete_carried(carried_completes(meta), sender)
-        epoch = self.epoch
+        epoch = self.epoch()
         while True:
             lease = await self._wait_for_task(sender, wait, epoch)
             if lease is None:
@@ -84,11 +142,16 @@ class Leases:
                     key = "takes_waited_out" if wait > 0 else "takes_found_nothing"
                     self.counters[key] = self.counters.get(key, 0) + 1
                 if wait > 0:
-                    self._check_epoch(meta)  # a failover came while it waited: the client fetches the layout
-                return {"task": None, "version": self.version, "epoch": self.epoch, "more": self.pool.queued() > 0}
+                    self.checks.check_epoch(meta)  # a failover came while it waited: the client fetches the layout
+                return {
+                    "task": None,
+                    "version": self.version(),
+                    "epoch": self.epoch(),
+                    "more": self.pool().queued() > 0,
+                }
             task = lease.task
             if task.batch < self.directory.run_min_version():  # applied by every server: nothing left to do
-                self.pool.abandon(task.task_id)
+                self.pool().abandon(task.task_id)
                 continue
             break
         t, m, (a, b) = task.batch, task.micro_batch, task.rows
@@ -105,25 +168,26 @@ class Leases:
             "version": version_for_batch(t),
             "deadline": lease.deadline - self.clock(),
             "attempt": lease.attempt,
-            "epoch": self.epoch,
-            "more": self.pool.queued() > 0,
-            "lease": self.lease_tickets.issue(task.task_id, lease.client, lease.attempt, self.epoch),
+            "epoch": self.epoch(),
+            "more": self.pool().queued() > 0,
+            "lease": self.lease_tickets.issue(task.task_id, lease.client, lease.attempt, self.epoch()),
         }
         if task.kind == TaskKind.FORWARD:
-            x, y = self.buffers[(t, m)].slice(a, b)
+            x, y = self.buffers()[(t, m)].slice(a, b)
             if not self.last:  # only the last stage computes a loss: the labels stay here
                 y = None
             # owed: more of batch t's micro-batches are still to be cut here, and this client got a piece
             # of every one cut so far (its worker holds its sum of the batch while idle, flush.py)
-            owed = owed_more(self.batch_cut, t, lease.client, self.run.micro_batches)
+            owed = owed_more(self.batch_cut(), t, lease.client, self.micro_batches)
             return dict(common, frontal=self.device_id, owed=owed), [x] if y is None else [x, y]
         entry = task.payload_ref  # a LedgerEntry
-        g, _ = self.grad_buffers[(t, m)].slice(a, b)
+        g, _ = self.grad_buffers()[(t, m)].slice(a, b)
         return dict(common, frontal=entry.frontal, forward_task=entry.forward_task), [g]
 
-    def _known_task(self, meta) -> str:
+    def known_task(self, meta) -> str:
+        """The task id `meta` names, made here (refused otherwise)."""
         task_id = mfield(meta, "task", str)
-        if task_id not in self.issued:
+        if task_id not in self.issued():
             raise PayloadError(f"unknown task id {task_id!r}")
         return task_id
 
@@ -131,10 +195,10 @@ class Leases:
         """Forward tasks depend on the clients registered when they were cut, so they are logged and,
         in a replay, re-created from the log; backward tasks follow from the ledger."""
         if task.kind == TaskKind.FORWARD:
-            if self.replaying:
+            if self.replaying():
                 return
-            if self.log is not None:
-                self.log.append(
+            if self.log() is not None:
+                self.log().append(
                     {
                         "task": [
                             task.task_id,
@@ -147,18 +211,18 @@ class Leases:
                         "batch": task.batch,
                     }
                 )
-        self.pool.add(task)
-        self.issued.add(task.task_id)
-        self._signal_tasks()
+        self.pool().add(task)
+        self.issued().add(task.task_id)
+        self.signal_tasks()
 
     async def on_complete(self, meta, tensors, sender):
         """One task ("task": id) or several ("tasks": [ids], what a gradient push covered at this
         server: one call instead of one per task); every id is checked before any is completed."""
         c = self.registry.caller(sender)
         if "tasks" not in meta:
-            task_ids = [self._known_task(meta)]
+            task_ids = [self.known_task(meta)]
         else:
-            task_ids = [self._known_task({"task": tid}) for tid in _task_ids(meta, "tasks")]
+            task_ids = [self.known_task({"task": tid}) for tid in _task_ids(meta, "tasks")]
         results = self._complete(c, task_ids, sender)
         if "tasks" in meta:
             return {"results": results}
@@ -176,19 +240,20 @@ class Leases:
         c = self.registry.caller(sender)
         accepted = [
             t
-            for t, r in self._complete(c, [t for t in task_ids if t in self.issued], sender).items()
+            for t, r in self._complete(c, [t for t in task_ids if t in self.issued()], sender).items()
             if r == Completion.ACCEPTED.value
         ]
-        if self.log is None or self.replaying:
+        log = self.log()
+        if log is None or self.replaying():
             return
         by_batch: dict[int, list[str]] = {}  # one record a batch: the log is compacted by batch
         for t in accepted:
             by_batch.setdefault(batch_of(t) or 0, []).append(t)
         for batch, ids in sorted(by_batch.items()):
-            self.log.append(
+            log.append(
                 {
                     "method": "complete",
-                    "meta": {"tasks": ids, "batch": batch, "epoch": self.epoch},
+                    "meta": {"tasks": ids, "batch": batch, "epoch": self.epoch()},
                     "sender": sender,
                     "batch": batch,
                 }
@@ -201,11 +266,11 @@ class Leases:
         change nothing. A restart's replay of the log completes what was accepted before."""
         results, refused = {}, []
         for task_id in task_ids:
-            if not self.replaying and self.pool.ever_held(task_id, sender) is False:
+            if not self.replaying() and self.pool().ever_held(task_id, sender) is False:
                 results[task_id] = NOT_HELD
                 refused.append(task_id)
                 continue
-            result = self.pool.complete(task_id, sender)
+            result = self.pool().complete(task_id, sender)
             if result is Completion.ACCEPTED:
                 c.tasks_done += 1
                 who = (
@@ -214,7 +279,7 @@ class Leases:
                     else "(others)"
                 )
                 self.tasks_by_device[who] = self.tasks_by_device.get(who, 0) + 1
-                self.contributions.task_done(sender, None if self.replaying else c.device)
+                self.contributions.task_done(sender, None if self.replaying() else c.device)
             results[task_id] = result.value
         if refused:  # (one line a call: a list may name up to MAX_COMPLETE ids)
             self.counters["completes_not_held"] = self.counters.get("completes_not_held", 0) + len(refused)
@@ -229,8 +294,8 @@ class Leases:
 
     async def on_fail(self, meta, tensors, sender):
         self.registry.caller(sender)
-        task_id = self._known_task(meta)
-        self.pool.fail(task_id, sender)
+        task_id = self.known_task(meta)
+        self.pool().fail(task_id, sender)
         return {"ok": True}
 
 

@@ -14,6 +14,7 @@ from parameter_server.clients import Clients
 from parameter_server.clipping import Clipping
 from parameter_server.directory import Directory
 from parameter_server.evaluate import Evaluation
+from parameter_server.leases import Leases
 from parameter_server.outbox import Outbox
 from parameter_server.param_deltas import ParamDeltas
 from parameter_server.pins import Pins
@@ -31,6 +32,9 @@ PART_HANDLERS: dict[str, tuple[str, type]] = {
     "report_cheat": ("bans", Bans),
     "requeue_missing": ("rescue", Rescue),
     "register": ("registry", Clients),
+    "take": ("leases", Leases),
+    "complete": ("leases", Leases),
+    "fail": ("leases", Leases),
     "ping": ("report", Status),
     "status": ("report", Status),
 }
@@ -47,7 +51,7 @@ def compose_parts(
     volunteers_allow: frozenset[str] | None,
 ) -> None:
     """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `checks`, `registry` (its clients), `arrivals`,
-    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `deltas`, `report` (its status) and `rescue`;
+    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status) and `rescue`;
     the server that starts each evaluation gets the evaluation's step callback."""
 
     place = ServerPlace(server.device_id, server.stage, server.role, server.index, server.last)
@@ -107,7 +111,7 @@ def compose_parts(
         epoch=epoch,
         replaying=replaying,
         run_over=lambda: server.run_over,
-        complete_carried=server.complete_carried,
+        complete_carried=lambda ids, sender: server.leases.complete_carried(ids, sender),
         seen=SEEN_VOLUNTEERS,
         clients=server.clients,
     )
@@ -189,6 +193,31 @@ def compose_parts(
         send_epoch=server.send_epoch,
         adopt=server.adopt,
     )
+    server.leases = Leases(
+        device_id=server.device_id,
+        peer_id=server.peer_id,
+        stage=server.stage,
+        last=server.last,
+        micro_batches=run.micro_batches,
+        clock=lambda: server.clock(),
+        lease_tickets=server.lease_tickets,
+        registry=server.registry,
+        bans=server.bans,
+        directory=server.directory,
+        checks=server.checks,
+        contributions=server.contributions,
+        counters=server.counters,
+        tasks_by_device=server.tasks_by_device,
+        epoch=epoch,
+        version=lambda: server.version,
+        pool=lambda: server.pool,
+        issued=lambda: server.issued,
+        buffers=lambda: server.buffers,
+        grad_buffers=lambda: server.grad_buffers,
+        batch_cut=lambda: server.batch_cut,
+        log=lambda: server.log,
+        replaying=replaying,
+    )
     server.deltas = ParamDeltas(server.params_on_wire)
     server.report = Status(
         place=place,
@@ -231,7 +260,7 @@ def compose_parts(
         outbox=server.outbox,
         call=server.server_call,
         server_sender=server.checks.server_of,
-        signal_tasks=server._signal_tasks,
+        signal_tasks=server.leases.signal_tasks,
         counters=server.counters,
     )
     if server.evaluation.starts:

@@ -13,7 +13,6 @@ from hivemind.p2p import P2PContext
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 
 from core.protocol import methods, session
-from core.protocol.fields import field as mfield
 from core.protocol.refusals import Refusal
 from core.protocol.tasks import batch_of
 from core.protocol.traffic import CALLS, SESSION_CALLS, TRAFFIC, VALUES
@@ -105,7 +104,7 @@ class RpcSurface:
             elif method not in methods.OPEN:
                 self.arrivals.refuse_banned(sender)
             if method in methods.EPOCHED:
-                self._check_epoch(meta)
+                self.checks.check_epoch(meta)
             result = await handler(dict(meta), tensors, sender)
         except (PayloadError, TaskPoolError) as e:
             self.counters["payload_errors"] += 1
@@ -123,21 +122,6 @@ class RpcSurface:
         ):
             self.log.append({"method": method, "meta": meta, "sender": sender, "batch": _batch_of(meta)}, tensors)
         return result
-
-    def _check_epoch(self, meta: dict, later_ok: bool = False) -> None:
-        """PayloadError unless `meta`'s layout epoch (0 when absent) is this server's; `later_ok`: a
-        later one passes (the caller waits for this server to adopt it)."""
-        epoch = mfield(meta, "epoch", int, optional=True) or 0
-        if epoch < self.epoch:
-            raise PayloadError(
-                f"stale epoch {epoch}: the run is at layout epoch {self.epoch} since a failover; "
-                "fetch the layout again (get_layout)",
-                Refusal.STALE_EPOCH,
-            )
-        if epoch > self.epoch and not later_ok:
-            raise PayloadError(
-                f"epoch {epoch} is not adopted here yet (this server is at epoch {self.epoch})", Refusal.FUTURE_EPOCH
-            )
 
 
 def _make_rpc(name: str):

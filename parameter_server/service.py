@@ -41,7 +41,6 @@ from parameter_server.clients import ClientInfo
 from parameter_server.contributions import Contributions
 from parameter_server.failover import Failover
 from parameter_server.frontal import Frontal
-from parameter_server.leases import Leases
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.parts import PART_HANDLERS, compose_parts
 from parameter_server.recovery import Recovery
@@ -66,7 +65,6 @@ __all__ = ["RETAIN", "StageServer"]
 
 
 class StageServer(
-    Leases,
     Updates,
     Frontal,
     Backward,

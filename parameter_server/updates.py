@@ -51,7 +51,7 @@ class Updates:
         # the undone ones. A later epoch is waited for like a version; an earlier one is refused.
         epoch = mfield(meta, "epoch", int, optional=True)
         if epoch is not None:
-            self._check_epoch(meta, later_ok=True)
+            self.checks.check_epoch(meta, later_ok=True)
         shard = self._hosted(meta)
         # a version not reached yet is waited for up to `wait` seconds (woken by each step and each
         # adopted epoch), so that a client asks once where it polled every few tens of milliseconds
@@ -63,7 +63,7 @@ class Updates:
                 break
             shard = self._hosted(meta)  # a failover may have moved the slot meanwhile
         if epoch is not None:
-            self._check_epoch(meta, later_ok=True)
+            self.checks.check_epoch(meta, later_ok=True)
         if version > shard.version or (epoch or 0) > self.epoch:
             return {"retry": True, "version": shard.version}
         snap = shard.params_at(version)

@@ -44,7 +44,7 @@ def test_a_micro_batch_goes_whole_to_the_clients_owed_the_most_rows():
     for name in ("c1", "c2", "c3", "c4"):
         fs.clients[f"peer-{name}"] = ClientInfo(name, 1.0, fs.clock())
     made = []
-    fs.add_task = made.append
+    fs.leases.add_task = made.append
 
     def cut(micro_batches: int) -> collections.Counter:
         made.clear()
@@ -79,7 +79,7 @@ def test_a_batch_goes_whole_to_one_client_and_the_next_batch_to_the_next_by_defa
     for name in ("c1", "c2", "c3", "c4"):
         fs.clients[f"peer-{name}"] = ClientInfo(name, 1.0, fs.clock())
     made = []
-    fs.add_task = made.append
+    fs.leases.add_task = made.append
     for t in range(8):
         for m in range(run.micro_batches):
             fs.make_forward_tasks(t, m)
@@ -108,7 +108,7 @@ def test_a_batch_goes_first_to_a_free_worker_of_a_stage_server():
         for name in (*st.servers, "v1", "v2"):
             fs.clients[f"peer-{name}"] = ClientInfo(name, 1.0, fs.clock())
         made = []
-        fs.add_task = made.append
+        fs.leases.add_task = made.append
         for t in range(8):
             fs.shard.version = max(t - 1, 0)  # batch t is cut once version t - 1 is made; t - 1 is in flight
             for m in range(run.micro_batches):
