@@ -69,7 +69,7 @@ class TrainingLog:
             "tokens_per_s": rate,
             "volunteers": sum(1 for p in s.clients if p != s.peer_id and p not in servers),
             "tasks": sum(c.tasks_done for c in s.clients.values()),
-            "bans": len(s.banned),
+            "bans": len(s.bans.banned),
         }
 
     def on_step(self, version: int) -> None:
