@@ -196,7 +196,7 @@ def load_checkpoint(server, directory: str) -> bool:
             f"checkpoint {path} holds shard slots {sorted(state['slots'])} of a server whose own slot "
             f"is {state.get('own_slot')}, not {server.slot}: not this server's checkpoint"
         )
-    shards = {slot: server.shard if slot == server.slot else server._new_shard(slot) for slot in state["slots"]}
+    shards = {slot: server.shard if slot == server.slot else server.new_shard(slot) for slot in state["slots"]}
     saved = {slot: _history_in(directory, state["slots"][slot]) for slot in shards}
     for slot, shard in shards.items():  # every slot checked before anything is loaded
         missing = set(shard.names) - set(_current_params(directory, saved[slot]))
@@ -225,7 +225,7 @@ def _load_replicas(server, directory: str) -> None:
             raise ValueError(f"replica {path} does not load: {e}") from None
         current = server.replicas.get(slot)
         if current is None or saved["version"] > current.version:
-            shard = server._new_shard(slot)
+            shard = server.new_shard(slot)
             shard.load_state_dict(_history_in(directory, saved))
             server.replicas[slot] = shard
 

@@ -118,13 +118,12 @@ class Failover:
         self.epoch, self.epoch_record, self.layout = epoch, dict(record), layout
         self.st, self.index, self.reflow_from = st, index, from_batch
         self.directory.new_epoch()  # readings of the old epoch no longer say what is applied
-        self.replica_acked = {}  # (the ring of replicas changed, or a rollback undid what they took)
-        self.replica_round += 1  # (what was sent to the old ring counts for nothing: replicas.py)
+        self.copies.new_epoch()  # (the ring of replicas changed, or a rollback undid what they took)
         self.reset_datapath()
         if not self.replaying and _in_event_loop():
             # the stage's ring of replicas changed: every slot hosted here goes to its new next server
             # now, not at its next step, so that a second loss in the stage finds a copy
-            self.replicate_hosted()
+            self.copies.replicate_hosted()
         if self.log is not None and not self.replaying:
             if rolled:  # what was logged of the undone batches must not be replayed after a restart
                 self.log.drop_batches(rollback_to, self.run.steps)

@@ -19,6 +19,7 @@ from parameter_server.outbox import Outbox
 from parameter_server.param_deltas import ParamDeltas
 from parameter_server.pins import Pins
 from parameter_server.place import ServerPlace
+from parameter_server.replicas import Replicas
 from parameter_server.rescue import Rescue
 from parameter_server.status import SEEN_VOLUNTEERS, Status
 
@@ -35,6 +36,7 @@ PART_HANDLERS: dict[str, tuple[str, type]] = {
     "take": ("leases", Leases),
     "complete": ("leases", Leases),
     "fail": ("leases", Leases),
+    "push_replica": ("copies", Replicas),
     "ping": ("report", Status),
     "status": ("report", Status),
 }
@@ -51,7 +53,7 @@ def compose_parts(
     volunteers_allow: frozenset[str] | None,
 ) -> None:
     """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `checks`, `registry` (its clients), `arrivals`,
-    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status) and `rescue`;
+    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status), `copies` (its replicas) and `rescue`;
     the server that starts each evaluation gets the evaluation's step callback."""
 
     place = ServerPlace(server.device_id, server.stage, server.role, server.index, server.last)
@@ -239,6 +241,24 @@ def compose_parts(
         counters=server.counters,
         check_counts=server.verify_counts,
         tasks_by_device=server.tasks_by_device,
+    )
+    server.copies = Replicas(
+        device_id=server.device_id,
+        stage=server.stage,
+        compress=server.compress,
+        slots=len(server.slot_names),
+        new_shard=server.new_shard,
+        replicas=server.replicas,
+        outbox=server.outbox,
+        directory=server.directory,
+        checks=server.checks,
+        counters=server.counters,
+        stage_servers=lambda: server.st,
+        hosted=lambda: server.hosted,
+        epoch=epoch,
+        replaying=replaying,
+        connector=lambda: server.connector,
+        maybe_step=lambda: server.maybe_step(),
     )
     server.rescue = Rescue(
         place=place,

@@ -1,7 +1,8 @@
 """Replicas: every shard's state copied to the stage's next server (in shard order) after each step,
 so that a server lost for good can be taken over from its replica (parameter_server/failover.py);
 a slot steps at most REPLICA_LAG versions ahead of what its replica holds; the replica's own steps
-from the gradient pushes it is sent (checked against the digest of what its host applied)."""
+from the gradient pushes it is sent (checked against the digest of what its host applied). A part of a
+server, built with what it reads of it (parameter_server/parts.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import inspect
 import logging
 import time
+from typing import Awaitable, Callable
 
 from core.protocol import param_delta
 from core.protocol.fields import field as mfield
@@ -24,9 +26,70 @@ REPLICA_LAG = 2
 
 
 class Replicas:
-    """StageServer's replicas of its stage's shards (a part of parameter_server.service.StageServer)."""
+    """A server's replicas of its stage's shards, given what they read of it: `device_id`, `stage`,
+    `compress` (the run's wire codec), `slots` (how many shard slots the stage has), `new_shard(slot)`;
+    `replicas` (slot -> the copy kept here: written here, taken over by a failover); its `outbox`,
+    `directory`, `checks` and `counters`; as they are now: `stage_servers()`, `hosted()`, `epoch()`,
+    `replaying()` and `connector()` (device -> a link to that server, or None where there are no
+    links); and `maybe_step()`, called when a copy a step waited for is taken. `on_replica` are called
+    (and awaited) when a newer copy arrives, before it is acknowledged."""
 
-    async def _send_replica(self, slot: int) -> None:
+    def __init__(
+        self,
+        *,
+        device_id: str,
+        stage: int,
+        compress: str,
+        slots: int,
+        new_shard: Callable[[int], object],
+        replicas: dict,
+        outbox,
+        directory,
+        checks,
+        counters: dict,
+        stage_servers: Callable[[], object],
+        hosted: Callable[[], dict],
+        epoch: Callable[[], int],
+        replaying: Callable[[], bool],
+        connector: Callable[[], Callable[[str], object] | None],
+        maybe_step: Callable[[], None],
+    ) -> None:
+        self.device_id, self.stage, self.compress, self.slots, self.new_shard = (
+            device_id,
+            stage,
+            compress,
+            slots,
+            new_shard,
+        )
+        self.replicas, self.outbox, self.directory, self.checks, self.counters = (
+            replicas,
+            outbox,
+            directory,
+            checks,
+            counters,
+        )
+        self.stage_servers, self.hosted, self.epoch, self.replaying = stage_servers, hosted, epoch, replaying
+        self.connector, self.maybe_step = connector, maybe_step
+        self.on_replica: list[Callable[[int], Awaitable[None] | None]] = []
+        self.locks: dict[int, asyncio.Lock] = {}
+        # slot -> (server, round, version): the newest version of the slot sent to its replica at that
+        # server in that round of copies (a round begins with every layout epoch)
+        self.sent: dict[int, tuple[str, int, int]] = {}
+        self.round = 0
+        # slot -> (server, version): the newest version of the slot that its replica there has taken
+        self.acked: dict[int, tuple[str, int]] = {}
+        self.catching_up: set[int] = set()  # slots whose replica a held step sends
+        # (slot, batch) -> the gradient sum this server's own worker pushed to the slot's host
+        self.own_pushes: dict[tuple[int, int], list | None] = {}
+        self.event = asyncio.Event()  # set (and replaced) whenever a replica here takes a version
+
+    def new_epoch(self) -> None:
+        """A layout epoch began: the ring of replicas changed, or a rollback undid what they took;
+        what was sent to the old ring counts for nothing."""
+        self.acked = {}
+        self.round += 1
+
+    async def send(self, slot: int) -> None:
         """After a step of `slot`, copy its new state to the next server of the stage (in shard
         order), which can take the slot over if this server is lost for good. Every kept version not
         sent yet goes, oldest first: a takeover re-runs from the lowest version of any shard, and
@@ -34,29 +97,29 @@ class Replicas:
         hold (when steps came faster than the copies, the sender used to skip to the newest version,
         and a takeover then asked every worker for a version its host never had: the run re-queued
         the same tasks forever)."""
-        if len(self.st.servers) < 2 or self.replaying:
+        if len(self.stage_servers().servers) < 2 or self.replaying():
             return
-        lock = self.replica_locks.setdefault(slot, asyncio.Lock())
+        lock = self.locks.setdefault(slot, asyncio.Lock())
         async with lock:
             # read under the lock: a copy of an earlier round (an epoch whose ring had another next
             # server) may have held it until now
-            buddy, round_ = self.replica_buddy(), self.replica_round
-            shard = self.hosted.get(slot)
+            buddy, round_ = self.buddy(), self.round
+            shard = self.hosted().get(slot)
             if shard is None:
                 return
             # in a steady run one version a step, sent as the step that made it (the summed gradient:
             # a third of the state's bytes) to a replica that mirrors the version before; the whole
             # state when the replica does not (its first copy, a gap, a restart, a rollback)
-            sent = self._sent(slot, buddy)
+            sent = self._sent_to(slot, buddy)
             for version in [v for v in sorted(shard.snapshots) if v > sent and v in shard.moments]:
                 if version not in shard.snapshots:  # forgotten meanwhile (the shard stepped on)
                     continue
                 # each copy carries the layout epoch it was made in: one that reaches the replica after
                 # it adopted a ban's rollback is refused (a version of the undone lineage, whose batch
                 # totals held the banned work's norms)
-                step = shard.export_step(version) if version - 1 == self._sent(slot, buddy) else None
+                step = shard.export_step(version) if version - 1 == self._sent_to(slot, buddy) else None
                 taken = step is not None and await self._replica_step(
-                    buddy, slot, dict(step[0], epoch=self.epoch), step[1], self._buddy_made(shard, version, buddy)
+                    buddy, slot, dict(step[0], epoch=self.epoch()), step[1], self._buddy_made(shard, version, buddy)
                 )
                 if not taken:
                     if version not in shard.snapshots or version not in shard.moments:
@@ -65,27 +128,27 @@ class Replicas:
                     taken = await self.outbox.deliver(
                         buddy, "push_replica", dict(meta, slot=slot), tensors, attempts=60
                     )
-                if self.replica_round != round_:
+                if self.round != round_:
                     # a layout epoch began while this copy was on its way: what it sent counts for
                     # nothing there, and the new round's copies (replicate_hosted) start afresh; saying
                     # it was sent would have them skip the versions the new next server needs
                     return
-                self.replica_sent[slot] = (buddy, round_, version)
+                self.sent[slot] = (buddy, round_, version)
                 if taken:
                     self._replica_taken(slot, buddy, version)
 
-    def _sent(self, slot: int, buddy: str) -> int:
+    def _sent_to(self, slot: int, buddy: str) -> int:
         """The newest version of `slot` sent to `buddy` in this round of copies (-1: none)."""
-        to, round_, version = self.replica_sent.get(slot, (None, -1, -1))
-        return version if (to, round_) == (buddy, self.replica_round) else -1
+        to, round_, version = self.sent.get(slot, (None, -1, -1))
+        return version if (to, round_) == (buddy, self.round) else -1
 
     def _replica_taken(self, slot: int, buddy: str, version: int) -> None:
         """`buddy` holds `version` of `slot` now: a step this slot held for it (`replica_behind`) goes on."""
-        acked_by, acked = self.replica_acked.get(slot, (None, -1))
-        self.replica_acked[slot] = (buddy, version if acked_by != buddy else max(acked, version))
+        acked_by, acked = self.acked.get(slot, (None, -1))
+        self.acked[slot] = (buddy, version if acked_by != buddy else max(acked, version))
         self.maybe_step()
 
-    def replica_behind(self, slot: int, version: int) -> bool:
+    def behind(self, slot: int, version: int) -> bool:
         """True while stepping `slot` from `version` would put it more than REPLICA_LAG versions ahead
         of the copy its replica (the stage's next server) has taken: the step waits for the copy. So a
         failover always finds the lost slot's replica within REPLICA_LAG versions of where its host
@@ -93,14 +156,14 @@ class Replicas:
         versions behind, and a takeover from version 0 then re-ran batches the other shards no longer
         kept the versions of (the run never finished). A stage of one server, a replay of the request
         log, or a server without links to the others (no one to copy to) holds nothing."""
-        if self.replaying or self.connector is None or len(self.st.servers) < 2:
+        if self.replaying() or self.connector() is None or len(self.stage_servers().servers) < 2:
             return False
-        buddy = self.replica_buddy()
-        acked_by, acked = self.replica_acked.get(slot, (None, -1))
+        buddy = self.buddy()
+        acked_by, acked = self.acked.get(slot, (None, -1))
         if acked_by == buddy and acked >= version - (REPLICA_LAG - 1):
             return False
-        if slot not in self.replica_catching_up:  # (one catch-up at a time: this is asked at every credit)
-            self.replica_catching_up.add(slot)
+        if slot not in self.catching_up:  # (one catch-up at a time: this is asked at every credit)
+            self.catching_up.add(slot)
             self.outbox.spawn(self._catch_up_replica(slot, buddy, acked if acked_by == buddy else -1))
         return True
 
@@ -109,14 +172,14 @@ class Replicas:
         holds for it. The copies sent after each step do it too; this one starts the first copy (and
         one after a copy was given up on), which no step would start."""
         try:
-            self.replica_sent[slot] = (buddy, self.replica_round, min(self._sent(slot, buddy), acked))
-            await self._send_replica(slot)
+            self.sent[slot] = (buddy, self.round, min(self._sent_to(slot, buddy), acked))
+            await self.send(slot)
         finally:
-            self.replica_catching_up.discard(slot)
+            self.catching_up.discard(slot)
 
-    def replica_buddy(self) -> str:
+    def buddy(self) -> str:
         """The server that keeps the replicas of the slots hosted here: the stage's next in shard order."""
-        servers = list(self.st.servers)
+        servers = list(self.stage_servers().servers)
         return servers[(servers.index(self.device_id) + 1) % len(servers)]
 
     def _buddy_made(self, shard, version: int, buddy: str) -> bool:
@@ -132,7 +195,8 @@ class Replicas:
         `by_reference`: the step's summed gradient is the one push `buddy`'s own worker made, so only
         its digest goes first (`on_push_replica` takes the step from that push when the digests agree:
         0.92 MB a step and server saved in the default swarm); the tensors follow if asked for."""
-        link = self.connector(buddy) if self.connector else None
+        connector = self.connector()
+        link = connector(buddy) if connector else None
         if link is None:
             return False
         try:
@@ -154,14 +218,14 @@ class Replicas:
         """Send every slot hosted here to the stage's next server now, whatever was sent before:
         when the run comes online (a server lost before the first step must have a copy somewhere)
         and when a layout epoch changes the ring of replicas (a second loss must find one)."""
-        self.replica_round += 1
-        for slot in sorted(self.hosted):
-            self.outbox.spawn(self._send_replica(slot))
+        self.round += 1
+        for slot in sorted(self.hosted()):
+            self.outbox.spawn(self.send(slot))
 
     async def on_push_replica(self, meta, tensors, sender):
         self.checks.server_of(sender, self.stage, "frontal", "backward")
         slot = mfield(meta, "slot", int)
-        if not 0 <= slot < len(self.slot_names) or slot in self.hosted:
+        if not 0 <= slot < self.slots or slot in self.hosted():
             raise PayloadError(f"shard slot {slot} is not another server's slot of stage {self.stage}")
         replica = self.replicas.get(slot)
         if meta.get("form") == "step":  # the step that made the next version (a third of the bytes)
@@ -173,13 +237,13 @@ class Replicas:
                     return {"result": "need_tensors", "version": replica.version}
             newer = replica.absorb_step(meta, tensors)
         else:
-            replica = replica or self._new_shard(slot)
+            replica = replica or self.new_shard(slot)
             newer = replica.absorb(meta, tensors)
         self.replicas[slot] = replica
         self.counters["replicas_received"] += int(newer)
         if newer:
-            self.replica_event.set()
-            self.replica_event = asyncio.Event()
+            self.event.set()
+            self.event = asyncio.Event()
             for cb in self.on_replica:  # made durable before it is acknowledged
                 r = cb(slot)
                 if inspect.isawaitable(r):
@@ -226,6 +290,6 @@ class Replicas:
             if replica.version > version or left <= 0:
                 return None
             try:
-                await asyncio.wait_for(self.replica_event.wait(), left)
+                await asyncio.wait_for(self.event.wait(), left)
             except asyncio.TimeoutError:
                 return None

@@ -44,7 +44,6 @@ from parameter_server.frontal import Frontal
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.parts import PART_HANDLERS, compose_parts
 from parameter_server.recovery import Recovery
-from parameter_server.replicas import Replicas
 from parameter_server.rpc import RpcSurface
 from parameter_server.shard import ShardState
 from parameter_server.updates import RETAIN, Updates, snapshots_kept
@@ -71,7 +70,6 @@ class StageServer(
     Verification,
     Failover,
     RpcSurface,
-    Replicas,
     Recovery,
     ServicerBase,
 ):
@@ -137,7 +135,7 @@ class StageServer(
         self.stage_params = stage_params
         self.slot_names = assign_shards({n: t.numel() for n, t in stage_params.items()}, len(self.st.hosts))
         self.slot = self.st.hosts.index(device_id)
-        self.shard = self._new_shard(self.slot)
+        self.shard = self.new_shard(self.slot)
         self.old_versions = None  # versions kept on disk for bans (use_old_versions; None: memory only)
         self.max_request_bytes = max_request_bytes or default_max_request_bytes(stage_params, self.rows, cfg)
         # a peer that is not one of the run's servers sends no replica: its requests are bounded by the
@@ -147,16 +145,6 @@ class StageServer(
         self.request_budget = RequestBudget.for_requests(self.max_client_request_bytes, self.max_request_bytes)
         self.hosted: dict[int, ShardState] = {self.slot: self.shard}
         self.replicas: dict[int, ShardState] = {}  # slots of other servers of the stage copied here after each step
-        self.replica_locks: dict[int, asyncio.Lock] = {}
-        # slot -> (server, round, version): the newest version of the slot sent to its replica at that
-        # server in that round of copies (replicas.py: a round begins with every layout epoch)
-        self.replica_sent: dict[int, tuple[str, int, int]] = {}
-        self.replica_round = 0
-        # slot -> (server, version): the newest version of the slot that its replica there has taken
-        self.replica_acked: dict[int, tuple[str, int]] = {}
-        self.replica_catching_up: set[int] = set()  # slots whose replica a held step sends (replicas.py)
-        # (slot, batch) -> the gradient sum this server's own worker pushed to the slot's host (replicas.py)
-        self.own_pushes: dict[tuple[int, int], list | None] = {}
         self.epoch = 0  # the layout epoch: 0 is the first layout, each failover starts the next
         self.epoch_record: dict | None = None
         self.reflow_from: int | None = None  # since the last failover: the first batch run again
@@ -179,11 +167,9 @@ class StageServer(
         self.log = None  # RequestLog when the server has a checkpoint dir
         self.replaying = False
         self.step_event = asyncio.Event()
-        self.replica_event = asyncio.Event()  # set (and replaced) whenever a replica here takes a version
         self.on_step: list[Callable[[int], Awaitable[None] | None]] = []
         self.on_epoch: list[Callable[[dict], None]] = []
         self.on_adopt: list[Callable[[dict], None]] = []  # slots taken over (before the epoch is logged)
-        self.on_replica: list[Callable[[int], Awaitable[None] | None]] = []  # a newer replica of a slot arrived
         self.on_credit: list[Callable[[int, int], None]] = []  # (slot, batch): a gradient push was credited
         self._stall_reported: int | None = None  # the version whose stall report_stall logged
         self.missing_versions: set[tuple[int, int]] = set()  # (asked, current) refused and logged (get_params)
@@ -206,7 +192,7 @@ class StageServer(
         for slot, shard in self.hosted.items():
             shard.old = old_versions.slot(slot)
 
-    def _new_shard(self, slot: int) -> ShardState:
+    def new_shard(self, slot: int) -> ShardState:
         names = self.slot_names[slot]
         return ShardState(
             {n: self.stage_params[n] for n in names},

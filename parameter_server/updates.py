@@ -198,7 +198,7 @@ class Updates:
             while (
                 shard.ready_to_step()
                 and not self.pins.checks_hold(shard.version)
-                and not self.replica_behind(slot, shard.version)
+                and not self.copies.behind(slot, shard.version)
                 and not self.clipping.clip_hold(slot, shard)
             ):
                 before = self.version
@@ -217,7 +217,7 @@ class Updates:
                         total**0.5,
                         f", clipped x{scale:.4g}" if scale < 1.0 else "",
                     )
-                self.outbox.spawn(self._send_replica(slot))
+                self.outbox.spawn(self.copies.send(slot))
                 if self.version == before:
                     continue
                 self.forget_before(self.version - (RETAIN - 1))

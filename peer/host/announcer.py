@@ -107,7 +107,7 @@ class Announcer:
                 if self.record_state == RecordState.JOINING and self.everyone_seen():
                     self.record_state = RecordState.ONLINE
                     self.online.set()
-                    self.server.replicate_hosted()  # a server lost before the first step can be failed over
+                    self.server.copies.replicate_hosted()  # a server lost before the first step can be failed over
                     await self.announce(self.record_state)  # at once, not a period later: readers date the start by it
             except Exception as e:
                 logger.debug("announce failed: %r", e)

@@ -203,7 +203,7 @@ async def resume(server, args, cfg, device: str):
 
     server.on_step.append(persist)
     server.on_adopt.append(lambda record: writer.now())
-    server.on_replica.append(writer.replica)
+    server.copies.on_replica.append(writer.replica)
     return writer
 
 

@@ -161,7 +161,7 @@ class GradientSums:
         if server is not None:  # its replica of each other slot may take the step from this push
             for device, slot, names in items:
                 if device != self.device_id:
-                    server.note_own_push(slot, p.batch, [p.grads[n] for n in names])
+                    server.copies.note_own_push(slot, p.batch, [p.grads[n] for n in names])
         answers = await asyncio.gather(*(send(*item) for item in items), return_exceptions=True)
         self.stats["pushes"] += 1
         self.point("after_grad_push")

@@ -193,7 +193,7 @@ class Versions:
         ):
             return None
         meta, _ = await self._ask_host(device, slot, names, version, patience, epoch, digest_only=True)
-        kept = await server.replica_at(slot, version, REPLICA_WAIT)
+        kept = await server.copies.replica_at(slot, version, REPLICA_WAIT)
         if kept is None or kept[0] != meta.get("digest"):
             # (told apart: a late copy is the load's doing, other bits a replica that is not the slot's)
             self.stats["replica_late" if kept is None else "replica_other_bits"] += 1

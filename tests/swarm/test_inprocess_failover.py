@@ -171,7 +171,7 @@ def test_two_servers_of_one_role_lost_one_after_the_other_are_failed_over():
                 copied.set()
 
         for s in others:
-            s.on_replica.append(look)
+            s.copies.on_replica.append(look)
         look(-1)
         await asyncio.wait_for(copied.wait(), 30)
         seen["version_at_loss"] = host.version
@@ -236,10 +236,10 @@ def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the
     bs.handle = recorded
 
     async def scenario():
-        fs.replicate_hosted()  # what a server does when the run comes online
+        fs.copies.replicate_hosted()  # what a server does when the run comes online
         await swarm.train(timeout=120)
         # (the last step's copy may still be on its way: waited for, as a worker reading a replica does)
-        assert await bs.replica_at(fs.slot, steps, timeout=120) is not None
+        assert await bs.copies.replica_at(fs.slot, steps, timeout=120) is not None
         trained = list(forms)
         link = LocalLink(bs, fs.peer_id)
         meta, tensors = fs.hosted[fs.slot].export_step(steps)
@@ -289,15 +289,15 @@ def test_a_replica_takes_the_step_its_own_worker_pushed_by_reference_bit_for_bit
     swarm.workers = [w for w in swarm.workers if w.device_id == bs.device_id]
 
     async def scenario():
-        fs.replicate_hosted(), bs.replicate_hosted()
+        fs.copies.replicate_hosted(), bs.copies.replicate_hosted()
         state = await swarm.train(timeout=120)
         # (the last step's copies may still be on their way)
-        assert await bs.replica_at(fs.slot, steps, timeout=120) is not None
-        assert await fs.replica_at(bs.slot, steps, timeout=120) is not None
+        assert await bs.copies.replica_at(fs.slot, steps, timeout=120) is not None
+        assert await fs.copies.replica_at(bs.slot, steps, timeout=120) is not None
         meta, tensors = fs.hosted[fs.slot].export_step(steps)
         link = LocalLink(bs, fs.peer_id)
         wrong, _ = await link.call("push_replica", dict(meta, slot=fs.slot, grad_digest="0" * 64), [])
-        bs.own_pushes.pop((fs.slot, steps - 1), None)
+        bs.copies.own_pushes.pop((fs.slot, steps - 1), None)
         digest = param_delta.digest(meta["names"], tensors)
         none, _ = await link.call("push_replica", dict(meta, slot=fs.slot, grad_digest=digest), [])
         with pytest.raises(RemoteError, match="grad_digest"):
@@ -331,20 +331,20 @@ def test_a_servers_worker_reads_another_servers_slot_from_its_replica_only_when_
     for server in swarm.servers.values():  # --client-batch-tokens 1: every worker may compute on every version
         server.min_client_rows = 1
     f1 = swarm.servers[layout.stages[1].frontal[0]]
-    at = f1.replica_at
+    at = f1.copies.replica_at
 
     async def other_bits(slot, version, timeout):
         kept = await at(slot, version, timeout)
         return None if kept is None else ("0" * 64, kept[1])
 
-    f1.replica_at = other_bits
+    f1.copies.replica_at = other_bits
 
     async def train():
         for server in swarm.servers.values():  # what a server does when the run comes online
-            server.replicate_hosted()
+            server.copies.replicate_hosted()
         for server in swarm.servers.values():  # each first copy's arrival (bounded: a missing one fails the test)
             while not server.replicas:
-                await asyncio.wait_for(server.replica_event.wait(), 30)
+                await asyncio.wait_for(server.copies.event.wait(), 30)
         return await swarm.train(timeout=120)
 
     state = asyncio.run(train())

@@ -222,7 +222,7 @@ def test_a_worker_handed_a_task_it_cannot_work_on_asks_every_server_again():
         await LocalLink(f0, f0.peer_id).call(
             "push_grads", {"tasks": batch0, "leases": tickets, "batch": 0, "slot": f0.slot, "loss_sum": 0.0}, zeros
         )
-        # (the step waits for f0's replica at f1 to hold version 0: Replicas.replica_behind)
+        # (the step waits for f0's replica at f1 to hold version 0: Replicas.behind)
         if f0.version < 1:
             await asyncio.wait_for(f0.step_event.wait(), 30.0)
         assert (f0.version, f1.version) == (1, 0) and f0.pool.open_tasks(2)  # f0 cut batch 2
