@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from parameter_server.arrivals import Arrivals
 from parameter_server.bans import Bans
+from parameter_server.budget import RequestBudget, client_request_bytes
 from parameter_server.checks import Checks
 from parameter_server.clients import Clients
 from parameter_server.clipping import Clipping
@@ -21,6 +22,7 @@ from parameter_server.pins import Pins
 from parameter_server.place import ServerPlace
 from parameter_server.replicas import Replicas
 from parameter_server.rescue import Rescue
+from parameter_server.rpc import RpcSurface
 from parameter_server.status import SEEN_VOLUNTEERS, Status
 
 # method -> (the attribute of the part that answers it on a server, the part's class): the RPC surface
@@ -51,9 +53,10 @@ def compose_parts(
     probation: int,
     client_timeout: float,
     volunteers_allow: frozenset[str] | None,
+    max_request_bytes: int,
 ) -> None:
     """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `checks`, `registry` (its clients), `arrivals`,
-    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status), `copies` (its replicas) and `rescue`;
+    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status), `copies` (its replicas), `surface` (its calls in) and `rescue`;
     the server that starts each evaluation gets the evaluation's step callback."""
 
     place = ServerPlace(server.device_id, server.stage, server.role, server.index, server.last)
@@ -259,6 +262,26 @@ def compose_parts(
         replaying=replaying,
         connector=lambda: server.connector,
         maybe_step=lambda: server.maybe_step(),
+    )
+    client_bytes = min(max_request_bytes, client_request_bytes(server.stage_params, server.rows, cfg))
+    server.surface = RpcSurface(
+        device_id=server.device_id,
+        compress=server.compress,
+        links=server.links,
+        # a peer that is not one of the run's servers sends no replica: its requests are bounded by the
+        # largest a volunteer sends, and so is its share of the budget of unanswered requests' bytes,
+        # per volunteer and in all (budget.py)
+        request_budget=RequestBudget.for_requests(client_bytes, max_request_bytes),
+        max_request_bytes=max_request_bytes,
+        max_client_request_bytes=client_bytes,
+        counters=server.counters,
+        directory=server.directory,
+        checks=server.checks,
+        arrivals=server.arrivals,
+        handler_of=server.handler_of,
+        device_of=server.device_of,
+        log=lambda: server.log,
+        replaying=replaying,
     )
     server.rescue = Rescue(
         place=place,

@@ -43,7 +43,7 @@ class Recovery:
                         )
                         self.issued.add(tid)
                     continue
-                await self.handle(record["method"], record["meta"], tensors, record["sender"])
+                await self.surface.handle(record["method"], record["meta"], tensors, record["sender"])
         finally:
             self.replaying = False
         if self.stage == 0 and self.role == "frontal":

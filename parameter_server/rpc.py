@@ -2,12 +2,14 @@
 session, `rpc_session`), is counted, bounded (a stranger's request by the request budget and the
 volunteer bound, refused while its bytes arrive), decoded, checked for the caller's right and the
 layout epoch, and dispatched to the server's `on_<method>` handler; a refusal changes nothing and is
-answered with its code (core/protocol/refusals.py)."""
+answered with its code (core/protocol/refusals.py). A part of a server, built with what it reads of
+it (parameter_server/parts.py); the server's `rpc_*` methods, which hivemind's servicer finds, hand
+each stream to it (service.py)."""
 
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from hivemind.p2p import P2PContext
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
@@ -30,7 +32,35 @@ def _batch_of(meta: dict) -> int:
 
 
 class RpcSurface:
-    """StageServer's calls in and answers out (a part of parameter_server.service.StageServer)."""
+    """A server's calls in and answers out, given what they read of it: `device_id`, `compress` (the
+    run's wire codec), `links` (answers go back over a caller's emulated link), the request bounds
+    (`request_budget` for strangers, `max_request_bytes` for servers, `max_client_request_bytes` for
+    volunteers), `counters`, its `directory`, `checks` and `arrivals`; `handler_of(method)` (the
+    method's `on_*`), `device_of(peer)`; as they are now: `log()` (the request log, or None) and
+    `replaying()`."""
+
+    def __init__(
+        self,
+        *,
+        device_id: str,
+        compress: str,
+        links,
+        request_budget,
+        max_request_bytes: int,
+        max_client_request_bytes: int,
+        counters: dict,
+        directory,
+        checks,
+        arrivals,
+        handler_of: Callable[[str], Callable[..., Awaitable]],
+        device_of: Callable[[str], str | None],
+        log: Callable[[], object],
+        replaying: Callable[[], bool],
+    ) -> None:
+        self.device_id, self.compress, self.links, self.request_budget = device_id, compress, links, request_budget
+        self.max_request_bytes, self.max_client_request_bytes = max_request_bytes, max_client_request_bytes
+        self.counters, self.directory, self.checks, self.arrivals = counters, directory, checks, arrivals
+        self.handler_of, self.device_of, self.log, self.replaying = handler_of, device_of, log, replaying
 
     async def rpc_session(
         self, requests: AsyncIterator[ExpertRequest], context: P2PContext
@@ -114,25 +144,12 @@ class RpcSurface:
             logger.exception("%s failed on %s", self.device_id, method)
             return refusal_answer(f"internal error: {type(e).__name__}: {e}", Refusal.INTERNAL), []
         result = result if isinstance(result, tuple) else (result, [])
+        log = self.log()
         if (
-            self.log is not None
-            and not self.replaying
+            log is not None
+            and not self.replaying()
             and method in methods.LOGGED
             and result[0].get("result") != "duplicate"
         ):
-            self.log.append({"method": method, "meta": meta, "sender": sender, "batch": _batch_of(meta)}, tensors)
+            log.append({"method": method, "meta": meta, "sender": sender, "batch": _batch_of(meta)}, tensors)
         return result
-
-
-def _make_rpc(name: str):
-
-    async def rpc(self, requests: AsyncIterator[ExpertRequest], context: P2PContext) -> AsyncIterator[ExpertResponse]:
-        async for message in self.serve(name, requests, context):
-            yield message
-
-    rpc.__name__ = rpc.__qualname__ = f"rpc_{name}"
-    return rpc
-
-
-for _name in methods.NAMES:
-    setattr(RpcSurface, f"rpc_{_name}", _make_rpc(_name))

@@ -28,15 +28,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
-from hivemind.p2p import ServicerBase
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 
 from core.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, RunLayout, assign_shards, segment
+from core.protocol import methods
 from core.protocol.leases import LeaseTickets
 from core.protocol.links import LinkEmulator
 from parameter_server.backward import Backward
-from parameter_server.budget import RequestBudget, client_request_bytes, default_max_request_bytes
+from parameter_server.budget import default_max_request_bytes
 from parameter_server.clients import ClientInfo
 from parameter_server.contributions import Contributions
 from parameter_server.failover import Failover
@@ -44,7 +46,6 @@ from parameter_server.frontal import Frontal
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.parts import PART_HANDLERS, compose_parts
 from parameter_server.recovery import Recovery
-from parameter_server.rpc import RpcSurface
 from parameter_server.shard import ShardState
 from parameter_server.updates import RETAIN, Updates, snapshots_kept
 from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Verification
@@ -69,7 +70,6 @@ class StageServer(
     Backward,
     Verification,
     Failover,
-    RpcSurface,
     Recovery,
     ServicerBase,
 ):
@@ -137,12 +137,6 @@ class StageServer(
         self.slot = self.st.hosts.index(device_id)
         self.shard = self.new_shard(self.slot)
         self.old_versions = None  # versions kept on disk for bans (use_old_versions; None: memory only)
-        self.max_request_bytes = max_request_bytes or default_max_request_bytes(stage_params, self.rows, cfg)
-        # a peer that is not one of the run's servers sends no replica: its requests are bounded by the
-        # largest a volunteer sends, and so is its share of the budget below
-        self.max_client_request_bytes = min(self.max_request_bytes, client_request_bytes(stage_params, self.rows, cfg))
-        # unanswered requests' bytes, per volunteer and in all (parameter_server/budget.py)
-        self.request_budget = RequestBudget.for_requests(self.max_client_request_bytes, self.max_request_bytes)
         self.hosted: dict[int, ShardState] = {self.slot: self.shard}
         self.replicas: dict[int, ShardState] = {}  # slots of other servers of the stage copied here after each step
         self.epoch = 0  # the layout epoch: 0 is the first layout, each failover starts the next
@@ -182,6 +176,7 @@ class StageServer(
             probation=probation,
             client_timeout=client_timeout,
             volunteers_allow=volunteers_allow,
+            max_request_bytes=max_request_bytes or default_max_request_bytes(stage_params, self.rows, cfg),
         )
         self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (Updates.params_on_wire)
 
@@ -245,6 +240,13 @@ class StageServer(
         return min(sh.version for sh in self.hosted.values())
 
     # the handlers of the parts composed here (the RPC surface finds a method's handler as on_<method>)
+    async def rpc_session(
+        self, requests: AsyncIterator[ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[ExpertRequest]:
+        """Calls multiplexed over one stream (rpc.py: RpcSurface.rpc_session)."""
+        async for message in self.surface.rpc_session(requests, context):
+            yield message
+
     def handler_of(self, method: str):
         """The `on_<method>` of the part that answers `method` (parts.PART_HANDLERS), or of this server."""
         part = PART_HANDLERS.get(method)
@@ -320,3 +322,17 @@ class StageServer(
         )
         logger.info("%s: %s", self.device_id, line)
         return line
+
+
+def _make_rpc(name: str):
+    async def rpc(self, requests: AsyncIterator[ExpertRequest], context: P2PContext) -> AsyncIterator[ExpertResponse]:
+        async for message in self.surface.serve(name, requests, context):
+            yield message
+
+    rpc.__name__ = rpc.__qualname__ = f"rpc_{name}"
+    return rpc
+
+
+# the methods hivemind's servicer finds on the class: each hands its stream to the server's surface
+for _name in methods.NAMES:
+    setattr(StageServer, f"rpc_{_name}", _make_rpc(_name))

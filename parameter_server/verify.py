@@ -123,7 +123,7 @@ class Verification:
         if method in methods.STAMPED and "epoch" not in meta:  # (a check reads its own epoch's lineage)
             meta = dict(meta, epoch=self.epoch)
         if device == self.device_id:
-            answer, tensors = await self.handle(method, dict(meta), [], self.peer_id)
+            answer, tensors = await self.surface.handle(method, dict(meta), [], self.peer_id)
             if "error" in answer:
                 raise RemoteError.of(f"{device}.{method}", answer)
             return answer, tensors

@@ -232,7 +232,7 @@ class LocalLink:
         self.sender = sender
 
     async def call(self, method: str, meta: dict, tensors=(), timeout: float = 30.0):
-        meta_r, tensors_r = await self.server.handle(
+        meta_r, tensors_r = await self.server.surface.handle(
             method, dict(meta), [t.detach().clone() for t in tensors], self.sender
         )
         if "error" in meta_r:

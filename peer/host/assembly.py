@@ -111,7 +111,7 @@ async def build_parts(host) -> StageParts:
         server.directory.update(await directory.refresh(), directory.versions, directory.epochs)
     except Exception as e:
         logger.debug("%s: reading the run's servers before serving failed: %r", device, e)
-    bound_messages(min(MAX_MESSAGE_BYTES, server.max_request_bytes))  # no message read past the bound
+    bound_messages(min(MAX_MESSAGE_BYTES, server.surface.max_request_bytes))  # no message read past the bound
     compute = 0.0
     if not args.no_compute:
         # measured before the first record: a record that said "online" with no compute while the

@@ -41,7 +41,7 @@ def test_a_peer_holding_unfinished_requests_open_is_refused_past_its_share_and_g
     cfg, layout, run = make_run(steps=1, stages=1)
     swarm = InProcessSwarm(cfg, layout, run, servers_compute=False)
     fs = swarm.servers[layout.stages[0].frontal[0]]
-    fs.request_budget = RequestBudget(per_peer=5 * MiB, total=8 * MiB)
+    fs.surface.request_budget = RequestBudget(per_peer=5 * MiB, total=8 * MiB)
     messages = pack({"tasks": ["B0.0.0.0-4"], "batch": 0, "leases": [None]}, [torch.zeros(MiB // 2)], ExpertRequest)
     assert len(messages) >= 2
     hang = asyncio.Event()
@@ -52,15 +52,15 @@ def test_a_peer_holding_unfinished_requests_open_is_refused_past_its_share_and_g
         await hang.wait()  # the last message never comes (until the stranger's streams end)
 
     async def answer_of(stream, peer):
-        return [m async for m in fs.serve("push_grads", stream, SimpleNamespace(remote_id=peer), ExpertRequest)]
+        return [m async for m in fs.surface.serve("push_grads", stream, SimpleNamespace(remote_id=peer), ExpertRequest)]
 
     async def scenario():
         calls = [asyncio.ensure_future(answer_of(unfinished(), "peer-stranger")) for _ in range(16)]
         per_request = sum(m.ByteSize() for m in messages[:-1])
-        while sum(c.done() for c in calls) + fs.request_budget.in_all // per_request < len(calls):
+        while sum(c.done() for c in calls) + fs.surface.request_budget.in_all // per_request < len(calls):
             await asyncio.sleep(0)  # (until every call is refused or holds its bytes: no clock involved)
         refused = [c for c in calls if c.done()]
-        held = fs.request_budget.in_all
+        held = fs.surface.request_budget.in_all
         hang.set()
         await asyncio.gather(*calls)
         return len(refused), refused[0].result() if refused else None, held
@@ -69,7 +69,7 @@ def test_a_peer_holding_unfinished_requests_open_is_refused_past_its_share_and_g
     per_request = sum(m.ByteSize() for m in messages[:-1])
     assert held <= 5 * MiB and n_refused == 16 - (5 * MiB) // per_request, (held, n_refused, per_request)
     assert "one peer may" in first[0].metadata.decode(errors="replace") if first else False
-    assert fs.request_budget.in_all == 0 and fs.request_budget.held == {}
+    assert fs.surface.request_budget.in_all == 0 and fs.surface.request_budget.held == {}
 
 
 def test_a_volunteers_request_is_bounded_by_what_a_volunteer_sends_and_a_servers_by_its_replicas():
@@ -81,12 +81,13 @@ def test_a_volunteers_request_is_bounded_by_what_a_volunteer_sends_and_a_servers
     fs = swarm.servers[layout.stages[0].frontal[0]]
     stage_bytes = sum(t.numel() for t in fs.stage_params.values()) * 4
     rows_bytes = 2 * fs.rows * cfg.seq_len * max(cfg.hidden, cfg.vocab_size) * 4
-    assert fs.max_client_request_bytes == max(stage_bytes, rows_bytes) + 4 * MiB
-    assert fs.max_request_bytes == 3 * stage_bytes + rows_bytes + 16 * MiB > fs.max_client_request_bytes
-    assert fs.request_budget.per_peer == 2 * fs.max_client_request_bytes
-    assert fs.request_limit("peer-stranger") == fs.max_client_request_bytes
-    assert fs.request_limit(fs.peer_id) == fs.max_request_bytes
-    over = fs.max_client_request_bytes // 4 + MiB  # float32 values: past a volunteer's bound, not a server's
+    surface = fs.surface
+    assert surface.max_client_request_bytes == max(stage_bytes, rows_bytes) + 4 * MiB
+    assert surface.max_request_bytes == 3 * stage_bytes + rows_bytes + 16 * MiB > surface.max_client_request_bytes
+    assert fs.surface.request_budget.per_peer == 2 * fs.surface.max_client_request_bytes
+    assert fs.surface.request_limit("peer-stranger") == surface.max_client_request_bytes
+    assert fs.surface.request_limit(fs.peer_id) == surface.max_request_bytes
+    over = fs.surface.max_client_request_bytes // 4 + MiB  # float32 values: past a volunteer's bound, not a server's
     messages = pack({"tasks": ["B0.0.0.0-4"], "batch": 0, "leases": [None]}, [torch.zeros(over)], ExpertRequest)
 
     async def answer_of(peer):
@@ -94,8 +95,10 @@ def test_a_volunteers_request_is_bounded_by_what_a_volunteer_sends_and_a_servers
             for m in messages:
                 yield m
 
-        return [m async for m in fs.serve("push_grads", stream(), SimpleNamespace(remote_id=peer), ExpertRequest)]
+        return [
+            m async for m in fs.surface.serve("push_grads", stream(), SimpleNamespace(remote_id=peer), ExpertRequest)
+        ]
 
     answer = asyncio.run(answer_of("peer-stranger"))
-    assert f"payload exceeds {fs.max_client_request_bytes} bytes" in answer[0].metadata.decode(errors="replace")
-    assert fs.request_budget.in_all == 0  # what it held is given back
+    assert f"payload exceeds {fs.surface.max_client_request_bytes} bytes" in answer[0].metadata.decode(errors="replace")
+    assert fs.surface.request_budget.in_all == 0  # what it held is given back

@@ -129,7 +129,7 @@ class InProcessSwarm:
         async def gone(*args, **kwargs):
             raise ConnectionError(f"{device} is gone")
 
-        server.handle = gone
+        server.surface.handle = gone
         for worker, task in zip(self.workers, self.tasks):
             if worker.device_id == device:
                 task.cancel()

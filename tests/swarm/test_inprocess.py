@@ -177,13 +177,13 @@ def test_finished_tasks_go_with_the_next_take_or_heartbeat_not_a_complete_each(t
     (a,) = swarm.workers
     link = a.links[dev]
     calls = []
-    handle = fs.handle
+    handle = fs.surface.handle
 
     async def counted(method, *args, **kwargs):
         calls.append(method)
         return await handle(method, *args, **kwargs)
 
-    fs.handle = counted
+    fs.surface.handle = counted
 
     async def one_task():
         got = await a.intake.take_one()

@@ -135,7 +135,7 @@ def test_a_take_says_whether_more_tasks_wait_and_a_server_without_is_asked_only_
     (a,) = swarm.workers
     link = a.links[dev]
     takes = []
-    handle = fs.handle
+    handle = fs.surface.handle
     waiting_take = asyncio.Event()  # a take that waits for a task reached the server
 
     async def counted(method, meta, *args, **kwargs):
@@ -145,7 +145,7 @@ def test_a_take_says_whether_more_tasks_wait_and_a_server_without_is_asked_only_
                 waiting_take.set()
         return await handle(method, meta, *args, **kwargs)
 
-    fs.handle = counted
+    fs.surface.handle = counted
 
     async def scenario():
         await a.member.register()

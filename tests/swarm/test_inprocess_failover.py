@@ -125,14 +125,14 @@ def test_a_slot_steps_at_most_two_versions_ahead_of_its_slow_replica_and_its_los
     host = swarm.servers[lost]
     slot = host.slot
     buddy = swarm.servers[st.servers[(list(st.servers).index(lost) + 1) % len(st.servers)]]
-    handle = buddy.handle
+    handle = buddy.surface.handle
 
     async def late(method, meta, tensors, sender):
         if method == "push_replica" and meta.get("slot") == slot:
             await asyncio.sleep(0.8)
         return await handle(method, meta, tensors, sender)
 
-    buddy.handle = late
+    buddy.surface.handle = late
     behind = []  # at each step of s0b1: its new version less what its replica holds
     host.on_step.append(lambda v: behind.append(v - (buddy.replicas[slot].version if slot in buddy.replicas else -1)))
     records, where = [], []
@@ -221,7 +221,7 @@ def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
     fs, bs = (swarm.servers[d] for d in layout.stages[0].servers)
     forms, told = [], []
-    handle = bs.handle
+    handle = bs.surface.handle
 
     async def recorded(method, meta, *args, **kwargs):
         answer = await handle(method, meta, *args, **kwargs)
@@ -233,7 +233,7 @@ def test_a_replica_kept_by_steps_equals_its_shard_bit_for_bit_and_a_gap_gets_the
                 replica.mirror = (replica.version, "another lineage")
         return answer
 
-    bs.handle = recorded
+    bs.surface.handle = recorded
 
     async def scenario():
         fs.copies.replicate_hosted()  # what a server does when the run comes online
@@ -390,7 +390,7 @@ def test_a_copy_to_a_lost_buddy_still_on_its_way_when_the_epoch_begins_holds_no_
     s0b0, s0b1 = (swarm.servers[d] for d in layout.stages[0].backward)
     slot = s0b0.slot
     on_its_way, let_fail = asyncio.Event(), asyncio.Event()
-    handle = s0b1.handle
+    handle = s0b1.surface.handle
 
     async def deaf(method, meta, tensors, sender):
         if method == "push_replica" and sender == s0b0.peer_id:
@@ -399,7 +399,7 @@ def test_a_copy_to_a_lost_buddy_still_on_its_way_when_the_epoch_begins_holds_no_
             raise ConnectionError("s0b1 is gone")
         return await handle(method, meta, tensors, sender)
 
-    s0b1.handle = deaf
+    s0b1.surface.handle = deaf
 
     def holds_both(credited_slot: int, batch: int) -> None:
         batches = s0b0.hosted[slot].batches

@@ -191,7 +191,7 @@ def test_a_worker_handed_a_task_it_cannot_work_on_asks_every_server_again():
     other = LocalLink(f0, "peer-other")  # another volunteer, which holds f0's tasks of batches 0 and 1
     took_at_f1 = []
     took = asyncio.Event()  # the worker took a task of f1's
-    handle = f1.handle
+    handle = f1.surface.handle
 
     async def counted(method, meta, tensors, sender):
         answer = await handle(method, meta, tensors, sender)
@@ -215,7 +215,7 @@ def test_a_worker_handed_a_task_it_cannot_work_on_asks_every_server_again():
         assert held and a.intake.more[f1.device_id] is False
         for tid in held:
             await a.links[f1.device_id].call("fail", {"task": tid})
-        f1.handle = counted
+        f1.surface.handle = counted
         batch0 = sorted(t for s in (f0, f1) for t in s.issued if TaskId.parse(t).batch == 0)
         zeros = [torch.zeros_like(f0.shard.params[n]) for n in f0.shard.names]
         tickets = [TICKETS.issue(t, f0.peer_id, 1, 0) for t in batch0]  # (minted as a server of the run may)

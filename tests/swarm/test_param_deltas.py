@@ -53,7 +53,7 @@ def test_a_base_the_server_does_not_hold_as_the_worker_does_gets_the_version_who
 
     async def ask(**fields):
         meta = {"version": steps, "slot": server.slot, "wait": 0.0} | fields
-        return await server.handle("get_params", meta, [], "peer-u00")
+        return await server.surface.handle("get_params", meta, [], "peer-u00")
 
     async def scenario():
         meta, tensors = await ask(base=steps - 1, base_digest=right)

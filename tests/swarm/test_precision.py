@@ -27,7 +27,7 @@ def test_parameters_are_sent_in_bfloat16_at_half_the_bytes_and_computed_on_as_ro
     server = swarm.servers["s0f0"]
 
     async def ask(s):
-        return await s.handle("get_params", {"version": 0, "slot": s.slot, "wait": 0.0}, [], "peer-u00")
+        return await s.surface.handle("get_params", {"version": 0, "slot": s.slot, "wait": 0.0}, [], "peer-u00")
 
     (meta, tensors) = asyncio.run(ask(server))
     assert all(t.dtype == torch.bfloat16 for t in tensors)

@@ -74,7 +74,7 @@ def test_a_gradient_sum_message_that_does_not_fit_is_refused_and_changes_nothing
     other = "peer-s1f0"  # a server of the run
 
     async def call(meta):
-        answer, _ = await server.handle("grad_norm", meta, [], other)
+        answer, _ = await server.surface.handle("grad_norm", meta, [], other)
         return answer
 
     good = {"batch": 1, "epoch": 0, "sums": [[1, 0, 2.5]], "total": None}
@@ -96,7 +96,7 @@ def test_a_gradient_sum_message_that_does_not_fit_is_refused_and_changes_nothing
         assert server.clipping.slot_sums == {}
         answer = await call(good)
         assert answer["sums"] == [[1, 0, 2.5]] and answer["total"] is None
-        outsider, _ = await server.handle("grad_norm", good, [], "peer-stranger")
+        outsider, _ = await server.surface.handle("grad_norm", good, [], "peer-stranger")
         assert "error" in outsider
 
     asyncio.run(scenario())
@@ -215,7 +215,7 @@ def test_held_out_activations_that_do_not_fit_are_refused():
     good = torch.zeros(8, cfg.seq_len, cfg.hidden)
 
     async def call(meta, tensors):
-        answer, _ = await server.handle("eval_forward", meta, tensors, "peer-s0f0")
+        answer, _ = await server.surface.handle("eval_forward", meta, tensors, "peer-s0f0")
         return answer.get("error", "")
 
     async def scenario():
@@ -226,7 +226,11 @@ def test_held_out_activations_that_do_not_fit_are_refused():
         assert "must be finite float32" in await call({"version": 2}, [torch.full_like(good, float("nan"))])
         assert (
             "not a frontal server past stage 0"
-            in ((await swarm.servers["s1b0"].handle("eval_forward", {"version": 2}, [good], "peer-s0f0"))[0]["error"])
+            in (
+                (await swarm.servers["s1b0"].surface.handle("eval_forward", {"version": 2}, [good], "peer-s0f0"))[0][
+                    "error"
+                ]
+            )
         )
         assert server.evaluation.evals_seen == set()
 

@@ -91,14 +91,14 @@ def test_a_volunteer_refused_for_good_stops_asking():
     intruder = next(w for w in swarm.workers if w.device_id == "u01")
     calls = []
     for server in swarm.servers.values():
-        real = server.handle
+        real = server.surface.handle
 
         async def counted(method, meta, tensors, sender, real=real):
             if sender == "peer-u01":
                 calls.append(method)
             return await real(method, meta, tensors, sender)
 
-        server.handle = counted
+        server.surface.handle = counted
 
     async def scenario():
         await asyncio.wait_for(intruder.run_loop(asyncio.Event()), 10.0)
@@ -153,14 +153,14 @@ def test_hoarders_hold_little_briefly_are_dropped_and_the_run_ends_exact(monkeyp
     gate.set()
 
     def gated(server):  # the honest volunteers' takes wait while the gate is shut
-        handle = server.handle
+        handle = server.surface.handle
 
         async def take_when_open(method, meta, tensors, sender):
             if method == "take" and not sender.startswith("peer-hoard"):
                 await gate.wait()
             return await handle(method, meta, tensors, sender)
 
-        server.handle = take_when_open
+        server.surface.handle = take_when_open
 
     all_struck = asyncio.Event()  # set when the servers have dropped every hoarder
 
