@@ -1,12 +1,15 @@
 """Failover: the layout epochs (a record checked, adopted, or coordinated by the first remaining
 server when a server is lost for good), and `get_layout` for workers that meet a newer epoch; a lost
 server's slots are taken over from their replicas (parameter_server/replicas.py). Must not touch the
-data path except to reset it when an epoch begins."""
+data path except to reset it when an epoch begins. A part of a server, built with what it reads of it
+(parameter_server/parts.py); it owns the server's `Placement`, which only an epoch changes."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 from core.layout import RunLayout
 from core.model.update_rule import version_for_batch
@@ -26,12 +29,86 @@ def _in_event_loop() -> bool:
         return False
 
 
+@dataclass
+class Placement:
+    """Where a server stands in the run's current layout epoch: the layout, its epoch (0: the first
+    layout) and record (None before the first failover), the server's stage in it and its index in
+    its role, and since the last epoch the first batch run again (None: none)."""
+
+    layout: RunLayout
+    epoch: int
+    record: dict | None
+    st: object
+    index: int
+    reflow_from: int | None = None
+
+
 class Failover:
-    """StageServer's layout epochs (a part of parameter_server.service.StageServer)."""
+    """A server's layout epochs, given what they read and change of it: `device_id`, `peer_id`,
+    `stage`, `role`, `steps` and `layers` (the run's); the `placement` it changes; `hosted` and
+    `replicas` (slot -> shard: a takeover moves a replica into `hosted`); its `clipping`,
+    `evaluation`, `bans`, `pins`, `directory`, `copies` (replicas) and `report` (status) parts; as they
+    are now: `old_versions()` (a ban's reach on disk, or None), `connector()`, `replaying()` and
+    `log()`; and the server's `reset_datapath()`, `forget_checks()` (the re-runs' cached versions),
+    `wake_waiters()` and `start_batches()`. `on_adopt` are called with a record that took over slots or
+    rolled back, before it is logged; `on_epoch` with every record adopted."""
+
+    def __init__(
+        self,
+        *,
+        device_id: str,
+        peer_id: str,
+        stage: int,
+        role: str,
+        steps: int,
+        layers: int,
+        placement: Placement,
+        hosted: dict,
+        replicas: dict,
+        clipping,
+        evaluation,
+        bans,
+        pins,
+        directory,
+        copies,
+        report,
+        old_versions: Callable[[], object],
+        connector: Callable[[], Callable[[str], object] | None],
+        replaying: Callable[[], bool],
+        log: Callable[[], object],
+        reset_datapath: Callable[[], None],
+        forget_checks: Callable[[], None],
+        wake_waiters: Callable[[], None],
+        start_batches: Callable[[], None],
+    ) -> None:
+        self.device_id, self.peer_id, self.stage, self.role, self.steps, self.layers = (
+            device_id,
+            peer_id,
+            stage,
+            role,
+            steps,
+            layers,
+        )
+        self.placement, self.hosted, self.replicas = placement, hosted, replicas
+        self.clipping, self.evaluation, self.bans, self.pins = clipping, evaluation, bans, pins
+        self.directory, self.copies, self.report, self.old_versions = directory, copies, report, old_versions
+        self.connector, self.replaying, self.log = connector, replaying, log
+        self.reset_datapath, self.forget_checks = reset_datapath, forget_checks
+        self.wake_waiters, self.start_batches = wake_waiters, start_batches
+        self.on_epoch: list[Callable[[dict], None]] = []
+        self.on_adopt: list[Callable[[dict], None]] = []  # slots taken over (before the epoch is logged)
+
+    @property
+    def layout(self) -> RunLayout:
+        return self.placement.layout
+
+    @property
+    def epoch(self) -> int:
+        return self.placement.epoch
 
     async def on_get_layout(self, meta, tensors, sender):
         """The current layout epoch: {"epoch", "layout", "from_batch"} (epoch 0 is the first layout)."""
-        return self.epoch_record or {"epoch": 0, "layout": self.layout.to_dict(), "from_batch": 0}
+        return self.placement.record or {"epoch": 0, "layout": self.layout.to_dict(), "from_batch": 0}
 
     async def on_adopt_epoch(self, meta, tensors, sender):
         """A failover's new layout epoch, from the server that coordinates it (any server of the run)."""
@@ -44,15 +121,15 @@ class Failover:
         epoch = mfield(record, "epoch", int)
         from_batch = mfield(record, "from_batch", int)
         try:
-            layout = RunLayout.from_dict(mfield(record, "layout", dict), self.cfg.layers)
+            layout = RunLayout.from_dict(mfield(record, "layout", dict), self.layers)
         except ValueError as e:
             raise PayloadError(f"epoch layout: {e}") from None
         if layout.num_stages != self.layout.num_stages or any(
             a.layers != b.layers or len(a.hosts) != len(b.hosts) for a, b in zip(layout.stages, self.layout.stages)
         ):
             raise PayloadError("an epoch layout must keep the stages, their layers and their shard slots")
-        if not 0 <= from_batch < self.run.steps:
-            raise PayloadError(f"from_batch {from_batch} outside 0..{self.run.steps - 1}")
+        if not 0 <= from_batch < self.steps:
+            raise PayloadError(f"from_batch {from_batch} outside 0..{self.steps - 1}")
         banned = mfield(record, "banned", list, optional=True) or []
         if not all(isinstance(p, str) and 0 < len(p) <= 128 for p in banned):
             raise PayloadError("field 'banned' must list peer ids")
@@ -93,8 +170,8 @@ class Failover:
                     raise PayloadError(f"slot {slot} no longer keeps version {rollback_to} to roll back to")
         for i in take_over:
             shard = self.hosted[i] = self.replicas.pop(i)
-            if self.old_versions is not None:  # (a ban's reach on disk, from now on)
-                shard.old = self.old_versions.slot(i)
+            if self.old_versions() is not None:  # (a ban's reach on disk, from now on)
+                shard.old = self.old_versions().slot(i)
             logger.warning("%s: took over shard slot %d at version %d", self.device_id, i, shard.version)
         rolled = False
         if rollback_to is not None:
@@ -109,28 +186,27 @@ class Failover:
                     replica.rollback(rollback_to, epoch)
                 except PayloadError:  # it never held that version: its owner sends the rolled-back state
                     del self.replicas[slot]
-            self._verify_params = {}
+            self.forget_checks()
         for peer in record.get("banned", []):
             self.bans.ban_here(peer, f"banned by layout epoch {epoch}")
         self.pins.release()  # the epoch a ban waited for
         for shard in self.hosted.values():
             shard.batches = {}
-        self.epoch, self.epoch_record, self.layout = epoch, dict(record), layout
-        self.st, self.index, self.reflow_from = st, index, from_batch
+        p = self.placement
+        p.layout, p.epoch, p.record, p.st, p.index, p.reflow_from = layout, epoch, dict(record), st, index, from_batch
         self.directory.new_epoch()  # readings of the old epoch no longer say what is applied
         self.copies.new_epoch()  # (the ring of replicas changed, or a rollback undid what they took)
         self.reset_datapath()
-        if not self.replaying and _in_event_loop():
+        if not self.replaying() and _in_event_loop():
             # the stage's ring of replicas changed: every slot hosted here goes to its new next server
             # now, not at its next step, so that a second loss in the stage finds a copy
             self.copies.replicate_hosted()
-        if self.log is not None and not self.replaying:
+        log = self.log()
+        if log is not None and not self.replaying():
             if rolled:  # what was logged of the undone batches must not be replayed after a restart
-                self.log.drop_batches(rollback_to, self.run.steps)
-            self.log.append(
-                {"method": "adopt_epoch", "meta": dict(record), "sender": self.peer_id, "batch": self.run.steps}, []
-            )
-        if (take_over or rolled) and not self.replaying:
+                log.drop_batches(rollback_to, self.steps)
+            log.append({"method": "adopt_epoch", "meta": dict(record), "sender": self.peer_id, "batch": self.steps}, [])
+        if (take_over or rolled) and not self.replaying():
             for cb in self.on_adopt:  # adopted slots and rollbacks reach the checkpoint before they are served
                 cb(dict(record))
         for cb in self.on_epoch:
@@ -147,7 +223,7 @@ class Failover:
             list(st.backward),
             list(st.hosts),
         )
-        self.maybe_start_batches()
+        self.start_batches()
         return True
 
     async def fail_over(self, lost: list[str]) -> dict:
@@ -158,7 +234,7 @@ class Failover:
         alive = [d for st in self.layout.stages for d in st.servers if d not in lost]
         statuses = {}
         for d in alive:
-            link = None if d == self.device_id else self.connector(d)
+            link = None if d == self.device_id else self.connector()(d)
             if link is None and d != self.device_id:
                 raise PayloadError(f"{d} is not in the DHT right now")
             statuses[d] = self.report.status() if link is None else (await link.call("status", {}, timeout=10.0))[0]
@@ -198,7 +274,7 @@ class Failover:
         record = {
             "epoch": self.epoch + 1,
             "layout": layout.to_dict(),
-            "from_batch": min(from_batch, self.run.steps - 1),
+            "from_batch": min(from_batch, self.steps - 1),
             "lost": sorted(lost),
             "banned": self.bans.ordered(),
         }
@@ -213,7 +289,7 @@ class Failover:
                 continue
             async for attempt in Attempts(f"{self.device_id}: adopt_epoch to {d}", tries=20, pause=0.2, log=logger):
                 try:
-                    await self.connector(d).call("adopt_epoch", record, timeout=10.0)
+                    await self.connector()(d).call("adopt_epoch", record, timeout=10.0)
                     break
                 except Exception as e:
                     attempt.failed(e)

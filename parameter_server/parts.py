@@ -15,6 +15,7 @@ from parameter_server.clients import Clients
 from parameter_server.clipping import Clipping
 from parameter_server.directory import Directory
 from parameter_server.evaluate import Evaluation
+from parameter_server.failover import Failover
 from parameter_server.leases import Leases
 from parameter_server.outbox import Outbox
 from parameter_server.param_deltas import ParamDeltas
@@ -39,6 +40,8 @@ PART_HANDLERS: dict[str, tuple[str, type]] = {
     "complete": ("leases", Leases),
     "fail": ("leases", Leases),
     "push_replica": ("copies", Replicas),
+    "get_layout": ("epochs", Failover),
+    "adopt_epoch": ("epochs", Failover),
     "ping": ("report", Status),
     "status": ("report", Status),
 }
@@ -56,7 +59,7 @@ def compose_parts(
     max_request_bytes: int,
 ) -> None:
     """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `checks`, `registry` (its clients), `arrivals`,
-    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status), `copies` (its replicas), `surface` (its calls in) and `rescue`;
+    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status), `copies` (its replicas), `epochs` (its layout epochs), `surface` (its calls in) and `rescue`;
     the server that starts each evaluation gets the evaluation's step callback."""
 
     place = ServerPlace(server.device_id, server.stage, server.role, server.index, server.last)
@@ -195,8 +198,8 @@ def compose_parts(
         replaying=replaying,
         is_server=server.directory.is_server,
         steps=run.steps,
-        send_epoch=server.send_epoch,
-        adopt=server.adopt,
+        send_epoch=lambda record, devices: server.epochs.send_epoch(record, devices),
+        adopt=lambda record: server.epochs.adopt(record),
     )
     server.leases = Leases(
         device_id=server.device_id,
@@ -264,6 +267,32 @@ def compose_parts(
         maybe_step=lambda: server.maybe_step(),
     )
     client_bytes = min(max_request_bytes, client_request_bytes(server.stage_params, server.rows, cfg))
+    server.epochs = Failover(
+        device_id=server.device_id,
+        peer_id=server.peer_id,
+        stage=server.stage,
+        role=server.role,
+        steps=run.steps,
+        layers=cfg.layers,
+        placement=server.placement,
+        hosted=server.hosted,
+        replicas=server.replicas,
+        clipping=server.clipping,
+        evaluation=server.evaluation,
+        bans=server.bans,
+        pins=server.pins,
+        directory=server.directory,
+        copies=server.copies,
+        report=server.report,
+        old_versions=lambda: server.old_versions,
+        connector=lambda: server.connector,
+        replaying=replaying,
+        log=lambda: server.log,
+        reset_datapath=server.reset_datapath,
+        forget_checks=server.forget_checks,
+        wake_waiters=server.wake_waiters,
+        start_batches=server.maybe_start_batches,
+    )
     server.surface = RpcSurface(
         device_id=server.device_id,
         compress=server.compress,

@@ -41,7 +41,7 @@ from parameter_server.backward import Backward
 from parameter_server.budget import default_max_request_bytes
 from parameter_server.clients import ClientInfo
 from parameter_server.contributions import Contributions
-from parameter_server.failover import Failover
+from parameter_server.failover import Placement
 from parameter_server.frontal import Frontal
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.parts import PART_HANDLERS, compose_parts
@@ -69,7 +69,6 @@ class StageServer(
     Frontal,
     Backward,
     Verification,
-    Failover,
     Recovery,
     ServicerBase,
 ):
@@ -103,12 +102,12 @@ class StageServer(
         self.run = run
         # the tickets of this run's leases, which every server of the run can check (core/protocol/leases.py)
         self.lease_tickets = lease_tickets
-        self.layout = layout
         self.cfg = cfg
         self.device_id = device_id
         self.peer_id = peer_id
-        self.stage, self.role, self.index = layout.locate(device_id)
-        self.st = layout.stages[self.stage]
+        self.stage, self.role, index = layout.locate(device_id)
+        # where this server stands in the current layout epoch: changed only by an epoch (failover.py)
+        self.placement = Placement(layout, 0, None, layout.stages[self.stage], index)
         self.last = self.stage == layout.num_stages - 1
         self.corpus = corpus
         self.links = links or LinkEmulator()
@@ -139,9 +138,6 @@ class StageServer(
         self.old_versions = None  # versions kept on disk for bans (use_old_versions; None: memory only)
         self.hosted: dict[int, ShardState] = {self.slot: self.shard}
         self.replicas: dict[int, ShardState] = {}  # slots of other servers of the stage copied here after each step
-        self.epoch = 0  # the layout epoch: 0 is the first layout, each failover starts the next
-        self.epoch_record: dict | None = None
-        self.reflow_from: int | None = None  # since the last failover: the first batch run again
         self.halted: str | None = None  # why the run is stopped (a role lost its last server), announced
         self.clients: dict[str, ClientInfo] = {}
         # set by its host once every server of the run has applied the last step: the answers to
@@ -162,8 +158,6 @@ class StageServer(
         self.replaying = False
         self.step_event = asyncio.Event()
         self.on_step: list[Callable[[int], Awaitable[None] | None]] = []
-        self.on_epoch: list[Callable[[dict], None]] = []
-        self.on_adopt: list[Callable[[dict], None]] = []  # slots taken over (before the epoch is logged)
         self.on_credit: list[Callable[[int, int], None]] = []  # (slot, batch): a gradient push was credited
         self._stall_reported: int | None = None  # the version whose stall report_stall logged
         self.missing_versions: set[tuple[int, int]] = set()  # (asked, current) refused and logged (get_params)
@@ -233,6 +227,14 @@ class StageServer(
         # FS: batch -> (how many of its micro-batches were cut into tasks, the clients that got a piece of each)
         self.batch_cut: dict[int, tuple[int, set]] = {}
         self.next_batch = self.reflow_from or 0  # stage-0 FS: the next batch to build
+
+    # where this server stands in the current layout epoch (failover.py's Placement, read-only here)
+    layout = property(lambda self: self.placement.layout)
+    epoch = property(lambda self: self.placement.epoch)
+    epoch_record = property(lambda self: self.placement.record)
+    st = property(lambda self: self.placement.st)
+    index = property(lambda self: self.placement.index)
+    reflow_from = property(lambda self: self.placement.reflow_from)
 
     @property
     def version(self) -> int:

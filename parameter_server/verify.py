@@ -94,6 +94,10 @@ class Verification:
         self._verify_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.checks_pending: dict[int, int] = {}  # batch -> checks of its work not judged yet
 
+    def forget_checks(self) -> None:
+        """A rollback re-makes the versions after it: the re-runs' cached parameters are of the undone lineage."""
+        self._verify_params = {}
+
     def check_later(self, t: int, check, *args) -> None:
         """Check work of batch t beside the step (`check(epoch, *args)`), counted in checks_pending."""
         self.checks_pending[t] = self.checks_pending.get(t, 0) + 1

@@ -202,7 +202,7 @@ async def resume(server, args, cfg, device: str):
         writer.after_step(lambda: request_log.compact(version - (RETAIN - 1)))
 
     server.on_step.append(persist)
-    server.on_adopt.append(lambda record: writer.now())
+    server.epochs.on_adopt.append(lambda record: writer.now())
     server.copies.on_replica.append(writer.replica)
     return writer
 

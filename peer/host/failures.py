@@ -77,7 +77,7 @@ class FailureDetector:
         if not (lost and alive and alive[0] == self.device):
             return []
         try:
-            record = await server.fail_over(lost)
+            record = await server.epochs.fail_over(lost)
         except Exception as e:
             logger.error("%s: cannot fail over %s: %s", self.device, lost, e)
             for d in lost:  # try again after another failover_after

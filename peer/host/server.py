@@ -212,7 +212,7 @@ class ServerHost:
                 try:
                     record, _ = await link.call("get_layout", {}, timeout=10.0)
                     if record.get("epoch", 0) > server.epoch:
-                        server.adopt(record)
+                        server.epochs.adopt(record)
                         logger.warning("%s: caught up with layout epoch %d from %s", self.device, server.epoch, d)
                         return
                 except Exception as e:

@@ -137,6 +137,7 @@ class Server:
         self.layout, self.version, self.halted = layout, version, None
         self.run = type("Run", (), {"steps": steps})()
         self.failed_over: list[list[str]] = []
+        self.epochs = self  # (the server's layout epochs part: this fake's own fail_over)
 
     async def fail_over(self, lost):
         self.failed_over.append(list(lost))

@@ -96,7 +96,7 @@ def test_the_permanent_loss_of_a_server_is_failed_over_and_training_equals_the_r
     assert load_checkpoint(again, str(tmp_path)) and again.epoch == 0 and set(again.hosted) == {host.slot}
     (other,) = set(host.hosted) - {host.slot}
     assert again.replicas[other].version == host.hosted[other].version == steps
-    assert again.adopt(record) and set(again.hosted) == set(host.hosted)
+    assert again.epochs.adopt(record) and set(again.hosted) == set(host.hosted)
     for slot, shard in host.hosted.items():
         assert all(torch.equal(shard.params[n], again.hosted[slot].params[n]) for n in shard.names)
     # another server's checkpoint is refused, naming why, and changes nothing

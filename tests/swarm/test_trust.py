@@ -658,7 +658,7 @@ def test_a_version_is_read_from_the_lineage_of_the_readers_layout_epoch():
     reader that names no epoch (the launcher's assembled model) is answered as before."""
     steps = 5
     fs, bs, record = _rolled_back_at_one_server(steps)
-    bs.adopt(record)
+    bs.epochs.adopt(record)
     ask = {"slot": fs.slot, "version": steps, "wait": 0}
 
     async def scenario():
@@ -668,7 +668,7 @@ def test_a_version_is_read_from_the_lineage_of_the_readers_layout_epoch():
         waiting = asyncio.ensure_future(from_fs.call("get_params", dict(ask, epoch=1, version=steps - 1, wait=5)))
         await asyncio.sleep(0)  # (it waits on the server's side: adopting the epoch wakes it)
         assert not waiting.done()
-        fs.adopt(record)
+        fs.epochs.adopt(record)
         adopted = (await waiting)[0]
         with pytest.raises(RemoteError) as stale:
             await LocalLink(bs, fs.peer_id).call("get_params", dict(ask, slot=bs.slot, epoch=0))
@@ -693,7 +693,7 @@ def test_a_replica_copy_made_before_a_rollback_is_refused_where_the_rollback_is_
     fs, bs, record = _rolled_back_at_one_server(steps, recipe=CLIPPED)
     meta, tensors = fs.hosted[fs.slot].export(steps)  # made at epoch 0, then on its way
     assert bs.clipping.run_total(steps - 1) is not None
-    bs.adopt(record)
+    bs.epochs.adopt(record)
     replica = bs.replicas[fs.slot]
     assert replica.version == steps - 1 and bs.clipping.run_total(steps - 1) is None
 
