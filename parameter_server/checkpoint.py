@@ -209,7 +209,7 @@ def load_checkpoint(server, directory: str) -> bool:
         if slot != server.slot:
             server.replicas[slot] = shard
     _load_replicas(server, directory)
-    server.next_batch = server.shard.version
+    server.dp.next_batch = server.shard.version
     return True
 
 

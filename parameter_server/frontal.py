@@ -40,7 +40,7 @@ class Frontal:
             self._build_inputs(t)
             for m in range(self.run.micro_batches):
                 self.make_forward_tasks(t, m)
-            self.next_batch += 1
+            self.dp.next_batch += 1
 
     def _run_batch(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch t of the run's data (inputs, labels), as the reference reads it: a pure function of

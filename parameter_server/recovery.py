@@ -47,13 +47,13 @@ class Recovery:
         finally:
             self.replaying = False
         if self.stage == 0 and self.role == "frontal":
-            self.next_batch = max([self.version] + [t + 1 for t in batches])
+            self.dp.next_batch = max([self.version] + [t + 1 for t in batches])
             for t in batches:  # micro-batches whose tasks were not cut before the crash
                 for m in range(self.run.micro_batches):
                     if (t, m) not in cut and t >= self.version - (RETAIN - 1):
                         self.make_forward_tasks(t, m)
         # inputs whose tasks were cut before the crash must not be cut again (differently)
-        self.waiting_inputs = [key for key in self.waiting_inputs if key not in cut]
+        self.dp.waiting_inputs = [key for key in self.dp.waiting_inputs if key not in cut]
         self.release_waiting()
         self.maybe_step()  # (a step held during the replay for the run's gradient norm asks for it now)
         if self.role == "backward" and not self.last:

@@ -41,6 +41,7 @@ from parameter_server.backward import Backward
 from parameter_server.budget import default_max_request_bytes
 from parameter_server.clients import ClientInfo
 from parameter_server.contributions import Contributions
+from parameter_server.datapath import DataPath
 from parameter_server.failover import Placement
 from parameter_server.frontal import Frontal
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
@@ -195,11 +196,11 @@ class StageServer(
     def reset_datapath(self) -> None:
         """Fresh pools, rows and ledgers (at start, and when a failover starts a layout epoch)."""
         # my segment of each micro-batch's rows, among this stage's servers of my role
-        self.seg = segment(self.rows, len(self.st.frontal if self.role == "frontal" else self.st.backward), self.index)
+        seg = segment(self.rows, len(self.st.frontal if self.role == "frontal" else self.st.backward), self.index)
         # a client keeps the leases of the tasks whose gradients it is still accumulating (at most the
         # tasks of two batches, see StageWorker) and works on one more
         # ... leases it earns by delivering (taskpool/standing.py): taking work without doing it costs the taker
-        self.pool = TaskPool(
+        pool = TaskPool(
             clock=lambda: self.clock(),  # (the server's clock as it is now: a test may set another)
             default_timeout=self.task_timeout,
             max_leases_per_client=2 * self.run.micro_batches + 1,
@@ -212,21 +213,25 @@ class StageServer(
             backups=self.requeue,
         )
         for peer, c in self.clients.items():
-            self.pool.set_client_speed(peer, c.compute)
+            pool.set_client_speed(peer, c.compute)
             if self.directory.is_server(peer):
-                self.pool.standing.trust(peer)
-        self.issued: set[str] = set()  # every task id this server created, of batches >= forgotten_before
-        self.forgotten_before = 0  # the closed tasks of earlier batches are forgotten (updates.forget_before)
-        self.waiting_inputs: list[tuple[int, int]] = []  # FS k>0: complete inputs waiting for their version
-        self.buffers: dict[tuple[int, int], "RowBuffer"] = {}  # FS: inputs; BS: outputs
-        self.grad_buffers: dict[tuple[int, int], "RowBuffer"] = {}  # BS: output grads; FS: relayed input grads
-        self.ledger: dict[tuple[int, int], list["LedgerEntry"]] = {}
-        self.gin_senders: dict[tuple, str] = {}  # FS: (t, m, a, b) -> who handed in that input gradient
-        self.gin_orphans: set[tuple] = set()  # FS: those of them re-run on their own (verify._back_input_grads)
-        self.batch_members: dict[int, list[str]] = {}  # FS: batch -> the clients its forward tasks are cut for
-        # FS: batch -> (how many of its micro-batches were cut into tasks, the clients that got a piece of each)
-        self.batch_cut: dict[int, tuple[int, set]] = {}
-        self.next_batch = self.reflow_from or 0  # stage-0 FS: the next batch to build
+                pool.standing.trust(peer)
+        self.dp = DataPath(seg=seg, pool=pool, next_batch=self.reflow_from or 0)
+
+    # what it holds of the batches in flight (datapath.py), read and changed by the rooms mixed in here
+    seg = property(lambda self: self.dp.seg)
+    pool = property(lambda self: self.dp.pool)
+    issued = property(lambda self: self.dp.issued)
+    buffers = property(lambda self: self.dp.buffers)
+    grad_buffers = property(lambda self: self.dp.grad_buffers)
+    ledger = property(lambda self: self.dp.ledger)
+    gin_senders = property(lambda self: self.dp.gin_senders)
+    gin_orphans = property(lambda self: self.dp.gin_orphans)
+    batch_members = property(lambda self: self.dp.batch_members)
+    batch_cut = property(lambda self: self.dp.batch_cut)
+    forgotten_before = property(lambda self: self.dp.forgotten_before)
+    waiting_inputs = property(lambda self: self.dp.waiting_inputs)
+    next_batch = property(lambda self: self.dp.next_batch)
 
     # where this server stands in the current layout epoch (failover.py's Placement, read-only here)
     layout = property(lambda self: self.placement.layout)

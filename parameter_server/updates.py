@@ -231,19 +231,7 @@ class Updates:
             self.release_waiting()
 
     def forget_before(self, batch: int) -> None:
-        """Drop the rows and ledgers of batches < batch (applied by every server of the stage), their
-        tasks still open (a re-queued copy of work done, which `take` would abandon when handed out,
-        and which would else stay open to the run's end), the ids of their closed tasks (a run of
-        days would else keep every task id it ever cut) and what is remembered of volunteers gone for
-        good (Verification.forget_departed)."""
-        for store in (self.buffers, self.grad_buffers, self.ledger, self.gin_senders):
-            for key in [k for k in store if k[0] < batch]:
-                del store[key]
-        self.gin_orphans.difference_update([k for k in self.gin_orphans if k[0] < batch])
-        for store in (self.batch_members, self.batch_cut):
-            for t in [t for t in store if t < batch]:
-                del store[t]
-        self.pool.abandon_before(batch)
-        self.issued.difference_update(self.pool.forget_closed(batch))
-        self.forgotten_before = max(self.forgotten_before, batch)
+        """Let go of batches < batch, applied by every server of the stage (DataPath.forget_before),
+        and of what is remembered of volunteers gone for good (Arrivals.forget_departed)."""
+        self.dp.forget_before(batch)
         self.arrivals.forget_departed()
