@@ -8,6 +8,7 @@ sent as differences (param_deltas.py)."""
 from __future__ import annotations
 
 from parameter_server.arrivals import Arrivals
+from parameter_server.backward import Backward
 from parameter_server.bans import Bans
 from parameter_server.budget import RequestBudget, client_request_bytes
 from parameter_server.checks import Checks
@@ -40,6 +41,8 @@ PART_HANDLERS: dict[str, tuple[str, type]] = {
     "complete": ("leases", Leases),
     "fail": ("leases", Leases),
     "push_replica": ("copies", Replicas),
+    "push_outputs": ("backward", Backward),
+    "push_output_grads": ("backward", Backward),
     "get_layout": ("epochs", Failover),
     "adopt_epoch": ("epochs", Failover),
     "ping": ("report", Status),
@@ -59,7 +62,7 @@ def compose_parts(
     max_request_bytes: int,
 ) -> None:
     """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `checks`, `registry` (its clients), `arrivals`,
-    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status), `copies` (its replicas), `epochs` (its layout epochs), `surface` (its calls in) and `rescue`;
+    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status), `copies` (its replicas), `backward` (a backward server's data path), `epochs` (its layout epochs), `surface` (its calls in) and `rescue`;
     the server that starts each evaluation gets the evaluation's step callback."""
 
     place = ServerPlace(server.device_id, server.stage, server.role, server.index, server.last)
@@ -267,6 +270,20 @@ def compose_parts(
         maybe_step=lambda: server.maybe_step(),
     )
     client_bytes = min(max_request_bytes, client_request_bytes(server.stage_params, server.rows, cfg))
+    server.backward = Backward(
+        place=place,
+        rows=server.rows,
+        registry=server.registry,
+        checks=server.checks,
+        arrivals=server.arrivals,
+        leases=server.leases,
+        outbox=server.outbox,
+        counters=server.counters,
+        dp=lambda: server.dp,
+        layout=layout,
+        replaying=replaying,
+        check_outputs=lambda sender, t, *work: server.check_later(t, server.check_outputs, sender, t, *work),
+    )
     server.epochs = Failover(
         device_id=server.device_id,
         peer_id=server.peer_id,

@@ -59,7 +59,7 @@ class Recovery:
         if self.role == "backward" and not self.last:
             for (t, m), buf in list(self.buffers.items()):
                 if buf.complete:
-                    self._send_outputs(t, m)
+                    self.backward.send_outputs(t, m)
         if self.role == "frontal" and self.stage > 0:
             for (t, m), buf in list(self.grad_buffers.items()):
                 for a, b in buf.covered:

@@ -37,7 +37,6 @@ from core.layout import DEFAULT_CLIENT_BATCH_TOKENS, DEFAULT_TASK_TOKENS, RunLay
 from core.protocol import methods
 from core.protocol.leases import LeaseTickets
 from core.protocol.links import LinkEmulator
-from parameter_server.backward import Backward
 from parameter_server.budget import default_max_request_bytes
 from parameter_server.clients import ClientInfo
 from parameter_server.contributions import Contributions
@@ -68,7 +67,6 @@ __all__ = ["RETAIN", "StageServer"]
 class StageServer(
     Updates,
     Frontal,
-    Backward,
     Verification,
     Recovery,
     ServicerBase,

@@ -240,7 +240,7 @@ class Verification:
         self.arrivals.passed(sender, seen)
         self.contributions.check_passed(sender)
 
-    async def _check_outputs(self, epoch: int, sender: str, t: int, m: int, a: int, b: int, out: torch.Tensor) -> None:
+    async def check_outputs(self, epoch: int, sender: str, t: int, m: int, a: int, b: int, out: torch.Tensor) -> None:
         (x, _) = await self._held_rows("inputs", t, m, a, b)
         want = roundtrip(
             await self.recompute(version_for_batch(t), lambda model: forward_rows(model, x, self.verify_device)),
