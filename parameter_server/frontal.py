@@ -1,11 +1,13 @@
 """The frontal server's work: stage 0 builds each batch from (seed, t); a later stage receives its
 inputs from the previous stage's backward servers. It cuts its rows of each micro-batch into forward
 tasks by its clients' measured speed, serves inputs again for recomputation, and relays input
-gradients to the previous stage. Must not step parameters."""
+gradients to the previous stage. Must not step parameters. A part of a server, built with what it
+reads of it (parameter_server/parts.py)."""
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -24,52 +26,115 @@ BATCHES_CACHED = 4  # batches of data a frontal server keeps at hand: two in fli
 
 
 class Frontal:
-    """StageServer's the frontal server's inputs, forward tasks and relay of input gradients (a part of parameter_server.service.StageServer)."""
+    """A frontal server's inputs, forward tasks and relay of input gradients, given what they read of
+    its server: its `place` and `peer_id`; the run's `steps`, `micro_batches`, `seed` and
+    `batch_size`, `rows` a micro-batch and `seq` tokens a row, the `corpus`; the cut's settings
+    (`min_task_rows`, `min_client_rows`, `local_first`: scheduler/rows.py); the `clients` registered;
+    its `registry`, `checks`, `arrivals`, `leases`, `directory`, `outbox` and `counters`; as they are
+    now: `dp()` (the data path), `layout()`, `version()` and `replaying()`."""
+
+    def __init__(
+        self,
+        *,
+        place,
+        peer_id: str,
+        steps: int,
+        micro_batches: int,
+        seed: int,
+        batch_size: int,
+        rows: int,
+        seq: int,
+        corpus,
+        min_task_rows: int,
+        min_client_rows: int,
+        local_first: bool,
+        clients: dict,
+        registry,
+        checks,
+        arrivals,
+        leases,
+        directory,
+        outbox,
+        counters: dict,
+        dp: Callable[[], object],
+        layout: Callable[[], object],
+        version: Callable[[], int],
+        replaying: Callable[[], bool],
+    ) -> None:
+        self.place, self.peer_id, self.steps, self.micro_batches = place, peer_id, steps, micro_batches
+        self.seed, self.batch_size, self.rows, self.seq, self.corpus = seed, batch_size, rows, seq, corpus
+        # the fewest rows a forward task carries: every task costs a few calls whatever its size, so a
+        # micro-batch goes to fewer clients rather than into slivers
+        self.min_task_rows = min_task_rows
+        # the fewest rows of a batch a client computes here: each client that computes part of a batch
+        # pulls and pushes the whole stage's parameters for it
+        self.min_client_rows = min_client_rows
+        # a new batch goes first to a free worker of a stage server (`_local_first`): it reads its
+        # parameters there and pushes half of them
+        self.local_first = local_first
+        self.task_credit: dict[str, float] = {}  # client -> rows owed by its share of the compute
+        self.clients, self.registry, self.checks, self.arrivals, self.leases = (
+            clients,
+            registry,
+            checks,
+            arrivals,
+            leases,
+        )
+        self.directory, self.outbox, self.counters, self.dp, self.layout = directory, outbox, counters, dp, layout
+        self.version, self.replaying = version, replaying
+        self._batch_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def st(self):
+        return self.layout().stages[self.place.stage]
 
     def maybe_start_batches(self) -> None:
         """Stage 0's FS builds batch t once the parameters it needs (version t-1) exist here, which
         bounds the micro-batches in flight to two batches."""
-        if self.role != "frontal" or self.stage != 0 or self.replaying:
+        if self.place.role != "frontal" or self.place.stage != 0 or self.replaying():
             return
+        dp = self.dp()
         while (
-            self.next_batch < self.run.steps
-            and self.version >= version_for_batch(self.next_batch)
-            and self.next_batch <= self.version + 1
+            dp.next_batch < self.steps
+            and self.version() >= version_for_batch(dp.next_batch)
+            and dp.next_batch <= self.version() + 1
         ):
-            t = self.next_batch
-            self._build_inputs(t)
-            for m in range(self.run.micro_batches):
+            t = dp.next_batch
+            self.build_inputs(t)
+            for m in range(self.micro_batches):
                 self.make_forward_tasks(t, m)
-            self.dp.next_batch += 1
+            dp.next_batch += 1
 
     def _run_batch(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch t of the run's data (inputs, labels), as the reference reads it: a pure function of
         (corpus, seed, t). Kept for the batches in flight (a later stage asks for every micro-batch)."""
         from core.model.data import make_batch
 
-        cache = self.__dict__.setdefault("_batch_cache", {})
+        cache = self._batch_cache
         batch = cache.get(t)
         if batch is None:
-            batch = cache[t] = make_batch(self.corpus, self.run.seed, t, self.run.batch_size, self.seq)
+            batch = cache[t] = make_batch(self.corpus, self.seed, t, self.batch_size, self.seq)
             while len(cache) > BATCHES_CACHED:  # the oldest other than t (a rollback asks for an older one)
                 del cache[min(k for k in cache if k != t)]
         return batch
 
-    def _run_labels(self, t: int, m: int, a: int, b: int) -> torch.Tensor:
+    def run_labels(self, t: int, m: int, a: int, b: int) -> torch.Tensor:
         """The labels of rows [a, b) of micro-batch m of batch t, from the run's data: what a loss is
         computed against never passes through a volunteer (a stage-0 volunteer handing on labels of
         its own could make the model learn anything, and every output check would pass)."""
         base = m * self.rows
         return self._run_batch(t)[1][base + a : base + b]
 
-    def _build_inputs(self, t: int) -> None:
+    def build_inputs(self, t: int) -> None:
+        """Stage 0: batch t's rows of this server, inputs and labels, from the run's data."""
         inputs, labels = self._run_batch(t)
-        lo, hi = self.seg
-        for m in range(self.run.micro_batches):
+        dp = self.dp()
+        lo, hi = dp.seg
+        for m in range(self.micro_batches):
             base = m * self.rows
             buf = RowBuffer(lo, hi)
             buf.add(lo, hi, inputs[base + lo : base + hi], labels[base + lo : base + hi])
-            self.buffers[(t, m)] = buf
+            dp.buffers[(t, m)] = buf
 
     def split_weights(self) -> list[tuple[str, float]]:
         """Each registered client's share of new forward tasks (paper 3.2.1, "Dynamic Client
@@ -83,7 +148,7 @@ class Frontal:
         weigh at most what the median client that has does, so that identities made by the dozen,
         registering any compute they like, draw no more batches than one newcomer would."""
         clients = sorted(self.clients.items())
-        measured = self.pool.stats().get("clients", {})
+        measured = self.dp().pool.stats().get("clients", {})
         thr = {p: measured.get(p, {}).get("capacity", 0.0) for p, _ in clients}
         have = [p for p in thr if thr[p] > 0]
         if not have:
@@ -91,20 +156,21 @@ class Frontal:
         # clients without a measurement yet get the median measured share of their registered compute
         scale = sorted(thr[p] / self.clients[p].compute for p in have)[len(have) // 2]
         weights = [(p, thr[p] if thr[p] > 0 else c.compute * scale) for p, c in clients]
-        proven = sorted(w for p, w in weights if self.pool.standing.proven(p))
-        unproven = sum(w for p, w in weights if not self.pool.standing.proven(p))
+        proven = sorted(w for p, w in weights if self.dp().pool.standing.proven(p))
+        unproven = sum(w for p, w in weights if not self.dp().pool.standing.proven(p))
         seat = proven[len(proven) // 2] if proven else 0.0
         if not proven or unproven <= seat:
             return weights
-        return [(p, w if self.pool.standing.proven(p) else w * seat / unproven) for p, w in weights]
+        return [(p, w if self.dp().pool.standing.proven(p) else w * seat / unproven) for p, w in weights]
 
     def make_forward_tasks(self, t: int, m: int) -> None:
         """One micro-batch's rows of this stage cut into forward tasks, each preferred for the client
         it was cut for (scheduler/rows.py `cut_rows`: by the clients' split weights and, when rows
         are fewer than clients x min_task_rows, by the rows each is owed), among the batch's members
         when its rows here are fewer than clients x min_client_rows."""
-        lo, hi = self.seg
-        members = self.batch_members.setdefault(t, [])
+        dp = self.dp()
+        lo, hi = dp.seg
+        members = dp.batch_members.setdefault(t, [])
         first = self._local_first(t) if not members else frozenset()
         pieces = cut_rows(
             lo,
@@ -113,26 +179,26 @@ class Frontal:
             self.task_credit,
             self.min_task_rows,
             members,
-            clients_per_batch(self.run.micro_batches, hi - lo, self.min_client_rows),
+            clients_per_batch(self.micro_batches, hi - lo, self.min_client_rows),
             first,
         )
         if m == 0:
             logger.debug(
                 "%s: batch %d goes to %s (servers' workers free: %s)",
-                self.device_id,
+                self.place.device_id,
                 t,
                 [p[-8:] for p in members],
                 sorted(p[-8:] for p in first),
             )
-        note_cut(self.batch_cut, t, {client for client, _, _ in pieces})
+        note_cut(dp.batch_cut, t, {client for client, _, _ in pieces})
         for client, a, b in pieces:
             self.leases.add_task(
                 Task(
-                    task_id=make_task_id(TaskKind.FORWARD, t, m, self.stage, (a, b)),
+                    task_id=make_task_id(TaskKind.FORWARD, t, m, self.place.stage, (a, b)),
                     kind=TaskKind.FORWARD,
                     batch=t,
                     micro_batch=m,
-                    stage=self.stage,
+                    stage=self.place.stage,
                     rows=(a, b),
                     preferred_client=client,
                 )
@@ -150,19 +216,21 @@ class Frontal:
         servers, reverse = set(self.st.servers), self.directory.devices
         speeds = [(p, c.compute) for p, c in sorted(self.clients.items())]
         local = {p for p, _ in speeds if p == self.peer_id or reverse.get(p) in servers}
-        return local_first(speeds, local, in_flight(self.batch_members, self.version, t))
+        return local_first(speeds, local, in_flight(self.dp().batch_members, self.version(), t))
 
     async def on_push_inputs(self, meta, tensors, sender):
-        if self.role != "frontal" or self.stage == 0:
+        p = self.place
+        if p.role != "frontal" or p.stage == 0:
             raise PayloadError("push_inputs goes to a frontal server of a stage > 0")
-        self.checks.server_of(sender, self.stage - 1, "backward")
+        self.checks.server_of(sender, p.stage - 1, "backward")
         t, m, a, b = self.checks.rows_payload(meta, tensors, "push_inputs", ("hidden",))
-        buf = self.buffers.setdefault((t, m), RowBuffer(*self.seg))
-        if not buf.add(a, b, tensors[0], self._run_labels(t, m, a, b) if self.last else None):
+        dp = self.dp()
+        buf = dp.buffers.setdefault((t, m), RowBuffer(*dp.seg))
+        if not buf.add(a, b, tensors[0], self.run_labels(t, m, a, b) if p.last else None):
             self.counters["relay_duplicates"] += 1
             return {"result": "duplicate"}
         if buf.complete:
-            self.waiting_inputs.append((t, m))
+            dp.waiting_inputs.append((t, m))
             self.release_waiting()
         return {"result": "accepted"}
 
@@ -170,20 +238,21 @@ class Frontal:
         """Publish forward tasks of batch t only once this server holds parameters version t-1, so
         that no worker leases a task it cannot compute yet (and blocks on it while older, re-queued
         work waits: a deadlock)."""
-        if self.replaying:
+        if self.replaying():
             return
-        ready = [(t, m) for t, m in self.waiting_inputs if version_for_batch(t) <= self.version]
+        waiting = self.dp().waiting_inputs
+        ready = [(t, m) for t, m in waiting if version_for_batch(t) <= self.version()]
         for key in ready:
-            self.waiting_inputs.remove(key)
+            waiting.remove(key)
             self.make_forward_tasks(*key)
 
     async def on_get_inputs(self, meta, tensors, sender):
         self.registry.caller(sender)
-        if self.role != "frontal":
+        if self.place.role != "frontal":
             raise PayloadError("get_inputs goes to a frontal server")
         t, m = self.checks.batch_micro(meta)
         a, b = rows_field(meta, "rows", self.rows)
-        buf = self.buffers.get((t, m))
+        buf = self.dp().buffers.get((t, m))
         if buf is None or not buf.has(a, b):
             raise PayloadError(f"rows [{a}, {b}) of batch {t} micro-batch {m} are not held here")
         x, _ = buf.slice(a, b)
@@ -194,7 +263,8 @@ class Frontal:
         it is taken. Workers send it before their gradient shards, so once this stage has applied
         batch t, every input gradient of t is held here."""
         self.registry.caller(sender)
-        if self.role != "frontal" or self.stage == 0:
+        p = self.place
+        if p.role != "frontal" or p.stage == 0:
             raise PayloadError("push_input_grads goes to a frontal server of a stage > 0")
         task_id = mfield(meta, "task", str)
         t, m, a, b = self.checks.rows_payload(meta, tensors, "push_input_grads", ("input gradient",))
@@ -202,28 +272,30 @@ class Frontal:
             meta.get("lease"),
             task_id,
             sender,
-            TaskKind.FORWARD if self.last else TaskKind.BACKWARD,
+            TaskKind.FORWARD if p.last else TaskKind.BACKWARD,
             t,
             m,
             (a, b),
             exact=True,
         )
-        buf = self.grad_buffers.setdefault((t, m), RowBuffer(*self.seg))
+        dp = self.dp()
+        buf = dp.grad_buffers.setdefault((t, m), RowBuffer(*dp.seg))
         fresh = buf.add(a, b, tensors[0], None)
         if fresh:
-            self.gin_senders[(t, m, a, b)] = sender  # checked with its sender's gradient push (verify.py)
+            dp.gin_senders[(t, m, a, b)] = sender  # checked with its sender's gradient push (verify.py)
             # relayed now, and the previous stage may apply batch t with it before that push comes (a
             # liar banned first never sends it): a ban's rollback must reach batch t all the same
             self.arrivals.note_work(sender, t)
-            self._relay_input_grads(t, m, a, b, tensors[0])
+            self.relay_input_grads(t, m, a, b, tensors[0])
         else:
             self.counters["relay_duplicates"] += 1
         return {"result": "accepted" if fresh else "duplicate", "task": task_id}
 
-    def _relay_input_grads(self, t: int, m: int, a: int, b: int, grad: torch.Tensor) -> None:
-        if self.replaying:
+    def relay_input_grads(self, t: int, m: int, a: int, b: int, grad: torch.Tensor) -> None:
+        """An input gradient of rows [a, b) to the previous stage's backward servers that hold them."""
+        if self.replaying():
             return
-        prev = self.layout.stages[self.stage - 1]
+        prev = self.layout().stages[self.place.stage - 1]
         for j, x, y in owners(self.rows, len(prev.backward), a, b):
             self.outbox.spawn(
                 self.outbox.deliver(

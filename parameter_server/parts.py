@@ -17,6 +17,7 @@ from parameter_server.clipping import Clipping
 from parameter_server.directory import Directory
 from parameter_server.evaluate import Evaluation
 from parameter_server.failover import Failover
+from parameter_server.frontal import Frontal
 from parameter_server.leases import Leases
 from parameter_server.outbox import Outbox
 from parameter_server.param_deltas import ParamDeltas
@@ -41,6 +42,9 @@ PART_HANDLERS: dict[str, tuple[str, type]] = {
     "complete": ("leases", Leases),
     "fail": ("leases", Leases),
     "push_replica": ("copies", Replicas),
+    "push_inputs": ("frontal", Frontal),
+    "get_inputs": ("frontal", Frontal),
+    "push_input_grads": ("frontal", Frontal),
     "push_outputs": ("backward", Backward),
     "push_output_grads": ("backward", Backward),
     "get_layout": ("epochs", Failover),
@@ -60,9 +64,12 @@ def compose_parts(
     client_timeout: float,
     volunteers_allow: frozenset[str] | None,
     max_request_bytes: int,
+    min_task_rows: int,
+    min_client_rows: int,
+    local_first: bool,
 ) -> None:
     """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `checks`, `registry` (its clients), `arrivals`,
-    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status), `copies` (its replicas), `backward` (a backward server's data path), `epochs` (its layout epochs), `surface` (its calls in) and `rescue`;
+    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status), `copies` (its replicas), `frontal` and `backward` (the two roles' data path), `epochs` (its layout epochs), `surface` (its calls in) and `rescue`;
     the server that starts each evaluation gets the evaluation's step callback."""
 
     place = ServerPlace(server.device_id, server.stage, server.role, server.index, server.last)
@@ -270,6 +277,32 @@ def compose_parts(
         maybe_step=lambda: server.maybe_step(),
     )
     client_bytes = min(max_request_bytes, client_request_bytes(server.stage_params, server.rows, cfg))
+    server.frontal = Frontal(
+        place=place,
+        peer_id=server.peer_id,
+        steps=run.steps,
+        micro_batches=run.micro_batches,
+        seed=run.seed,
+        batch_size=run.batch_size,
+        rows=server.rows,
+        seq=cfg.seq_len,
+        corpus=server.corpus,
+        min_task_rows=min_task_rows,
+        min_client_rows=min_client_rows,
+        local_first=local_first,
+        clients=server.clients,
+        registry=server.registry,
+        checks=server.checks,
+        arrivals=server.arrivals,
+        leases=server.leases,
+        directory=server.directory,
+        outbox=server.outbox,
+        counters=server.counters,
+        dp=lambda: server.dp,
+        layout=layout,
+        version=lambda: server.version,
+        replaying=replaying,
+    )
     server.backward = Backward(
         place=place,
         rows=server.rows,
@@ -308,7 +341,7 @@ def compose_parts(
         reset_datapath=server.reset_datapath,
         forget_checks=server.forget_checks,
         wake_waiters=server.wake_waiters,
-        start_batches=server.maybe_start_batches,
+        start_batches=server.frontal.maybe_start_batches,
     )
     server.surface = RpcSurface(
         device_id=server.device_id,

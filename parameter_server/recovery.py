@@ -29,7 +29,7 @@ class Recovery:
                         and not (self.stage == 0 and t < self.version - (RETAIN - 1))
                     ):
                         if self.stage == 0 and self.role == "frontal" and (t, m) not in self.buffers:
-                            self._build_inputs(t)
+                            self.frontal.build_inputs(t)
                         self.pool.add(
                             Task(
                                 task_id=tid,
@@ -51,10 +51,10 @@ class Recovery:
             for t in batches:  # micro-batches whose tasks were not cut before the crash
                 for m in range(self.run.micro_batches):
                     if (t, m) not in cut and t >= self.version - (RETAIN - 1):
-                        self.make_forward_tasks(t, m)
+                        self.frontal.make_forward_tasks(t, m)
         # inputs whose tasks were cut before the crash must not be cut again (differently)
         self.dp.waiting_inputs = [key for key in self.dp.waiting_inputs if key not in cut]
-        self.release_waiting()
+        self.frontal.release_waiting()
         self.maybe_step()  # (a step held during the replay for the run's gradient norm asks for it now)
         if self.role == "backward" and not self.last:
             for (t, m), buf in list(self.buffers.items()):
@@ -63,5 +63,5 @@ class Recovery:
         if self.role == "frontal" and self.stage > 0:
             for (t, m), buf in list(self.grad_buffers.items()):
                 for a, b in buf.covered:
-                    self._relay_input_grads(t, m, a, b, buf.slice(a, b)[0])
+                    self.frontal.relay_input_grads(t, m, a, b, buf.slice(a, b)[0])
         return len(entries)

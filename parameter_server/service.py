@@ -42,7 +42,6 @@ from parameter_server.clients import ClientInfo
 from parameter_server.contributions import Contributions
 from parameter_server.datapath import DataPath
 from parameter_server.failover import Placement
-from parameter_server.frontal import Frontal
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.parts import PART_HANDLERS, compose_parts
 from parameter_server.recovery import Recovery
@@ -66,7 +65,6 @@ __all__ = ["RETAIN", "StageServer"]
 
 class StageServer(
     Updates,
-    Frontal,
     Verification,
     Recovery,
     ServicerBase,
@@ -118,16 +116,6 @@ class StageServer(
         self.seq = cfg.seq_len
         self.hidden = cfg.hidden
         self.task_timeout, self.preference_grace = task_timeout, preference_grace
-        # the fewest rows a forward task carries (parameter_server/frontal.py): every task costs a few
-        # calls whatever its size, so a micro-batch goes to fewer clients rather than into slivers
-        self.min_task_rows = max(1, -(-int(task_tokens) // cfg.seq_len))
-        self.task_credit: dict[str, float] = {}  # client -> rows owed by its share of the compute
-        # the fewest rows of a batch a client computes here (parameter_server/frontal.py): each client
-        # that computes part of a batch pulls and pushes the whole stage's parameters for it
-        self.min_client_rows = max(1, -(-int(client_batch_tokens) // cfg.seq_len))
-        # a new batch goes first to a free worker of a stage server (parameter_server/frontal.py
-        # `_local_first`): it reads its parameters here and pushes half of them
-        self.local_first = bool(local_first)
         # the stage's parameters are cut into one shard slot per server of the first layout; this
         # server hosts its own slot, and after a failover the slots of lost servers it held replicas of
         self.stage_params = stage_params
@@ -170,6 +158,9 @@ class StageServer(
             client_timeout=client_timeout,
             volunteers_allow=volunteers_allow,
             max_request_bytes=max_request_bytes or default_max_request_bytes(stage_params, self.rows, cfg),
+            min_task_rows=max(1, -(-int(task_tokens) // cfg.seq_len)),
+            min_client_rows=max(1, -(-int(client_batch_tokens) // cfg.seq_len)),
+            local_first=bool(local_first),
         )
         self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (Updates.params_on_wire)
 
@@ -251,6 +242,10 @@ class StageServer(
         """Calls multiplexed over one stream (rpc.py: RpcSurface.rpc_session)."""
         async for message in self.surface.rpc_session(requests, context):
             yield message
+
+    def maybe_start_batches(self) -> None:
+        """Stage 0's frontal server builds the batches whose parameters exist (frontal.py)."""
+        self.frontal.maybe_start_batches()
 
     def handler_of(self, method: str):
         """The `on_<method>` of the part that answers `method` (parts.PART_HANDLERS), or of this server."""

@@ -228,7 +228,7 @@ class Updates:
         if stepped:
             self.wake_waiters()
             self.maybe_start_batches()
-            self.release_waiting()
+            self.frontal.release_waiting()
 
     def forget_before(self, batch: int) -> None:
         """Let go of batches < batch, applied by every server of the stage (DataPath.forget_before),

@@ -189,7 +189,7 @@ def test_the_run_data_a_frontal_server_keeps_survives_a_rollback_to_an_older_bat
     fs1 = swarm.servers[layout.stages[1].frontal[0]]
     rows = run.batch_size // run.micro_batches
     for t in range(10):
-        fs1._run_labels(t, 0, 0, 1)
+        fs1.frontal.run_labels(t, 0, 0, 1)
     for t in (5, 0, 9):
         _, labels = make_batch(swarm.corpus, run.seed, t, run.batch_size, cfg.seq_len)
-        assert torch.equal(fs1._run_labels(t, 1, 0, 2), labels[rows : rows + 2])
+        assert torch.equal(fs1.frontal.run_labels(t, 1, 0, 2), labels[rows : rows + 2])

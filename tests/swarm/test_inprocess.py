@@ -126,7 +126,7 @@ def test_one_complete_carries_every_task_of_a_push_and_a_bad_list_changes_nothin
     cfg, layout, run = make_run(steps=1, stages=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
     fs = swarm.servers[layout.stages[0].frontal[0]]
-    fs.min_task_rows = 1
+    fs.frontal.min_task_rows = 1
     (a,) = swarm.workers
     link = a.links[fs.device_id]
 

@@ -39,8 +39,8 @@ def test_a_micro_batch_goes_whole_to_the_clients_owed_the_most_rows():
     cfg, layout, run = make_run(steps=1, stages=1, batch_size=16, micro_batches=4)  # 4 rows per micro-batch
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=0, servers_compute=False)
     fs = swarm.servers[layout.stages[0].frontal[0]]
-    assert fs.min_task_rows == 16  # 512 tokens of 32 (tiny): a whole micro-batch
-    fs.min_client_rows = 1  # --client-batch-tokens 1: no batch is held to fewer clients
+    assert fs.frontal.min_task_rows == 16  # 512 tokens of 32 (tiny): a whole micro-batch
+    fs.frontal.min_client_rows = 1  # --client-batch-tokens 1: no batch is held to fewer clients
     for name in ("c1", "c2", "c3", "c4"):
         fs.clients[f"peer-{name}"] = ClientInfo(name, 1.0, fs.clock())
     made = []
@@ -49,7 +49,7 @@ def test_a_micro_batch_goes_whole_to_the_clients_owed_the_most_rows():
     def cut(micro_batches: int) -> collections.Counter:
         made.clear()
         for m in range(micro_batches):
-            fs.make_forward_tasks(0, m % run.micro_batches)
+            fs.frontal.make_forward_tasks(0, m % run.micro_batches)
         rows = collections.Counter()
         for task in made:
             rows[task.preferred_client] += task.rows[1] - task.rows[0]
@@ -58,10 +58,10 @@ def test_a_micro_batch_goes_whole_to_the_clients_owed_the_most_rows():
     rows = cut(4)
     assert len(made) == 4 and sorted(rows.values()) == [4, 4, 4, 4]  # one whole micro-batch each
     fs.clients["peer-c1"].compute = 2.0  # c1 is twice as fast as each other client
-    fs.task_credit.clear()
+    fs.frontal.task_credit.clear()
     rows = cut(20)
     assert rows["peer-c1"] == 2 * rows["peer-c2"] == 2 * rows["peer-c3"] == 2 * rows["peer-c4"] == 32
-    fs.min_task_rows = 1  # --task-tokens 1: every client gets a share of every micro-batch, as before
+    fs.frontal.min_task_rows = 1  # --task-tokens 1: every client gets a share of every micro-batch, as before
     rows = cut(1)
     assert len(made) == 4 and sum(rows.values()) == 4
 
@@ -75,14 +75,14 @@ def test_a_batch_goes_whole_to_one_client_and_the_next_batch_to_the_next_by_defa
     cfg, layout, run = make_run(steps=8, stages=1, batch_size=16, micro_batches=4)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=0, servers_compute=False)
     fs = swarm.servers[layout.stages[0].frontal[0]]
-    assert fs.min_client_rows == 64
+    assert fs.frontal.min_client_rows == 64
     for name in ("c1", "c2", "c3", "c4"):
         fs.clients[f"peer-{name}"] = ClientInfo(name, 1.0, fs.clock())
     made = []
     fs.leases.add_task = made.append
     for t in range(8):
         for m in range(run.micro_batches):
-            fs.make_forward_tasks(t, m)
+            fs.frontal.make_forward_tasks(t, m)
     by_batch = {t: {task.preferred_client for task in made if task.batch == t} for t in range(8)}
     assert all(len(clients) == 1 for clients in by_batch.values())
     assert [by_batch[t] | by_batch[t + 4] for t in range(4)] == [{f"peer-c{i}"} for i in range(1, 5)]
@@ -104,7 +104,7 @@ def test_a_batch_goes_first_to_a_free_worker_of_a_stage_server():
     def members_by_batch(local_first: bool) -> list[str]:
         swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=0, servers_compute=False)
         fs = swarm.servers[st.frontal[0]]
-        fs.local_first = local_first
+        fs.frontal.local_first = local_first
         for name in (*st.servers, "v1", "v2"):
             fs.clients[f"peer-{name}"] = ClientInfo(name, 1.0, fs.clock())
         made = []
@@ -112,7 +112,7 @@ def test_a_batch_goes_first_to_a_free_worker_of_a_stage_server():
         for t in range(8):
             fs.shard.version = max(t - 1, 0)  # batch t is cut once version t - 1 is made; t - 1 is in flight
             for m in range(run.micro_batches):
-                fs.make_forward_tasks(t, m)
+                fs.frontal.make_forward_tasks(t, m)
         by_batch = [{task.preferred_client for task in made if task.batch == t} for t in range(8)]
         assert all(len(clients) == 1 for clients in by_batch)
         return [clients.pop().removeprefix("peer-") for clients in by_batch]

@@ -329,7 +329,7 @@ def test_a_servers_worker_reads_another_servers_slot_from_its_replica_only_when_
     cfg, layout, run = make_run(steps=steps, stages=2, frontal=1, backward=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=True)
     for server in swarm.servers.values():  # --client-batch-tokens 1: every worker may compute on every version
-        server.min_client_rows = 1
+        server.frontal.min_client_rows = 1
     f1 = swarm.servers[layout.stages[1].frontal[0]]
     at = f1.copies.replica_at
 

@@ -600,7 +600,7 @@ def test_a_client_that_never_held_a_task_cannot_complete_it():
     cfg, layout, run = make_run(steps=1, stages=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
     fs = swarm.servers[layout.stages[0].frontal[0]]
-    fs.min_client_rows = 1  # --client-batch-tokens 1: both clients get tasks of the batch
+    fs.frontal.min_client_rows = 1  # --client-batch-tokens 1: both clients get tasks of the batch
     (a,) = swarm.workers
     holder = a.links[fs.device_id]
     stranger = LocalLink(fs, "peer-stranger")

@@ -186,7 +186,8 @@ def test_a_worker_handed_a_task_it_cannot_work_on_asks_every_server_again():
     cfg, layout, run = make_run(steps=4, stages=1, frontal=2, backward=1)
     swarm = InProcessSwarm(cfg, layout, run, volunteers_per_stage=1, servers_compute=False)
     f0, f1 = (swarm.servers[d] for d in layout.stages[0].frontal)
-    f0.min_client_rows = f1.min_client_rows = 1  # --client-batch-tokens 1: both clients get tasks of every batch
+    f0.frontal.min_client_rows = 1
+    f1.frontal.min_client_rows = 1  # --client-batch-tokens 1: both clients get tasks of every batch
     (a,) = swarm.workers
     other = LocalLink(f0, "peer-other")  # another volunteer, which holds f0's tasks of batches 0 and 1
     took_at_f1 = []
