@@ -23,6 +23,7 @@ from parameter_server.outbox import Outbox
 from parameter_server.param_deltas import ParamDeltas
 from parameter_server.pins import Pins
 from parameter_server.place import ServerPlace
+from parameter_server.recovery import Recovery
 from parameter_server.replicas import Replicas
 from parameter_server.rescue import Rescue
 from parameter_server.rpc import RpcSurface
@@ -69,7 +70,7 @@ def compose_parts(
     local_first: bool,
 ) -> None:
     """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `checks`, `registry` (its clients), `arrivals`,
-    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status), `copies` (its replicas), `frontal` and `backward` (the two roles' data path), `epochs` (its layout epochs), `surface` (its calls in) and `rescue`;
+    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status), `copies` (its replicas), `frontal` and `backward` (the two roles' data path), `epochs` (its layout epochs), `surface` (its calls in), `recovery` (its request log replayed) and `rescue`;
     the server that starts each evaluation gets the evaluation's step callback."""
 
     place = ServerPlace(server.device_id, server.stage, server.role, server.index, server.last)
@@ -84,7 +85,7 @@ def compose_parts(
         return server.epoch
 
     def replaying() -> bool:
-        return server.replaying
+        return server.recovery.replaying
 
     server.directory = Directory(
         device_id=server.device_id,
@@ -361,6 +362,16 @@ def compose_parts(
         device_of=server.device_of,
         log=lambda: server.log,
         replaying=replaying,
+    )
+    server.recovery = Recovery(
+        place=place,
+        micro_batches=run.micro_batches,
+        surface=server.surface,
+        frontal=server.frontal,
+        backward=server.backward,
+        dp=lambda: server.dp,
+        version=lambda: server.version,
+        maybe_step=lambda: server.maybe_step(),
     )
     server.rescue = Rescue(
         place=place,

@@ -44,7 +44,6 @@ from parameter_server.datapath import DataPath
 from parameter_server.failover import Placement
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.parts import PART_HANDLERS, compose_parts
-from parameter_server.recovery import Recovery
 from parameter_server.shard import ShardState
 from parameter_server.updates import RETAIN, Updates, snapshots_kept
 from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Verification
@@ -66,7 +65,6 @@ __all__ = ["RETAIN", "StageServer"]
 class StageServer(
     Updates,
     Verification,
-    Recovery,
     ServicerBase,
 ):
     def __init__(
@@ -142,7 +140,6 @@ class StageServer(
             "replica_steps_by_reference": 0,
         }
         self.log = None  # RequestLog when the server has a checkpoint dir
-        self.replaying = False
         self.step_event = asyncio.Event()
         self.on_step: list[Callable[[int], Awaitable[None] | None]] = []
         self.on_credit: list[Callable[[int, int], None]] = []  # (slot, batch): a gradient push was credited
@@ -221,6 +218,9 @@ class StageServer(
     forgotten_before = property(lambda self: self.dp.forgotten_before)
     waiting_inputs = property(lambda self: self.dp.waiting_inputs)
     next_batch = property(lambda self: self.dp.next_batch)
+
+    # a request-log replay is under way (recovery.py): the parts check nothing again and log nothing
+    replaying = property(lambda self: self.recovery.replaying)
 
     # where this server stands in the current layout epoch (failover.py's Placement, read-only here)
     layout = property(lambda self: self.placement.layout)

@@ -184,7 +184,7 @@ async def resume(server, args, cfg, device: str):
     t0 = time.perf_counter()
     resumed = load_checkpoint(server, args.checkpoint_dir)
     request_log, logged = RequestLog.resume(os.path.join(args.checkpoint_dir, f"{device}.requests.log"))
-    replayed = await server.recover(logged)
+    replayed = await server.recovery.recover(logged)
     del logged
     if resumed or replayed:
         logger.warning(

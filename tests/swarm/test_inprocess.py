@@ -229,5 +229,5 @@ def test_finished_tasks_go_with_the_next_take_or_heartbeat_not_a_complete_each(t
     logged = [t for r, _ in read_log(fs.log.path) if r.get("method") == "complete" for t in r["meta"]["tasks"]]
     assert logged == list(done)
     restarted = swarm.new_server(dev)
-    asyncio.run(restarted.recover(read_log(fs.log.path)))
+    asyncio.run(restarted.recovery.recover(read_log(fs.log.path)))
     assert all(restarted.pool.is_done(t) for t in done)
