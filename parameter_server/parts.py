@@ -28,6 +28,7 @@ from parameter_server.replicas import Replicas
 from parameter_server.rescue import Rescue
 from parameter_server.rpc import RpcSurface
 from parameter_server.status import SEEN_VOLUNTEERS, Status
+from parameter_server.updates import Updates
 
 # method -> (the attribute of the part that answers it on a server, the part's class): the RPC surface
 # finds a method's handler as on_<method> of the server or of the part named here
@@ -46,6 +47,8 @@ PART_HANDLERS: dict[str, tuple[str, type]] = {
     "push_inputs": ("frontal", Frontal),
     "get_inputs": ("frontal", Frontal),
     "push_input_grads": ("frontal", Frontal),
+    "get_params": ("updates", Updates),
+    "push_grads": ("updates", Updates),
     "push_outputs": ("backward", Backward),
     "push_output_grads": ("backward", Backward),
     "get_layout": ("epochs", Failover),
@@ -70,7 +73,7 @@ def compose_parts(
     local_first: bool,
 ) -> None:
     """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `checks`, `registry` (its clients), `arrivals`,
-    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status), `copies` (its replicas), `frontal` and `backward` (the two roles' data path), `epochs` (its layout epochs), `surface` (its calls in), `recovery` (its request log replayed) and `rescue`;
+    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status), `copies` (its replicas), `frontal` and `backward` (the two roles' data path), `updates` (versions, credits, steps), `epochs` (its layout epochs), `surface` (its calls in), `recovery` (its request log replayed) and `rescue`;
     the server that starts each evaluation gets the evaluation's step callback."""
 
     place = ServerPlace(server.device_id, server.stage, server.role, server.index, server.last)
@@ -172,7 +175,7 @@ def compose_parts(
         epoch=epoch,
         layout=layout,
         version=lambda: server.version,
-        step_event=lambda: server.step_event,
+        step_event=lambda: server.updates.step_event,
         replaying=replaying,
         recompute=server.recompute,
         device=server.verify_device,
@@ -237,7 +240,7 @@ def compose_parts(
         log=lambda: server.log,
         replaying=replaying,
     )
-    server.deltas = ParamDeltas(server.params_on_wire)
+    server.deltas = ParamDeltas(lambda shard, version, snap: server.updates.params_on_wire(shard, version, snap))
     server.report = Status(
         place=place,
         links=server.links,
@@ -304,6 +307,32 @@ def compose_parts(
         version=lambda: server.version,
         replaying=replaying,
     )
+    server.updates = Updates(
+        place=place,
+        peer_id=server.peer_id,
+        slot=server.slot,
+        micro_batches=run.micro_batches,
+        precision=run.precision,
+        rows=server.rows,
+        hosted=server.hosted,
+        registry=server.registry,
+        checks=server.checks,
+        directory=server.directory,
+        arrivals=server.arrivals,
+        pins=server.pins,
+        clipping=server.clipping,
+        copies=server.copies,
+        frontal=server.frontal,
+        outbox=server.outbox,
+        deltas=lambda: server.deltas,
+        dp=lambda: server.dp,
+        stage_servers=lambda: server.st,
+        epoch=epoch,
+        version=lambda: server.version,
+        replaying=replaying,
+        check_push=lambda sender, t, *work: server.check_later(t, server.check_push, sender, t, *work),
+        back_input_grads=lambda sender, t, pieces: server.back_input_grads(sender, t, pieces),
+    )
     server.backward = Backward(
         place=place,
         rows=server.rows,
@@ -341,7 +370,7 @@ def compose_parts(
         log=lambda: server.log,
         reset_datapath=server.reset_datapath,
         forget_checks=server.forget_checks,
-        wake_waiters=server.wake_waiters,
+        wake_waiters=server.updates.wake_waiters,
         start_batches=server.frontal.maybe_start_batches,
     )
     server.surface = RpcSurface(
@@ -397,4 +426,4 @@ def compose_parts(
         counters=server.counters,
     )
     if server.evaluation.starts:
-        server.on_step.append(server.evaluation.maybe_evaluate)
+        server.updates.on_step.append(server.evaluation.maybe_evaluate)

@@ -25,10 +25,9 @@ answers anything else with an error that says what is wrong, changing nothing.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Callable
 
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
@@ -45,7 +44,7 @@ from parameter_server.failover import Placement
 from parameter_server.ledger import LedgerEntry, RowBuffer  # noqa: F401 (types of the shared state)
 from parameter_server.parts import PART_HANDLERS, compose_parts
 from parameter_server.shard import ShardState
-from parameter_server.updates import RETAIN, Updates, snapshots_kept
+from parameter_server.updates import RETAIN, snapshots_kept
 from parameter_server.verify import DEFAULT_PROBATION, DEFAULT_VERIFY_RATE, Verification
 from taskpool import TaskPool
 
@@ -63,7 +62,6 @@ __all__ = ["RETAIN", "StageServer"]
 
 
 class StageServer(
-    Updates,
     Verification,
     ServicerBase,
 ):
@@ -140,11 +138,7 @@ class StageServer(
             "replica_steps_by_reference": 0,
         }
         self.log = None  # RequestLog when the server has a checkpoint dir
-        self.step_event = asyncio.Event()
-        self.on_step: list[Callable[[int], Awaitable[None] | None]] = []
-        self.on_credit: list[Callable[[int, int], None]] = []  # (slot, batch): a gradient push was credited
         self._stall_reported: int | None = None  # the version whose stall report_stall logged
-        self.missing_versions: set[tuple[int, int]] = set()  # (asked, current) refused and logged (get_params)
         self._init_verification(verify_rate, probation, verify_device)
         compose_parts(
             self,
@@ -159,7 +153,6 @@ class StageServer(
             min_client_rows=max(1, -(-int(client_batch_tokens) // cfg.seq_len)),
             local_first=bool(local_first),
         )
-        self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (Updates.params_on_wire)
 
     def use_old_versions(self, old_versions) -> None:
         """Keep the versions memory lets go on disk, within a ban's reach (old_versions.py): the slots
@@ -242,6 +235,10 @@ class StageServer(
         """Calls multiplexed over one stream (rpc.py: RpcSurface.rpc_session)."""
         async for message in self.surface.rpc_session(requests, context):
             yield message
+
+    def maybe_step(self) -> None:
+        """Step every hosted slot whose batch is whole and whose holds are over (updates.py)."""
+        self.updates.maybe_step()
 
     def maybe_start_batches(self) -> None:
         """Stage 0's frontal server builds the batches whose parameters exist (frontal.py)."""

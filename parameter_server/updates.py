@@ -1,14 +1,15 @@
 """Parameters and gradients: serving parameter versions, crediting gradient pushes exactly once
 (all or nothing per push, a task at most once), and the step under the delayed update
 (core/model/update_rule.py), followed by a copy of the new shard to the stage's next server.
-Must not touch the data path's rows."""
+Must not touch the data path's rows. A part of a server, built with what it reads of it
+(parameter_server/parts.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import torch
 
@@ -40,7 +41,65 @@ def snapshots_kept(num_stages: int) -> int:
 
 
 class Updates:
-    """StageServer's parameter versions, gradient credits and the step (a part of parameter_server.service.StageServer)."""
+    """A server's parameter versions, gradient credits and steps, given what they read of it: its
+    `place`, `peer_id` and own `slot`; the run's `micro_batches` and `precision`, `rows` a micro-batch;
+    `hosted` (slot -> shard); its `registry`, `checks`, `directory`, `arrivals`, `pins`, `clipping`,
+    `copies` (replicas), `frontal`, `outbox` and `deltas`; as they are now: `dp()`, `stage_servers()`,
+    `epoch()`, `version()` and `replaying()`; and the checks' `check_push(sender, t, ids, slot,
+    grads, loss)` (a push drawn for a re-run) and `back_input_grads(sender, t, pieces)`. `on_step` are
+    called with each new version, `on_credit` with each (slot, batch) credited."""
+
+    def __init__(
+        self,
+        *,
+        place,
+        peer_id: str,
+        slot: int,
+        micro_batches: int,
+        precision: str,
+        rows: int,
+        hosted: dict,
+        registry,
+        checks,
+        directory,
+        arrivals,
+        pins,
+        clipping,
+        copies,
+        frontal,
+        outbox,
+        deltas: Callable[[], object],
+        dp: Callable[[], object],
+        stage_servers: Callable[[], object],
+        epoch: Callable[[], int],
+        version: Callable[[], int],
+        replaying: Callable[[], bool],
+        check_push: Callable[..., None],
+        back_input_grads: Callable[[str, int, list], None],
+    ) -> None:
+        self.place, self.peer_id, self.slot, self.micro_batches, self.precision, self.rows = (
+            place,
+            peer_id,
+            slot,
+            micro_batches,
+            precision,
+            rows,
+        )
+        self.hosted, self.registry, self.checks, self.directory, self.arrivals = (
+            hosted,
+            registry,
+            checks,
+            directory,
+            arrivals,
+        )
+        self.pins, self.clipping, self.copies, self.frontal, self.outbox = pins, clipping, copies, frontal, outbox
+        self.deltas, self.dp, self.stage_servers, self.epoch, self.version = deltas, dp, stage_servers, epoch, version
+        self.replaying, self.check_push, self.back_input_grads = replaying, check_push, back_input_grads
+        self.step_event = asyncio.Event()  # set (and replaced) at each step and adopted epoch (wake_waiters)
+        self.on_step: list[Callable[[int], Awaitable[None] | None]] = []
+        self.on_credit: list[Callable[[int, int], None]] = []  # (slot, batch): a gradient push was credited
+        self.missing_versions: set[tuple[int, int]] = set()  # (asked, current) refused and logged (on_get_params)
+        self._wire_params: dict = {}  # (shard, version, token) -> its tensors in bf16 (params_on_wire)
 
     async def on_get_params(self, meta, tensors, sender):
         version = mfield(meta, "version", int)
@@ -56,7 +115,7 @@ class Updates:
         # a version not reached yet is waited for up to `wait` seconds (woken by each step and each
         # adopted epoch), so that a client asks once where it polled every few tens of milliseconds
         deadline = time.monotonic() + wait
-        while (version > shard.version or (epoch or 0) > self.epoch) and (left := deadline - time.monotonic()) > 0:
+        while (version > shard.version or (epoch or 0) > self.epoch()) and (left := deadline - time.monotonic()) > 0:
             try:
                 await asyncio.wait_for(self.step_event.wait(), left)
             except asyncio.TimeoutError:
@@ -64,7 +123,7 @@ class Updates:
             shard = self._hosted(meta)  # a failover may have moved the slot meanwhile
         if epoch is not None:
             self.checks.check_epoch(meta, later_ok=True)
-        if version > shard.version or (epoch or 0) > self.epoch:
+        if version > shard.version or (epoch or 0) > self.epoch():
             return {"retry": True, "version": shard.version}
         snap = shard.params_at(version)
         if snap is None:
@@ -75,7 +134,7 @@ class Updates:
                 logger.error(
                     "%s: version %d of a hosted slot is asked for and not held (held: %s): tasks "
                     "computed on it cannot run",
-                    self.device_id,
+                    self.place.device_id,
                     version,
                     sorted(shard.snapshots),
                 )
@@ -87,7 +146,7 @@ class Updates:
         if base is not None:
             if not 0 <= base < version:
                 raise PayloadError(f"field 'base': {base} is not a version older than {version}")
-            blob = await self.deltas.against(shard, base, mfield(meta, "base_digest", str), version, wire)
+            blob = await self.deltas().against(shard, base, mfield(meta, "base_digest", str), version, wire)
             if blob is not None:
                 answer = {"names": shard.names, "version": version, "encoding": ENCODING, "base": base}
                 return answer, [torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
@@ -96,7 +155,7 @@ class Updates:
     def params_on_wire(self, shard: ShardState, version: int, snap: dict) -> list:
         """The tensors of `version` as a volunteer is sent them: fp32, or at --precision bf16 rounded to
         bfloat16 (half the bytes: the rounding a task computes on anyway), made once per version."""
-        dtype = wire_dtype(self.run.precision)
+        dtype = wire_dtype(self.precision)
         if dtype == torch.float32:
             return [snap[n] for n in shard.names]
         key = (id(shard), version, shard.tokens.get(version))
@@ -125,9 +184,9 @@ class Updates:
             self.registry.caller(sender)
         t = mfield(meta, "batch", int)
         ids = mfield(meta, "tasks", list)
-        if len(ids) > self.run.micro_batches * self.rows:
+        if len(ids) > self.micro_batches * self.rows:
             raise PayloadError(
-                f"{len(ids)} tasks in one push: a batch has at most {self.run.micro_batches * self.rows} rows"
+                f"{len(ids)} tasks in one push: a batch has at most {self.micro_batches * self.rows} rows"
             )
         if len(set(map(str, ids))) != len(ids):
             raise PayloadError("field 'tasks' names a task twice")
@@ -135,22 +194,22 @@ class Updates:
         for task_id in ids:
             tid = TaskId.parse(task_id)
             kind, batch, micro, stage, rows = tid.kind, tid.batch, tid.micro, tid.stage, tid.rows
-            if stage != self.stage or batch != t:
-                raise PayloadError(f"task {task_id} is not of batch {t} of stage {self.stage}")
-            if kind != (TaskKind.FORWARD if self.last else TaskKind.BACKWARD):
+            if stage != self.place.stage or batch != t:
+                raise PayloadError(f"task {task_id} is not of batch {t} of stage {self.place.stage}")
+            if kind != (TaskKind.FORWARD if self.place.last else TaskKind.BACKWARD):
                 raise PayloadError(
-                    f"task {task_id}: only {'forward' if self.last else 'backward'} tasks carry "
-                    f"gradients on stage {self.stage}"
+                    f"task {task_id}: only {'forward' if self.place.last else 'backward'} tasks carry "
+                    f"gradients on stage {self.place.stage}"
                 )
             pieces.append((task_id, micro, rows))
         loss = mfield(meta, "loss_sum", float, optional=True)
-        if self.last and loss is None:
+        if self.place.last and loss is None:
             raise PayloadError("the last stage's gradient pushes must carry 'loss_sum'")
         tickets = mfield(meta, "leases", list, optional=True) or []
-        kind = TaskKind.FORWARD if self.last else TaskKind.BACKWARD
+        kind = TaskKind.FORWARD if self.place.last else TaskKind.BACKWARD
 
         def leased() -> None:  # after the payload's checks: a malformed push is named as such
-            if len(tickets) != len(ids) and not self.replaying:
+            if len(tickets) != len(ids) and not self.replaying():
                 raise PayloadError(
                     f"field 'leases' must hold one lease ticket per task: {len(ids)} tasks, {len(tickets)} tickets"
                 )
@@ -163,7 +222,7 @@ class Updates:
             batch=t, pieces=pieces, grads=tensors, loss_sum=loss, sender=sender, authorize=leased
         )
         if result == "credited":
-            self._back_input_grads(sender, t, pieces)
+            self.back_input_grads(sender, t, pieces)
             rows = sum(hi - lo for _, _, (lo, hi) in pieces)
             unusual = not self.directory.is_server(sender) and (
                 self.arrivals.unusual_norm(self.slot if slot is None else slot, tensors, rows)
@@ -171,19 +230,10 @@ class Updates:
             )
             for cb in self.on_credit:
                 cb(self.slot if slot is None else slot, t)
-            if self.arrivals.note_contribution(sender, t, shared_by=len(self.st.hosts)) or (
-                unusual and not self.replaying
+            if self.arrivals.note_contribution(sender, t, shared_by=len(self.stage_servers().hosts)) or (
+                unusual and not self.replaying()
             ):
-                self.check_later(
-                    t,
-                    self._check_push,
-                    sender,
-                    t,
-                    [p[0] for p in pieces],
-                    self.slot if slot is None else slot,
-                    tensors,
-                    loss,
-                )
+                self.check_push(sender, t, [p[0] for p in pieces], self.slot if slot is None else slot, tensors, loss)
             self.maybe_step()
         return {"result": result, "credited": already}
 
@@ -201,16 +251,16 @@ class Updates:
                 and not self.copies.behind(slot, shard.version)
                 and not self.clipping.clip_hold(slot, shard)
             ):
-                before = self.version
+                before = self.version()
                 scale, total = self.clipping.clip_step(slot, shard)
                 v = shard.step(scale, total)
                 stepped = True
                 if total is None:
-                    logger.info("%s: applied batch %d -> version %d (slot %d)", self.device_id, v - 1, v, slot)
+                    logger.info("%s: applied batch %d -> version %d (slot %d)", self.place.device_id, v - 1, v, slot)
                 else:
                     logger.info(
                         "%s: applied batch %d -> version %d (slot %d), gradient norm %.4g%s",
-                        self.device_id,
+                        self.place.device_id,
                         v - 1,
                         v,
                         slot,
@@ -218,20 +268,20 @@ class Updates:
                         f", clipped x{scale:.4g}" if scale < 1.0 else "",
                     )
                 self.outbox.spawn(self.copies.send(slot))
-                if self.version == before:
+                if self.version() == before:
                     continue
-                self.forget_before(self.version - (RETAIN - 1))
+                self.forget_before(self.version() - (RETAIN - 1))
                 for cb in self.on_step:
-                    r = cb(self.version)
+                    r = cb(self.version())
                     if asyncio.iscoroutine(r):
                         self.outbox.spawn(r)
         if stepped:
             self.wake_waiters()
-            self.maybe_start_batches()
+            self.frontal.maybe_start_batches()
             self.frontal.release_waiting()
 
     def forget_before(self, batch: int) -> None:
         """Let go of batches < batch, applied by every server of the stage (DataPath.forget_before),
         and of what is remembered of volunteers gone for good (Arrivals.forget_departed)."""
-        self.dp.forget_before(batch)
+        self.dp().forget_before(batch)
         self.arrivals.forget_departed()

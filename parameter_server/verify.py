@@ -254,7 +254,7 @@ class Verification:
         ) and not await self._drifts(epoch, sender, "outputs", out, want, t):
             self.passed_check(sender, seen)
 
-    async def _check_push(
+    async def check_push(
         self, epoch: int, sender: str, t: int, ids: list[str], slot: int, grads: list[torch.Tensor], loss: float | None
     ) -> None:
         names = self.slot_names[slot]
@@ -338,7 +338,7 @@ class Verification:
             ),
         )
 
-    def _back_input_grads(self, sender: str, t: int, pieces: list) -> None:
+    def back_input_grads(self, sender: str, t: int, pieces: list) -> None:
         """A gradient push from `sender` credited here (a frontal server of a stage > 0) for `pieces`
         (task id, micro-batch, rows): an input gradient of the same rows handed in by someone else was
         relayed with no push of its own behind it (its task handed back or let run out, and run again):

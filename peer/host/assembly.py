@@ -95,15 +95,15 @@ async def build_parts(host) -> StageParts:
     logger.info("%s: its stage server built in %.1f s", device, time.perf_counter() - t0)
     keep_old_versions(server, args, device)
     writer = await resume(server, args, host.cfg, device) if args.checkpoint_dir else None
-    server.on_step.append(server.report.note_step)
+    server.updates.on_step.append(server.report.note_step)
     if args.die_at_version is not None:
-        server.on_step.append(host._die_at)
+        server.updates.on_step.append(host._die_at)
     trainlog = None
     if args.log_dir:
         from peer.host.trainlog import TrainingLog
 
         trainlog = TrainingLog(args.log_dir, server)
-        server.on_step.append(trainlog.on_step)
+        server.updates.on_step.append(trainlog.on_step)
         server.evaluation.on_eval.append(trainlog.on_eval)
     # who the run's servers are, before this server answers anyone: a restarted server refused the
     # others' replicas and inputs ("not a server of this run") until its first announcement round
@@ -150,7 +150,7 @@ async def build_parts(host) -> StageParts:
     )
     # the run's last version is announced at once, not up to a period later: `peer swarm` and the
     # dashboard see the run end by it
-    server.on_step.append(host._on_step)
+    server.updates.on_step.append(host._on_step)
     announcer.says = host.state.line
     announcer.on_refresh.append(host._look)
     announcer.on_refresh.append(host._remember_peers)
@@ -201,7 +201,7 @@ async def resume(server, args, cfg, device: str):
     def persist(version: int) -> None:  # the log forgets old batches once the checkpoint is on disk
         writer.after_step(lambda: request_log.compact(version - (RETAIN - 1)))
 
-    server.on_step.append(persist)
+    server.updates.on_step.append(persist)
     server.epochs.on_adopt.append(lambda record: writer.now())
     server.copies.on_replica.append(writer.replica)
     return writer

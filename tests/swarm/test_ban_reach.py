@@ -40,7 +40,7 @@ def test_a_liar_caught_after_memory_let_its_lies_go_is_rolled_back_from_disk(tmp
         server.arrivals.unusual_direction = lambda *args: False
         olds.append(OldVersions(str(tmp_path / device), depth=64))
         server.use_old_versions(olds[-1])
-        server.on_credit.append(arm)
+        server.updates.on_credit.append(arm)
     records, in_memory = [], []
 
     async def ban():

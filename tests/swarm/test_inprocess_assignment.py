@@ -87,7 +87,7 @@ def test_a_batch_goes_whole_to_one_client_and_the_next_batch_to_the_next_by_defa
     assert all(len(clients) == 1 for clients in by_batch.values())
     assert [by_batch[t] | by_batch[t + 4] for t in range(4)] == [{f"peer-c{i}"} for i in range(1, 5)]
     assert sorted(fs.batch_members) == list(range(8))
-    fs.forget_before(6)  # what is kept of a batch goes with its rows
+    fs.updates.forget_before(6)  # what is kept of a batch goes with its rows
     assert sorted(fs.batch_members) == [6, 7]
 
 

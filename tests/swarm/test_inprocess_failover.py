@@ -134,7 +134,9 @@ def test_a_slot_steps_at_most_two_versions_ahead_of_its_slow_replica_and_its_los
 
     buddy.surface.handle = late
     behind = []  # at each step of s0b1: its new version less what its replica holds
-    host.on_step.append(lambda v: behind.append(v - (buddy.replicas[slot].version if slot in buddy.replicas else -1)))
+    host.updates.on_step.append(
+        lambda v: behind.append(v - (buddy.replicas[slot].version if slot in buddy.replicas else -1))
+    )
     records, where = [], []
 
     async def lose():
@@ -409,7 +411,7 @@ def test_a_copy_to_a_lost_buddy_still_on_its_way_when_the_epoch_begins_holds_no_
     async def lose():
         await asyncio.wait_for(on_its_way.wait(), 60)
         await swarm.lose(s0b1.device_id)
-        s0b0.on_credit.append(holds_both)  # looked at as each push of the new epoch is credited
+        s0b0.updates.on_credit.append(holds_both)  # looked at as each push of the new epoch is credited
         holds_both(slot, -1)  # (and now, should they all be in already)
 
     state = asyncio.run(swarm.train(timeout=120, at_version={0: lose}))

@@ -225,7 +225,7 @@ def test_a_worker_handed_a_task_it_cannot_work_on_asks_every_server_again():
         )
         # (the step waits for f0's replica at f1 to hold version 0: Replicas.behind)
         if f0.version < 1:
-            await asyncio.wait_for(f0.step_event.wait(), 30.0)
+            await asyncio.wait_for(f0.updates.step_event.wait(), 30.0)
         assert (f0.version, f1.version) == (1, 0) and f0.pool.open_tasks(2)  # f0 cut batch 2
         assert {h for b in (0, 1) for _, h, _ in f0.pool.open_tasks(b)} == {"peer-other"}  # all held
         stop = asyncio.Event()

@@ -126,7 +126,7 @@ def checked_after_its_step(server, peer: str, until=None, news=None) -> None:
     nothing)."""
     check_later, recompute = server.check_later, server.recompute
     if until is None:
-        until, news = (lambda t: server.version > t), server  # (woken at each step: server.step_event)
+        until, news = (lambda t: server.version > t), server  # (woken at each step: server.updates.step_event)
 
     def marked(t, check, *args):
         if args[0] != peer:
@@ -144,7 +144,7 @@ def checked_after_its_step(server, peer: str, until=None, news=None) -> None:
     async def late(version, fn):
         t = CHECKED_BATCH.get()
         while t is not None:  # (the step it waits for: nothing holds it for this check)
-            woken = news.step_event if news is server else news.event  # (taken before the check)
+            woken = news.updates.step_event if news is server else news.event  # (taken before the check)
             if until(t):
                 break
             await woken.wait()

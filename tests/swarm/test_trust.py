@@ -343,7 +343,7 @@ def test_a_patient_liar_past_probation_is_checked_at_its_first_outsized_push():
             armed.append(min(swarm.versions()))
 
     for server in judges:
-        server.on_credit.append(lie_past_probation)
+        server.updates.on_credit.append(lie_past_probation)
     state = asyncio.run(swarm.train(timeout=240))
     bans = {p: why for s in swarm.servers.values() for p, why in s.bans.banned.items()}
     assert armed and armed[0] < steps - 2, armed  # (lies began with batches left to lie on)
@@ -384,7 +384,7 @@ def test_a_patient_liar_that_flips_signs_past_probation_is_checked_by_the_direct
                 return
 
     for server in judges:
-        server.on_credit.append(arm)
+        server.updates.on_credit.append(arm)
     state = asyncio.run(swarm.train(timeout=240))
     bans = {p: why for s in swarm.servers.values() for p, why in s.bans.banned.items()}
     seen = {
