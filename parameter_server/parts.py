@@ -1,19 +1,23 @@
-"""The parts a StageServer is composed of, each built here with what it reads of its server (as
-the server is at each call: a failover changes its layout, epoch, hosted slots and replicas) rather
-than sharing the server's attributes: the outbox (deliveries and background work), what volunteers
-sent (arrivals.py), the bans (bans.py), the re-queueing of work whose results never came (rescue.py), the gradient-norm round (clipping.py), the held-out evaluation
-(evaluate.py), the holds and pins that keep what a ban may need (pins.py) and the parameter versions
-sent as differences (param_deltas.py)."""
+"""The parts a StageServer is composed of, each built here (and in compose_data.py) with what it
+reads of its server, as the server is at each call (a failover changes its layout, epoch, hosted
+slots and replicas; a layout epoch makes its DataPath anew), rather than sharing the server's
+attributes: the directory of the run's servers (directory.py), the checks every handler shares
+(checks.py), the client registry (clients.py), what volunteers sent (arrivals.py), the outbox
+(outbox.py), the gradient-norm round (clipping.py), the held-out evaluation (evaluate.py), the holds
+and pins (pins.py), the bans (bans.py), take/complete/fail (leases.py), the versions sent as
+differences (param_deltas.py), the status (status.py) and the replicas (replicas.py); then
+compose_data.py's. A call's handler is `on_<method>` of the part PART_HANDLERS names, or of the
+server."""
 
 from __future__ import annotations
 
 from parameter_server.arrivals import Arrivals
 from parameter_server.backward import Backward
 from parameter_server.bans import Bans
-from parameter_server.budget import RequestBudget, client_request_bytes
 from parameter_server.checks import Checks
 from parameter_server.clients import Clients
 from parameter_server.clipping import Clipping
+from parameter_server.compose_data import compose_data_parts
 from parameter_server.directory import Directory
 from parameter_server.evaluate import Evaluation
 from parameter_server.failover import Failover
@@ -23,10 +27,8 @@ from parameter_server.outbox import Outbox
 from parameter_server.param_deltas import ParamDeltas
 from parameter_server.pins import Pins
 from parameter_server.place import ServerPlace
-from parameter_server.recovery import Recovery
 from parameter_server.replicas import Replicas
 from parameter_server.rescue import Rescue
-from parameter_server.rpc import RpcSurface
 from parameter_server.status import SEEN_VOLUNTEERS, Status
 from parameter_server.updates import Updates
 
@@ -280,150 +282,18 @@ def compose_parts(
         connector=lambda: server.connector,
         maybe_step=lambda: server.maybe_step(),
     )
-    client_bytes = min(max_request_bytes, client_request_bytes(server.stage_params, server.rows, cfg))
-    server.frontal = Frontal(
-        place=place,
-        peer_id=server.peer_id,
-        steps=run.steps,
-        micro_batches=run.micro_batches,
-        seed=run.seed,
-        batch_size=run.batch_size,
-        rows=server.rows,
-        seq=cfg.seq_len,
-        corpus=server.corpus,
+    compose_data_parts(
+        server,
+        run,
+        cfg,
+        place,
+        layout=layout,
+        epoch=epoch,
+        replaying=replaying,
+        max_request_bytes=max_request_bytes,
         min_task_rows=min_task_rows,
         min_client_rows=min_client_rows,
         local_first=local_first,
-        clients=server.clients,
-        registry=server.registry,
-        checks=server.checks,
-        arrivals=server.arrivals,
-        leases=server.leases,
-        directory=server.directory,
-        outbox=server.outbox,
-        counters=server.counters,
-        dp=lambda: server.dp,
-        layout=layout,
-        version=lambda: server.version,
-        replaying=replaying,
-    )
-    server.updates = Updates(
-        place=place,
-        peer_id=server.peer_id,
-        slot=server.slot,
-        micro_batches=run.micro_batches,
-        precision=run.precision,
-        rows=server.rows,
-        hosted=server.hosted,
-        registry=server.registry,
-        checks=server.checks,
-        directory=server.directory,
-        arrivals=server.arrivals,
-        pins=server.pins,
-        clipping=server.clipping,
-        copies=server.copies,
-        frontal=server.frontal,
-        outbox=server.outbox,
-        deltas=lambda: server.deltas,
-        dp=lambda: server.dp,
-        stage_servers=lambda: server.st,
-        epoch=epoch,
-        version=lambda: server.version,
-        replaying=replaying,
-        check_push=lambda sender, t, *work: server.check_later(t, server.check_push, sender, t, *work),
-        back_input_grads=lambda sender, t, pieces: server.back_input_grads(sender, t, pieces),
-    )
-    server.backward = Backward(
-        place=place,
-        rows=server.rows,
-        registry=server.registry,
-        checks=server.checks,
-        arrivals=server.arrivals,
-        leases=server.leases,
-        outbox=server.outbox,
-        counters=server.counters,
-        dp=lambda: server.dp,
-        layout=layout,
-        replaying=replaying,
-        check_outputs=lambda sender, t, *work: server.check_later(t, server.check_outputs, sender, t, *work),
-    )
-    server.epochs = Failover(
-        device_id=server.device_id,
-        peer_id=server.peer_id,
-        stage=server.stage,
-        role=server.role,
-        steps=run.steps,
-        layers=cfg.layers,
-        placement=server.placement,
-        hosted=server.hosted,
-        replicas=server.replicas,
-        clipping=server.clipping,
-        evaluation=server.evaluation,
-        bans=server.bans,
-        pins=server.pins,
-        directory=server.directory,
-        copies=server.copies,
-        report=server.report,
-        old_versions=lambda: server.old_versions,
-        connector=lambda: server.connector,
-        replaying=replaying,
-        log=lambda: server.log,
-        reset_datapath=server.reset_datapath,
-        forget_checks=server.forget_checks,
-        wake_waiters=server.updates.wake_waiters,
-        start_batches=server.frontal.maybe_start_batches,
-    )
-    server.surface = RpcSurface(
-        device_id=server.device_id,
-        compress=server.compress,
-        links=server.links,
-        # a peer that is not one of the run's servers sends no replica: its requests are bounded by the
-        # largest a volunteer sends, and so is its share of the budget of unanswered requests' bytes,
-        # per volunteer and in all (budget.py)
-        request_budget=RequestBudget.for_requests(client_bytes, max_request_bytes),
-        max_request_bytes=max_request_bytes,
-        max_client_request_bytes=client_bytes,
-        counters=server.counters,
-        directory=server.directory,
-        checks=server.checks,
-        arrivals=server.arrivals,
-        handler_of=server.handler_of,
-        device_of=server.device_of,
-        log=lambda: server.log,
-        replaying=replaying,
-    )
-    server.recovery = Recovery(
-        place=place,
-        micro_batches=run.micro_batches,
-        surface=server.surface,
-        frontal=server.frontal,
-        backward=server.backward,
-        dp=lambda: server.dp,
-        version=lambda: server.version,
-        maybe_step=lambda: server.maybe_step(),
-    )
-    server.rescue = Rescue(
-        place=place,
-        rows=server.rows,
-        micro_batches=run.micro_batches,
-        steps=run.steps,
-        stage_servers=lambda: server.st,
-        shards=lambda: server.hosted,
-        buffers=lambda: server.buffers,
-        segment=lambda: server.seg,
-        version=lambda: server.version,
-        epoch=epoch,
-        replaying=replaying,
-        steps_held=server.pins.steps_held,
-        issued=lambda: server.issued,
-        pool=lambda: server.pool,
-        ledger=lambda: server.ledger,
-        step_times=server.report.step_times,
-        outbox=server.outbox,
-        call=server.server_call,
-        server_sender=server.checks.server_of,
-        signal_tasks=server.leases.signal_tasks,
-        counters=server.counters,
     )
     if server.evaluation.starts:
         server.updates.on_step.append(server.evaluation.maybe_evaluate)

@@ -1,23 +1,15 @@
 """A reliable parameter server of one stage: frontal (FS) or backward (BS), following "One training
 step" of docs/design.md and section 3.2 of the design paper. This file is its thin service: the
-state the mixed-in rooms share and the directory of the run's servers. Each concern lives in a room
-of its own. Six are parts built with their dependencies (parts.py; each reads only what it is
-given, and is tested alone): outbox.py (deliveries to other servers, background work), arrivals.py
-(what each volunteer sent, and which of it is drawn for a check), bans.py (bans and their rollback
-epochs), clipping.py (the round that gives every shard the run's gradient norm, --clip-grad-norm),
-evaluate.py (the held-out loss of every N-th version, through the servers, --eval-every) and pins.py
-(a ban's hold, and the versions a ban may need, kept); a part's RPC handlers are found through
-parts.PART_HANDLERS. The others are still mixed into StageServer and share its attributes:
-
-- rpc.py: the RPC surface (every `rpc_*` only decodes the stream, counts its bytes and dispatches to
-  an `on_*` handler through `handle`, which checks the layout epoch, turns a refused payload into an
-  error answer that changes nothing, and writes state-changing requests to the request log);
-- clients.py: registration, heartbeats, departures; checks.py: the checks every handler shares;
-- leases.py: take / complete / fail; updates.py: parameter versions, gradient credits, the step;
-- frontal.py / backward.py (+ ledger.py): the two roles' data path;
-- replicas.py: copies of the shards at the next server; failover.py: layout epochs;
-- verify.py: the re-runs of the sample arrivals.py draws;
-- recovery.py: request-log replay; status.py: ping and status; checkpoint.py: the shard on disk.
+state its parts share (the shards hosted here and the replicas kept, the clients registered, the
+data path of the current layout epoch, where it stands in that epoch) and the methods hivemind's
+servicer finds (`rpc_*`, each handing its stream to the RPC surface). Each concern is a part built
+with what it reads of the server and tested alone (parts.py and compose_data.py build them; a call's
+handler is found through parts.PART_HANDLERS): the directory of the run's servers, the checks every
+handler shares, the client registry, take/complete/fail, the two roles' data path, parameter
+versions, credits and steps, replicas, layout epochs, what volunteers sent and the sample of it,
+bans, holds and pins, the gradient-norm round, the held-out evaluation, the status, the request
+log's replay and the re-queueing of work whose results never came. The re-runs of that sample
+(verify.py) are still mixed in and read the server's attributes.
 
 Every handler checks its payload (shape, dtype, finite values, known ids, registered sender) and
 answers anything else with an error that says what is wrong, changing nothing.
