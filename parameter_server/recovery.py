@@ -44,9 +44,10 @@ class Recovery:
         they already have). Returns the number of records replayed."""
         self.replaying = True
         batches, cut = set(), set()
-        p, dp = self.place, self.dp()
+        p = self.place
         try:
             for record, tensors in entries:
+                dp = self.dp()  # (a replayed layout epoch makes the data path anew)
                 if "task" in record:
                     tid, t, m, a, b, preferred = record["task"]
                     batches.add(t)
@@ -74,6 +75,7 @@ class Recovery:
                 await self.surface.handle(record["method"], record["meta"], tensors, record["sender"])
         finally:
             self.replaying = False
+        dp = self.dp()
         if p.stage == 0 and p.role == "frontal":
             dp.next_batch = max([self.version()] + [t + 1 for t in batches])
             for t in batches:  # micro-batches whose tasks were not cut before the crash

@@ -62,3 +62,18 @@ def test_a_backward_server_sends_again_what_it_owes_the_next_stage():
     dp.buffers[(3, 1)] = SimpleNamespace(complete=False)
     asyncio.run(recovery.recover([]))
     assert seen["sent"] == [(3, 0)]
+
+
+def test_what_is_owed_is_read_from_the_data_path_a_replayed_epoch_made():
+    recovery, dp, seen = make(ServerPlace("s0b0", 0, "backward", 0, False))
+    dp.buffers[(3, 0)] = SimpleNamespace(complete=True)  # of the epoch before the logged one
+    fresh = DataPath(seg=(0, 4), pool=TaskPool(clock=lambda: 0.0, default_timeout=60.0))
+    fresh.buffers[(4, 1)] = SimpleNamespace(complete=True)
+
+    async def adopt(method, meta, tensors, sender):  # a logged layout epoch resets the data path
+        recovery.dp = lambda: fresh
+        return {"ok": True}, []
+
+    recovery.surface.handle = adopt
+    asyncio.run(recovery.recover([({"method": "adopt_epoch", "meta": {}, "sender": "peer-s0b0"}, [])]))
+    assert seen["sent"] == [(4, 1)]
