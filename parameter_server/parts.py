@@ -74,9 +74,10 @@ def compose_parts(
     min_client_rows: int,
     local_first: bool,
 ) -> None:
-    """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `checks`, `registry` (its clients), `arrivals`,
-    `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`, `deltas`, `report` (its status), `copies` (its replicas), `frontal` and `backward` (the two roles' data path), `updates` (versions, credits, steps), `epochs` (its layout epochs), `surface` (its calls in), `recovery` (its request log replayed) and `rescue`;
-    the server that starts each evaluation gets the evaluation's step callback."""
+    """Give `server` (a StageServer being built, its checks' secret drawn) its `directory`, `checks`,
+    `registry` (its clients), `arrivals`, `outbox`, `clipping`, `evaluation`, `pins`, `bans`, `leases`,
+    `deltas`, `report` (its status) and `copies` (its replicas), then compose_data.py's; the server that
+    starts each evaluation gets the evaluation's step callback."""
 
     place = ServerPlace(server.device_id, server.stage, server.role, server.index, server.last)
 
