@@ -33,9 +33,8 @@ class Leases:
     """A server's take, complete and fail, given what they read of it: `device_id`, `peer_id`, `stage`,
     `last` and `micro_batches`; its `clock`; the run's `lease_tickets`; its `registry` (the clients),
     `bans`, `directory`, `checks`, `contributions`, `counters` and `tasks_by_device`; as they are now:
-    `epoch()`, `version()`, `pool()`, `issued()` (the task ids made here), `buffers()` and
-    `grad_buffers()` (the rows and gradients tasks carry), `batch_cut()`, `log()` (the request log, or
-    None) and `replaying()`."""
+    `epoch()`, `version()`, `dp()` (the data path: the pool, the ids of the tasks made here, the rows and
+    gradients tasks carry), `log()` (the request log, or None) and `replaying()`."""
 
     def __init__(
         self,
@@ -56,11 +55,7 @@ class Leases:
         tasks_by_device: dict,
         epoch: Callable[[], int],
         version: Callable[[], int],
-        pool: Callable[[], object],
-        issued: Callable[[], set],
-        buffers: Callable[[], dict],
-        grad_buffers: Callable[[], dict],
-        batch_cut: Callable[[], dict],
+        dp: Callable[[], object],
         log: Callable[[], object],
         replaying: Callable[[], bool],
     ) -> None:
@@ -84,14 +79,7 @@ class Leases:
             counters,
             tasks_by_device,
         )
-        self.epoch, self.version, self.pool, self.issued = epoch, version, pool, issued
-        self.buffers, self.grad_buffers, self.batch_cut, self.log, self.replaying = (
-            buffers,
-            grad_buffers,
-            batch_cut,
-            log,
-            replaying,
-        )
+        self.epoch, self.version, self.dp, self.log, self.replaying = epoch, version, dp, log, replaying
         self._tasks_added = asyncio.Event()
 
     def signal_tasks(self) -> None:
@@ -121,7 +109,7 @@ class Leases:
                     "%s: a take by %s that it gave up as lost was still waiting: dropped", self.device_id, sender[-8:]
                 )
                 return None
-            lease = self.pool().take(sender)
+            lease = self.dp().pool.take(sender)
             left = deadline - time.monotonic()
             if lease is not None or left <= 0:
                 return lease
@@ -147,11 +135,11 @@ class Leases:
                     "task": None,
                     "version": self.version(),
                     "epoch": self.epoch(),
-                    "more": self.pool().queued() > 0,
+                    "more": self.dp().pool.queued() > 0,
                 }
             task = lease.task
             if task.batch < self.directory.run_min_version():  # applied by every server: nothing left to do
-                self.pool().abandon(task.task_id)
+                self.dp().pool.abandon(task.task_id)
                 continue
             break
         t, m, (a, b) = task.batch, task.micro_batch, task.rows
@@ -169,25 +157,25 @@ class Leases:
             "deadline": lease.deadline - self.clock(),
             "attempt": lease.attempt,
             "epoch": self.epoch(),
-            "more": self.pool().queued() > 0,
+            "more": self.dp().pool.queued() > 0,
             "lease": self.lease_tickets.issue(task.task_id, lease.client, lease.attempt, self.epoch()),
         }
         if task.kind == TaskKind.FORWARD:
-            x, y = self.buffers()[(t, m)].slice(a, b)
+            x, y = self.dp().buffers[(t, m)].slice(a, b)
             if not self.last:  # only the last stage computes a loss: the labels stay here
                 y = None
             # owed: more of batch t's micro-batches are still to be cut here, and this client got a piece
             # of every one cut so far (its worker holds its sum of the batch while idle, flush.py)
-            owed = owed_more(self.batch_cut(), t, lease.client, self.micro_batches)
+            owed = owed_more(self.dp().batch_cut, t, lease.client, self.micro_batches)
             return dict(common, frontal=self.device_id, owed=owed), [x] if y is None else [x, y]
         entry = task.payload_ref  # a LedgerEntry
-        g, _ = self.grad_buffers()[(t, m)].slice(a, b)
+        g, _ = self.dp().grad_buffers[(t, m)].slice(a, b)
         return dict(common, frontal=entry.frontal, forward_task=entry.forward_task), [g]
 
     def known_task(self, meta) -> str:
         """The task id `meta` names, made here (refused otherwise)."""
         task_id = mfield(meta, "task", str)
-        if task_id not in self.issued():
+        if task_id not in self.dp().issued:
             raise PayloadError(f"unknown task id {task_id!r}")
         return task_id
 
@@ -211,8 +199,8 @@ class Leases:
                         "batch": task.batch,
                     }
                 )
-        self.pool().add(task)
-        self.issued().add(task.task_id)
+        self.dp().pool.add(task)
+        self.dp().issued.add(task.task_id)
         self.signal_tasks()
 
     async def on_complete(self, meta, tensors, sender):
@@ -240,7 +228,7 @@ class Leases:
         c = self.registry.caller(sender)
         accepted = [
             t
-            for t, r in self._complete(c, [t for t in task_ids if t in self.issued()], sender).items()
+            for t, r in self._complete(c, [t for t in task_ids if t in self.dp().issued], sender).items()
             if r == Completion.ACCEPTED.value
         ]
         log = self.log()
@@ -266,11 +254,11 @@ class Leases:
         change nothing. A restart's replay of the log completes what was accepted before."""
         results, refused = {}, []
         for task_id in task_ids:
-            if not self.replaying() and self.pool().ever_held(task_id, sender) is False:
+            if not self.replaying() and self.dp().pool.ever_held(task_id, sender) is False:
                 results[task_id] = NOT_HELD
                 refused.append(task_id)
                 continue
-            result = self.pool().complete(task_id, sender)
+            result = self.dp().pool.complete(task_id, sender)
             if result is Completion.ACCEPTED:
                 c.tasks_done += 1
                 who = (
@@ -295,7 +283,7 @@ class Leases:
     async def on_fail(self, meta, tensors, sender):
         self.registry.caller(sender)
         task_id = self.known_task(meta)
-        self.pool().fail(task_id, sender)
+        self.dp().pool.fail(task_id, sender)
         return {"ok": True}
 
 

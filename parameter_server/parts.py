@@ -235,11 +235,7 @@ def compose_parts(
         tasks_by_device=server.tasks_by_device,
         epoch=epoch,
         version=lambda: server.version,
-        pool=lambda: server.pool,
-        issued=lambda: server.issued,
-        buffers=lambda: server.buffers,
-        grad_buffers=lambda: server.grad_buffers,
-        batch_cut=lambda: server.batch_cut,
+        dp=lambda: server.dp,
         log=lambda: server.log,
         replaying=replaying,
     )

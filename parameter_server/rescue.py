@@ -55,9 +55,9 @@ class Rescue:
     """A server's re-queueing of done work whose results never came, given what it reads of its
     server: its `place` (device id, stage, role, last), `rows` a micro-batch and `micro_batches` a
     batch, `steps` (the run's last version); as they are now: `stage_servers()` (its stage in the
-    layout), `shards()` (slot -> shard hosted here), `buffers()` (the rows received) and `segment()` (its rows of each micro-batch), `version()`,
-    `epoch()`, `replaying()`, `steps_held()` (a ban's hold), `issued()` (the task ids made here),
-    `pool()` and `ledger()`; `step_times` (version -> when reached: the median step); `outbox`; `call`
+    layout), `shards()` (slot -> shard hosted here), `dp()` (the data path: the rows received, this
+    server's rows of each micro-batch, the pool, the ids of the tasks made here, the ledger),
+    `version()`, `epoch()`, `replaying()`, `steps_held()` (a ban's hold); `step_times` (version -> when reached: the median step); `outbox`; `call`
     to another server; `server_sender(sender, stage, *roles)` (refuses any other caller); `signal_tasks()`
     (wakes the takes waiting); `counters`."""
 
@@ -70,15 +70,11 @@ class Rescue:
         steps: int,
         stage_servers: Callable[[], object],
         shards: Callable[[], dict],
-        buffers: Callable[[], dict],
-        segment: Callable[[], tuple[int, int]],
+        dp: Callable[[], object],
         version: Callable[[], int],
         epoch: Callable[[], int],
         replaying: Callable[[], bool],
         steps_held: Callable[[], bool],
-        issued: Callable[[], set],
-        pool: Callable[[], object],
-        ledger: Callable[[], dict],
         step_times: dict,
         outbox,
         call: Callable[[str, str, dict], Awaitable[tuple[dict, list]]],
@@ -87,21 +83,8 @@ class Rescue:
         counters: dict,
     ) -> None:
         self.place, self.rows, self.micro_batches, self.steps = place, rows, micro_batches, steps
-        self.segment = segment
-        self.stage_servers, self.shards, self.buffers, self.version, self.epoch = (
-            stage_servers,
-            shards,
-            buffers,
-            version,
-            epoch,
-        )
-        self.replaying, self.steps_held, self.issued, self.pool, self.ledger = (
-            replaying,
-            steps_held,
-            issued,
-            pool,
-            ledger,
-        )
+        self.stage_servers, self.shards, self.dp, self.version, self.epoch = stage_servers, shards, dp, version, epoch
+        self.replaying, self.steps_held = replaying, steps_held
         self.step_times, self.outbox, self.call, self.server_sender = step_times, outbox, call, server_sender
         self.signal_tasks, self.counters = signal_tasks, counters
         self.rescued_at = float("-inf")
@@ -135,8 +118,8 @@ class Rescue:
         if p.role == "backward" and not p.last and self.version() < self.steps:
             t = self.version()
             for m in range(self.micro_batches):
-                buf = self.buffers().get((t, m))
-                for lo, hi in gaps([] if buf is None else buf.covered, *self.segment()):
+                buf = self.dp().buffers.get((t, m))
+                for lo, hi in gaps([] if buf is None else buf.covered, *self.dp().seg):
                     ask("frontal", TaskKind.FORWARD, t, m, lo, hi)
         return asks
 
@@ -207,8 +190,8 @@ class Rescue:
         ):
             raise PayloadError(f"field 'pieces' must list at most {MAX_PIECES} [micro, lo, hi] triples")
         reopened = []
-        pool = self.pool()
-        for task_id in sorted(self.issued()):
+        pool = self.dp().pool
+        for task_id in sorted(self.dp().issued):
             tid = TaskId.parse(task_id)
             if tid.kind != kind or tid.batch != t or not pool.is_done(task_id):
                 continue
@@ -232,4 +215,4 @@ class Rescue:
         return {"reopened": reopened}
 
     def ledger_entry(self, t: int, m: int, task_id: str):
-        return next((e for e in self.ledger().get((t, m), []) if e.backward_task == task_id), None)
+        return next((e for e in self.dp().ledger.get((t, m), []) if e.backward_task == task_id), None)

@@ -201,8 +201,6 @@ class StageServer(
     batch_members = property(lambda self: self.dp.batch_members)
     batch_cut = property(lambda self: self.dp.batch_cut)
     forgotten_before = property(lambda self: self.dp.forgotten_before)
-    waiting_inputs = property(lambda self: self.dp.waiting_inputs)
-    next_batch = property(lambda self: self.dp.next_batch)
 
     # a request-log replay is under way (recovery.py): the parts check nothing again and log nothing
     replaying = property(lambda self: self.recovery.replaying)

@@ -16,6 +16,7 @@ from core.protocol.tasks import task_id
 from core.protocol.wire import PayloadError
 from parameter_server.clients import ClientInfo
 from parameter_server.contributions import Contributions
+from parameter_server.datapath import DataPath
 from parameter_server.leases import NOT_HELD, Leases
 from parameter_server.ledger import RowBuffer
 from taskpool import Task, TaskKind, TaskPool
@@ -29,7 +30,7 @@ def make():
     registry = SimpleNamespace(clients=clients, caller=lambda sender: clients[sender])
     buf = RowBuffer(0, 4)
     buf.add(0, 4, torch.arange(8.0).reshape(4, 2), torch.ones(4, dtype=torch.int64))
-    issued: set[str] = set()
+    dp = DataPath(seg=(0, 4), pool=pool, buffers={(3, 0): buf})
     leases = Leases(
         device_id="s0f0",
         peer_id="peer-s0f0",
@@ -47,15 +48,11 @@ def make():
         tasks_by_device={},
         epoch=lambda: 0,
         version=lambda: 2,
-        pool=lambda: pool,
-        issued=lambda: issued,
-        buffers=lambda: {(3, 0): buf},
-        grad_buffers=lambda: {},
-        batch_cut=lambda: {},
+        dp=lambda: dp,
         log=lambda: None,
         replaying=lambda: False,
     )
-    return leases, pool, issued
+    return leases, pool, dp.issued
 
 
 def forward(rows=(0, 4)):

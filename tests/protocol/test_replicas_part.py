@@ -94,7 +94,8 @@ def test_a_version_of_a_replica_is_waited_for_until_its_step_comes():
 
     async def go():
         later = asyncio.ensure_future(copies.replica_at(0, 4, timeout=5.0))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # (one turn of the loop: the call runs to its wait on the replica's event)
+        assert not later.done()
         replica.version, replica.snapshots[4] = 4, {"w": torch.ones(1)}
         copies.event.set()
         return await later

@@ -12,6 +12,7 @@ import pytest
 
 from core.protocol.tasks import task_id
 from core.protocol.wire import PayloadError
+from parameter_server.datapath import DataPath
 from parameter_server.place import ServerPlace
 from parameter_server.rescue import RESCUE_MIN, RESCUE_PERIOD, Rescue, gaps
 from taskpool import Task, TaskKind, TaskPool
@@ -28,6 +29,7 @@ def make(place, *, intervals=None, buffers=None, held=False, version=3):
         batches={version: SimpleNamespace(intervals=intervals or {})},
     )
     pool = TaskPool(clock=lambda: 0.0, default_timeout=60.0)
+    dp = DataPath(seg=(0, 4), pool=pool, buffers=buffers or {})
 
     async def call(device, method, meta):
         state["calls"].append((device, method, meta))
@@ -45,15 +47,11 @@ def make(place, *, intervals=None, buffers=None, held=False, version=3):
         steps=10,
         stage_servers=lambda: STAGE,
         shards=lambda: {0: shard},
-        buffers=lambda: buffers or {},
-        segment=lambda: (0, 4),
+        dp=lambda: dp,
         version=lambda: version,
         epoch=lambda: 1,
         replaying=lambda: False,
         steps_held=lambda: held,
-        issued=lambda: issued,
-        pool=lambda: pool,
-        ledger=lambda: {},
         step_times={0: 0.0, 1: 1.0, 2: 2.0},
         outbox=None,
         call=call,
@@ -61,8 +59,7 @@ def make(place, *, intervals=None, buffers=None, held=False, version=3):
         signal_tasks=lambda: state.__setitem__("signals", state["signals"] + 1),
         counters={},
     )
-    issued: set[str] = set()
-    return rescue, state, pool, issued
+    return rescue, state, pool, dp.issued
 
 
 def test_gaps_are_the_rows_no_interval_covers():
